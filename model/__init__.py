@@ -1,0 +1,1 @@
+"""Model package: configs, ops, layers, whole models and checkpoint I/O."""

@@ -1,0 +1,344 @@
+"""Typed, frozen model configurations.
+
+Every architecture has one frozen dataclass of hyper-parameters. A checkpoint's ``config.json`` holds a
+:class:`CheckpointConfig`: the architecture's name, its hyper-parameters under ``"model"``, and what the
+model reads and writes (task, alphabet, labels or tokenizer). Loading refuses unknown and missing keys and
+values of the wrong type, with a message that names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration (or config.json) that cannot describe a model; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseModelConfig:
+    """Hyper-parameters shared by every architecture.
+
+    ``vocab_size`` is the number of input symbols or tokens. ``num_labels`` is the size of the per-position
+    label head of a transducer; 0 makes the model a token language model whose head is tied to the embedding.
+    """
+
+    vocab_size: int
+    num_labels: int = 0
+    d_model: int = 64
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "vocab_size", "d_model")
+        if self.num_labels < 0:
+            raise ConfigError(f"num_labels must be >= 0, got {self.num_labels}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def output_size(self) -> int:
+        """Width of the logits: the label count for a transducer, the vocabulary for a language model."""
+        return self.num_labels or self.vocab_size
+
+    @property
+    def is_language_model(self) -> bool:
+        return self.num_labels == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegularGPTConfig(BaseModelConfig):
+    """RegularGPT (regulargpt.txt section 3): GPT-2 blocks with Sliding-Dilated-Attention.
+
+    Layer ``l`` lets position m attend to m - j * chunk_size**l for j in [chunk_size]. The depth is
+    ceil(log_chunk_size(m + 1)) thickened layers for the prefix ending at m (at least one), and the
+    ``thickness`` distinct sub-layers are reused at every depth.
+
+    ``attention_impl``: "reference" builds the T x T mask; "fast" gathers the chunk_size dilated keys per
+    position; "auto" is "fast".
+    """
+
+    n_heads: int = 4
+    d_ff: int = 256
+    chunk_size: int = 2
+    thickness: int = 1
+    attention_impl: Literal["auto", "reference", "fast"] = "auto"
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "n_heads", "d_ff", "thickness")
+        _check_heads(self.d_model, self.n_heads)
+        if self.chunk_size < 2:
+            raise ConfigError(f"chunk_size must be >= 2, got {self.chunk_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRNNConfig(BaseModelConfig):
+    """Block-diagonal input-dependent linear RNN (block-diagonal-lrnn.txt sections 3.3-3.4).
+
+    Each layer runs x_k = A(u_k) x_{k-1} + B u_k with A block-diagonal (``num_blocks`` blocks of
+    ``block_size`` x ``block_size``), every column scaled by 1 / max(1, ||column||_p), and y_k = h(x_k).
+
+    ``scan_impl``: "sequential" (the reference loop), "parallel" (log-depth scan), "chunked" (sequential
+    inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy in
+    docs/benchmarks.md).
+    """
+
+    n_layers: int = 1
+    block_size: int = 8
+    num_blocks: int = 8
+    p_norm: float = 1.2
+    d_ff: int = 256
+    scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"
+    scan_chunk_size: int = 64
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "n_layers", "block_size", "num_blocks", "d_ff", "scan_chunk_size")
+        if self.p_norm < 1.0:
+            raise ConfigError(f"p_norm must be >= 1 (a norm), got {self.p_norm}")
+
+    @property
+    def state_size(self) -> int:
+        return self.block_size * self.num_blocks
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiagonalLRNNConfig(BaseModelConfig):
+    """Diagonal, input-independent linear RNN (S4D / LRU style baseline).
+
+    Each layer has ``state_size`` complex eigenvalues lambda = exp(-exp(nu) + i theta), fixed over time.
+    ``scan_impl`` as in :class:`LRNNConfig`.
+    """
+
+    n_layers: int = 1
+    state_size: int = 64
+    d_ff: int = 256
+    scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"
+    scan_chunk_size: int = 64
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "n_layers", "state_size", "d_ff", "scan_chunk_size")
+
+
+PositionKind = Literal["sinusoidal", "alibi", "kerple", "t5", "xl"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig(BaseModelConfig):
+    """Causal GPT-2 style transformer baseline with a choice of position handling.
+
+    ``position``: "sinusoidal" (absolute, added to the embedding), "alibi", "kerple" (logarithmic variant),
+    "t5" (relative buckets), "xl" (Transformer-XL relative attention). ``log_length_scaling`` multiplies
+    the attention logits at position m by log(m + 1) (exact-parity-first.txt section 5.3).
+    """
+
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+    position: PositionKind = "alibi"
+    log_length_scaling: bool = False
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "n_layers", "n_heads", "d_ff", "t5_num_buckets", "t5_max_distance")
+        _check_heads(self.d_model, self.n_heads)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LSTMConfig(BaseModelConfig):
+    """Stacked LSTM baseline."""
+
+    n_layers: int = 1
+    hidden_size: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "n_layers", "hidden_size")
+
+
+ARCHITECTURE_CONFIGS: dict[str, type[BaseModelConfig]] = {
+    "regulargpt": RegularGPTConfig,
+    "lrnn": LRNNConfig,
+    "diagonal_lrnn": DiagonalLRNNConfig,
+    "transformer": TransformerConfig,
+    "lstm": LSTMConfig,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Everything ``config.json`` holds: the architecture, its hyper-parameters and its interface.
+
+    A transducer (``kind="transduce"``) names its ``task`` (or null for a compiled automaton without one),
+    its input ``alphabet`` (one character per symbol, index = token id) and its ``labels``. A language
+    model (``kind="generate"``) names its ``tokenizer``. ``metadata`` is free-form provenance (training
+    command, steps, accuracy) that loading keeps but never interprets.
+    """
+
+    architecture: str
+    model: BaseModelConfig
+    kind: Literal["transduce", "generate"]
+    task: str | None = None
+    alphabet: str | None = None
+    labels: tuple[str, ...] | None = None
+    tokenizer: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    format_version: int = 1
+
+    def __post_init__(self) -> None:
+        expected = ARCHITECTURE_CONFIGS.get(self.architecture)
+        if expected is None:
+            raise ConfigError(
+                f"unknown architecture {self.architecture!r}; known: {sorted(ARCHITECTURE_CONFIGS)}"
+            )
+        if type(self.model) is not expected:
+            raise ConfigError(
+                f"architecture {self.architecture!r} needs a {expected.__name__}, got {type(self.model).__name__}"
+            )
+        if self.format_version != 1:
+            raise ConfigError(f"unsupported format_version {self.format_version}; this build reads 1")
+        if self.kind == "transduce":
+            self._check_transducer()
+        elif self.kind == "generate":
+            if not self.tokenizer:
+                raise ConfigError("a generate model must name its tokenizer")
+            if not self.model.is_language_model:
+                raise ConfigError("a generate model must have num_labels = 0 (a tied language-model head)")
+        else:
+            raise ConfigError(f"kind must be 'transduce' or 'generate', got {self.kind!r}")
+
+    def _check_transducer(self) -> None:
+        if not self.alphabet:
+            raise ConfigError("a transduce model must have a non-empty alphabet")
+        if len(set(self.alphabet)) != len(self.alphabet):
+            raise ConfigError(f"alphabet {self.alphabet!r} repeats a symbol")
+        if not self.labels:
+            raise ConfigError("a transduce model must have a non-empty list of labels")
+        if len(set(self.labels)) != len(self.labels):
+            raise ConfigError(f"labels {list(self.labels)} repeat a label")
+        if self.model.vocab_size != len(self.alphabet):
+            raise ConfigError(
+                f"model.vocab_size is {self.model.vocab_size} but the alphabet has {len(self.alphabet)} symbols"
+            )
+        if self.model.num_labels != len(self.labels):
+            raise ConfigError(
+                f"model.num_labels is {self.model.num_labels} but there are {len(self.labels)} labels"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["labels"] = list(self.labels) if self.labels is not None else None
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CheckpointConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        architecture = data.get("architecture")
+        model_class = ARCHITECTURE_CONFIGS.get(architecture)  # type: ignore[arg-type]
+        if model_class is None:
+            raise ConfigError(f"unknown architecture {architecture!r}; known: {sorted(ARCHITECTURE_CONFIGS)}")
+        fields = dict(data)
+        fields["model"] = dataclass_from_dict(model_class, data.get("model"), where="model")
+        return dataclass_from_dict(cls, fields, where="config")
+
+
+def dataclass_from_dict(cls: type, data: Any, where: str) -> Any:
+    """Build the frozen dataclass ``cls`` from ``data``, refusing unknown, missing and mistyped keys."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        values[name] = _coerce(value, hints[name], f"{where}.{name}")
+    missing = [
+        name
+        for name, f in known.items()
+        if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {missing}")
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check a JSON value against a type hint, converting lists to tuples where the hint asks for one."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(f"{where}: {value!r} matches none of {hint}")
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(hint))}")
+        return value
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{where}: expected null, got {value!r}")
+        return None
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        return tuple(_coerce(item, item_hint, f"{where}[{i}]") for i, item in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected an object, got {type(value).__name__}")
+        return dict(value)
+    if dataclasses.is_dataclass(value) and isinstance(hint, type) and isinstance(value, hint):
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if hint is Any:
+        return value
+    if isinstance(hint, type) and isinstance(value, hint):
+        return value
+    raise ConfigError(f"{where}: expected {hint}, got {value!r}")
+
+
+def _check_positive(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def _check_heads(d_model: int, n_heads: int) -> None:
+    if d_model % n_heads:
+        raise ConfigError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")

@@ -1,0 +1,67 @@
+"""GPT-2 building blocks shared by RegularGPT and the transformer baselines.
+
+A :class:`Block` is pre-norm: ``x + attention(ln_1(x))`` then ``x + mlp(ln_2(x))``. The attention module
+is the only part that differs between architectures; it receives the normalised hidden states and any
+keyword arguments the caller passes through (dilation, cache, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class MLP(nn.Module):
+    """GPT-2 feed-forward: Linear -> GELU -> Linear."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, d_ff)
+        self.c_proj = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., d_model) -> (..., d_model)."""
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class HeadProjections(nn.Module):
+    """The q/k/v projection into heads and the output projection back, for multi-head attention."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, d_model) -> q, k, v each (B, n_heads, T, head_dim)."""
+        batch, length, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.n_heads * self.head_dim, dim=-1)
+        shape = (batch, length, self.n_heads, self.head_dim)
+        return (t.view(shape).transpose(1, 2) for t in (q, k, v))  # type: ignore[return-value]
+
+    def merge(self, heads: torch.Tensor) -> torch.Tensor:
+        """heads: (B, n_heads, T, head_dim) -> (B, T, d_model), through the output projection."""
+        batch, _, length, _ = heads.shape
+        merged = heads.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim)
+        return self.dropout(self.c_proj(merged))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block around an arbitrary attention module."""
+
+    def __init__(self, d_model: int, d_ff: int, attention: nn.Module, eps: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model, eps=eps)
+        self.attention = attention
+        self.ln_2 = nn.LayerNorm(d_model, eps=eps)
+        self.mlp = MLP(d_model, d_ff, dropout)
+
+    def forward(self, x: torch.Tensor, **attention_kwargs: object) -> torch.Tensor:
+        """x: (B, T, d_model) -> (B, T, d_model)."""
+        x = x + self.attention(self.ln_1(x), **attention_kwargs)
+        return x + self.mlp(self.ln_2(x))

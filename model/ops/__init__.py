@@ -1,0 +1,1 @@
+"""Reference and fast implementations of the core ops, one signature per op."""

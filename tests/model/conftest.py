@@ -1,0 +1,9 @@
+"""Shared fixtures for the model tests."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

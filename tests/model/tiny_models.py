@@ -1,0 +1,45 @@
+"""Tiny configurations of every architecture, for tests that hold across all of them."""
+
+from __future__ import annotations
+
+from model.config import (
+    ARCHITECTURE_CONFIGS,
+    BaseModelConfig,
+    DiagonalLRNNConfig,
+    LRNNConfig,
+    LSTMConfig,
+    RegularGPTConfig,
+    TransformerConfig,
+)
+from model.registry import build_model
+
+
+def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]:
+    """One small model per architecture (and per position handling), keyed by a readable id."""
+    common = dict(vocab_size=vocab_size, num_labels=num_labels, d_model=16)
+    configs: dict[str, BaseModelConfig] = {
+        "regulargpt-c2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2),
+        "regulargpt-c3-k2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=3, thickness=2),
+        "lrnn": LRNNConfig(**common, n_layers=2, block_size=4, num_blocks=2, d_ff=32),
+        "diagonal_lrnn": DiagonalLRNNConfig(**common, n_layers=2, state_size=8, d_ff=32),
+        "lstm": LSTMConfig(**common, n_layers=2, hidden_size=24),
+    }
+    for position in ("sinusoidal", "alibi", "kerple", "t5", "xl"):
+        configs[f"transformer-{position}"] = TransformerConfig(
+            **common, n_layers=2, n_heads=2, d_ff=32, position=position
+        )
+    configs["transformer-alibi-logscaled"] = TransformerConfig(
+        **common, n_layers=2, n_heads=2, d_ff=32, position="alibi", log_length_scaling=True
+    )
+    return configs
+
+
+ARCHITECTURE_OF = {config_class: name for name, config_class in ARCHITECTURE_CONFIGS.items()}
+
+MODEL_IDS = sorted(tiny_configs(5, 3))
+
+
+def build_tiny(model_id: str, vocab_size: int, num_labels: int):
+    """A freshly initialised tiny model (float32, train mode)."""
+    config = tiny_configs(vocab_size, num_labels)[model_id]
+    return build_model(ARCHITECTURE_OF[type(config)], config)
