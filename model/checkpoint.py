@@ -77,11 +77,17 @@ def read_config(directory: str | os.PathLike) -> CheckpointConfig:
 def load_checkpoint(
     directory: str | os.PathLike, device: str = "auto", dtype: torch.dtype | None = None
 ) -> LoadedCheckpoint:
-    """Load a checkpoint folder strictly onto ``device`` ("auto", "cpu", "cuda"), optionally cast to dtype."""
+    """Load a checkpoint folder strictly onto ``device`` ("auto", "cpu", "cuda").
+
+    The model takes the floating dtype stored in the file, or ``dtype`` when given.
+    """
     directory = Path(directory)
     config = read_config(directory)
     model = build_model(config.architecture, config.model)
     tensors = read_weights(directory / WEIGHTS_FILE)
+    stored_dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(stored_dtypes) == 1:
+        model = model.to(stored_dtypes.pop())
     _load_strict(model, tensors, directory / WEIGHTS_FILE)
     model = model.to(resolve_device(device))
     if dtype is not None:

@@ -33,6 +33,7 @@ class BaseModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_literals(self)
         _check_positive(self, "vocab_size", "d_model")
         if self.num_labels < 0:
             raise ConfigError(f"num_labels must be >= 0, got {self.num_labels}")
@@ -136,8 +137,10 @@ class TransformerConfig(BaseModelConfig):
     """Causal GPT-2 style transformer baseline with a choice of position handling.
 
     ``position``: "sinusoidal" (absolute, added to the embedding), "alibi", "kerple" (logarithmic variant),
-    "t5" (relative buckets), "xl" (Transformer-XL relative attention). ``log_length_scaling`` multiplies
-    the attention logits at position m by log(m + 1) (exact-parity-first.txt section 5.3).
+    "t5" (relative buckets; distances below t5_num_buckets // 2 get a bucket each, larger ones log-spaced
+    buckets up to t5_max_distance), "xl" (Transformer-XL relative attention). ``log_length_scaling``
+    multiplies the attention logits (content and position terms) of the query at 0-based position m by
+    log(m + 1), the log of the number of positions it attends over (exact-parity-first.txt section 5.3).
     """
 
     n_layers: int = 2
@@ -153,14 +156,22 @@ class TransformerConfig(BaseModelConfig):
         super().__post_init__()
         _check_positive(self, "n_layers", "n_heads", "d_ff", "t5_num_buckets", "t5_max_distance")
         _check_heads(self.d_model, self.n_heads)
+        if self.t5_num_buckets < 2:
+            raise ConfigError(f"t5_num_buckets must be >= 2, got {self.t5_num_buckets}")
+        if self.t5_max_distance <= self.t5_num_buckets // 2:
+            raise ConfigError(
+                f"t5_max_distance ({self.t5_max_distance}) must exceed t5_num_buckets // 2 "
+                f"({self.t5_num_buckets // 2}), where the log-spaced buckets start"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
 class LSTMConfig(BaseModelConfig):
-    """Stacked LSTM baseline."""
+    """Stacked LSTM baseline: ``n_layers`` of width ``hidden_size``, projected to d_model for the head."""
 
     n_layers: int = 1
     hidden_size: int = 128
+    layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -197,6 +208,7 @@ class CheckpointConfig:
     format_version: int = 1
 
     def __post_init__(self) -> None:
+        _check_literals(self)
         expected = ARCHITECTURE_CONFIGS.get(self.architecture)
         if expected is None:
             raise ConfigError(
@@ -210,13 +222,10 @@ class CheckpointConfig:
             raise ConfigError(f"unsupported format_version {self.format_version}; this build reads 1")
         if self.kind == "transduce":
             self._check_transducer()
-        elif self.kind == "generate":
-            if not self.tokenizer:
-                raise ConfigError("a generate model must name its tokenizer")
-            if not self.model.is_language_model:
-                raise ConfigError("a generate model must have num_labels = 0 (a tied language-model head)")
-        else:
-            raise ConfigError(f"kind must be 'transduce' or 'generate', got {self.kind!r}")
+        elif not self.tokenizer:
+            raise ConfigError("a generate model must name its tokenizer")
+        elif not self.model.is_language_model:
+            raise ConfigError("a generate model must have num_labels = 0 (a tied language-model head)")
 
     def _check_transducer(self) -> None:
         if not self.alphabet:
@@ -330,6 +339,13 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if isinstance(hint, type) and isinstance(value, hint):
         return value
     raise ConfigError(f"{where}: expected {hint}, got {value!r}")
+
+
+def _check_literals(config: object) -> None:
+    """Refuse a value outside a ``Literal[...]`` field's choices, also when the dataclass is built in code."""
+    for name, hint in typing.get_type_hints(type(config)).items():
+        if typing.get_origin(hint) is Literal and getattr(config, name) not in typing.get_args(hint):
+            raise ConfigError(f"{name}: {getattr(config, name)!r} is not one of {list(typing.get_args(hint))}")
 
 
 def _check_positive(config: object, *names: str) -> None:

@@ -1,0 +1,1 @@
+"""Measured figures: each script prints a markdown table recorded in docs/benchmarks.md."""

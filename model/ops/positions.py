@@ -1,0 +1,156 @@
+"""Position handlings of the transformer baselines (regulargpt.txt section 5).
+
+Every relative handling is a module ``forward(q, k, query_offset) -> bias`` giving an additive bias to the
+scaled attention logits q.k / sqrt(head_dim) of the queries at positions [query_offset, query_offset + Tq)
+against the keys at positions [0, Tk). Parallel passes use query_offset = 0; KV-cached decoding passes the
+number of cached tokens, so both run the same code. The bias at a future key (j > i) is finite and
+meaningless: the caller masks it.
+
+- :class:`ALiBi`: -slope_h * (i - j), fixed geometric slopes (Press et al., 2022);
+- :class:`KerpleLog`: -r1_h * log(1 + r2_h * (i - j)), learnable r1, r2 > 0 (Chi et al., 2022);
+- :class:`T5Buckets`: a learned scalar per head and causal log-bucket of i - j (Raffel et al., 2020);
+- :class:`XLRelative`: Transformer-XL relative attention (Dai et al., 2019), the one bias that reads q and k.
+
+Absolute sinusoidal positions (Vaswani et al., 2017) are :func:`sinusoidal_encoding`, added to the embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def sinusoidal_encoding(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """positions: (T,) -> (T, dim), PE[p, 2i] = sin(p / 10000^(2i/dim)), PE[p, 2i+1] = cos(same), float32."""
+    frequencies = torch.exp(
+        torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim)
+    )  # (ceil(dim / 2),)
+    angles = positions.to(torch.float32)[:, None] * frequencies  # (T, ceil(dim / 2))
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)[:, :dim]  # (T, dim)
+
+
+def relative_distance(query_offset: int, query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
+    """i - j for query positions i in [query_offset, query_offset + Tq) and keys j in [0, Tk): (Tq, Tk) int64.
+
+    Negative entries are future keys."""
+    queries = torch.arange(query_offset, query_offset + query_length, device=device)  # (Tq,)
+    keys = torch.arange(key_length, device=device)  # (Tk,)
+    return queries[:, None] - keys[None, :]  # (Tq, Tk)
+
+
+class StaticPositionBias(nn.Module, ABC):
+    """A bias that depends on positions only: ``bias(offset, Tq, Tk)`` is (H, Tq, Tk)."""
+
+    @abstractmethod
+    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
+        """(H, Tq, Tk) for query positions [query_offset, query_offset + Tq) and keys [0, Tk)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: int) -> torch.Tensor:
+        """q: (B, H, Tq, hd), k: (B, H, Tk, hd) (read for their lengths only) -> (1, H, Tq, Tk)."""
+        return self.bias(query_offset, q.shape[-2], k.shape[-2]).unsqueeze(0).to(q.dtype)
+
+
+def alibi_slopes(n_heads: int) -> list[float]:
+    """The ALiBi paper's slopes: for n a power of two, the geometric sequence 2^(-8/n), 2^(-16/n), ..., 2^-8;
+    otherwise the n' = 2^floor(log2 n) slopes of n' heads, then every other slope of 2n' heads."""
+    if n_heads & (n_heads - 1) == 0:
+        return [2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)]
+    power = 2 ** math.floor(math.log2(n_heads))
+    return alibi_slopes(power) + alibi_slopes(2 * power)[0::2][: n_heads - power]
+
+
+class ALiBi(StaticPositionBias):
+    """bias[h, i, j] = -slope_h * (i - j), no parameters."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads)), persistent=False)  # (H,)
+
+    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
+        distance = relative_distance(query_offset, query_length, key_length, self.slopes.device).clamp(min=0)
+        return -self.slopes[:, None, None] * distance  # (H, Tq, Tk)
+
+
+class KerpleLog(StaticPositionBias):
+    """bias[h, i, j] = -r1_h * log(1 + r2_h * (i - j)).
+
+    r1, r2 = softplus(raw) keep them positive with a gradient everywhere (the KERPLE code clamps instead).
+    They start uniform in [0.01, 2] and [0.01, 1], the KERPLE code's ranges and lower bound."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        r1 = torch.empty(n_heads).uniform_(0.0, 2.0).clamp(min=0.01)
+        r2 = torch.empty(n_heads).uniform_(0.0, 1.0).clamp(min=0.01)
+        self.raw_r1 = nn.Parameter(torch.log(torch.expm1(r1)))  # (H,), softplus^-1
+        self.raw_r2 = nn.Parameter(torch.log(torch.expm1(r2)))  # (H,)
+
+    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
+        distance = relative_distance(query_offset, query_length, key_length, self.raw_r1.device).clamp(min=0)
+        r1 = F.softplus(self.raw_r1)[:, None, None]  # (H, 1, 1)
+        r2 = F.softplus(self.raw_r2)[:, None, None]  # (H, 1, 1)
+        return -r1 * torch.log1p(r2 * distance)  # (H, Tq, Tk)
+
+
+def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """Causal T5 bucketing of distance = i - j >= 0 (int64) into [0, num_buckets).
+
+    Distances below num_buckets // 2 get a bucket each; larger ones share log-spaced buckets up to
+    max_distance, and everything beyond falls into the last bucket."""
+    exact = num_buckets // 2
+    log_ratio = torch.log(distance.clamp(min=exact).float() / exact) / math.log(max_distance / exact)
+    large = (exact + (log_ratio * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
+    return torch.where(distance < exact, distance, large)
+
+
+class T5Buckets(StaticPositionBias):
+    """bias[h, i, j] = b[bucket(i - j), h], a learned scalar per bucket and head (initialised N(0, 0.02^2))."""
+
+    def __init__(self, n_heads: int, num_buckets: int, max_distance: int) -> None:
+        super().__init__()
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bucket_bias = nn.Parameter(torch.randn(num_buckets, n_heads) * 0.02)  # (buckets, H)
+
+    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
+        distance = relative_distance(query_offset, query_length, key_length, self.bucket_bias.device).clamp(min=0)
+        buckets = t5_bucket(distance, self.num_buckets, self.max_distance)  # (Tq, Tk)
+        return self.bucket_bias[buckets].permute(2, 0, 1)  # (H, Tq, Tk)
+
+
+class XLRelative(nn.Module):
+    """Transformer-XL relative attention terms beside the content term q_i.k_j:
+
+        bias[b, h, i, j] = (q_i.(W_r R_{i-j}) + u.k_j + v.(W_r R_{i-j})) / sqrt(hd)
+
+    with R_d the sinusoidal encoding of distance d (width d_model), W_r a learned projection into the heads,
+    and u, v learned per head (shared by all positions). Rather than projecting all R into the heads, each
+    query is moved into R's space, (q_i + v) W_r, so a decoding step costs O(T d_model) per head, not
+    O(T d_model^2)."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.relative_proj = nn.Linear(d_model, d_model, bias=False)  # W_r
+        self.content_bias = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)  # u: (H, hd)
+        self.position_bias = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)  # v: (H, hd)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: int) -> torch.Tensor:
+        """q: (B, H, Tq, hd), k: (B, H, Tk, hd) -> (B, H, Tq, Tk)."""
+        batch, _, query_length, _ = q.shape
+        key_length = k.shape[-2]
+        d_model = self.relative_proj.in_features
+        # keys j >= 0 and queries i < query_offset + Tq: distances 0 .. query_offset + Tq - 1
+        distances = torch.arange(query_offset + query_length, device=q.device)  # (D,)
+        encodings = sinusoidal_encoding(distances, d_model).to(q.dtype)  # (D, d_model)
+        proj = self.relative_proj.weight.view(self.n_heads, self.head_dim, d_model)  # (H, hd, d_model)
+        query_in_r = (q + self.position_bias[:, None]) @ proj  # (B, H, Tq, d_model)
+        by_distance = query_in_r @ encodings.t()  # (B, H, Tq, D)
+        distance = relative_distance(query_offset, query_length, key_length, q.device).clamp(min=0)  # (Tq, Tk)
+        position_term = by_distance.gather(-1, distance.expand(batch, self.n_heads, -1, -1))  # (B, H, Tq, Tk)
+        content_term = (k @ self.content_bias[:, :, None]).transpose(-1, -2)  # (B, H, 1, Tk)
+        return (position_term + content_term) / math.sqrt(self.head_dim)  # (B, H, Tq, Tk)
