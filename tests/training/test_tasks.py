@@ -1,0 +1,229 @@
+"""Tasks of SPEC section 1: labelers against brute force, automata against labelers, sampling, registry."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from training.automaton import DFA
+from training.task_automata import AUTOMATA_DIR, binary_task_dfas
+from training.tasks import TASKS, Task, get_task, sample_batch
+
+SPEC_TASKS = [
+    "parity_check", "even_pairs", "cycle_navigation", "modular_arithmetic", "sum_mod5", "even_pair_mod5",
+    "d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita5", "tomita6", "first", "one", "palindrome",
+]
+SPARSE_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita6", "first", "one", "palindrome"]
+REGULAR_TASKS = [name for name in SPEC_TASKS if name != "palindrome"]
+TWO_SYMBOL_TASKS = [name for name in SPEC_TASKS if len(TASKS[name].alphabet) == 2]
+EXHAUSTIVE_STRINGS = 10_000  # per task: all strings of each length while there are at most this many
+LONGEST_EXHAUSTIVE = 8
+
+
+def dyck_regex(depth: int) -> str:
+    """D_0 = {empty}, D_n = (a D_{n-1} b)*, literally."""
+    return "" if depth == 0 else f"(?:a{dyck_regex(depth - 1)}b)*"
+
+
+def flag(condition: object) -> str:
+    return "1" if condition else "0"
+
+
+# The label of a whole prefix, from a formulation independent of training.labelers.
+BRUTE_FORCE: dict[str, Callable[[str], str]] = {
+    "parity_check": lambda prefix: str(prefix.count("1") % 2),
+    "even_pairs": lambda prefix: flag(prefix[0] == prefix[-1]),
+    "cycle_navigation": lambda prefix: str((prefix.count("2") - prefix.count("0")) % 5),
+    "modular_arithmetic": lambda prefix: str(eval(prefix.rstrip("+-*"), {"__builtins__": {}}) % 5),
+    "sum_mod5": lambda prefix: str(sum(map(int, prefix)) % 5),
+    "even_pair_mod5": lambda prefix: flag(prefix[-1] == prefix[0]),
+    **{f"d{n}": (lambda prefix, n=n: flag(re.fullmatch(dyck_regex(n), prefix))) for n in (2, 3, 4, 12)},
+    "tomita3": lambda prefix: flag(not re.search(r"(?<!1)1(?:11)*0(?:00)*(?!0)", prefix)),
+    "tomita4": lambda prefix: flag("000" not in prefix),
+    "tomita5": lambda prefix: flag(prefix.count("0") % 2 == 0 and prefix.count("1") % 2 == 0),
+    "tomita6": lambda prefix: flag((prefix.count("0") - prefix.count("1")) % 3 == 0),
+    "first": lambda prefix: flag(prefix[0] == "1"),
+    "one": lambda prefix: flag(prefix.count("1") == 1),
+    "palindrome": lambda prefix: flag(all(prefix[i] == prefix[-1 - i] for i in range(len(prefix)))),
+}
+
+
+def brute_force_labels(name: str, string: str) -> list[str]:
+    return [BRUTE_FORCE[name](string[: end + 1]) for end in range(len(string))]
+
+
+def short_strings(task: Task) -> Iterator[str]:
+    """Every string (every well-formed expression for modular_arithmetic) of each length up to
+    LONGEST_EXHAUSTIVE while there are at most EXHAUSTIVE_STRINGS of them, then random ones up to that length."""
+    for length in range(1, LONGEST_EXHAUSTIVE + 1):
+        slots = [task.alphabet] * length
+        if task.name == "modular_arithmetic":
+            if length % 2 == 0:
+                continue
+            slots = ["01234", "+-*"] * (length // 2) + ["01234"]
+        if np.prod([len(slot) for slot in slots]) > EXHAUSTIVE_STRINGS:
+            break
+        yield from map("".join, itertools.product(*slots))
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        yield task.sample(rng, int(rng.integers(1, LONGEST_EXHAUSTIVE + 1)))
+
+
+def test_registry_has_every_spec_task_in_order() -> None:
+    assert list(TASKS) == SPEC_TASKS
+    assert all(TASKS[name].name == name for name in TASKS)
+
+
+def test_unknown_task_is_refused_with_the_known_names() -> None:
+    with pytest.raises(ValueError, match="unknown task 'tomita7'; known tasks: parity_check, even_pairs, .*palindrome"):
+        get_task("tomita7")
+    assert get_task("d12") is TASKS["d12"]
+
+
+@pytest.mark.parametrize("name", SPEC_TASKS)
+def test_train_lengths(name: str) -> None:
+    bhattamishra = name.startswith(("d", "tomita"))
+    assert TASKS[name].train_lengths == ((1, 50) if bhattamishra else (1, 40))
+
+
+@pytest.mark.parametrize("name", SPEC_TASKS)
+def test_labeler_agrees_with_brute_force_on_short_strings(name: str) -> None:
+    task = TASKS[name]
+    for string in short_strings(task):
+        labels = task.label(string)
+        assert labels == brute_force_labels(name, string), string
+        assert set(labels) <= set(task.labels)
+
+
+@pytest.mark.parametrize("name", REGULAR_TASKS)
+def test_automaton_agrees_with_labeler_on_short_strings(name: str) -> None:
+    task = TASKS[name]
+    for string in short_strings(task):
+        assert task.automaton.transduce(string) == task.label(string), string
+
+
+@pytest.mark.parametrize("name", REGULAR_TASKS)
+def test_automaton_agrees_with_labeler_on_long_strings(name: str) -> None:
+    task, rng = TASKS[name], np.random.default_rng(1)
+    balanced = name != "modular_arithmetic"
+    for length in [2000, 1999, *rng.integers(41, 2000, size=2)]:
+        for string in [task.sample(rng, int(length)), task.sample(rng, int(length), balanced=balanced)]:
+            assert task.automaton.transduce(string) == task.label(string)
+
+
+def test_palindrome_has_no_automaton() -> None:
+    assert TASKS["palindrome"].automaton is None
+
+
+def test_shipped_dfa_files_are_the_task_automata() -> None:
+    files = {path.stem: DFA.from_json(path) for path in AUTOMATA_DIR.glob("*.json")}
+    expected = binary_task_dfas()
+    assert files == expected, "regenerate them with: python -m training.task_automata"
+    assert set(files) == {name for name in REGULAR_TASKS if TASKS[name].labels == ("0", "1")}
+    for name, dfa in files.items():
+        assert dfa.machine == TASKS[name].automaton
+
+
+def test_label_names_position_and_character_of_a_foreign_symbol() -> None:
+    with pytest.raises(ValueError, match="parity_check: symbol 'a' at position 2 is not in the alphabet '01'"):
+        TASKS["parity_check"].label("01a")
+
+
+def test_modular_arithmetic_labeler_refuses_a_malformed_expression() -> None:
+    with pytest.raises(ValueError, match=r"expected one of '\+-\*' at position 1, got '3'"):
+        TASKS["modular_arithmetic"].label("23")
+
+
+@pytest.mark.parametrize("name", SPEC_TASKS)
+def test_samples_have_the_requested_length_and_alphabet(name: str) -> None:
+    task, rng = TASKS[name], np.random.default_rng(2)
+    options: list[dict] = [{}]
+    options += [{"balanced": True}] if task.draw_with_final_label is not None else []
+    options += [{"p_one": 0.3}] if name in TWO_SYMBOL_TASKS else []
+    for length in (1, 2, 7, 40, 101):
+        for option in options:
+            string = task.sample(rng, length, **option)
+            expected_length = length - 1 + length % 2 if name == "modular_arithmetic" else length
+            assert len(string) == expected_length
+            assert set(string) <= set(task.alphabet)
+
+
+def test_sampling_is_reproducible() -> None:
+    task = TASKS["d4"]
+    first = sample_batch(task, np.random.default_rng(7), 20, (1, 50), balanced=True)
+    again = sample_batch(task, np.random.default_rng(7), 20, (1, 50), balanced=True)
+    assert first == again
+
+
+def test_sample_batch_draws_lengths_from_the_range() -> None:
+    strings = sample_batch(TASKS["parity_check"], np.random.default_rng(3), 300, (41, 45))
+    assert {len(string) for string in strings} == {41, 42, 43, 44, 45}
+    with pytest.raises(ValueError, match="length_range"):
+        sample_batch(TASKS["parity_check"], np.random.default_rng(3), 1, (5, 4))
+
+
+@pytest.mark.parametrize("name", ["parity_check", "even_pairs", "d2"])
+@pytest.mark.parametrize("p_one", [0.1, 0.9])
+def test_p_one_sets_the_frequency_of_the_second_symbol(name: str, p_one: float) -> None:
+    task = TASKS[name]
+    text = "".join(sample_batch(task, np.random.default_rng(4), 200, (100, 100), p_one=p_one))
+    assert text.count(task.alphabet[1]) / len(text) == pytest.approx(p_one, abs=0.01)
+
+
+def test_p_one_needs_a_two_symbol_alphabet_and_a_probability() -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="two-symbol alphabet; sum_mod5 has '01234'"):
+        TASKS["sum_mod5"].sample(rng, 5, p_one=0.2)
+    with pytest.raises(ValueError, match="must be a probability"):
+        TASKS["parity_check"].sample(rng, 5, p_one=1.5)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        TASKS["parity_check"].sample(rng, 5, p_one=0.5, balanced=True)
+
+
+@pytest.mark.parametrize("name", SPARSE_TASKS)
+@pytest.mark.parametrize("length", [100, 500])
+def test_balanced_sampling_gives_about_half_positives(name: str, length: int) -> None:
+    task, rng = TASKS[name], np.random.default_rng(5)
+    finals = [task.label(task.sample(rng, length, balanced=True))[-1] for _ in range(200)]
+    assert 0.4 <= finals.count("1") / len(finals) <= 0.6
+
+
+def test_balanced_sampling_spreads_final_labels_of_multi_label_tasks() -> None:
+    task, rng = TASKS["cycle_navigation"], np.random.default_rng(6)
+    finals = [task.label(task.sample(rng, 60, balanced=True))[-1] for _ in range(500)]
+    assert all(finals.count(label) >= 60 for label in task.labels)
+
+
+def test_balanced_sampling_falls_back_where_a_label_is_impossible() -> None:
+    rng = np.random.default_rng(8)
+    odd_dyck = [TASKS["d2"].sample(rng, 7, balanced=True) for _ in range(20)]  # no string of D_2 has odd length
+    assert all(len(string) == 7 for string in odd_dyck)
+    assert {TASKS["palindrome"].sample(rng, 1, balanced=True) for _ in range(20)} <= {"0", "1"}
+
+
+def test_modular_arithmetic_has_no_balanced_sampling() -> None:
+    with pytest.raises(ValueError, match="modular_arithmetic offers no balanced sampling"):
+        TASKS["modular_arithmetic"].sample(np.random.default_rng(0), 5, balanced=True)
+
+
+def test_modular_arithmetic_samples_are_well_formed() -> None:
+    task, rng = TASKS["modular_arithmetic"], np.random.default_rng(9)
+    for string in sample_batch(task, rng, 200, (1, 60)):
+        assert len(string) % 2 == 1
+        assert all(symbol in "01234" for symbol in string[::2])
+        assert all(symbol in "+-*" for symbol in string[1::2])
+        task.label(string)  # refuses malformed expressions
+    assert len(task.sample(rng, 40)) == 39
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4, 12])
+def test_dyck_depth_limit_is_exact(depth: int) -> None:
+    task = TASKS[f"d{depth}"]
+    deepest, too_deep = "a" * depth + "b" * depth, "a" * (depth + 1) + "b" * (depth + 1)
+    for string, final in [(deepest, "1"), (too_deep, "0"), (deepest * 3, "1"), (deepest + too_deep, "0")]:
+        assert task.label(string)[-1] == final == brute_force_labels(task.name, string)[-1]
+        assert task.automaton.transduce(string) == task.label(string)

@@ -1,0 +1,1 @@
+"""Tasks, data, training loops, evaluation and the automaton compiler."""

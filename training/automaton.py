@@ -1,0 +1,290 @@
+"""Finite automata over single-character symbols: Moore machines and the DFA JSON files of SPEC section 2.
+
+A :class:`MooreMachine` has a label on every state; reading a string it emits, after each prefix, the label of
+the state reached. A :class:`DFA` is the Moore machine whose labels are ``"1"`` on accepting states and
+``"0"`` elsewhere. Anything malformed is refused with an :class:`AutomatonError` whose message names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+MAX_STATES = 1024
+"""The most states an automaton may have. The compiler turns an n-state automaton into one n x n one-hot
+transition matrix per symbol (float32: 4 MiB each at n = 1024, 32 MiB for an 8-symbol alphabet), and RegularGPT
+composes them by n x n matrix products (2 n^3 = 2e9 multiply-adds at n = 1024). Four times more states would make
+checkpoints 16 times and compositions 64 times larger; the largest task automaton (modular_arithmetic) has 61."""
+
+JSON_KEYS = ("name", "alphabet", "states", "start", "accept", "delta")
+
+Transitions = Mapping[str, Mapping[str, str]]
+
+
+class AutomatonError(ValueError):
+    """An automaton that is malformed, or a string it cannot read; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class MooreMachine:
+    """A deterministic automaton that outputs ``output[state]`` after every symbol it reads.
+
+    ``delta[state][symbol]`` is the next state; it is total: every state has a transition on every symbol.
+    """
+
+    name: str
+    alphabet: str
+    states: tuple[str, ...]
+    start: str
+    delta: Transitions
+    output: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        _check_alphabet(self.alphabet)
+        _check_states(self.states)
+        if self.start not in self.states:
+            raise AutomatonError(f"start state {self.start!r} is not one of the states")
+        _check_delta(self.delta, self.alphabet, self.states)
+        for state in self.output:
+            if state not in self.states:
+                raise AutomatonError(f"output names unknown state {state!r}")
+        for state in self.states:
+            if not isinstance(self.output.get(state), str):
+                raise AutomatonError(f"state {state!r} has no output label")
+        object.__setattr__(self, "states", tuple(self.states))
+        frozen_delta = {state: MappingProxyType(dict(self.delta[state])) for state in self.states}
+        object.__setattr__(self, "delta", MappingProxyType(frozen_delta))
+        object.__setattr__(self, "output", MappingProxyType(dict(self.output)))
+
+    @classmethod
+    def explore(
+        cls,
+        name: str,
+        alphabet: str,
+        start: Hashable,
+        step: Callable[[Any, str], Hashable],
+        output: Callable[[Any], str],
+        state_name: Callable[[Any], str] = str,
+    ) -> MooreMachine:
+        """The machine on the states reachable from ``start`` by ``step``, numbered in breadth-first order."""
+        order, seen = [start], {start}
+        successors: dict[Hashable, dict[str, Hashable]] = {}
+        for state in order:  # ``order`` grows while it is read: a breadth-first search
+            successors[state] = {symbol: step(state, symbol) for symbol in alphabet}
+            for successor in successors[state].values():
+                if successor not in seen:
+                    seen.add(successor)
+                    order.append(successor)
+            if len(order) > MAX_STATES:
+                raise AutomatonError(f"{name}: more than MAX_STATES = {MAX_STATES} reachable states")
+        return cls(
+            name=name,
+            alphabet=alphabet,
+            states=tuple(state_name(state) for state in order),
+            start=state_name(start),
+            delta={state_name(q): {s: state_name(nxt) for s, nxt in row.items()} for q, row in successors.items()},
+            output={state_name(state): output(state) for state in order},
+        )
+
+    def trace(self, string: str) -> list[str]:
+        """The state reached after each prefix of ``string`` (the empty prefix excluded)."""
+        state, visited = self.start, []
+        for position, symbol in enumerate(string):
+            if symbol not in self.alphabet:
+                raise AutomatonError(
+                    f"{self.name}: symbol {symbol!r} at position {position} is not in the alphabet {self.alphabet!r}"
+                )
+            state = self.delta[state][symbol]
+            visited.append(state)
+        return visited
+
+    def transduce(self, string: str) -> list[str]:
+        """The label after each prefix of ``string``."""
+        return [self.output[state] for state in self.trace(string)]
+
+    def transition_matrices(self) -> np.ndarray:
+        """(len(alphabet), n, n) float32 0/1 matrices M with onehot(delta[q][symbol]) = M[k] @ onehot(q).
+
+        ``k`` is the symbol's index in the alphabet and state i is ``states[i]``: column i of ``M[k]`` is the
+        one-hot image of state i.
+        """
+        index = {state: i for i, state in enumerate(self.states)}
+        matrices = np.zeros((len(self.alphabet), len(self.states), len(self.states)), dtype=np.float32)
+        for source, row in self.delta.items():
+            for k, symbol in enumerate(self.alphabet):
+                matrices[k, index[row[symbol]], index[source]] = 1.0
+        return matrices
+
+
+@dataclass(frozen=True)
+class DFA:
+    """A deterministic finite automaton, as written in the JSON files of SPEC section 2."""
+
+    name: str
+    alphabet: str
+    states: tuple[str, ...]
+    start: str
+    accept: frozenset[str]
+    delta: Transitions
+    machine: MooreMachine = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        output = {state: "1" if state in self.accept else "0" for state in self.states}
+        machine = MooreMachine(self.name, self.alphabet, self.states, self.start, self.delta, output)
+        for state in sorted(self.accept):
+            if state not in self.states:
+                raise AutomatonError(f"accept state {state!r} is not one of the states")
+        object.__setattr__(self, "states", machine.states)
+        object.__setattr__(self, "accept", frozenset(self.accept))
+        object.__setattr__(self, "delta", machine.delta)
+        object.__setattr__(self, "machine", machine)
+
+    @classmethod
+    def from_moore(cls, machine: MooreMachine) -> DFA:
+        """The DFA accepting where ``machine`` outputs "1"; its labels must be "0" and "1"."""
+        unexpected = sorted(set(machine.output.values()) - {"0", "1"})
+        if unexpected:
+            raise AutomatonError(f"{machine.name}: a DFA outputs only '0' and '1', not {unexpected}")
+        accept = frozenset(state for state, label in machine.output.items() if label == "1")
+        return cls(machine.name, machine.alphabet, machine.states, machine.start, accept, machine.delta)
+
+    @classmethod
+    def from_json(cls, data_or_path: Any) -> DFA:
+        """Parse a DFA from a JSON file's path (str or path-like) or its decoded content, refusing anything
+        malformed; errors in a file start with its path."""
+        if not isinstance(data_or_path, (str, os.PathLike)):
+            return _dfa_from_object(data_or_path)
+        path = Path(data_or_path)
+        try:
+            return _dfa_from_object(json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicate_keys))
+        except OSError as error:
+            raise AutomatonError(f"{path}: cannot read the file: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise AutomatonError(f"{path}: invalid JSON: {error}") from None
+        except AutomatonError as error:
+            raise AutomatonError(f"{path}: {error}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of SPEC section 2 (``json.dumps`` writes it as is); accept states in state order."""
+        return {
+            "name": self.name,
+            "alphabet": self.alphabet,
+            "states": list(self.states),
+            "start": self.start,
+            "accept": [state for state in self.states if state in self.accept],
+            "delta": {state: dict(self.delta[state]) for state in self.states},
+        }
+
+    def run(self, string: str) -> list[bool]:
+        """Whether each prefix of ``string`` (the empty one excluded) is accepted."""
+        return [state in self.accept for state in self.machine.trace(string)]
+
+    def transition_matrices(self) -> np.ndarray:
+        """See :meth:`MooreMachine.transition_matrices`."""
+        return self.machine.transition_matrices()
+
+
+def _check_alphabet(alphabet: str) -> None:
+    if not alphabet:
+        raise AutomatonError("the alphabet is empty")
+    repeated = _first_repeated(alphabet)
+    if repeated is not None:
+        raise AutomatonError(f"symbol {repeated!r} appears more than once in the alphabet {alphabet!r}")
+
+
+def _check_states(states: tuple[str, ...]) -> None:
+    if not states:
+        raise AutomatonError("there are no states")
+    if len(states) > MAX_STATES:
+        raise AutomatonError(f"{len(states)} states: more than MAX_STATES = {MAX_STATES}")
+    repeated = _first_repeated(states)
+    if repeated is not None:
+        raise AutomatonError(f"state {repeated!r} is listed more than once")
+
+
+def _check_delta(delta: Transitions, alphabet: str, states: tuple[str, ...]) -> None:
+    for source in delta:
+        if source not in states:
+            raise AutomatonError(f"delta has transitions from unknown state {source!r}")
+    for source in states:
+        row = delta.get(source, {})
+        for symbol, target in row.items():
+            if len(symbol) != 1:
+                raise AutomatonError(
+                    f"transition from state {source!r} on {symbol!r}: a symbol must be one character, "
+                    f"not {len(symbol)}"
+                )
+            if symbol not in alphabet:
+                raise AutomatonError(
+                    f"transition from state {source!r} on symbol {symbol!r}, which is not in the alphabet {alphabet!r}"
+                )
+            if target not in states:
+                raise AutomatonError(
+                    f"transition from state {source!r} on symbol {symbol!r} goes to unknown state {target!r}"
+                )
+        for symbol in alphabet:
+            if symbol not in row:
+                raise AutomatonError(f"missing transition from state {source!r} on symbol {symbol!r}")
+
+
+def _dfa_from_object(data: Any) -> DFA:
+    if not isinstance(data, Mapping):
+        raise AutomatonError(f"a DFA must be a JSON object, not {type(data).__name__}")
+    missing = [key for key in JSON_KEYS if key not in data]
+    if missing:
+        raise AutomatonError(f"missing key(s) {', '.join(map(repr, missing))}")
+    unknown = sorted(key for key in data if key not in JSON_KEYS)
+    if unknown:
+        raise AutomatonError(f"unknown key(s) {', '.join(map(repr, unknown))}; expected {', '.join(JSON_KEYS)}")
+    for key in ("name", "alphabet", "start"):
+        _require(isinstance(data[key], str), f"{key!r} must be a string")
+    _require(_is_list_of_strings(data["states"]), "'states' must be a list of strings")
+    _require(_is_list_of_strings(data["accept"]), "'accept' must be a list of strings")
+    _require(
+        isinstance(data["delta"], Mapping)
+        and all(isinstance(row, Mapping) and all(isinstance(t, str) for t in row.values())
+                for row in data["delta"].values()),
+        "'delta' must map each state to an object from symbols to states",
+    )
+    repeated = _first_repeated(data["accept"])
+    _require(repeated is None, f"accept state {repeated!r} is listed more than once")
+    return DFA(
+        name=data["name"],
+        alphabet=data["alphabet"],
+        states=tuple(data["states"]),
+        start=data["start"],
+        accept=frozenset(data["accept"]),
+        delta=data["delta"],
+    )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AutomatonError(message)
+
+
+def _is_list_of_strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    repeated = _first_repeated([key for key, _ in pairs])
+    if repeated is not None:
+        raise AutomatonError(f"key {repeated!r} appears more than once in a JSON object")
+    return dict(pairs)
+
+
+def _first_repeated(items: Iterable[str]) -> str | None:
+    seen: set[str] = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None

@@ -1,0 +1,179 @@
+"""The tasks of SPEC section 1: alphabet, labels, reference labeler, automaton and string sampler of each.
+
+Sampling controls the length (the caller picks it), the frequency of the second symbol of a two-symbol alphabet
+(``p_one``: P("1"), or P("b") for the a/b tasks) and balance: ``balanced=True`` draws the final label uniformly
+from the task's labels and then the string uniformly among those of that length with that final label, which
+gives sparse languages (D_n, Tomita 3/4/6, ONE, PALINDROME) as many positives as negatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from training import labelers, task_automata
+from training.automaton import MooreMachine
+from training.final_label_sampling import FinalLabelSampler
+
+BINARY_LABELS = ("0", "1")
+MOD5_LABELS = ("0", "1", "2", "3", "4")
+DELETANG_TRAIN_LENGTHS = (1, 40)
+BHATTAMISHRA_TRAIN_LENGTHS = (1, 50)  # the d* and tomita* tasks
+REJECTION_TRIES = 64
+
+Drawer = Callable[[np.random.Generator, int], str]
+FinalLabelDrawer = Callable[[np.random.Generator, int, str], str | None]
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """One transduction task: a label at every position of a string over ``alphabet``.
+
+    ``automaton`` computes the labels of every regular task (all but palindrome). ``draw(rng, length)`` gives a
+    string of the task's free distribution; ``draw_with_final_label(rng, length, label)`` one drawn uniformly
+    among those of that length with that final label, or None if there is none. That field is None for a task
+    without balanced sampling (modular_arithmetic).
+    """
+
+    name: str
+    alphabet: str
+    labels: tuple[str, ...]
+    train_lengths: tuple[int, int]  # inclusive
+    labeler: Callable[[str], list[str]]
+    automaton: MooreMachine | None
+    draw: Drawer
+    draw_with_final_label: FinalLabelDrawer | None
+
+    def label(self, string: str) -> list[str]:
+        """The reference label at every position of ``string``."""
+        for position, symbol in enumerate(string):
+            if symbol not in self.alphabet:
+                raise ValueError(
+                    f"{self.name}: symbol {symbol!r} at position {position} is not in the alphabet {self.alphabet!r}"
+                )
+        return self.labeler(string)
+
+    def sample(
+        self, rng: np.random.Generator, length: int, p_one: float | None = None, balanced: bool = False
+    ) -> str:
+        """A string of ``length`` symbols (modular_arithmetic: rounded down to an odd length).
+
+        ``p_one`` (two-symbol alphabets only) draws each symbol independently, the second one of the alphabet
+        with that probability. ``balanced`` draws the final label uniformly first; where no string of this length
+        has that label (D_n at odd lengths, a non-palindrome of length 1) the free draw is returned.
+        """
+        if length < 1:
+            raise ValueError(f"length must be at least 1, got {length}")
+        if p_one is not None:
+            if balanced:
+                raise ValueError("p_one and balanced cannot be combined: balanced draws condition on the label")
+            return self._draw_skewed(rng, length, p_one)
+        if balanced:
+            if self.draw_with_final_label is None:
+                raise ValueError(f"{self.name} offers no balanced sampling")
+            string = self.draw_with_final_label(rng, length, self.labels[rng.integers(len(self.labels))])
+            if string is not None:
+                return string
+        return self.draw(rng, length)
+
+    def _draw_skewed(self, rng: np.random.Generator, length: int, p_one: float) -> str:
+        if len(self.alphabet) != 2:
+            raise ValueError(f"p_one needs a two-symbol alphabet; {self.name} has {self.alphabet!r}")
+        if not 0.0 <= p_one <= 1.0:
+            raise ValueError(f"p_one must be a probability, got {p_one}")
+        return "".join(self.alphabet[int(is_one)] for is_one in rng.random(length) < p_one)
+
+
+def sample_batch(
+    task: Task,
+    rng: np.random.Generator,
+    n: int,
+    length_range: tuple[int, int],
+    p_one: float | None = None,
+    balanced: bool = False,
+) -> list[str]:
+    """``n`` strings of ``task``, each of a length drawn uniformly from ``length_range`` (inclusive)."""
+    shortest, longest = length_range
+    if not 1 <= shortest <= longest:
+        raise ValueError(f"length_range must satisfy 1 <= shortest <= longest, got {length_range}")
+    return [task.sample(rng, int(length), p_one, balanced) for length in rng.integers(shortest, longest + 1, size=n)]
+
+
+def _uniform_symbols(alphabet: str) -> Drawer:
+    def draw(rng: np.random.Generator, length: int) -> str:
+        return "".join(alphabet[k] for k in rng.integers(len(alphabet), size=length))
+
+    return draw
+
+
+def _expression(rng: np.random.Generator, length: int) -> str:
+    """A uniformly drawn modular_arithmetic input: digits and operators alternating, odd length (rounded down)."""
+    operands = _uniform_symbols(labelers.DIGITS)(rng, (length + 1) // 2)
+    operators = _uniform_symbols(labelers.OPERATORS)(rng, len(operands) - 1)
+    return "".join(digit + operator for digit, operator in zip(operands, operators)) + operands[-1]
+
+
+def _palindrome_with_final_label(rng: np.random.Generator, length: int, label: str) -> str | None:
+    """Positives mirror a uniform first half (exactly uniform); negatives are rejection-sampled, at most
+    REJECTION_TRIES times (each try fails with probability at most 1/2 from length 2 on; length 1 has none)."""
+    free = _uniform_symbols("01")
+    if label == "1":
+        half = free(rng, length // 2)
+        return half + free(rng, length % 2) + half[::-1]
+    for _ in range(REJECTION_TRIES):
+        string = free(rng, length)
+        if string != string[::-1]:
+            return string
+    return None
+
+
+def _regular(
+    name: str,
+    alphabet: str,
+    labels: tuple[str, ...],
+    labeler: Callable[[str], list[str]],
+    automaton: MooreMachine,
+    train_lengths: tuple[int, int] = DELETANG_TRAIN_LENGTHS,
+) -> Task:
+    return Task(name, alphabet, labels, train_lengths, labeler, automaton,
+                draw=_uniform_symbols(alphabet), draw_with_final_label=FinalLabelSampler(automaton).sample)
+
+
+def _build_tasks() -> dict[str, Task]:
+    tasks = [
+        _regular("parity_check", "01", BINARY_LABELS, labelers.parity_check, task_automata.parity_check()),
+        _regular("even_pairs", "ab", BINARY_LABELS, labelers.even_pairs, task_automata.even_pairs()),
+        _regular("cycle_navigation", "012", MOD5_LABELS, labelers.cycle_navigation,
+                 task_automata.cycle_navigation()),
+        Task("modular_arithmetic", labelers.DIGITS + labelers.OPERATORS, MOD5_LABELS, DELETANG_TRAIN_LENGTHS,
+             labelers.modular_arithmetic, task_automata.modular_arithmetic(),
+             draw=_expression, draw_with_final_label=None),  # conditioning would count malformed strings too
+        _regular("sum_mod5", labelers.DIGITS, MOD5_LABELS, labelers.sum_mod5, task_automata.sum_mod5()),
+        _regular("even_pair_mod5", labelers.DIGITS, BINARY_LABELS, labelers.even_pair_mod5,
+                 task_automata.even_pair_mod5()),
+        *(_regular(f"d{depth}", "ab", BINARY_LABELS, labelers.dyck(depth), task_automata.dyck(depth),
+                   BHATTAMISHRA_TRAIN_LENGTHS) for depth in (2, 3, 4, 12)),
+        _regular("tomita3", "01", BINARY_LABELS, labelers.tomita3, task_automata.tomita3(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("tomita4", "01", BINARY_LABELS, labelers.tomita4, task_automata.tomita4(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("tomita5", "01", BINARY_LABELS, labelers.tomita5, task_automata.tomita5(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("tomita6", "01", BINARY_LABELS, labelers.tomita6, task_automata.tomita6(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("first", "01", BINARY_LABELS, labelers.first, task_automata.first()),
+        _regular("one", "01", BINARY_LABELS, labelers.one, task_automata.one()),
+        Task("palindrome", "01", BINARY_LABELS, DELETANG_TRAIN_LENGTHS, labelers.palindrome, automaton=None,
+             draw=_uniform_symbols("01"), draw_with_final_label=_palindrome_with_final_label),
+    ]
+    return {task.name: task for task in tasks}
+
+
+TASKS: Mapping[str, Task] = MappingProxyType(_build_tasks())
+"""Every task of SPEC section 1, by name, in the order of its table."""
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``; a ValueError lists the known ones otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    return TASKS[name]
