@@ -25,7 +25,9 @@ from model.config import BaseModelConfig
 class InferenceCache(ABC):
     """Per-model decoding state for a batch of sequences, updated in place by ``forward``/``step``.
 
-    ``length`` is the number of tokens consumed so far (the same for every row of the batch).
+    ``length`` is the number of tokens consumed so far (the same for every row of the batch). Caches are
+    meant for inference: fill them under ``torch.no_grad()`` (or ``inference_mode``), since in-place writes
+    of tensors that carry autograd history into a cache are not supported.
     """
 
     length: int

@@ -42,7 +42,7 @@ class HeadProjections(nn.Module):
         batch, length, _ = x.shape
         q, k, v = self.c_attn(x).split(self.n_heads * self.head_dim, dim=-1)
         shape = (batch, length, self.n_heads, self.head_dim)
-        return (t.view(shape).transpose(1, 2) for t in (q, k, v))  # type: ignore[return-value]
+        return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
 
     def merge(self, heads: torch.Tensor) -> torch.Tensor:
         """heads: (B, n_heads, T, head_dim) -> (B, T, d_model), through the output projection."""

@@ -1,0 +1,111 @@
+"""Sliding-Dilated-Attention (regulargpt.txt section 3.1, eq. 1).
+
+Position m attends to the ``chunk_size`` keys m - j * dilation, j in [chunk_size]; the logit of the key j
+steps back gets the head's learnable scalar ``relative_bias[h, j]``. Keys at negative positions are masked,
+and so are keys at indices below ``key_offset[b]`` (left padding), except a position's own key (j = 0), which
+keeps padded queries finite; their outputs are meaningless and never read.
+
+Implementations, one signature ``(q, k, v, relative_bias, chunk_size, dilation, key_offset=None) -> out``:
+
+- ``dilated_attention_reference``: the T x T additive mask of eq. 1 and plain softmax attention, O(T^2);
+- ``dilated_attention_fast``: gathers the chunk_size dilated keys of every position from shifted views of the
+  left-padded keys and values and attends over them, O(T * chunk_size), never a T x T tensor.
+
+``dilated_attention(..., impl)`` picks one explicitly; "auto" is "fast": exact, and O(T * chunk_size) in time
+and memory (the reference only keeps up at a few hundred positions: benchmarks/bench_dilated_attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+
+def dilated_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    relative_bias: torch.Tensor,
+    chunk_size: int,
+    dilation: int,
+    key_offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None -> (B, H, T, hd)."""
+    length = q.shape[2]
+    mask = q.new_full((relative_bias.shape[0], length, length), float("-inf"))  # (H, T, T) the M of eq. 1
+    for j in range(chunk_size):  # r_j on the diagonal of keys j * dilation steps back (empty past T)
+        mask.diagonal(-j * dilation, dim1=1, dim2=2).copy_(relative_bias[:, j, None])  # (H, T - j * dilation)
+    scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1) + mask  # (B, H, T, T)
+    if key_offset is not None:
+        positions = torch.arange(length, device=q.device)  # (T,)
+        scores = scores.masked_fill(~_unmasked(positions[:, None], positions, key_offset), float("-inf"))
+    probs = scores.softmax(dim=-1)  # (B, H, T, T)
+    return probs @ v  # (B, H, T, hd)
+
+
+def dilated_attention_fast(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    relative_bias: torch.Tensor,
+    chunk_size: int,
+    dilation: int,
+    key_offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None -> (B, H, T, hd)."""
+    length = q.shape[2]
+    reach = (chunk_size - 1) * dilation
+    k_padded = F.pad(k, (0, 0, reach, 0))  # (B, H, reach + T, hd)
+    v_padded = F.pad(v, (0, 0, reach, 0))  # (B, H, reach + T, hd)
+    starts = [reach - j * dilation for j in range(chunk_size)]
+    keys = torch.stack([k_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, C, hd)
+    values = torch.stack([v_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, C, hd)
+    query = torch.arange(length, device=q.device).view(-1, 1)  # (T, 1)
+    key = query - dilation * torch.arange(chunk_size, device=q.device)  # (T, C) key position, j steps back
+    valid = _unmasked(query, key, key_offset)  # (B, 1, T, C)
+    return attend_gathered(q, keys, values, relative_bias, valid)
+
+
+def attend_gathered(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, relative_bias: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention of each query over its own C gathered keys (j = 0 is the query's own position).
+
+    q: (B, H, T, hd); keys, values: (B, H, T, C, hd); relative_bias: (H, C); valid: bool broadcastable to
+    (B, H, T, C), True at least at j = 0. Returns (B, H, T, hd). Shared by the fast op and cached decoding.
+    """
+    scores = torch.einsum("bhtd,bhtcd->bhtc", q / math.sqrt(q.shape[-1]), keys)  # (B, H, T, C)
+    scores = scores + relative_bias[:, None, :]  # (B, H, T, C)
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)  # (B, H, T, C)
+    return torch.einsum("bhtc,bhtcd->bhtd", probs, values)  # (B, H, T, hd)
+
+
+def _unmasked(query: torch.Tensor, key: torch.Tensor, key_offset: torch.Tensor | None) -> torch.Tensor:
+    """Keys that exist: at index >= key_offset[b] (and >= 0), or the query's own key.
+
+    query, key: broadcastable integer positions (Tq, Tk); key_offset: (B,) or None -> (B or 1, 1, Tq, Tk).
+    """
+    first = torch.zeros(1, dtype=torch.long, device=key.device) if key_offset is None else key_offset.to(key.device)
+    return (key >= first.view(-1, 1, 1, 1)) | (key == query)  # (B or 1, 1, Tq, Tk)
+
+
+IMPLEMENTATIONS = {"reference": dilated_attention_reference, "fast": dilated_attention_fast}
+
+
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    relative_bias: torch.Tensor,
+    chunk_size: int,
+    dilation: int,
+    key_offset: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Sliding-Dilated-Attention through the implementation ``impl``: "reference", "fast" or "auto" (= "fast")."""
+    name = "fast" if impl == "auto" else impl
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown dilated attention impl {impl!r}; choose from {['auto', *IMPLEMENTATIONS]}")
+    return IMPLEMENTATIONS[name](q, k, v, relative_bias, chunk_size, dilation, key_offset)
