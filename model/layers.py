@@ -7,6 +7,8 @@ keyword arguments the caller passes through (dilation, cache, ...).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -65,3 +67,17 @@ class Block(nn.Module):
         """x: (B, T, d_model) -> (B, T, d_model)."""
         x = x + self.attention(self.ln_1(x), **attention_kwargs)
         return x + self.mlp(self.ln_2(x))
+
+
+def init_gpt2(model: nn.Module, n_residual_layers: int) -> None:
+    """GPT-2 initialisation: linear and embedding weights N(0, 0.02), biases 0, and the residual output
+    projections (``c_proj``) N(0, 0.02 / sqrt(2 * n_residual_layers)) so the residual stream's variance does
+    not grow with depth. Parameters that are not weights of a Linear or Embedding keep their own init."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    for name, parameter in model.named_parameters():
+        if name.endswith("c_proj.weight"):
+            nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_residual_layers))

@@ -28,7 +28,6 @@ Three exact paths:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 
 from model.base import InferenceCache, SequenceModel, TokenEmbedding, check_lengths
 from model.config import RegularGPTConfig
-from model.layers import Block, HeadProjections
+from model.layers import Block, HeadProjections, init_gpt2
 from model.ops.dilated_attention import attend_gathered, dilated_attention
 
 
@@ -155,10 +154,7 @@ class RegularGPT(SequenceModel):
             for _ in range(config.thickness)
         )
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.apply(_init_gpt2)
-        for name, parameter in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # residual projections, GPT-2 scaling over the K distinct blocks
-                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * config.thickness))
+        init_gpt2(self, n_residual_layers=config.thickness)  # scaled over the K distinct blocks
 
     def forward(self, tokens: torch.Tensor, cache: RegularGPTCache | None = None) -> torch.Tensor:
         """tokens: (B, T) -> (B, T, output_size).
@@ -263,9 +259,3 @@ class RegularGPT(SequenceModel):
         """hidden: (..., d) -> (..., output_size)."""
         return self.embedding.logits(self.ln_f(hidden))
 
-
-def _init_gpt2(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)

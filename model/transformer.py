@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from model.base import InferenceCache, SequenceModel, TokenEmbedding, gather_last
 from model.config import TransformerConfig
-from model.layers import Block, HeadProjections
+from model.layers import Block, HeadProjections, init_gpt2
 from model.ops.positions import (
     ALiBi,
     KerpleLog,
@@ -139,6 +139,7 @@ class Transformer(SequenceModel):
             for _ in range(config.n_layers)
         )
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        init_gpt2(self, n_residual_layers=config.n_layers)
 
     def hidden(self, tokens: torch.Tensor, cache: TransformerCache | None = None) -> torch.Tensor:
         """tokens: (B, T) -> final hidden states (B, T, d_model); advances ``cache`` by T."""
