@@ -60,6 +60,11 @@ class RegularGPTConfig(BaseModelConfig):
 
     ``attention_impl``: "reference" builds the T x T mask; "fast" gathers the chunk_size dilated keys per
     position; "auto" is "fast".
+
+    ``out_of_range``: what a slot j whose key m - j * C**l lies before position 0 holds. "mask" drops it, so
+    the query attends over fewer keys; "null" fills it with a learned null key and value per block and head
+    (scored with the slot's r_j like any key), as if the input were left-padded with a null token
+    (regulargpt.txt footnote 1).
     """
 
     n_heads: int = 4
@@ -67,6 +72,7 @@ class RegularGPTConfig(BaseModelConfig):
     chunk_size: int = 2
     thickness: int = 1
     attention_impl: Literal["auto", "reference", "fast"] = "auto"
+    out_of_range: Literal["mask", "null"] = "mask"
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
@@ -85,8 +91,8 @@ class LRNNConfig(BaseModelConfig):
     ``block_size`` x ``block_size``), every column scaled by 1 / max(1, ||column||_p), and y_k = h(x_k).
 
     ``scan_impl``: "sequential" (the reference loop), "parallel" (log-depth scan), "chunked" (sequential
-    inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy in
-    docs/benchmarks.md).
+    inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy documented in
+    model/ops/linear_scan.py, figures from benchmarks/bench_linear_scan.py).
     """
 
     n_layers: int = 1
@@ -113,8 +119,8 @@ class LRNNConfig(BaseModelConfig):
 class DiagonalLRNNConfig(BaseModelConfig):
     """Diagonal, input-independent linear RNN (S4D / LRU style baseline).
 
-    Each layer has ``state_size`` complex eigenvalues lambda = exp(-exp(nu) + i theta), fixed over time.
-    ``scan_impl`` as in :class:`LRNNConfig`.
+    Each layer has ``state_size`` complex eigenvalues lambda = exp(-exp(nu) + i theta), fixed over time,
+    run as ``state_size`` 2 x 2 rotation-scaling blocks on the same scan. ``scan_impl`` as in :class:`LRNNConfig`.
     """
 
     n_layers: int = 1
@@ -178,12 +184,70 @@ class LSTMConfig(BaseModelConfig):
         _check_positive(self, "n_layers", "hidden_size")
 
 
+ExactConstruction = Literal["parity", "first", "one", "palindrome", "palindrome_mirror"]
+PositionFeature = Literal[
+    "fraction", "alternating", "is_first_symbol", "index", "mirror_index", "index_squared", "left_half", "right_half"
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExactTransformerConfig(BaseModelConfig):
+    """Hand-built post-norm transformer encoder that classifies a whole string from its CLS position
+    (exact-parity-first.txt section 2.2, exact-one-palindrome.txt section 2.2); see model/exact.py.
+
+    The model prepends CLS (and appends EOS with ``append_eos``) to the symbols; n counts them. Position i
+    gets PE(i) = W_pos f(i, n), f the ``position_features`` (model/exact.py defines them). Each of the
+    ``n_layers`` layers has ``n_heads`` heads with d_model x d_model query, key and value maps, summed, and a
+    ReLU FFN of width ``d_ff``. With ``layer_norm``, LN(x) = (x - mean) / sqrt(var + eps), without gain or
+    bias, follows both residual sums; ``layer_norm_eps`` may be 0. ``log_length_scaling`` multiplies the
+    attention logits by log n (exact-parity-first.txt Eq. 2). ``output``: "logits" reads the label logits off
+    the CLS vector with a linear head; "zero_test" (two labels) is the palindrome paper's y = I[s = 0] with s
+    the label-1 minus label-0 logit, |s| <= ``zero_test_tolerance`` counting as 0. ``construction`` names the
+    construction the weights implement (training/exact_builders.py). The model computes in
+    ``compute_dtype`` and holds at most ``attention_block_elements`` attention weights (batch x heads x
+    queries x keys) at once.
+    """
+
+    construction: ExactConstruction
+    n_layers: int = 2
+    n_heads: int = 1
+    d_ff: int = 4
+    position_features: tuple[PositionFeature, ...] = ()
+    append_eos: bool = False
+    layer_norm: bool = False
+    layer_norm_eps: float = 0.0
+    log_length_scaling: bool = False
+    output: Literal["logits", "zero_test"] = "logits"
+    zero_test_tolerance: float = 0.0
+    compute_dtype: Literal["float32", "float64"] = "float32"
+    attention_block_elements: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "n_layers", "n_heads", "d_ff", "attention_block_elements")
+        if self.is_language_model:
+            raise ConfigError("an exact transformer is a classifier: num_labels must be > 0")
+        if self.dropout != 0.0:
+            raise ConfigError(f"an exact transformer has no dropout, got {self.dropout}")
+        features = typing.get_args(PositionFeature)
+        for feature in self.position_features:
+            if feature not in features:
+                raise ConfigError(f"position_features: {feature!r} is not one of {list(features)}")
+        if len(set(self.position_features)) != len(self.position_features):
+            raise ConfigError(f"position_features repeats a feature: {list(self.position_features)}")
+        if self.layer_norm_eps < 0.0 or self.zero_test_tolerance < 0.0:
+            raise ConfigError("layer_norm_eps and zero_test_tolerance must be >= 0")
+        if self.output == "zero_test" and self.num_labels != 2:
+            raise ConfigError(f"output 'zero_test' needs two labels, got num_labels = {self.num_labels}")
+
+
 ARCHITECTURE_CONFIGS: dict[str, type[BaseModelConfig]] = {
     "regulargpt": RegularGPTConfig,
     "lrnn": LRNNConfig,
     "diagonal_lrnn": DiagonalLRNNConfig,
     "transformer": TransformerConfig,
     "lstm": LSTMConfig,
+    "exact": ExactTransformerConfig,
 }
 
 

@@ -1,0 +1,132 @@
+"""The linear-scan implementations agree with a step-by-step loop: states, final states and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.ops.linear_scan import (
+    column_norm_constraint,
+    linear_scan,
+    scan_chunked,
+    scan_parallel,
+    scan_sequential,
+    scan_step,
+)
+
+BATCH, HEADS, BLOCK = 2, 2, 3
+CHUNK_SIZES = [1, 3, 4, 16, 64]  # divide some of the lengths below and not others
+TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-5)}
+
+
+def make_problem(length: int, dtype: torch.dtype, batch: int = BATCH) -> tuple[torch.Tensor, ...]:
+    """Random transitions inside the norm constraint, inputs and an initial state, all requiring grad."""
+    transitions = column_norm_constraint(torch.randn(batch, length, HEADS, BLOCK, BLOCK, dtype=dtype))
+    inputs = torch.randn(batch, length, HEADS, BLOCK, dtype=dtype)
+    initial_state = torch.randn(batch, HEADS, BLOCK, dtype=dtype)
+    return tuple(t.requires_grad_() for t in (transitions, inputs, initial_state))
+
+
+def step_loop(transitions, inputs, initial_state):
+    """The recurrence written out with ``scan_step``: the reference every implementation is checked against."""
+    state, states = initial_state, []
+    for transition, input in zip(transitions.unbind(1), inputs.unbind(1)):
+        state = scan_step(transition, input, state)
+        states.append(state)
+    return torch.stack(states, dim=1), state
+
+
+def implementations():
+    yield "sequential", scan_sequential
+    yield "parallel", scan_parallel
+    for chunk_size in CHUNK_SIZES:
+        yield f"chunked-{chunk_size}", lambda *args, c=chunk_size: scan_chunked(*args, chunk_size=c)
+
+
+def outputs_and_gradients(scan, problem):
+    """(states, final_state, d/d transitions, d/d inputs, d/d initial_state) of a fixed random loss."""
+    states, final_state = scan(*problem)
+    weights = torch.linspace(-1, 1, states.numel(), dtype=states.dtype).view_as(states)
+    loss = (states * weights).sum() + final_state.square().sum()
+    return (states.detach(), final_state.detach(), *torch.autograd.grad(loss, problem))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("length", [1, 2, 3, 7, 64, 100, 1000, 10000])
+def test_implementations_agree_with_step_loop(length: int, dtype: torch.dtype) -> None:
+    problem = make_problem(length, dtype)
+    expected = outputs_and_gradients(step_loop, problem)
+    names = ["states", "final_state", "grad transitions", "grad inputs", "grad initial_state"]
+    for impl, scan in implementations():
+        actual = outputs_and_gradients(scan, problem)
+        for name, got, want in zip(names, actual, expected):
+            torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=lambda m: f"{impl} {name}: {m}")
+
+
+def test_missing_initial_state_means_zeros() -> None:
+    transitions, inputs, _ = make_problem(9, torch.float64)
+    zeros = torch.zeros(BATCH, HEADS, BLOCK, dtype=torch.float64)
+    for impl, scan in implementations():
+        for got, want in zip(scan(transitions, inputs), step_loop(transitions, inputs, zeros)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{impl}: {m}")
+
+
+def test_transitions_expanded_over_batch_and_time() -> None:
+    """The diagonal LRNN passes one set of blocks expanded (stride 0) over batch and time."""
+    blocks = column_norm_constraint(torch.randn(HEADS, BLOCK, BLOCK, dtype=torch.float64))
+    transitions = blocks.expand(BATCH, 37, HEADS, BLOCK, BLOCK)
+    inputs = torch.randn(BATCH, 37, HEADS, BLOCK, dtype=torch.float64)
+    expected = step_loop(transitions, inputs, torch.zeros(BATCH, HEADS, BLOCK, dtype=torch.float64))
+    for impl, scan in implementations():
+        for got, want in zip(scan(transitions, inputs), expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{impl}: {m}")
+
+
+@pytest.mark.parametrize("impl", ["sequential", "parallel", "chunked"])
+def test_bfloat16_runs_close_to_float32(impl: str) -> None:
+    transitions, inputs, initial_state = (t.detach() for t in make_problem(100, torch.float32))
+    reference, reference_final = step_loop(transitions, inputs, initial_state)
+    low = (t.bfloat16() for t in (transitions, inputs, initial_state))
+    states, final_state = linear_scan(*low, impl=impl, chunk_size=16)
+    assert states.dtype == final_state.dtype == torch.bfloat16
+    torch.testing.assert_close(states.float(), reference, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(final_state.float(), reference_final, rtol=0.05, atol=0.05)
+
+
+def test_auto_dispatches_to_a_named_implementation() -> None:
+    problem = [t.detach() for t in make_problem(100, torch.float64)]
+    expected = step_loop(*problem)
+    for got, want in zip(linear_scan(*problem, impl="auto"), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="unknown scan impl"):
+        linear_scan(*problem, impl="fast")  # type: ignore[arg-type]
+
+
+def test_shape_mismatch_is_refused() -> None:
+    transitions, inputs, _ = make_problem(5, torch.float64)
+    with pytest.raises(ValueError, match="transitions must have shape"):
+        scan_parallel(transitions[:, :4], inputs)
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        scan_sequential(transitions, inputs, torch.zeros(BATCH, HEADS, BLOCK + 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("p", [1.0, 1.2, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_column_norm_constraint(p: float, dtype: torch.dtype) -> None:
+    scale = torch.tensor([0.01, 0.1, 1.0, 10.0]).repeat(50)  # (200,): columns inside and outside the ball
+    matrices = (torch.randn(200, 4, 4) * scale.view(200, 1, 1)).to(dtype)  # (200, b, b)
+    constrained = column_norm_constraint(matrices, p)
+    assert constrained.dtype == dtype
+    norms = torch.linalg.vector_norm(constrained.double(), ord=p, dim=-2)  # (200, b): one per column
+    assert bool((norms <= 1 + {torch.bfloat16: 1e-2}.get(dtype, 1e-6)).all())
+    inside = torch.linalg.vector_norm(matrices.double(), ord=p, dim=-2) <= 1  # (200, b)
+    assert bool(inside.any()) and bool((~inside).any())
+    torch.testing.assert_close(
+        constrained.transpose(-1, -2)[inside], matrices.transpose(-1, -2)[inside], rtol=0, atol=0
+    )
+
+
+def test_column_norm_constraint_gradient_is_finite_at_zero_entries() -> None:
+    matrices = torch.tensor([[[0.0, 3.0], [0.0, 0.0]]], requires_grad=True)  # a zero column, a zero entry
+    column_norm_constraint(matrices).sum().backward()
+    assert torch.isfinite(matrices.grad).all()
