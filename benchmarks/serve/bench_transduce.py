@@ -1,0 +1,103 @@
+"""/v1/transduce: latency and throughput at concurrency 1, 8 and 32, with dynamic batching and with batch-1
+serving; and the HTTP + server overhead over the bare model call for one request of 8 inputs.
+
+    python -m benchmarks.serve.bench_transduce [--lengths 500,50] [--requests 64] [--threads 1]
+
+Each request carries one random input of the given length (a second table: 8 inputs, concurrency 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.serve.harness import TRANSDUCERS, machine, median, ms, run_load, server_process, write_models
+from model.checkpoint import load_checkpoint
+
+CONCURRENCIES = (1, 8, 32)
+BATCH_1 = {"max_batch_size": 1, "batch_wait_ms": 0}
+
+
+def inputs(count: int, length: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice("01") for _ in range(length)) for _ in range(count)]
+
+
+def load_table(url: str, model_id: str, length: int, requests: int, label: str, concurrencies) -> list[float]:
+    """Rows of the latency/throughput table; returns the throughput (inputs/s) per concurrency."""
+    throughputs = []
+    for concurrency in concurrencies:
+        bodies = [{"model": model_id, "inputs": [text]} for text in inputs(requests, length, seed=concurrency)]
+        run_load(url, "/v1/transduce", bodies[: 2 * concurrency], concurrency)  # warm-up
+        records, wall = run_load(url, "/v1/transduce", bodies, concurrency)
+        e2el = [record.e2el for record in records]
+        throughputs.append(requests / wall)
+        print(
+            f"| {model_id} | {length} | {label} | {concurrency} | {ms(e2el, 50)} | {ms(e2el, 99)} "
+            f"| {requests / wall:.1f} | {requests * length / wall:,.0f} |",
+            flush=True,
+        )
+    return throughputs
+
+
+def model_time(path: Path, batch: list[str], threads: int, repeats: int) -> float:
+    """Median seconds of the bare ``final_logits`` on the batch, in this process with ``threads`` threads."""
+    torch.set_num_threads(threads)
+    model = load_checkpoint(path, device="cpu").model
+    tokens = torch.tensor([[int(symbol) for symbol in text] for text in batch])  # (B, T)
+    times = []
+    with torch.inference_mode():
+        model.final_logits(tokens)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.final_logits(tokens)
+            times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="500,50")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server (and the bare model)")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    lengths = [int(length) for length in args.lengths.split(",")]
+    print(f"machine: {machine()}; server torch threads: {args.threads}\n")
+    with tempfile.TemporaryDirectory() as folder:
+        models = write_models(Path(folder))
+        print("| model | T | serving | concurrency | E2EL p50 (ms) | E2EL p99 (ms) | inputs/s | symbols/s |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|")
+        gains = {}
+        with server_process(models, args.threads) as url:
+            for model_id in TRANSDUCERS:
+                for length in lengths:
+                    gains[model_id, length] = load_table(url, model_id, length, args.requests, "batched", CONCURRENCIES)[-1]
+            overheads = {}
+            for model_id in TRANSDUCERS:
+                batch = inputs(8, lengths[0], seed=99)
+                records, _ = run_load(url, "/v1/transduce", [{"model": model_id, "inputs": batch}] * args.repeats, 1)
+                overheads[model_id] = (median([record.e2el for record in records]), batch)
+        with server_process(models, args.threads, **BATCH_1) as url:
+            for model_id in TRANSDUCERS:
+                for length in lengths:
+                    batch_1 = load_table(url, model_id, length, args.requests, "batch-1", CONCURRENCIES[-1:])[-1]
+                    gains[model_id, length] /= batch_1
+        print("\nThroughput at concurrency 32, batched over batch-1 serving:\n")
+        print("| model | T | gain |\n|---|---:|---:|")
+        for (model_id, length), gain in gains.items():
+            print(f"| {model_id} | {length} | {gain:.2f}x |")
+        print(f"\nOne request of 8 inputs of T={lengths[0]}, concurrency 1, median of {args.repeats}:\n")
+        print("| model | bare final_logits (ms) | HTTP E2EL (ms) | overhead |\n|---|---:|---:|---:|")
+        for model_id, (e2el, batch) in overheads.items():
+            bare = model_time(models / model_id, batch, args.threads, args.repeats)
+            print(f"| {model_id} | {1e3 * bare:.1f} | {1e3 * e2el:.1f} | {100 * (e2el - bare) / bare:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Shared pieces of the serving benchmarks: benchmark checkpoints, a server process, a load generator and
+vLLM's latency definitions.
+
+Definitions (vLLM's benchmark_serving): E2EL = request sent -> last byte; TTFT = request sent -> first
+chunk with text; ITL = the gaps between consecutive chunks with text; TPOT = (E2EL - TTFT) /
+(output tokens - 1) per request. Throughput counts finished requests (and output tokens or input symbols)
+per second of wall time over the whole run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from model.checkpoint import save_checkpoint
+from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
+from model.registry import build_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Random-weight models: speed depends on the shapes only.
+TRANSDUCERS = {
+    "parity-lrnn": ("lrnn", LRNNConfig(vocab_size=2, num_labels=2, d_model=128, n_layers=2, d_ff=512)),
+    "parity-regulargpt": (
+        "regulargpt",
+        RegularGPTConfig(vocab_size=2, num_labels=2, d_model=128, n_heads=4, d_ff=512, chunk_size=2, thickness=2),
+    ),
+}
+LANGUAGE_MODEL = "text-lrnn"
+LANGUAGE_MODEL_CONFIG = LRNNConfig(vocab_size=256, d_model=256, n_layers=4, block_size=8, num_blocks=8, d_ff=1024)
+
+
+def write_models(directory: Path) -> Path:
+    torch.manual_seed(0)
+    for model_id, (architecture, config) in TRANSDUCERS.items():
+        checkpoint = CheckpointConfig(
+            architecture=architecture, model=config, kind="transduce", task="parity_check", alphabet="01", labels=("0", "1")
+        )
+        save_checkpoint(build_model(architecture, config), checkpoint, directory / model_id)
+    checkpoint = CheckpointConfig(architecture="lrnn", model=LANGUAGE_MODEL_CONFIG, kind="generate", tokenizer="bytes")
+    save_checkpoint(build_model("lrnn", LANGUAGE_MODEL_CONFIG), checkpoint, directory / LANGUAGE_MODEL)
+    return directory
+
+
+def machine() -> str:
+    return (
+        f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared with "
+        f"other jobs), Python {platform.python_version()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    )
+
+
+@contextmanager
+def server_process(models: Path, threads: int, **settings: object) -> Iterator[str]:
+    """``python -m server`` on a free port with REGULARLM_* settings; yields its URL; SIGTERM at the end."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
+    env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
+    env["REGULARLM_TORCH_THREADS"] = str(threads)
+    command = [sys.executable, "-m", "server", "--models", str(models), "--port", str(port), "--device", "cpu"]
+    process = subprocess.Popen([*command, "--log-level", "warning"], cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {url} did not start")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@dataclass
+class Record:
+    """One request's timings in seconds from when it was sent."""
+
+    e2el: float = 0.0
+    ttft: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+    @property
+    def itl(self) -> list[float]:
+        return [later - earlier for earlier, later in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+async def _send(client: httpx.AsyncClient, path: str, body: dict) -> Record:
+    record, start = Record(), time.perf_counter()
+    if not body.get("stream"):
+        response = await client.post(path, json=body)
+        response.raise_for_status()
+        record.e2el = time.perf_counter() - start
+        return record
+    async with client.stream("POST", path, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk["text"]:
+                record.chunk_times.append(time.perf_counter() - start)
+            if chunk.get("usage"):
+                record.output_tokens = chunk["usage"]["completion_tokens"]
+    record.e2el = time.perf_counter() - start
+    record.ttft = record.chunk_times[0] if record.chunk_times else None
+    return record
+
+
+def run_load(url: str, path: str, bodies: list[dict], concurrency: int) -> tuple[list[Record], float]:
+    """Send the bodies with at most ``concurrency`` in flight; the records and the wall time of the run."""
+
+    async def main() -> tuple[list[Record], float]:
+        limit = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+
+            async def one(body: dict) -> Record:
+                async with limit:
+                    return await _send(client, path, body)
+
+            start = time.perf_counter()
+            records = await asyncio.gather(*(one(body) for body in bodies))
+            return records, time.perf_counter() - start
+
+    return asyncio.run(main())
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between ranks, as numpy's default."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def ms(values: list[float], q: float) -> str:
+    return f"{1e3 * percentile(values, q):.1f}" if values else "-"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
