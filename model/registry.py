@@ -13,6 +13,7 @@ MODEL_CLASSES: dict[str, str] = {
     "diagonal_lrnn": "model.diagonal_lrnn:DiagonalLRNN",
     "transformer": "model.transformer:Transformer",
     "lstm": "model.lstm:LSTMModel",
+    "exact": "model.exact:ExactTransformer",
 }
 assert set(MODEL_CLASSES) == set(ARCHITECTURE_CONFIGS)
 

@@ -10,8 +10,9 @@ Adaptive depth per prefix: the output at position m is read after D(m) = max(1, 
 layers, the fewest whose dilated receptive field reaches position 0. For the last position of a length-T
 input this is the paper's ceil(log_C T). The parallel pass runs D(T - 1) thick layers over every position and
 reads each position at its own depth, so the model is strictly causal: output i is the final output of the
-prefix s[0..i], and decoding one token at a time gives the parallel pass's logits. A position m at a layer
-l >= D(m) attends only to itself (m - C**l < 0): there it is a pointwise function of its own hidden state.
+prefix s[0..i], and decoding one token at a time gives the parallel pass's logits. At a layer l >= D(m) every
+key of position m but its own is out of range (m - j * C**l < 0): masked, or the block's null key and value
+(``config.out_of_range``). Either way position m is there a pointwise function of its own hidden state.
 
 Three exact paths:
 
@@ -110,12 +111,20 @@ class RegularGPTCache(InferenceCache):
 
 
 class DilatedSelfAttention(nn.Module):
-    """Multi-head Sliding-Dilated-Attention with per-head relative scalars r_j (eq. 1)."""
+    """Multi-head Sliding-Dilated-Attention with per-head relative scalars r_j (eq. 1).
+
+    With ``out_of_range="null"`` it also holds a learned null key and value per head (H, hd), which fill the
+    slots whose key lies before position 0; with "mask" those slots are masked and there are no such parameters.
+    """
 
     def __init__(self, config: RegularGPTConfig) -> None:
         super().__init__()
         self.heads = HeadProjections(config.d_model, config.n_heads, config.dropout)
         self.relative_bias = nn.Parameter(torch.zeros(config.n_heads, config.chunk_size))
+        null_shape = (config.n_heads, config.d_model // config.n_heads)
+        for name in ("null_key", "null_value"):  # N(0, 0.02) like the projections whose outputs they stand for
+            null = nn.Parameter(torch.randn(null_shape) * 0.02) if config.out_of_range == "null" else None
+            self.register_parameter(name, null)
         self.chunk_size = config.chunk_size
         self.impl = config.attention_impl
 
@@ -134,10 +143,13 @@ class DilatedSelfAttention(nn.Module):
         q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
         if window is not None and window.length > 0:
             keys, values, valid = window.push(k, v)  # (B, H, 1, C, hd) x2, (C,)
-            out = attend_gathered(q, keys, values, self.relative_bias, valid)  # (B, H, 1, hd)
+            out = attend_gathered(
+                q, keys, values, self.relative_bias, valid, self.null_key, self.null_value
+            )  # (B, H, 1, hd)
         else:
             out = dilated_attention(
-                q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset, self.impl
+                q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
+                self.null_key, self.null_value, self.impl,
             )  # (B, H, T, hd)
             if window is not None:
                 window.fill(k, v)
@@ -218,8 +230,9 @@ class RegularGPT(SequenceModel):
         return self._logits(x[:, 0])
 
     def _grow(self, cache: RegularGPTCache) -> None:
-        """Add thick layer L at length t = C**L. Every consumed position p < C**L attends only to itself
-        there, so its layer-L output is a pointwise continuation of ``top_hidden``."""
+        """Add thick layer L at length t = C**L. Every consumed position p < C**L has no key in range there
+        but its own (the others are masked or null), so its layer-L output is a pointwise continuation of
+        ``top_hidden``: running the new layer over the consumed positions alone gives it."""
         dilation = self.config.chunk_size**cache.depth
         consumed = cache.top_hidden[:, : cache.length]  # (B, t, d)
         windows = self._new_layer(cache, consumed.shape[0])

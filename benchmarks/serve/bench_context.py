@@ -36,7 +36,13 @@ def main() -> None:
             first = None
             for context in contexts:
                 prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(context))
-                body = {"model": LANGUAGE_MODEL, "prompt": prompt, "max_tokens": args.max_tokens, "seed": 0, "stream": True}
+                body = {
+                    "model": LANGUAGE_MODEL,
+                    "prompt": prompt,
+                    "max_tokens": args.max_tokens,
+                    "seed": 0,
+                    "stream": True,
+                }
                 (record,), _ = run_load(url, "/v1/generate", [body], 1)
                 first = first or record.tpot
                 print(

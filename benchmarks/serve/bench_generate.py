@@ -35,17 +35,19 @@ def measure(url: str, label: str, concurrency: int, args: argparse.Namespace) ->
     """One table row; returns the output tokens per second."""
     requests = max(args.requests, 2 * concurrency)
     run_load(url, "/v1/generate", bodies(concurrency, args.prompt_tokens, 8, seed=0), concurrency)  # warm-up
-    records, wall = run_load(url, "/v1/generate", bodies(requests, args.prompt_tokens, args.max_tokens, concurrency), concurrency)
-    ttft = [record.ttft for record in records if record.ttft is not None]
-    tpot = [record.tpot for record in records if record.tpot is not None]
-    itl = [gap for record in records for gap in record.itl]
-    e2el = [record.e2el for record in records]
-    tokens_per_s = sum(record.output_tokens for record in records) / wall
-    print(
-        f"| {label} | {concurrency} | {requests} | {ms(ttft, 50)} / {ms(ttft, 99)} | {ms(tpot, 50)} / {ms(tpot, 99)} "
-        f"| {ms(itl, 50)} / {ms(itl, 99)} | {ms(e2el, 50)} / {ms(e2el, 99)} | {tokens_per_s:.0f} | {requests / wall:.2f} |",
-        flush=True,
+    records, wall = run_load(
+        url, "/v1/generate", bodies(requests, args.prompt_tokens, args.max_tokens, concurrency), concurrency
     )
+    latencies = [
+        [record.ttft for record in records if record.ttft is not None],
+        [record.tpot for record in records if record.tpot is not None],
+        [gap for record in records for gap in record.itl],
+        [record.e2el for record in records],
+    ]  # TTFT, TPOT, ITL, E2EL
+    columns = " | ".join(f"{ms(values, 50)} / {ms(values, 99)}" for values in latencies)
+    tokens_per_s = sum(record.output_tokens for record in records) / wall
+    row = f"| {label} | {concurrency} | {requests} | {columns} | {tokens_per_s:.0f} | {requests / wall:.2f} |"
+    print(row, flush=True)
     return tokens_per_s
 
 
@@ -58,8 +60,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {machine()}; server torch threads: {args.threads}")
     print(f"prompt {args.prompt_tokens} tokens, {args.max_tokens} output tokens per request\n")
-    header = "| serving | concurrency | requests | TTFT p50/p99 (ms) | TPOT p50/p99 (ms) | ITL p50/p99 (ms) | E2EL p50/p99 (ms) | output tok/s | req/s |"
-    print(header + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    latencies = " | ".join(f"{name} p50/p99 (ms)" for name in ("TTFT", "TPOT", "ITL", "E2EL"))
+    print(f"| serving | concurrency | requests | {latencies} | output tok/s | req/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         models = write_models(Path(folder))
         with server_process(models, args.threads) as url:

@@ -15,7 +15,6 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -49,7 +48,12 @@ def write_models(directory: Path) -> Path:
     torch.manual_seed(0)
     for model_id, (architecture, config) in TRANSDUCERS.items():
         checkpoint = CheckpointConfig(
-            architecture=architecture, model=config, kind="transduce", task="parity_check", alphabet="01", labels=("0", "1")
+            architecture=architecture,
+            model=config,
+            kind="transduce",
+            task="parity_check",
+            alphabet="01",
+            labels=("0", "1"),
         )
         save_checkpoint(build_model(architecture, config), checkpoint, directory / model_id)
     checkpoint = CheckpointConfig(architecture="lrnn", model=LANGUAGE_MODEL_CONFIG, kind="generate", tokenizer="bytes")
@@ -142,7 +146,9 @@ def run_load(url: str, path: str, bodies: list[dict], concurrency: int) -> tuple
 
     async def main() -> tuple[list[Record], float]:
         limit = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async with httpx.AsyncClient(
+            base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency)
+        ) as client:
 
             async def one(body: dict) -> Record:
                 async with limit:
@@ -170,5 +176,11 @@ def ms(values: list[float], q: float) -> str:
     return f"{1e3 * percentile(values, q):.1f}" if values else "-"
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
+def histogram_totals(url: str, name: str, model: str) -> tuple[float, float]:
+    """(sum, count) of one model's histogram on the server's /metrics."""
+    totals = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f'{name}_{part}{{model_name="{model}"}}'):
+                totals[part] = float(line.rsplit(" ", 1)[1])
+    return totals.get("sum", 0.0), totals.get("count", 0.0)

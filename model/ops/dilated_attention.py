@@ -1,13 +1,17 @@
 """Sliding-Dilated-Attention (regulargpt.txt section 3.1, eq. 1).
 
 Position m attends to the ``chunk_size`` keys m - j * dilation, j in [chunk_size]; the logit of the key j
-steps back gets the head's learnable scalar ``relative_bias[h, j]``. Keys at negative positions are masked,
-and so are keys at indices below ``key_offset[b]`` (left padding), except a position's own key (j = 0), which
-keeps padded queries finite; their outputs are meaningless and never read.
+steps back gets the head's learnable scalar ``relative_bias[h, j]``. A slot is out of range when its key lies
+at a negative position or at an index below ``key_offset[b]`` (left padding); a position's own key (j = 0)
+never is, which keeps padded queries finite (their outputs are meaningless and never read). Out-of-range
+slots are masked, or, given ``null_key`` and ``null_value`` (H, hd), hold that key and value: slot j then
+scores q . null_key / sqrt(hd) + relative_bias[h, j], as if the sequence were left-padded with a null token.
 
-Implementations, one signature ``(q, k, v, relative_bias, chunk_size, dilation, key_offset=None) -> out``:
+Implementations, one signature
+``(q, k, v, relative_bias, chunk_size, dilation, key_offset=None, null_key=None, null_value=None) -> out``:
 
-- ``dilated_attention_reference``: the T x T additive mask of eq. 1 and plain softmax attention, O(T^2);
+- ``dilated_attention_reference``: the T x T additive mask of eq. 1 (plus one null column per j) and plain
+  softmax attention, O(T^2);
 - ``dilated_attention_fast``: gathers the chunk_size dilated keys of every position from shifted views of the
   left-padded keys and values and attends over them, O(T * chunk_size), never a T x T tensor.
 
@@ -31,18 +35,27 @@ def dilated_attention_reference(
     chunk_size: int,
     dilation: int,
     key_offset: torch.Tensor | None = None,
+    null_key: torch.Tensor | None = None,
+    null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None -> (B, H, T, hd)."""
+    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None; null_key, null_value:
+    (H, hd) or None -> (B, H, T, hd)."""
     length = q.shape[2]
+    q = q / math.sqrt(q.shape[-1])
     mask = q.new_full((relative_bias.shape[0], length, length), float("-inf"))  # (H, T, T) the M of eq. 1
     for j in range(chunk_size):  # r_j on the diagonal of keys j * dilation steps back (empty past T)
         mask.diagonal(-j * dilation, dim1=1, dim2=2).copy_(relative_bias[:, j, None])  # (H, T - j * dilation)
-    scores = (q / math.sqrt(q.shape[-1])) @ k.transpose(-2, -1) + mask  # (B, H, T, T)
+    scores = q @ k.transpose(-2, -1) + mask  # (B, H, T, T)
     if key_offset is not None:
         positions = torch.arange(length, device=q.device)  # (T,)
         scores = scores.masked_fill(~_unmasked(positions[:, None], positions, key_offset), float("-inf"))
-    probs = scores.softmax(dim=-1)  # (B, H, T, T)
-    return probs @ v  # (B, H, T, hd)
+    if null_key is None:
+        return scores.softmax(dim=-1) @ v  # (B, H, T, hd)
+    in_range = _slots_in_range(length, chunk_size, dilation, key_offset, q.device)  # (B or 1, 1, T, C)
+    null_scores = _null_scores(q, null_key, relative_bias).masked_fill(in_range, float("-inf"))  # (B, H, T, C)
+    probs = torch.cat([scores, null_scores], dim=-1).softmax(dim=-1)  # (B, H, T, T + C): one null column per j
+    null_weight = probs[..., length:].sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    return probs[..., :length] @ v + null_weight * null_value[:, None, :]  # (B, H, T, hd)
 
 
 def dilated_attention_fast(
@@ -53,8 +66,11 @@ def dilated_attention_fast(
     chunk_size: int,
     dilation: int,
     key_offset: torch.Tensor | None = None,
+    null_key: torch.Tensor | None = None,
+    null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None -> (B, H, T, hd)."""
+    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None; null_key, null_value:
+    (H, hd) or None -> (B, H, T, hd)."""
     length = q.shape[2]
     reach = (chunk_size - 1) * dilation
     k_padded = F.pad(k, (0, 0, reach, 0))  # (B, H, reach + T, hd)
@@ -62,24 +78,50 @@ def dilated_attention_fast(
     starts = [reach - j * dilation for j in range(chunk_size)]
     keys = torch.stack([k_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, C, hd)
     values = torch.stack([v_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, C, hd)
-    query = torch.arange(length, device=q.device).view(-1, 1)  # (T, 1)
-    key = query - dilation * torch.arange(chunk_size, device=q.device)  # (T, C) key position, j steps back
-    valid = _unmasked(query, key, key_offset)  # (B, 1, T, C)
-    return attend_gathered(q, keys, values, relative_bias, valid)
+    valid = _slots_in_range(length, chunk_size, dilation, key_offset, q.device)  # (B or 1, 1, T, C)
+    return attend_gathered(q, keys, values, relative_bias, valid, null_key, null_value)
 
 
 def attend_gathered(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, relative_bias: torch.Tensor, valid: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    relative_bias: torch.Tensor,
+    valid: torch.Tensor,
+    null_key: torch.Tensor | None = None,
+    null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its own C gathered keys (j = 0 is the query's own position).
 
-    q: (B, H, T, hd); keys, values: (B, H, T, C, hd); relative_bias: (H, C); valid: bool broadcastable to
-    (B, H, T, C), True at least at j = 0. Returns (B, H, T, hd). Shared by the fast op and cached decoding.
+    q: (B, H, T, hd); keys, values: (B, H, T, C, hd), finite; relative_bias: (H, C); valid: bool broadcastable
+    to (B, H, T, C), True at least at j = 0; null_key, null_value: (H, hd) or None. The slots that are not
+    ``valid`` are masked, or hold the null key and value. Returns (B, H, T, hd). Shared by the fast op and
+    cached decoding.
     """
-    scores = torch.einsum("bhtd,bhtcd->bhtc", q / math.sqrt(q.shape[-1]), keys)  # (B, H, T, C)
-    scores = scores + relative_bias[:, None, :]  # (B, H, T, C)
-    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)  # (B, H, T, C)
-    return torch.einsum("bhtc,bhtcd->bhtd", probs, values)  # (B, H, T, hd)
+    q = q / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bhtd,bhtcd->bhtc", q, keys) + relative_bias[:, None, :]  # (B, H, T, C)
+    if null_key is None:
+        probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)  # (B, H, T, C)
+        return torch.einsum("bhtc,bhtcd->bhtd", probs, values)  # (B, H, T, hd)
+    probs = torch.where(valid, scores, _null_scores(q, null_key, relative_bias)).softmax(dim=-1)  # (B, H, T, C)
+    null_weight = probs.masked_fill(valid, 0.0).sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    in_range = torch.einsum("bhtc,bhtcd->bhtd", probs.masked_fill(~valid, 0.0), values)  # (B, H, T, hd)
+    return in_range + null_weight * null_value[:, None, :]  # (B, H, T, hd)
+
+
+def _null_scores(q: torch.Tensor, null_key: torch.Tensor, relative_bias: torch.Tensor) -> torch.Tensor:
+    """The logit of the null key in every slot: q (B, H, T, hd) already scaled by 1 / sqrt(hd), null_key
+    (H, hd), relative_bias (H, C) -> (B, H, T, C)."""
+    return torch.einsum("bhtd,hd->bht", q, null_key)[..., None] + relative_bias[:, None, :]
+
+
+def _slots_in_range(
+    length: int, chunk_size: int, dilation: int, key_offset: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """Whether slot j of query t has a key: (B or 1, 1, T, C) bool, True at j = 0."""
+    query = torch.arange(length, device=device).view(-1, 1)  # (T, 1)
+    key = query - dilation * torch.arange(chunk_size, device=device)  # (T, C) key position, j steps back
+    return _unmasked(query, key, key_offset)  # (B or 1, 1, T, C)
 
 
 def _unmasked(query: torch.Tensor, key: torch.Tensor, key_offset: torch.Tensor | None) -> torch.Tensor:
@@ -102,10 +144,12 @@ def dilated_attention(
     chunk_size: int,
     dilation: int,
     key_offset: torch.Tensor | None = None,
+    null_key: torch.Tensor | None = None,
+    null_value: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Sliding-Dilated-Attention through the implementation ``impl``: "reference", "fast" or "auto" (= "fast")."""
     name = "fast" if impl == "auto" else impl
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown dilated attention impl {impl!r}; choose from {['auto', *IMPLEMENTATIONS]}")
-    return IMPLEMENTATIONS[name](q, k, v, relative_bias, chunk_size, dilation, key_offset)
+    return IMPLEMENTATIONS[name](q, k, v, relative_bias, chunk_size, dilation, key_offset, null_key, null_value)

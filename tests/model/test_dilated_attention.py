@@ -1,4 +1,5 @@
-"""The fast Sliding-Dilated-Attention agrees with the T x T reference in values and gradients."""
+"""The fast Sliding-Dilated-Attention agrees with the T x T reference in values and gradients, with out-of-range
+slots masked and with them holding a null key and value."""
 
 from __future__ import annotations
 
@@ -12,15 +13,23 @@ from model.ops.dilated_attention import (
 )
 from model.regulargpt import adaptive_depth
 
+INPUT_NAMES = ("q", "k", "v", "relative_bias", "null_key", "null_value")
+OUT_OF_RANGE = pytest.mark.parametrize("null", [False, True], ids=["mask", "null"])
 
-def make_inputs(batch: int, heads: int, length: int, chunk_size: int, dtype: torch.dtype):
-    q, k, v = (torch.randn(batch, heads, length, 4, dtype=dtype, requires_grad=True) for _ in range(3))
-    relative_bias = torch.randn(heads, chunk_size, dtype=dtype, requires_grad=True)
-    return q, k, v, relative_bias
+
+def make_inputs(batch: int, heads: int, length: int, chunk_size: int, dtype: torch.dtype, null: bool = False):
+    """(q, k, v, relative_bias), then (null_key, null_value) if ``null``; head_dim 4."""
+    shapes = [(batch, heads, length, 4)] * 3 + [(heads, chunk_size)] + [(heads, 4)] * (2 if null else 0)
+    return tuple(torch.randn(shape, dtype=dtype, requires_grad=True) for shape in shapes)
+
+
+def attend(op, inputs, chunk_size: int, dilation: int, key_offset=None) -> torch.Tensor:
+    q, k, v, relative_bias, *null = inputs
+    return op(q, k, v, relative_bias, chunk_size, dilation, key_offset, *null)  # (B, H, T, hd)
 
 
 def values_and_grads(op, inputs, chunk_size: int, dilation: int, key_offset=None):
-    out = op(*inputs, chunk_size, dilation, key_offset)  # (B, H, T, hd)
+    out = attend(op, inputs, chunk_size, dilation, key_offset)  # (B, H, T, hd)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
     grads = torch.autograd.grad((out * weights).sum(), inputs)
     return out, grads
@@ -30,8 +39,8 @@ def assert_agree(inputs, chunk_size: int, dilation: int, key_offset=None, **tole
     fast = values_and_grads(dilated_attention_fast, inputs, chunk_size, dilation, key_offset)
     reference = values_and_grads(dilated_attention_reference, inputs, chunk_size, dilation, key_offset)
     torch.testing.assert_close(fast[0], reference[0], **tolerance)
-    for name, fast_grad, reference_grad in zip(("q", "k", "v", "relative_bias"), fast[1], reference[1]):
-        torch.testing.assert_close(fast_grad, reference_grad, **tolerance, msg=lambda m: f"grad {name}: {m}")
+    for name, fast_grad, reference_grad in zip(INPUT_NAMES, fast[1], reference[1]):
+        torch.testing.assert_close(fast_grad, reference_grad, **tolerance, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
 def dilations(length: int, chunk_size: int) -> list[int]:
@@ -39,35 +48,53 @@ def dilations(length: int, chunk_size: int) -> list[int]:
     return [chunk_size**layer for layer in range(adaptive_depth(length - 1, chunk_size) + 1)]
 
 
+@OUT_OF_RANGE
 @pytest.mark.parametrize("chunk_size", [2, 3, 4])
 @pytest.mark.parametrize("length", [1, 2, 3, 7, 41, 500])
-def test_fast_equals_reference_float64(chunk_size: int, length: int) -> None:
-    inputs = make_inputs(1, 2, length, chunk_size, torch.float64)
+def test_fast_equals_reference_float64(chunk_size: int, length: int, null: bool) -> None:
+    inputs = make_inputs(1, 2, length, chunk_size, torch.float64, null)
     for dilation in dilations(length, chunk_size):
         assert_agree(inputs, chunk_size, dilation, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("chunk_size", [2, 3, 4])
-def test_fast_equals_reference_long_float32(chunk_size: int) -> None:
-    inputs = make_inputs(1, 1, 4097, chunk_size, torch.float32)
+@pytest.mark.parametrize(("chunk_size", "null"), [(2, False), (3, False), (4, False), (3, True)])
+def test_fast_equals_reference_long_float32(chunk_size: int, null: bool) -> None:
+    inputs = make_inputs(1, 1, 4097, chunk_size, torch.float32, null)
     for dilation in dilations(4097, chunk_size)[:-1]:
         assert_agree(inputs, chunk_size, dilation, rtol=1e-4, atol=1e-5)
 
 
+@OUT_OF_RANGE
 @pytest.mark.parametrize("chunk_size", [2, 3])
-def test_key_offset_is_left_padding(chunk_size: int) -> None:
+def test_key_offset_is_left_padding(chunk_size: int, null: bool) -> None:
     """Row b with key_offset o gives, at positions >= o, the output of its unpadded suffix."""
     length, offsets = 37, [0, 5, 36]
-    inputs = make_inputs(3, 2, length, chunk_size, torch.float64)
+    inputs = make_inputs(3, 2, length, chunk_size, torch.float64, null)
     key_offset = torch.tensor(offsets)
     for dilation in dilations(length, chunk_size):
         assert_agree(inputs, chunk_size, dilation, key_offset, rtol=1e-10, atol=1e-10)
-        padded = dilated_attention_fast(*inputs, chunk_size, dilation, key_offset)  # (B, H, T, hd)
+        padded = attend(dilated_attention_fast, inputs, chunk_size, dilation, key_offset)  # (B, H, T, hd)
         assert torch.isfinite(padded).all()
         for row, offset in enumerate(offsets):
-            q, k, v = (t[row : row + 1, :, offset:] for t in inputs[:3])
-            alone = dilated_attention_fast(q, k, v, inputs[3], chunk_size, dilation)
+            suffix = tuple(t[row : row + 1, :, offset:] for t in inputs[:3]) + inputs[3:]
+            alone = attend(dilated_attention_fast, suffix, chunk_size, dilation)
             torch.testing.assert_close(padded[row : row + 1, :, offset:], alone, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [2, 3])
+def test_null_slots_are_a_left_padding_null_token(chunk_size: int) -> None:
+    """With null slots, the output equals masked attention over the sequence left-padded with (C-1) * dilation
+    null tokens (keys and values = the null ones), at the real positions."""
+    length = 23
+    q, k, v, relative_bias, null_key, null_value = make_inputs(2, 2, length, chunk_size, torch.float64, null=True)
+    for dilation in dilations(length, chunk_size):
+        reach = (chunk_size - 1) * dilation
+        pad = [tensor[None, :, None, :].expand(2, -1, reach, -1) for tensor in (null_key, null_value)]
+        padded_q = torch.cat([torch.zeros_like(pad[0]), q], dim=2)  # those queries' outputs are dropped
+        padded_k, padded_v = torch.cat([pad[0], k], dim=2), torch.cat([pad[1], v], dim=2)
+        masked = dilated_attention_fast(padded_q, padded_k, padded_v, relative_bias, chunk_size, dilation)
+        nulled = dilated_attention_fast(q, k, v, relative_bias, chunk_size, dilation, None, null_key, null_value)
+        torch.testing.assert_close(nulled, masked[:, :, reach:], rtol=1e-12, atol=1e-12)
 
 
 def test_dispatch_is_explicit() -> None:

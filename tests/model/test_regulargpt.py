@@ -1,4 +1,5 @@
-"""RegularGPT: adaptive depth, the three exact paths (parallel, shrinking, cached decoding) and the cache size."""
+"""RegularGPT: adaptive depth, the three exact paths (parallel, shrinking, cached decoding) and the cache size,
+with out-of-range keys masked and with null keys."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from model.config import RegularGPTConfig
 from model.regulargpt import RegularGPT, adaptive_depth
 
 VOCAB = 5
+OUT_OF_RANGE = pytest.mark.parametrize("out_of_range", ["mask", "null"])
 
 
-def make(chunk_size: int = 2, thickness: int = 1, impl: str = "auto", num_labels: int = 0) -> RegularGPT:
+def make(
+    chunk_size: int = 2, thickness: int = 1, impl: str = "auto", num_labels: int = 0, out_of_range: str = "mask"
+) -> RegularGPT:
     config = RegularGPTConfig(
         vocab_size=VOCAB,
         num_labels=num_labels,
@@ -23,6 +27,7 @@ def make(chunk_size: int = 2, thickness: int = 1, impl: str = "auto", num_labels
         chunk_size=chunk_size,
         thickness=thickness,
         attention_impl=impl,
+        out_of_range=out_of_range,
     )
     return RegularGPT(config).double().eval()
 
@@ -48,10 +53,11 @@ def test_adaptive_depth(chunk_size: int) -> None:
         assert adaptive_depth(position, chunk_size) == receptive_depth(position, chunk_size)
 
 
+@OUT_OF_RANGE
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
-def test_reference_and_fast_models_agree(chunk_size: int, thickness: int) -> None:
-    fast = make(chunk_size, thickness, impl="fast")
-    reference = make(chunk_size, thickness, impl="reference")
+def test_reference_and_fast_models_agree(chunk_size: int, thickness: int, out_of_range: str) -> None:
+    fast = make(chunk_size, thickness, impl="fast", out_of_range=out_of_range)
+    reference = make(chunk_size, thickness, impl="reference", out_of_range=out_of_range)
     reference.load_state_dict(fast.state_dict())
     tokens = torch.randint(0, VOCAB, (2, 41))
     lengths = torch.tensor([41, 28])
@@ -72,9 +78,10 @@ def boundary_lengths(chunk_size: int, up_to: int) -> list[int]:
     return sorted(lengths)
 
 
+@OUT_OF_RANGE
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 1), (2, 2), (4, 2)])
-def test_shrinking_final_logits_equal_parallel(chunk_size: int, thickness: int) -> None:
-    model = make(chunk_size, thickness, num_labels=3)
+def test_shrinking_final_logits_equal_parallel(chunk_size: int, thickness: int, out_of_range: str) -> None:
+    model = make(chunk_size, thickness, num_labels=3, out_of_range=out_of_range)
     length = 70
     tokens = torch.randint(0, VOCAB, (3, length))
     with torch.no_grad():
@@ -87,8 +94,9 @@ def test_shrinking_final_logits_equal_parallel(chunk_size: int, thickness: int) 
             torch.testing.assert_close(model.final_logits(tokens, lengths), expected, rtol=1e-9, atol=1e-9)
 
 
-def test_output_at_each_position_is_the_prefix_final_output() -> None:
-    model = make(3, 2)
+@OUT_OF_RANGE
+def test_output_at_each_position_is_the_prefix_final_output(out_of_range: str) -> None:
+    model = make(3, 2, out_of_range=out_of_range)
     tokens = torch.randint(0, VOCAB, (2, 30))
     with torch.no_grad():
         parallel = model(tokens)
@@ -96,10 +104,13 @@ def test_output_at_each_position_is_the_prefix_final_output() -> None:
     torch.testing.assert_close(prefixes, parallel, rtol=1e-9, atol=1e-9)
 
 
+@OUT_OF_RANGE
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
 @pytest.mark.parametrize("prefill", [0, 1, 2, 3, 4, 9, 10])
-def test_decoding_across_depth_growth_equals_parallel(chunk_size: int, thickness: int, prefill: int) -> None:
-    model = make(chunk_size, thickness)
+def test_decoding_across_depth_growth_equals_parallel(
+    chunk_size: int, thickness: int, prefill: int, out_of_range: str
+) -> None:
+    model = make(chunk_size, thickness, out_of_range=out_of_range)
     length = chunk_size**3 + 2
     tokens = torch.randint(0, VOCAB, (2, length))
     with torch.no_grad():
@@ -158,6 +169,18 @@ def test_clone_is_deep() -> None:
         for layer_a, layer_b in zip(snapshot.windows, cache.windows)
         for a, b in zip(layer_a, layer_b)
     )
+
+
+def test_null_slots_have_their_own_parameters_and_change_the_output() -> None:
+    """"null" adds a null key and value per block and head, and the first positions see them; "mask" has none."""
+    masked, nulled = make(2, thickness=2), make(2, thickness=2, out_of_range="null")
+    names = set(nulled.state_dict()) - set(masked.state_dict())
+    assert names == {f"blocks.{k}.attention.{name}" for k in range(2) for name in ("null_key", "null_value")}
+    assert nulled.blocks[0].attention.null_value.shape == (2, 4)  # (H, hd)
+    nulled.load_state_dict(masked.state_dict(), strict=False)  # the same weights but for the null slots
+    tokens = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert not torch.allclose(nulled(tokens)[:, 0], masked(tokens)[:, 0])
 
 
 def test_gpt2_initialisation() -> None:

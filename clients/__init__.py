@@ -1,0 +1,5 @@
+"""Python client and command line of the regularlm server; they import only ``server.protocol``."""
+
+from clients.client import APIStatusError, AsyncClient, Client, RetryPolicy
+
+__all__ = ["APIStatusError", "AsyncClient", "Client", "RetryPolicy"]

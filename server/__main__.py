@@ -1,0 +1,97 @@
+"""``python -m server [--host H] [--port P] [--models DIR] [--device auto|cpu|cuda]``
+
+Serves every checkpoint folder under DIR (default: the repository's checkpoints/). Options not given on
+the command line come from REGULARLM_* environment variables (``server/settings.py``). On SIGTERM or
+Ctrl-C the server stops taking requests (/health answers 503 "draining") and finishes those in flight,
+for at most ``drain_timeout_s``. Exit codes: 0 after a clean shutdown, 2 on bad options or when no model
+could be loaded (each failure is printed with its path and reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from types import FrameType
+
+import uvicorn
+from pydantic import ValidationError
+
+from server.app import create_app
+from server.engine import Engine
+from server.metrics import ServerMetrics
+from server.settings import Settings
+
+EXIT_NO_MODEL = 2
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain phase: the first SIGTERM/SIGINT marks the engine draining (/health 503,
+    new requests 503) while the socket stays open, until the requests in flight are done or ``drain_timeout_s``
+    has passed; then uvicorn shuts down as usual. A second signal skips the wait, a third forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining:
+            self.force_exit = self.should_exit
+            self.should_exit = True
+            return
+        self.draining = True
+        self.engine.begin_drain()
+        threading.Thread(target=self._exit_when_idle, name="regularlm-drain", daemon=True).start()
+
+    def _exit_when_idle(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.engine.metrics.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
+def parse_settings(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(prog="python -m server", description="Serve regularlm checkpoints over HTTP.")
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default 8000)")
+    parser.add_argument("--models", help="folder of checkpoint folders (default: the shipped checkpoints/)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the models run (default auto)")
+    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    args = parser.parse_args(argv)
+    overrides = {name: value for name, value in vars(args).items() if value is not None}
+    try:
+        return Settings(**overrides)
+    except ValidationError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server: DrainingServer | None = None
+
+    def stop_serving(message: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    engine = Engine(settings, ServerMetrics(), on_load_failed=stop_serving)
+    config = uvicorn.Config(
+        create_app(settings, engine),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+    )
+    server = DrainingServer(config, engine, settings.drain_timeout_s)
+    server.run()
+    if engine.state == "failed":
+        print(f"error: {engine.detail}", file=sys.stderr)
+        return EXIT_NO_MODEL
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The app factory: routes (thin), error bodies, API key, CORS, and the lifespan that starts and stops the
+engine. Build an app with ``create_app(settings)``; nothing is created at import time.
+
+/health and /metrics sit outside the API key; /v1/* need it when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from server.completions import CompletionServing
+from server.engine import Engine
+from server.errors import APIError, Unauthorized
+from server.metrics import ServerMetrics
+from server.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    ModelList,
+    TransduceRequest,
+    TransduceResponse,
+)
+from server.serving import Serving
+from server.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.1
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away; nobody reads it
+HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
+T = TypeVar("T")
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
+    """The ASGI app. ``engine`` (not started) lets ``python -m server`` keep a handle on it; by default the
+    lifespan builds one from ``settings``."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        running = engine or Engine(settings, ServerMetrics())
+        app.state.engine = running
+        app.state.serving = Serving(running, settings)
+        app.state.completions = CompletionServing(app.state.serving)
+        running.start()
+        yield
+        await asyncio.to_thread(running.stop)
+
+    app = FastAPI(title="regularlm", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    _add_error_handlers(app)
+    app.include_router(_health_router())
+    app.include_router(_api_router(), dependencies=[Depends(require_api_key)])
+    return app
+
+
+# --- dependencies -------------------------------------------------------------------------------------
+
+
+def get_engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def get_serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def get_completions(request: Request) -> CompletionServing:
+    return request.app.state.completions
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+ServingDep = Annotated[Serving, Depends(get_serving)]
+CompletionsDep = Annotated[CompletionServing, Depends(get_completions)]
+
+
+def require_api_key(request: Request) -> None:
+    """``Authorization: Bearer <key>`` when a key is configured; compared in constant time."""
+    expected = request.app.state.settings.api_key
+    if expected is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), expected.get_secret_value().encode()):
+        raise Unauthorized("a valid API key is needed: 'Authorization: Bearer <key>'")
+
+
+# --- routes -------------------------------------------------------------------------------------------
+
+
+def _health_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health", response_model=HealthResponse, response_model_exclude_none=True)
+    def health(engine: EngineDep) -> Any:
+        if engine.state == "ready":
+            return HealthResponse(status="ok")
+        status = "draining" if engine.state == "stopped" else engine.state
+        body = HealthResponse(status=status, detail=engine.detail)
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=503)
+
+    @router.get("/metrics")
+    def metrics(engine: EngineDep) -> Response:
+        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _api_router() -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/models", response_model=ModelList)
+    def list_models(serving: ServingDep) -> ModelList:
+        return serving.models()
+
+    @router.post("/transduce", response_model=TransduceResponse, response_model_exclude_none=True)
+    async def transduce(body: TransduceRequest, request: Request, serving: ServingDep) -> Any:
+        return await _until_disconnected(request, serving.transduce(body))
+
+    @router.post("/generate", response_model=GenerateResponse)
+    async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Any:
+        return _respond(await _until_disconnected(request, serving.generate(body)))
+
+    @router.post("/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request, completions: CompletionsDep) -> Any:
+        return _respond(await _until_disconnected(request, completions.create(body)))
+
+    return router
+
+
+def _respond(result: BaseModel | AsyncIterator[str]) -> Any:
+    """A body, or a Server-Sent Events stream (whose generator is closed if the client leaves)."""
+    if isinstance(result, BaseModel):
+        return result
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; cancel it (which stops its generation) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise _ClientGone
+
+
+# --- errors -------------------------------------------------------------------------------------------
+
+
+def error_response(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=error_type))
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        headers = {}
+        if error.retry_after_s is not None:
+            headers["Retry-After"] = str(error.retry_after_s)
+        if isinstance(error, Unauthorized):
+            headers["WWW-Authenticate"] = "Bearer"
+        return error_response(error.status_code, error.message, error.error_type, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(422, _describe_validation(error), "invalid_request_error")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        error_type = HTTP_ERROR_TYPES.get(error.status_code, "invalid_request_error")
+        return error_response(error.status_code, str(error.detail), error_type, error.headers)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, error: _ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal server error", "internal_error")
+
+
+def _describe_validation(error: RequestValidationError) -> str:
+    """'body.inputs.0: Input should be a valid string; ...' from pydantic's error list."""
+    parts = []
+    for problem in error.errors():
+        where = ".".join(str(part) for part in problem.get("loc", ()))
+        parts.append(f"{where}: {problem.get('msg', 'invalid')}" if where else problem.get("msg", "invalid"))
+    return "; ".join(parts) or "invalid request"

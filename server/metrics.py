@@ -1,0 +1,147 @@
+"""Prometheus metrics with vLLM's names (prefix ``regularlm:``), definitions and buckets.
+
+Definitions (as vLLM's): queue time = arrival -> first scheduled; TTFT = arrival -> first generated token;
+inter-token latency (ITL) = the gap between consecutive generated tokens; time per output token (TPOT) =
+(last token - first token) / (generated tokens - 1) per request; E2E = arrival -> finished; model execute
+time = one engine call of a model (vLLM's model_execute_time, in seconds here). The TPOT/ITL buckets start
+lower than vLLM's (1 ms) because small models on a CPU decode in about a millisecond.
+
+Each app has its own registry: nothing is registered at import time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "regularlm:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                         1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+MODEL = ("model_name",)
+
+
+@dataclass
+class RequestTimes:
+    """One request's timestamps (``time.monotonic()``), filled in by the engine as it goes."""
+
+    model: str
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    generated: int = 0
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._waiting = 0  # the waiting gauge summed over models: the engine's queue length
+        self._in_flight = 0  # admitted and not finished
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, MODEL, registry=self.registry, buckets=buckets)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = MODEL) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, MODEL, registry=self.registry)
+
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish, seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled, seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token, seconds.", TTFT_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Mean gap between a request's tokens, seconds.", TOKEN_LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Gap between consecutive generated tokens, seconds.", TOKEN_LATENCY_BUCKETS
+        )
+        self.model_execute_time = histogram(
+            "model_execute_time_seconds",
+            "Engine calls of a model (a prefill, decode step or transduce batch with its sampling), seconds.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled or scored.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.transduced_symbols = counter("transduced_symbols", "Input symbols transduced.")
+        self.request_success = counter("request_success", "Finished requests.", (*MODEL, "finished_reason"))
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the state cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the state cache.")
+        self.requests_running = gauge("num_requests_running", "Requests being computed.")
+        self.requests_waiting = gauge("num_requests_waiting", "Requests queued, not yet scheduled.")
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def admit(self, requests: list[RequestTimes], max_waiting: int) -> bool:
+        """Count the requests as waiting if the queue has room for all of them; False if it has not."""
+        with self._lock:
+            if self._waiting + len(requests) > max_waiting:
+                return False
+            self._waiting += len(requests)
+            self._in_flight += len(requests)
+        for times in requests:
+            self.requests_waiting.labels(times.model).inc()
+        return True
+
+    def scheduled(self, times: RequestTimes) -> None:
+        times.scheduled = time.monotonic()
+        self.queue_time.labels(times.model).observe(times.scheduled - times.arrival)
+        self._leave_queue(times)
+        self.requests_running.labels(times.model).inc()
+
+    def _leave_queue(self, times: RequestTimes) -> None:
+        with self._lock:
+            self._waiting -= 1
+        self.requests_waiting.labels(times.model).dec()
+
+    def token(self, times: RequestTimes) -> None:
+        now = time.monotonic()
+        if times.first_token is None:
+            times.first_token = now
+            self.time_to_first_token.labels(times.model).observe(now - times.arrival)
+        else:
+            self.inter_token_latency.labels(times.model).observe(now - times.last_token)
+        times.last_token = now
+        times.generated += 1
+        self.generation_tokens.labels(times.model).inc()
+
+    def model_executed(self, model: str, seconds: float) -> None:
+        self.model_execute_time.labels(model).observe(seconds)
+
+    def finished(self, times: RequestTimes, reason: str) -> None:
+        """Called once per request that was admitted, however it ended (``reason``: stop, length, abort, error)."""
+        if times.scheduled is None:
+            self._leave_queue(times)
+        else:
+            self.requests_running.labels(times.model).dec()
+        with self._lock:
+            self._in_flight -= 1
+        end = time.monotonic()
+        self.e2e_latency.labels(times.model).observe(end - times.arrival)
+        if times.generated > 1:
+            tpot = (times.last_token - times.first_token) / (times.generated - 1)
+            self.time_per_output_token.labels(times.model).observe(tpot)
+        self.request_success.labels(times.model, reason).inc()

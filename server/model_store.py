@@ -1,0 +1,104 @@
+"""The served models: every checkpoint folder under a directory, loaded strictly, with what requests need to
+turn text into token ids (the alphabet of a transducer, the tokenizer of a language model).
+
+A folder that fails to load is reported with its path and reason and skipped; the caller decides what to
+do when none loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model.base import SequenceModel
+from model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
+from model.config import CheckpointConfig
+from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from server.errors import InvalidInput
+from server.protocol import ModelCard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedModel:
+    id: str
+    model: SequenceModel
+    config: CheckpointConfig
+    path: Path
+    tokenizer: Tokenizer | None = None
+    symbol_ids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    def card(self) -> ModelCard:
+        return ModelCard(
+            id=self.id,
+            kind=self.config.kind,
+            architecture=self.config.architecture,
+            task=self.config.task,
+            alphabet=self.config.alphabet,
+            labels=list(self.config.labels) if self.config.labels is not None else None,
+            tokenizer=self.config.tokenizer,
+            vocab_size=self.config.model.vocab_size,
+            parameters=sum(parameter.numel() for parameter in self.model.parameters()),
+        )
+
+    def encode_symbols(self, text: str, where: str) -> list[int]:
+        """A transducer input -> token ids; a character outside the alphabet is refused by position."""
+        try:
+            return [self.symbol_ids[symbol] for symbol in text]
+        except KeyError:
+            position = next(i for i, symbol in enumerate(text) if symbol not in self.symbol_ids)
+            raise InvalidInput(
+                f"{where}: character {text[position]!r} at position {position} is not in the alphabet "
+                f"{self.config.alphabet!r} of model {self.id!r}"
+            ) from None
+
+
+@dataclass
+class LoadReport:
+    models: dict[str, ServedModel]
+    failures: list[str]  # "<path>: <reason>" per folder that did not load
+
+
+def load_models(directory: Path, device: str) -> LoadReport:
+    """Load every checkpoint folder directly under ``directory`` (or ``directory`` itself if it is one)."""
+    if not directory.is_dir():
+        return LoadReport({}, [f"{directory}: not a folder"])
+    folders = (
+        [directory]
+        if (directory / CONFIG_FILE).is_file()
+        else sorted(path for path in directory.iterdir() if path.is_dir() and not path.name.startswith((".", "_")))
+    )
+    models, failures = {}, []
+    for folder in folders:
+        try:
+            models[folder.name] = load_served_model(folder, device)
+            logger.info("loaded %s from %s", folder.name, folder)
+        except Exception as error:  # whatever the reason, this folder is reported and skipped
+            expected = isinstance(error, (CheckpointError, TokenizerError))
+            failures.append(f"{folder}: {error if expected else f'{type(error).__name__}: {error}'}")
+            logger.error("skipped %s", failures[-1])
+    if not folders:
+        failures.append(f"{directory}: holds no checkpoint folder")
+    return LoadReport(models, failures)
+
+
+def load_served_model(folder: Path, device: str) -> ServedModel:
+    loaded = load_checkpoint(folder, device=device)
+    config = loaded.config
+    served = ServedModel(id=folder.name, model=loaded.model, config=config, path=folder)
+    if config.kind == "transduce":
+        served.symbol_ids = {symbol: index for index, symbol in enumerate(config.alphabet)}
+        return served
+    served.tokenizer = load_tokenizer(config.tokenizer, folder)
+    if config.model.vocab_size < served.tokenizer.vocab_size:
+        raise CheckpointError(
+            f"{folder}: the model's vocab_size {config.model.vocab_size} is smaller than the "
+            f"{served.tokenizer.vocab_size} tokens of tokenizer {config.tokenizer!r}"
+        )
+    return served

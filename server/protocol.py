@@ -1,0 +1,199 @@
+"""The HTTP API's request and response bodies (SPEC section 4), as pydantic models and nothing else.
+
+No torch and no engine here: the Python client imports this module. Requests of our own endpoints refuse
+unknown fields; ``/v1/completions`` ignores unknown OpenAI fields but refuses known ones it cannot honour.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FinishReason = Literal["stop", "length"]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: ``{"error": {"message": ..., "type": ...}}``."""
+
+    error: ErrorDetail
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "loading", "draining", "failed"]
+    detail: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "regularlm"
+    kind: Literal["transduce", "generate"]
+    architecture: str
+    task: str | None = None
+    alphabet: str | None = None
+    labels: list[str] | None = None
+    tokenizer: str | None = None
+    vocab_size: int
+    parameters: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- /v1/transduce -------------------------------------------------------------------------------------
+
+
+class TransduceRequest(StrictModel):
+    model: str
+    inputs: list[str] = Field(min_length=1)
+    outputs: Literal["final", "all"] = "final"
+
+
+class TransduceResult(BaseModel):
+    final: str
+    all: list[str] | None = Field(None, description="the label at every position; only with outputs='all'")
+    confidence: float = Field(description="the model's probability of the final label")
+
+
+class TransduceUsage(BaseModel):
+    symbols: int
+
+
+class TransduceResponse(BaseModel):
+    model: str
+    results: list[TransduceResult]
+    usage: TransduceUsage
+
+
+# --- sampling, shared by /v1/generate and /v1/completions ------------------------------------------------
+
+
+class SamplingFields(BaseModel):
+    """temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off; a seed makes sampling repeatable."""
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [stop for stop in stops if stop]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# --- /v1/generate ----------------------------------------------------------------------------------------
+
+
+class GenerateRequest(SamplingFields, StrictModel):
+    model: str
+    prompt: str
+    max_tokens: int = Field(64, ge=0)
+    stream: bool = False
+
+
+class GenerateResponse(BaseModel):
+    model: str
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+
+
+class GenerateChunk(BaseModel):
+    """One Server-Sent Event of a streamed /v1/generate; the last one has the finish reason and usage."""
+
+    model: str
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+# --- /v1/completions (OpenAI) ----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=0)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    user: str | None = None
+    # Known OpenAI fields this server cannot honour: accepted only at their neutral values.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> CompletionRequest:
+        unsupported = {
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "best_of": self.best_of not in (None, 1),
+            "suffix": bool(self.suffix),
+            "logit_bias": bool(self.logit_bias),
+        }
+        named = [name for name, is_set in unsupported.items() if is_set]
+        if named:
+            raise ValueError(f"not supported by this server: {', '.join(named)}")
+        return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a streamed one (then ``usage`` is null except in the usage chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None

@@ -1,0 +1,84 @@
+"""Next-token sampling and log-probabilities.
+
+Each request samples with its own CPU ``torch.Generator`` seeded from the request's seed (a random one when
+none is given), so a seeded request gives the same tokens whatever else is decoded beside it. Filters are
+applied in vLLM's order: temperature, then top-k, then top-p (the smallest set of tokens whose probability
+reaches top_p, at least one). A decode step samples all its rows at once (``sample``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def generator(self) -> torch.Generator:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        return generator
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """One token per row. logits: (B, V) float on the CPU; row i samples with params[i] and generators[i].
+
+    Rows with the same filters are filtered together; each row then draws one uniform number from its own
+    generator and takes the token where the cumulative probability first exceeds it (inverse CDF).
+    """
+    tokens = logits.argmax(-1).tolist()  # greedy rows keep these
+    groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
+    for row, row_params in enumerate(params):
+        if row_params.temperature > 0.0:
+            groups[(row_params.temperature, row_params.top_k, row_params.top_p)].append(row)
+    for (temperature, top_k, top_p), rows in groups.items():
+        cdf = filtered_probs(logits[rows], temperature, top_k, top_p).cumsum(-1)  # (R, V)
+        uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in rows])  # (R,)
+        picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]  # (R,)
+        for row, token in zip(rows, picks.clamp(max=logits.shape[-1] - 1).tolist()):
+            tokens[row] = token
+    return tokens
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: (R, V) -> probabilities (R, V) after temperature, top-k and top-p (filtered tokens get 0)."""
+    scores = logits / temperature  # (R, V)
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]  # (R, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = scores.softmax(-1)  # (R, V)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # (R, V) each
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before it already reached top_p
+        probs = probs.masked_fill(torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted), 0.0)
+    return probs
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (no temperature or filters) and the ``top`` most likely
+    alternatives as (token, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """logits: (N, V) predicting tokens: (N,) -> one :class:`TokenLogprob` per row, with ``top`` alternatives."""
+    logprobs = logits.float().log_softmax(-1)  # (N, V)
+    chosen = logprobs.gather(1, tokens[:, None].to(logprobs.device))[:, 0].tolist()  # (N,)
+    if top:
+        best = logprobs.topk(top, dim=-1)  # (N, top) values and indices
+        alternatives = [list(zip(ids, values)) for ids, values in zip(best.indices.tolist(), best.values.tolist())]
+    else:
+        alternatives = [[] for _ in chosen]
+    return [TokenLogprob(token, logprob, alt) for token, logprob, alt in zip(tokens.tolist(), chosen, alternatives)]

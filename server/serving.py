@@ -1,0 +1,153 @@
+"""Serving of /v1/models, /v1/transduce and /v1/generate: request validation and limits, calls into the
+engine, response bodies and Server-Sent Events. No routing here (``server/app.py``); the OpenAI
+completions endpoint is ``server/completions.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+
+from server.engine import Engine, GenerationHandle
+from server.errors import APIError, BadRequest, InputTooLarge, InvalidInput
+from server.generation import Finished, GenerationRequest, TokenGenerated
+from server.model_store import ServedModel
+from server.protocol import (
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResponse,
+    ModelList,
+    SamplingFields,
+    TransduceRequest,
+    TransduceResponse,
+    TransduceResult,
+    TransduceUsage,
+    Usage,
+)
+from server.sampling import SamplingParams
+from server.settings import Settings
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(body: BaseModel | dict) -> str:
+    """One Server-Sent Event carrying a JSON body."""
+    payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    return f"data: {payload}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return sse({"error": {"message": error.message, "type": error.error_type}})
+
+
+class Serving:
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine, self.settings = engine, settings
+
+    def models(self) -> ModelList:
+        self.engine.check_serving()
+        return ModelList(data=[served.card() for served in self.engine.models.values()])
+
+    def served(self, model_id: str, kind: str) -> ServedModel:
+        served = self.engine.model(model_id)
+        if served.kind != kind:
+            raise BadRequest(f"model {model_id!r} is a {served.kind} model; this endpoint serves {kind} models")
+        return served
+
+    # --- /v1/transduce --------------------------------------------------------------------------------
+
+    async def transduce(self, body: TransduceRequest) -> TransduceResponse:
+        served = self.served(body.model, "transduce")
+        self._check_transduce_size(body.inputs)
+        inputs = [served.encode_symbols(text, f"inputs[{i}]") for i, text in enumerate(body.inputs)]
+        outputs = await self.engine.transduce(served, inputs, all_outputs=body.outputs == "all")
+        labels = served.config.labels
+        results = [
+            TransduceResult(
+                final=labels[output.final],
+                all=None if output.labels is None else [labels[label] for label in output.labels],
+                confidence=output.confidence,
+            )
+            for output in outputs
+        ]
+        return TransduceResponse(model=body.model, results=results, usage=TransduceUsage(symbols=sum(map(len, inputs))))
+
+    def _check_transduce_size(self, inputs: list[str]) -> None:
+        limits = self.settings
+        if len(inputs) > limits.max_inputs:
+            raise InputTooLarge(f"{len(inputs)} inputs; the limit is {limits.max_inputs} per request")
+        for i, text in enumerate(inputs):
+            if not text:
+                raise InvalidInput(f"inputs[{i}] is empty; an input needs at least one symbol")
+            if len(text) > limits.max_input_symbols:
+                raise InputTooLarge(f"inputs[{i}] has {len(text)} symbols; the limit is {limits.max_input_symbols}")
+        total = sum(map(len, inputs))
+        if total > limits.max_request_symbols:
+            raise InputTooLarge(f"{total} symbols in all; the limit is {limits.max_request_symbols} per request")
+
+    # --- generation, shared with /v1/completions ---------------------------------------------------------
+
+    def generation_request(
+        self,
+        served: ServedModel,
+        prompt: str,
+        fields: SamplingFields,
+        max_tokens: int | None,
+        seed_offset: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+    ) -> GenerationRequest:
+        """Validate one prompt and the sampling fields against the limits."""
+        max_tokens = self.settings.max_tokens if max_tokens is None else max_tokens
+        if max_tokens > self.settings.max_tokens:
+            raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
+        tokens = served.tokenizer.encode(prompt)
+        if not tokens:
+            raise InvalidInput("the prompt is empty; it needs at least one token")
+        if len(tokens) > self.settings.max_input_symbols:
+            raise InputTooLarge(f"the prompt has {len(tokens)} tokens; the limit is {self.settings.max_input_symbols}")
+        seed = None if fields.seed is None else (fields.seed + seed_offset) % 2**63
+        sampling = SamplingParams(fields.temperature, fields.top_p, fields.top_k, seed)
+        return GenerationRequest(tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs)
+
+    # --- /v1/generate -------------------------------------------------------------------------------------
+
+    async def generate(self, body: GenerateRequest) -> GenerateResponse | AsyncIterator[str]:
+        """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts."""
+        served = self.served(body.model, "generate")
+        handle = self.engine.submit_generation(
+            served, [self.generation_request(served, body.prompt, body, body.max_tokens)]
+        )
+        if body.stream:
+            return self._generate_events(body.model, handle)
+        text, finished = [], None
+        async for _, event in handle.events():  # ends with the Finished event
+            if isinstance(event, (TokenGenerated, Finished)):
+                text.append(event.text)
+            finished = event
+        return GenerateResponse(
+            model=body.model, text="".join(text), finish_reason=finished.reason, usage=usage(finished)
+        )
+
+    async def _generate_events(self, model_id: str, handle: GenerationHandle) -> AsyncIterator[str]:
+        try:
+            async for _, event in handle.events():
+                if isinstance(event, TokenGenerated) and event.text:
+                    yield sse(GenerateChunk(model=model_id, text=event.text))
+                elif isinstance(event, Finished):
+                    yield sse(
+                        GenerateChunk(model=model_id, text=event.text, finish_reason=event.reason, usage=usage(event))
+                    )
+        except APIError as error:
+            yield sse_error(error)
+        yield SSE_DONE
+
+
+def usage(finished: Finished) -> Usage:
+    return Usage(
+        prompt_tokens=finished.prompt_tokens,
+        completion_tokens=finished.completion_tokens,
+        total_tokens=finished.prompt_tokens + finished.completion_tokens,
+    )

@@ -1,0 +1,51 @@
+"""Server settings: environment variables with the prefix ``REGULARLM_`` (``REGULARLM_PORT=9000``), overridden
+by the command line of ``python -m server``. Lists are JSON in the environment
+(``REGULARLM_CORS_ORIGINS='["https://example.org"]'``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REGULARLM_", frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    models: Path = Field(SHIPPED_CHECKPOINTS, description="a folder whose checkpoint sub-folders are served")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    api_key: SecretStr | None = Field(None, description="when set, /v1/* needs 'Authorization: Bearer <key>'")
+    cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty: no CORS")
+
+    max_input_symbols: int = Field(100_000, gt=0, description="symbols of one transduce input or prompt tokens")
+    max_request_symbols: int = Field(1_000_000, gt=0, description="symbols of all inputs of one transduce request")
+    max_inputs: int = Field(256, gt=0, description="inputs of one transduce request, prompts x n of a completion")
+    max_tokens: int = Field(4096, ge=0, description="the largest max_tokens a request may ask for")
+
+    batch_wait_ms: float = Field(3.0, ge=0, description="how long transduce inputs are gathered into a batch")
+    max_batch_size: int = Field(64, gt=0, description="rows of one transduce batch")
+    max_batch_symbols: int = Field(65_536, gt=0, description="padded symbols (rows x length) of one transduce batch")
+    max_running: int = Field(64, gt=0, description="sequences decoded at once (continuous batching)")
+    max_waiting: int = Field(256, gt=0, description="requests queued beyond those running; more get 429")
+    prefill_chunk_tokens: int = Field(2048, gt=0, description="prompt tokens prefilled per scheduler iteration")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 or 503")
+
+    state_cache_entries: int = Field(64, ge=0, description="prompt-state snapshots kept (LRU); 0 turns it off")
+    state_cache_bytes: int = Field(256 * 2**20, ge=0, description="bytes the snapshots may hold together")
+    state_cache_min_tokens: int = Field(32, gt=0, description="prompts shorter than this are not snapshotted")
+
+    torch_threads: int | None = Field(
+        None,
+        gt=0,
+        description="intra-op threads of the model calls; default torch's (one per core). Small models "
+        "on a shared CPU often run fastest with 1",
+    )
+    drain_timeout_s: float = Field(30.0, ge=0, description="how long SIGTERM waits for requests in flight")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -1,0 +1,88 @@
+"""Prompt-state cache: token prefix -> a snapshot of the model's decoding state after that prefix.
+
+A snapshot is ``cache.clone()`` taken when a prompt's prefill ends, with the logits that predict the next
+token. A later prompt that starts with a stored prefix (the longest one wins) starts from a clone of the
+snapshot and prefills only its new suffix. For the LRNNs and the LSTM a snapshot is O(1) in the prefix
+length; for KV caches it grows with it, which the byte budget bounds. Entries are evicted least recently
+used first, by count and by bytes. Only the engine's worker thread touches it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from model.base import InferenceCache
+
+
+@dataclass
+class Snapshot:
+    cache: InferenceCache
+    logits: torch.Tensor  # (V,) predicting the token after the prefix
+    length: int  # prefix tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.memory_bytes() + self.logits.numel() * self.logits.element_size()
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0  # lookups
+    hits: int = 0  # lookups that found a prefix
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class StateCache:
+    def __init__(self, max_entries: int, max_bytes: int, min_tokens: int) -> None:
+        self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
+        self._entries: OrderedDict[tuple[str, bytes], Snapshot] = OrderedDict()
+        self._bytes = 0
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, model_id: str, tokens: list[int]) -> Snapshot | None:
+        """The snapshot of the longest stored prefix of ``tokens`` (a fresh clone of it), or None."""
+        self.stats.queries += 1
+        self.stats.query_tokens += len(tokens)
+        key = _key(tokens)
+        best = None
+        for entry_key in self._entries:
+            entry_model, prefix = entry_key
+            if entry_model == model_id and key.startswith(prefix) and (best is None or len(prefix) > len(best[1])):
+                best = entry_key
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        snapshot = self._entries[best]
+        self.stats.hits += 1
+        self.stats.hit_tokens += snapshot.length
+        return Snapshot(snapshot.cache.clone(), snapshot.logits, snapshot.length)
+
+    def store(self, model_id: str, tokens: list[int], cache: InferenceCache, logits: torch.Tensor) -> None:
+        """Keep a snapshot of ``cache`` after ``tokens`` (nothing for short prompts or when it cannot fit)."""
+        if len(tokens) < self.min_tokens or self.max_entries == 0:
+            return
+        key = (model_id, _key(tokens))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        if cache.memory_bytes() + logits.numel() * logits.element_size() > self.max_bytes:
+            return
+        snapshot = Snapshot(cache.clone(), logits.detach().clone(), len(tokens))
+        self._entries[key] = snapshot
+        self._bytes += snapshot.nbytes
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.nbytes
+
+
+def _key(tokens: list[int]) -> bytes:
+    """Fixed-width bytes of the token ids, so that "is a prefix of" is a byte-string prefix test."""
+    return array("q", tokens).tobytes()

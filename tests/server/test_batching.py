@@ -1,0 +1,67 @@
+"""The transduce batching policy, and batched results equal to one input at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from server.batching import TransduceJob, plan_batches, run_batch
+from server.metrics import RequestTimes
+from tests.server.checkpoints import TRANSDUCERS
+
+
+def job(model_id: str, lengths: list[int], all_outputs: bool = False, served=None) -> TransduceJob:
+    served = served or SimpleNamespace(id=model_id)
+    inputs = [[i % 2 for i in range(length)] for length in lengths]
+    return TransduceJob(served, inputs, all_outputs, RequestTimes(model_id), mailbox=None)
+
+
+def shape(batches) -> list[list[int]]:
+    return [[len(item.tokens) for item in batch] for batch in batches]
+
+
+def test_buckets_by_power_of_two_length() -> None:
+    items = job("m", [1, 3, 2, 9, 15, 4, 7, 8, 16]).items()
+    assert shape(plan_batches(items, max_batch_size=64, max_batch_symbols=10_000)) == [
+        [1],
+        [2, 3],
+        [4, 7],
+        [8, 9, 15],
+        [16],
+    ]
+
+
+def test_caps_on_rows_and_padded_symbols() -> None:
+    items = job("m", [8] * 5 + [12, 15]).items()
+    assert shape(plan_batches(items, max_batch_size=3, max_batch_symbols=10_000)) == [[8, 8, 8], [8, 8, 12], [15]]
+    assert shape(plan_batches(items, max_batch_size=64, max_batch_symbols=30)) == [[8, 8, 8], [8, 8], [12, 15]]
+    assert shape(plan_batches(job("m", [100]).items(), max_batch_size=64, max_batch_symbols=30)) == [[100]]
+
+
+def test_models_and_output_modes_never_share_a_batch() -> None:
+    items = job("a", [5, 5]).items() + job("b", [5]).items() + job("a", [5], all_outputs=True).items()
+    batches = plan_batches(items, max_batch_size=64, max_batch_symbols=10_000)
+    assert sorted(len(batch) for batch in batches) == [1, 1, 2]
+    for batch in batches:
+        assert len({(item.job.served.id, item.job.all_outputs) for item in batch}) == 1
+
+
+@pytest.mark.parametrize("model_id", sorted(TRANSDUCERS))
+@pytest.mark.parametrize("all_outputs", [False, True])
+def test_batched_results_equal_single_inputs(model_id: str, all_outputs: bool, checkpoints_dir: Path) -> None:
+    loaded = load_checkpoint(checkpoints_dir / model_id, device="cpu")
+    served = SimpleNamespace(id=model_id, model=loaded.model)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34]
+    batch = job(model_id, lengths, all_outputs, served).items()
+    outputs = run_batch(batch)
+    with torch.no_grad():
+        for item, output in zip(batch, outputs):
+            logits = loaded.model(torch.tensor([item.tokens]))[0]  # (T, L)
+            probs = logits.softmax(-1)
+            assert output.final == int(probs[-1].argmax())
+            assert output.confidence == pytest.approx(float(probs[-1].max()), abs=1e-5)
+            assert output.labels == (logits.argmax(-1).tolist() if all_outputs else None)

@@ -1,0 +1,86 @@
+"""/v1/completions through the official ``openai`` client against a live server."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server import reference
+
+
+@pytest.fixture(scope="module")
+def oai(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_greedy_completion(oai, live) -> None:
+    completion = oai.completions.create(model="text-lrnn", prompt="Hello", max_tokens=10, temperature=0)
+    path = live.engine.models["text-lrnn"].path
+    assert completion.object == "text_completion" and completion.model == "text-lrnn"
+    assert completion.choices[0].text == reference.text(reference.greedy_tokens(path, "Hello", 10))
+    assert completion.choices[0].finish_reason == "length"
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (
+        5,
+        10,
+        15,
+    )
+
+
+def test_stream_with_usage(oai) -> None:
+    whole = oai.completions.create(model="text-lstm", prompt="Hi", max_tokens=12, seed=4)
+    chunks = list(
+        oai.completions.create(
+            model="text-lstm", prompt="Hi", max_tokens=12, seed=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+@pytest.mark.parametrize("model_id", ["text-lrnn", "text-transformer", "text-regulargpt"])
+def test_echo_scores_any_text(model_id: str, oai, live) -> None:
+    text = "Scoring any text, even ünïcödé 👋"
+    scored = oai.completions.create(model=model_id, prompt=text, max_tokens=0, echo=True, logprobs=0)
+    choice = scored.choices[0]
+    assert choice.text == text
+    token_logprobs = choice.logprobs.token_logprobs
+    assert token_logprobs[0] is None
+    assert token_logprobs[1:] == pytest.approx(
+        reference.prompt_logprobs(live.engine.models[model_id].path, text), abs=1e-4
+    )
+    assert len(choice.logprobs.tokens) == len(text.encode())
+    assert choice.logprobs.text_offset[:3] == [0, 1, 2]
+
+
+def test_echo_with_generation_and_top_logprobs(oai) -> None:
+    completion = oai.completions.create(model="text-lrnn", prompt="abc", max_tokens=4, echo=True, logprobs=2, seed=1)
+    choice = completion.choices[0]
+    assert choice.text.startswith("abc")
+    assert len(choice.logprobs.token_logprobs) == 3 + 4
+    assert choice.logprobs.top_logprobs[0] is None
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[1:])
+
+
+def test_several_prompts_and_choices(oai) -> None:
+    completion = oai.completions.create(model="text-lrnn", prompt=["one", "two"], n=2, max_tokens=6, seed=9)
+    assert [choice.index for choice in completion.choices] == [0, 1, 2, 3]
+    assert completion.choices[0].text != completion.choices[1].text  # each choice has its own seed
+    again = oai.completions.create(model="text-lrnn", prompt=["one", "two"], n=2, max_tokens=6, seed=9)
+    assert [choice.text for choice in again.choices] == [choice.text for choice in completion.choices]
+    assert completion.usage.prompt_tokens == 6 and completion.usage.completion_tokens == 24
+
+
+def test_stop_sequence(oai) -> None:
+    full = oai.completions.create(model="text-lrnn", prompt="x", max_tokens=20, seed=2).choices[0].text
+    stop = full[4:6]
+    cut = oai.completions.create(model="text-lrnn", prompt="x", max_tokens=20, seed=2, stop=stop).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_errors_map_to_openai_exceptions(oai) -> None:
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.UnprocessableEntityError):
+        oai.completions.create(model="text-lrnn", prompt="x", presence_penalty=1.0)

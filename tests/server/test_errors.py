@@ -1,0 +1,195 @@
+"""Every error path of SPEC section 4: status, {"error": {"message", "type"}} body, and no 5xx for bad input."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+import server.engine
+from server.app import create_app
+from tests.server.conftest import make_settings
+
+
+@pytest.fixture(scope="module")
+def limited(checkpoints_dir):
+    settings = make_settings(
+        checkpoints_dir, max_input_symbols=50, max_request_symbols=80, max_inputs=4, max_tokens=100, max_waiting=1
+    )
+    app = create_app(settings)
+    with TestClient(app) as test_client:
+        app.state.engine.wait_loaded()
+        yield test_client
+
+
+def assert_error(response, status: int, error_type: str, *fragments: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type"}
+    assert body["error"]["type"] == error_type
+    for fragment in fragments:
+        assert fragment in body["error"]["message"]
+    return body
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/transduce", {"model": "nope", "inputs": ["0"]}),
+        ("/v1/generate", {"model": "nope", "prompt": "x"}),
+        ("/v1/completions", {"model": "nope", "prompt": "x"}),
+    ],
+)
+def test_unknown_model_is_404(path: str, body: dict, limited) -> None:
+    assert_error(limited.post(path, json=body), 404, "not_found_error", "'nope'", "parity-lrnn")
+
+
+def test_symbol_outside_the_alphabet_names_position_and_character(limited) -> None:
+    response = limited.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0101", "01a1"]})
+    assert_error(response, 422, "invalid_request_error", "inputs[1]", "'a'", "position 2", "'01'")
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"model": "parity-lrnn"}, "body.inputs: Field required"),
+        ({"model": "parity-lrnn", "inputs": "0101"}, "body.inputs"),
+        ({"model": "parity-lrnn", "inputs": []}, "body.inputs"),
+        ({"model": "parity-lrnn", "inputs": [1]}, "body.inputs.0"),
+        ({"model": "parity-lrnn", "inputs": ["0"], "outputs": "some"}, "body.outputs"),
+        ({"model": "parity-lrnn", "inputs": ["0"], "extra": 1}, "body.extra"),
+        ({"model": "parity-lrnn", "inputs": [""]}, "inputs[0] is empty"),
+    ],
+)
+def test_invalid_transduce_body_is_422(body: dict, fragment: str, limited) -> None:
+    assert_error(limited.post("/v1/transduce", json=body), 422, "invalid_request_error", fragment)
+
+
+@pytest.mark.parametrize(
+    "path, body, fragment",
+    [
+        ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "temperature": -1}, "body.temperature"),
+        ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "top_p": 0}, "body.top_p"),
+        ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "max_tokens": -1}, "body.max_tokens"),
+        ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "max_tokens": 101}, "limit is 100"),
+        ("/v1/generate", {"model": "text-lrnn", "prompt": ""}, "prompt is empty"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logprobs": 9}, "body.logprobs"),
+    ],
+)
+def test_invalid_generation_body_is_422(path: str, body: dict, fragment: str, limited) -> None:
+    assert_error(limited.post(path, json=body), 422, "invalid_request_error", fragment)
+
+
+def test_malformed_json_is_422(limited) -> None:
+    response = limited.post("/v1/transduce", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(response, 422, "invalid_request_error", "JSON")
+
+
+@pytest.mark.parametrize(
+    "path, body, fragment",
+    [
+        ("/v1/transduce", {"model": "parity-lrnn", "inputs": ["0" * 51]}, "inputs[0] has 51 symbols"),
+        ("/v1/transduce", {"model": "parity-lrnn", "inputs": ["0"] * 5}, "5 inputs"),
+        ("/v1/transduce", {"model": "parity-lrnn", "inputs": ["0" * 40, "0" * 41]}, "81 symbols"),
+        ("/v1/generate", {"model": "text-lrnn", "prompt": "x" * 51}, "51 tokens"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": ["a", "b", "c"], "n": 2}, "limit is 4"),
+    ],
+)
+def test_input_over_the_limit_is_413(path: str, body: dict, fragment: str, limited) -> None:
+    assert_error(limited.post(path, json=body), 413, "request_too_large", fragment)
+
+
+def test_wrong_kind_of_model_is_400(limited) -> None:
+    assert_error(
+        limited.post("/v1/transduce", json={"model": "text-lrnn", "inputs": ["0"]}), 400, "invalid_request_error"
+    )
+    assert_error(
+        limited.post("/v1/generate", json={"model": "parity-lrnn", "prompt": "0"}), 400, "invalid_request_error"
+    )
+
+
+def test_full_queue_is_429_with_retry_after(limited) -> None:
+    response = limited.post("/v1/completions", json={"model": "text-lrnn", "prompt": "x", "n": 2})  # 2 > max_waiting
+    assert_error(response, 429, "overloaded_error", "queue is full")
+    assert response.headers["retry-after"] == "1"
+
+
+def test_unknown_route_and_method_have_the_error_shape(limited) -> None:
+    assert_error(limited.get("/v1/nothing"), 404, "not_found_error")
+    assert_error(limited.get("/v1/transduce"), 405, "invalid_request_error")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"null", b"[]", b'"x"', b"1e999", b'{"model": null}', b'{"model": "parity-lrnn", "inputs": [null]}',
+     b'{"model": "parity-lrnn", "inputs": ["\\ud800"]}', b'{"model": "text-lrnn", "prompt": "\\ud800"}',
+     b'{"model": "text-lrnn", "prompt": "x", "seed": -1}', b'{"model": "text-lrnn", "prompt": "x", "stop": [1]}'],
+)  # fmt: skip
+@pytest.mark.parametrize("path", ["/v1/transduce", "/v1/generate", "/v1/completions"])
+def test_bad_input_never_gives_a_5xx(path: str, body: bytes, limited) -> None:
+    response = limited.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type"}
+
+
+def test_a_failing_model_call_fails_only_its_requests(checkpoints_dir, monkeypatch) -> None:
+    app = create_app(make_settings(checkpoints_dir))
+    with TestClient(app) as client:
+        app.state.engine.wait_loaded()
+        broken = app.state.engine.models["parity-transformer"].model
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("simulated device failure")
+
+        monkeypatch.setattr(broken, "final_logits", fail)
+        response = client.post("/v1/transduce", json={"model": "parity-transformer", "inputs": ["01"]})
+        assert_error(response, 500, "internal_error", "simulated device failure")
+        assert client.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["01"]}).status_code == 200
+        assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_503_while_loading(checkpoints_dir, monkeypatch) -> None:
+    release = threading.Event()
+    load_models = server.engine.load_models
+
+    def slow_load(*args):
+        release.wait(10)
+        return load_models(*args)
+
+    monkeypatch.setattr(server.engine, "load_models", slow_load)
+    app = create_app(make_settings(checkpoints_dir))
+    with TestClient(app) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        response = client.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0"]})
+        assert_error(response, 503, "service_unavailable", "loading")
+        assert response.headers["retry-after"] == "1"
+        release.set()
+        app.state.engine.wait_loaded()
+        assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_api_key_guards_v1_only(checkpoints_dir) -> None:
+    app = create_app(make_settings(checkpoints_dir, api_key="s3cret"))
+    with TestClient(app) as client:
+        app.state.engine.wait_loaded()
+        response = client.get("/v1/models")
+        assert_error(response, 401, "authentication_error", "API key")
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert_error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, "authentication_error")
+        assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 200
+
+
+def test_cors_preflight(checkpoints_dir) -> None:
+    app = create_app(make_settings(checkpoints_dir, cors_origins=["https://example.org"]))
+    with TestClient(app) as client:
+        response = client.options(
+            "/v1/transduce",
+            headers={"Origin": "https://example.org", "Access-Control-Request-Method": "POST"},
+        )
+        assert response.headers["access-control-allow-origin"] == "https://example.org"

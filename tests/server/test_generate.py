@@ -1,0 +1,103 @@
+"""/v1/generate: greedy decoding equals the parallel pass for every architecture; seeds, stop strings,
+max_tokens, streaming; the state cache; O(1) decoding memory of the LRNN."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.generation import GenerationRequest, Sequence, decode_step, prefill, prefill_length, start
+from server.metrics import ServerMetrics
+from server.state_cache import StateCache
+from tests.server import reference
+from tests.server.checkpoints import LANGUAGE_MODELS
+
+
+def generate(client, **body) -> dict:
+    response = client.post("/v1/generate", json={"model": "text-lrnn", "prompt": "The cat", **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("model_id", sorted(LANGUAGE_MODELS))
+def test_greedy_equals_the_parallel_pass(model_id: str, client, checkpoints_dir) -> None:
+    body = generate(client, model=model_id, prompt="Hello, wörld", max_tokens=12, temperature=0)
+    assert body["text"] == reference.text(reference.greedy_tokens(checkpoints_dir / model_id, "Hello, wörld", 12))
+    assert body["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 13, "completion_tokens": 12, "total_tokens": 25}
+
+
+def test_seed_is_repeatable(client) -> None:
+    first = generate(client, max_tokens=20, seed=7)["text"]
+    assert generate(client, max_tokens=20, seed=7)["text"] == first
+    assert generate(client, max_tokens=20, seed=8)["text"] != first
+
+
+def test_stop_string_cuts_the_text(client) -> None:
+    full = generate(client, max_tokens=30, seed=3, temperature=0.5)["text"]
+    stop = full[5:7]
+    cut = generate(client, max_tokens=30, seed=3, temperature=0.5, stop=[stop, "never"])
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(stop)]
+
+
+def test_max_tokens_zero(client) -> None:
+    body = generate(client, max_tokens=0)
+    assert body["text"] == "" and body["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+
+
+def test_stream_gives_the_same_text(client) -> None:
+    whole = generate(client, max_tokens=25, seed=11)
+    with client.stream(
+        "POST",
+        "/v1/generate",
+        json={"model": "text-lrnn", "prompt": "The cat", "max_tokens": 25, "seed": 11, "stream": True},
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(chunk["text"] for chunk in chunks) == whole["text"]
+    assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["usage"] == whole["usage"]
+    assert all(chunk["finish_reason"] is None for chunk in chunks[:-1])
+
+
+def test_repeated_long_prompt_is_prefilled_from_the_state_cache(client) -> None:
+    stats = client.app.state.engine.state_cache.stats
+    prompt = "A long shared system prompt that is worth keeping. " * 3
+    cold = generate(client, prompt=prompt, max_tokens=8, temperature=0)
+    hits, hit_tokens = stats.hits, stats.hit_tokens
+    warm = generate(client, prompt=prompt, max_tokens=8, temperature=0)
+    longer = generate(client, prompt=prompt + "And more.", max_tokens=8, temperature=0)
+    assert warm["text"] == cold["text"]
+    assert stats.hits == hits + 2 and stats.hit_tokens == hit_tokens + 2 * len(prompt)
+    fresh = generate(client, prompt=prompt + "And more.", max_tokens=8, temperature=0, model="text-lstm")
+    assert longer["text"] == reference.text(
+        reference.greedy_tokens(client.app.state.engine.models["text-lrnn"].path, prompt + "And more.", 8)
+    )
+    assert fresh["text"]  # another model never uses text-lrnn's snapshots
+    metrics = client.get("/metrics").text
+    assert 'regularlm:prefix_cache_hits_total{model_name="text-lrnn"}' in metrics
+
+
+class _Discard:
+    def put(self, item) -> None:
+        pass
+
+
+def test_lrnn_decoding_state_does_not_grow_with_the_context(client) -> None:
+    served = client.app.state.engine.models["text-lrnn"]
+    sizes = []
+    for length in (10, 2000):
+        sequence = Sequence(served, GenerationRequest(prompt=[65] * length, max_tokens=10), _Discard())
+        state_cache, metrics = StateCache(0, 0, 1), ServerMetrics()
+        metrics.admit([sequence.times], 1)
+        start(sequence, state_cache, metrics)
+        while sequence.prefilling:
+            prefill([sequence], prefill_length(sequence, 512), state_cache, metrics)
+        for _ in range(3):
+            decode_step([sequence], metrics)
+            sizes.append(sequence.cache.memory_bytes())
+        assert sequence.cache.length == length + 3
+    assert len(set(sizes)) == 1

@@ -1,0 +1,82 @@
+"""``python -m server`` as a process: exit code 2 when no model loads; SIGTERM drains requests in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.__main__ import parse_settings
+from tests.server.live import wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_server(*args: str) -> subprocess.Popen:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
+    env["REGULARLM_TORCH_THREADS"] = "1"
+    return subprocess.Popen(
+        [sys.executable, "-m", "server", "--log-level", "warning", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_no_loadable_model_exits_2_with_the_reasons(tmp_path) -> None:
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    process = start_server("--models", str(tmp_path), "--port", str(free_port()))
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert f"error: no model could be loaded from {tmp_path}" in stderr
+    assert str(tmp_path / "bad") in stderr and "unknown architecture" in stderr
+
+
+@pytest.mark.parametrize("argv", [["--device", "tpu"], ["--port", "-1"]])
+def test_bad_option_exits_2(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_settings(argv)
+    assert exit_info.value.code == 2 and argv[0].strip("-") in capsys.readouterr().err
+
+
+def test_sigterm_drains_requests_in_flight(checkpoints_dir) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_server("--models", str(checkpoints_dir), "--port", str(port))
+    try:
+        wait_healthy(url, timeout=60)
+        body = {"model": "text-lstm", "prompt": "x", "max_tokens": 800, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            refused = httpx.post(f"{url}/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0"]})
+            assert refused.status_code == 503 and "retry-after" in refused.headers
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 800
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+@pytest.mark.parametrize("module", ["server.protocol", "clients.client"])
+def test_protocol_and_client_import_without_torch(module: str) -> None:
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

@@ -1,0 +1,63 @@
+"""/v1/models, /health, /metrics and the settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server.settings import SHIPPED_CHECKPOINTS, Settings
+from tests.server.checkpoints import BROKEN, LANGUAGE_MODELS, TRANSDUCERS
+
+
+def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_dir) -> None:
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    cards = {card["id"]: card for card in body["data"]}
+    assert set(cards) == set(TRANSDUCERS) | set(LANGUAGE_MODELS)
+    assert cards["parity-lrnn"] | {"parameters": 0} == {
+        "id": "parity-lrnn", "object": "model", "owned_by": "regularlm", "kind": "transduce", "architecture": "lrnn",
+        "task": "parity_check", "alphabet": "01", "labels": ["0", "1"], "tokenizer": None, "vocab_size": 2,
+        "parameters": 0,
+    }  # fmt: skip
+    assert cards["text-lstm"]["kind"] == "generate" and cards["text-lstm"]["tokenizer"] == "bytes"
+    (failure,) = client.app.state.engine.load_failures
+    assert failure.startswith(str(checkpoints_dir / BROKEN)) and "not valid JSON" in failure
+
+
+def test_health(client) -> None:
+    response = client.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_metrics_use_vllm_names(client) -> None:
+    client.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0110", "1"]})
+    client.post("/v1/generate", json={"model": "text-lrnn", "prompt": "abc", "max_tokens": 5})
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in [
+        "regularlm:e2e_request_latency_seconds_bucket",
+        "regularlm:request_queue_time_seconds_bucket",
+        "regularlm:time_to_first_token_seconds_bucket",
+        "regularlm:time_per_output_token_seconds_bucket",
+        "regularlm:inter_token_latency_seconds_bucket",
+        "regularlm:model_execute_time_seconds_bucket",
+        "regularlm:prompt_tokens_total",
+        "regularlm:generation_tokens_total",
+        "regularlm:transduced_symbols_total",
+        "regularlm:num_requests_running",
+        "regularlm:num_requests_waiting",
+        "regularlm:prefix_cache_queries_total",
+    ]:
+        assert f"{name}{{" in text, name
+    assert 'regularlm:transduced_symbols_total{model_name="parity-lrnn"} 5.0' in text
+    assert 'regularlm:time_to_first_token_seconds_bucket{le="0.001",model_name="text-lrnn"}' in text
+    assert 'regularlm:num_requests_running{model_name="text-lrnn"} 0.0' in text
+
+
+def test_settings_come_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("REGULARLM_PORT", "9123")
+    monkeypatch.setenv("REGULARLM_CORS_ORIGINS", '["https://a.example"]')
+    settings = Settings()
+    assert settings.port == 9123 and settings.cors_origins == ["https://a.example"]
+    assert Settings(port=1).port == 1
+    assert settings.models == SHIPPED_CHECKPOINTS == Path(__file__).resolve().parents[2] / "checkpoints"

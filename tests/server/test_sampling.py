@@ -1,0 +1,62 @@
+"""Sampling: greedy, filters, per-request seeds; log-probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from server.sampling import SamplingParams, sample, token_logprobs
+
+LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
+
+
+def draws(params: SamplingParams, count: int = 200) -> list[int]:
+    generator = params.generator()
+    return [sample(LOGITS[None], [params], [generator])[0] for _ in range(count)]
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
+    assert set(draws(SamplingParams(temperature=0.0), 5)) == {1}
+    assert set(draws(SamplingParams(top_k=1, seed=3))) == {1}
+    assert set(draws(SamplingParams(top_p=0.01, seed=3))) == {1}
+
+
+def test_filters_keep_the_right_tokens() -> None:
+    assert set(draws(SamplingParams(top_k=2, seed=0))) == {1, 2}
+    probs = LOGITS.softmax(-1)  # 1 and 2 hold ~0.71 together; the nucleus at 0.7 needs both, not a third
+    assert probs[1] + probs[2] > 0.7 > probs[1]
+    assert set(draws(SamplingParams(top_p=0.7, seed=0))) == {1, 2}
+    assert set(draws(SamplingParams(seed=0), 2000)) == {0, 1, 2, 3, 4}
+
+
+def test_rows_sample_alone_whatever_else_is_in_the_batch() -> None:
+    rows = [
+        SamplingParams(seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=2, top_k=3),
+        SamplingParams(seed=1),
+    ]
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS, LOGITS])  # (4, V)
+    generators = [params.generator() for params in rows]
+    batched = [sample(logits, rows, generators) for _ in range(50)]
+    for row, params in enumerate(rows):
+        generator = params.generator()
+        alone = [sample(logits[row : row + 1], [params], [generator])[0] for _ in range(50)]
+        assert [tokens[row] for tokens in batched] == alone
+    assert {tokens[1] for tokens in batched} == {3}
+
+
+def test_seed_makes_sampling_repeatable() -> None:
+    assert draws(SamplingParams(seed=42)) == draws(SamplingParams(seed=42))
+    assert draws(SamplingParams(seed=42)) != draws(SamplingParams(seed=43))
+
+
+def test_token_logprobs() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])  # (2, V)
+    scored = token_logprobs(logits, torch.tensor([1, 0]), top=2)
+    expected = LOGITS.log_softmax(-1)
+    assert math.isclose(scored[0].logprob, float(expected[1]), rel_tol=1e-6)
+    assert [token for token, _ in scored[0].top] == [1, 2]
+    assert [token for token, _ in scored[1].top] == [3, 2]
+    assert token_logprobs(logits, torch.tensor([1, 0]), top=0)[0].top == []

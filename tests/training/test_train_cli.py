@@ -1,0 +1,148 @@
+"""``python -m training train``: a tiny run's checkpoint and log, bad input, the entry point, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model.checkpoint import load_checkpoint
+from training.cli import main
+from training.train import LOG_FILE
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]
+TINY_RUN = ["--batch-size", "4", "--eval-lengths", "41-60", "--eval-samples", "6", "--no-progress"]
+TRAIN_RECORD_KEYS = {"event", "step", "loss", "accuracy", "max_length", "lr", "grad_norm", "elapsed_s"}
+
+
+def read_log(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / LOG_FILE).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "parity"
+    argv = ["train", "--task", "parity_check", "--steps", "5", "--out", str(out), "--eval-every", "2",
+            "--log-every", "2", *TINY_LRNN, *TINY_RUN]
+    assert main(argv) == 0
+    return out
+
+
+def test_tiny_run_writes_a_checkpoint_that_loads_beside_its_log(tiny_run: Path) -> None:
+    assert sorted(path.name for path in tiny_run.iterdir()) == ["config.json", "model.safetensors", LOG_FILE]
+    loaded = load_checkpoint(tiny_run, device="cpu")  # train.jsonl is not read
+    config = loaded.config
+    assert (config.kind, config.task, config.architecture) == ("transduce", "parity_check", "lrnn")
+    assert (config.alphabet, config.labels) == ("01", ("0", "1"))
+    assert (config.model.d_model, config.model.block_size, config.model.num_blocks) == (8, 2, 2)
+
+
+def test_metadata_records_the_command_and_the_run(tiny_run: Path) -> None:
+    metadata = load_checkpoint(tiny_run, device="cpu").config.metadata
+    assert metadata["command"].startswith("python -m training train --task parity_check --steps 5 --out ")
+    assert metadata["steps"] == 5 and metadata["stopped"] == "steps" and metadata["world_size"] == 1
+    assert metadata["wall_time_s"] > 0
+    best = metadata["best_eval"]
+    assert best["lengths"] == [41, 60] and best["samples"] == 6 and 0.0 <= best["accuracy"] <= 1.0
+    assert best["step"] in (2, 4, 5)
+    assert metadata["settings"]["train_lengths"] == [1, 40] and metadata["settings"]["batch_size"] == 4
+
+
+def test_log_has_one_record_per_logging_step(tiny_run: Path) -> None:
+    records = read_log(tiny_run)
+    events = [record["event"] for record in records]
+    assert events[0] == "start" and events[-1] == "end"
+    train_records = [record for record in records if record["event"] == "train"]
+    assert [record["step"] for record in train_records] == [2, 4, 5]  # every 2 steps and the last
+    assert all(set(record) == TRAIN_RECORD_KEYS for record in train_records)
+    assert all(record["loss"] > 0 and 0 <= record["accuracy"] <= 1 for record in train_records)
+    assert [record["step"] for record in records if record["event"] == "eval"] == [2, 4, 5]
+    end = records[-1]
+    assert end["step"] == 5 and end["best_step"] in (2, 4, 5) and len(end["param_sha256"]) == 1
+
+
+def test_early_stopping_at_the_target_accuracy(tmp_path: Path) -> None:
+    argv = ["train", "--task", "parity_check", "--steps", "50", "--out", str(tmp_path / "run"), "--eval-every", "1",
+            "--target-accuracy", "0", *TINY_LRNN, *TINY_RUN]
+    assert main(argv) == 0
+    metadata = load_checkpoint(tmp_path / "run", device="cpu").config.metadata
+    assert (metadata["steps"], metadata["stopped"]) == (1, "target")
+
+
+# Each case is appended to a valid command; argparse keeps a repeated flag's last value.
+VALID_TRAIN = ["train", "--task", "parity_check", "--arch", "lrnn", "--steps", "3"]
+BAD_TRAIN = {
+    "unknown task": (["--task", "nope"], "unknown task 'nope'; known tasks: parity_check, even_pairs"),
+    "unknown arch": (["--arch", "gru"], "architecture 'gru' is unknown; trainable: regulargpt, lrnn"),
+    "zero steps": (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    "negative steps": (["--steps=-3"], "argument --steps: must be a positive integer, got -3"),
+    "train lengths": (["--train-lengths", "9-3"], "invalid length range '9-3': 9 > 3"),
+    "foreign flag": (["--chunk-size", "2"], "--chunk-size does not apply to --arch lrnn"),
+    "bad config": (["--arch", "regulargpt", "--d-model", "10", "--heads", "3"], "must be divisible by n_heads"),
+    "p_one on 5 symbols": (["--task", "sum_mod5", "--p-one", "0.2"], "--p-one needs a two-symbol alphabet"),
+    "stopping without eval": (["--eval-every", "0", "--patience", "2"], "need evaluations: set --eval-every above 0"),
+    "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRAIN))
+def test_bad_train_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    arguments, message = BAD_TRAIN[case]
+    assert main([*VALID_TRAIN, "--out", str(tmp_path / "out"), *arguments]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_checkpoint_is_kept_without_overwrite(tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["train", "--task", "parity_check", "--steps", "1", "--out", str(tiny_run), *TINY_LRNN, *TINY_RUN]
+    assert main(argv) == 2
+    assert "already holds a checkpoint; pass --overwrite" in capsys.readouterr().err
+
+
+def run_module(*arguments: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_entry_point_exits_2_without_a_traceback() -> None:
+    result = run_module("-m", "training", "train", "--task", "parity_check", "--arch", "lrnn", "--steps", "0",
+                        "--out", "unused")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: python -m training train: argument --steps: must be a positive integer, got 0"
+    ]
+
+
+def test_compile_is_a_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    dfa = REPO / "training" / "automata" / "tomita4.json"
+    assert main(["compile", str(dfa), "--arch", "lrnn", "--out", str(tmp_path / "compiled")]) == 0
+    assert load_checkpoint(tmp_path / "compiled", device="cpu").config.task == "tomita4"
+    assert main(["compile", str(tmp_path / "missing.json"), "--arch", "lrnn", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_agree_and_write_once(tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    result = run_module(
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "training", "train", "--task", "parity_check", "--steps", "4", "--out", str(out),
+        "--eval-every", "2", "--log-every", "1", *TINY_LRNN, *TINY_RUN,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors", LOG_FILE]
+    records = read_log(out)
+    assert [record["event"] for record in records].count("start") == 1  # rank 0 alone writes
+    assert [record["step"] for record in records if record["event"] == "train"] == [1, 2, 3, 4]
+    digests = records[-1]["param_sha256"]
+    assert len(digests) == 2 and digests[0] == digests[1]  # DDP kept the weights identical
+    metadata = load_checkpoint(out, device="cpu").config.metadata
+    assert metadata["world_size"] == 2
+    assert metadata["command"].startswith("torchrun --nproc_per_node=2 -m training train --task parity_check")
+    assert result.stdout.count("wrote ") == 1

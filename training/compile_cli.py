@@ -1,0 +1,71 @@
+"""``python -m training compile DFA.json --arch lrnn|regulargpt --out DIR`` (SPEC section 3), also runnable as
+``python -m training.compiler ...``: compile a DFA file into a checkpoint folder (training/compiler.py).
+
+Exit codes: 0 written; 2 bad input, with one line on stderr: a DFA file that does not parse or validate (the
+:class:`~training.automaton.AutomatonError` message, which names the problem), a DFA the architecture cannot take,
+or an --out folder that already holds a checkpoint (without --overwrite).
+
+The compiled checkpoints shipped under checkpoints/ are written by this command, never by hand; from the
+repository root::
+
+    for task in tomita3 tomita4 tomita5 tomita6 d2 d3 d4; do
+      for arch in lrnn regulargpt; do
+        python -m training.compiler training/automata/$task.json --arch $arch \\
+          --out checkpoints/$task-$arch-compiled --overwrite
+      done
+    done
+
+tests/training/test_compiler.py checks that each of them equals a fresh compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from model.checkpoint import CONFIG_FILE, save_checkpoint
+from training.automaton import DFA, AutomatonError
+from training.compiler import COMPILERS, CompileError
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dfa", type=Path, help="DFA JSON file (SPEC section 2)")
+    parser.add_argument("--arch", required=True, choices=sorted(COMPILERS), help="architecture to compile into")
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """Compile ``args.dfa`` into ``args.out``; 0 on success, 2 (one line on stderr) on bad input."""
+    try:
+        return _compile(args)
+    except (AutomatonError, CompileError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _compile(args: argparse.Namespace) -> int:
+    if (args.out / CONFIG_FILE).exists() and not args.overwrite:
+        raise CompileError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it")
+    if args.out.exists() and not args.out.is_dir():
+        raise CompileError(f"--out {args.out} exists and is not a folder")
+    dfa = DFA.from_json(args.dfa)
+    model, config = COMPILERS[args.arch](dfa)
+    save_checkpoint(model, config, args.out)
+    task = f"task {config.task}" if config.task else "no task"
+    print(f"wrote {args.out}: {args.arch} for {dfa.name} ({len(dfa.states)} states, {task})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.compiler", description="Compile a DFA JSON file into a checkpoint folder."
+    )
+    add_compile_arguments(parser)
+    return run_compile(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""Compile a DFA (SPEC section 2) into a transducer checkpoint that outputs, after every prefix, "1" if the DFA
+accepts it and "0" otherwise: exactly, at any length, through the ordinary model code (``forward``,
+``final_logits``, ``step``) and its fast paths. Only the weights are constructed; nothing is trained.
+
+Notation: n states, V symbols, M_s the (n, n) one-hot transition matrix of symbol s (column q is the one-hot
+image of state q, ``DFA.transition_matrices``), q0 the start state, F the accepting states.
+
+**Block-diagonal LRNN** (one layer, one block of size n + 1). The state is h = [e_q; f], the one-hot current
+state and a "started" flag f, with h_0 = 0. Symbol s gives
+
+    A_s = [[M_s, -e_r], [0, 0]]    B u_s = [e_r; 1]    r = delta(q0, s)
+
+so h_1 = [e_{delta(q0, s)}; 1] and from then on A_s [e_q; 1] + B u_s = [e_{delta(q, s)}; 1]. Every column of
+A_s has a single entry +-1, so the p-norm column constraint leaves A_s unchanged. The embedding of s is
+c * H_{1+s}, a row of the Sylvester-Hadamard matrix H (d_model x d_model, entries +-1, zero mean for rows >= 1)
+scaled by c = 2**12: its LayerNorm is H_{1+s} (eps = 1e-5 vanishes against the variance c**2 in float32), and
+since those rows are orthogonal, transition and input projections with weights sum_s target_s H_{1+s}^T / d_model
+and no bias give A_s and B u_s. The readout writes c * (+1 if accepting else -1) along another Hadamard row,
+which the label head reads after ``ln_f``; the MLP is zero.
+
+**RegularGPT** (C = 2, K = 1, one head, out_of_range="null"; regulargpt.txt section 7.2 and appendix C). After
+thick layer l, position m holds in its residual stream X = Flat(A), A = M_{s_m} ... M_{s_{m - 2**(l+1) + 1}}
+the one-hot function matrix of that window (positions before 0 act as the identity), beside a zero block O.
+The embedding is [Flat(M_s), 0]. One head attends only to j = 1 (relative biases -R, +R; q and k are zero) and
+copies X of position m - 2**l into O; out of range, the null value is Flat(I). (The paper's second head, on
+j = 0, is not needed: the residual stream already carries position m's own X.) The MLP then composes: with a
+large lambda, GELU(lambda z) / lambda is relu(z) to float32 precision wherever |z| >= 0.25, and for each
+(i, j, k) two hidden units give g(s) = 2 relu(s - 1.25) - 2 relu(s - 1.75) of s = X[i, j] + O[j, k]: exactly 1
+when both are 1, exactly 0 otherwise, also for inputs off by up to 0.25, so rounding errors do not grow with
+depth. It writes sum_j g - X into X and -O into O (pass-through units GELU(lambda x) - GELU(-lambda x) =
+lambda x), leaving just the composed Flat(A). X and O hold exactly n ones each, so every LayerNorm input has a
+constant mean and variance and each LayerNorm's weight and bias undo its normalisation. The head reads
+acceptance of A's column q0: sum over i in F of A[i, q0].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from model.base import SequenceModel
+from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
+from model.lrnn import BlockDiagonalLRNN
+from model.regulargpt import RegularGPT
+from training.automaton import DFA, MooreMachine
+from training.tasks import TASKS
+
+LABELS = ("0", "1")  # label index 1 = accepted
+LABEL_MARGIN = 20.0
+"""Logit of the right label minus the wrong one: softmax gives it probability 1 - 2e-9."""
+
+EMBEDDING_SCALE = 2.0**12
+"""LRNN embedding norm per entry: c**2 = 2**24, against which LayerNorm's eps = 1e-5 rounds away in float32."""
+
+ATTENTION_BIAS = 30.0
+"""RegularGPT relative bias R: the unwanted slot gets softmax weight exp(-2R) ~ 1e-26."""
+
+GELU_SHARPNESS = 100.0
+"""lambda: GELU(lambda z) / lambda = relu(z) in float32 for |z| >= 0.25, since Phi(-25) underflows."""
+
+PRODUCT_THRESHOLDS = (1.25, 1.75)
+"""g(s) = 2 relu(s - 1.25) - 2 relu(s - 1.75): 0 for s <= 1.25, 1 for s >= 1.75."""
+
+MAX_REGULARGPT_STATES = 16
+"""The RegularGPT construction has d_model = 2 n**2 and 2 n**3 + 4 n**2 hidden units, ~8 n**5 weights: 41 MB of
+float32 at n = 16, 32 times more at n = 32. The LRNN construction takes any DFA (training.automaton.MAX_STATES)."""
+
+
+class CompileError(ValueError):
+    """A valid DFA that a construction cannot take (too many states for RegularGPT); the message says why."""
+
+
+def compile_lrnn(dfa: DFA) -> tuple[BlockDiagonalLRNN, CheckpointConfig]:
+    """The one-layer block-diagonal LRNN of the module docstring, float32, in eval mode."""
+    n, vocab = len(dfa.states), len(dfa.alphabet)
+    d_model = max(8, _next_power_of_two(vocab + 2))  # Hadamard rows 1..V: symbols; row V + 1: the readout
+    config = LRNNConfig(
+        vocab_size=vocab, num_labels=len(LABELS), d_model=d_model, n_layers=1, block_size=n + 1, num_blocks=1,
+        d_ff=1,
+    )
+    hadamard = _hadamard(d_model)  # (d, d)
+    symbol_rows, readout_row = hadamard[1 : vocab + 1], hadamard[vocab + 1]  # (V, d), (d,)
+    matrices = dfa.transition_matrices().astype(np.float64)  # (V, n, n)
+    start = dfa.states.index(dfa.start)
+    transitions = np.zeros((vocab, n + 1, n + 1))  # (V, n + 1, n + 1): A_s
+    inputs = np.zeros((vocab, n + 1))  # (V, n + 1): B u_s
+    for s in range(vocab):
+        first = matrices[s][:, start]  # (n,) e_r, r = delta(q0, s)
+        transitions[s, :n, :n] = matrices[s]
+        transitions[s, :n, n] = -first
+        inputs[s, :n], inputs[s, n] = first, 1.0
+    readout = np.zeros((d_model, n + 1))  # (d, n + 1): c * (+-1) * readout_row per state, 0 for the flag
+    readout[:, :n] = EMBEDDING_SCALE * np.outer(readout_row, _acceptance_signs(dfa))
+    # ln_f(x) = (H_s + sign * readout_row) / sqrt(2), so readout_row . ln_f(x) = sign * d / sqrt(2)
+    head_gain = LABEL_MARGIN / 2 * math.sqrt(2) / d_model
+    weights = {
+        "embedding.embed.weight": EMBEDDING_SCALE * symbol_rows,
+        **_label_head(head_gain * readout_row, 0.0),
+        **_layer_norm("blocks.0.ln_1", d_model),
+        "blocks.0.recurrence.transition.weight": transitions.reshape(vocab, -1).T @ symbol_rows / d_model,
+        "blocks.0.recurrence.transition.bias": np.zeros((n + 1) ** 2),
+        "blocks.0.recurrence.input_proj.weight": inputs.T @ symbol_rows / d_model,
+        "blocks.0.recurrence.input_proj.bias": np.zeros(n + 1),
+        "blocks.0.recurrence.out_proj.weight": readout,
+        "blocks.0.recurrence.out_proj.bias": np.zeros(d_model),
+        **_layer_norm("blocks.0.ln_2", d_model),
+        **_mlp("blocks.0.mlp", np.zeros((1, d_model)), np.zeros(1), np.zeros((d_model, 1))),
+        **_layer_norm("ln_f", d_model),
+    }
+    return _assemble(BlockDiagonalLRNN(config), weights), checkpoint_config(dfa, "lrnn", config)
+
+
+def compile_regulargpt(dfa: DFA) -> tuple[RegularGPT, CheckpointConfig]:
+    """The C = 2, K = 1 RegularGPT with null slots of the module docstring, float32, in eval mode."""
+    n, vocab = len(dfa.states), len(dfa.alphabet)
+    if n > MAX_REGULARGPT_STATES:
+        raise CompileError(
+            f"{dfa.name}: {n} states; the RegularGPT construction takes at most MAX_REGULARGPT_STATES = "
+            f"{MAX_REGULARGPT_STATES} (its size grows as n**5); compile it with --arch lrnn"
+        )
+    flat, d_model = n * n, 2 * n * n  # the residual stream: X = channels [0, n^2), O = [n^2, 2 n^2)
+    product_units = len(PRODUCT_THRESHOLDS) * n**3
+    config = RegularGPTConfig(
+        vocab_size=vocab, num_labels=len(LABELS), d_model=d_model, n_heads=1, d_ff=product_units + 2 * d_model,
+        chunk_size=2, thickness=1, out_of_range="null",
+    )
+    eps = config.layer_norm_eps
+    attention_stats = _stream_stats(n, d_model, blocks_in_use=1, eps=eps)  # [X, 0]: ln_1 and ln_f
+    mlp_stats = _stream_stats(n, d_model, blocks_in_use=2, eps=eps)  # [X, O]: ln_2
+    qkv = np.zeros((3 * d_model, d_model))  # q = k = 0; v = [X, 0] (head dim = d_model)
+    qkv[2 * d_model : 2 * d_model + flat, :flat] = np.eye(flat)
+    into_other = np.zeros((d_model, d_model))  # c_proj: the attended X into O
+    into_other[flat:, :flat] = np.eye(flat)
+    null_value = np.zeros((1, d_model))
+    null_value[0, :flat] = np.eye(n).flatten()
+    start = dfa.states.index(dfa.start)
+    accepted = np.zeros(d_model)  # the channels X[i, q0] of accepting states i
+    accepted[np.arange(n) * n + start] = np.array([state in dfa.accept for state in dfa.states], dtype=float)
+    weights = {
+        "embedding.embed.weight": np.concatenate([dfa.transition_matrices().reshape(vocab, flat),
+                                                  np.zeros((vocab, flat))], axis=1),
+        **_label_head(LABEL_MARGIN * accepted, -LABEL_MARGIN / 2),
+        **_layer_norm("blocks.0.ln_1", d_model, *attention_stats),
+        "blocks.0.attention.heads.c_attn.weight": qkv,
+        "blocks.0.attention.heads.c_attn.bias": np.zeros(3 * d_model),
+        "blocks.0.attention.heads.c_proj.weight": into_other,
+        "blocks.0.attention.heads.c_proj.bias": np.zeros(d_model),
+        "blocks.0.attention.relative_bias": np.array([[-ATTENTION_BIAS, ATTENTION_BIAS]]),
+        "blocks.0.attention.null_key": np.zeros((1, d_model)),
+        "blocks.0.attention.null_value": null_value,
+        **_layer_norm("blocks.0.ln_2", d_model, *mlp_stats),
+        **_mlp("blocks.0.mlp", *_composition_mlp(n)),
+        **_layer_norm("ln_f", d_model, *attention_stats),
+    }
+    return _assemble(RegularGPT(config), weights), checkpoint_config(dfa, "regulargpt", config)
+
+
+COMPILERS: dict[str, Callable[[DFA], tuple[SequenceModel, CheckpointConfig]]] = {
+    "lrnn": compile_lrnn,
+    "regulargpt": compile_regulargpt,
+}
+
+
+def checkpoint_config(dfa: DFA, architecture: str, model_config: LRNNConfig | RegularGPTConfig) -> CheckpointConfig:
+    """A transducer over the DFA's alphabet with labels ("0", "1"), naming the task only if the DFA computes it."""
+    return CheckpointConfig(
+        architecture=architecture, model=model_config, kind="transduce", task=task_of(dfa),
+        alphabet=dfa.alphabet, labels=LABELS,
+        metadata={"compiled": True, "compiler": "training.compiler", "dfa": dfa.to_json()},
+    )
+
+
+def task_of(dfa: DFA) -> str | None:
+    """``dfa.name`` if a task of SPEC section 1 has that name, the same alphabet (in the same order: token ids)
+    and the same labels after every non-empty prefix; None otherwise."""
+    task = TASKS.get(dfa.name)
+    if task is None or task.automaton is None or task.alphabet != dfa.alphabet or task.labels != LABELS:
+        return None
+    return dfa.name if same_transduction(task.automaton, dfa.machine) else None
+
+
+def same_transduction(first: MooreMachine, second: MooreMachine) -> bool:
+    """Whether the machines (same alphabet) output the same label after every non-empty prefix: a search of
+    the pairs of states reachable together."""
+    pending = [(first.start, second.start)]
+    seen = set(pending)
+    while pending:
+        pair = pending.pop()
+        for symbol in first.alphabet:
+            successor = (first.delta[pair[0]][symbol], second.delta[pair[1]][symbol])
+            if first.output[successor[0]] != second.output[successor[1]]:
+                return False
+            if successor not in seen:
+                seen.add(successor)
+                pending.append(successor)
+    return True
+
+
+def _acceptance_signs(dfa: DFA) -> np.ndarray:
+    """(n,): +1 for accepting states, -1 for the others."""
+    return np.array([1.0 if state in dfa.accept else -1.0 for state in dfa.states])
+
+
+def _composition_mlp(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """c_fc weight (d_ff, 2 n^2), c_fc bias (d_ff,), c_proj weight (2 n^2, d_ff) of the composing MLP:
+    2 n^3 product units, then a +x and a -x pass-through unit per channel."""
+    flat = n * n
+    d_model, units = 2 * flat, len(PRODUCT_THRESHOLDS) * n**3
+    fc = np.zeros((units + 2 * d_model, d_model))
+    fc_bias = np.zeros(units + 2 * d_model)
+    proj = np.zeros((d_model, units + 2 * d_model))
+    unit = 0
+    for i in range(n):
+        for j in range(n):
+            for k in range(n):
+                for threshold, slope in zip(PRODUCT_THRESHOLDS, (2.0, -2.0)):  # g = 2 relu(. - 1.25) - 2 relu(. - 1.75)
+                    fc[unit, i * n + j] = fc[unit, flat + j * n + k] = GELU_SHARPNESS  # X[i, j] + O[j, k]
+                    fc_bias[unit] = -GELU_SHARPNESS * threshold
+                    proj[i * n + k, unit] = slope / GELU_SHARPNESS  # into new X[i, k]
+                    unit += 1
+    channels = np.arange(d_model)
+    fc[units + channels, channels] = GELU_SHARPNESS  # GELU(lambda x) - GELU(-lambda x) = lambda x
+    fc[units + d_model + channels, channels] = -GELU_SHARPNESS
+    proj[channels, units + channels] = -1.0 / GELU_SHARPNESS  # ... written back as -x: X -> new - X, O -> -O
+    proj[channels, units + d_model + channels] = 1.0 / GELU_SHARPNESS
+    return fc, fc_bias, proj
+
+
+def _stream_stats(n: int, d_model: int, blocks_in_use: int, eps: float) -> tuple[float, float]:
+    """(sqrt(variance + eps), mean) of a residual stream holding ``blocks_in_use`` one-hot function matrices
+    (n ones each) in d_model channels: LayerNorm weight and bias that undo the normalisation."""
+    mean = blocks_in_use * n / d_model
+    return math.sqrt(mean - mean**2 + eps), mean
+
+
+def _label_head(direction: np.ndarray, bias: float) -> dict[str, np.ndarray]:
+    """Label "1" scores direction . h + bias, label "0" the negation."""
+    return {
+        "embedding.label_head.weight": np.stack([-direction, direction]),
+        "embedding.label_head.bias": np.array([-bias, bias]),
+    }
+
+
+def _layer_norm(prefix: str, d_model: int, scale: float = 1.0, shift: float = 0.0) -> dict[str, np.ndarray]:
+    return {f"{prefix}.weight": np.full(d_model, scale), f"{prefix}.bias": np.full(d_model, shift)}
+
+
+def _mlp(prefix: str, fc: np.ndarray, fc_bias: np.ndarray, proj: np.ndarray) -> dict[str, np.ndarray]:
+    return {
+        f"{prefix}.c_fc.weight": fc,
+        f"{prefix}.c_fc.bias": fc_bias,
+        f"{prefix}.c_proj.weight": proj,
+        f"{prefix}.c_proj.bias": np.zeros(proj.shape[0]),
+    }
+
+
+def _assemble(model: SequenceModel, weights: dict[str, np.ndarray]) -> SequenceModel:
+    """Load every tensor of the model from ``weights`` (strict: none left at its random init), as float32."""
+    model.load_state_dict({name: torch.tensor(value, dtype=torch.float32) for name, value in weights.items()})
+    return model.eval()
+
+
+def _hadamard(size: int) -> np.ndarray:
+    """The Sylvester-Hadamard matrix of a power-of-two size: entries +-1, orthogonal rows, row 0 all ones."""
+    matrix = np.ones((1, 1))
+    while matrix.shape[0] < size:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    return matrix
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+if __name__ == "__main__":
+    from training.compile_cli import main
+
+    raise SystemExit(main())
