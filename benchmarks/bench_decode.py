@@ -5,19 +5,22 @@ filled with a random context of each length, then single-token decode steps are 
 counted by torch's FlopCounterMode (matmuls and attention), and achieved GFLOP/s is set against the peak of
 a large fp32 matmul measured on the same machine in the same run.
 
-    python -m benchmarks.bench_decode [--contexts 1024,4096,16384,65536] [--device cpu] [--steps 32]
+    python -m benchmarks.bench_decode [--contexts 1024,4096,16384,65536] [--device cpu] [--steps 32] [--threads N]
+
+On a CPU that other processes share, use --threads 1: a two-thread op whose second thread waits for a busy
+core stalls for a scheduler time slice, which turns an 8 ms LRNN step into 250 ms (seen here).
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.isolated import banner
 from model.config import LRNNConfig, RegularGPTConfig, TransformerConfig
 from model.device import resolve_device
 from model.registry import build_model
@@ -66,6 +69,7 @@ def fill_cache(model, context: int, device: torch.device):
 def measure(model, context: int, steps: int, device: torch.device) -> dict[str, float]:
     cache = fill_cache(model, context, device)
     token = torch.randint(0, VOCAB, (1,), device=device)
+    model.step(token, cache)  # a context of C**L tokens makes RegularGPT's next step grow its depth once
     flops_cache = cache.clone()
     with FlopCounterMode(display=False) as counter:
         model.step(token, flops_cache)
@@ -78,7 +82,7 @@ def measure(model, context: int, steps: int, device: torch.device) -> dict[str, 
         synchronize(device)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    return {"step_ms": step_s * 1e3, "cache_mib": cache.memory_bytes() / 2**20, "gflops": flops / step_s / 1e9}
+    return {"step_ms": step_s * 1e3, "cache_kib": cache.memory_bytes() / 2**10, "gflops": flops / step_s / 1e9}
 
 
 def main() -> None:
@@ -87,14 +91,15 @@ def main() -> None:
     parser.add_argument("--architectures", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     torch.manual_seed(0)
     peak = matmul_peak_gflops(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"device: {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(banner(device, args.threads))
     print(f"large-matmul peak (2048^3 fp32): {peak:.1f} GFLOP/s\n")
-    print("| architecture | context | step (ms) | cache (MiB) | GFLOP/s | % of matmul peak |")
+    print("| architecture | context | step (ms) | cache (KiB) | GFLOP/s | % of matmul peak |")
     print("|---|---:|---:|---:|---:|---:|")
     for architecture in args.architectures.split(","):
         model = build_model(architecture, CONFIGS[architecture]).to(device).eval()
@@ -102,7 +107,7 @@ def main() -> None:
             with torch.no_grad():
                 result = measure(model, context, args.steps, device)
             print(
-                f"| {architecture} | {context} | {result['step_ms']:.2f} | {result['cache_mib']:.2f} "
+                f"| {architecture} | {context} | {result['step_ms']:.2f} | {result['cache_kib']:.1f} "
                 f"| {result['gflops']:.2f} | {100 * result['gflops'] / peak:.1f} |",
                 flush=True,
             )
