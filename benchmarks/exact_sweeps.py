@@ -4,6 +4,7 @@ Fig. 2). n is the number of symbols (CLS and EOS not counted). Every run is seed
 drawn label-balanced (training.tasks balanced sampling).
 
     python -m benchmarks.exact_sweeps accuracy [--dense-until 3000] [--step 25] [--longest 10000] [--strings 1]
+        [--tasks parity_check first one]
     python -m benchmarks.exact_sweeps palindrome [--longest 10000]
     python -m benchmarks.exact_sweeps palindrome-curve [--pairs 250]
     python -m benchmarks.exact_sweeps cross-entropy [--strings 1000] [--figure docs/figures/exact_cross_entropy.png]
@@ -115,7 +116,7 @@ def accuracy(args: argparse.Namespace) -> None:
     print("| checkpoint | construction | lengths tested | strings | errors | accuracy | failing lengths |")
     print("|---|---|---|---|---|---|---|")
     for shipped in SHIPPED:
-        if shipped.task == "palindrome":
+        if shipped.task not in args.tasks:
             continue
         task = get_task(shipped.task)
         draw = partial(balanced_and_edge_strings, task, args.strings)
@@ -266,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.add_argument("--step", type=int, default=defaults[1])
         command.add_argument("--longest", type=int, default=defaults[2])
     commands.choices["accuracy"].add_argument("--strings", type=int, default=1)
+    commands.choices["accuracy"].add_argument("--tasks", nargs="+", default=["parity_check", "first", "one"],
+                                              choices=["parity_check", "first", "one"])
     commands.choices["palindrome"].add_argument("--pairs", type=int, default=4)
     commands.add_parser("palindrome-curve").add_argument("--pairs", type=int, default=250)
     command = commands.add_parser("cross-entropy")
