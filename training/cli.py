@@ -89,6 +89,19 @@ positive_float = _checked_number(float, lambda value: value > 0, "positive")
 probability = _checked_number(float, lambda value: 0.0 <= value <= 1.0, "a probability in [0, 1]")
 
 
+def probability_or_range(text: str) -> float | tuple[float, float]:
+    """"P" -> P, or "A-B" -> (A, B) with 0 <= A <= B <= 1."""
+    if "-" not in text:
+        return probability(text)
+    parts = text.split("-")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"invalid probability range {text!r}: expected P or A-B, e.g. 0.05-0.95")
+    lo, hi = (probability(part) for part in parts)
+    if lo > hi:
+        raise argparse.ArgumentTypeError(f"invalid probability range {text!r}: {lo} > {hi}")
+    return lo, hi
+
+
 def _number(text: str, kind: type) -> Any:
     try:
         return kind(text)
@@ -136,7 +149,9 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
                            "linearly from --curriculum-start to the maximum over --curriculum-fraction of the steps")
     data.add_argument("--curriculum-start", type=positive_int, default=10)
     data.add_argument("--curriculum-fraction", type=probability, default=0.5)
-    data.add_argument("--p-one", type=probability, help="P(second symbol) for two-symbol alphabets")
+    data.add_argument("--p-one", type=probability_or_range,
+                      help="P(second symbol) for two-symbol alphabets; A-B: each string draws its own P uniformly "
+                           "from [A, B] (mixes dense and sparse strings, for skewed inputs at test time)")
     data.add_argument("--balanced", action="store_true", help="draw the final label uniformly, then the string")
     checks = parser.add_argument_group("extrapolation evaluation and early stopping")
     checks.add_argument("--eval-every", type=non_negative_int, default=500, help="steps between evaluations (0: none)")
@@ -241,7 +256,7 @@ def _task(name: str) -> Task:
         raise UsageError(str(error)) from None
 
 
-def _check_sampling(task: Task, p_one: float | None, balanced: bool) -> None:
+def _check_sampling(task: Task, p_one: float | tuple[float, float] | None, balanced: bool) -> None:
     if p_one is not None and len(task.alphabet) != 2:
         raise UsageError(f"--p-one needs a two-symbol alphabet; {task.name} has {task.alphabet!r}")
     if balanced and p_one is not None:

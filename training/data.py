@@ -90,7 +90,7 @@ class TrainingData:
     task: Task
     batch_size: int
     curriculum: LengthCurriculum
-    p_one: float | None = None
+    p_one: float | tuple[float, float] | None = None  # one P(second symbol), or a per-string range
     balanced: bool = False
 
     def batch(self, rng: np.random.Generator, step: int) -> Batch:

@@ -92,14 +92,24 @@ def sample_batch(
     rng: np.random.Generator,
     n: int,
     length_range: tuple[int, int],
-    p_one: float | None = None,
+    p_one: float | tuple[float, float] | None = None,
     balanced: bool = False,
 ) -> list[str]:
-    """``n`` strings of ``task``, each of a length drawn uniformly from ``length_range`` (inclusive)."""
+    """``n`` strings of ``task``, each of a length drawn uniformly from ``length_range`` (inclusive).
+
+    ``p_one`` is one P(second symbol) for every string, or a range (lo, hi) from which each string draws its own
+    uniformly (so a batch mixes dense and sparse strings).
+    """
     shortest, longest = length_range
     if not 1 <= shortest <= longest:
         raise ValueError(f"length_range must satisfy 1 <= shortest <= longest, got {length_range}")
-    return [task.sample(rng, int(length), p_one, balanced) for length in rng.integers(shortest, longest + 1, size=n)]
+    lengths = rng.integers(shortest, longest + 1, size=n)
+    if isinstance(p_one, tuple):
+        lo, hi = p_one
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"a p_one range must satisfy 0 <= lo <= hi <= 1, got {p_one}")
+        return [task.sample(rng, int(length), float(p), balanced) for length, p in zip(lengths, rng.uniform(lo, hi, n))]
+    return [task.sample(rng, int(length), p_one, balanced) for length in lengths]
 
 
 def _uniform_symbols(alphabet: str) -> Drawer:

@@ -75,7 +75,7 @@ class TrainSettings:
     curriculum: Curriculum = "uniform"
     curriculum_start: int = 10
     curriculum_fraction: float = 0.5
-    p_one: float | None = None
+    p_one: float | tuple[float, float] | None = None  # one P(second symbol), or a per-string range
     balanced: bool = False
     eval_every: int = 500
     eval_samples: int = 200
@@ -223,11 +223,13 @@ def _evaluate(
     model.train()
     correct_sum, total = dist.sum([float(correct), float(len(eval_set))])
     accuracy = correct_sum / total
-    if best.accuracy is None or accuracy > best.accuracy:
-        best.accuracy, best.step, best.evaluations_since = accuracy, step, 0
+    # A tie keeps the later weights (trained longer, so usually a sharper solution of the same accuracy) but, not
+    # being an improvement, still counts towards the patience.
+    improved = best.accuracy is None or accuracy > best.accuracy
+    if improved or accuracy == best.accuracy:
+        best.accuracy, best.step = accuracy, step
         best.state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    else:
-        best.evaluations_since += 1
+    best.evaluations_since = 0 if improved else best.evaluations_since + 1
     _write(log, event="eval", step=step, accuracy=accuracy, lengths=list(settings.eval_lengths),
            samples=settings.eval_samples, best_accuracy=best.accuracy, best_step=best.step)
     if settings.target_accuracy is not None and best.accuracy >= settings.target_accuracy:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model.ops.dilated_attention import (
+    AUTO_REFERENCE_MAX_T,
     dilated_attention,
     dilated_attention_fast,
     dilated_attention_reference,
@@ -98,9 +99,15 @@ def test_null_slots_are_a_left_padding_null_token(chunk_size: int) -> None:
 
 
 def test_dispatch_is_explicit() -> None:
-    inputs = make_inputs(1, 2, 9, 3, torch.float64)
-    auto = dilated_attention(*inputs, 3, 3, impl="auto")
-    torch.testing.assert_close(auto, dilated_attention_fast(*inputs, 3, 3), rtol=0, atol=0)
-    torch.testing.assert_close(dilated_attention(*inputs, 3, 3, impl="reference"), auto, rtol=1e-12, atol=1e-12)
+    """"auto" is exactly the reference up to AUTO_REFERENCE_MAX_T positions and exactly the fast path beyond."""
+    short = make_inputs(1, 2, AUTO_REFERENCE_MAX_T, 3, torch.float64)
+    auto = dilated_attention(*short, 3, 3, impl="auto")
+    torch.testing.assert_close(auto, dilated_attention_reference(*short, 3, 3), rtol=0, atol=0)
+    torch.testing.assert_close(dilated_attention(*short, 3, 3, impl="fast"), auto, rtol=1e-12, atol=1e-12)
+    long = make_inputs(1, 2, AUTO_REFERENCE_MAX_T + 1, 3, torch.float64)
+    torch.testing.assert_close(
+        dilated_attention(*long, 3, 3, impl="auto"), dilated_attention_fast(*long, 3, 3), rtol=0, atol=0
+    )
+    inputs = short
     with pytest.raises(ValueError, match="unknown dilated attention impl"):
         dilated_attention(*inputs, 3, 3, impl="flash")

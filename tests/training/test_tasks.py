@@ -174,6 +174,17 @@ def test_p_one_sets_the_frequency_of_the_second_symbol(name: str, p_one: float) 
     assert text.count(task.alphabet[1]) / len(text) == pytest.approx(p_one, abs=0.01)
 
 
+def test_a_p_one_range_gives_each_string_its_own_frequency() -> None:
+    strings = sample_batch(TASKS["parity_check"], np.random.default_rng(6), 400, (200, 200), p_one=(0.0, 1.0))
+    frequencies = sorted(string.count("1") / len(string) for string in strings)
+    assert frequencies[0] < 0.05 and frequencies[-1] > 0.95  # dense and sparse strings in one batch
+    assert np.mean(frequencies) == pytest.approx(0.5, abs=0.05)
+    narrow = sample_batch(TASKS["parity_check"], np.random.default_rng(6), 50, (200, 200), p_one=(0.2, 0.3))
+    assert all(0.1 < string.count("1") / 200 < 0.4 for string in narrow)
+    with pytest.raises(ValueError, match="p_one range must satisfy 0 <= lo <= hi <= 1"):
+        sample_batch(TASKS["parity_check"], np.random.default_rng(6), 1, (5, 5), p_one=(0.6, 0.4))
+
+
 def test_p_one_needs_a_two_symbol_alphabet_and_a_probability() -> None:
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="two-symbol alphabet; sum_mod5 has '01234'"):
