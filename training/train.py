@@ -166,7 +166,7 @@ def train(settings: TrainSettings, model_config: BaseModelConfig, command: str, 
         model.load_state_dict(best.state)
     wall_time = time.perf_counter() - started
     metadata = _metadata(settings, command, dist, step, stopped, best, wall_time)
-    digests = dist.gather(_weights_digest(model))
+    digests = dist.gather(weights_digest(model))
     if dist.is_main:
         save_checkpoint(model, _checkpoint_config(settings, model_config, task, metadata), out)
         _write(log, event="end", step=step, stopped=stopped, best_accuracy=best.accuracy, best_step=best.step,
@@ -288,7 +288,8 @@ def _metadata(
     }
 
 
-def _weights_digest(model: SequenceModel) -> str:
+def weights_digest(model: SequenceModel) -> str:
+    """SHA-256 over every parameter and buffer (names and raw bytes, sorted by name): equal iff the weights are."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())

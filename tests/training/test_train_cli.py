@@ -12,7 +12,7 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from training.cli import main
-from training.train import LOG_FILE
+from training.train import LOG_FILE, weights_digest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]
@@ -64,6 +64,9 @@ def test_log_has_one_record_per_logging_step(tiny_run: Path) -> None:
     assert [record["step"] for record in records if record["event"] == "eval"] == [2, 4, 5]
     end = records[-1]
     assert end["step"] == 5 and end["best_step"] in (2, 4, 5) and len(end["param_sha256"]) == 1
+    evals = [record for record in records if record["event"] == "eval"]
+    best = max(record["accuracy"] for record in evals)  # a tie keeps the later weights
+    assert end["best_step"] == max(record["step"] for record in evals if record["accuracy"] == best)
 
 
 def test_early_stopping_at_the_target_accuracy(tmp_path: Path) -> None:
@@ -85,6 +88,8 @@ BAD_TRAIN = {
     "foreign flag": (["--chunk-size", "2"], "--chunk-size does not apply to --arch lrnn"),
     "bad config": (["--arch", "regulargpt", "--d-model", "10", "--heads", "3"], "must be divisible by n_heads"),
     "p_one on 5 symbols": (["--task", "sum_mod5", "--p-one", "0.2"], "--p-one needs a two-symbol alphabet"),
+    "p_one range order": (["--p-one", "0.9-0.1"], "invalid probability range '0.9-0.1': 0.9 > 0.1"),
+    "p_one range bounds": (["--p-one", "0.1-1.5"], "must be a probability in [0, 1], got 1.5"),
     "stopping without eval": (["--eval-every", "0", "--patience", "2"], "need evaluations: set --eval-every above 0"),
     "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
 }
@@ -140,9 +145,12 @@ def test_torchrun_two_processes_agree_and_write_once(tmp_path: Path) -> None:
     records = read_log(out)
     assert [record["event"] for record in records].count("start") == 1  # rank 0 alone writes
     assert [record["step"] for record in records if record["event"] == "train"] == [1, 2, 3, 4]
+    assert records[0]["world_size"] == 2
     digests = records[-1]["param_sha256"]
     assert len(digests) == 2 and digests[0] == digests[1]  # DDP kept the weights identical
-    metadata = load_checkpoint(out, device="cpu").config.metadata
+    loaded = load_checkpoint(out, device="cpu")
+    assert weights_digest(loaded.model) == digests[0]  # the one checkpoint holds the weights both ranks agree on
+    metadata = loaded.config.metadata
     assert metadata["world_size"] == 2
     assert metadata["command"].startswith("torchrun --nproc_per_node=2 -m training train --task parity_check")
     assert result.stdout.count("wrote ") == 1

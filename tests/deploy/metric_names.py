@@ -1,0 +1,20 @@
+"""The series names the server exposes, read from ``server/metrics.py``'s registry, and the names a PromQL
+expression or a Grafana query refers to."""
+
+from __future__ import annotations
+
+import re
+
+from server.metrics import PREFIX, ServerMetrics
+
+SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"), "gauge": ("",)}
+NAME = re.compile(re.escape(PREFIX) + r"[a-zA-Z0-9_:]+")
+
+
+def exposed_series() -> set[str]:
+    """Every series name /metrics can carry, e.g. ``regularlm:request_success_total``."""
+    return {family.name + suffix for family in ServerMetrics().registry.collect() for suffix in SUFFIXES[family.type]}
+
+
+def referenced_series(expression: str) -> set[str]:
+    return set(NAME.findall(expression))
