@@ -32,6 +32,9 @@ MODEL_FLAGS = (
     ModelFlag("chunk_size", int, "RegularGPT chunk size C: layer l attends m - j*C**l, j in [C]"),
     ModelFlag("thickness", int, "RegularGPT thickness K: distinct blocks per thick layer, shared over depth"),
     ModelFlag("attention_impl", str, "RegularGPT attention implementation", ("auto", "reference", "fast")),
+    ModelFlag("out_of_range", str, "RegularGPT: a dilated key before position 0 is masked out, or is a learned null "
+              "key/value (the paper's padding; lets a layer tell 'no partner' from 'equal partner')",
+              ("mask", "null")),
     ModelFlag("block_size", int, "LRNN block size b of the block-diagonal transition"),
     ModelFlag("num_blocks", int, "LRNN number of blocks H (state size H*b)"),
     ModelFlag("p_norm", float, "LRNN p of the column p-norm constraint"),
@@ -49,7 +52,7 @@ _COMMON_FIELDS = {"d_model": "d_model", "dropout": "dropout"}
 CONFIG_FIELDS: dict[str, dict[str, str]] = {
     "regulargpt": {
         **_COMMON_FIELDS, "heads": "n_heads", "d_ff": "d_ff", "chunk_size": "chunk_size",
-        "thickness": "thickness", "attention_impl": "attention_impl",
+        "thickness": "thickness", "attention_impl": "attention_impl", "out_of_range": "out_of_range",
     },
     "lrnn": {
         **_COMMON_FIELDS, "layers": "n_layers", "block_size": "block_size", "num_blocks": "num_blocks",

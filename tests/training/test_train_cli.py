@@ -86,6 +86,8 @@ BAD_TRAIN = {
     "negative steps": (["--steps=-3"], "argument --steps: must be a positive integer, got -3"),
     "train lengths": (["--train-lengths", "9-3"], "invalid length range '9-3': 9 > 3"),
     "foreign flag": (["--chunk-size", "2"], "--chunk-size does not apply to --arch lrnn"),
+    "out_of_range on lrnn": (["--out-of-range", "null"], "--out-of-range does not apply to --arch lrnn"),
+    "out_of_range choice": (["--arch", "regulargpt", "--out-of-range", "pad"], "invalid choice: 'pad'"),
     "bad config": (["--arch", "regulargpt", "--d-model", "10", "--heads", "3"], "must be divisible by n_heads"),
     "p_one on 5 symbols": (["--task", "sum_mod5", "--p-one", "0.2"], "--p-one needs a two-symbol alphabet"),
     "p_one range order": (["--p-one", "0.9-0.1"], "invalid probability range '0.9-0.1': 0.9 > 0.1"),
@@ -102,6 +104,14 @@ def test_bad_train_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_regulargpt_trains_with_null_out_of_range_slots(tmp_path: Path) -> None:
+    argv = ["train", "--task", "parity_check", "--arch", "regulargpt", "--out-of-range", "null", "--d-model", "8",
+            "--heads", "2", "--d-ff", "8", "--steps", "2", "--out", str(tmp_path / "run"), *TINY_RUN]
+    assert main(argv) == 0
+    model = load_checkpoint(tmp_path / "run", device="cpu").config.model
+    assert model.out_of_range == "null"
 
 
 def test_an_existing_checkpoint_is_kept_without_overwrite(tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
