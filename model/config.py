@@ -59,12 +59,14 @@ class RegularGPTConfig(BaseModelConfig):
     ``thickness`` distinct sub-layers are reused at every depth.
 
     ``attention_impl``: "reference" builds the T x T mask; "fast" gathers the chunk_size dilated keys per
-    position; "auto" is "fast".
+    position; "auto" is the reference up to 64 positions and "fast" beyond (model/ops/dilated_attention.py).
 
-    ``out_of_range``: what a slot j whose key m - j * C**l lies before position 0 holds. "mask" drops it, so
-    the query attends over fewer keys; "null" fills it with a learned null key and value per block and head
-    (scored with the slot's r_j like any key), as if the input were left-padded with a null token
-    (regulargpt.txt footnote 1).
+    ``out_of_range``: what a slot j whose key m - j * C**l lies before position 0 holds. "null" (default) fills
+    it with a learned null key and value per block and head (scored with the slot's r_j like any key), as if
+    the input were left-padded with a null token (regulargpt.txt footnote 1): a layer can then tell "no
+    partner" (the identity of the composition) from "a partner equal to me". "mask" drops the slot, so the query
+    attends over fewer keys and those two cases look the same: trained on parity_check, a "mask" model did not
+    get past chance in 1500 steps where a "null" one was at 100% on lengths 41-500 by step 250 (docs/results.md).
     """
 
     n_heads: int = 4
@@ -72,7 +74,7 @@ class RegularGPTConfig(BaseModelConfig):
     chunk_size: int = 2
     thickness: int = 1
     attention_impl: Literal["auto", "reference", "fast"] = "auto"
-    out_of_range: Literal["mask", "null"] = "mask"
+    out_of_range: Literal["mask", "null"] = "null"
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
     """One small model per architecture (and per position handling), keyed by a readable id."""
     common = dict(vocab_size=vocab_size, num_labels=num_labels, d_model=16)
     configs: dict[str, BaseModelConfig] = {
-        "regulargpt-c2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2),
+        "regulargpt-c2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="mask"),
         "regulargpt-c2-null": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="null"),
         "regulargpt-c3-k2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=3, thickness=2),
         "lrnn": LRNNConfig(**common, n_layers=2, block_size=4, num_blocks=2, d_ff=32),
