@@ -1,36 +1,42 @@
 """Measured figures of the exact transformers (docs/exact_results.md): accuracy to n = 10,000, the PALINDROME
 constructions' largest perfect n, and cross-entropy against n with and without layer norm (exact-parity-first.txt
-Fig. 2). n is the number of symbols (CLS and EOS not counted). Every run is seeded, CPU, no timing; strings are
-drawn label-balanced (training.tasks balanced sampling).
+Fig. 2). n is the number of symbols (CLS and EOS not counted). Every run is seeded and on the CPU; only
+``all-outputs`` measures time. Strings are drawn label-balanced (training.tasks balanced sampling).
 
     python -m benchmarks.exact_sweeps accuracy [--dense-until 3000] [--step 25] [--longest 10000] [--strings 1]
         [--tasks parity_check first one]
     python -m benchmarks.exact_sweeps palindrome [--longest 10000]
     python -m benchmarks.exact_sweeps palindrome-curve [--pairs 250]
+    python -m benchmarks.exact_sweeps palindrome-margins [--pairs 250] [--longest 100]
     python -m benchmarks.exact_sweeps cross-entropy [--strings 1000] [--figure docs/figures/exact_cross_entropy.png]
+    python -m benchmarks.exact_sweeps all-outputs [--lengths 128 256 512] [--repeats 3]
 
 ``accuracy`` runs the shipped PARITY, FIRST and ONE checkpoints (training/exact_builders.py SHIPPED) on every
 length up to --dense-until, then every --step-th length up to --longest, with --strings label-balanced strings
 (training.tasks balanced sampling) plus the edge strings 0^n, 1^n, 10^(n-1), 0^(n-1)1, 01^(n-1), 1^(n-1)0 and
-10^(n-2)1 at each length,
-final label compared with the reference labeler. ``palindrome`` runs each PALINDROME variant on palindromes and
-their one-symbol flips (exact-one-palindrome.txt appendix B.3: the hardest negatives) until it fails;
-``palindrome-curve`` gives their accuracy at a few lengths.
+10^(n-2)1 at each length, final label compared with the reference labeler. ``palindrome`` runs each PALINDROME
+variant on palindromes and their one-symbol flips (exact-one-palindrome.txt appendix B.3: the hardest negatives)
+until it fails; ``palindrome-curve`` gives their accuracy at a few lengths; ``palindrome-margins`` finds how far
+one fixed zero-test margin can label the published construction right. ``all-outputs`` times ``forward`` (every
+prefix re-encoded) on the shipped checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from model.config import ExactTransformerConfig
 from model.exact import ExactTransformer
 from training.exact_builders import (
     CONSTRUCTIONS,
@@ -120,10 +126,17 @@ def accuracy(args: argparse.Namespace) -> None:
             continue
         task = get_task(shipped.task)
         draw = partial(balanced_and_edge_strings, task, args.strings)
-        sweep = run_sweep(shipped.build(), task, draw, lengths)
-        print(f"| {shipped.task}-exact | {shipped.construction}, layer norm eps=0, {shipped.compute_dtype} "
+        model = shipped.build()
+        sweep = run_sweep(model, task, draw, lengths)
+        print(f"| {shipped.task}-exact | {describe(model.config)} "
               f"| {sweep.lengths} | {sweep.strings} | {sweep.errors} | {1 - sweep.errors / sweep.strings:.6f} "
               f"| {', '.join(map(str, sweep.failing_lengths)) or '-'} |", flush=True)
+
+
+def describe(config: ExactTransformerConfig) -> str:
+    """The construction, layer norm and dtype of a model, e.g. "parity, layer norm eps=0, float64"."""
+    layer_norm = f"layer norm eps={config.layer_norm_eps:g}" if config.layer_norm else "no layer norm"
+    return f"{config.construction}, {layer_norm}, {config.compute_dtype}"
 
 
 def one_flip_strings(rng: np.random.Generator, length: int, pairs: int) -> list[str]:
@@ -190,6 +203,37 @@ def palindrome_curve(args: argparse.Namespace) -> None:
         print(f"| {name} | " + " | ".join(row) + " |", flush=True)
 
 
+def palindrome_margins(args: argparse.Namespace) -> None:
+    """|s| of the published PALINDROME (the value its zero test y = I[|s| <= margin] reads) on palindromes and
+    their one-symbol flips at every length 1..--longest, in float32 and float64. A fixed margin labels every
+    string of lengths 1..m right iff every |s| of a palindrome there is <= it and every |s| of a flip is > it."""
+    task = get_task("palindrome")
+    print(f"{args.pairs} palindromes + {args.pairs} one-flip negatives per length 1..{args.longest}\n")
+    print("| dtype | largest m that one fixed margin separates (lengths 1..m) | margins that do | "
+          "largest \\|s\\| on a palindrome, lengths 1..m + 1 (at) | smallest \\|s\\| on a flip at m + 1 |")
+    print("|---|---|---|---|---|")
+    for dtype in ("float32", "float64"):
+        model = to_model(replace(palindrome(), output="logits"), compute_dtype=dtype)
+        rng, noise, noise_at, previous_noise = np.random.default_rng(SEED), 0.0, 0, 0.0
+        smallest_flip, separated = math.inf, 0
+        for length in range(1, args.longest + 1):
+            strings = one_flip_strings(rng, length, args.pairs)
+            magnitudes = _final_logits(model, strings).diff(dim=1)[:, 0].double().abs().tolist()  # |s| per string
+            is_palindrome = [task.label(string)[-1] == "1" for string in strings]
+            palindromes = [value for value, flag in zip(magnitudes, is_palindrome) if flag]
+            flips = [value for value, flag in zip(magnitudes, is_palindrome) if not flag]
+            if max(palindromes) > noise:
+                noise, noise_at = max(palindromes), length
+            if min([smallest_flip, *flips]) <= noise:  # no margin separates lengths 1..length
+                print(f"| {dtype} | {separated} | [{previous_noise:.3g}, {smallest_flip:.3g}) "
+                      f"| {noise:.3g} (m = {noise_at}) | {min(flips, default=math.inf):.3g} |", flush=True)
+                break
+            previous_noise, smallest_flip, separated = noise, min([smallest_flip, *flips]), length
+        else:
+            print(f"| {dtype} | {separated} (no overlap up to --longest) | [{noise:.3g}, {smallest_flip:.3g}) "
+                  f"| {noise:.3g} (m = {noise_at}) | - |", flush=True)
+
+
 CROSS_ENTROPY_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000)
 
 
@@ -227,6 +271,28 @@ def cross_entropy(args: argparse.Namespace) -> None:
     for (task_name, variant), values in results.items():
         print(f"| {task_name} | {variant} | " + " | ".join(f"{v:.3g}" for v in values) + " |")
     plot_cross_entropy(results, args.figure)
+
+
+def all_outputs_time(args: argparse.Namespace) -> None:
+    """Wall time of ``forward`` (the label of every prefix: a server's outputs "all") on one random string per
+    length, median of --repeats runs, per shipped checkpoint: what ExactTransformer.max_all_outputs_symbols
+    rests on."""
+    print(f"torch threads {torch.get_num_threads()}; median of {args.repeats} runs, one string per length\n")
+    print("| checkpoint | " + " | ".join(f"T={length}" for length in args.lengths) + " |")
+    print("|---|" + "---|" * len(args.lengths))
+    rng = np.random.default_rng(SEED)
+    for shipped in SHIPPED:
+        model, row = shipped.build(), []
+        for length in args.lengths:
+            tokens = torch.from_numpy(rng.integers(0, 2, (1, length)))  # (1, T)
+            seconds = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    model(tokens)
+                seconds.append(time.perf_counter() - start)
+            row.append(f"{statistics.median(seconds):.2f} s")
+        print(f"| {shipped.folder_name} | " + " | ".join(row) + " |", flush=True)
 
 
 def _final_logits(model: ExactTransformer, strings: Sequence[str]) -> torch.Tensor:
@@ -275,9 +341,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.add_argument("--strings", type=int, default=1000, help="strings per length up to n = 1000")
     command.add_argument("--long-strings", type=int, default=100, help="strings per length above n = 1000")
     command.add_argument("--figure", type=Path, default=Path("docs/figures/exact_cross_entropy.png"))
+    command = commands.add_parser("palindrome-margins")
+    command.add_argument("--pairs", type=int, default=250)
+    command.add_argument("--longest", type=int, default=100)
+    command = commands.add_parser("all-outputs")
+    command.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512])
+    command.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     commands_run = {"accuracy": accuracy, "palindrome": palindrome_sweep, "palindrome-curve": palindrome_curve,
-                    "cross-entropy": cross_entropy}
+                    "cross-entropy": cross_entropy, "palindrome-margins": palindrome_margins,
+                    "all-outputs": all_outputs_time}
     commands_run[args.command](args)
     return 0
 

@@ -45,6 +45,9 @@ class SequenceModel(nn.Module, ABC):
     """Base class: embedding -> architecture body -> head. Subclasses implement the body."""
 
     config: BaseModelConfig
+    max_all_outputs_symbols: int | None = None
+    """The longest input whose every-position labels (a server's outputs "all") should be computed, or None for
+    no limit beyond the server's own: set where ``forward`` costs far more than ``final_logits``."""
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:

@@ -153,6 +153,10 @@ class ExactCache(InferenceCache):
 class ExactTransformer(SequenceModel):
     """Symbols in, label logits out: CLS (and EOS) are added inside, from token ids vocab_size (and + 1)."""
 
+    max_all_outputs_symbols = 256
+    """``forward`` encodes every prefix, O(T^3) for PARITY and PALINDROME: on one CPU thread 256 symbols took at
+    most 0.44 s per input, 512 up to 2.2 s (benchmarks/exact_sweeps.py all-outputs, docs/exact_results.md)."""
+
     def __init__(self, config: ExactTransformerConfig) -> None:
         super().__init__()
         self.config = config

@@ -59,10 +59,10 @@ class Serving:
     # --- /v1/transduce --------------------------------------------------------------------------------
 
     async def transduce(self, body: TransduceRequest) -> TransduceResponse:
-        served = self.served(body.model, "transduce")
-        self._check_transduce_size(body.inputs)
+        served, all_outputs = self.served(body.model, "transduce"), body.outputs == "all"
+        self._check_transduce_size(served, body.inputs, all_outputs)
         inputs = [served.encode_symbols(text, f"inputs[{i}]") for i, text in enumerate(body.inputs)]
-        outputs = await self.engine.transduce(served, inputs, all_outputs=body.outputs == "all")
+        outputs = await self.engine.transduce(served, inputs, all_outputs)
         labels = served.config.labels
         results = [
             TransduceResult(
@@ -74,15 +74,22 @@ class Serving:
         ]
         return TransduceResponse(model=body.model, results=results, usage=TransduceUsage(symbols=sum(map(len, inputs))))
 
-    def _check_transduce_size(self, inputs: list[str]) -> None:
+    def _check_transduce_size(self, served: ServedModel, inputs: list[str], all_outputs: bool) -> None:
+        """The server's limits, and for outputs "all" the model's own (``SequenceModel.max_all_outputs_symbols``)."""
         limits = self.settings
         if len(inputs) > limits.max_inputs:
             raise InputTooLarge(f"{len(inputs)} inputs; the limit is {limits.max_inputs} per request")
+        all_limit = served.model.max_all_outputs_symbols if all_outputs else None
         for i, text in enumerate(inputs):
             if not text:
                 raise InvalidInput(f"inputs[{i}] is empty; an input needs at least one symbol")
             if len(text) > limits.max_input_symbols:
                 raise InputTooLarge(f"inputs[{i}] has {len(text)} symbols; the limit is {limits.max_input_symbols}")
+            if all_limit is not None and len(text) > all_limit:
+                raise InputTooLarge(
+                    f'inputs[{i}] has {len(text)} symbols; model {served.id!r} computes outputs "all" for at most '
+                    f'{all_limit} symbols per input (each prefix is a separate pass); ask for outputs "final"'
+                )
         total = sum(map(len, inputs))
         if total > limits.max_request_symbols:
             raise InputTooLarge(f"{total} symbols in all; the limit is {limits.max_request_symbols} per request")

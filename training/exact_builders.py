@@ -13,10 +13,12 @@ width and multiplies the queries by sqrt(d) to undo the model's 1 / sqrt(d).
   compares the two halves as base-2 numbers, which needs n bits of precision; here each position attends to
   its mirror n - 1 - i through the logit -c (j - (n - 1 - i))^2 (keys j, j^2), an FFN flags a mismatch with
   exactly 0 or ~1, and CLS attends to the flags with log-length scaled logits 2 log(n) flag_j, so that s is
-  exactly 0 for a palindrome and at least 2n^2 / (2n^2 + n) (two flags) otherwise;
+  exactly 0 for a palindrome and at least 2n^2 / (2n^2 + n - 2) (two flags) otherwise; here n counts CLS and
+  EOS, as in the papers;
 - ``first_log_scaled``: exact-parity-first.txt Proposition 3, low cross-entropy through log-length scaling alone.
 
-``python -m training.exact_builders --out checkpoints/`` writes ``<task>-exact`` for the four tasks.
+``python -m training.exact_builders --out checkpoints/ --overwrite`` writes ``<task>-exact`` for the four tasks
+(without ``--overwrite`` it refuses to replace a folder that holds a checkpoint).
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.checkpoint import save_checkpoint
+from model.checkpoint import CONFIG_FILE, save_checkpoint
 from model.config import CheckpointConfig, ExactConstruction, ExactTransformerConfig
 from model.exact import ExactTransformer
 from training.tasks import get_task
 
 DEFAULT_CROSS_ENTROPY = 1e-3  # nats per string reached by the layer-norm (eps = 0) and mirror constructions
-PUBLISHED_ZERO_TEST_TOLERANCE = 1e-7  # |s| counted as 0 by the PALINDROME paper's code (its --palindrome_error)
+PUBLISHED_ZERO_TEST_TOLERANCE = 1e-7
+"""|s| counted as 0 by the PALINDROME paper's code (the default of its --palindrome_error, in float32); with it the
+published construction errs in float32 from 23 symbols on (docs/exact_results.md)."""
 
 
 @dataclass
@@ -330,20 +334,47 @@ SHIPPED = (
 
 def write_checkpoints(out: Path, tasks: Sequence[str] | None = None) -> list[Path]:
     """Write ``<task>-exact`` under ``out`` for each shipped task (all by default); returns the folders."""
-    chosen = [shipped for shipped in SHIPPED if tasks is None or shipped.task in tasks]
-    return [save_checkpoint(*shipped.checkpoint(), out / shipped.folder_name) for shipped in chosen]
+    return [save_checkpoint(*shipped.checkpoint(), out / shipped.folder_name) for shipped in _chosen(tasks)]
+
+
+def _chosen(tasks: Sequence[str] | None) -> list[Shipped]:
+    return [shipped for shipped in SHIPPED if tasks is None or shipped.task in tasks]
 
 
 def add_exact_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("checkpoints"), help="folder to write <task>-exact into")
     parser.add_argument("--tasks", nargs="+", choices=[shipped.task for shipped in SHIPPED], default=None,
                         help="tasks to write (default: all four)")
+    parser.add_argument("--overwrite", action="store_true", help="replace checkpoints already in the folders")
 
 
 def run_exact(args: argparse.Namespace) -> int:
-    for folder in write_checkpoints(args.out, args.tasks):
-        print(folder)
-    return 0
+    """Write the folders; 0 on success, 2 with one line on stderr (as ``python -m training compile``) when --out
+    is not a folder or, without --overwrite, a folder to write already holds a checkpoint (both checked before
+    anything is written), or when writing fails."""
+    problem = _refusal(args.out, [shipped.folder_name for shipped in _chosen(args.tasks)], args.overwrite)
+    if problem is None:
+        try:
+            for folder in write_checkpoints(args.out, args.tasks):
+                print(folder)
+            return 0
+        except OSError as error:  # e.g. no permission, or a parent of --out that is a file
+            problem = f"cannot write under {args.out}: {error}"
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
+
+
+def _refusal(out: Path, folder_names: Sequence[str], overwrite: bool) -> str | None:
+    """Why the folders cannot be written under ``out``, or None."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} exists and is not a folder"
+    for name in folder_names:
+        folder = out / name
+        if folder.exists() and not folder.is_dir():
+            return f"{folder} exists and is not a folder"
+        if (folder / CONFIG_FILE).exists() and not overwrite:
+            return f"{folder} already holds a checkpoint; pass --overwrite to replace it"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

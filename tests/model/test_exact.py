@@ -103,16 +103,20 @@ def test_final_logits_equal_gathered_parallel_logits() -> None:
     torch.testing.assert_close(final, parallel[torch.arange(4), lengths - 1], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("length", [1, 2, 11])
-def test_step_by_step_equals_parallel(length: int) -> None:
-    model = make()
-    tokens = torch.randint(0, VOCAB, (2, length))
+@pytest.mark.parametrize("name", ["layer_norm_log_scaled_eos", "three_layers_one_head"])
+def test_each_step_gives_the_papers_equations_on_the_prefix_read_so_far(name: str) -> None:
+    """Step t's logits are those of reference_logits (written position by position, independent of ``encode``)
+    on symbols 1..t: the cache re-encodes the whole prefix, with its own n, positions and EOS."""
+    model = make(**CONFIGS[name])
+    tokens = torch.randint(0, VOCAB, (2, 11))
     with torch.no_grad():
-        parallel = model(tokens)
         cache = model.new_cache(batch_size=2)
-        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(length)], dim=1)
-    assert cache.length == length
-    torch.testing.assert_close(stepped, parallel, rtol=0, atol=0)
+        for t in range(11):
+            stepped = model.step(tokens[:, t], cache)  # (B, L)
+            assert cache.length == t + 1 and torch.equal(cache.symbols, tokens[:, : t + 1])
+            for row in range(2):
+                expected = reference_logits(model, tokens[row, : t + 1].tolist())
+                torch.testing.assert_close(stepped[row], expected, rtol=1e-10, atol=1e-10)
 
 
 def test_prefill_then_step_and_clone() -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.compiler_sweep import counter, live_string
 from model.checkpoint import load_checkpoint, read_config, read_weights
 from model.ops.linear_scan import column_norm_constraint
 from training.automaton import DFA, MAX_STATES
@@ -28,12 +29,14 @@ from training.compiler import (
     task_of,
 )
 from training.task_automata import AUTOMATA_DIR
+from training.tasks import get_task
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SMALL_AUTOMATA = ["parity_check", "tomita3", "tomita4", "tomita5", "tomita6", "d2", "d3", "first", "one", "even_pairs"]
 SHIPPED_TASKS = ("tomita3", "tomita4", "tomita5", "tomita6", "d2", "d3", "d4")
 SHIPPED = [(task, arch) for task in SHIPPED_TASKS for arch in COMPILERS]
 EXHAUSTIVE_LENGTH = 12
+FIVE_SYMBOL_LENGTH = 5  # 5**5 strings; RegularGPT's d_ff for 11 states is 3146
 MARGIN_TOLERANCE = 1e-4  # every logit difference is LABEL_MARGIN to within this, at every length checked
 
 
@@ -68,40 +71,51 @@ def assert_transduces(model, dfa: DFA, strings: list[str]) -> None:
         assert_labels(model.final_logits(tokens, lengths), torch.tensor([dfa.run(p)[-1] for p in prefixes]))
 
 
-def live_string(dfa: DFA, length: int, rng: np.random.Generator) -> str:
-    """A random walk on the DFA that never enters a state from which no accepting state can be reached, so long
-    strings keep exercising the automaton (uniform strings of most Tomita and Dyck languages die early)."""
-    live = set(dfa.accept)
-    while True:
-        grown = live | {q for q in dfa.states if any(dfa.delta[q][s] in live for s in dfa.alphabet)}
-        if grown == live:
-            break
-        live = grown
-    state, symbols = dfa.start, []
-    for _ in range(length):
-        choices = [s for s in dfa.alphabet if dfa.delta[state][s] in live] or list(dfa.alphabet)
-        symbol = choices[rng.integers(len(choices))]
-        state = dfa.delta[state][symbol]
-        symbols.append(symbol)
-    return "".join(symbols)
+def assert_exact_on_every_string(model, dfa: DFA, length: int) -> None:
+    """forward on every string of ``length`` gives every string of length 1..length as a prefix; final_logits on
+    all of them right-padded in one batch of mixed lengths."""
+    strings = ["".join(symbols) for symbols in itertools.product(dfa.alphabet, repeat=length)]
+    tokens, _ = encode(dfa, strings)
+    stride = {end: len(dfa.alphabet) ** (length - end) for end in range(1, length + 1)}
+    every = [s[:end] for end, step in stride.items() for s in strings[::step]]  # each string of length `end` once
+    assert len(set(every)) == sum(len(dfa.alphabet) ** end for end in range(1, length + 1))
+    final_tokens, lengths = encode(dfa, every, length)
+    with torch.no_grad():
+        assert_labels(model(tokens), torch.tensor([dfa.run(string) for string in strings]))
+        assert_labels(model.final_logits(final_tokens, lengths), torch.tensor([dfa.run(s)[-1] for s in every]))
 
 
 @pytest.mark.parametrize("name", SMALL_AUTOMATA)
 @pytest.mark.parametrize("arch", sorted(COMPILERS))
 def test_exact_on_every_string_up_to_length_12(arch: str, name: str) -> None:
-    """forward on every string of length 12 gives every string of length 1..12 as a prefix; final_logits on
-    all of them right-padded in one batch of mixed lengths."""
     dfa = load_dfa(name)
-    model, _ = COMPILERS[arch](dfa)
-    strings = ["".join(symbols) for symbols in itertools.product(dfa.alphabet, repeat=EXHAUSTIVE_LENGTH)]
-    tokens, _ = encode(dfa, strings)
-    stride = {end: len(dfa.alphabet) ** (EXHAUSTIVE_LENGTH - end) for end in range(1, EXHAUSTIVE_LENGTH + 1)}
-    every = [s[:end] for end, step in stride.items() for s in strings[::step]]  # each string of length `end` once
-    assert len(set(every)) == sum(len(dfa.alphabet) ** end for end in range(1, EXHAUSTIVE_LENGTH + 1))
-    final_tokens, lengths = encode(dfa, every, EXHAUSTIVE_LENGTH)
+    assert_exact_on_every_string(COMPILERS[arch](dfa)[0], dfa, EXHAUSTIVE_LENGTH)
+
+
+@pytest.mark.parametrize("arch", sorted(COMPILERS))
+def test_exact_on_every_string_over_five_symbols(arch: str) -> None:
+    """even_pair_mod5 (11 states, alphabet 01234): every string of length 1..FIVE_SYMBOL_LENGTH."""
+    dfa = load_dfa("even_pair_mod5")
+    assert len(dfa.alphabet) == 5
+    assert_exact_on_every_string(COMPILERS[arch](dfa)[0], dfa, FIVE_SYMBOL_LENGTH)
+
+
+@pytest.mark.parametrize("arch", sorted(COMPILERS))
+def test_shipped_d4_checkpoint_agrees_with_the_reference_labeler(arch: str) -> None:
+    """checkpoints/d4-<arch>-compiled against training.labelers' D_4 (not the DFA it was compiled from), at every
+    position of 300 label-balanced strings of lengths 1..128, and on their final labels."""
+    loaded = load_checkpoint(REPOSITORY / "checkpoints" / f"d4-{arch}-compiled", device="cpu")
+    task, rng = get_task(loaded.config.task), np.random.default_rng(8)
+    strings = [task.sample(rng, int(rng.integers(1, 129)), balanced=True) for _ in range(300)]
+    assert {task.label(string)[-1] for string in strings} == {"0", "1"}
+    tokens, lengths = encode(DFA.from_json(loaded.config.metadata["dfa"]), strings)
+    labels = loaded.config.labels
     with torch.no_grad():
-        assert_labels(model(tokens), torch.tensor([dfa.run(string) for string in strings]))
-        assert_labels(model.final_logits(final_tokens, lengths), torch.tensor([dfa.run(s)[-1] for s in every]))
+        per_position = loaded.model(tokens).argmax(-1)  # (B, T)
+        final = loaded.model.final_logits(tokens, lengths).argmax(-1)  # (B,)
+    for row, string in enumerate(strings):
+        assert [labels[i] for i in per_position[row, : len(string)].tolist()] == task.label(string), string
+    assert [labels[i] for i in final.tolist()] == [task.label(string)[-1] for string in strings]
 
 
 @pytest.mark.parametrize("name", ["parity_check", "tomita4", "tomita6", "d3"])
@@ -214,20 +228,12 @@ def test_compilation_does_not_depend_on_the_random_seed() -> None:
         assert all(torch.equal(first[name], second[name]) for name in first)
 
 
-def counter(states: int) -> dict:
-    """A DFA counting 1s mod ``states`` (every state reachable), accepting at 0."""
-    return {
-        "name": f"mod{states}", "alphabet": "01", "states": [f"q{i}" for i in range(states)], "start": "q0",
-        "accept": ["q0"], "delta": {f"q{i}": {"0": f"q{i}", "1": f"q{(i + 1) % states}"} for i in range(states)},
-    }
-
-
 def test_an_arbitrary_dfa_compiles_without_a_task() -> None:
     dfa = DFA.from_json(counter(7))
     strings = ["".join(symbols) for symbols in itertools.product(dfa.alphabet, repeat=8)]
     for compile_dfa in (compile_lrnn, compile_regulargpt):
         model, config = compile_dfa(dfa)
-        assert config.task is None and config.metadata["dfa"]["name"] == "mod7"
+        assert config.task is None and config.metadata["dfa"]["name"] == "counter7"
         assert_transduces(model, dfa, strings)
 
 
