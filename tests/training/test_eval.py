@@ -118,13 +118,15 @@ def test_bad_eval_input_exits_2_with_one_line(
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
+    text_model = str(write_text_model(tmp_path / "text"))
     cases = {
         "invalid length range '41': expected A-B": ["--checkpoint", good, "--lengths", "41"],
         "invalid length range '500-41': 500 > 41": ["--checkpoint", good, "--lengths", "500-41"],
         "invalid length range '0-10': lengths start at 1": ["--checkpoint", good, "--lengths", "0-10"],
         "config.json: missing": ["--checkpoint", str(tmp_path / "nowhere")],
         "config.json: not valid JSON": ["--checkpoint", str(broken)],
-        "is a text model (kind 'generate')": ["--checkpoint", str(write_text_model(tmp_path / "text"))],
+        "is a text model (kind 'generate')": ["--checkpoint", good, "--checkpoint", str(text_model)],
+        "no train_length in its metadata; give --train-length": ["--checkpoint", str(text_model)],  # text-eval
         "the checkpoints are of different tasks": [
             "--checkpoint", good, "--checkpoint", str(write_transducer(tmp_path / "sum", "sum_mod5"))],
         "not allowed with argument --protocol": ["--checkpoint", good, "--protocol", "hard", "--lengths", "41-50"],

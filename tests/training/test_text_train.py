@@ -1,0 +1,173 @@
+"""Language-model training and evaluation end to end on tiny models and a made corpus: ``bpe``,
+``text-train`` (in-memory and streamed OpenWebText2 corpora), ``text-eval`` (report schema, plots), the
+token windows, and bad input. No network."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.tokenizer import load_tokenizer
+from server.model_store import load_served_model
+from training.cli import main
+from training.text_corpus import Document
+from training.text_data import StreamedWindows, TokenArray, tokenize_documents
+
+TINY = ["--d-model", "16", "--d-ff", "32"]
+ARCHITECTURES = {
+    "regulargpt": ["--chunk-size", "4", "--thickness", "2", "--heads", "2"],
+    "lrnn": ["--layers", "1", "--block-size", "4", "--num-blocks", "4"],
+    "transformer": ["--position", "alibi", "--layers", "1", "--heads", "2"],
+}
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a test tried to open a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "a", "naïve", "cat", "watches", "👀"]
+    rng = np.random.default_rng(0)
+    for name in ("one", "two"):
+        paragraphs = [" ".join(rng.choice(words, size=30)) for _ in range(40)]
+        (folder / f"{name}.txt").write_text("\n\n".join(paragraphs))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ranks(corpus, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tiny.tiktoken"
+    assert main(["bpe", "--corpus", f"text:{corpus}", "--ranks", "300", "--out", str(path)]) == 0
+    return path
+
+
+def train(out, corpus_spec, ranks, architecture, *extra):
+    return main(["text-train", "--arch", architecture, "--corpus", corpus_spec, "--tokenizer", str(ranks),
+                 "--out", str(out), "--length", "16", "--batch-size", "4", "--steps", "6", "--warmup-steps", "2",
+                 "--eval-every", "3", "--log-every", "2", "--no-progress", "--threads", "1",
+                 *TINY, *ARCHITECTURES[architecture], *extra])
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_tiny_training_run_writes_a_served_generate_checkpoint(tmp_path, corpus, ranks, architecture) -> None:
+    out = tmp_path / architecture
+    assert train(out, f"text:{corpus}", ranks, architecture) == 0
+    loaded = load_checkpoint(out)
+    assert loaded.config.kind == "generate" and loaded.config.tokenizer == "file:tokenizer.tiktoken"
+    assert (out / "tokenizer.tiktoken").read_bytes() == ranks.read_bytes()
+    assert loaded.config.model.vocab_size == 301 and loaded.config.metadata["train_length"] == 16
+    assert loaded.config.metadata["stopped"] == "steps" and loaded.config.metadata["tokens"] == 6 * 4 * 16
+    events = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "train", "eval", "train", "train", "eval", "end"]
+    assert all(e["tokens_per_s"] > 0 and math.isfinite(e["loss"]) for e in events if e["event"] == "train")
+    assert math.isclose(events[-2]["validation_perplexity"], math.exp(events[-2]["validation_loss"]))
+    served = load_served_model(out, "cpu")  # what `python -m server` does with the folder
+    prompt = served.tokenizer.encode("the quick brown")
+    logits = served.model.final_logits(torch.tensor([prompt]))
+    assert logits.shape == (1, 301) and torch.isfinite(logits).all()
+
+
+def test_training_on_streamed_owt2_shards(tmp_path, ranks) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    shards = tmp_path / "owt2"
+    shards.mkdir()
+    for index in range(2):
+        lines = [json.dumps({"text": f"document {index} {n} " + "the lazy dog " * 10, "meta": {}}) for n in range(5)]
+        (shards / f"part{index}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress("\n".join(lines).encode()))
+    out = tmp_path / "owt2-model"
+    assert train(out, f"owt2:{shards}", ranks, "transformer", "--validation-corpus",
+                 f"owt2:{shards / 'part1.jsonl.zst'}") == 0
+    events = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert events[0]["train_tokens"] is None and any(e["event"] == "eval" for e in events)
+
+
+def test_time_budget_stops_training(tmp_path, corpus, ranks) -> None:
+    out = tmp_path / "timed"
+    assert main(["text-train", "--arch", "lstm", "--corpus", f"text:{corpus}", "--tokenizer", str(ranks),
+                 "--out", str(out), "--length", "8", "--steps", "100000", "--time-budget", "0.5",
+                 "--eval-every", "0", "--no-progress", "--d-model", "8", "--threads", "1"]) == 0
+    assert load_checkpoint(out).config.metadata["stopped"] == "time"
+
+
+def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks) -> None:
+    out = tmp_path / "model"
+    assert train(out, f"text:{corpus}", ranks, "regulargpt") == 0
+    report_path, plot, field_plot = tmp_path / "eval.json", tmp_path / "ppl.png", tmp_path / "field.png"
+    assert main(["text-eval", "--checkpoint", str(out), "--checkpoint", str(out), "--multiples", "1,2,4",
+                 "--targets", "10", "--receptive-field", "3", "--receptive-multiple", "2", "--json", str(report_path),
+                 "--plot", str(plot), "--plot-receptive", str(field_plot), "--threads", "1"]) == 0
+    reports = json.loads(report_path.read_text())
+    assert len(reports) == 2 and reports[0]["perplexity"] == reports[1]["perplexity"]
+    report = reports[0]
+    assert set(report) == {"checkpoint", "architecture", "train_length", "corpus", "targets", "perplexity",
+                           "ratio_16x", "log_ratio_stderr", "receptive_field", "wall_time_s"}
+    assert report["architecture"] == "regulargpt C=4 K=2" and report["train_length"] == 16
+    assert [row["length"] for row in report["perplexity"]] == [16, 32, 64]
+    for row in report["perplexity"]:
+        assert set(row) == {"length", "multiple", "perplexity", "nll", "nll_stderr"}
+        assert math.isclose(row["perplexity"], math.exp(row["nll"])) and 1 < row["perplexity"] < 302
+    assert math.isclose(report["ratio_16x"], report["perplexity"][-1]["perplexity"] / report["perplexity"][0]["perplexity"])
+    field = report["receptive_field"]
+    assert field["length"] == 32 and field["windows"] == 3 and len(field["cumulative"]) == 32
+    assert math.isclose(field["cumulative"][0], 1.0, rel_tol=1e-5)
+    assert all(a >= b - 1e-6 for a, b in zip(field["cumulative"], field["cumulative"][1:]))  # non-increasing
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and field_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fast_path = tmp_path / "fast.json"  # another attention implementation: the same figures
+    assert main(["text-eval", "--checkpoint", str(out), "--multiples", "1,2,4", "--targets", "10",
+                 "--attention-impl", "fast", "--json", str(fast_path), "--no-progress"]) == 0
+    fast = json.loads(fast_path.read_text())[0]
+    for row, fast_row in zip(report["perplexity"], fast["perplexity"]):
+        assert math.isclose(row["nll"], fast_row["nll"], rel_tol=1e-4)
+
+
+def test_spec_spelling_train_corpus_and_eval_of_a_text_checkpoint(tmp_path, corpus, ranks, capsys) -> None:
+    """SPEC section 3: ``train --corpus PATH`` trains a text model; ``eval`` of one prints perplexity by length."""
+    out = tmp_path / "spec"
+    assert main(["train", "--arch", "lstm", "--corpus", f"text:{corpus}", "--tokenizer", str(ranks), "--out", str(out),
+                 "--length", "8", "--steps", "2", "--eval-every", "0", "--no-progress", "--d-model", "8"]) == 0
+    assert load_checkpoint(out).config.kind == "generate"
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out), "--multiples", "1,2", "--targets", "4", "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert "| 8 (1x) |" in table and "| 16 (2x) |" in table  # one row of last-token perplexity per length
+    assert main(["eval", "--checkpoint", str(out), "--protocol", "hard"]) == 2  # a transducer flag: refused
+    assert "--protocol" in capsys.readouterr().err
+
+
+def test_token_windows(ranks) -> None:
+    tokenizer = load_tokenizer(f"file:{ranks.name}", ranks.parent)
+    tokens = tokenize_documents(["the dog", "the fox"], tokenizer)
+    assert tokenizer.eot_token in tokens.tolist() and tokenizer.decode(tokens.tolist()) == "the dog<|endoftext|>the fox"
+    batch = TokenArray(np.arange(100)).batch(np.random.default_rng(0), 5, 9)  # (5, 10) consecutive runs
+    assert batch.shape == (5, 10) and (batch[:, 1:] - batch[:, :-1] == 1).all()
+    documents = [Document(f"document {n} " + "the lazy dog " * 5, source=str(n)) for n in range(3)]
+    windows = StreamedWindows(lambda: iter(documents), tokenizer, buffer_windows=4)
+    rows = [windows.batch(np.random.default_rng(1), 3, 7) for _ in range(10)]  # several passes
+    assert all(row.shape == (3, 8) for row in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["text-train", "--arch", "exact", "--tokenizer", "bytes", "--out", "X", "--steps", "1"], "built by hand"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--heads", "2"],
+     "does not apply"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "nope", "--out", "X", "--steps", "1"], "unknown tokenizer"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--corpus", "web", "--out", "X", "--steps", "1"],
+     "unknown corpus"),
+    (["text-eval", "--checkpoint", "missing-folder"], "missing"),
+])
+def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

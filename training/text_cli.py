@@ -1,0 +1,291 @@
+"""The language-model subcommands of ``python -m training``: ``bpe``, ``text-train`` and ``text-eval``.
+
+Argument parsing and validation only; the work is in training/bpe.py, training/text_train.py and
+training/text_eval.py. Bad input (an unknown corpus, tokenizer or architecture, a flag that does not fit the
+architecture, a checkpoint that does not load) exits with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from model.checkpoint import CONFIG_FILE, load_checkpoint
+from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig
+from training.model_flags import CONFIG_FIELDS, TRAINABLE_ARCHITECTURES, add_model_flags, given_model_flags
+from training.text_corpus import DEFAULT_CORPUS
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+
+Runner = Callable[[argparse.Namespace, list[str]], int]
+
+
+def add_text_commands(commands: argparse._SubParsersAction) -> None:
+    """Register ``bpe``, ``text-train`` and ``text-eval`` on the ``python -m training`` subparsers."""
+    _add_bpe_parser(commands.add_parser("bpe", help="train a byte-level BPE and write a .tiktoken ranks file"))
+    _add_train_parser(commands.add_parser("text-train", help="train a language model on text"))
+    _add_eval_parser(commands.add_parser("text-eval", help="last-token perplexity against context length"))
+
+
+def _guarded(run: Runner) -> Runner:
+    """``run`` with its expected failures turned into one line on stderr and status 2: a corpus, tokenizer,
+    checkpoint or config that does not fit is a ValueError (CorpusError, TokenizerError, CheckpointError,
+    ConfigError), as is a device that is not there."""
+
+    def guarded(args: argparse.Namespace, argv: list[str]) -> int:
+        try:
+            return run(args, argv)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+
+    return guarded
+
+
+def _positive(kind: type) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def _multiples(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, e.g. 1,2,4,8,16, got {text!r}") from None
+    if any(value <= 0 for value in values) or list(values) != sorted(values):
+        raise argparse.ArgumentTypeError(f"multiples must be positive and increasing, got {text!r}")
+    return values
+
+
+def _add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_positive(int), help="torch CPU threads (default: torch's choice)")
+
+
+# ---------------------------------------------------------------- bpe
+
+
+def _add_bpe_parser(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=_guarded(_run_bpe))
+    parser.add_argument("--corpus", default=DEFAULT_CORPUS, help="austen (default), text:PATH or owt2:PATH")
+    parser.add_argument("--ranks", type=_positive(int), default=8191,
+                        help="tokens in the file, the 256 bytes included (<|endoftext|> comes on top)")
+    parser.add_argument("--validation-fraction", type=float, default=0.1,
+                        help="tail of each document left out (in-memory corpora), as text-train holds it out")
+    parser.add_argument("--max-chars", type=_positive(int), help="read at most this many characters")
+    parser.add_argument("--out", required=True, type=Path, help="the .tiktoken file to write")
+
+
+def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
+    from model.tokenizer import load_tokenizer
+    from training.bpe import count_pieces, train_bpe, write_ranks
+    from training.text_corpus import corpus_documents, is_streamed, split_document
+
+    def texts():
+        budget = args.max_chars or float("inf")
+        for document in corpus_documents(args.corpus):
+            text = document.text if is_streamed(args.corpus) else split_document(
+                document.text, args.validation_fraction, "train")
+            yield text[: int(min(len(text), budget))]
+            budget -= len(text)
+            if budget <= 0:
+                return
+
+    counts = count_pieces(texts())
+    tokens = train_bpe(counts, args.ranks)
+    write_ranks(tokens, args.out)
+    tokenizer = load_tokenizer(f"file:{args.out.name}", args.out.parent)
+    sample = "".join(texts())[:200_000]
+    if tokenizer.decode(tokenizer.encode(sample)) != sample:
+        raise ValueError(f"{args.out}: the ranks do not round-trip the corpus")
+    bytes_per_token = len(sample.encode()) / max(1, len(tokenizer.encode(sample)))
+    print(f"wrote {args.out}: {len(tokens)} ranks from {len(counts)} distinct pieces; "
+          f"{bytes_per_token:.2f} bytes per token on the corpus")
+    return 0
+
+
+# ---------------------------------------------------------------- text-train
+
+
+def _add_train_parser(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=_guarded(_run_train))
+    what = parser.add_argument_group("what to train")
+    what.add_argument("--arch", required=True, help=f"architecture: {', '.join(TRAINABLE_ARCHITECTURES)}")
+    what.add_argument("--corpus", default=DEFAULT_CORPUS, help="austen (default), text:PATH or owt2:PATH")
+    what.add_argument("--tokenizer", required=True,
+                      help="a .tiktoken ranks file (copied into the checkpoint), 'bytes', or an offline tiktoken name")
+    what.add_argument("--out", required=True, type=Path, help="checkpoint folder to write (train.jsonl beside)")
+    what.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    budget = parser.add_argument_group("budget and optimisation")
+    budget.add_argument("--length", type=_positive(int), default=128, help="training context length L_tr")
+    budget.add_argument("--steps", type=_positive(int), required=True, help="optimizer steps (at most)")
+    budget.add_argument("--time-budget", type=_positive(float), help="stop after this many seconds")
+    budget.add_argument("--batch-size", type=_positive(int), default=16, help="windows per step and process")
+    budget.add_argument("--lr", type=_positive(float), default=1e-3, help="peak learning rate (AdamW)")
+    budget.add_argument("--warmup-steps", type=int, default=100)
+    budget.add_argument("--weight-decay", type=float, default=0.1)
+    budget.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    budget.add_argument("--seed", type=int, default=0)
+    checks = parser.add_argument_group("validation and logging")
+    checks.add_argument("--validation-fraction", type=float, default=0.1, help="held-out tail of each document")
+    checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
+    checks.add_argument("--eval-every", type=int, default=200, help="steps between validation losses (0: none)")
+    checks.add_argument("--log-every", type=_positive(int), default=10)
+    run = parser.add_argument_group("run")
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (torchrun: the local rank's)")
+    run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                     help="auto: bfloat16 autocast on CUDA, float32 on the CPU")
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
+    _add_threads(run)
+    add_model_flags(parser)
+
+
+def language_model_config(architecture: str, vocab_size: int, flags: dict) -> BaseModelConfig:
+    """A language model's config (tied head, ``num_labels = 0``) from the architecture flags given."""
+    if architecture not in TRAINABLE_ARCHITECTURES:
+        known = "is built by hand, not trained" if architecture in ARCHITECTURE_CONFIGS else "is unknown"
+        raise ValueError(f"architecture {architecture!r} {known}; trainable: {', '.join(TRAINABLE_ARCHITECTURES)}")
+    fields = CONFIG_FIELDS[architecture]
+    foreign = sorted(set(flags) - set(fields))
+    if foreign:
+        raise ValueError(f"{', '.join('--' + d.replace('_', '-') for d in foreign)} does not apply to {architecture}")
+    values = {fields[dest]: value for dest, value in flags.items()}
+    return ARCHITECTURE_CONFIGS[architecture](vocab_size=vocab_size, num_labels=0, **values)
+
+
+def training_tokenizer(spec: str) -> tuple[Tokenizer, Path | None]:
+    """The tokenizer named on the command line, and its ranks file when it is one."""
+    from model.tokenizer import load_tokenizer
+
+    if spec.endswith(".tiktoken"):
+        path = Path(spec)
+        return load_tokenizer(f"file:{path.name}", path.parent), path
+    return load_tokenizer(spec, "."), None
+
+
+def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from training.distributed import setup_distributed
+    from training.text_train import TextTrainSettings, train_text
+
+    if (args.out / CONFIG_FILE).exists() and not args.overwrite:
+        raise ValueError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer, ranks_file = training_tokenizer(args.tokenizer)
+    config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))
+    settings = TextTrainSettings(
+        corpus=args.corpus, architecture=args.arch, out=args.out, length=args.length, steps=args.steps,
+        time_budget_s=args.time_budget, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
+        validation_fraction=args.validation_fraction, validation_corpus=args.validation_corpus,
+        eval_every=args.eval_every, log_every=args.log_every, dtype=args.dtype, progress=args.progress,
+    )
+    dist = setup_distributed(args.device)
+    try:
+        launcher = ["python", "-m", "training"] if dist.world_size == 1 else [
+            "torchrun", f"--nproc_per_node={dist.local_world_size}", "-m", "training"]
+        metadata = train_text(settings, config, tokenizer, ranks_file, shlex.join(launcher + argv), dist)
+    finally:
+        dist.close()
+    if dist.is_main:
+        loss = metadata["validation_loss"]
+        summary = "no validation" if loss is None else f"validation perplexity {math.exp(loss):.2f}"
+        print(f"wrote {args.out}: {metadata['steps']} steps, {metadata['tokens']:,} tokens in "
+              f"{metadata['wall_time_s']:.0f} s ({metadata['tokens_per_s']:,.0f} tokens/s), {summary}")
+    return 0
+
+
+# ---------------------------------------------------------------- text-eval
+
+
+def _with_attention_impl(model: torch.nn.Module, attention_impl: str) -> torch.nn.Module:
+    """The same RegularGPT weights in a model built with another ``attention_impl``."""
+    from model.registry import build_model
+
+    config = dataclasses.replace(model.config, attention_impl=attention_impl)
+    rebuilt = build_model("regulargpt", config).to(device=model.device, dtype=model.dtype)
+    rebuilt.load_state_dict(model.state_dict())
+    return rebuilt.eval()
+
+
+def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=_guarded(_run_eval))
+    parser.add_argument("--checkpoint", required=True, action="append", type=Path, help="repeat to compare")
+    parser.add_argument("--corpus", help="held-out text (default: the corpus each checkpoint was trained on, "
+                                         "its validation tails)")
+    parser.add_argument("--train-length", type=_positive(int),
+                        help="L_tr (default: the checkpoint's metadata.train_length)")
+    parser.add_argument("--multiples", type=_multiples, default=(1, 2, 4, 8, 16),
+                        help="context lengths as multiples of L_tr (default 1,2,4,8,16)")
+    parser.add_argument("--targets", type=_positive(int), default=256, help="target tokens, the same at every length")
+    parser.add_argument("--batch-size", type=_positive(int), default=8)
+    parser.add_argument("--receptive-field", type=int, default=0, metavar="N",
+                        help="also the cumulative gradient-norm curve over N windows (0: skip)")
+    parser.add_argument("--receptive-multiple", type=_positive(float), default=4.0,
+                        help="length of the receptive-field windows in multiples of L_tr")
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--json", type=Path, help="write the reports (a list) here as JSON")
+    parser.add_argument("--plot", type=Path, help="PNG of perplexity against context length")
+    parser.add_argument("--plot-receptive", type=Path, help="PNG of the receptive-field curves")
+    parser.add_argument("--attention-impl", choices=("auto", "reference", "fast"),
+                        help="RegularGPT: evaluate through this attention implementation instead of the "
+                             "checkpoint's (exact either way; reference is O(T^2), fast O(T*C))")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
+    _add_threads(parser)
+
+
+def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
+    from training.text_eval import evaluate_text_checkpoint, format_text_table
+    from training.text_train import validation_tokens
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reports = []
+    for path in args.checkpoint:
+        loaded = load_checkpoint(path, device=args.device)
+        if args.attention_impl and loaded.config.architecture == "regulargpt":
+            loaded.model = _with_attention_impl(loaded.model, args.attention_impl)
+        if loaded.config.kind != "generate":
+            raise ValueError(f"{path} is a transducer (kind {loaded.config.kind!r}); text-eval measures text models")
+        settings = loaded.config.metadata.get("settings", {})
+        corpus = args.corpus or settings.get("corpus", DEFAULT_CORPUS)
+        train_length = args.train_length or loaded.config.metadata.get("train_length")
+        if train_length is None:
+            raise ValueError(f"{path}: no train_length in its metadata; give --train-length")
+        tokenizer = load_tokenizer(loaded.config.tokenizer or BYTES_TOKENIZER, path)
+        documents = validation_tokens(corpus, settings.get("validation_fraction", 0.1), tokenizer)
+        reports.append(evaluate_text_checkpoint(
+            loaded, documents, corpus, train_length, args.multiples, args.targets, args.batch_size,
+            args.receptive_field, args.receptive_multiple, progress=args.progress))
+        print(f"{path}: " + ", ".join(f"{row['length']}: {row['perplexity']:.2f}" for row in reports[-1]["perplexity"]),
+              file=sys.stderr)
+    print(format_text_table(reports))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(reports, indent=2) + "\n")
+    if args.plot or args.plot_receptive:
+        from training.text_plots import plot_perplexity, plot_receptive_field
+
+        if args.plot:
+            plot_perplexity(reports, args.plot)
+        if args.plot_receptive:
+            plot_receptive_field(reports, args.plot_receptive)
+    return 0

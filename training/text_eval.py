@@ -1,0 +1,168 @@
+"""Length extrapolation of language models (``python -m training text-eval``), as in regulargpt.txt section 6.
+
+**Last-token perplexity against context length.** A model trained on windows of L_tr tokens reads windows of
+L = m * L_tr tokens (m = 1, 2, 4, 8, 16 by default) and only the prediction of the token after the window
+counts, so that no early-position loss dilutes the long contexts (Press et al., 2022). Every length is scored
+on the same target tokens: ``targets`` positions spread evenly over the held-out documents, each with at least
+the longest context before it in its own document; the window for length L is the L tokens before the target.
+Perplexity = exp(mean negative log-likelihood over the targets).
+
+**Receptive field** (Chi et al., 2022b; regulargpt.txt Fig. 4). For a window of T tokens, the gradient of the
+last position's loss with respect to each input position's token embedding; its norms, summed cumulatively
+from the most recent position back to the earliest and divided by the total, averaged over windows. The
+curve at position p is the share of the gradient that falls on positions p..T-1: a model that uses only a
+local window rises to 1 within that window of the end.
+
+The report (``--json``):
+
+.. code-block:: text
+
+    {"checkpoint": str, "architecture": str, "train_length": int, "corpus": str, "targets": int,
+     "perplexity": [{"length": int, "multiple": float, "perplexity": float, "nll": float,
+                     "nll_stderr": float}, ...],   # nll: mean over the targets; nll_stderr: its standard error
+     "ratio_16x": float | null,        # perplexity at the longest multiple / at 1x
+     "log_ratio_stderr": float | null, # standard error of log(ratio_16x): of the mean paired NLL difference
+     "receptive_field": {"length": int, "windows": int, "cumulative": [float, ...]} | null,
+     "wall_time_s": float}
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from model.base import SequenceModel
+from model.checkpoint import LoadedCheckpoint
+
+DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
+
+
+def target_positions(documents: list[np.ndarray], context: int, targets: int) -> list[tuple[int, int]]:
+    """(document, position) of ``targets`` targets spread evenly over every position that has at least
+    ``context`` tokens before it in its document."""
+    eligible = [(index, position) for index, tokens in enumerate(documents)
+                for position in range(context, len(tokens))]
+    if len(eligible) < targets:
+        raise ValueError(f"the held-out text has {len(eligible)} positions with {context} tokens before them; "
+                         f"{targets} targets asked for")
+    picks = np.linspace(0, len(eligible) - 1, targets).round().astype(int)
+    return [eligible[pick] for pick in picks]
+
+
+@torch.no_grad()
+def last_token_nll(
+    model: SequenceModel, documents: list[np.ndarray], positions: list[tuple[int, int]], length: int, batch_size: int
+) -> np.ndarray:
+    """Negative log-likelihood of each target given the ``length`` tokens before it. Returns (targets,)."""
+    losses = []
+    for start in range(0, len(positions), batch_size):
+        chunk = positions[start:start + batch_size]
+        windows = np.stack([documents[doc][position - length:position] for doc, position in chunk])  # (b, L)
+        targets = torch.tensor([int(documents[doc][position]) for doc, position in chunk], device=model.device)
+        logits = model.final_logits(torch.from_numpy(windows).to(model.device))  # (b, V)
+        losses.append(F.cross_entropy(logits.float(), targets, reduction="none").cpu().numpy())
+    return np.concatenate(losses)
+
+
+def receptive_field(
+    model: SequenceModel, documents: list[np.ndarray], positions: list[tuple[int, int]], length: int
+) -> list[float]:
+    """Cumulative gradient-norm share per input position (module docstring), averaged over the windows."""
+    embeddings: list[torch.Tensor] = []
+
+    def keep_output(_module, _inputs, output):  # the token embeddings, as a leaf the gradient reaches
+        output.retain_grad()
+        embeddings.append(output)
+
+    hook = model.embedding.register_forward_hook(keep_output)
+    curves = []
+    try:
+        for doc, position in positions:
+            embeddings.clear()
+            window = torch.from_numpy(documents[doc][position - length:position][None]).to(model.device)  # (1, T)
+            logits = model(window)  # (1, T, V)
+            loss = F.cross_entropy(logits[:, -1].float(), torch.tensor([int(documents[doc][position])],
+                                                                       device=model.device))
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            norms = embeddings[0].grad[0].float().norm(dim=-1)  # (T,)
+            from_end = norms.flip(0).cumsum(0).flip(0)  # (T,) sum over positions p..T-1
+            curves.append((from_end / from_end[0]).cpu().numpy())
+    finally:
+        hook.remove()
+    return np.mean(curves, axis=0).tolist()
+
+
+def evaluate_text_checkpoint(
+    loaded: LoadedCheckpoint, documents: list[np.ndarray], corpus: str, train_length: int,
+    multiples: tuple[float, ...], targets: int, batch_size: int, receptive_windows: int, receptive_multiple: float,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The report of the module docstring for one checkpoint."""
+    started = time.perf_counter()
+    model = loaded.model.eval()
+    lengths = [max(1, round(multiple * train_length)) for multiple in multiples]
+    positions = target_positions(documents, max(lengths), targets)
+    rows, per_target = [], []
+    bar = tqdm(list(zip(multiples, lengths)), desc=f"{loaded.path.name} context", unit="length", disable=not progress)
+    for multiple, length in bar:
+        losses = last_token_nll(model, documents, positions, length, batch_size)  # (targets,)
+        per_target.append(losses)
+        nll = float(losses.mean())
+        rows.append({"length": length, "multiple": multiple, "perplexity": math.exp(nll), "nll": nll,
+                     "nll_stderr": _stderr(losses)})
+        bar.set_postfix(length=length, ppl=f"{math.exp(nll):.2f}")
+    field = None
+    if receptive_windows:
+        field_length = round(receptive_multiple * train_length)
+        field_positions = target_positions(documents, field_length, receptive_windows)
+        with torch.enable_grad():
+            cumulative = receptive_field(model, documents, field_positions, field_length)
+        field = {"length": field_length, "windows": receptive_windows, "cumulative": cumulative}
+    first = next((index for index, row in enumerate(rows) if row["multiple"] == 1), None)
+    return {
+        "checkpoint": str(loaded.path),
+        "architecture": _describe(loaded),
+        "train_length": train_length,
+        "corpus": corpus,
+        "targets": targets,
+        "perplexity": rows,
+        "ratio_16x": None if first is None else rows[-1]["perplexity"] / rows[first]["perplexity"],
+        "log_ratio_stderr": None if first is None else _stderr(per_target[-1] - per_target[first]),
+        "receptive_field": field,
+        "wall_time_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def _stderr(values: np.ndarray) -> float:
+    """Standard error of the mean of ``values``."""
+    return float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else float("nan")
+
+
+def _describe(loaded: LoadedCheckpoint) -> str:
+    """"regulargpt C=64 K=4", "transformer alibi", "lrnn" ..."""
+    config = loaded.model.config
+    if loaded.config.architecture == "regulargpt":
+        return f"regulargpt C={config.chunk_size} K={config.thickness}"
+    if loaded.config.architecture == "transformer":
+        return f"transformer {config.position}"
+    return loaded.config.architecture
+
+
+def format_text_table(reports: list[dict[str, Any]]) -> str:
+    """Markdown table: one row per context length, one column per checkpoint."""
+    names = [f"{report['architecture']} ({report['checkpoint'].rstrip('/').split('/')[-1]})" for report in reports]
+    lines = ["| context | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for index, row in enumerate(reports[0]["perplexity"]):
+        cells = [f"{report['perplexity'][index]['perplexity']:.2f}" for report in reports]
+        lines.append(f"| {row['length']} ({row['multiple']:g}x) | " + " | ".join(cells) + " |")
+    ratios = ["-" if report["ratio_16x"] is None else f"{report['ratio_16x']:.3f} ± {report['ratio_16x'] * report['log_ratio_stderr']:.3f}"
+              for report in reports]
+    lines.append("| longest / 1x | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
