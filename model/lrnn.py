@@ -90,6 +90,20 @@ class RecurrentBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, d_model), state: (B, H, b) or None (zeros) -> (B, T, d_model), final state (B, H, b)."""
+        u, states, final_state = self._scan(x, state)
+        x = x + self.dropout(self.recurrence.readout(states, u))  # (B, T, d_model)
+        return x + self.mlp(self.ln_2(x)), final_state
+
+    def forward_last(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        """x: (B, T, d_model) right-padded -> (B, d_model): ``forward``'s output at position lengths - 1 of each
+        row, with the readout and MLP run there only (the scan still covers every position)."""
+        u, states, _ = self._scan(x, None)
+        x, u, states = (gather_last(values, lengths) for values in (x, u, states))  # (B, d), (B, d), (B, H, b)
+        x = x + self.dropout(self.recurrence.readout(states, u))  # (B, d_model)
+        return x + self.mlp(self.ln_2(x))
+
+    def _scan(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, d_model) -> LN(x) (B, T, d_model), every state (B, T, H, b), the last state (B, H, b)."""
         u = self.ln_1(x)  # (B, T, d_model)
         states, final_state = linear_scan(
             self.recurrence.transitions(u),  # (B, T, H, b, b)
@@ -98,8 +112,7 @@ class RecurrentBlock(nn.Module):
             impl=self.scan_impl,
             chunk_size=self.scan_chunk_size,
         )  # (B, T, H, b), (B, H, b)
-        x = x + self.dropout(self.recurrence.readout(states, u))  # (B, T, d_model)
-        return x + self.mlp(self.ln_2(x)), final_state
+        return u, states, final_state
 
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b)."""
@@ -124,9 +137,12 @@ class LinearRNN(SequenceModel):
         return self.embedding.logits(self.ln_f(self._hidden(tokens, cache)))  # (B, T, V)
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, T) right-padded, lengths: (B,) -> (B, output_size); the head runs on the last positions only."""
-        last = gather_last(self._hidden(tokens), lengths)  # (B, d_model)
-        return self.embedding.logits(self.ln_f(last))  # (B, V)
+        """tokens: (B, T) right-padded, lengths: (B,) -> (B, output_size); the last block's readout and MLP and the
+        head run on the last positions only."""
+        x = self.embedding(tokens)  # (B, T, d_model)
+        for block in self.blocks[:-1]:
+            x, _ = block(x, None)  # (B, T, d_model)
+        return self.embedding.logits(self.ln_f(self.blocks[-1].forward_last(x, lengths)))  # (B, V)
 
     def new_cache(self, batch_size: int) -> LRNNCache:
         states = [
