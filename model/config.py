@@ -90,7 +90,12 @@ class LRNNConfig(BaseModelConfig):
     """Block-diagonal input-dependent linear RNN (block-diagonal-lrnn.txt sections 3.3-3.4).
 
     Each layer runs x_k = A(u_k) x_{k-1} + B u_k with A block-diagonal (``num_blocks`` blocks of
-    ``block_size`` x ``block_size``), every column scaled by 1 / max(1, ||column||_p), and y_k = h(x_k).
+    ``block_size`` x ``block_size``) and y_k = h(x_k). ``transition_norm`` constrains A: "column" (the paper's
+    eq. 6) scales every column by 1 / max(1, ||column||_p) with p = ``p_norm``; "spectral" (ours) scales every
+    block by 1 / max(1, ||block||_2), which keeps every product of transitions non-expanding at any length and
+    still admits every rotation (``p_norm`` is then unused). For p > 1 the column clamp lets a block's spectral
+    radius reach b^(1 - 1/p) (1.41 for b = 8, p = 1.2; docs/results.md measures what that does past the
+    training length); for p = 1 it is stable but cannot represent a rotation by 72 degrees (Z_5).
 
     ``scan_impl``: "sequential" (the reference loop), "parallel" (log-depth scan), "chunked" (sequential
     inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy documented in
@@ -101,6 +106,7 @@ class LRNNConfig(BaseModelConfig):
     block_size: int = 8
     num_blocks: int = 8
     p_norm: float = 1.2
+    transition_norm: Literal["column", "spectral"] = "column"
     d_ff: int = 256
     scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"
     scan_chunk_size: int = 64

@@ -3,7 +3,8 @@
 Token embedding -> ``n_layers`` recurrent blocks -> LayerNorm -> head. A block is pre-norm and residual:
 
     u_k = LN(x_k)
-    h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)), block-diagonal, H blocks of b x b
+    h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)) (or spectral_norm_constraint),
+                                        block-diagonal, H blocks of b x b
     x_k = x_k + out_proj(h_k)           y_k = h(x_k) of the paper
     x_k = x_k + MLP(LN(x_k))
 
@@ -26,7 +27,7 @@ from torch import nn
 from model.base import InferenceCache, SequenceModel, TokenEmbedding, gather_last
 from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.layers import MLP
-from model.ops.linear_scan import column_norm_constraint, linear_scan, scan_step
+from model.ops.linear_scan import column_norm_constraint, linear_scan, scan_step, spectral_norm_constraint
 
 
 @dataclass
@@ -48,6 +49,7 @@ class BlockDiagonalRecurrence(nn.Module):
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()
         self.num_blocks, self.block_size, self.p_norm = config.num_blocks, config.block_size, config.p_norm
+        self.transition_norm = config.transition_norm
         self.state_shape = (config.num_blocks, config.block_size)
         self.transition = nn.Linear(config.d_model, config.num_blocks * config.block_size**2)  # g
         self.input_proj = nn.Linear(config.d_model, config.state_size)  # B
@@ -65,6 +67,8 @@ class BlockDiagonalRecurrence(nn.Module):
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
         """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1."""
         blocks = self.transition(u).unflatten(-1, (self.num_blocks, self.block_size, self.block_size))
+        if self.transition_norm == "spectral":
+            return spectral_norm_constraint(blocks)  # (..., H, b, b), every block's largest singular value <= 1
         return column_norm_constraint(blocks, self.p_norm)  # (..., H, b, b)
 
     def inputs(self, u: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,8 @@ MODEL_FLAGS = (
     ModelFlag("block_size", int, "LRNN block size b of the block-diagonal transition"),
     ModelFlag("num_blocks", int, "LRNN number of blocks H (state size H*b)"),
     ModelFlag("p_norm", float, "LRNN p of the column p-norm constraint"),
+    ModelFlag("transition_norm", str, "LRNN constraint on A: the paper's column p-norm, or each block's spectral norm "
+              "<= 1 (stable at any length, rotations allowed)", ("column", "spectral")),
     ModelFlag("state_size", int, "diagonal LRNN state size"),
     ModelFlag("scan_impl", str, "LRNN scan implementation", ("auto", "sequential", "parallel", "chunked")),
     ModelFlag("scan_chunk_size", int, "LRNN chunk length of the chunked scan"),
@@ -56,7 +58,8 @@ CONFIG_FIELDS: dict[str, dict[str, str]] = {
     },
     "lrnn": {
         **_COMMON_FIELDS, "layers": "n_layers", "block_size": "block_size", "num_blocks": "num_blocks",
-        "p_norm": "p_norm", "d_ff": "d_ff", "scan_impl": "scan_impl", "scan_chunk_size": "scan_chunk_size",
+        "p_norm": "p_norm", "transition_norm": "transition_norm", "d_ff": "d_ff", "scan_impl": "scan_impl",
+        "scan_chunk_size": "scan_chunk_size",
     },
     "diagonal_lrnn": {
         **_COMMON_FIELDS, "layers": "n_layers", "state_size": "state_size", "d_ff": "d_ff",

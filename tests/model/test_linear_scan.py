@@ -7,6 +7,7 @@ import torch
 
 from model.ops.linear_scan import (
     column_norm_constraint,
+    spectral_norm_constraint,
     linear_scan,
     scan_chunked,
     scan_parallel,
@@ -138,3 +139,37 @@ def test_column_norm_constraint_gradient_is_finite_at_zero_entries() -> None:
     matrices = torch.tensor([[[0.0, 3.0], [0.0, 0.0]]], requires_grad=True)  # a zero column, a zero entry
     column_norm_constraint(matrices).sum().backward()
     assert torch.isfinite(matrices.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_spectral_norm_closed_form_equals_svd(dtype: torch.dtype) -> None:
+    scale = torch.tensor([0.05, 0.5, 1.0, 5.0]).repeat(100).view(400, 1, 1)
+    matrices = (torch.randn(400, 2, 2, dtype=torch.float64) * scale).to(dtype)  # inside and outside the ball
+    rotations = torch.tensor([[0.309017, -0.951057], [0.951057, 0.309017]], dtype=dtype) * torch.tensor(
+        [0.5, 1.0, 3.0], dtype=dtype).view(3, 1, 1)  # scaled rotations: two equal singular values
+    matrices = torch.cat([matrices, rotations])
+    svd = spectral_norm_constraint(matrices, impl="svd")
+    tolerance = {torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
+    torch.testing.assert_close(spectral_norm_constraint(matrices, impl="closed_form"), svd, rtol=tolerance, atol=tolerance)
+    norms = torch.linalg.matrix_norm(svd.double(), ord=2)
+    assert bool((norms <= 1 + tolerance).all())
+    inside = torch.linalg.matrix_norm(matrices.double(), ord=2) <= 1
+    assert bool(inside.any()) and bool((~inside).any())
+    torch.testing.assert_close(svd[inside], matrices[inside], rtol=0, atol=0)  # unchanged inside the ball
+    torch.testing.assert_close(svd[-1].double() @ svd[-1].double().T, torch.eye(2, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-5)  # a rotation stays a rotation
+
+
+def test_spectral_norm_constraint_bounds_products_and_keeps_gradients_finite() -> None:
+    blocks = (torch.randn(64, 3, 3, dtype=torch.float64) * 3).requires_grad_()  # svd path (b = 3)
+    constrained = spectral_norm_constraint(blocks)
+    product = torch.linalg.multi_dot(list(constrained.detach()))
+    assert float(torch.linalg.matrix_norm(product, ord=2)) <= 1 + 1e-9  # non-expanding at any length
+    constrained.sum().backward()
+    assert torch.isfinite(blocks.grad).all()
+    degenerate = (0.9 * torch.eye(2)).expand(4, 2, 2).clone().requires_grad_()  # equal singular values
+    for blocks in (degenerate, (2 * degenerate.detach()).requires_grad_()):
+        spectral_norm_constraint(blocks, impl="closed_form").sum().backward()
+        assert torch.isfinite(blocks.grad).all()
+    with pytest.raises(ValueError, match="2 x 2"):
+        spectral_norm_constraint(torch.zeros(3, 3), impl="closed_form")
