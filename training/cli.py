@@ -169,7 +169,8 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--curriculum-start", type=positive_int, default=10)
     data.add_argument("--curriculum-fraction", type=probability, default=0.5)
     data.add_argument("--p-one", type=probability_or_range,
-                      help="P(second symbol) for two-symbol alphabets; A-B: each string draws its own P uniformly "
+                      help="P(second symbol: '1' or 'b'; modular_arithmetic: of the digit '1'), the other symbols "
+                           "sharing the rest; A-B: each string draws its own P uniformly "
                            "from [A, B] (mixes dense and sparse strings, for skewed inputs at test time)")
     data.add_argument("--balanced", action="store_true", help="draw the final label uniformly, then the string")
     checks = parser.add_argument_group("extrapolation evaluation and early stopping")
@@ -194,8 +195,8 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint folder; repeat it (e.g. one per seed) for max and mean")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--protocol", choices=("papers", "hard"),
-                       help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000, plus P(1)=0.1 and 0.9 for "
-                            "two-symbol alphabets (default: papers)")
+                       help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000, plus P(1)=0.1 and 0.9 "
+                            "(default: papers)")
     which.add_argument("--lengths", type=length_range, help="A-B: a custom length range, e.g. 41-500")
     parser.add_argument("--bands", type=band_spec, default=10,
                         help="N bands over the range (default 10), or an explicit list A-B,C-D,...")
@@ -276,8 +277,6 @@ def _task(name: str) -> Task:
 
 
 def _check_sampling(task: Task, p_one: float | tuple[float, float] | None, balanced: bool) -> None:
-    if p_one is not None and len(task.alphabet) != 2:
-        raise UsageError(f"--p-one needs a two-symbol alphabet; {task.name} has {task.alphabet!r}")
     if balanced and p_one is not None:
         raise UsageError("--balanced and --p-one cannot be combined: balanced draws condition on the label")
     if balanced and task.draw_with_final_label is None:

@@ -1,7 +1,8 @@
 """``python -m training eval``: per-length-band accuracy of a transducer's final label on fresh samples.
 
-A band is a length range and a sampling distribution (``p_one``: P(second symbol) of a two-symbol alphabet, or
-null for the task's own generator). Each band gets ``samples`` strings of lengths drawn uniformly from its range,
+A band is a length range and a sampling distribution (``p_one``: P(second symbol of the alphabet: "1" or "b"),
+the other symbols sharing the rest (modular_arithmetic: of the digit "1" among the digits), or null for the
+task's own generator). Each band gets ``samples`` strings of lengths drawn uniformly from its range,
 and an example counts as right when the argmax of ``model.final_logits`` (RegularGPT's shrinking path) is the
 reference label of the last position. Every checkpoint sees the same strings: band i is drawn from the random
 stream keyed by (seed, i).
@@ -11,7 +12,7 @@ Protocols:
 - ``papers``: the extrapolation lengths of the RegularGPT paper's Table 1, 51..100 for the Bhattamishra tasks
   (d*, tomita*) and 41..500 for the others (the Deletang tasks; first, one and palindrome likewise, being trained
   on 1..40);
-- ``hard``: 501..2000, and for a two-symbol alphabet the same lengths again with P(1) = 0.1 and with 0.9;
+- ``hard``: 501..2000, and the same lengths again with P(1) = 0.1 and with 0.9;
 - ``custom``: ``--lengths A-B`` (or an explicit list of bands) with the ``--p-one`` values asked for.
 
 JSON output (``--json``) for one checkpoint::
@@ -76,8 +77,7 @@ def protocol_bands(task: Task, protocol: Literal["papers", "hard"], band_count: 
     """The bands of a named protocol (module docstring), each length range cut into ``band_count`` bands."""
     if protocol == "papers":
         return [Band(lengths) for lengths in split_lengths(papers_lengths(task), band_count)]
-    p_ones: list[float | None] = [None, *HARD_P_ONES] if len(task.alphabet) == 2 else [None]
-    return [Band(lengths, p_one) for p_one in p_ones for lengths in split_lengths(HARD_LENGTHS, band_count)]
+    return [Band(lengths, p_one) for p_one in (None, *HARD_P_ONES) for lengths in split_lengths(HARD_LENGTHS, band_count)]
 
 
 def draw_bands(task: Task, bands: Sequence[Band], samples: int, seed: int) -> list[FinalLabelSet]:

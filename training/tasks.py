@@ -1,7 +1,8 @@
 """The tasks of SPEC section 1: alphabet, labels, reference labeler, automaton and string sampler of each.
 
-Sampling controls the length (the caller picks it), the frequency of the second symbol of a two-symbol alphabet
-(``p_one``: P("1"), or P("b") for the a/b tasks) and balance: ``balanced=True`` draws the final label uniformly
+Sampling controls the length (the caller picks it), the frequency of the second symbol of the alphabet
+(``p_one``: P("1"), or P("b") for the a/b tasks, the other symbols sharing the rest; for modular_arithmetic, of
+the digit "1" among the digits) and balance: ``balanced=True`` draws the final label uniformly
 from the task's labels and then the string uniformly among those of that length with that final label, which
 gives sparse languages (D_n, Tomita 3/4/6, ONE, PALINDROME) as many positives as negatives.
 """
@@ -61,8 +62,9 @@ class Task:
     ) -> str:
         """A string of ``length`` symbols (modular_arithmetic: rounded down to an odd length).
 
-        ``p_one`` (two-symbol alphabets only) draws each symbol independently, the second one of the alphabet
-        with that probability. ``balanced`` draws the final label uniformly first; where no string of this length
+        ``p_one`` draws each symbol independently, the second one of the alphabet ("1", or "b" for the a/b
+        tasks) with that probability and each other one with an equal share of the rest; for
+        modular_arithmetic this applies to the digits, the operators staying uniform. ``balanced`` draws the final label uniformly first; where no string of this length
         has that label (D_n at odd lengths, a non-palindrome of length 1) the free draw is returned.
         """
         if length < 1:
@@ -80,11 +82,11 @@ class Task:
         return self.draw(rng, length)
 
     def _draw_skewed(self, rng: np.random.Generator, length: int, p_one: float) -> str:
-        if len(self.alphabet) != 2:
-            raise ValueError(f"p_one needs a two-symbol alphabet; {self.name} has {self.alphabet!r}")
         if not 0.0 <= p_one <= 1.0:
             raise ValueError(f"p_one must be a probability, got {p_one}")
-        return "".join(self.alphabet[int(is_one)] for is_one in rng.random(length) < p_one)
+        if self.draw is _expression:
+            return _expression(rng, length, p_one)
+        return _skewed_symbols(self.alphabet, rng, length, p_one)
 
 
 def sample_batch(
@@ -119,9 +121,23 @@ def _uniform_symbols(alphabet: str) -> Drawer:
     return draw
 
 
-def _expression(rng: np.random.Generator, length: int) -> str:
-    """A uniformly drawn modular_arithmetic input: digits and operators alternating, odd length (rounded down)."""
-    operands = _uniform_symbols(labelers.DIGITS)(rng, (length + 1) // 2)
+def _skewed_symbols(alphabet: str, rng: np.random.Generator, length: int, p_one: float) -> str:
+    """``length`` independent symbols: ``alphabet[1]`` with probability ``p_one``, every other symbol with
+    probability (1 - p_one) / (len(alphabet) - 1)."""
+    others = alphabet[:1] + alphabet[2:]
+    is_one = rng.random(length) < p_one  # (length,)
+    other = rng.integers(len(others), size=length)  # (length,)
+    return "".join(alphabet[1] if one else others[k] for one, k in zip(is_one, other))
+
+
+def _expression(rng: np.random.Generator, length: int, p_one: float | None = None) -> str:
+    """A modular_arithmetic input: digits and operators alternating, odd length (rounded down). Digits are
+    uniform, or "1" with probability ``p_one`` and the other four sharing the rest; operators are uniform."""
+    count = (length + 1) // 2
+    if p_one is None:
+        operands = _uniform_symbols(labelers.DIGITS)(rng, count)
+    else:
+        operands = _skewed_symbols(labelers.DIGITS, rng, count, p_one)
     operators = _uniform_symbols(labelers.OPERATORS)(rng, len(operands) - 1)
     return "".join(digit + operator for digit, operator in zip(operands, operators)) + operands[-1]
 

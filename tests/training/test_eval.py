@@ -60,11 +60,11 @@ def test_papers_protocol_uses_each_suite_s_lengths() -> None:
         assert {band.p_one for band in bands} == {None}
 
 
-def test_hard_protocol_adds_skewed_bands_for_binary_tasks() -> None:
+def test_hard_protocol_adds_skewed_bands() -> None:
     binary = protocol_bands(get_task("parity_check"), "hard", 3)
     assert [band.p_one for band in binary] == [None] * 3 + [0.1] * 3 + [0.9] * 3
     assert binary[0] == Band((501, 1000), None) and binary[2].lengths[1] == 2000
-    assert {band.p_one for band in protocol_bands(get_task("sum_mod5"), "hard", 3)} == {None}
+    assert {band.p_one for band in protocol_bands(get_task("sum_mod5"), "hard", 3)} == {None, 0.1, 0.9}
 
 
 def test_json_report_schema(checkpoints: list[Path], capsys: pytest.CaptureFixture) -> None:

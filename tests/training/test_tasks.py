@@ -19,7 +19,6 @@ SPEC_TASKS = [
 ]
 SPARSE_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita6", "first", "one", "palindrome"]
 REGULAR_TASKS = [name for name in SPEC_TASKS if name != "palindrome"]
-TWO_SYMBOL_TASKS = [name for name in SPEC_TASKS if len(TASKS[name].alphabet) == 2]
 EXHAUSTIVE_STRINGS = 10_000  # per task: all strings of each length while there are at most this many
 LONGEST_EXHAUSTIVE = 8
 
@@ -143,7 +142,7 @@ def test_samples_have_the_requested_length_and_alphabet(name: str) -> None:
     task, rng = TASKS[name], np.random.default_rng(2)
     options: list[dict] = [{}]
     options += [{"balanced": True}] if task.draw_with_final_label is not None else []
-    options += [{"p_one": 0.3}] if name in TWO_SYMBOL_TASKS else []
+    options += [{"p_one": 0.3}]
     for length in (1, 2, 7, 40, 101):
         for option in options:
             string = task.sample(rng, length, **option)
@@ -185,10 +184,29 @@ def test_a_p_one_range_gives_each_string_its_own_frequency() -> None:
         sample_batch(TASKS["parity_check"], np.random.default_rng(6), 1, (5, 5), p_one=(0.6, 0.4))
 
 
-def test_p_one_needs_a_two_symbol_alphabet_and_a_probability() -> None:
+@pytest.mark.parametrize("name", ["sum_mod5", "cycle_navigation"])
+@pytest.mark.parametrize("p_one", [0.1, 0.9])
+def test_p_one_on_a_larger_alphabet_shares_the_rest_equally(name: str, p_one: float) -> None:
+    task = TASKS[name]
+    text = "".join(sample_batch(task, np.random.default_rng(5), 200, (100, 100), p_one=p_one))
+    for symbol in task.alphabet:
+        expected = p_one if symbol == "1" else (1 - p_one) / (len(task.alphabet) - 1)
+        assert text.count(symbol) / len(text) == pytest.approx(expected, abs=0.01), symbol
+
+
+def test_p_one_skews_the_digits_of_modular_arithmetic_only() -> None:
+    task = TASKS["modular_arithmetic"]
+    strings = sample_batch(task, np.random.default_rng(9), 200, (101, 101), p_one=0.9)
+    digits, operators = "".join(s[0::2] for s in strings), "".join(s[1::2] for s in strings)
+    assert set(digits) <= set("01234") and set(operators) <= set("+-*")
+    assert digits.count("1") / len(digits) == pytest.approx(0.9, abs=0.01)
+    for operator in "+-*":
+        assert operators.count(operator) / len(operators) == pytest.approx(1 / 3, abs=0.02)
+    task.label(strings[0])  # well formed
+
+
+def test_p_one_needs_a_probability() -> None:
     rng = np.random.default_rng(0)
-    with pytest.raises(ValueError, match="two-symbol alphabet; sum_mod5 has '01234'"):
-        TASKS["sum_mod5"].sample(rng, 5, p_one=0.2)
     with pytest.raises(ValueError, match="must be a probability"):
         TASKS["parity_check"].sample(rng, 5, p_one=1.5)
     with pytest.raises(ValueError, match="cannot be combined"):

@@ -89,7 +89,7 @@ BAD_TRAIN = {
     "out_of_range on lrnn": (["--out-of-range", "null"], "--out-of-range does not apply to --arch lrnn"),
     "out_of_range choice": (["--arch", "regulargpt", "--out-of-range", "pad"], "invalid choice: 'pad'"),
     "bad config": (["--arch", "regulargpt", "--d-model", "10", "--heads", "3"], "must be divisible by n_heads"),
-    "p_one on 5 symbols": (["--task", "sum_mod5", "--p-one", "0.2"], "--p-one needs a two-symbol alphabet"),
+    "p_one and balanced": (["--task", "d2", "--p-one", "0.2", "--balanced"], "--balanced and --p-one cannot be combined"),
     "p_one range order": (["--p-one", "0.9-0.1"], "invalid probability range '0.9-0.1': 0.9 > 0.1"),
     "p_one range bounds": (["--p-one", "0.1-1.5"], "must be a probability in [0, 1], got 1.5"),
     "stopping without eval": (["--eval-every", "0", "--patience", "2"], "need evaluations: set --eval-every above 0"),
