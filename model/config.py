@@ -91,11 +91,12 @@ class LRNNConfig(BaseModelConfig):
 
     Each layer runs x_k = A(u_k) x_{k-1} + B u_k with A block-diagonal (``num_blocks`` blocks of
     ``block_size`` x ``block_size``) and y_k = h(x_k). ``transition_norm`` constrains A: "column" (the paper's
-    eq. 6) scales every column by 1 / max(1, ||column||_p) with p = ``p_norm``; "spectral" (ours) scales every
-    block by 1 / max(1, ||block||_2), which keeps every product of transitions non-expanding at any length and
-    still admits every rotation (``p_norm`` is then unused). For p > 1 the column clamp lets a block's spectral
-    radius reach b^(1 - 1/p) (1.41 for b = 8, p = 1.2; docs/results.md measures what that does past the
-    training length); for p = 1 it is stable but cannot represent a rotation by 72 degrees (Z_5).
+    eq. 6) scales every column by 1 / max(1, ||column||_p) with p = ``p_norm``; "spectral" (ours) does that, then
+    scales every block by 1 / max(1, ||block||_2), which keeps every product of transitions non-expanding at any
+    length. For p > 1 the column clamp alone lets a block's spectral radius reach b^(1 - 1/p) (1.41 for b = 8,
+    p = 1.2; docs/results.md measures what that does past the training length); for p = 1 it is stable but
+    cannot represent a rotation by 72 degrees (Z_5). With p = 2 and b = 2, "spectral" keeps exactly the
+    rotations and reflections (unit orthogonal columns) unchanged and contracts every other block.
 
     ``scan_impl``: "sequential" (the reference loop), "parallel" (log-depth scan), "chunked" (sequential
     inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy documented in

@@ -3,8 +3,8 @@
 Token embedding -> ``n_layers`` recurrent blocks -> LayerNorm -> head. A block is pre-norm and residual:
 
     u_k = LN(x_k)
-    h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)) (or spectral_norm_constraint),
-                                        block-diagonal, H blocks of b x b
+    h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)) (then spectral_norm_constraint
+                                        for transition_norm "spectral"), block-diagonal, H blocks of b x b
     x_k = x_k + out_proj(h_k)           y_k = h(x_k) of the paper
     x_k = x_k + MLP(LN(x_k))
 
@@ -67,9 +67,10 @@ class BlockDiagonalRecurrence(nn.Module):
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
         """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1."""
         blocks = self.transition(u).unflatten(-1, (self.num_blocks, self.block_size, self.block_size))
+        blocks = column_norm_constraint(blocks, self.p_norm)  # (..., H, b, b)
         if self.transition_norm == "spectral":
-            return spectral_norm_constraint(blocks)  # (..., H, b, b), every block's largest singular value <= 1
-        return column_norm_constraint(blocks, self.p_norm)  # (..., H, b, b)
+            blocks = spectral_norm_constraint(blocks)  # then every block's largest singular value <= 1 too
+        return blocks
 
     def inputs(self, u: torch.Tensor) -> torch.Tensor:
         """u: (..., d_model) -> B u: (..., H, b)."""
