@@ -16,6 +16,8 @@ import tiktoken_ext.openai_public
 
 from model.tokenizer import TokenizerError, load_tokenizer
 
+pytestmark = pytest.mark.usefixtures("no_network")
+
 SURROGATES = range(0xD800, 0xE000)
 
 

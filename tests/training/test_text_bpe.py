@@ -4,7 +4,6 @@ arbitrary Unicode through the trained encoding. No network."""
 from __future__ import annotations
 
 import random
-import socket
 from collections import Counter
 
 import pytest
@@ -15,13 +14,7 @@ from training.bpe import count_pieces, train_bpe, write_ranks
 CORPUS = ["the cat sat on the mat. the cat ate the rat.\n\nThe mat was flat; the rat was fat. " * 20,
           "naïve café — 日本語 👋 the the the"]
 
-
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a test tried to open a network connection")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")
 
 
 def random_unicode(seed: int, length: int) -> str:

@@ -4,7 +4,6 @@ the embedded corpus on a made database, paragraph joining and the validation spl
 from __future__ import annotations
 
 import json
-import socket
 import struct
 import zlib
 
@@ -21,15 +20,7 @@ from training.text_corpus import (
 )
 
 zstandard = pytest.importorskip("zstandard")
-
-
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a test tried to open a network connection")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")
 
 
 def write_shard(path, texts: list[str], blank_lines: bool = False) -> None:

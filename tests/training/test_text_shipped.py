@@ -10,6 +10,8 @@ import torch
 
 from server.model_store import load_served_model
 
+pytestmark = pytest.mark.usefixtures("no_network")
+
 SHIPPED = sorted((Path(__file__).resolve().parents[2] / "checkpoints").glob("text-*"))
 
 

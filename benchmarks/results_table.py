@@ -1,0 +1,112 @@
+"""Rows of docs/results.md from ``python -m training eval --json`` reports: one row per checkpoint, one column
+per protocol part (papers lengths; hard lengths with the task's generator, P(1) = 0.1 and P(1) = 0.9), each the
+overall accuracy over that part's bands and, in brackets, its worst band.
+
+    python -m benchmarks.results_table runs/eval/parity_check-lrnn-papers.json runs/eval/parity_check-lrnn-hard.json ...
+    python -m benchmarks.results_table --pivot runs/eval/t1-*-papers.json
+
+``--pivot`` prints the papers-protocol accuracy as a task x model grid instead (regulargpt.txt Table 1's layout),
+the model being what follows the task in the run folder's name (``t1-parity_check-lstm`` -> ``lstm``).
+
+Reports of the same checkpoint (its ``checkpoint`` path) are merged into one row; the checkpoint's training
+metadata (steps, wall time, parameters) is read from its folder when it is still there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+
+PARTS = (("papers", None), ("hard", None), ("hard", 0.1), ("hard", 0.9))
+
+
+def part_cell(report: dict[str, Any], p_one: float | None) -> str:
+    """``overall % (worst band %)`` over the bands of ``report`` sampled with ``p_one``."""
+    bands = [band for band in report["bands"] if band["p_one"] == p_one]
+    if not bands:
+        return "-"
+    correct = sum(band["accuracy"] * band["samples"] for band in bands)
+    samples = sum(band["samples"] for band in bands)
+    worst = min(band["accuracy"] for band in bands)
+    return f"{100 * correct / samples:.1f} ({100 * worst:.1f})"
+
+
+def training_cells(checkpoint: Path) -> list[str]:
+    """Steps run, wall time and parameter count from the checkpoint folder, or dashes when it is gone."""
+    config_path = checkpoint / CONFIG_FILE
+    if not config_path.exists():
+        return ["-", "-", "-"]
+    metadata = json.loads(config_path.read_text())["metadata"]
+    from safetensors import safe_open
+
+    with safe_open(checkpoint / WEIGHTS_FILE, framework="pt") as weights:
+        parameters = sum(_numel(weights, name) for name in weights.keys())
+    return [str(metadata["steps"]), f"{metadata['wall_time_s']:.0f}", f"{parameters:,}"]
+
+
+def _numel(weights: Any, name: str) -> int:
+    count = 1
+    for size in weights.get_slice(name).get_shape():
+        count *= size
+    return count
+
+
+def rows(reports: Sequence[dict[str, Any]]) -> list[str]:
+    by_checkpoint: dict[str, dict[str, dict[str, Any]]] = {}
+    for report in reports:
+        by_checkpoint.setdefault(report["checkpoint"], {})[report["protocol"]] = report
+    lines = []
+    for checkpoint, protocols in by_checkpoint.items():
+        first = next(iter(protocols.values()))
+        cells = [part_cell(protocols[protocol], p_one) if protocol in protocols else "-" for protocol, p_one in PARTS]
+        lines.append(f"| {first['task']} | {first['architecture']} | `{Path(checkpoint).name}` | " + " | ".join(cells) + " | "
+                     + " | ".join(training_cells(Path(checkpoint))) + " |")
+    return lines
+
+
+def pivot(reports: Sequence[dict[str, Any]]) -> list[str]:
+    """Task x model grid of papers-protocol accuracy (%), tasks in SPEC order."""
+    from training.tasks import TASKS
+
+    cells: dict[str, dict[str, float]] = {}
+    for report in reports:
+        if report["protocol"] == "papers":
+            model = Path(report["checkpoint"]).name.split(report["task"] + "-", 1)[-1]
+            cells.setdefault(report["task"], {})[model] = 100 * report["overall"]
+    models = sorted({model for row in cells.values() for model in row})
+    lines = ["| task | " + " | ".join(models) + " |", "|---|" + "---:|" * len(models)]
+    for task in (name for name in TASKS if name in cells):
+        lines.append(f"| {task} | " + " | ".join(
+            f"{cells[task][model]:.1f}" if model in cells[task] else "-" for model in models) + " |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", nargs="+", type=Path, help="eval --json outputs (one checkpoint each)")
+    parser.add_argument("--pivot", action="store_true", help="a task x model grid of the papers protocol")
+    args = parser.parse_args(argv)
+    reports = []
+    for path in args.reports:
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as error:  # e.g. the empty output of an evaluation that was stopped
+            print(f"skipping {path}: not an eval --json report ({error})", file=sys.stderr)
+    if args.pivot:
+        print("\n".join(pivot(reports)))
+        return 0
+    print("| task | model | run | 41-500 (papers) | 501-2000 | 501-2000, P(1)=0.1 | 501-2000, P(1)=0.9 | steps | "
+          "train wall (s) | parameters |")
+    print("|---|---|---|---|---|---|---|---:|---:|---:|")
+    print("\n".join(rows(reports)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
