@@ -5,6 +5,9 @@ overall accuracy over that part's bands and, in brackets, its worst band.
     python -m benchmarks.results_table runs/eval/parity_check-lrnn-papers.json runs/eval/parity_check-lrnn-hard.json ...
     python -m benchmarks.results_table --pivot runs/eval/t1-*-papers.json
 
+``--by-p-one`` prints one row per report and one column per P(1) of its bands (regulargpt.txt Table 2's layout,
+for ``eval --lengths A-B --bands 1 --p-one 0.1 --p-one 0.3 ...`` reports).
+
 ``--pivot`` prints the papers-protocol accuracy as a task x model grid instead (regulargpt.txt Table 1's layout),
 the model being what follows the task in the run folder's name (``t1-parity_check-lstm`` -> ``lstm``).
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,15 +30,19 @@ from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 PARTS = (("papers", None), ("hard", None), ("hard", 0.1), ("hard", 0.9))
 
 
+def _pooled(bands: Sequence[dict[str, Any]]) -> float:
+    """Accuracy over all the samples of ``bands`` (NaN for none)."""
+    samples = sum(band["samples"] for band in bands)
+    return sum(band["accuracy"] * band["samples"] for band in bands) / samples if samples else math.nan
+
+
 def part_cell(report: dict[str, Any], p_one: float | None) -> str:
     """``overall % (worst band %)`` over the bands of ``report`` sampled with ``p_one``."""
     bands = [band for band in report["bands"] if band["p_one"] == p_one]
     if not bands:
         return "-"
-    correct = sum(band["accuracy"] * band["samples"] for band in bands)
-    samples = sum(band["samples"] for band in bands)
     worst = min(band["accuracy"] for band in bands)
-    return f"{100 * correct / samples:.1f} ({100 * worst:.1f})"
+    return f"{100 * _pooled(bands):.1f} ({100 * worst:.1f})"
 
 
 def training_cells(checkpoint: Path) -> list[str]:
@@ -87,10 +95,25 @@ def pivot(reports: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def by_p_one(reports: Sequence[dict[str, Any]]) -> list[str]:
+    """One row per report (checkpoint and lengths), one accuracy (%) column per P(1)."""
+    p_ones = sorted({band["p_one"] for report in reports for band in report["bands"] if band["p_one"] is not None})
+    lines = ["| model | run | lengths | " + " | ".join(f"P(1)={p:g}" for p in p_ones) + " |",
+             "|---|---|---|" + "---:|" * len(p_ones)]
+    for report in reports:
+        accuracy = {p: 100 * _pooled([band for band in report["bands"] if band["p_one"] == p]) for p in p_ones}
+        lengths = sorted({tuple(band["lengths"]) for band in report["bands"]})
+        span = f"{lengths[0][0]}-{lengths[-1][1]}"
+        lines.append(f"| {report['architecture']} | `{Path(report['checkpoint']).name}` | {span} | "
+                     + " | ".join("-" if math.isnan(accuracy[p]) else f"{accuracy[p]:.1f}" for p in p_ones) + " |")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path, help="eval --json outputs (one checkpoint each)")
     parser.add_argument("--pivot", action="store_true", help="a task x model grid of the papers protocol")
+    parser.add_argument("--by-p-one", action="store_true", help="one column per P(1) of the reports' bands")
     args = parser.parse_args(argv)
     reports = []
     for path in args.reports:
@@ -98,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError) as error:  # e.g. the empty output of an evaluation that was stopped
             print(f"skipping {path}: not an eval --json report ({error})", file=sys.stderr)
-    if args.pivot:
-        print("\n".join(pivot(reports)))
+    if args.pivot or args.by_p_one:
+        print("\n".join(pivot(reports) if args.pivot else by_p_one(reports)))
         return 0
     print("| task | model | run | 41-500 (papers) | 501-2000 | 501-2000, P(1)=0.1 | 501-2000, P(1)=0.9 | steps | "
           "train wall (s) | parameters |")
