@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from safetensors import safe_open
+
+from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 PARTS = (("papers", None), ("hard", None), ("hard", 0.1), ("hard", 0.9))
 
@@ -47,22 +49,12 @@ def part_cell(report: dict[str, Any], p_one: float | None) -> str:
 
 def training_cells(checkpoint: Path) -> list[str]:
     """Steps run, wall time and parameter count from the checkpoint folder, or dashes when it is gone."""
-    config_path = checkpoint / CONFIG_FILE
-    if not config_path.exists():
+    if not (checkpoint / CONFIG_FILE).exists():
         return ["-", "-", "-"]
-    metadata = json.loads(config_path.read_text())["metadata"]
-    from safetensors import safe_open
-
+    metadata = read_config(checkpoint).metadata
     with safe_open(checkpoint / WEIGHTS_FILE, framework="pt") as weights:
-        parameters = sum(_numel(weights, name) for name in weights.keys())
+        parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
     return [str(metadata["steps"]), f"{metadata['wall_time_s']:.0f}", f"{parameters:,}"]
-
-
-def _numel(weights: Any, name: str) -> int:
-    count = 1
-    for size in weights.get_slice(name).get_shape():
-        count *= size
-    return count
 
 
 def rows(reports: Sequence[dict[str, Any]]) -> list[str]:
@@ -73,8 +65,8 @@ def rows(reports: Sequence[dict[str, Any]]) -> list[str]:
     for checkpoint, protocols in by_checkpoint.items():
         first = next(iter(protocols.values()))
         cells = [part_cell(protocols[protocol], p_one) if protocol in protocols else "-" for protocol, p_one in PARTS]
-        lines.append(f"| {first['task']} | {first['architecture']} | `{Path(checkpoint).name}` | " + " | ".join(cells) + " | "
-                     + " | ".join(training_cells(Path(checkpoint))) + " |")
+        lines.append(f"| {first['task']} | {first['architecture']} | `{Path(checkpoint).name}` | "
+                     + " | ".join(cells + training_cells(Path(checkpoint))) + " |")
     return lines
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from model.checkpoint import CONFIG_FILE, CheckpointError, LoadedCheckpoint, load_checkpoint
+from model.checkpoint import CONFIG_FILE, CheckpointError, LoadedCheckpoint, load_checkpoint, read_config
 from model.config import ARCHITECTURE_CONFIGS
 from training.compile_cli import add_compile_arguments, run_compile
 from training.distributed import setup_distributed
@@ -58,8 +58,8 @@ def _text_route(argv: list[str]) -> list[str]:
         folders = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--checkpoint"]
         folders += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--checkpoint=")]
         try:
-            kind = json.loads((Path(folders[0]) / CONFIG_FILE).read_text()).get("kind") if folders else None
-        except (OSError, ValueError, AttributeError):
+            kind = read_config(folders[0]).kind if folders else None
+        except CheckpointError:
             kind = None  # the eval parser reports the folder that does not load
         if kind == "generate":
             return ["text-eval", *argv[1:]]
@@ -133,7 +133,8 @@ def _number(text: str, kind: type) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Train and evaluate transducers on the tasks of SPEC section 1.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,compile,bpe,text-train,text-eval}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{train,eval,compile,bpe,text-train,text-eval}")
     _add_train_parser(commands.add_parser("train", help="train a model and write a checkpoint folder"))
     _add_eval_parser(commands.add_parser("eval", help="final-label accuracy of checkpoints per length band"))
     compile_parser = commands.add_parser("compile", help="compile a DFA JSON file into a checkpoint folder")
@@ -324,7 +325,8 @@ def _load_transducer(path: Path, device: str) -> LoadedCheckpoint:
     except (CheckpointError, ValueError) as error:  # ValueError: a device that is not there
         raise UsageError(str(error)) from None
     if loaded.config.kind != "transduce":
-        raise UsageError(f"{path} is a text model (kind {loaded.config.kind!r}); evaluate text models apart from transducers")
+        raise UsageError(
+            f"{path} is a text model (kind {loaded.config.kind!r}); evaluate text models apart from transducers")
     if loaded.config.task is None:
         raise UsageError(f"{path} names no task (a compiled automaton?), so there is no generator to sample from")
     return loaded

@@ -77,7 +77,8 @@ def protocol_bands(task: Task, protocol: Literal["papers", "hard"], band_count: 
     """The bands of a named protocol (module docstring), each length range cut into ``band_count`` bands."""
     if protocol == "papers":
         return [Band(lengths) for lengths in split_lengths(papers_lengths(task), band_count)]
-    return [Band(lengths, p_one) for p_one in (None, *HARD_P_ONES) for lengths in split_lengths(HARD_LENGTHS, band_count)]
+    lengths = split_lengths(HARD_LENGTHS, band_count)
+    return [Band(band, p_one) for p_one in (None, *HARD_P_ONES) for band in lengths]
 
 
 def draw_bands(task: Task, bands: Sequence[Band], samples: int, seed: int) -> list[FinalLabelSet]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 
 import numpy as np
@@ -27,6 +28,7 @@ REJECTION_TRIES = 64
 
 Drawer = Callable[[np.random.Generator, int], str]
 FinalLabelDrawer = Callable[[np.random.Generator, int, str], str | None]
+SkewedDrawer = Callable[[np.random.Generator, int, float], str]
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +49,7 @@ class Task:
     automaton: MooreMachine | None
     draw: Drawer
     draw_with_final_label: FinalLabelDrawer | None
+    draw_skewed: SkewedDrawer  # (rng, length, p_one): the ``p_one`` sampling of ``sample``
 
     def label(self, string: str) -> list[str]:
         """The reference label at every position of ``string``."""
@@ -64,8 +67,9 @@ class Task:
 
         ``p_one`` draws each symbol independently, the second one of the alphabet ("1", or "b" for the a/b
         tasks) with that probability and each other one with an equal share of the rest; for
-        modular_arithmetic this applies to the digits, the operators staying uniform. ``balanced`` draws the final label uniformly first; where no string of this length
-        has that label (D_n at odd lengths, a non-palindrome of length 1) the free draw is returned.
+        modular_arithmetic this applies to the digits, the operators staying uniform. ``balanced`` draws the
+        final label uniformly first; where no string of this length has that label (D_n at odd lengths, a
+        non-palindrome of length 1) the free draw is returned.
         """
         if length < 1:
             raise ValueError(f"length must be at least 1, got {length}")
@@ -84,9 +88,7 @@ class Task:
     def _draw_skewed(self, rng: np.random.Generator, length: int, p_one: float) -> str:
         if not 0.0 <= p_one <= 1.0:
             raise ValueError(f"p_one must be a probability, got {p_one}")
-        if self.draw is _expression:
-            return _expression(rng, length, p_one)
-        return _skewed_symbols(self.alphabet, rng, length, p_one)
+        return self.draw_skewed(rng, length, p_one)
 
 
 def sample_batch(
@@ -165,7 +167,8 @@ def _regular(
     train_lengths: tuple[int, int] = DELETANG_TRAIN_LENGTHS,
 ) -> Task:
     return Task(name, alphabet, labels, train_lengths, labeler, automaton,
-                draw=_uniform_symbols(alphabet), draw_with_final_label=FinalLabelSampler(automaton).sample)
+                draw=_uniform_symbols(alphabet), draw_with_final_label=FinalLabelSampler(automaton).sample,
+                draw_skewed=partial(_skewed_symbols, alphabet))
 
 
 def _build_tasks() -> dict[str, Task]:
@@ -176,7 +179,8 @@ def _build_tasks() -> dict[str, Task]:
                  task_automata.cycle_navigation()),
         Task("modular_arithmetic", labelers.DIGITS + labelers.OPERATORS, MOD5_LABELS, DELETANG_TRAIN_LENGTHS,
              labelers.modular_arithmetic, task_automata.modular_arithmetic(),
-             draw=_expression, draw_with_final_label=None),  # conditioning would count malformed strings too
+             draw=_expression, draw_with_final_label=None,  # conditioning would count malformed strings too
+             draw_skewed=_expression),
         _regular("sum_mod5", labelers.DIGITS, MOD5_LABELS, labelers.sum_mod5, task_automata.sum_mod5()),
         _regular("even_pair_mod5", labelers.DIGITS, BINARY_LABELS, labelers.even_pair_mod5,
                  task_automata.even_pair_mod5()),
@@ -189,7 +193,8 @@ def _build_tasks() -> dict[str, Task]:
         _regular("first", "01", BINARY_LABELS, labelers.first, task_automata.first()),
         _regular("one", "01", BINARY_LABELS, labelers.one, task_automata.one()),
         Task("palindrome", "01", BINARY_LABELS, DELETANG_TRAIN_LENGTHS, labelers.palindrome, automaton=None,
-             draw=_uniform_symbols("01"), draw_with_final_label=_palindrome_with_final_label),
+             draw=_uniform_symbols("01"), draw_with_final_label=_palindrome_with_final_label,
+             draw_skewed=partial(_skewed_symbols, "01")),
     ]
     return {task.name: task for task in tasks}
 

@@ -42,7 +42,8 @@ def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathL
     for report in reports:
         field = report["receptive_field"]
         if field is not None:
-            axes.plot(range(field["length"]), field["cumulative"], label=f"{_label(report)}, {field['windows']} windows")
+            label = f"{_label(report)}, {field['windows']} windows"
+            axes.plot(range(field["length"]), field["cumulative"], label=label)
     axes.set_xlabel("position in the window (the predicting token is the last)")
     axes.set_ylabel("cumulative gradient-norm share")
     axes.set_ylim(0, 1.02)

@@ -73,7 +73,10 @@ def column_norm_constraint(matrices: torch.Tensor, p: float = 1.2) -> torch.Tens
     return (matrices / divisors).to(matrices.dtype)  # (..., b, b)
 
 
-def spectral_norm_constraint(matrices: torch.Tensor, impl: Literal["auto", "svd", "closed_form"] = "auto") -> torch.Tensor:
+SpectralImpl = Literal["auto", "svd", "closed_form"]
+
+
+def spectral_norm_constraint(matrices: torch.Tensor, impl: SpectralImpl = "auto") -> torch.Tensor:
     """Scale every block by 1 / max(1, ||A||_2), ||A||_2 its largest singular value.
 
     matrices: (..., b, b). Unlike the column p-norm clamp for p > 1, this bounds the spectral radius, and every
@@ -82,8 +85,8 @@ def spectral_norm_constraint(matrices: torch.Tensor, impl: Literal["auto", "svd"
     clamp forbids for angles other than multiples of 90 degrees. Implementations: "svd" (the reference,
     ``torch.linalg.matrix_norm(ord=2)``, any b), "closed_form" (b = 2 only: sigma_max^2 = (F + sqrt(F^2 -
     4 det^2)) / 2 with F the squared Frobenius norm; 19x faster than batched SVD on the CPU, forward and
-    backward, measured on 40,960 blocks), "auto" (closed_form for b = 2, else svd). Computed in at least float32; blocks inside the unit
-    ball are returned unchanged.
+    backward, measured on 40,960 blocks), "auto" (closed_form for b = 2, else svd). Computed in at least
+    float32; blocks inside the unit ball are returned unchanged.
     """
     if impl == "auto":
         impl = "closed_form" if matrices.shape[-1] == 2 else "svd"

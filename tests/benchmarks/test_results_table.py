@@ -23,7 +23,8 @@ def write(tmp_path, reports: list[dict]) -> list[str]:
 
 
 def test_rows_pool_bands_and_name_the_worst(tmp_path, capsys) -> None:
-    papers = report("runs/t1-parity_check-lrnn", "parity_check", "papers", [(41, 270, None, 1.0), (271, 500, None, 0.9)])
+    papers = report("runs/t1-parity_check-lrnn", "parity_check", "papers",
+                    [(41, 270, None, 1.0), (271, 500, None, 0.9)])
     hard = report("runs/t1-parity_check-lrnn", "parity_check", "hard",
                   [(501, 2000, None, 1.0), (501, 1000, 0.1, 0.5), (1001, 2000, 0.1, 1.0), (501, 2000, 0.9, 0.99)])
     (tmp_path / "empty.json").write_text("")

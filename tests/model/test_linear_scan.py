@@ -7,12 +7,12 @@ import torch
 
 from model.ops.linear_scan import (
     column_norm_constraint,
-    spectral_norm_constraint,
     linear_scan,
     scan_chunked,
     scan_parallel,
     scan_sequential,
     scan_step,
+    spectral_norm_constraint,
 )
 
 BATCH, HEADS, BLOCK = 2, 2, 3
@@ -150,7 +150,8 @@ def test_spectral_norm_closed_form_equals_svd(dtype: torch.dtype) -> None:
     matrices = torch.cat([matrices, rotations])
     svd = spectral_norm_constraint(matrices, impl="svd")
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
-    torch.testing.assert_close(spectral_norm_constraint(matrices, impl="closed_form"), svd, rtol=tolerance, atol=tolerance)
+    closed_form = spectral_norm_constraint(matrices, impl="closed_form")
+    torch.testing.assert_close(closed_form, svd, rtol=tolerance, atol=tolerance)
     norms = torch.linalg.matrix_norm(svd.double(), ord=2)
     assert bool((norms <= 1 + tolerance).all())
     inside = torch.linalg.matrix_norm(matrices.double(), ord=2) <= 1

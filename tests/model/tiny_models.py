@@ -22,8 +22,10 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
         "regulargpt-c2-null": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="null"),
         "regulargpt-c3-k2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=3, thickness=2),
         "lrnn": LRNNConfig(**common, n_layers=2, block_size=4, num_blocks=2, d_ff=32),
-        "lrnn-spectral-b2": LRNNConfig(**common, n_layers=2, block_size=2, num_blocks=4, d_ff=32, transition_norm="spectral"),
-        "lrnn-spectral-b3": LRNNConfig(**common, n_layers=1, block_size=3, num_blocks=2, d_ff=32, transition_norm="spectral"),
+        "lrnn-spectral-b2": LRNNConfig(**common, n_layers=2, block_size=2, num_blocks=4, d_ff=32,
+                                       transition_norm="spectral"),
+        "lrnn-spectral-b3": LRNNConfig(**common, n_layers=1, block_size=3, num_blocks=2, d_ff=32,
+                                       transition_norm="spectral"),
         "diagonal_lrnn": DiagonalLRNNConfig(**common, n_layers=2, state_size=8, d_ff=32),
         "lstm": LSTMConfig(**common, n_layers=2, hidden_size=24),
     }
