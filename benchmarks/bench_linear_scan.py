@@ -58,7 +58,7 @@ def measure(case: dict) -> dict:
 
 
 def row(case: dict, result: dict) -> str:
-    auto = choose_scan_impl(case["batch"], HEADS, torch.device(case["device"]))
+    auto = choose_scan_impl(case["batch"], case["length"], HEADS, BLOCK, torch.device(case["device"]))
     head = f"| {case['length']} | {case['batch']} | {case['impl']} |"
     if result["oom"]:
         return f"{head} OOM | - | OOM | {auto} |"
@@ -96,8 +96,14 @@ def main() -> None:
     for length in lengths:
         for batch in batches:
             for impl in IMPLS:
-                case = {"impl": impl, "batch": batch, "length": length, "device": str(device),
-                        "chunk_size": args.chunk_size, "threads": args.threads}
+                case = {
+                    "impl": impl,
+                    "batch": batch,
+                    "length": length,
+                    "device": str(device),
+                    "chunk_size": args.chunk_size,
+                    "threads": args.threads,
+                }
                 print(row(case, run_isolated("benchmarks.bench_linear_scan", case)), flush=True)
 
 

@@ -5,7 +5,8 @@ Each iteration
 1. takes new work from the inbox (blocking only when idle, or until the transduce gathering window ends);
 2. runs the transduce batches once the oldest waiting input is ``batch_wait_ms`` old or ``max_batch_symbols``
    are waiting (policy: ``server/batching.py``); a batch runs to its end before decoding goes on, so a
-   large transduce batch lengthens the inter-token latency of the sequences being decoded meanwhile;
+   large transduce batch lengthens the inter-token latency of the sequences being decoded meanwhile. The
+   window is skipped while requests come one at a time (``gather_window``);
 3. drops sequences whose client went away, and schedules waiting ones, oldest first, up to ``max_running``;
 4. prefills up to ``prefill_chunk_tokens`` prompt tokens, oldest sequence first (``server/generation.py``);
 5. runs one decode step for every running sequence: one batched step per model when the caches stack (the
@@ -58,6 +59,9 @@ class Scheduler:
         )
         self.items: list[TransduceItem] = []
         self.first_item_at = 0.0
+        self.jobs_waiting = 0  # transduce requests among ``items``
+        self.first_job_found_idle = False  # the oldest of them woke an idle worker
+        self.last_run_jobs = 0  # transduce requests served by the previous run
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -75,8 +79,9 @@ class Scheduler:
     def _receive(self) -> bool:
         """Move new work from the inbox; False once asked to stop."""
         timeout: float | None = 0.0
+        idle = not (self.running or self.waiting or self.items) and self.inbox.empty()  # new work will wake us
         if not (self.running or self.waiting):
-            timeout = None if not self.items else max(0.0, self.first_item_at + self._window() - time.monotonic())
+            timeout = None if not self.items else max(0.0, self.first_item_at + self.gather_window() - time.monotonic())
         try:
             work = self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait()
             while True:
@@ -84,27 +89,36 @@ class Scheduler:
                     return False
                 if isinstance(work, TransduceJob):
                     if not self.items:
-                        self.first_item_at = time.monotonic()
+                        self.first_item_at, self.first_job_found_idle = time.monotonic(), idle
                     self.items += work.items()
+                    self.jobs_waiting += 1
                 else:
                     self.waiting.append(work)
                 work = self.inbox.get_nowait()
         except queue.Empty:
             return True
 
-    def _window(self) -> float:
+    def gather_window(self) -> float:
+        """Seconds to gather transduce inputs after the oldest arrived: ``batch_wait_ms``, or 0 when requests come
+        one at a time: a single request is waiting, it reached a worker with nothing else to do, and the previous
+        run served a single request. A request that arrives while a batch runs (other clients are active), or
+        after a run of several requests (their clients are about to send their next ones together), waits."""
+        if self.jobs_waiting == 1 and self.first_job_found_idle and self.last_run_jobs <= 1:
+            return 0.0
         return self.settings.batch_wait_ms / 1000
 
     def _transduce_due(self) -> bool:
         symbols = sum(len(item.tokens) for item in self.items)
-        return symbols >= self.settings.max_batch_symbols or time.monotonic() >= self.first_item_at + self._window()
+        return (
+            symbols >= self.settings.max_batch_symbols or time.monotonic() >= self.first_item_at + self.gather_window()
+        )
 
     def _run_transduce(self) -> None:
         for item in self.items:
             if item.job.cancelled:
                 item.job.abort(self.metrics)
         items = [item for item in self.items if not item.job.done]
-        self.items = []
+        self.items, self.last_run_jobs, self.jobs_waiting = [], self.jobs_waiting, 0
         for item in items:
             if item.job.times.scheduled is None:
                 self.metrics.scheduled(item.job.times)

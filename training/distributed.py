@@ -82,6 +82,12 @@ def setup_distributed(device_name: str) -> Distributed:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"torchrun started {local_world_size} processes on this node but it has "
+                f"{torch.cuda.device_count()} CUDA device(s); use --nproc_per_node {torch.cuda.device_count()} "
+                "or --device cpu"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)

@@ -14,23 +14,33 @@ import random
 import tempfile
 from pathlib import Path
 
-from benchmarks.serve.harness import LANGUAGE_MODEL, machine, ms, run_load, server_process, write_models
+from benchmarks.serve.harness import (
+    LANGUAGE_MODEL,
+    add_server_arguments,
+    machine,
+    ms,
+    run_load,
+    server_process,
+    write_models,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="100,1000,10000,100000")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    add_server_arguments(parser)
     args = parser.parse_args()
     contexts = [int(context) for context in args.contexts.split(",")]
-    print(f"machine: {machine()}; server torch threads: {args.threads}; {args.max_tokens} output tokens\n")
+    print(f"machine: {machine(args.device)}; server torch threads: {args.threads}; {args.max_tokens} output tokens\n")
     print("| context tokens | TTFT (s) | TPOT (ms) | ITL p50 (ms) | ITL p99 (ms) | TPOT / TPOT at first context |")
     print("|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as folder:
         models = write_models(Path(folder))
-        with server_process(models, args.threads, max_input_symbols=max(contexts), state_cache_entries=0) as url:
+        with server_process(
+            models, args.threads, args.device, max_input_symbols=max(contexts), state_cache_entries=0
+        ) as url:
             warm_up = {"model": LANGUAGE_MODEL, "prompt": "warm up", "max_tokens": 16, "stream": True}
             run_load(url, "/v1/generate", [warm_up], 1)
             first = None

@@ -11,7 +11,15 @@ import random
 import tempfile
 from pathlib import Path
 
-from benchmarks.serve.harness import LANGUAGE_MODEL, machine, ms, run_load, server_process, write_models
+from benchmarks.serve.harness import (
+    LANGUAGE_MODEL,
+    add_server_arguments,
+    machine,
+    ms,
+    run_load,
+    server_process,
+    write_models,
+)
 
 CONCURRENCIES = (1, 8, 32)
 BATCH_1 = {"max_running": 1}
@@ -56,18 +64,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=16, help="requests per row (at least 2 x concurrency)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    add_server_arguments(parser)
     args = parser.parse_args()
-    print(f"machine: {machine()}; server torch threads: {args.threads}")
+    print(f"machine: {machine(args.device)}; server torch threads: {args.threads}")
     print(f"prompt {args.prompt_tokens} tokens, {args.max_tokens} output tokens per request\n")
     latencies = " | ".join(f"{name} p50/p99 (ms)" for name in ("TTFT", "TPOT", "ITL", "E2EL"))
     print(f"| serving | concurrency | requests | {latencies} | output tok/s | req/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         models = write_models(Path(folder))
-        with server_process(models, args.threads) as url:
+        with server_process(models, args.threads, args.device) as url:
             batched = [measure(url, "continuous batching", concurrency, args) for concurrency in CONCURRENCIES]
-        with server_process(models, args.threads, **BATCH_1) as url:
+        with server_process(models, args.threads, args.device, **BATCH_1) as url:
             batch_1 = measure(url, "batch-1 (max_running=1)", CONCURRENCIES[-1], args)
     print(f"\nThroughput at concurrency 32, continuous batching over batch-1 serving: {batched[-1] / batch_1:.2f}x")
 

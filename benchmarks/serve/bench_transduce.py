@@ -16,6 +16,7 @@ from pathlib import Path
 
 from benchmarks.serve.harness import (
     TRANSDUCERS,
+    add_server_arguments,
     histogram_totals,
     machine,
     ms,
@@ -67,17 +68,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="500,50")
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    add_server_arguments(parser)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     lengths = [int(length) for length in args.lengths.split(",")]
-    print(f"machine: {machine()}; server torch threads: {args.threads}\n")
+    print(f"machine: {machine(args.device)}; server torch threads: {args.threads}\n")
     with tempfile.TemporaryDirectory() as folder:
         models = write_models(Path(folder))
         print("| model | T | serving | concurrency | E2EL p50 (ms) | E2EL p99 (ms) | inputs/s | symbols/s |")
         print("|---|---:|---|---:|---:|---:|---:|---:|")
         gains = {}
-        with server_process(models, args.threads) as url:
+        with server_process(models, args.threads, args.device) as url:
             for model_id in TRANSDUCERS:
                 for length in lengths:
                     gains[model_id, length] = load_table(
@@ -85,7 +86,7 @@ def main() -> None:
                     )[-1]
             batch = inputs(8, lengths[0], seed=99)
             overheads = {model_id: overhead(url, model_id, batch, args.repeats) for model_id in TRANSDUCERS}
-        with server_process(models, args.threads, **BATCH_1) as url:
+        with server_process(models, args.threads, args.device, **BATCH_1) as url:
             for model_id in TRANSDUCERS:
                 for length in lengths:
                     batch_1 = load_table(url, model_id, length, args.requests, "batch-1", CONCURRENCIES[-1:])[-1]

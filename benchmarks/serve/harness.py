@@ -9,6 +9,7 @@ per second of wall time over the whole run.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -61,15 +62,22 @@ def write_models(directory: Path) -> Path:
     return directory
 
 
-def machine() -> str:
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """--threads and --device of the server under test, the same in every serving benchmark."""
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the server runs the models")
+
+
+def machine(device: str = "cpu") -> str:
+    gpu = f", GPU {torch.cuda.get_device_name()}" if device == "cuda" and torch.cuda.is_available() else ""
     return (
-        f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared with "
-        f"other jobs), Python {platform.python_version()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+        f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     )
 
 
 @contextmanager
-def server_process(models: Path, threads: int, **settings: object) -> Iterator[str]:
+def server_process(models: Path, threads: int, device: str = "cpu", **settings: object) -> Iterator[str]:
     """``python -m server`` on a free port with REGULARLM_* settings; yields its URL; SIGTERM at the end."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -77,7 +85,7 @@ def server_process(models: Path, threads: int, **settings: object) -> Iterator[s
     env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
     env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
     env["REGULARLM_TORCH_THREADS"] = str(threads)
-    command = [sys.executable, "-m", "server", "--models", str(models), "--port", str(port), "--device", "cpu"]
+    command = [sys.executable, "-m", "server", "--models", str(models), "--port", str(port), "--device", device]
     process = subprocess.Popen([*command, "--log-level", "warning"], cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -24,7 +24,7 @@ All run in at least float32 (bfloat16/float16 in, float32 inside, the input dtyp
 float64), support autograd, and are pure PyTorch (CPU and CUDA).
 
 ``linear_scan(..., impl="auto")`` picks by this policy, set from benchmarks/bench_linear_scan.py (forward,
-no grad, fp32, H = 8, b = 8, one CPU thread; T = 500 .. 65536, B = 1 .. 64):
+no grad, fp32, H = 8, b = 8; T = 500 .. 65536, B = 1 .. 64; one CPU thread, and an H100; docs/benchmarks.md):
 
 - on the CPU, with batch * heads <= 32 rows per step (B <= 4 at H = 8): "chunked". Per-step work is too
   small for the loop to pay its per-op overhead; chunked was fastest from T = 8192 on (1.6-5x faster than
@@ -33,9 +33,12 @@ no grad, fp32, H = 8, b = 8, one CPU thread; T = 500 .. 65536, B = 1 .. 64):
 - on the CPU, with more rows: "sequential". The work-optimal loop (T b^2 against the scans' T b^3) won from
   B = 8 on (at B = 64: 4-8x faster than chunked, 8-10x than parallel, which ran out of 12 GiB at T = 65536)
   and holds the least memory.
-- on CUDA: "chunked", on reasoning, not measurement (no GPU was at hand when this was set): the loop pays
-  a kernel launch per op per step at any batch, chunked has depth ~2 chunk_size + log(T / chunk_size)
-  without the parallel scan's ~2x copy of the transitions. Re-measure with ``--device cuda``.
+- on CUDA, with transitions of at most 512 MiB: "parallel". Kernel launches, not arithmetic, set the time
+  there, and the parallel scan has the fewest sequential steps: 1.7 / 4.4 / 5.8 ms at B = 1 and T = 500 /
+  8192 / 65536, against 14.8 / 13.8 / 15.0 ms for chunked and 26 ms to 3.5 s for the loop; 3.2 against
+  16.1 ms at B = 64, T = 500.
+- on CUDA, with larger transitions: "chunked". From 1 GiB of transitions on (B = 64 at T = 8192 and 65536)
+  the two scans took the same time (19.5 / 20.2 ms, 153 / 156 ms) and chunked half the memory.
 
 A T shorter than ``chunk_size`` makes "chunked" the plain loop, so the policy needs no rule for short T.
 """
@@ -131,9 +134,7 @@ def _scan_signature(scan: Callable[..., ScanResult]) -> Callable[..., ScanResult
         if initial_state is None:
             initial_state = inputs.new_zeros((batch, heads, block), dtype=dtype)
         elif initial_state.shape != (batch, heads, block):
-            raise ValueError(
-                f"initial_state must have shape {(batch, heads, block)}, got {tuple(initial_state.shape)}"
-            )
+            raise ValueError(f"initial_state must have shape {(batch, heads, block)}, got {tuple(initial_state.shape)}")
         states, final_state = scan(transitions.to(dtype), inputs.to(dtype), initial_state.to(dtype), **kwargs)
         return states.to(inputs.dtype), final_state.to(inputs.dtype)
 
@@ -229,11 +230,15 @@ def _chunk_summaries(chunk_a: torch.Tensor, chunk_b: torch.Tensor) -> ScanResult
     return product, state
 
 
-def choose_scan_impl(batch_size: int, heads: int, device: torch.device) -> str:
+CUDA_PARALLEL_MAX_BYTES = 512 * 2**20  # transitions up to this size take the parallel scan on CUDA
+
+
+def choose_scan_impl(batch: int, length: int, heads: int, block: int, device: torch.device) -> str:
     """The "auto" policy of the module docstring: an implementation name for this problem size and device."""
-    if device.type == "cuda" or batch_size * heads <= 32:
-        return "chunked"
-    return "sequential"
+    if device.type == "cuda":
+        transition_bytes = batch * length * heads * block * block * 4  # float32 inside
+        return "parallel" if transition_bytes <= CUDA_PARALLEL_MAX_BYTES else "chunked"
+    return "chunked" if batch * heads <= 32 else "sequential"
 
 
 def linear_scan(
@@ -245,7 +250,7 @@ def linear_scan(
 ) -> ScanResult:
     """Dispatch to ``scan_<impl>``; "auto" follows the policy in the module docstring."""
     if impl == "auto":
-        impl = choose_scan_impl(inputs.shape[0], inputs.shape[2], inputs.device)  # type: ignore[assignment]
+        impl = choose_scan_impl(*inputs.shape, inputs.device)  # type: ignore[assignment]
     if impl == "sequential":
         return scan_sequential(transitions, inputs, initial_state)
     if impl == "parallel":

@@ -31,7 +31,7 @@ def attend(op, inputs, chunk_size: int, dilation: int, key_offset=None) -> torch
 
 def values_and_grads(op, inputs, chunk_size: int, dilation: int, key_offset=None):
     out = attend(op, inputs, chunk_size, dilation, key_offset)  # (B, H, T, hd)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype).to(out.device)
     grads = torch.autograd.grad((out * weights).sum(), inputs)
     return out, grads
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model.ops.linear_scan import (
+    choose_scan_impl,
     column_norm_constraint,
     linear_scan,
     scan_chunked,
@@ -47,7 +48,7 @@ def implementations():
 def outputs_and_gradients(scan, problem):
     """(states, final_state, d/d transitions, d/d inputs, d/d initial_state) of a fixed random loss."""
     states, final_state = scan(*problem)
-    weights = torch.linspace(-1, 1, states.numel(), dtype=states.dtype).view_as(states)
+    weights = torch.linspace(-1, 1, states.numel(), dtype=states.dtype, device=states.device).view_as(states)
     loss = (states * weights).sum() + final_state.square().sum()
     return (states.detach(), final_state.detach(), *torch.autograd.grad(loss, problem))
 
@@ -101,6 +102,21 @@ def test_auto_dispatches_to_a_named_implementation() -> None:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="unknown scan impl"):
         linear_scan(*problem, impl="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "device", "expected"),
+    [
+        (1, 500, "cpu", "chunked"),  # batch x heads <= 32 on the CPU
+        (64, 500, "cpu", "sequential"),
+        (64, 65536, "cuda", "chunked"),  # 8 GiB of float32 transitions
+        (64, 8192, "cuda", "chunked"),  # 1 GiB
+        (64, 500, "cuda", "parallel"),
+        (1, 65536, "cuda", "parallel"),
+    ],
+)
+def test_auto_policy(batch: int, length: int, device: str, expected: str) -> None:
+    assert choose_scan_impl(batch, length, 8, 8, torch.device(device)) == expected
 
 
 def test_shape_mismatch_is_refused() -> None:

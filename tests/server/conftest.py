@@ -15,7 +15,7 @@ from tests.server.live import LiveServer, serve
 
 
 def make_settings(models: Path, **overrides) -> Settings:
-    return Settings(models=models, device="cpu", batch_wait_ms=2.0, torch_threads=1, **overrides)
+    return Settings(**{"models": models, "device": "cpu", "batch_wait_ms": 2.0, "torch_threads": 1, **overrides})
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,7 +12,11 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from server.batching import TransduceJob, plan_batches, run_batch
-from server.metrics import RequestTimes
+from server.mailbox import Postman
+from server.metrics import RequestTimes, ServerMetrics
+from server.scheduler import Scheduler
+from server.settings import Settings
+from server.state_cache import StateCache
 from tests.server.checkpoints import TRANSDUCERS
 
 
@@ -65,3 +71,36 @@ def test_batched_results_equal_single_inputs(model_id: str, all_outputs: bool, c
             assert output.final == int(probs[-1].argmax())
             assert output.confidence == pytest.approx(float(probs[-1].max()), abs=1e-5)
             assert output.labels == (logits.argmax(-1).tolist() if all_outputs else None)
+
+
+def scheduler(batch_wait_ms: float = 50.0) -> Scheduler:
+    settings = Settings(models=Path("unused"), batch_wait_ms=batch_wait_ms)
+    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman())
+
+
+def receive_later(worker: Scheduler, *jobs: TransduceJob) -> None:
+    """Put ``jobs`` into the inbox while the worker blocks on it, as requests reach an idle server."""
+    timer = threading.Timer(0.05, lambda: [worker.inbox.put(j) for j in jobs])
+    timer.start()
+    worker._receive()
+    timer.join()
+
+
+def test_a_lone_request_at_an_idle_server_runs_without_waiting() -> None:
+    worker = scheduler()
+    receive_later(worker, job("m", [5]))
+    assert worker.gather_window() == 0.0
+
+
+def test_the_window_is_kept_under_concurrent_load() -> None:
+    together = scheduler()
+    receive_later(together, job("m", [5]), job("m", [6]))  # two requests at once
+    assert together.gather_window() == 0.05
+    while_busy = scheduler()
+    while_busy.inbox.put(job("m", [5]))  # it arrived while the previous batch ran
+    while_busy._receive()
+    assert while_busy.gather_window() == 0.05
+    after_a_shared_run = scheduler()
+    after_a_shared_run.last_run_jobs = 3  # their clients are about to send their next requests
+    receive_later(after_a_shared_run, job("m", [5]))
+    assert after_a_shared_run.gather_window() == 0.05

@@ -149,7 +149,7 @@ def test_torchrun_two_processes_agree_and_write_once(tmp_path: Path) -> None:
     result = run_module(
         "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "training", "train", "--task", "parity_check", "--steps", "4", "--out", str(out),
-        "--eval-every", "2", "--log-every", "1", *TINY_LRNN, *TINY_RUN,
+        "--eval-every", "2", "--log-every", "1", "--device", "cpu", *TINY_LRNN, *TINY_RUN,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors", LOG_FILE]
