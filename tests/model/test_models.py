@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.tiny_models import MODEL_IDS, build_tiny
+from tests.model.tiny_models import DEVICES, MODEL_IDS, build_tiny
 
 VOCAB, LABELS = 5, 3
 
 
-def make(model_id: str, num_labels: int = LABELS, dtype: torch.dtype = torch.float64):
-    return build_tiny(model_id, VOCAB, num_labels).to(dtype).eval()
+def make(model_id: str, num_labels: int = LABELS, dtype: torch.dtype = torch.float64, device: str = "cpu"):
+    return build_tiny(model_id, VOCAB, num_labels).to(device=device, dtype=dtype).eval()
 
 
 @pytest.mark.parametrize("model_id", MODEL_IDS)
@@ -37,10 +37,11 @@ def test_step_by_step_equals_parallel(model_id: str, length: int) -> None:
     torch.testing.assert_close(stepped, parallel, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model_id", MODEL_IDS)
-def test_prefill_then_step_equals_parallel(model_id: str) -> None:
-    model = make(model_id, num_labels=0)
-    tokens = torch.randint(0, VOCAB, (2, 23))
+def test_prefill_then_step_equals_parallel(model_id: str, device: str) -> None:
+    model = make(model_id, num_labels=0, device=device)
+    tokens = torch.randint(0, VOCAB, (2, 23)).to(device)
     with torch.no_grad():
         parallel = model(tokens)
         cache = model.new_cache(batch_size=2)
@@ -72,16 +73,17 @@ def test_cache_clone_is_independent(model_id: str) -> None:
     torch.testing.assert_close(torch.stack(second, 1), expected_second[:, 6:], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model_id", MODEL_IDS)
-def test_final_logits_equal_gathered_parallel_logits(model_id: str) -> None:
-    model = make(model_id)
-    tokens = torch.randint(0, VOCAB, (4, 37))
-    lengths = torch.tensor([37, 1, 20, 28])
+def test_final_logits_equal_gathered_parallel_logits(model_id: str, device: str) -> None:
+    model = make(model_id, device=device)
+    tokens = torch.randint(0, VOCAB, (4, 37)).to(device)
+    lengths = torch.tensor([37, 1, 20, 28], device=device)
     with torch.no_grad():
         parallel = model(tokens)
         final = model.final_logits(tokens, lengths)
         final_full = model.final_logits(tokens)
-    expected = parallel[torch.arange(4), lengths - 1]
+    expected = parallel[torch.arange(4, device=device), lengths - 1]
     torch.testing.assert_close(final, expected, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(final_full, parallel[:, -1], rtol=1e-9, atol=1e-9)
 
@@ -105,10 +107,11 @@ def test_gradients_reach_every_parameter(model_id: str) -> None:
     assert not missing, f"parameters without a gradient: {missing}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model_id", MODEL_IDS)
-def test_bfloat16_runs_on_cpu_close_to_float32(model_id: str) -> None:
-    model = make(model_id, dtype=torch.float32)
-    tokens = torch.randint(0, VOCAB, (2, 19))
+def test_bfloat16_runs_close_to_float32(model_id: str, device: str) -> None:
+    model = make(model_id, dtype=torch.float32, device=device)
+    tokens = torch.randint(0, VOCAB, (2, 19)).to(device)
     with torch.no_grad():
         reference = model(tokens)
         low = model.to(torch.bfloat16)(tokens)

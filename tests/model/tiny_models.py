@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from model.config import (
     ARCHITECTURE_CONFIGS,
     BaseModelConfig,
@@ -22,10 +25,12 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
         "regulargpt-c2-null": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="null"),
         "regulargpt-c3-k2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=3, thickness=2),
         "lrnn": LRNNConfig(**common, n_layers=2, block_size=4, num_blocks=2, d_ff=32),
-        "lrnn-spectral-b2": LRNNConfig(**common, n_layers=2, block_size=2, num_blocks=4, d_ff=32,
-                                       transition_norm="spectral"),
-        "lrnn-spectral-b3": LRNNConfig(**common, n_layers=1, block_size=3, num_blocks=2, d_ff=32,
-                                       transition_norm="spectral"),
+        "lrnn-spectral-b2": LRNNConfig(
+            **common, n_layers=2, block_size=2, num_blocks=4, d_ff=32, transition_norm="spectral"
+        ),
+        "lrnn-spectral-b3": LRNNConfig(
+            **common, n_layers=1, block_size=3, num_blocks=2, d_ff=32, transition_norm="spectral"
+        ),
         "diagonal_lrnn": DiagonalLRNNConfig(**common, n_layers=2, state_size=8, d_ff=32),
         "lstm": LSTMConfig(**common, n_layers=2, hidden_size=24),
     }
@@ -42,6 +47,9 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
 ARCHITECTURE_OF = {config_class: name for name, config_class in ARCHITECTURE_CONFIGS.items()}
 
 MODEL_IDS = sorted(tiny_configs(5, 3))
+
+# Tests parametrized with these run on the CPU everywhere and on CUDA where there is a GPU (CI has none).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 def build_tiny(model_id: str, vocab_size: int, num_labels: int):
