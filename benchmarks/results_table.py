@@ -9,7 +9,9 @@ overall accuracy over that part's bands and, in brackets, its worst band.
 for ``eval --lengths A-B --bands 1 --p-one 0.1 --p-one 0.3 ...`` reports).
 
 ``--pivot`` prints the papers-protocol accuracy as a task x model grid instead (regulargpt.txt Table 1's layout),
-the model being what follows the task in the run folder's name (``t1-parity_check-lstm`` -> ``lstm``).
+the model being what follows the task in the run folder's name less a seed suffix (``t1-parity_check-lstm`` and
+``t1-parity_check-lstm-s1`` -> ``lstm``). A cell of one run is its accuracy; of several (seeds), the papers' "max /
+avg" with the number of runs in brackets.
 
 Reports of the same checkpoint (its ``checkpoint`` path) are merged into one row; the checkpoint's training
 metadata (steps, wall time, parameters) is read from its folder when it is still there.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,20 +74,29 @@ def rows(reports: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def pivot(reports: Sequence[dict[str, Any]]) -> list[str]:
-    """Task x model grid of papers-protocol accuracy (%), tasks in SPEC order."""
+    """Task x model grid of papers-protocol accuracy (%), tasks in SPEC order; seeds of a model pooled as max / avg."""
     from training.tasks import TASKS
 
-    cells: dict[str, dict[str, float]] = {}
+    cells: dict[str, dict[str, list[float]]] = {}
     for report in reports:
         if report["protocol"] == "papers":
             model = Path(report["checkpoint"]).name.split(report["task"] + "-", 1)[-1]
-            cells.setdefault(report["task"], {})[model] = 100 * report["overall"]
+            model = re.sub(r"-s\d+$", "", model)  # seeds of one model share a cell
+            cells.setdefault(report["task"], {}).setdefault(model, []).append(100 * report["overall"])
     models = sorted({model for row in cells.values() for model in row})
     lines = ["| task | " + " | ".join(models) + " |", "|---|" + "---:|" * len(models)]
     for task in (name for name in TASKS if name in cells):
-        lines.append(f"| {task} | " + " | ".join(
-            f"{cells[task][model]:.1f}" if model in cells[task] else "-" for model in models) + " |")
+        lines.append(f"| {task} | " + " | ".join(seed_cell(cells[task].get(model, [])) for model in models) + " |")
     return lines
+
+
+def seed_cell(accuracies: Sequence[float]) -> str:
+    """``-`` for no run, ``a`` for one, ``max / avg (n)`` for n runs."""
+    if not accuracies:
+        return "-"
+    if len(accuracies) == 1:
+        return f"{accuracies[0]:.1f}"
+    return f"{max(accuracies):.1f} / {sum(accuracies) / len(accuracies):.1f} ({len(accuracies)})"
 
 
 def by_p_one(reports: Sequence[dict[str, Any]]) -> list[str]:

@@ -40,3 +40,12 @@ def test_rows_pool_bands_and_name_the_worst(tmp_path, capsys) -> None:
     assert grid[0] == "| task | lrnn |" and grid[-1] == "| parity_check | 95.0 |"
     assert main(["--by-p-one", paths[1]]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "| lrnn | `t1-parity_check-lrnn` | 501-2000 | 75.0 | 99.0 |"
+
+
+def test_pivot_pools_the_seeds_of_a_model(tmp_path, capsys) -> None:
+    reports = [report(f"runs/t1-even_pairs-lstm{suffix}", "even_pairs", "papers", [(41, 500, None, accuracy)])
+               for suffix, accuracy in (("", 0.5), ("-s1", 1.0), ("-s2", 0.9))]
+    reports.append(report("runs/t1-even_pairs-rg3", "even_pairs", "papers", [(41, 500, None, 0.635)]))
+    assert main(["--pivot", *write(tmp_path, reports)]) == 0
+    grid = capsys.readouterr().out.splitlines()
+    assert grid[0] == "| task | lstm | rg3 |" and grid[-1] == "| even_pairs | 100.0 / 80.0 (3) | 63.5 |"
