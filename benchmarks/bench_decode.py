@@ -82,7 +82,7 @@ def measure(model, context: int, steps: int, device: torch.device) -> dict[str, 
         synchronize(device)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    return {"step_ms": step_s * 1e3, "cache_kib": cache.memory_bytes() / 2**10, "gflops": flops / step_s / 1e9}
+    return {"step_ms": step_s * 1e3, "cache_kib": cache.nbytes / 2**10, "gflops": flops / step_s / 1e9}
 
 
 def main() -> None:

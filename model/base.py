@@ -6,14 +6,21 @@ token logits for a language model. Three ways to run it, which must agree:
 - ``forward(tokens)``: the parallel pass over a whole (right-padded) batch;
 - ``final_logits(tokens, lengths)``: only the logits at each sequence's last position, through the
   cheapest exact path the architecture has;
-- ``new_cache(batch)`` then ``forward(prompt, cache=cache)`` (prefill) and ``step(token, cache)`` one token
-  at a time: incremental decoding through the architecture's :class:`InferenceCache`.
+- ``new_cache(batch)`` then ``forward(chunk, cache=cache)`` (prefill, in chunks of any length) and
+  ``step(token, cache)`` one token at a time: incremental decoding through the architecture's
+  :class:`InferenceCache`, whose rows may hold different lengths.
+
+Every model also declares what its calls cost (:meth:`SequenceModel.cost`, :meth:`SequenceModel.cache_nbytes`),
+for the path it actually runs, so that a server can refuse what can never fit, size its slices of work and
+reserve memory; and how to run one long input in bounded slices (:meth:`SequenceModel.run_in_slices`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -23,22 +30,74 @@ from model.config import BaseModelConfig
 
 @dataclass
 class InferenceCache(ABC):
-    """Per-model decoding state for a batch of sequences, updated in place by ``forward``/``step``.
+    """Per-model decoding state for a batch of rows, updated in place by ``forward``/``step``.
 
-    ``length`` is the number of tokens consumed so far (the same for every row of the batch). Caches are
-    meant for inference: fill them under ``torch.no_grad()`` (or ``inference_mode``), since in-place writes
-    of tensors that carry autograd history into a cache are not supported.
+    ``lengths`` (B,) int64, on the CPU, counts the tokens each row has consumed; rows of one batch may hold
+    different lengths, and a step or a prefill chunk advances every row by the same number of tokens. A cache
+    describes itself, so a server never needs to know its class: :meth:`stack` joins caches row-wise,
+    :meth:`select` takes some rows, :meth:`split` every row alone, :attr:`nbytes` is what it holds. Caches are
+    meant for inference: fill them under ``torch.no_grad()`` (or ``inference_mode``), since in-place writes of
+    tensors that carry autograd history into a cache are not supported.
     """
 
-    length: int
+    lengths: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def length(self) -> int:
+        """The common length of the rows; an error when they differ (then read ``lengths``)."""
+        if self.batch_size and bool((self.lengths != self.lengths[0]).any()):
+            raise ValueError(f"the rows hold different lengths {self.lengths.tolist()}; read cache.lengths")
+        return int(self.lengths[0]) if self.batch_size else 0
+
+    @classmethod
+    @abstractmethod
+    def stack(cls, caches: Sequence[InferenceCache]) -> InferenceCache:
+        """One cache whose rows are those of ``caches`` in order (each of any batch size and lengths); the
+        inputs are left as they were."""
 
     @abstractmethod
+    def select(self, rows: Sequence[int]) -> InferenceCache:
+        """A new cache holding ``rows`` of this one, in that order (copies: later steps of either do not
+        change the other)."""
+
+    def split(self) -> list[InferenceCache]:
+        """Every row as a cache of its own."""
+        return [self.select([row]) for row in range(self.batch_size)]
+
     def clone(self) -> InferenceCache:
         """A deep copy (a state-cache snapshot that later steps do not change)."""
+        return self.select(range(self.batch_size))
 
+    @property
     @abstractmethod
-    def memory_bytes(self) -> int:
+    def nbytes(self) -> int:
         """Bytes held by the cache's tensors."""
+
+
+def lengths_tensor(values: Sequence[int] | int, batch_size: int | None = None) -> torch.Tensor:
+    """(B,) int64 on the CPU: ``values`` per row, or the one value ``values`` repeated ``batch_size`` times."""
+    if isinstance(values, int):
+        return torch.full((batch_size,), values, dtype=torch.long)
+    return torch.tensor(list(values), dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one model call costs: ``flops`` multiply-adds (a server turns them into seconds with a rate it
+    measures) and ``nbytes``, the peak memory the call allocates beyond the weights and the caches it is given."""
+
+    flops: float
+    nbytes: int
+
+
+CallPath = Literal["forward", "final", "cached"]
+"""``forward``: the parallel pass over (rows, length) tokens; ``final``: ``final_logits`` over them; ``cached``:
+``forward`` of a chunk of ``length`` tokens per row through a cache already holding ``context`` tokens per row
+(``step`` is the chunk of length 1)."""
 
 
 class SequenceModel(nn.Module, ABC):
@@ -74,6 +133,60 @@ class SequenceModel(nn.Module, ABC):
         logits = self.forward(tokens)  # (B, T, V)
         return gather_last(logits, lengths)
 
+    @abstractmethod
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        """The cost of one call on ``path`` (see :data:`CallPath`), for the implementation this model will run
+        at that size (e.g. RegularGPT's reference attention is O(T^2) in memory, its fast one O(T))."""
+
+    @abstractmethod
+    def cache_nbytes(self, length: int) -> int:
+        """Bytes of one row's cache after ``length`` tokens (what a server reserves for a sequence)."""
+
+    def for_serving(self) -> list[str]:
+        """Switch to the implementations that scale to any input a server may admit; returns a note per change
+        (e.g. "attention_impl reference -> auto"). The default changes nothing."""
+        return []
+
+    def run_in_slices(
+        self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
+    ) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Compute one input in slices of about ``slice_flops`` each, yielding after every slice, so that a
+        caller can interleave other work and stop between slices (close the generator).
+
+        tokens: (1, T). Returns (final logits (output_size,), per-position logits argmax (T,) when
+        ``all_outputs`` else None), equal to ``final_logits``/``forward``. The default, for causal models,
+        runs chunks through a cache, each as long as fits ``slice_flops`` (at least one token);
+        non-causal models override it.
+        """
+        length = tokens.shape[1]
+        cache = self.new_cache(1)
+        labels, position, last = [], 0, None
+        while position < length:
+            chunk = self.chunk_length(slice_flops, context=position, limit=length - position)
+            logits = self.forward(tokens[:, position : position + chunk], cache=cache)  # (1, chunk, V)
+            if all_outputs:
+                labels.append(logits[0].argmax(-1))
+            last = logits[0, -1]
+            position += chunk
+            if position < length:
+                yield
+        return last, torch.cat(labels) if all_outputs else None
+
+    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
+        """What :meth:`run_in_slices` costs for one input of ``length`` symbols: all its slices' multiply-adds,
+        and the peak bytes it holds (for causal models the cache at full length plus the largest chunk's
+        activations)."""
+        chunk = self.chunk_length(slice_flops, context=length, limit=length)
+        return Cost(
+            flops=self.cost("cached", 1, length).flops,
+            nbytes=self.cache_nbytes(length) + self.cost("cached", 1, chunk, context=length).nbytes,
+        )
+
+    def chunk_length(self, flops: float, context: int, limit: int) -> int:
+        """The longest chunk (at most ``limit``, at least 1) whose cached forward after ``context`` tokens costs at
+        most ``flops`` (:meth:`cost` grows with the chunk length)."""
+        return largest_fitting(lambda chunk: self.cost("cached", 1, chunk, context).flops <= flops, limit)
+
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
@@ -81,6 +194,19 @@ class SequenceModel(nn.Module, ABC):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest n in [1, limit] with ``fits(n)``, for a predicate that holds up to some n and fails beyond
+    (bisection: O(log limit) calls); 1 when even ``fits(1)`` fails."""
+    low, high = 1, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def gather_last(values: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:

@@ -22,21 +22,32 @@ one encoder pass is O(n^2) when a layer before the last attends (PARITY, the mir
 otherwise; ``forward`` over T symbols costs the sum of its T prefixes' passes. Attention is computed in query
 chunks that hold at most ``attention_block_elements`` weights, so memory stays O(n) per row.
 
-Decoding has no incremental path: the cache holds the symbols read so far, and ``step`` re-runs the encoder
-on the whole prefix, which gives exactly the logits of the parallel pass.
+Decoding has no incremental path: the cache holds the symbols each row has read so far (rows may hold different
+lengths), and ``step`` re-runs the encoder on each row's whole prefix, which gives exactly the logits of the
+parallel pass.
+
+One long input runs in slices of bounded work (:meth:`ExactTransformer.run_in_slices`): the encoder is written
+once, as a generator of pieces (:data:`Pieces`: projections, attention query chunks, FFN), which ``encode``
+runs to the end and the sliced path groups into slices, so that a 100,000-symbol PARITY pass (a minute in one
+call) yields to other work every fraction of a second.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.base import InferenceCache, SequenceModel, check_lengths
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, check_lengths, lengths_tensor
 from model.config import ExactTransformerConfig, PositionFeature
+from model.ops.positions import query_positions
+
+R = TypeVar("R")
 
 ZERO_TEST_LOGIT = 10.0  # an indicator output has no confidence: its decision is reported as logits -10 / +10
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -65,6 +76,40 @@ def position_features(
     return torch.stack(columns, dim=1) if columns else torch.zeros(n, 0, dtype=dtype, device=device)
 
 
+Pieces = Generator[float, None, R]
+"""A computation run piece by piece: it yields the multiply-adds of its next piece before doing it, and returns its
+result. :func:`drain` runs one at once, :func:`in_slices` in slices of bounded work."""
+
+
+def drain(pieces: Pieces[R]) -> R:
+    """Run ``pieces`` to the end; its result."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as stop:
+            return stop.value
+
+
+def in_slices(pieces: Pieces[R], slice_flops: float) -> Generator[None, None, R]:
+    """Run ``pieces`` in slices of at most ``slice_flops`` multiply-adds (a larger piece alone), yielding between
+    slices; returns its result."""
+    done = 0.0
+    while True:
+        try:
+            flops = next(pieces)
+        except StopIteration as stop:
+            return stop.value
+        if done and done + flops > slice_flops:
+            yield
+            done = 0.0
+        done += flops
+
+
+def attention_flops(rows: int, n_queries: int, n_keys: int, width: int) -> int:
+    """Multiply-adds of softmax attention over ``rows`` (batch x heads): q.k and the weighted sum of values."""
+    return 2 * rows * n_queries * n_keys * width
+
+
 def encoder_attention(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, logit_scale: float, block_elements: int
 ) -> torch.Tensor:
@@ -75,9 +120,23 @@ def encoder_attention(
     buffer (the same arithmetic): allocating a large block per chunk fragments glibc's heap, which then grows by
     gigabytes over a sweep of lengths.
     """
+    return drain(encoder_attention_pieces(queries, keys, values, logit_scale, block_elements, math.inf))
+
+
+def encoder_attention_pieces(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    logit_scale: float,
+    block_elements: int,
+    piece_flops: float,
+) -> Pieces[torch.Tensor]:
+    """:func:`encoder_attention` in pieces, one per query chunk; a chunk also costs at most ``piece_flops``
+    multiply-adds (at least one query)."""
     batch, heads, n_queries, width = queries.shape
     n_keys = keys.shape[2]
-    chunk = max(1, min(n_queries, block_elements // (batch * heads * n_keys)))
+    query_flops = attention_flops(batch * heads, 1, n_keys, width)
+    chunk = max(1, int(min(n_queries, block_elements // (batch * heads * n_keys), piece_flops // query_flops)))
     queries = (queries * (logit_scale / math.sqrt(width))).flatten(0, 1)  # (BH, Tq, d)
     keys_t = keys.transpose(-1, -2).flatten(0, 1).contiguous()  # (BH, d, n), copied once, not per chunk
     values = values.flatten(0, 1).contiguous()  # (BH, n, d)
@@ -86,6 +145,7 @@ def encoder_attention(
     outputs = []
     for start in range(0, n_queries, chunk):
         size = min(chunk, n_queries - start)
+        yield size * query_flops
         scratch = None if buffer is None else buffer[: batch * heads * size * n_keys].view(-1, size, n_keys)
         logits = torch.bmm(queries[:, start : start + size], keys_t, out=scratch)  # (BH, size, n)
         outputs.append(torch.bmm(_softmax(logits, in_place), values))  # (BH, size, d)
@@ -123,15 +183,37 @@ class ExactEncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, logit_scale: float, cls_only: bool) -> torch.Tensor:
         """x: (B, n, d) -> (B, n, d), or (B, 1, d) at position 0 (CLS) alone with ``cls_only``; x may hold
         position 0 alone if no head is active."""
+        return drain(self.pieces(x, logit_scale, cls_only, math.inf))
+
+    def pieces(self, x: torch.Tensor, logit_scale: float, cls_only: bool, piece_flops: float) -> Pieces[torch.Tensor]:
+        """:meth:`forward` in pieces: the projections, the attention's query chunks (each at most ``piece_flops``
+        multiply-adds), the FFN."""
         residual = x[:, :1] if cls_only else x  # (B, Tq, d)
         active = self.active_heads()
         if bool(active.any()):
+            yield x.shape[0] * self.projection_flops(residual.shape[1], x.shape[1])
             q = torch.einsum("btd,hed->bhte", residual, self.query[active])  # (B, H', Tq, d)
             k = torch.einsum("btd,hed->bhte", x, self.key[active])  # (B, H', n, d)
             v = torch.einsum("btd,hed->bhte", x, self.value[active])  # (B, H', n, d)
-            residual = encoder_attention(q, k, v, logit_scale, self.block_elements).sum(dim=1) + residual
+            attention = yield from encoder_attention_pieces(q, k, v, logit_scale, self.block_elements, piece_flops)
+            residual = attention.sum(dim=1) + residual
+        yield x.shape[0] * self.ffn_flops(residual.shape[1])
         c = self._norm(residual)  # (B, Tq, d)
         return self._norm(self.ffn_out(F.relu(self.ffn_in(c))) + c)
+
+    def projection_flops(self, n_queries: int, n_keys: int) -> int:
+        """Multiply-adds of one row's query, key and value maps: H' d^2 (Tq + 2 n), H' the active heads."""
+        return int(self.active_heads().sum()) * self.query.shape[-1] ** 2 * (n_queries + 2 * n_keys)
+
+    def ffn_flops(self, n_queries: int) -> int:
+        """Multiply-adds of one row's FFN: 2 Tq d d_ff."""
+        return 2 * n_queries * self.ffn_in.in_features * self.ffn_in.out_features
+
+    def flops(self, n_queries: int, n_keys: int) -> int:
+        """Multiply-adds of the layer on one row: projections, attention 2 H' Tq n d, FFN."""
+        heads = int(self.active_heads().sum())
+        attention = attention_flops(heads, n_queries, n_keys, self.query.shape[-1])
+        return self.projection_flops(n_queries, n_keys) + attention + self.ffn_flops(n_queries)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], eps=self.eps) if self.layer_norm else x
@@ -139,15 +221,35 @@ class ExactEncoderLayer(nn.Module):
 
 @dataclass
 class ExactCache(InferenceCache):
-    """The symbols read so far, (B, length) int64: the encoder keeps no other state."""
+    """The symbols each row has read: ``symbols`` (B, longest length) int64, row b's in [0, lengths[b]) and zeros
+    after it (the padding of shorter rows). The encoder keeps no other state."""
 
     symbols: torch.Tensor
 
-    def clone(self) -> ExactCache:
-        return ExactCache(length=self.length, symbols=self.symbols.clone())
+    @classmethod
+    def stack(cls, caches: Sequence[InferenceCache]) -> ExactCache:
+        width = max(cache.symbols.shape[1] for cache in caches)
+        symbols = torch.cat([F.pad(cache.symbols, (0, width - cache.symbols.shape[1])) for cache in caches])
+        return ExactCache(torch.cat([cache.lengths for cache in caches]), symbols)  # symbols: (B, width)
 
-    def memory_bytes(self) -> int:
+    def select(self, rows: Sequence[int]) -> ExactCache:
+        index = torch.tensor(list(rows), dtype=torch.long)  # (rows,)
+        lengths = self.lengths[index]
+        width = int(lengths.max()) if len(index) else 0
+        return ExactCache(lengths, self.symbols[index.to(self.symbols.device), :width])
+
+    @property
+    def nbytes(self) -> int:
         return self.symbols.numel() * self.symbols.element_size()
+
+    def append(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Write tokens (B, T) after each row's symbols and advance the lengths by T; returns the symbols,
+        (B, longest length)."""
+        ends = self.lengths + tokens.shape[1]  # (B,)
+        symbols = F.pad(self.symbols, (0, int(ends.max()) - self.symbols.shape[1]))  # (B, longest)
+        positions = query_positions(self.lengths, tokens.shape[1], symbols.device)  # (B, T)
+        self.symbols, self.lengths = symbols.scatter_(1, positions, tokens), ends
+        return self.symbols
 
 
 class ExactTransformer(SequenceModel):
@@ -167,8 +269,18 @@ class ExactTransformer(SequenceModel):
         self.layers = nn.ModuleList(ExactEncoderLayer(config) for _ in range(config.n_layers))
         self.head = nn.Linear(config.d_model, config.num_labels, dtype=dtype)
 
+    @property
+    def markers(self) -> int:
+        """The positions the encoder adds to the symbols: CLS (and EOS)."""
+        return 1 + int(self.config.append_eos)
+
     def encode(self, symbols: torch.Tensor) -> torch.Tensor:
         """One encoder pass per row over CLS symbols (EOS). symbols: (B, m), m >= 1 -> label logits (B, L)."""
+        return drain(self._encode_pieces(symbols, math.inf))
+
+    def _encode_pieces(self, symbols: torch.Tensor, piece_flops: float) -> Pieces[torch.Tensor]:
+        """:meth:`encode` in pieces (each layer's, see :meth:`ExactEncoderLayer.pieces`) of at most about
+        ``piece_flops`` multiply-adds."""
         batch = symbols.shape[0]
         markers = [torch.full((batch, 1), self.cls_id, dtype=symbols.dtype, device=symbols.device), symbols]
         if self.config.append_eos:
@@ -179,7 +291,7 @@ class ExactTransformer(SequenceModel):
         x = self.word(tokens) + self.position(features)  # (B, n, d)
         logit_scale = math.log(n) if self.config.log_length_scaling else 1.0
         for layer, cls_only in zip(self.layers, self._cls_only_layers()):
-            x = layer(x, logit_scale, cls_only)
+            x = yield from layer.pieces(x, logit_scale, cls_only, piece_flops)
         return self._output(self.head(x[:, 0]))  # (B, L)
 
     def _cls_only_layers(self) -> list[bool]:
@@ -200,17 +312,16 @@ class ExactTransformer(SequenceModel):
         return torch.where(is_zero[:, None], decision, -decision)  # (B, 2)
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) symbol ids -> (B, T, L): at t the logits of the prefix ending at t (with ``cache``, of
-        the cached symbols followed by tokens[:, :t + 1]). The encoder runs once per prefix length."""
+        """tokens: (B, T) symbol ids -> (B, T, L): at t the logits of the prefix ending at t (with ``cache``, of each
+        row's cached symbols followed by tokens[:, :t + 1]). The encoder runs once per prefix, on rows of one
+        length together."""
         self._check_symbols(tokens)
-        start = 0
-        symbols = tokens
-        if cache is not None:
+        if cache is None:
+            starts, symbols = lengths_tensor(0, tokens.shape[0]), tokens
+        else:
             assert isinstance(cache, ExactCache)
-            start = cache.length
-            symbols = cache.symbols = torch.cat([cache.symbols, tokens], dim=1)  # (B, start + T)
-            cache.length = symbols.shape[1]
-        logits = [self.encode(symbols[:, :end]) for end in range(start + 1, symbols.shape[1] + 1)]
+            starts, symbols = cache.lengths, cache.append(tokens)  # (B,), (B, longest)
+        logits = [self._encode_rows(symbols, starts + end) for end in range(1, tokens.shape[1] + 1)]
         if not logits:
             return torch.zeros(tokens.shape[0], 0, self.config.num_labels, dtype=self.dtype, device=tokens.device)
         return torch.stack(logits, dim=1)  # (B, T, L)
@@ -221,15 +332,108 @@ class ExactTransformer(SequenceModel):
         if lengths is None:
             return self.encode(tokens)
         check_lengths(lengths, tokens.shape[0], tokens.shape[1])
-        lengths = lengths.to(tokens.device)
-        out = torch.empty(tokens.shape[0], self.config.num_labels, dtype=self.dtype, device=tokens.device)
+        return self._encode_rows(tokens, lengths)
+
+    def _encode_rows(self, symbols: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """symbols: (B, m), lengths: (B,) in [1, m] -> (B, L): one encoder pass per row on symbols[row, :lengths[row]],
+        rows of one length together."""
+        lengths = lengths.to(symbols.device)
+        out = torch.empty(symbols.shape[0], self.config.num_labels, dtype=self.dtype, device=symbols.device)
         for length in lengths.unique().tolist():
             rows = (lengths == length).nonzero().squeeze(1)  # (rows,)
-            out[rows] = self.encode(tokens[rows, :length])
+            out[rows] = self.encode(symbols[rows, :length])
         return out
 
+    def run_in_slices(
+        self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
+    ) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """tokens: (1, T), in slices of at most about ``slice_flops`` multiply-adds. Outputs "final": one encoder
+        pass whose attention runs in query chunks, a slice ending between chunks or layers; ``all_outputs``: one
+        pass per prefix, a slice ending between prefixes or inside a large one. Returns what
+        :meth:`SequenceModel.run_in_slices` does, equal to ``final_logits`` / ``forward``."""
+        self._check_symbols(tokens)
+        pieces = self._prefix_pieces(tokens, slice_flops) if all_outputs else self._final_pieces(tokens, slice_flops)
+        return (yield from in_slices(pieces, slice_flops))
+
+    def _final_pieces(self, tokens: torch.Tensor, piece_flops: float) -> Pieces[tuple[torch.Tensor, None]]:
+        """tokens: (1, T) -> (final logits (L,), None), in pieces."""
+        logits = yield from self._encode_pieces(tokens, piece_flops)  # (1, L)
+        return logits[0], None
+
+    def _prefix_pieces(self, tokens: torch.Tensor, piece_flops: float) -> Pieces[tuple[torch.Tensor, torch.Tensor]]:
+        """tokens: (1, T) -> (final logits (L,), every prefix's label (T,)), one pass per prefix, in pieces."""
+        logits = []
+        for end in range(1, tokens.shape[1] + 1):
+            logits.append((yield from self._encode_pieces(tokens[:, :end], piece_flops))[0])  # (L,)
+        stacked = torch.stack(logits)  # (T, L)
+        return stacked[-1], stacked.argmax(-1)
+
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        """A pass over n positions (symbols and markers) costs, per row, n F d (position features) + per layer
+        [H' d^2 (Tq + 2 n) + 2 H' Tq n d + 2 Tq d d_ff] + d L (head), with H' the layer's active heads and Tq = 1
+        for a layer whose CLS output alone is read, else n. "final" is one pass over the T symbols, "forward"
+        one per prefix 1 .. T, "cached" one per prefix context + 1 .. context + T: the "all" path is O(T^3) for
+        PARITY. nbytes: the largest pass's (:meth:`_pass_nbytes`) plus, but for "final", the logits of every
+        prefix (twice: each and stacked) and, for "cached", the cache's old symbols while they are copied into
+        the grown ones (which are the cache's, counted by :meth:`cache_nbytes`)."""
+        start = context if path == "cached" else 0
+        first = length if path == "final" else start + 1
+        flops = rows * self._prefix_flops(first, start + length)
+        nbytes = self._pass_nbytes(rows, start + length + self.markers)
+        if path != "final":
+            nbytes += 2 * rows * length * self.config.num_labels * self.dtype.itemsize
+        if path == "cached":
+            nbytes += rows * self.cache_nbytes(start)
+        return Cost(flops=float(flops), nbytes=nbytes)
+
+    def cache_nbytes(self, length: int) -> int:
+        """The row's symbols, int64."""
+        return 8 * length
+
+    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
+        """:meth:`run_in_slices` does the work of ``forward`` / ``final_logits`` on one row, in pieces that hold no
+        more memory."""
+        return self.cost("forward" if all_outputs else "final", 1, length)
+
+    def _pass_flops(self, n: int) -> int:
+        """Multiply-adds of one row's encoder pass over n positions (see :meth:`cost`)."""
+        flops = n * self.position.in_features * self.position.out_features
+        positions = n
+        for layer, cls_only in zip(self.layers, self._cls_only_layers()):
+            queries = 1 if cls_only else positions
+            flops += layer.flops(queries, positions)
+            positions = queries
+        return flops + self.head.in_features * self.head.out_features
+
+    def _prefix_flops(self, first: int, last: int) -> int:
+        """Multiply-adds of one row's passes over the prefixes of ``first`` .. ``last`` symbols. A pass over n
+        positions costs p(n), a polynomial of degree 2, so the sum is exact from p(0), p(1), p(2) by Newton's
+        forward differences: sum_{n < N} p(n) = N p(0) + C(N, 2) (p(1) - p(0)) + C(N, 3) (p(2) - 2 p(1) + p(0))."""
+        p0, p1, p2 = (self._pass_flops(n) for n in range(3))
+
+        def below(count: int) -> int:
+            return count * p0 + math.comb(count, 2) * (p1 - p0) + math.comb(count, 3) * (p2 - 2 * p1 + p0)
+
+        return below(last + self.markers + 1) - below(first + self.markers)
+
+    def _pass_nbytes(self, rows: int, n: int) -> int:
+        """Peak bytes of one encoder pass of ``rows`` rows over n positions: token ids (gathered, with markers),
+        the position features, ~6 (rows, n, d) activations and the FFN's 3 (rows, n, d_ff), per attending layer
+        ~8 (rows, H', n, d) projections and their copies, and the largest layer's attention weights buffer
+        (rows H' Tq n, at most ``attention_block_elements`` but at least one query's rows H' n)."""
+        config = self.config
+        heads, weights, positions = 0, 0, n
+        for layer, cls_only in zip(self.layers, self._cls_only_layers()):
+            queries, layer_heads = 1 if cls_only else positions, int(layer.active_heads().sum())
+            one_query = rows * layer_heads * positions  # weights of one query against every key
+            weights = max(weights, min(one_query * queries, max(one_query, config.attention_block_elements)))
+            heads, positions = max(heads, layer_heads), queries
+        activations = rows * n * (6 * config.d_model + 8 * heads * config.d_model + 3 * config.d_ff)
+        return 16 * rows * n + self.dtype.itemsize * (n * len(config.position_features) + activations + weights)
+
     def new_cache(self, batch_size: int) -> ExactCache:
-        return ExactCache(length=0, symbols=torch.zeros(batch_size, 0, dtype=torch.long, device=self.device))
+        symbols = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
+        return ExactCache(lengths_tensor(0, batch_size), symbols)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, L)

@@ -19,27 +19,43 @@ The stack (:class:`RecurrentBlock`, :class:`LinearRNN`, :class:`LRNNCache`) is s
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from model.base import InferenceCache, SequenceModel, TokenEmbedding, gather_last
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, gather_last, lengths_tensor
 from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.layers import MLP
-from model.ops.linear_scan import column_norm_constraint, linear_scan, scan_step, spectral_norm_constraint
+from model.ops.linear_scan import (
+    choose_scan_impl,
+    column_norm_constraint,
+    linear_scan,
+    scan_step,
+    spectral_norm_constraint,
+)
 
 
 @dataclass
 class LRNNCache(InferenceCache):
-    """The recurrent state of every layer: ``states[i]`` is (B, H, b); its size never grows with ``length``."""
+    """The recurrent state of every layer: ``states[i]`` is (B, H, b); its size never grows with the lengths,
+    and no step reads them, so rows of any lengths stack."""
 
     states: list[torch.Tensor]
 
-    def clone(self) -> LRNNCache:
-        return LRNNCache(length=self.length, states=[state.clone() for state in self.states])
+    @classmethod
+    def stack(cls, caches: Sequence[InferenceCache]) -> LRNNCache:
+        states = [torch.cat(layer) for layer in zip(*(cache.states for cache in caches))]  # each (B, H, b)
+        return LRNNCache(torch.cat([cache.lengths for cache in caches]), states)
 
-    def memory_bytes(self) -> int:
+    def select(self, rows: Sequence[int]) -> LRNNCache:
+        index = torch.tensor(list(rows), dtype=torch.long)  # (rows,)
+        return LRNNCache(self.lengths[index], [state[index.to(state.device)] for state in self.states])
+
+    @property
+    def nbytes(self) -> int:
         return sum(state.numel() * state.element_size() for state in self.states)
 
 
@@ -154,7 +170,7 @@ class LinearRNN(SequenceModel):
             torch.zeros(batch_size, *block.recurrence.state_shape, device=self.device, dtype=self.dtype)
             for block in self.blocks
         ]  # each (B, H, b)
-        return LRNNCache(length=0, states=states)
+        return LRNNCache(lengths_tensor(0, batch_size), states)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """tokens: (B,) -> logits (B, output_size); advances ``cache`` by one token."""
@@ -162,8 +178,67 @@ class LinearRNN(SequenceModel):
         x = self.embedding(tokens)  # (B, d_model)
         for i, block in enumerate(self.blocks):
             x, cache.states[i] = block.step(x, cache.states[i])  # (B, d_model), (B, H, b)
-        cache.length += 1
+        cache.lengths = cache.lengths + 1
         return self.embedding.logits(self.ln_f(x))  # (B, V)
+
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        """flops: per position the blocks' weights (projections, readout, MLP: one multiply-add each; "final" runs
+        the last block's readout and MLP on the last positions only), per layer the scan (:meth:`_scan_flops`),
+        and the head's d x output_size per logit position ("final": one per row). The context never matters: a
+        cached chunk costs what the same chunk costs from an empty cache. nbytes: per position the transitions
+        (:meth:`_transition_bytes`), ~6 d + 3 H b + 2 d_ff activations and the logits' output_size."""
+        config = self.config
+        weights = sum(p.numel() for p in self.blocks.parameters())
+        flops = rows * (length * weights + len(self.blocks) * self._scan_flops(rows, length))
+        if path == "final":
+            last = self.blocks[-1]
+            tail = sum(p.numel() for module in (last.recurrence.out_proj, last.mlp) for p in module.parameters())
+            flops -= rows * (length - 1) * tail
+        logit_positions = rows if path == "final" else rows * length
+        activations = (6 * config.d_model + 3 * self._state_size + 2 * config.d_ff) * self.dtype.itemsize
+        return Cost(
+            flops=float(flops + logit_positions * config.d_model * config.output_size),
+            nbytes=rows * length * (self._transition_bytes(rows, length) + activations)
+            + logit_positions * config.output_size * self.dtype.itemsize,
+        )
+
+    def cache_nbytes(self, length: int) -> int:
+        """One (H, b) state per layer, whatever the length."""
+        return len(self.blocks) * self._state_size * self.dtype.itemsize
+
+    @property
+    def _state_size(self) -> int:
+        """H b, the state's size."""
+        return math.prod(self.blocks[0].recurrence.state_shape)
+
+    def _scan_impl(self, rows: int, length: int) -> str:
+        """The scan that runs on ``rows`` x ``length``: the configured one, or the "auto" policy's choice."""
+        heads, block = self.blocks[0].recurrence.state_shape
+        impl = self.config.scan_impl
+        if impl == "auto":
+            impl = choose_scan_impl(rows, length, heads, block, self.device)
+        return impl
+
+    def _scan_flops(self, rows: int, length: int) -> int:
+        """Multiply-adds of one layer's scan over ``length`` positions of one row, H heads of b x b blocks: the loop
+        does H b^2 per position; the parallel scan H (b^3 + 2 b^2) per position (it multiplies transitions
+        together); the chunked scan the loop's work plus, on all chunks but the last of n = length // chunk_size,
+        the products of the transitions inside each chunk and the scan across chunks, ~H (b^3 + 2 b^2) per
+        position there."""
+        heads, block = self.blocks[0].recurrence.state_shape
+        impl = self._scan_impl(rows, length)
+        if impl == "parallel":
+            return length * heads * (block**3 + 2 * block**2)
+        chunks = length // self.config.scan_chunk_size if impl == "chunked" else 0
+        products = max(chunks - 1, 0) * self.config.scan_chunk_size
+        return heads * (length * block**2 + products * (block**3 + 2 * block**2))
+
+    def _transition_bytes(self, rows: int, length: int) -> int:
+        """Bytes per position of one layer's transitions while it runs: (H, b, b) a few times over (the linear map's
+        output, the norm constraint's copies, the scan's float32 copy), 2.5 times more in the parallel scan."""
+        heads, block = self.blocks[0].recurrence.state_shape
+        copies = 4 + (3 if self._scan_impl(rows, length) == "parallel" else 0)
+        return copies * heads * block * block * max(self.dtype.itemsize, 4)
 
     def _hidden(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         """tokens: (B, T) -> hidden states before the final LayerNorm (B, T, d_model)."""
@@ -174,7 +249,7 @@ class LinearRNN(SequenceModel):
             if cache is not None:
                 cache.states[i] = final_state
         if cache is not None:
-            cache.length += tokens.shape[1]
+            cache.lengths = cache.lengths + tokens.shape[1]
         return x
 
 

@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from model.base import InferenceCache, SequenceModel, TokenEmbedding, gather_last
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, gather_last, lengths_tensor
 from model.config import LSTMConfig
 
 
 @dataclass
 class LSTMCache(InferenceCache):
-    """The LSTM's state after ``length`` tokens: hidden and cell, (n_layers, B, hidden_size) each."""
+    """The LSTM's state after each row's tokens: hidden and cell, (n_layers, B, hidden_size) each (batch second);
+    of fixed size, and no step reads the lengths, so rows of any lengths stack."""
 
     hidden: torch.Tensor
     cell: torch.Tensor
 
-    def clone(self) -> LSTMCache:
-        return LSTMCache(length=self.length, hidden=self.hidden.clone(), cell=self.cell.clone())
+    @classmethod
+    def stack(cls, caches: Sequence[InferenceCache]) -> LSTMCache:
+        hidden = torch.cat([cache.hidden for cache in caches], dim=1)  # (n_layers, B, hidden_size)
+        cell = torch.cat([cache.cell for cache in caches], dim=1)  # (n_layers, B, hidden_size)
+        return LSTMCache(torch.cat([cache.lengths for cache in caches]), hidden, cell)
 
-    def memory_bytes(self) -> int:
+    def select(self, rows: Sequence[int]) -> LSTMCache:
+        index = torch.tensor(list(rows), dtype=torch.long)  # (rows,)
+        device_index = index.to(self.hidden.device)
+        return LSTMCache(self.lengths[index], self.hidden[:, device_index], self.cell[:, device_index])
+
+    @property
+    def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.hidden, self.cell))
 
 
@@ -49,7 +60,7 @@ class LSTMModel(SequenceModel):
         out, (hidden, cell) = self.lstm(self.embedding(tokens), state)  # out: (B, T, hidden_size)
         if cache is not None:
             cache.hidden, cache.cell = hidden, cell  # (n_layers, B, hidden_size) each
-            cache.length += tokens.shape[1]
+            cache.lengths = cache.lengths + tokens.shape[1]
         return self.ln_f(self.proj(self.dropout(out)))  # (B, T, d_model)
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
@@ -58,7 +69,7 @@ class LSTMModel(SequenceModel):
     def new_cache(self, batch_size: int) -> LSTMCache:
         shape = (self.config.n_layers, batch_size, self.config.hidden_size)
         zeros = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        return LSTMCache(length=0, hidden=zeros, cell=zeros.clone())
+        return LSTMCache(lengths_tensor(0, batch_size), hidden=zeros, cell=zeros.clone())
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, output_size)
@@ -66,3 +77,23 @@ class LSTMModel(SequenceModel):
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """The head runs on the last real positions only, not on all B * T."""
         return self.embedding.logits(gather_last(self.hidden(tokens), lengths))  # (B, output_size)
+
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        """Per token the LSTM's and the projection's weights (4 h (input + h) + h d per layer and projection, one
+        multiply-add each); the head's d x output_size per logit position ("final": one per row). The context
+        never matters. nbytes per position: the embedding and ~3 d after the LSTM and the logits' output_size,
+        and per layer the input gates 4 h and output h (all layers' outputs counted) in at least float32 (the
+        CPU kernel's bfloat16 path holds float32 gates)."""
+        config = self.config
+        per_token = sum(p.numel() for p in self.lstm.parameters()) + self.proj.weight.numel()
+        logit_positions = rows if path == "final" else rows * length
+        item = self.dtype.itemsize
+        per_position = 4 * config.d_model * item + 5 * config.n_layers * config.hidden_size * max(item, 4)
+        return Cost(
+            flops=float(rows * length * per_token + logit_positions * config.d_model * config.output_size),
+            nbytes=rows * length * per_position + logit_positions * config.output_size * item,
+        )
+
+    def cache_nbytes(self, length: int) -> int:
+        """Hidden and cell, (n_layers, hidden_size) each, whatever the length."""
+        return 2 * self.config.n_layers * self.config.hidden_size * self.dtype.itemsize

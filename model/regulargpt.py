@@ -22,22 +22,36 @@ Three exact paths:
   S_l the dilation is 1, and S_{l+1} is every C-th element of S_l counting from its end. Rows of a mixed-
   length batch are shifted to end at the same index (left padding masked through ``key_offset``), and each
   row is read after its own depth;
-- ``step`` through :class:`RegularGPTCache`: each block keeps the keys and values of only the last
-  (C-1) * C**l positions its dilated pattern can reach, in a ring buffer, plus the hidden states of all
-  consumed positions at the top thick layer, needed to grow the depth when t reaches C**L.
+- ``forward(chunk, cache)`` and ``step`` (the chunk of one) through :class:`RegularGPTCache`: each block keeps
+  the keys and values of only the last (C-1) * C**l positions its dilated pattern can reach, in a ring buffer,
+  plus each row's hidden states at its top thick layer, needed to grow its depth when it reaches C**L. A chunk
+  of n new positions per row runs every thick layer over them at once: the key t - j * C**l of a new position t
+  comes from the chunk itself if it is at or after the row's first new position, else from the ring, else it is
+  out of range (:class:`ChunkPlan`); O(n * J * d) memory per block, J <= C the slots in reach, never T x T and
+  never O(T) per position. Rows of one batch may hold different lengths and depths: every row runs through all
+  of the batch's layers (above a row's own depth that is the pointwise continuation) and is read at its own
+  D(t); a row first reaches the depth its chunk needs by running its consumed positions through the new layers.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from model.base import InferenceCache, SequenceModel, TokenEmbedding, check_lengths
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, check_lengths, lengths_tensor
 from model.config import RegularGPTConfig
 from model.layers import Block, HeadProjections, init_gpt2
-from model.ops.dilated_attention import attend_gathered, dilated_attention
+from model.ops.dilated_attention import (
+    AUTO_REFERENCE_MAX_T,
+    attend_gathered,
+    dilated_attention,
+    reachable_slots,
+    resolve_impl,
+)
 
 
 def adaptive_depth(position: int, chunk_size: int) -> int:
@@ -48,65 +62,191 @@ def adaptive_depth(position: int, chunk_size: int) -> int:
     return depth
 
 
+def adaptive_depths(positions: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """:func:`adaptive_depth` of every element of an integer tensor of positions >= 0: 1 + #{k >= 1: C**k <= m}."""
+    depths = torch.ones_like(positions)
+    reach, last = chunk_size, int(positions.max()) if positions.numel() else 0
+    while reach <= last:
+        depths += positions >= reach
+        reach *= chunk_size
+    return depths
+
+
+def row_depths(lengths: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """The thick layers a cache row holding ``lengths`` tokens has computed: D(length - 1), 0 when empty."""
+    return torch.where(lengths > 0, adaptive_depths((lengths - 1).clamp(min=0), chunk_size), 0)
+
+
+def capacity(length: int) -> int:
+    """Positions a cache allocates room for while its longest row holds ``length`` tokens: the smallest power of
+    two >= length (0 for 0), so that growing the room one token at a time copies O(1) per token amortised."""
+    return 0 if length == 0 else 1 << (length - 1).bit_length()
+
+
+def _fit(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``tensor`` cut to, or zero-padded up to, ``size`` along ``dim`` (itself when it already has that size)."""
+    have = tensor.shape[dim]
+    if have == size:
+        return tensor
+    if have > size:
+        return tensor.narrow(dim, 0, size)
+    room = list(tensor.shape)
+    room[dim] = size - have
+    return torch.cat([tensor, tensor.new_zeros(room)], dim=dim)
+
+
+@dataclass
+class ChunkPlan:
+    """Where the dilated keys of a chunk's new positions come from at one thick layer (shared by its K blocks).
+
+    Row b's chunk holds positions start[b] + i, i in [n]. The key of slot j, at position start[b] + i - j * C**l,
+    comes from the chunk itself at index i - j * C**l when that is >= 0 (the same index for every row), else from
+    the block's ring window when the position is >= 0, else it is out of range. Only the J slots some query of
+    the batch can reach are gathered (``reachable_slots``). Memory O(B * n * J).
+    """
+
+    chunk_index: torch.Tensor  # (n, J) index into the chunk, clamped at 0
+    valid: torch.Tensor  # (B, 1, n, J) bool: the key lies at a position >= 0
+    window_source: torch.Tensor | None  # (B * m,) rows of the flat window holding the m keys before each row's chunk
+    window_target: torch.Tensor | None  # (B * m,) their entries in the flat (B * n * J) gathered keys
+    write_index: torch.Tensor  # (B * w,) rows of the flat window for the chunk's last w = min(n, ring) positions
+
+    @classmethod
+    def build(
+        cls, start: torch.Tensor, length: int, chunk_size: int, layer: int, allocated: int, device: torch.device,
+        rows: torch.Tensor | None = None,
+    ) -> ChunkPlan:
+        """start: (B,) int64 on the CPU, each row's first new position; length: n; allocated: the slots per row
+        of the layer's windows, room for every position < start + n; rows: (B,) the cache rows that the chunk's
+        rows are, or None for all in order."""
+        dilation = chunk_size**layer
+        ring = (chunk_size - 1) * dilation
+        slots = reachable_slots(chunk_size, dilation, int(start.max()) + length - 1)
+        relative, chunk_index, before, before_offset = _relative_keys(length, dilation, slots, device)
+        has_context = bool(start.any())
+        batch = start.shape[0]
+        start = start.to(device)
+        first = (torch.arange(batch, device=device) if rows is None else rows.to(device)) * allocated  # (B,)
+        window_source = window_target = None
+        if has_context and before.numel():  # key % ring < allocated for every key < start + n
+            key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
+            window_source = (key % ring + first[:, None]).flatten()
+            window_target = (torch.arange(batch, device=device)[:, None] * relative.numel() + before).flatten()
+        kept = min(length, ring)
+        own = start[:, None] + torch.arange(length - kept, length, device=device)  # (B, w) the positions written
+        return cls(
+            chunk_index=chunk_index,
+            valid=(start[:, None, None] + relative >= 0)[:, None],
+            window_source=window_source,
+            window_target=window_target,
+            write_index=(own % ring + first[:, None]).flatten(),
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _relative_keys(length: int, dilation: int, slots: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """For a chunk of n positions: the chunk-relative key indices i - j * dilation (n, J), the same clamped at 0,
+    and the flat (n * J) entries where they are negative (before the chunk) with their values. The same for every
+    call with these sizes (every decode step), so kept (read-only)."""
+    with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
+        relative = torch.arange(length, device=device)[:, None] - dilation * torch.arange(slots, device=device)
+        before = (relative.flatten() < 0).nonzero().flatten()  # (m,)
+        return relative, relative.clamp(min=0), before, relative.flatten()[before]
+
+
 @dataclass
 class KVWindow:
-    """One block's keys and values at the last (C-1) * dilation positions: position p sits in slot p % slots."""
+    """One block's keys and values at one thick layer l, side by side (keys | values, heads in order): a ring of
+    ``ring`` = (C-1) * C**l positions per row, position p at slot p % ring. Only the first ``capacity`` slots are
+    allocated: min(ring, :func:`capacity` of the longest row), which holds every slot a row's positions occupy."""
 
-    dilation: int
-    keys: torch.Tensor  # (B, H, (C-1) * dilation, hd)
-    values: torch.Tensor  # (B, H, (C-1) * dilation, hd)
-    length: int = 0  # positions consumed
+    ring: int
+    kv: torch.Tensor  # (B, capacity, 2 * d_model) contiguous
 
-    def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store positions 0..T-1 from a parallel pass. k, v: (B, H, T, hd)."""
-        slots = self.keys.shape[2]
-        first = max(0, k.shape[2] - slots)
-        index = torch.arange(first, k.shape[2], device=k.device) % slots  # (min(T, slots),)
-        self.keys[:, :, index] = k[:, :, first:]
-        self.values[:, :, index] = v[:, :, first:]
-        self.length = k.shape[2]
+    def gather(self, plan: ChunkPlan, kv: torch.Tensor) -> torch.Tensor:
+        """The chunk's dilated keys and values: kv (B, n, 2 d) of the chunk -> (B, n, J, 2 d)."""
+        gathered = kv[:, plan.chunk_index]  # (B, n, J, 2 d), right where the key lies in the chunk
+        if plan.window_source is not None:  # the keys before the chunk, from the ring
+            width = self.kv.shape[-1]
+            keys = self.kv.view(-1, width).index_select(0, plan.window_source)  # (B * m, 2 d)
+            gathered.view(-1, width).index_copy_(0, plan.window_target, keys)
+        return gathered
 
-    def push(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gather the C dilated keys of the next position t and store its own.
+    def write(self, plan: ChunkPlan, kv: torch.Tensor) -> None:
+        """Store the chunk's last positions (at most ``ring``: distinct slots). kv: (B, n, 2 d)."""
+        kept = plan.write_index.shape[0] // kv.shape[0]
+        kv = kv[:, kv.shape[1] - kept :].reshape(-1, kv.shape[-1])  # (B * m, 2 d)
+        self.kv.view(-1, kv.shape[-1]).index_copy_(0, plan.write_index, kv)
 
-        k, v: (B, H, 1, hd) at position t. Returns keys, values (B, H, 1, C, hd) and valid (C,) bool.
-        """
-        slots = self.keys.shape[2]
-        chunk_size = slots // self.dilation + 1
-        back = [self.length - j * self.dilation for j in range(1, chunk_size)]  # positions t - j * dilation
-        index = torch.tensor([p % slots for p in back], device=k.device)  # (C-1,)
-        keys = torch.cat([k, self.keys[:, :, index]], dim=2).unsqueeze(2)  # (B, H, 1, C, hd)
-        values = torch.cat([v, self.values[:, :, index]], dim=2).unsqueeze(2)  # (B, H, 1, C, hd)
-        valid = torch.tensor([True] + [p >= 0 for p in back], device=k.device)  # (C,)
-        self.keys[:, :, self.length % slots] = k[:, :, 0]
-        self.values[:, :, self.length % slots] = v[:, :, 0]
-        self.length += 1
-        return keys, values, valid
+    def zeros(self, batch_size: int, room: int) -> KVWindow:
+        """An empty window like this one for ``batch_size`` rows, with ``min(ring, room)`` allocated slots."""
+        return KVWindow(self.ring, self.kv.new_zeros(batch_size, min(self.ring, room), self.kv.shape[2]))
 
-    def clone(self) -> KVWindow:
-        return KVWindow(self.dilation, self.keys.clone(), self.values.clone(), self.length)
+    def fit(self, room: int, rows: torch.Tensor | None = None) -> KVWindow:
+        """A window with ``min(ring, room)`` allocated slots (itself when unchanged), of ``rows`` only (copies)."""
+        kv = _fit(self.kv, 1, min(self.ring, room))
+        if rows is not None:
+            kv = kv[rows]
+        return KVWindow(self.ring, kv) if kv is not self.kv else self
 
 
 @dataclass
 class RegularGPTCache(InferenceCache):
-    """Decoding state: ``windows[l][k]`` is the :class:`KVWindow` of block k at thick layer l, and
-    ``top_hidden`` (B, C**depth, d_model) holds in rows [0, length) every consumed position's hidden state
-    after the top thick layer (the other rows are room until the depth next grows, at length C**depth)."""
+    """Decoding state of B rows, row b holding ``lengths[b]`` = t_b tokens and D_b = D(t_b - 1) thick layers
+    (:func:`row_depths`; 0 when empty).
 
+    ``windows[l][k]`` is the :class:`KVWindow` of block k at thick layer l, for l < ``depth``, the deepest row's
+    D_b. Row b's windows are meaningful at its own layers l < D_b; above them they are never read (there every key
+    of the row's positions but their own is out of range) and are filled when the row reaches that depth.
+    ``top_hidden`` (B, capacity, d_model) holds in row b, at positions [0, t_b), the hidden states after the row's
+    own top layer D_b - 1: running them through layer D_b when the row's next position needs it (t = C**D_b) is a
+    pointwise continuation (module docstring). The allocated room grows with the longest row (:func:`capacity`).
+    """
+
+    chunk_size: int
     top_hidden: torch.Tensor
     windows: list[list[KVWindow]] = field(default_factory=list)
 
     @property
     def depth(self) -> int:
-        """Thick layers computed so far."""
+        """Thick layers held: the deepest row's."""
         return len(self.windows)
 
-    def clone(self) -> RegularGPTCache:
-        windows = [[w.clone() for w in layer] for layer in self.windows]
-        return RegularGPTCache(self.length, self.top_hidden.clone(), windows)
+    @property
+    def depths(self) -> torch.Tensor:
+        """(B,) each row's own depth D_b."""
+        return row_depths(self.lengths, self.chunk_size)
 
-    def memory_bytes(self) -> int:
-        tensors = [self.top_hidden, *(t for layer in self.windows for w in layer for t in (w.keys, w.values))]
+    @classmethod
+    def stack(cls, caches: Sequence[RegularGPTCache]) -> RegularGPTCache:
+        lengths = torch.cat([cache.lengths for cache in caches])
+        room = capacity(int(lengths.max()) if lengths.numel() else 0)
+        deepest = max(caches, key=lambda cache: cache.depth)
+        windows = []
+        for layer, blocks in enumerate(deepest.windows):
+            windows.append([])
+            for k, template in enumerate(blocks):
+                parts = [
+                    cache.windows[layer][k].fit(room) if cache.depth > layer else template.zeros(cache.batch_size, room)
+                    for cache in caches
+                ]
+                windows[-1].append(KVWindow(template.ring, torch.cat([part.kv for part in parts])))
+        top_hidden = torch.cat([_fit(cache.top_hidden, 1, room) for cache in caches])
+        return cls(lengths=lengths, chunk_size=caches[0].chunk_size, top_hidden=top_hidden, windows=windows)
+
+    def select(self, rows: Sequence[int]) -> RegularGPTCache:
+        rows = torch.as_tensor(list(rows), dtype=torch.long)
+        lengths = self.lengths[rows]
+        longest = int(lengths.max()) if lengths.numel() else 0
+        depth = int(row_depths(lengths, self.chunk_size).max()) if longest else 0
+        room, index = capacity(longest), rows.to(self.top_hidden.device)
+        windows = [[window.fit(room, index) for window in layer] for layer in self.windows[:depth]]
+        top_hidden = _fit(self.top_hidden, 1, room)[index]
+        return RegularGPTCache(lengths=lengths, chunk_size=self.chunk_size, top_hidden=top_hidden, windows=windows)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.top_hidden, *(window.kv for layer in self.windows for window in layer)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -134,25 +274,29 @@ class DilatedSelfAttention(nn.Module):
         dilation: int,
         key_offset: torch.Tensor | None = None,
         window: KVWindow | None = None,
+        plan: ChunkPlan | None = None,
     ) -> torch.Tensor:
         """x: (B, T, d_model) -> (B, T, d_model).
 
-        With an empty ``window``, x holds positions 0..T-1 and the window is filled; with a non-empty one,
-        x is the single next position (T = 1) and attends through the window.
+        Without ``window``, x holds positions 0..T-1 (the parallel pass, through ``self.impl``). With a window and
+        its ``plan``, x is a chunk of new positions: they attend through the window and the chunk (ChunkPlan), and
+        the window then stores them.
         """
-        q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
-        if window is not None and window.length > 0:
-            keys, values, valid = window.push(k, v)  # (B, H, 1, C, hd) x2, (C,)
-            out = attend_gathered(
-                q, keys, values, self.relative_bias, valid, self.null_key, self.null_value
-            )  # (B, H, 1, hd)
-        else:
+        if window is None:
+            q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
             out = dilated_attention(
                 q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
                 self.null_key, self.null_value, self.impl,
             )  # (B, H, T, hd)
-            if window is not None:
-                window.fill(k, v)
+            return self.heads.merge(out)
+        batch, length, d_model = x.shape
+        heads = self.heads.n_heads
+        qkv = self.heads.c_attn(x)  # (B, T, 3 d): q | k | v, heads in order (as HeadProjections.qkv splits it)
+        q = qkv[..., :d_model].view(batch, length, heads, -1).transpose(1, 2)  # (B, H, T, hd)
+        gathered = window.gather(plan, qkv[..., d_model:])  # (B, T, J, 2 d)
+        keys, values = gathered.view(*gathered.shape[:3], 2 * heads, -1).permute(0, 3, 1, 2, 4).split(heads, dim=1)
+        out = attend_gathered(q, keys, values, self.relative_bias, plan.valid, self.null_key, self.null_value)
+        window.write(plan, qkv[..., d_model:])
         return self.heads.merge(out)
 
 
@@ -171,21 +315,18 @@ class RegularGPT(SequenceModel):
     def forward(self, tokens: torch.Tensor, cache: RegularGPTCache | None = None) -> torch.Tensor:
         """tokens: (B, T) -> (B, T, output_size).
 
-        With an empty ``cache``, the parallel pass also fills it; with a non-empty one, the tokens are
-        consumed by ``step`` one at a time (exact, T steps).
+        With ``cache``, the tokens continue each row's cached sequence, T new positions per row processed in
+        parallel per layer (the chunk path, module docstring), and the cache advances by T.
         """
-        if cache is not None and cache.length > 0:
-            return torch.stack([self.step(tokens[:, t], cache) for t in range(tokens.shape[1])], dim=1)
+        if cache is not None:
+            return self._forward_chunk(tokens, cache)
         chunk_size = self.config.chunk_size
         x = self.embedding(tokens)  # (B, T, d)
         outputs = []
         for layer in range(adaptive_depth(tokens.shape[1] - 1, chunk_size)):
-            windows = self._new_layer(cache, x.shape[0]) if cache is not None else None
-            x = self._thick_layer(x, chunk_size**layer, windows=windows)  # (B, T, d)
+            x = self._thick_layer(x, chunk_size**layer)  # (B, T, d)
             first = 0 if layer == 0 else chunk_size**layer
             outputs.append(x[:, first : chunk_size ** (layer + 1)])  # the positions with D(m) = layer + 1
-        if cache is not None:
-            self._set_top_hidden(cache, x)
         return self._logits(torch.cat(outputs, dim=1))
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,49 +350,201 @@ class RegularGPT(SequenceModel):
         return self._logits(final)
 
     def new_cache(self, batch_size: int) -> RegularGPTCache:
-        top_hidden = torch.zeros(batch_size, 0, self.config.d_model, device=self.device, dtype=self.dtype)
-        return RegularGPTCache(length=0, top_hidden=top_hidden)
+        return RegularGPTCache(
+            lengths=lengths_tensor(0, batch_size),
+            chunk_size=self.config.chunk_size,
+            top_hidden=self._zeros((batch_size, 0, self.config.d_model)),
+        )
 
     def step(self, tokens: torch.Tensor, cache: RegularGPTCache) -> torch.Tensor:
-        """tokens: (B,) -> (B, output_size), read after D(t) thick layers for the new position t.
+        """tokens: (B,) -> (B, output_size): the chunk of one position per row, each read after its own D(t_b).
 
-        Costs O(K * D(t) * (C + d_model) * d_model); the step at t = C**L that grows the depth also runs the
-        t consumed positions through the new thick layer, once.
+        Costs O(K * D * (J + d_model) * d_model) per row for the batch's depth D; a step that takes a row to
+        t = C**L first runs the row's t consumed positions through the new thick layer, once.
         """
-        if cache.length == 0:
-            return self.forward(tokens[:, None], cache)[:, 0]
-        while adaptive_depth(cache.length, self.config.chunk_size) > cache.depth:
-            self._grow(cache)
-        x = self.embedding(tokens[:, None])  # (B, 1, d)
+        return self.forward(tokens[:, None], cache)[:, 0]
+
+    def for_serving(self) -> list[str]:
+        """The reference attention builds a T x T mask (18.7 GB at ~20k positions): switch it to "auto", which is
+        the reference only up to AUTO_REFERENCE_MAX_T positions (where it is faster) and the fast gather beyond.
+        The cached path never uses either. The configuration and the checkpoint are left as they are."""
+        if not any(block.attention.impl == "reference" for block in self.blocks):
+            return []
+        for block in self.blocks:
+            block.attention.impl = "auto"
+        return [
+            f"attention_impl reference -> auto (the T x T mask would not fit long inputs; the reference is kept up to "
+            f"{AUTO_REFERENCE_MAX_T} positions)"
+        ]
+
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call.
+
+        With d = d_model, f = d_ff, K blocks, C, V = output_size, e bytes per element, D(m) the adaptive depth,
+        per position and block F = 4 d^2 + 2 d f (q, k, v and output projections, MLP) plus the attention: 2 J d
+        over J gathered slots (+ d for the null scores), J_l = min(C, last_position // C**l + 1) at layer l; or,
+        for the reference, 2 T d (the T x T scores and weighted sum). Per read position d V for the head.
+
+        - "forward" (B, T): D(T - 1) layers over all T positions, attention by the impl chosen for T;
+          bytes: activations B T ((12 + D) d + 2 f) e (the per-layer outputs stay alive until the final cat),
+          logits B T (V + 2 d) e, and the attention's: reference 6 B H T^2 e + H T^2 e (mask, scores, softmax,
+          null columns), fast 3 B T J d e (gathered keys and values) + 6 B H T C e (scores).
+        - "final" (B, T): the shrinking path, layer l over n_l positions (n_0 = T, n_{l+1} = (n_l - 1) // C + 1)
+          at dilation 1, attention by the impl chosen for n_l; the bytes of its largest layer and the logits of
+          the last positions.
+        - "cached" (B, n, context c): D(c + n - 1) layers over the n new positions, gathered attention (window
+          and chunk) with J_l as above; plus, when the chunk needs a deeper layer than the rows hold (c >= 1 and
+          D(c - 1) < D(c + n - 1)), each new layer over the c consumed positions with J = 1 (every other key is
+          out of range). Bytes: the cache's growth B (cache_nbytes(c + n) - cache_nbytes(c)), plus the largest
+          of: the room's copy (one tensor at a time: 3 B capacity(c + n) d e, when the room or the depth
+          changes), the depth growth's pass over c positions, the chunk's pass (activations, 8 B n J d e
+          gathered, 6 B H n C e scores, 3 * 8 B n J index bytes, logits B n (V + 2 d) e).
+        """
+        if path == "forward":
+            layers = [length] * adaptive_depth(length - 1, self.config.chunk_size)
+            dilations = [self.config.chunk_size**layer for layer in range(len(layers))]
+            flops, nbytes = self._pass_cost(rows, layers, dilations, self._impl, kept=len(layers))
+            return Cost(flops + rows * length * self._head_flops(), nbytes + self._logits_nbytes(rows, length))
+        if path == "final":
+            layers = [length]
+            while len(layers) < adaptive_depth(length - 1, self.config.chunk_size):
+                layers.append((layers[-1] - 1) // self.config.chunk_size + 1)
+            flops, nbytes = self._pass_cost(rows, layers, [1] * len(layers), self._impl)
+            return Cost(flops + rows * self._head_flops(), nbytes + self._logits_nbytes(rows, 1))
+        if path != "cached":
+            raise ValueError(f"unknown call path {path!r}")
+        return self._cached_cost(rows, length, context)
+
+    def cache_nbytes(self, length: int) -> int:
+        """One row after ``length`` tokens: e d (P + 2 K sum_{l < D(length - 1)} min((C - 1) C**l, P)), P =
+        capacity(length): ``top_hidden``'s room and every block's keys and values at each layer, as allocated."""
+        if length == 0:
+            return 0
+        chunk_size, room = self.config.chunk_size, capacity(length)
+        slots = sum(
+            min((chunk_size - 1) * chunk_size**layer, room) for layer in range(adaptive_depth(length - 1, chunk_size))
+        )
+        return (room + 2 * self.config.thickness * slots) * self.config.d_model * self.dtype.itemsize
+
+    def _cached_cost(self, rows: int, length: int, context: int) -> Cost:
+        """The "cached" path of :meth:`cost`."""
+        chunk_size, d, item = self.config.chunk_size, self.config.d_model, self.dtype.itemsize
+        last = context + length - 1
+        depth = adaptive_depth(last, chunk_size)
+        dilations = [chunk_size**layer for layer in range(depth)]
+        flops, nbytes = self._pass_cost(rows, [length] * depth, dilations, "gathered", last=last)
+        flops += rows * length * self._head_flops()
+        nbytes += self._logits_nbytes(rows, length)
+        held = adaptive_depth(context - 1, chunk_size) if context else 0
+        if context and held < depth:  # the consumed positions through each new layer, J = 1
+            grow_flops, grow_nbytes = self._pass_cost(rows, [context] * (depth - held), dilations[held:], "gathered")
+            flops += grow_flops
+            nbytes = max(nbytes, grow_nbytes + 2 * rows * context * d * item)
+        if capacity(context + length) > capacity(context) or held < depth:  # one tensor's copy at a time
+            nbytes = max(nbytes, 3 * rows * capacity(context + length) * d * item)
+        growth = rows * (self.cache_nbytes(context + length) - self.cache_nbytes(context))
+        return Cost(float(flops), int(nbytes + growth))
+
+    def _pass_cost(
+        self, rows: int, positions: list[int], dilations: list[int], impl: str, kept: int = 0, last: int | None = None
+    ) -> tuple[float, int]:
+        """Multiply-adds and peak bytes of thick layers l over ``positions[l]`` positions at ``dilations[l]``,
+        with attention ``impl`` (an attention_impl, resolved per layer, or "gathered": the cached path's), the last
+        query at ``last`` (default positions[l] - 1); ``kept`` layers' outputs stay alive. See :meth:`cost`."""
+        config, item = self.config, self.dtype.itemsize
+        d, heads, chunk_size = config.d_model, config.n_heads, config.chunk_size
+        linear = 4 * d * d + 2 * d * config.d_ff + (d if config.out_of_range == "null" else 0)
+        flops, peak = 0.0, 0
+        for count, dilation in zip(positions, dilations):
+            chosen = impl if impl == "gathered" else resolve_impl(impl, count)
+            slots = reachable_slots(chunk_size, dilation, count - 1 if last is None else last)
+            attention = 2 * count * d if chosen == "reference" else 2 * slots * d
+            flops += rows * count * config.thickness * (linear + attention)
+            if chosen == "reference":
+                scratch = 6 * rows * heads * count * count * item + heads * count * count * item
+            else:  # gathered keys and values: the fast op's stacked pair (and a copy), or the cache's chunk,
+                gathered = 3 if chosen == "fast" else 8  # window and selected pairs (and the einsum's copies)
+                scratch = gathered * rows * count * slots * d * item + 6 * rows * heads * count * chunk_size * item
+                scratch += 3 * 8 * rows * count * slots
+            activations = rows * count * ((12 + kept) * d + 2 * config.d_ff) * item
+            peak = max(peak, activations + scratch)
+        return flops, peak
+
+    @property
+    def _impl(self) -> str:
+        """The parallel passes' attention implementation, as configured or switched by :meth:`for_serving`."""
+        return self.blocks[0].attention.impl
+
+    def _head_flops(self) -> int:
+        return self.config.d_model * self.config.output_size
+
+    def _logits_nbytes(self, rows: int, positions: int) -> int:
+        return rows * positions * (self.config.output_size + 2 * self.config.d_model) * self.dtype.itemsize
+
+    def _forward_chunk(self, tokens: torch.Tensor, cache: RegularGPTCache) -> torch.Tensor:
+        """tokens: (B, n) continuing each row of ``cache`` -> (B, n, output_size); advances the cache by n.
+
+        Every row first reaches the depth its last new position needs (:meth:`_reserve`), then all the batch's
+        thick layers run over the n positions of every row; position t's output is read at its own D(t), and row
+        b's hidden states after its own top layer go to ``top_hidden``.
+        """
+        if tokens.shape[1] == 0:
+            return self._logits(self.embedding(tokens))
+        chunk_size, length, start = self.config.chunk_size, tokens.shape[1], cache.lengths
+        self._reserve(cache, length)
+        positions = start[:, None] + torch.arange(length)  # (B, n)
+        position_depths = adaptive_depths(positions, chunk_size)  # (B, n) nondecreasing along n
+        mixed = bool((position_depths[:, 0] < cache.depth).any())  # some outputs are read below the top layer
+        position_depths = position_depths.to(tokens.device)
+        x = self.embedding(tokens)  # (B, n, d)
+        out = top = x
         for layer, windows in enumerate(cache.windows):
-            x = self._thick_layer(x, self.config.chunk_size**layer, windows=windows)  # (B, 1, d)
-        cache.top_hidden[:, cache.length] = x[:, 0]
-        cache.length += 1
-        return self._logits(x[:, 0])
+            plan = ChunkPlan.build(start, length, chunk_size, layer, windows[0].kv.shape[1], tokens.device)
+            x = self._thick_layer(x, chunk_size**layer, windows=windows, plan=plan)  # (B, n, d)
+            if mixed:
+                out = torch.where(position_depths[..., None] == layer + 1, x, out)  # (B, n, d)
+                top = torch.where(position_depths[:, -1:, None] == layer + 1, x, top)  # each row's own top layer
+        if not mixed:
+            out = top = x
+        rows = torch.arange(cache.batch_size, device=tokens.device)[:, None]  # (B, 1)
+        cache.top_hidden[rows, positions.to(tokens.device)] = top
+        cache.lengths = start + length
+        return self._logits(out)
 
-    def _grow(self, cache: RegularGPTCache) -> None:
-        """Add thick layer L at length t = C**L. Every consumed position p < C**L has no key in range there
-        but its own (the others are masked or null), so its layer-L output is a pointwise continuation of
-        ``top_hidden``: running the new layer over the consumed positions alone gives it."""
-        dilation = self.config.chunk_size**cache.depth
-        consumed = cache.top_hidden[:, : cache.length]  # (B, t, d)
-        windows = self._new_layer(cache, consumed.shape[0])
-        self._set_top_hidden(cache, self._thick_layer(consumed, dilation, windows=windows))
+    def _reserve(self, cache: RegularGPTCache, length: int) -> None:
+        """Make room for ``length`` more tokens per row, add the thick layers the batch will need and bring every
+        row to the depth its last new position needs: row b at depth D_b < D(t_b + n - 1) runs its t_b consumed
+        positions (``top_hidden``) through layers D_b, D_b + 1, ...; there every key but a position's own is out of
+        range (t_b <= C**D_b), so this is the parallel pass's pointwise continuation, and it fills the row's
+        windows at those layers. Rows that reach a layer together run it as one chunk of context 0."""
+        chunk_size, lengths = self.config.chunk_size, cache.lengths.tolist()
+        old = [adaptive_depth(t - 1, chunk_size) if t else 0 for t in lengths]
+        new = [adaptive_depth(t + length - 1, chunk_size) for t in lengths]
+        room = capacity(max(lengths) + length)
+        if room != cache.top_hidden.shape[1]:
+            cache.top_hidden = _fit(cache.top_hidden, 1, room)
+            for layer in cache.windows:  # one at a time: the old tensor goes before the next is copied
+                for k, window in enumerate(layer):
+                    layer[k] = window.fit(room)
+        while cache.depth < max(new):
+            cache.windows.append(self._new_layer(cache.batch_size, cache.depth, room))
+        for layer in range(1, cache.depth):
+            rows = [row for row, (held, needed) in enumerate(zip(old, new)) if 1 <= held <= layer < needed]
+            if rows:
+                consumed = max(lengths[row] for row in rows)
+                index = torch.tensor(rows, device=cache.top_hidden.device)  # (R,)
+                allocated, start = cache.windows[layer][0].kv.shape[1], torch.zeros(len(rows), dtype=torch.long)
+                plan = ChunkPlan.build(start, consumed, chunk_size, layer, allocated, index.device, index)
+                hidden = cache.top_hidden[index, :consumed]  # (R, t, d) after layer - 1; garbage past each t_b
+                cache.top_hidden[index, :consumed] = self._thick_layer(
+                    hidden, chunk_size**layer, windows=cache.windows[layer], plan=plan
+                )
 
-    def _new_layer(self, cache: RegularGPTCache, batch_size: int) -> list[KVWindow]:
-        """Append empty windows for the next thick layer's K blocks to the cache; returns them."""
-        dilation = self.config.chunk_size**cache.depth
-        head_dim = self.config.d_model // self.config.n_heads
-        shape = (batch_size, self.config.n_heads, (self.config.chunk_size - 1) * dilation, head_dim)
-        windows = [KVWindow(dilation, self._zeros(shape), self._zeros(shape)) for _ in self.blocks]
-        cache.windows.append(windows)
-        return windows
-
-    def _set_top_hidden(self, cache: RegularGPTCache, top: torch.Tensor) -> None:
-        """top: (B, t, d), every consumed position after the top thick layer; room up to C**depth rows."""
-        room = self._zeros((top.shape[0], self.config.chunk_size**cache.depth - top.shape[1], top.shape[2]))
-        cache.top_hidden = torch.cat([top, room], dim=1)  # (B, C**depth, d)
-        cache.length = top.shape[1]
+    def _new_layer(self, batch_size: int, layer: int, room: int) -> list[KVWindow]:
+        """Empty windows of thick layer ``layer``'s K blocks, with room for ``room`` positions."""
+        ring = (self.config.chunk_size - 1) * self.config.chunk_size**layer
+        shape = (batch_size, min(ring, room), 2 * self.config.d_model)
+        return [KVWindow(ring, self._zeros(shape)) for _ in self.blocks]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, device=self.device, dtype=self.dtype)
@@ -262,13 +555,14 @@ class RegularGPT(SequenceModel):
         dilation: int,
         key_offset: torch.Tensor | None = None,
         windows: list[KVWindow] | None = None,
+        plan: ChunkPlan | None = None,
     ) -> torch.Tensor:
         """The K blocks in order, all at ``dilation``. x: (B, T, d) -> (B, T, d)."""
         for k, block in enumerate(self.blocks):
-            x = block(x, dilation=dilation, key_offset=key_offset, window=windows[k] if windows else None)
+            window = windows[k] if windows else None
+            x = block(x, dilation=dilation, key_offset=key_offset, window=window, plan=plan)
         return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (..., d) -> (..., output_size)."""
         return self.embedding.logits(self.ln_f(hidden))
-

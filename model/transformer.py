@@ -10,25 +10,32 @@ over; a causal query at m attends over m + 1 of them, so the scale depends only 
 and stays causal. At m = 0 the scale is 0, which leaves the single visible key with weight 1, as unscaled.
 
 Decoding keeps per layer the keys and values seen so far in a buffer that doubles when full, so a step
-writes in place (amortised O(1) copying) and the cache holds at most twice the bytes it needs.
+writes in place (amortised O(1) copying) and the cache holds at most twice the bytes it needs. Rows of one
+batch may hold different lengths: the buffer is padded to the longest row, each row writes at its own
+positions and attends with its own query positions (position bias, sinusoids, log scale), and attention masks
+every key past the query, the padding included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.base import InferenceCache, SequenceModel, TokenEmbedding, gather_last
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, gather_last, lengths_tensor
 from model.config import TransformerConfig
 from model.layers import Block, HeadProjections, init_gpt2
 from model.ops.positions import (
     ALiBi,
     KerpleLog,
+    QueryOffset,
     T5Buckets,
     XLRelative,
+    last_query_position,
+    query_positions,
     relative_distance,
     sinusoidal_encoding,
 )
@@ -36,43 +43,76 @@ from model.ops.positions import (
 
 @dataclass
 class KVBuffer:
-    """One layer's keys and values, (B, H, capacity, hd), of which the first ``length`` positions are filled
-    (the length is the owning cache's)."""
+    """One layer's keys and values, (B, H, capacity, hd); row b's first ``lengths[b]`` positions are filled (the
+    lengths are the owning cache's). Positions past a row's length hold zeros: the padding of rows of different
+    lengths, which attention masks (finite, so that the masked weights are exactly 0)."""
 
     keys: torch.Tensor
     values: torch.Tensor
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, H, T, hd) at positions [start, start + T); return all keys and values so far,
-        (B, H, start + T, hd) each."""
-        end = start + k.shape[2]
-        capacity = self.keys.shape[2]
-        if end > capacity:
-            grown = max(end, 2 * capacity)
-            self.keys = _grow(self.keys[:, :, :start], grown)
-            self.values = _grow(self.values[:, :, :start], grown)
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, start: QueryOffset) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, H, T, hd) at row b's positions [start_b, start_b + T) (``start`` an int for every row or
+        (B,) per row); return the keys and values up to the longest row's end, (B, H, max(start) + T, hd) each.
+        A full buffer doubles (at least), so writes stay amortised O(1)."""
+        length = k.shape[2]
+        end = last_query_position(start, length) + 1
+        if end > self.capacity:
+            capacity = max(end, 2 * self.capacity)
+            self.keys, self.values = _pad_capacity(self.keys, capacity), _pad_capacity(self.values, capacity)
+        positions = query_positions(start, length, k.device)  # (T,) or (B, T)
+        index = positions.view(-1, 1, length, 1).expand_as(k)  # (B, H, T, hd)
+        self.keys.scatter_(2, index, k)
+        self.values.scatter_(2, index, v)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def select(self, rows: torch.Tensor, capacity: int) -> KVBuffer:
+        """Copies of ``rows`` (int64 on the buffer's device), keeping the first ``capacity`` positions."""
+        return KVBuffer(self.keys[:, :, :capacity][rows], self.values[:, :, :capacity][rows])
 
-def _grow(filled: torch.Tensor, capacity: int) -> torch.Tensor:
-    """filled: (B, H, T, hd) -> (B, H, capacity, hd) with filled at the front."""
-    batch, heads, length, head_dim = filled.shape
-    grown = filled.new_empty(batch, heads, capacity, head_dim)
-    grown[:, :, :length] = filled
-    return grown
+    @staticmethod
+    def stack(buffers: Sequence[KVBuffer], capacity: int) -> KVBuffer:
+        """The rows of ``buffers`` in order, each padded to ``capacity`` positions (at least every one's)."""
+        return KVBuffer(
+            torch.cat([_pad_capacity(buffer.keys, capacity) for buffer in buffers]),
+            torch.cat([_pad_capacity(buffer.values, capacity) for buffer in buffers]),
+        )
+
+
+def _pad_capacity(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+    """buffer: (B, H, T, hd) -> (B, H, capacity, hd), a new tensor with buffer at the front and zeros after."""
+    return F.pad(buffer, (0, 0, 0, capacity - buffer.shape[2]))
 
 
 @dataclass
 class TransformerCache(InferenceCache):
+    """Every layer's :class:`KVBuffer`, padded to one capacity for all rows.
+
+    :meth:`stack` pads every buffer to the largest capacity among the caches, so a stack holds rows x that
+    capacity (more than the sum of its parts when the caches' capacities differ). :meth:`select` keeps at most
+    twice the longest selected row's length of capacity: a row split off a stack of longer ones drops their
+    padding, and, like a buffer grown by doubling, still holds at most 2x the positions it needs."""
+
     layers: list[KVBuffer]
 
-    def clone(self) -> TransformerCache:
-        layers = [KVBuffer(layer.keys.clone(), layer.values.clone()) for layer in self.layers]
-        return TransformerCache(length=self.length, layers=layers)
+    @classmethod
+    def stack(cls, caches: Sequence[InferenceCache]) -> TransformerCache:
+        capacity = max(cache.layers[0].capacity for cache in caches)
+        layers = [KVBuffer.stack(buffers, capacity) for buffers in zip(*(cache.layers for cache in caches))]
+        return TransformerCache(torch.cat([cache.lengths for cache in caches]), layers)
 
-    def memory_bytes(self) -> int:
+    def select(self, rows: Sequence[int]) -> TransformerCache:
+        index = torch.tensor(list(rows), dtype=torch.long)  # (rows,)
+        lengths = self.lengths[index]
+        capacity = min(self.layers[0].capacity, 2 * int(lengths.max())) if len(index) else 0
+        index = index.to(self.layers[0].keys.device)
+        return TransformerCache(lengths, [layer.select(index, capacity) for layer in self.layers])
+
+    @property
+    def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
 
 
@@ -86,27 +126,35 @@ class CausalSelfAttention(nn.Module):
         self.log_length_scaling = config.log_length_scaling
         self.attention_dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, offset: int, kv: KVBuffer | None) -> torch.Tensor:
-        """x: (B, T, d_model) at positions [offset, offset + T) -> (B, T, d_model). With ``kv``, the keys and
-        values of positions [0, offset) come from it and those of x are appended."""
+    def forward(self, x: torch.Tensor, offset: QueryOffset, kv: KVBuffer | None) -> torch.Tensor:
+        """x: (B, T, d_model) at positions [offset, offset + T) (``offset`` an int, or (B,) int64 on the CPU for
+        rows of different lengths) -> (B, T, d_model). With ``kv``, the keys and values of row b's positions
+        [0, offset_b) come from it and those of x are written after them; keys past a row's own query are
+        masked, the padding of shorter rows included."""
         q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
         if kv is not None:
-            k, v = kv.extend(k, v, offset)  # (B, H, Tk, hd), Tk = offset + T
+            k, v = kv.extend(k, v, offset)  # (B, H, Tk, hd), Tk = max(offset) + T
         query_length, key_length = q.shape[2], k.shape[2]
         if self.position_bias is None:
-            bias = q.new_zeros(query_length, key_length)  # (T, Tk)
+            bias = q.new_zeros(1, 1, query_length, key_length)  # (1, 1, T, Tk)
         else:
             bias = self.position_bias(q, k, offset)  # (1 or B, H, T, Tk)
         if self.log_length_scaling:
-            positions = torch.arange(offset, offset + query_length, device=q.device, dtype=torch.float32)
-            scale = torch.log1p(positions).to(q.dtype)[:, None]  # (T, 1): log(m + 1)
+            positions = query_positions(offset, query_length, q.device).to(torch.float32)  # (T,) or (B, T)
+            scale = torch.log1p(positions).to(q.dtype).view(-1, 1, query_length, 1)  # (1 or B, 1, T, 1): log(m + 1)
             q = q * scale  # scales q.k / sqrt(hd)
             bias = bias * scale
-        future = relative_distance(offset, query_length, key_length, q.device) < 0  # (T, Tk)
-        mask = bias.masked_fill(future, float("-inf"))
+        future = relative_distance(offset, query_length, key_length, q.device) < 0  # (T, Tk) or (B, T, Tk)
+        mask = bias.masked_fill(future.unsqueeze(-3), float("-inf"))  # (1 or B, H, T, Tk)
         dropout = self.attention_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # (B, H, T, hd)
         return self.heads.merge(y)
+
+
+def _query_offset(lengths: torch.Tensor) -> QueryOffset:
+    """The cached rows' first query position: one int when every row holds the same length (then the position
+    bias is shared by the rows, (1, H, Tq, Tk)), else the (B,) lengths."""
+    return int(lengths[0]) if bool((lengths == lengths[0]).all()) else lengths
 
 
 def build_position_bias(config: TransformerConfig) -> nn.Module | None:
@@ -142,17 +190,18 @@ class Transformer(SequenceModel):
         init_gpt2(self, n_residual_layers=config.n_layers)
 
     def hidden(self, tokens: torch.Tensor, cache: TransformerCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) -> final hidden states (B, T, d_model); advances ``cache`` by T."""
-        offset = 0 if cache is None else cache.length
+        """tokens: (B, T) -> final hidden states (B, T, d_model); continues every row of ``cache`` from its own
+        length and advances it by T."""
+        offset = 0 if cache is None else _query_offset(cache.lengths)
         x = self.embedding(tokens)  # (B, T, d_model)
         if self.config.position == "sinusoidal":
-            positions = torch.arange(offset, offset + tokens.shape[1], device=tokens.device)
+            positions = query_positions(offset, tokens.shape[1], tokens.device)  # (T,) or (B, T)
             x = x + sinusoidal_encoding(positions, self.config.d_model).to(x.dtype)  # (B, T, d_model)
         x = self.dropout(x)
         for index, block in enumerate(self.blocks):
             x = block(x, offset=offset, kv=None if cache is None else cache.layers[index])
         if cache is not None:
-            cache.length += tokens.shape[1]
+            cache.lengths = cache.lengths + tokens.shape[1]
         return self.ln_f(x)
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
@@ -168,7 +217,7 @@ class Transformer(SequenceModel):
             )
             for _ in self.blocks
         ]
-        return TransformerCache(length=0, layers=layers)
+        return TransformerCache(lengths_tensor(0, batch_size), layers)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, output_size)
@@ -176,3 +225,42 @@ class Transformer(SequenceModel):
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """The head runs on the last real positions only, not on all B * T."""
         return self.embedding.logits(gather_last(self.hidden(tokens), lengths))  # (B, output_size)
+
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        """T = ``length`` queries per row against Tk = context + T keys ("forward", "final": Tk = T).
+
+        flops: per token the blocks' weights (q, k, v and output projections, MLP, XL's W_r: one multiply-add
+        each), per layer attention 2 T Tk d (q.k and the weighted values: the masked SDPA computes every
+        query-key pair) and for XL the relative term H T Tk d (each query against every distance's encoding)
+        and the content term Tk d; the head's d x output_size per logit position ("final": one per row).
+
+        nbytes: ~8 d + 2 d_ff activations per position and the logits, plus the largest of one layer's
+        transients: the attention scores rows x H x T x Tk once (SDPA's weights, should it take the math path),
+        the position bias twice (itself and its masked or scaled copy; four times for XL, whose terms are
+        summed), per row for a cache whose rows differ and for XL, else shared by the rows, the int64 distances
+        (Tq x Tk, twice), the keys and values read from a cache (2 rows Tk d), and the old buffer of one layer
+        while a KV buffer grows (2 rows 2 context d; the grown buffers are the cache's, counted by
+        :meth:`cache_nbytes`)."""
+        config = self.config
+        context = context if path == "cached" else 0
+        keys, item, xl = context + length, self.dtype.itemsize, config.position == "xl"
+        per_token = sum(p.numel() for p in self.blocks.parameters())
+        attention = (2 * length + (config.n_heads * length + 1 if xl else 0)) * keys * config.d_model
+        logit_positions = rows if path == "final" else rows * length
+        head = logit_positions * config.d_model * config.output_size
+        offset_rows = rows if path == "cached" else 1  # rows with their own query positions
+        pairs = config.n_heads * length * keys
+        scores = rows * pairs * item
+        bias = (4 * rows if xl else 2 * offset_rows) * pairs * item
+        distances = 2 * offset_rows * length * keys * 8
+        cached = (2 * rows * keys + 4 * rows * context) * config.d_model * item if path == "cached" else 0
+        activations = rows * length * (8 * config.d_model + 2 * config.d_ff) * item
+        return Cost(
+            flops=float(rows * (length * per_token + config.n_layers * attention) + head),
+            nbytes=activations + scores + bias + distances + cached + logit_positions * config.output_size * item,
+        )
+
+    def cache_nbytes(self, length: int) -> int:
+        """Keys and values of every layer at the capacity a row may hold after ``length`` tokens: buffers grow by
+        doubling, so up to 2 x ``length`` positions."""
+        return self.config.n_layers * 2 * 2 * length * self.config.d_model * self.dtype.itemsize

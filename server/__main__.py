@@ -3,14 +3,17 @@
 Serves every checkpoint folder under DIR (default: the repository's checkpoints/). Options not given on
 the command line come from REGULARLM_* environment variables (``server/settings.py``). On SIGTERM or
 Ctrl-C the server stops taking requests (/health answers 503 "draining") and finishes those in flight,
-for at most ``drain_timeout_s``. Exit codes: 0 after a clean shutdown, 2 on bad options or when no model
-could be loaded (each failure is printed with its path and reason).
+for at most ``drain_timeout_s``; then every request still in flight gets a JSON 503 (a stream: an SSE error
+event, then ``data: [DONE]``), running work stops at its next slice, and the process exits 0 within
+``drain_timeout_s`` + 5 s (``ANSWER_WAIT_S`` + ``CLOSE_WAIT_S`` + the engine's ``STOP_TIMEOUT_S``, plus polling). Exit codes: 0 after a shutdown, 2 on bad options or when no
+model could be loaded (each failure is printed with its path and reason).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -25,6 +28,8 @@ from server.metrics import ServerMetrics
 from server.settings import Settings
 
 EXIT_NO_MODEL = 2
+ANSWER_WAIT_S = 1.0  # past the drain timeout: how long the 503 answers get to reach their clients
+CLOSE_WAIT_S = 2  # then: uvicorn's graceful shutdown of open connections (whole seconds)
 
 
 class DrainingServer(uvicorn.Server):
@@ -47,10 +52,21 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._exit_when_idle, name="regularlm-drain", daemon=True).start()
 
     def _exit_when_idle(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout_s
-        while self.engine.metrics.in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self._wait_idle(self.drain_timeout_s)
+        if self.engine.metrics.in_flight:
+            logging.getLogger(__name__).warning(
+                "drain_timeout_s (%g s) ran out with %d requests in flight: answering them 503",
+                self.drain_timeout_s,
+                self.engine.metrics.in_flight,
+            )
+            self.engine.abort_in_flight(f"the server is shutting down: its drain timeout ({self.drain_timeout_s:g} s) ran out")
+            self._wait_idle(ANSWER_WAIT_S)
         self.should_exit = True
+
+    def _wait_idle(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self.engine.metrics.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def parse_settings(argv: list[str] | None) -> Settings:
@@ -83,13 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+        timeout_graceful_shutdown=CLOSE_WAIT_S,
     )
     server = DrainingServer(config, engine, settings.drain_timeout_s)
     server.run()
     if engine.state == "failed":
         print(f"error: {engine.detail}", file=sys.stderr)
         return EXIT_NO_MODEL
+    if not engine.stop():  # the lifespan stopped it already, unless a model call still runs
+        # a model call still runs on the worker thread: interpreter shutdown under it would abort (exit 134)
+        logging.getLogger(__name__).warning("the engine's worker is still in a model call; exiting without it")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

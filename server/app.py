@@ -42,7 +42,6 @@ from server.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away; nobody reads it
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
 T = TypeVar("T")
@@ -138,15 +137,15 @@ def _api_router() -> APIRouter:
 
     @router.post("/transduce", response_model=TransduceResponse, response_model_exclude_none=True)
     async def transduce(body: TransduceRequest, request: Request, serving: ServingDep) -> Any:
-        return await _until_disconnected(request, serving.transduce(body))
+        return await _until_disconnected(request, serving.transduce(body, _flow(request)))
 
     @router.post("/generate", response_model=GenerateResponse)
     async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Any:
-        return _respond(await _until_disconnected(request, serving.generate(body)))
+        return _respond(await _until_disconnected(request, serving.generate(body, _flow(request))))
 
     @router.post("/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request, completions: CompletionsDep) -> Any:
-        return _respond(await _until_disconnected(request, completions.create(body)))
+        return _respond(await _until_disconnected(request, completions.create(body, _flow(request))))
 
     return router
 
@@ -158,20 +157,35 @@ def _respond(result: BaseModel | AsyncIterator[str]) -> Any:
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+def _flow(request: Request) -> str:
+    """Who asks, for the scheduler's fairness: the peer address."""
+    return request.client.host if request.client else ""
+
+
 class _ClientGone(Exception):
     pass
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it (which stops its generation) if the client disconnects first."""
+    """Await ``work``; cancel it (which stops its transduce or generation at the engine's next slice) if the
+    client disconnects first. The disconnect is awaited (the ASGI ``http.disconnect`` message), not polled; a
+    stream's is awaited by its ``StreamingResponse``."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise _ClientGone
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise _ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the request body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # --- errors -------------------------------------------------------------------------------------------

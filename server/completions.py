@@ -74,8 +74,9 @@ class CompletionServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    async def create(self, body: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
-        """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts."""
+    async def create(self, body: CompletionRequest, flow: str = "") -> CompletionResponse | AsyncIterator[str]:
+        """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts.
+        ``flow``: who asks (the scheduler's fairness key)."""
         served = self.serving.served(body.model, "generate")
         limit = self.serving.settings.max_inputs
         if len(body.prompts) * body.n > limit:
@@ -96,7 +97,7 @@ class CompletionServing:
                 choices.append(
                     ChoiceState(len(choices), prompt, request.prompt, body.echo, served.tokenizer, body.logprobs)
                 )
-        handle = self.serving.engine.submit_generation(served, requests)
+        handle = self.serving.engine.submit_generation(served, requests, flow)
         response = CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model, choices=[]
         )

@@ -1,10 +1,12 @@
 """The engine: owns the served models and runs every model call on one worker thread, so that the event
 loop (health, metrics, streaming) never waits on torch. No HTTP here.
 
-Requests enter on the event loop through ``transduce`` and ``submit_generation``: a full queue
-(``max_waiting`` requests not yet scheduled) is refused at once with :class:`Overloaded`, and nothing is
-taken while loading or draining (:class:`Unavailable`). The worker thread loads the models, then runs the
-scheduler loop (``server/scheduler.py``: batching and decoding policies).
+Requests enter on the event loop through ``transduce`` and ``submit_generation``: a request with more
+sequences than the queue can ever hold is refused with :class:`InputTooLarge` (413), a full queue
+(``max_waiting`` requests not yet scheduled) at once with :class:`Overloaded` (429), and nothing is taken
+while loading or draining (:class:`Unavailable`). The worker thread loads the models, measures each one's
+speed and computes its limits (``server/costing.py``), then runs the scheduler loop (``server/scheduler.py``).
+``abort_in_flight`` ends every request in flight with an error (the drain timeout's 503).
 """
 
 from __future__ import annotations
@@ -19,16 +21,19 @@ from typing import Literal
 import torch
 
 from server.batching import TransduceJob, TransduceOutput
-from server.errors import APIError, Overloaded, Unavailable, UnknownModel
+from server.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate
+from server.errors import APIError, InputTooLarge, Overloaded, Unavailable, UnknownModel
 from server.generation import Finished, GenerationRequest, Sequence
 from server.mailbox import Mailbox, Postman
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import LoadReport, ServedModel, load_models
-from server.scheduler import STOP, Scheduler
+from server.scheduler import STOP, AbortAll, Scheduler
 from server.settings import Settings
 from server.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 1.0  # how long stopping waits for the worker to end its slice
 
 EngineState = Literal["loading", "ready", "draining", "failed", "stopped"]
 
@@ -67,6 +72,7 @@ class Engine:
         self.detail: str | None = None  # why the state is not "ok", for /health
         self.models: dict[str, ServedModel] = {}
         self.load_failures: list[str] = []
+        self.memory_budget = 0  # bytes running work may hold (server/costing.py)
         self.state_cache = StateCache(
             settings.state_cache_entries, settings.state_cache_bytes, settings.state_cache_min_tokens
         )
@@ -91,14 +97,20 @@ class Engine:
         if self.state == "ready":
             self.state, self.detail = "draining", "shutting down"
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the worker thread; requests still queued are answered 503."""
+    def abort_in_flight(self, message: str) -> None:
+        """End every request in flight with a 503 carrying ``message``; running work stops at its next slice."""
+        self._inbox.put(AbortAll(Unavailable(message, retry_after_s=self.settings.retry_after_s)))
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop the worker thread (it finishes the slice it is in); requests still queued are answered 503.
+        Returns whether the thread ended within ``timeout``."""
         self.begin_drain()
         if self._thread.is_alive():
             self._inbox.put(STOP)
             self._thread.join(timeout)
         if self.state != "failed":
             self.state = "stopped"
+        return not self._thread.is_alive()
 
     # --- requests (event loop) ----------------------------------------------------------------------------
 
@@ -109,9 +121,11 @@ class Engine:
         except KeyError:
             raise UnknownModel(model_id, sorted(self.models)) from None
 
-    async def transduce(self, served: ServedModel, inputs: list[list[int]], all_outputs: bool) -> list[TransduceOutput]:
-        """Token ids of each input -> its labels; batched with other requests' inputs."""
-        job = TransduceJob(served, inputs, all_outputs, RequestTimes(served.id), Mailbox(self._postman))
+    async def transduce(
+        self, served: ServedModel, inputs: list[list[int]], all_outputs: bool, flow: str = ""
+    ) -> list[TransduceOutput]:
+        """Token ids of each input -> its labels; batched with other requests' inputs. ``flow``: who asks."""
+        job = TransduceJob(served, inputs, all_outputs, RequestTimes(served.id), Mailbox(self._postman), flow)
         self._admit([job.times])
         self._inbox.put(job)
         try:
@@ -122,10 +136,12 @@ class Engine:
             raise result
         return result
 
-    def submit_generation(self, served: ServedModel, requests: list[GenerationRequest]) -> GenerationHandle:
+    def submit_generation(
+        self, served: ServedModel, requests: list[GenerationRequest], flow: str = ""
+    ) -> GenerationHandle:
         """Queue one sequence per request (all or none: a full queue raises :class:`Overloaded`)."""
         mailbox = Mailbox(self._postman)
-        sequences = [Sequence(served, request, mailbox, index) for index, request in enumerate(requests)]
+        sequences = [Sequence(served, request, mailbox, index, flow) for index, request in enumerate(requests)]
         self._admit([sequence.times for sequence in sequences])
         for sequence in sequences:
             self._inbox.put(sequence)
@@ -137,6 +153,11 @@ class Engine:
 
     def _admit(self, requests: list[RequestTimes]) -> None:
         self.check_serving()
+        if len(requests) > self.settings.max_waiting:
+            raise InputTooLarge(
+                f"the request needs {len(requests)} sequences; the queue holds at most {self.settings.max_waiting} "
+                "(REGULARLM_MAX_WAITING), so it could never be scheduled"
+            )
         if not self.metrics.admit(requests, self.settings.max_waiting):
             raise Overloaded(
                 f"the queue is full ({self.settings.max_waiting} requests waiting); retry later",
@@ -158,12 +179,38 @@ class Engine:
             if self._on_load_failed is not None:
                 self._on_load_failed(self.detail)
             return
-        self.state, self.detail = "ready", None
-        logger.info("serving %s", ", ".join(sorted(self.models)))
         threads = torch.get_num_threads()
         torch.set_num_threads(self.settings.torch_threads or threads)
         try:
+            self._measure()
+            self.state, self.detail = "ready", None
+            logger.info("serving %s", ", ".join(sorted(self.models)))
             with torch.inference_mode():
-                Scheduler(self.settings, self.metrics, self.state_cache, self._inbox, self._postman).loop()
+                scheduler = Scheduler(
+                    self.settings, self.metrics, self.state_cache, self._inbox, self._postman, self.memory_budget
+                )
+                scheduler.loop()
         finally:
             torch.set_num_threads(threads)
+
+    def _measure(self) -> None:
+        """Switch each model to its scalable paths, measure its speed, and compute the memory budget and the
+        models' limits (``server/costing.py``)."""
+        speeds = {}
+        for served in self.models.values():
+            served.notes = served.model.for_serving()
+            for note in served.notes:
+                logger.info("%s: %s", served.id, note)
+            speeds[served.id] = calibrate(served.model)
+        settings = self.settings
+        device = next(iter(self.models.values())).model.device
+        budget = settings.memory_budget_bytes
+        if budget is None:
+            budget = int(DEFAULT_MEMORY_FRACTION * available_memory(device)) - settings.state_cache_bytes
+        self.memory_budget = max(0, budget)
+        logger.info("memory budget for running work: %.1f MiB", self.memory_budget / 2**20)
+        for served in self.models.values():
+            served.budget = ModelBudget(
+                served.model, speeds[served.id], settings.slice_ms / 1000, self.memory_budget, settings.max_job_seconds
+            )
+            served.limits = served.budget.limits(served.kind, settings.max_input_symbols, settings.max_tokens)

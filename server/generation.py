@@ -1,12 +1,12 @@
-"""One generated sequence's life in the engine: prefill (from a state-cache snapshot when one matches),
-then one token per decode step, until max_tokens, the end-of-text token or a stop string.
+"""One generated sequence's life in the engine: prefill (from a state-cache snapshot when one matches) in
+chunks through its own cache, then one token per decode step in its model's :class:`DecodeBatch`, until
+max_tokens, the end-of-text token or a stop string.
 
-Prefill runs in chunks of the prompt through ``forward(chunk, cache=cache)``, except for RegularGPT, whose
-cached forward continues one token at a time: its prompt goes through one parallel pass (which fills the
-cache). Chunks of equal length of several sequences, and decode steps of several sequences, run as one
-batch when their caches stack (``cache_stacking``): the LRNNs and the LSTM, whose O(1) state makes a
-step's cost and memory independent of the context length. Transformer and RegularGPT sequences run one at
-a time.
+Prefill chunks of several sequences of one model and one chunk length run as one call on their caches
+stacked (``InferenceCache.stack``; rows may hold different lengths), then split back. Once its prompt is
+done a sequence joins its model's decode batch, which keeps the running sequences' caches stacked, so that a
+decode step is one call per model whatever the architecture and the rows' lengths; finished sequences leave
+it (``InferenceCache.select``). The engine never looks at a cache's class.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Literal
 import torch
 
 from model.base import InferenceCache
-from server.cache_stacking import can_stack, split_cache, stack_caches
 from server.detokenize import TextAssembler
 from server.errors import APIError
 from server.mailbox import Mailbox
@@ -25,8 +24,6 @@ from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
 from server.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from server.state_cache import StateCache
-
-WHOLE_PROMPT_PREFILL = {"regulargpt"}  # architectures whose cached forward is sequential
 
 
 @dataclass(frozen=True)
@@ -66,12 +63,16 @@ class Sequence:
     """A sequence's state. Its events go to ``mailbox`` as (index, event): the sequences of one HTTP request
     (several prompts, n choices) share a mailbox."""
 
-    def __init__(self, served: ServedModel, request: GenerationRequest, mailbox: Mailbox, index: int = 0) -> None:
+    def __init__(
+        self, served: ServedModel, request: GenerationRequest, mailbox: Mailbox, index: int = 0, flow: str = ""
+    ) -> None:
         self.served, self.request, self.mailbox, self.index = served, request, mailbox, index
+        self.flow = flow  # who asked (the scheduler's fairness key)
+        self.reserved_bytes = 0  # memory held for its cache while it runs (the scheduler's ledger)
         self.times = RequestTimes(served.id)
         self.generator = request.sampling.generator()
         self.assembler = TextAssembler(served.tokenizer, request.stop)
-        self.cache: InferenceCache | None = None
+        self.cache: InferenceCache | None = None  # its own while prefilling; then a row of its decode batch
         self.next_logits: torch.Tensor | None = None  # (V,) predicting the next token
         self.prefilled = 0
         self.cached_tokens = 0
@@ -121,16 +122,21 @@ def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -
 
 
 def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
-    """Consume the next ``length`` prompt tokens of each sequence in one forward pass (one model; stackable
-    caches, or a single sequence). A sequence whose prompt is then done is snapshotted, scored if asked,
-    and gets its first token. ``length`` 0 only completes prompts taken whole from the state cache."""
+    """Consume the next ``length`` prompt tokens of each sequence (one model) in one forward pass over their
+    stacked caches. A sequence whose prompt is then done is snapshotted, scored if asked, and gets its first
+    token. ``length`` 0 only completes prompts taken whole from the state cache."""
     if length:
         model = sequences[0].served.model
         chunks = torch.tensor(
             [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
             device=model.device,
         )  # (B, n)
-        logits = _run_stacked(model.forward, chunks, [sequence.cache for sequence in sequences])  # (B, n, V)
+        caches = [sequence.cache for sequence in sequences]
+        cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
+        logits = model.forward(chunks, cache=cache)  # (B, n, V)
+        if len(caches) > 1:
+            for sequence, row in zip(sequences, cache.split()):
+                sequence.cache = row
         for sequence, chunk, chunk_logits in zip(sequences, chunks, logits):
             if sequence.request.prompt_logprobs:
                 _score_prompt_chunk(sequence, chunk, chunk_logits)
@@ -149,11 +155,13 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
 
 
 def prefill_length(sequence: Sequence, budget: int) -> int:
-    """How many prompt tokens the sequence prefills next within ``budget``: all that remain for RegularGPT,
-    whose cached forward would go one token at a time."""
-    remaining = len(sequence.request.prompt) - sequence.prefilled
-    whole = sequence.served.config.architecture in WHOLE_PROMPT_PREFILL
-    return remaining if whole else min(remaining, budget)
+    """How many prompt tokens the sequence prefills next: what remains, within ``budget`` tokens and one slice
+    of its model's work."""
+    remaining = min(len(sequence.request.prompt) - sequence.prefilled, budget)
+    if remaining <= 0:
+        return max(remaining, 0)
+    slice_flops = sequence.served.budget.slice_flops
+    return sequence.served.model.chunk_length(slice_flops, context=sequence.prefilled, limit=remaining)
 
 
 def _score_prompt_chunk(sequence: Sequence, chunk: torch.Tensor, logits: torch.Tensor) -> None:
@@ -166,22 +174,36 @@ def _score_prompt_chunk(sequence: Sequence, chunk: torch.Tensor, logits: torch.T
     sequence.prompt_scores += token_logprobs(predictors, targets, sequence.request.logprobs or 0)
 
 
-def decode_step(sequences: list[Sequence], metrics: ServerMetrics) -> None:
-    """One token for each sequence (one model; stackable caches, or a single sequence)."""
-    model = sequences[0].served.model
-    tokens = torch.tensor([sequence.generated[-1] for sequence in sequences], device=model.device)  # (B,)
-    accept(sequences, _run_stacked(model.step, tokens, [sequence.cache for sequence in sequences]), metrics)
+class DecodeBatch:
+    """The decoding sequences of one model, their caches stacked in one (row i is ``sequences[i]``)."""
 
+    def __init__(self) -> None:
+        self.sequences: list[Sequence] = []
+        self.cache: InferenceCache | None = None
 
-def _run_stacked(call, tokens: torch.Tensor, caches: list[InferenceCache]) -> torch.Tensor:
-    """``call(tokens, cache)`` for B sequences at once: tokens (B, ...) -> (B, ...), on their stacked caches
-    (or on the one cache of a single sequence), each cache advanced."""
-    if len(caches) == 1 and not can_stack(caches[0]):
-        return call(tokens, caches[0])
-    stacked = stack_caches(caches)
-    out = call(tokens, stacked)
-    split_cache(stacked, caches)
-    return out
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def join(self, joining: list[Sequence]) -> None:
+        """Add sequences whose prefill is done; their caches become rows of the batch's."""
+        caches = ([] if self.cache is None else [self.cache]) + [sequence.cache for sequence in joining]
+        self.cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
+        self.sequences += joining
+        for sequence in joining:
+            sequence.cache = None
+
+    def drop_finished(self) -> None:
+        keep = [row for row, sequence in enumerate(self.sequences) if not sequence.done]
+        if len(keep) == len(self.sequences):
+            return
+        self.sequences = [self.sequences[row] for row in keep]
+        self.cache = self.cache.select(keep) if keep else None
+
+    def step(self, metrics: ServerMetrics) -> None:
+        """One token for every sequence: one call of the model."""
+        model = self.sequences[0].served.model
+        tokens = torch.tensor([sequence.generated[-1] for sequence in self.sequences], device=model.device)  # (B,)
+        accept(self.sequences, model.step(tokens, self.cache), metrics)  # logits (B, V)
 
 
 def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics) -> None:

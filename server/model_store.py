@@ -15,6 +15,7 @@ from model.base import SequenceModel
 from model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
 from model.config import CheckpointConfig
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from server.costing import ModelBudget, ModelLimits
 from server.errors import InvalidInput
 from server.protocol import ModelCard
 
@@ -29,6 +30,9 @@ class ServedModel:
     path: Path
     tokenizer: Tokenizer | None = None
     symbol_ids: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what ``model.for_serving()`` changed
+    budget: ModelBudget | None = None  # set by the engine once the model's speed is measured
+    limits: ModelLimits | None = None
 
     @property
     def kind(self) -> str:
@@ -45,6 +49,8 @@ class ServedModel:
             tokenizer=self.config.tokenizer,
             vocab_size=self.config.model.vocab_size,
             parameters=sum(parameter.numel() for parameter in self.model.parameters()),
+            limits=None if self.limits is None else self.limits.as_dict(),
+            serving_notes=self.notes,
         )
 
     def encode_symbols(self, text: str, where: str) -> list[int]:

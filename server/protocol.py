@@ -47,6 +47,13 @@ class ModelCard(BaseModel):
     tokenizer: str | None = None
     vocab_size: int
     parameters: int
+    limits: dict[str, int] | None = Field(
+        None,
+        description="the largest inputs this server ever admits for the model, given the path it runs, its measured "
+        "speed and the memory budget: max_input_symbols (a transduce input with outputs 'final', or a prompt), "
+        "max_all_outputs_symbols (outputs 'all'), max_context_tokens (prompt + max_tokens)",
+    )
+    serving_notes: list[str] = Field(default_factory=list, description="implementation changes made for serving")
 
 
 class ModelList(BaseModel):

@@ -1,21 +1,31 @@
 """The engine's worker loop: what runs when, on the one thread that calls the models.
 
-Each iteration
+All work is cut into bounded units, so that no request holds the engine for long: transduce batches planned
+to fit one slice (``settings.slice_ms`` of the model's measured speed) and long inputs run one slice per turn
+(``server/batching.py``), prefill chunks of at most one slice and ``prefill_chunk_tokens`` tokens per
+iteration, and one decode step per model per iteration (``server/generation.py``). Each iteration
 
 1. takes new work from the inbox (blocking only when idle, or until the transduce gathering window ends);
-2. runs the transduce batches once the oldest waiting input is ``batch_wait_ms`` old or ``max_batch_symbols``
-   are waiting (policy: ``server/batching.py``); a batch runs to its end before decoding goes on, so a
-   large transduce batch lengthens the inter-token latency of the sequences being decoded meanwhile. The
-   window is skipped while requests come one at a time (``gather_window``);
-3. drops sequences whose client went away, and schedules waiting ones, oldest first, up to ``max_running``;
-4. prefills up to ``prefill_chunk_tokens`` prompt tokens, oldest sequence first (``server/generation.py``);
-5. runs one decode step for every running sequence: one batched step per model when the caches stack (the
-   LRNNs and the LSTM: O(1) states, any mix of lengths, ``server/cache_stacking.py``), one step per
-   sequence otherwise (the transformer's KV cache and RegularGPT's windows depend on the length);
-6. hands every event of the iteration to the event loop at once.
+2. drops work whose client went away (a long transduce stops before its next slice);
+3. runs transduce units for about one slice in all, in fair order;
+4. admits waiting sequences, in fair order, up to ``max_running`` and while their memory fits;
+5. prefills up to ``prefill_chunk_tokens`` prompt tokens, in fair order, chunks of one model and length batched;
+6. runs one decode step per model over all its decoding sequences (continuous batching: a sequence joins the
+   batch after its prefill and leaves it when it finishes, whatever its length and architecture);
+7. hands every event of the iteration to the event loop at once.
 
-So decode steps are batched continuously: a sequence joins the batch the iteration after its prefill ends
-and leaves it when it finishes. A model call that raises fails only the requests in that call.
+**Fairness** (``FairShare``): every request belongs to a flow, its client (the peer address). Transduce work
+is taken least-served flow first, then, within a flow, least-served request first, then oldest: a flow's
+service is the model seconds spent on its work while it had work queued (a batch charges its flows and
+requests in proportion to their symbols); a flow with nothing queued is forgotten. So a short request goes
+ahead of a 100k-symbol input that is running, whoever sent them, and two heavy clients alternate. Prefill
+and admission take the least-served flow first, then the oldest. Decode is not rationed: every running
+sequence steps every iteration.
+
+**Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens; a
+long transduce: what its slices keep) and the call in progress its activations, within the budget of
+``server/costing.py``; work that does not fit now waits, and admission (the engine) refuses with 413 what
+could never fit. A model call that raises fails only the requests in that call.
 """
 
 from __future__ import annotations
@@ -24,19 +34,66 @@ import logging
 import queue
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
 
-from server.batching import TransduceItem, TransduceJob, plan_batches, run_batch
-from server.cache_stacking import can_stack
-from server.errors import ModelFailure, Unavailable
-from server.generation import Sequence, decode_step, prefill, prefill_length, start
+from server.batching import LongTransduce, TransduceItem, TransduceJob, batch_cost, plan_batches, run_batch
+from server.errors import APIError, ModelFailure, Unavailable
+from server.generation import DecodeBatch, Sequence, prefill, prefill_length, start
 from server.mailbox import Postman
 from server.metrics import ServerMetrics
+from server.model_store import ServedModel
 from server.settings import Settings
 from server.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 
 STOP = object()  # put into the inbox to end the loop
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """Put into the inbox to end every request in flight with ``error`` (e.g. 503 past the drain timeout)."""
+
+    error: APIError
+
+
+class FairShare:
+    """Model seconds of service per flow, while the flow has work queued."""
+
+    def __init__(self) -> None:
+        self.service: dict[str, float] = {}
+
+    def charge(self, flows: dict[str, float], seconds: float) -> None:
+        """``flows``: flow -> its share (weights, summing to anything positive) of a call of ``seconds``."""
+        total = sum(flows.values()) or 1.0
+        for flow, weight in flows.items():
+            self.service[flow] = self.service.get(flow, 0.0) + seconds * weight / total
+
+    def priority(self, flows: Iterable[str]) -> float:
+        """Lower goes first: the least service among ``flows``."""
+        return min((self.service.get(flow, 0.0) for flow in flows), default=0.0)
+
+    def keep_only(self, active: set[str]) -> None:
+        self.service = {flow: seconds for flow, seconds in self.service.items() if flow in active}
+
+
+class MemoryLedger:
+    """Bytes held by running work against the budget."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.held = budget, 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.held + nbytes <= self.budget
+
+    def hold(self, nbytes: int) -> None:
+        self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
 
 
 class Scheduler:
@@ -49,6 +106,7 @@ class Scheduler:
         state_cache: StateCache,
         inbox: queue.SimpleQueue,
         postman: Postman,
+        memory_budget: int,
     ) -> None:
         self.settings, self.metrics, self.state_cache, self.inbox, self.postman = (
             settings,
@@ -57,138 +115,301 @@ class Scheduler:
             inbox,
             postman,
         )
-        self.items: list[TransduceItem] = []
-        self.first_item_at = 0.0
-        self.jobs_waiting = 0  # transduce requests among ``items``
+        self.fair = FairShare()
+        self.memory = MemoryLedger(memory_budget)
+        self.short: list[TransduceItem] = []  # short transduce inputs being gathered
+        self.first_short_at = 0.0
+        self.jobs_waiting = 0  # transduce requests among ``short``
         self.first_job_found_idle = False  # the oldest of them woke an idle worker
-        self.last_run_jobs = 0  # transduce requests served by the previous run
+        self.last_run_jobs = 0  # transduce requests served by the previous batch run
+        self.long: list[LongTransduce] = []  # long transduce inputs, started or not
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
+        self.decoding: dict[str, DecodeBatch] = {}  # model id -> its decode batch
 
     def loop(self) -> None:
         while self._receive():
-            if self.items and self._transduce_due():
-                self._run_transduce()
+            self._drop_cancelled()
+            self._run_transduce()
             self._schedule()
             self._prefill()
             self._decode()
+            self.fair.keep_only(self._active_flows())
             self.postman.flush()
-        self._refuse_remaining()
+        self._fail_all(Unavailable("the server is shutting down"))
         self.postman.flush()
+
+    # --- intake -------------------------------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding or self.long)
 
     def _receive(self) -> bool:
         """Move new work from the inbox; False once asked to stop."""
         timeout: float | None = 0.0
-        idle = not (self.running or self.waiting or self.items) and self.inbox.empty()  # new work will wake us
-        if not (self.running or self.waiting):
-            timeout = None if not self.items else max(0.0, self.first_item_at + self.gather_window() - time.monotonic())
+        idle = not (self._busy() or self.short) and self.inbox.empty()  # new work will wake us
+        if not self._busy():
+            timeout = None if not self.short else max(0.0, self.first_short_at + self.gather_window() - time.monotonic())
         try:
             work = self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait()
             while True:
                 if work is STOP:
                     return False
-                if isinstance(work, TransduceJob):
-                    if not self.items:
-                        self.first_item_at, self.first_job_found_idle = time.monotonic(), idle
-                    self.items += work.items()
-                    self.jobs_waiting += 1
+                if isinstance(work, AbortAll):
+                    self._fail_all(work.error)
+                elif isinstance(work, TransduceJob):
+                    self._take_job(work, idle)
                 else:
                     self.waiting.append(work)
                 work = self.inbox.get_nowait()
         except queue.Empty:
             return True
 
+    def _take_job(self, job: TransduceJob, idle: bool) -> None:
+        items = job.items()
+        self.long += [LongTransduce(item) for item in items if item.sliced]
+        short = [item for item in items if not item.sliced]
+        if short:
+            if not self.short:
+                self.first_short_at, self.first_job_found_idle = time.monotonic(), idle
+            self.short += short
+            self.jobs_waiting += 1
+
     def gather_window(self) -> float:
-        """Seconds to gather transduce inputs after the oldest arrived: ``batch_wait_ms``, or 0 when requests come
-        one at a time: a single request is waiting, it reached a worker with nothing else to do, and the previous
-        run served a single request. A request that arrives while a batch runs (other clients are active), or
-        after a run of several requests (their clients are about to send their next ones together), waits."""
+        """Seconds to gather short transduce inputs after the oldest arrived: ``batch_wait_ms``, or 0 when requests
+        come one at a time: a single request is waiting, it reached a worker with nothing else to do, and the
+        previous run served a single request. A request that arrives while other work runs (other clients are
+        active), or after a run of several requests (their clients are about to send their next ones together),
+        waits."""
         if self.jobs_waiting == 1 and self.first_job_found_idle and self.last_run_jobs <= 1:
             return 0.0
         return self.settings.batch_wait_ms / 1000
 
-    def _transduce_due(self) -> bool:
-        symbols = sum(len(item.tokens) for item in self.items)
-        return (
-            symbols >= self.settings.max_batch_symbols or time.monotonic() >= self.first_item_at + self.gather_window()
+    def _short_due(self) -> bool:
+        symbols = sum(len(item.tokens) for item in self.short)
+        return bool(self.short) and (
+            symbols >= self.settings.max_batch_symbols
+            or time.monotonic() >= self.first_short_at + self.gather_window()
         )
 
-    def _run_transduce(self) -> None:
-        for item in self.items:
+    def _drop_cancelled(self) -> None:
+        for item in self.short:
             if item.job.cancelled:
                 item.job.abort(self.metrics)
-        items = [item for item in self.items if not item.job.done]
-        self.items, self.last_run_jobs, self.jobs_waiting = [], self.jobs_waiting, 0
-        for item in items:
-            if item.job.times.scheduled is None:
-                self.metrics.scheduled(item.job.times)
-        for batch in plan_batches(items, self.settings.max_batch_size, self.settings.max_batch_symbols):
-            started = time.perf_counter()
-            try:
-                outputs = run_batch(batch)
-                self.metrics.model_executed(batch[0].job.served.id, time.perf_counter() - started)
-            except Exception as error:
-                logger.exception("transduce batch of %d inputs failed", len(batch))
-                for item in batch:
-                    item.job.fail(ModelFailure(f"the model failed on this batch: {error}"), self.metrics)
-                continue
-            for item, output in zip(batch, outputs):
-                item.job.complete(item.index, output, self.metrics)
-
-    def _schedule(self) -> None:
-        for sequence in [*self.waiting, *self.running]:
+        self.short = [item for item in self.short if not item.job.done]
+        for long in self.long:
+            if long.item.job.cancelled:
+                long.item.job.abort(self.metrics)
+        self._drop_finished_long()
+        for sequence in [*self.waiting, *self.prefilling, *self._decoding_sequences()]:
             if sequence.cancelled and not sequence.done:
                 sequence.abort(self.metrics)
-        self.waiting = deque(sequence for sequence in self.waiting if not sequence.done)
-        self.running = [sequence for sequence in self.running if not sequence.done]
-        while self.waiting and len(self.running) < self.settings.max_running:
-            sequence = self.waiting.popleft()
-            self._guarded([sequence], start, sequence, self.state_cache, self.metrics)
-            self.running.append(sequence)
+        self._drop_finished_sequences()
+
+    # --- transduce ----------------------------------------------------------------------------------------
+
+    def _run_transduce(self) -> None:
+        """Batches and long-input slices, least-served flow first, until about one slice has run."""
+        units: list[tuple[float, float, float, Callable[[], bool]]] = []  # (flow's, job's service, arrival, run)
+        if self._short_due():
+            batches = plan_batches(self.short, self.settings.max_batch_size, self.settings.max_batch_symbols)
+            self.last_run_jobs, self.jobs_waiting = self.jobs_waiting, 0
+            for batch in batches:
+                jobs = [item.job for item in batch]
+                order = (
+                    self.fair.priority({job.flow for job in jobs}),
+                    min(job.service for job in jobs),
+                    min(job.times.arrival for job in jobs),
+                )
+                units.append((*order, lambda batch=batch: self._run_batch(batch)))
+        for long in self.long:
+            job = long.item.job
+            order = (self.fair.priority([job.flow]), job.service, job.times.arrival)
+            units.append((*order, lambda long=long: self._run_slice(long)))
+        started = time.perf_counter()
+        for *_, run in sorted(units, key=lambda unit: unit[:3]):
+            if time.perf_counter() - started >= self.settings.slice_ms / 1000:
+                break
+            run()
+        self._drop_finished_long()
+        if not self.short:
+            self.jobs_waiting = 0
+
+    def _run_batch(self, batch: list[TransduceItem]) -> bool:
+        """Run one batch now if its call fits in memory now; False if it must wait."""
+        batch = [item for item in batch if not item.job.done]
+        if not batch:
+            return False
+        cost = batch_cost(batch[0], len(batch), max(len(item.tokens) for item in batch))
+        if not self.memory.fits(cost.nbytes):
+            return False
+        served = batch[0].job.served
+        for item in batch:
+            if item.job.times.scheduled is None:
+                self.metrics.scheduled(item.job.times)
+        running = {id(item) for item in batch}
+        self.short = [item for item in self.short if id(item) not in running]
+        try:
+            seconds, outputs = self._timed(served, cost.flops, lambda: run_batch(batch))
+        except Exception as error:
+            logger.exception("transduce batch of %d inputs failed", len(batch))
+            for item in batch:
+                item.job.fail(ModelFailure(f"the model failed on this batch: {error}"), self.metrics)
+            return True
+        flows: dict[str, float] = {}
+        symbols = sum(len(item.tokens) for item in batch)
+        for item, output in zip(batch, outputs):
+            flows[item.job.flow] = flows.get(item.job.flow, 0.0) + len(item.tokens)
+            item.job.service += seconds * len(item.tokens) / symbols
+            item.job.complete(item.index, output, self.metrics)
+        self.fair.charge(flows, seconds)
+        return True
+
+    def _run_slice(self, long: LongTransduce) -> bool:
+        """One slice of a long input; its memory is held from the first slice. False if it must wait."""
+        job = long.item.job
+        if job.done:
+            return False
+        if not long.started:
+            if not self.memory.fits(long.item.cost.nbytes):
+                return False
+            self.memory.hold(long.item.cost.nbytes)
+            if job.times.scheduled is None:
+                self.metrics.scheduled(job.times)
+        served = job.served
+        try:
+            seconds, _ = self._timed(served, served.budget.slice_flops, long.advance)
+        except Exception as error:
+            logger.exception("a slice of a %d-symbol transduce input failed", len(long.item.tokens))
+            job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
+            return True
+        self.fair.charge({job.flow: 1.0}, seconds)
+        job.service += seconds
+        if long.output is not None:
+            job.complete(long.item.index, long.output, self.metrics)
+        return True
+
+    def _drop_finished_long(self) -> None:
+        """Release the memory of long inputs that are answered, failed or abandoned."""
+        keep = []
+        for long in self.long:
+            if long.item.job.done or long.output is not None:
+                if long.started:
+                    self.memory.release(long.item.cost.nbytes)
+                long.close()
+            else:
+                keep.append(long)
+        self.long = keep
+
+    # --- generation -----------------------------------------------------------------------------------------
+
+    def _decoding_sequences(self) -> list[Sequence]:
+        return [sequence for batch in self.decoding.values() for sequence in batch.sequences]
+
+    def _running(self) -> int:
+        return len(self.prefilling) + sum(map(len, self.decoding.values()))
+
+    def _schedule(self) -> None:
+        """Admit waiting sequences, least-served flow first, while there is room and memory."""
+        order = sorted(self.waiting, key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.times.arrival))
+        admitted = set()
+        for sequence in order:
+            if self._running() >= self.settings.max_running:
+                break
+            need = sequence.served.budget.context_cost(len(sequence.request.prompt) + sequence.request.max_tokens)
+            if not self.memory.fits(need.nbytes):
+                continue
+            self.memory.hold(need.nbytes)
+            sequence.reserved_bytes = need.nbytes
+            admitted.add(id(sequence))
+            self._guarded([sequence], lambda sequence=sequence: start(sequence, self.state_cache, self.metrics))
+            self.prefilling.append(sequence)  # released by _drop_finished_sequences if start failed
+        self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in admitted)
 
     def _prefill(self) -> None:
-        """Chunks for the oldest prefilling sequences within the token budget, batched by equal length."""
+        """Chunks for the least-served prefilling sequences within the token budget, batched by model and length."""
         budget = self.settings.prefill_chunk_tokens
-        groups: dict[tuple, list[Sequence]] = {}
-        for sequence in [s for s in self.running if not s.generated and not s.done]:
-            if budget <= 0:
+        groups: dict[tuple[str, int], list[Sequence]] = {}
+        order = sorted(
+            self.prefilling, key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.times.arrival)
+        )
+        for sequence in order:
+            if budget <= 0 and sequence.prefilling:
                 break
             length = prefill_length(sequence, budget)
             budget -= length
-            groups.setdefault((*_batch_key(sequence), length), []).append(sequence)
-        for (*_, length), group in groups.items():
-            self._guarded(group, prefill, group, length, self.state_cache, self.metrics)
+            groups.setdefault((sequence.served.id, length), []).append(sequence)
+        for (_, length), group in groups.items():
+            model = group[0].served.model
+            flops = model.cost("cached", len(group), length, context=min(s.prefilled for s in group)).flops
+            seconds = self._guarded(
+                group, lambda group=group, length=length: prefill(group, length, self.state_cache, self.metrics), flops
+            )
+            self.fair.charge({sequence.flow: 1.0 for sequence in group}, seconds)
+        self._drop_finished_sequences()
+        joining: dict[str, list[Sequence]] = {}
+        for sequence in self.prefilling:
+            if not sequence.prefilling:
+                joining.setdefault(sequence.served.id, []).append(sequence)
+        self.prefilling = [sequence for sequence in self.prefilling if sequence.prefilling]
+        for model_id, sequences in joining.items():
+            self.decoding.setdefault(model_id, DecodeBatch()).join(sequences)
 
     def _decode(self) -> None:
-        groups: dict[tuple, list[Sequence]] = {}
-        for sequence in self.running:
-            if sequence.generated and not sequence.done:
-                groups.setdefault(_batch_key(sequence), []).append(sequence)
-        for group in groups.values():
-            self._guarded(group, decode_step, group, self.metrics)
-        self.running = [sequence for sequence in self.running if not sequence.done]
+        for batch in self.decoding.values():
+            sequences = list(batch.sequences)
+            self._guarded(sequences, lambda batch=batch: batch.step(self.metrics))
+        self._drop_finished_sequences()
 
-    def _guarded(self, sequences: list[Sequence], call, *args) -> None:
-        """Run a model call for ``sequences``; if it raises, only they fail."""
+    def _drop_finished_sequences(self) -> None:
+        """Release finished sequences' memory and rows."""
+        for sequence in [*self.prefilling, *self._decoding_sequences()]:
+            if sequence.done and sequence.reserved_bytes:
+                self.memory.release(sequence.reserved_bytes)
+                sequence.reserved_bytes = 0
+        self.prefilling = [sequence for sequence in self.prefilling if not sequence.done]
+        self.waiting = deque(sequence for sequence in self.waiting if not sequence.done)
+        for model_id, batch in list(self.decoding.items()):
+            batch.drop_finished()
+            if not batch.sequences:
+                del self.decoding[model_id]
+
+    # --- helpers ------------------------------------------------------------------------------------------
+
+    def _timed(self, served: ServedModel, flops: float, call: Callable[[], T]) -> tuple[float, T]:
+        """Run a model call of about ``flops`` multiply-adds; record its time (metrics and the model's measured
+        speed). Returns (seconds, its result)."""
         started = time.perf_counter()
+        result = call()
+        seconds = time.perf_counter() - started
+        self.metrics.model_executed(served.id, seconds)
+        served.budget.speed.observe(flops, seconds)
+        return seconds, result
+
+    def _guarded(self, sequences: list[Sequence], call: Callable[[], object], flops: float = 0.0) -> float:
+        """Run a model call for ``sequences``; if it raises, only they fail. Returns its seconds."""
         try:
-            call(*args)
-            self.metrics.model_executed(sequences[0].served.id, time.perf_counter() - started)
+            return self._timed(sequences[0].served, flops, call)[0]
         except Exception as error:
             logger.exception("a model call failed for %d sequence(s)", len(sequences))
             for sequence in sequences:
                 if not sequence.done:
                     sequence.abort(self.metrics, ModelFailure(f"the model failed: {error}"))
+            return 0.0
 
-    def _refuse_remaining(self) -> None:
-        stopping = Unavailable("the server is shutting down")
-        for item in self.items:
-            item.job.fail(stopping, self.metrics)
-        for sequence in [*self.waiting, *self.running]:
+    def _active_flows(self) -> set[str]:
+        flows = {item.job.flow for item in self.short} | {long.item.job.flow for long in self.long}
+        return flows | {s.flow for s in [*self.waiting, *self.prefilling, *self._decoding_sequences()]}
+
+    def _fail_all(self, error: APIError) -> None:
+        """End every request in flight with ``error``; running slices stop here."""
+        for item in self.short:
+            item.job.fail(error, self.metrics)
+        for long in self.long:
+            long.item.job.fail(error, self.metrics)
+        for sequence in [*self.waiting, *self.prefilling, *self._decoding_sequences()]:
             if not sequence.done:
-                sequence.abort(self.metrics, stopping)
-
-
-def _batch_key(sequence: Sequence) -> tuple:
-    """Sequences with equal keys run as one batch: one per model when their caches stack, else each alone."""
-    return (sequence.served.id,) if can_stack(sequence.cache) else (sequence.served.id, id(sequence))
+                sequence.abort(self.metrics, error)
+        self.short = []
+        self._drop_finished_long()
+        self._drop_finished_sequences()

@@ -58,11 +58,12 @@ class Serving:
 
     # --- /v1/transduce --------------------------------------------------------------------------------
 
-    async def transduce(self, body: TransduceRequest) -> TransduceResponse:
+    async def transduce(self, body: TransduceRequest, flow: str = "") -> TransduceResponse:
+        """``flow``: who asks (the scheduler's fairness key)."""
         served, all_outputs = self.served(body.model, "transduce"), body.outputs == "all"
         self._check_transduce_size(served, body.inputs, all_outputs)
         inputs = [served.encode_symbols(text, f"inputs[{i}]") for i, text in enumerate(body.inputs)]
-        outputs = await self.engine.transduce(served, inputs, all_outputs)
+        outputs = await self.engine.transduce(served, inputs, all_outputs, flow)
         labels = served.config.labels
         results = [
             TransduceResult(
@@ -75,20 +76,27 @@ class Serving:
         return TransduceResponse(model=body.model, results=results, usage=TransduceUsage(symbols=sum(map(len, inputs))))
 
     def _check_transduce_size(self, served: ServedModel, inputs: list[str], all_outputs: bool) -> None:
-        """The server's limits, and for outputs "all" the model's own (``SequenceModel.max_all_outputs_symbols``)."""
+        """The server's limits, and the model's own (``ServedModel.limits``, listed in /v1/models)."""
         limits = self.settings
         if len(inputs) > limits.max_inputs:
             raise InputTooLarge(f"{len(inputs)} inputs; the limit is {limits.max_inputs} per request")
-        all_limit = served.model.max_all_outputs_symbols if all_outputs else None
+        if all_outputs:
+            model_limit, name = served.limits.max_all_outputs_symbols, "max_all_outputs_symbols"
+        else:
+            model_limit, name = served.limits.max_input_symbols, "max_input_symbols"
         for i, text in enumerate(inputs):
             if not text:
                 raise InvalidInput(f"inputs[{i}] is empty; an input needs at least one symbol")
             if len(text) > limits.max_input_symbols:
                 raise InputTooLarge(f"inputs[{i}] has {len(text)} symbols; the limit is {limits.max_input_symbols}")
-            if all_limit is not None and len(text) > all_limit:
+            if len(text) > model_limit:
+                hint = ""
+                if all_outputs and len(text) <= served.limits.max_input_symbols:
+                    hint = f'; outputs "final" admits up to {served.limits.max_input_symbols}'
                 raise InputTooLarge(
-                    f'inputs[{i}] has {len(text)} symbols; model {served.id!r} computes outputs "all" for at most '
-                    f'{all_limit} symbols per input (each prefix is a separate pass); ask for outputs "final"'
+                    f'inputs[{i}] has {len(text)} symbols; model {served.id!r} admits at most {model_limit} with '
+                    f'outputs "{"all" if all_outputs else "final"}" on this server (limits.{name} in /v1/models: '
+                    f"the path it runs must fit the memory budget and {self.settings.max_job_seconds:g} s){hint}"
                 )
         total = sum(map(len, inputs))
         if total > limits.max_request_symbols:
@@ -115,17 +123,24 @@ class Serving:
             raise InvalidInput("the prompt is empty; it needs at least one token")
         if len(tokens) > self.settings.max_input_symbols:
             raise InputTooLarge(f"the prompt has {len(tokens)} tokens; the limit is {self.settings.max_input_symbols}")
+        context_limit = served.limits.max_context_tokens
+        if len(tokens) + max_tokens > context_limit:
+            raise InputTooLarge(
+                f"the prompt has {len(tokens)} tokens and max_tokens is {max_tokens}; model {served.id!r} holds at "
+                f"most {context_limit} tokens of context on this server (limits.max_context_tokens in /v1/models: "
+                "its cache must fit the memory budget)"
+            )
         seed = None if fields.seed is None else (fields.seed + seed_offset) % 2**63
         sampling = SamplingParams(fields.temperature, fields.top_p, fields.top_k, seed)
         return GenerationRequest(tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs)
 
     # --- /v1/generate -------------------------------------------------------------------------------------
 
-    async def generate(self, body: GenerateRequest) -> GenerateResponse | AsyncIterator[str]:
+    async def generate(self, body: GenerateRequest, flow: str = "") -> GenerateResponse | AsyncIterator[str]:
         """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts."""
         served = self.served(body.model, "generate")
         handle = self.engine.submit_generation(
-            served, [self.generation_request(served, body.prompt, body, body.max_tokens)]
+            served, [self.generation_request(served, body.prompt, body, body.max_tokens)], flow
         )
         if body.stream:
             return self._generate_events(body.model, handle)

@@ -35,6 +35,17 @@ class Settings(BaseSettings):
     max_running: int = Field(64, gt=0, description="sequences decoded at once (continuous batching)")
     max_waiting: int = Field(256, gt=0, description="requests queued beyond those running; more get 429")
     prefill_chunk_tokens: int = Field(2048, gt=0, description="prompt tokens prefilled per scheduler iteration")
+    slice_ms: float = Field(
+        50.0, gt=0, description="the work of one scheduler slice (a transduce batch, a slice of a long input, a "
+        "prefill chunk), in milliseconds of the model's measured speed: how long other work may wait behind it"
+    )
+    max_job_seconds: float = Field(
+        300.0, gt=0, description="the longest estimated computation one input may need; longer ones are refused (413)"
+    )
+    memory_budget_bytes: int | None = Field(
+        None, ge=0, description="bytes running work may hold at once (caches, activations); default half the "
+        "memory available after loading, less state_cache_bytes"
+    )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 or 503")
 
     state_cache_entries: int = Field(64, ge=0, description="prompt-state snapshots kept (LRU); 0 turns it off")
@@ -47,5 +58,8 @@ class Settings(BaseSettings):
         description="intra-op threads of the model calls; default torch's (one per core). Small models "
         "on a shared CPU often run fastest with 1",
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="how long SIGTERM waits for requests in flight")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="how long SIGTERM waits for requests in flight; then they get 503 and the process "
+        "exits within drain_timeout_s + 5 s"
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -26,7 +26,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return self.cache.memory_bytes() + self.logits.numel() * self.logits.element_size()
+        return self.cache.nbytes + self.logits.numel() * self.logits.element_size()
 
 
 @dataclass
@@ -73,7 +73,7 @@ class StateCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        if cache.memory_bytes() + logits.numel() * logits.element_size() > self.max_bytes:
+        if cache.nbytes + logits.numel() * logits.element_size() > self.max_bytes:
             return
         snapshot = Snapshot(cache.clone(), logits.detach().clone(), len(tokens))
         self._entries[key] = snapshot

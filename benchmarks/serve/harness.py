@@ -76,9 +76,24 @@ def machine(device: str = "cpu") -> str:
     )
 
 
+class ServerURL(str):
+    """A server's base URL that also knows the server's process id."""
+
+    pid: int
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set size so far (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
+
+
 @contextmanager
-def server_process(models: Path, threads: int, device: str = "cpu", **settings: object) -> Iterator[str]:
-    """``python -m server`` on a free port with REGULARLM_* settings; yields its URL; SIGTERM at the end."""
+def server_process(models: Path, threads: int, device: str = "cpu", **settings: object) -> Iterator[ServerURL]:
+    """``python -m server`` on a free port with REGULARLM_* settings; yields its URL (with ``.pid``); SIGTERM at
+    the end."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -87,7 +102,8 @@ def server_process(models: Path, threads: int, device: str = "cpu", **settings: 
     env["REGULARLM_TORCH_THREADS"] = str(threads)
     command = [sys.executable, "-m", "server", "--models", str(models), "--port", str(port), "--device", device]
     process = subprocess.Popen([*command, "--log-level", "warning"], cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = ServerURL(f"http://127.0.0.1:{port}")
+    url.pid = process.pid
     try:
         deadline = time.monotonic() + 120
         while not _healthy(url):

@@ -12,8 +12,9 @@ Implementations, one signature
 
 - ``dilated_attention_reference``: the T x T additive mask of eq. 1 (plus one null column per j) and plain
   softmax attention, O(T^2);
-- ``dilated_attention_fast``: gathers the chunk_size dilated keys of every position from shifted views of the
-  left-padded keys and values and attends over them, O(T * chunk_size), never a T x T tensor.
+- ``dilated_attention_fast``: gathers the dilated keys of every position from shifted views of the left-padded
+  keys and values and attends over them, O(T * J), never a T x T tensor; J = min(chunk_size, (T - 1) //
+  dilation + 1) are the slots any query can reach (the others are out of range for every position).
 
 ``dilated_attention(..., impl)`` picks one explicitly; "auto" is "reference" up to ``AUTO_REFERENCE_MAX_T``
 positions and "fast" beyond. Both are exact. Below ~64 positions the reference's few large matmuls beat the fast
@@ -77,14 +78,21 @@ def dilated_attention_fast(
     """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None; null_key, null_value:
     (H, hd) or None -> (B, H, T, hd)."""
     length = q.shape[2]
-    reach = (chunk_size - 1) * dilation
+    slots = reachable_slots(chunk_size, dilation, length - 1)  # J: the keys j >= J back lie before position 0
+    reach = (slots - 1) * dilation
     k_padded = F.pad(k, (0, 0, reach, 0))  # (B, H, reach + T, hd)
     v_padded = F.pad(v, (0, 0, reach, 0))  # (B, H, reach + T, hd)
-    starts = [reach - j * dilation for j in range(chunk_size)]
-    keys = torch.stack([k_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, C, hd)
-    values = torch.stack([v_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, C, hd)
-    valid = _slots_in_range(length, chunk_size, dilation, key_offset, q.device)  # (B or 1, 1, T, C)
+    starts = [reach - j * dilation for j in range(slots)]
+    keys = torch.stack([k_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, J, hd)
+    values = torch.stack([v_padded[:, :, s : s + length] for s in starts], dim=3)  # (B, H, T, J, hd)
+    valid = _slots_in_range(length, slots, dilation, key_offset, q.device)  # (B or 1, 1, T, J)
     return attend_gathered(q, keys, values, relative_bias, valid, null_key, null_value)
+
+
+def reachable_slots(chunk_size: int, dilation: int, last_position: int) -> int:
+    """J = min(C, last_position // dilation + 1): the slots j whose key m - j * dilation can lie at a position >= 0
+    for some query m <= last_position. The slots j >= J are out of range for every such query."""
+    return min(chunk_size, last_position // dilation + 1)
 
 
 def attend_gathered(
@@ -96,21 +104,26 @@ def attend_gathered(
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention of each query over its own C gathered keys (j = 0 is the query's own position).
+    """Softmax attention of each query over its own gathered keys (j = 0 is the query's own position).
 
-    q: (B, H, T, hd); keys, values: (B, H, T, C, hd), finite; relative_bias: (H, C); valid: bool broadcastable
-    to (B, H, T, C), True at least at j = 0; null_key, null_value: (H, hd) or None. The slots that are not
-    ``valid`` are masked, or hold the null key and value. Returns (B, H, T, hd). Shared by the fast op and
-    cached decoding.
+    q: (B, H, T, hd); keys, values: (B, H, T, J, hd), finite, the first J <= C slots (the slots j >= J are out of
+    range for every query, see :func:`reachable_slots`, and are not gathered); relative_bias: (H, C); valid: bool
+    broadcastable to (B, H, T, J), True at least at j = 0; null_key, null_value: (H, hd) or None. The slots that
+    are not ``valid`` are masked, or hold the null key and value. Returns (B, H, T, hd). Shared by the fast op
+    and cached decoding.
     """
+    slots = keys.shape[3]
     q = q / math.sqrt(q.shape[-1])
-    scores = torch.einsum("bhtd,bhtcd->bhtc", q, keys) + relative_bias[:, None, :]  # (B, H, T, C)
+    scores = torch.einsum("bhtd,bhtcd->bhtc", q, keys) + relative_bias[:, None, :slots]  # (B, H, T, J)
     if null_key is None:
-        probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)  # (B, H, T, C)
+        probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)  # (B, H, T, J)
         return torch.einsum("bhtc,bhtcd->bhtd", probs, values)  # (B, H, T, hd)
-    probs = torch.where(valid, scores, _null_scores(q, null_key, relative_bias)).softmax(dim=-1)  # (B, H, T, C)
-    null_weight = probs.masked_fill(valid, 0.0).sum(dim=-1, keepdim=True)  # (B, H, T, 1)
-    in_range = torch.einsum("bhtc,bhtcd->bhtd", probs.masked_fill(~valid, 0.0), values)  # (B, H, T, hd)
+    null_scores = _null_scores(q, null_key, relative_bias)  # (B, H, T, C)
+    scores = torch.where(valid, scores, null_scores[..., :slots])  # (B, H, T, J)
+    probs = torch.cat([scores, null_scores[..., slots:]], dim=-1).softmax(dim=-1)  # (B, H, T, C)
+    null_weight = probs[..., :slots].masked_fill(valid, 0.0).sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    null_weight = null_weight + probs[..., slots:].sum(dim=-1, keepdim=True)  # the slots never gathered
+    in_range = torch.einsum("bhtc,bhtcd->bhtd", probs[..., :slots].masked_fill(~valid, 0.0), values)  # (B, H, T, hd)
     return in_range + null_weight * null_value[:, None, :]  # (B, H, T, hd)
 
 
@@ -154,9 +167,15 @@ def dilated_attention(
     impl: str = "auto",
 ) -> torch.Tensor:
     """Sliding-Dilated-Attention through the implementation ``impl``: "reference", "fast" or "auto" (module doc)."""
+    name = resolve_impl(impl, max(q.shape[-2], k.shape[-2]))
+    return IMPLEMENTATIONS[name](q, k, v, relative_bias, chunk_size, dilation, key_offset, null_key, null_value)
+
+
+def resolve_impl(impl: str, length: int) -> str:
+    """The implementation ``impl`` ("reference", "fast" or "auto") runs at ``length`` positions."""
     name = impl
     if impl == "auto":
-        name = "reference" if max(q.shape[-2], k.shape[-2]) <= AUTO_REFERENCE_MAX_T else "fast"
+        name = "reference" if length <= AUTO_REFERENCE_MAX_T else "fast"
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown dilated attention impl {impl!r}; choose from {['auto', *IMPLEMENTATIONS]}")
-    return IMPLEMENTATIONS[name](q, k, v, relative_bias, chunk_size, dilation, key_offset, null_key, null_value)
+    return name

@@ -2,9 +2,12 @@
 
 Every relative handling is a module ``forward(q, k, query_offset) -> bias`` giving an additive bias to the
 scaled attention logits q.k / sqrt(head_dim) of the queries at positions [query_offset, query_offset + Tq)
-against the keys at positions [0, Tk). Parallel passes use query_offset = 0; KV-cached decoding passes the
-number of cached tokens, so both run the same code. The bias at a future key (j > i) is finite and
-meaningless: the caller masks it.
+against the keys at positions [0, Tk). ``query_offset`` is an int shared by every row, or a (B,) int64 tensor
+of one offset per row (best on the CPU: reading its largest value then needs no device sync). Parallel passes
+use query_offset = 0; KV-cached decoding passes the number of cached tokens (per row when rows hold different
+lengths), so all run the same code. A bias is (1, H, Tq, Tk) for an int offset (XL: (B, H, Tq, Tk)) and
+(B, H, Tq, Tk) for per-row offsets. The bias at a future key (j > i) is finite and meaningless: the caller
+masks it.
 
 - :class:`ALiBi`: -slope_h * (i - j), fixed geometric slopes (Press et al., 2022);
 - :class:`KerpleLog`: -r1_h * log(1 + r2_h * (i - j)), learnable r1, r2 > 0 (Chi et al., 2022);
@@ -24,34 +27,62 @@ from torch import nn
 from torch.nn import functional as F
 
 
+QueryOffset = int | torch.Tensor
+"""The position of a call's first query: one int for every row, or a (B,) int64 tensor, one per row."""
+
+
 def sinusoidal_encoding(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """positions: (T,) -> (T, dim), PE[p, 2i] = sin(p / 10000^(2i/dim)), PE[p, 2i+1] = cos(same), float32."""
+    """positions: (...,) -> (..., dim), PE[p, 2i] = sin(p / 10000^(2i/dim)), PE[p, 2i+1] = cos(same), float32."""
     frequencies = torch.exp(
         torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim)
     )  # (ceil(dim / 2),)
-    angles = positions.to(torch.float32)[:, None] * frequencies  # (T, ceil(dim / 2))
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)[:, :dim]  # (T, dim)
+    angles = positions.to(torch.float32)[..., None] * frequencies  # (..., ceil(dim / 2))
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[..., :dim]  # (..., dim)
 
 
-def relative_distance(query_offset: int, query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-    """i - j for query positions i in [query_offset, query_offset + Tq) and keys j in [0, Tk): (Tq, Tk) int64.
+def query_positions(query_offset: QueryOffset, query_length: int, device: torch.device) -> torch.Tensor:
+    """The positions [query_offset, query_offset + Tq): (Tq,) for an int offset, (B, Tq) for per-row offsets."""
+    steps = torch.arange(query_length, device=device)  # (Tq,)
+    if isinstance(query_offset, int):
+        return steps + query_offset
+    return query_offset.to(device)[:, None] + steps  # (B, Tq)
+
+
+def last_query_position(query_offset: QueryOffset, query_length: int) -> int:
+    """The largest query position of any row: max(query_offset) + Tq - 1."""
+    return int(query_offset if isinstance(query_offset, int) else query_offset.max()) + query_length - 1
+
+
+def relative_distance(
+    query_offset: QueryOffset, query_length: int, key_length: int, device: torch.device
+) -> torch.Tensor:
+    """i - j for query positions i in [query_offset, query_offset + Tq) and keys j in [0, Tk): (Tq, Tk) int64
+    for an int offset, (B, Tq, Tk) for per-row offsets.
 
     Negative entries are future keys."""
-    queries = torch.arange(query_offset, query_offset + query_length, device=device)  # (Tq,)
+    queries = query_positions(query_offset, query_length, device)  # (Tq,) or (B, Tq)
     keys = torch.arange(key_length, device=device)  # (Tk,)
-    return queries[:, None] - keys[None, :]  # (Tq, Tk)
+    return queries[..., :, None] - keys  # (Tq, Tk) or (B, Tq, Tk)
+
+
+def past_distance(query_offset: QueryOffset, query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
+    """max(i - j, 0) with an axis to broadcast over heads: (1, Tq, Tk), or (B, 1, Tq, Tk) for per-row offsets."""
+    return relative_distance(query_offset, query_length, key_length, device).clamp(min=0).unsqueeze(-3)
 
 
 class StaticPositionBias(nn.Module, ABC):
-    """A bias that depends on positions only: ``bias(offset, Tq, Tk)`` is (H, Tq, Tk)."""
+    """A bias that depends on positions only: ``bias(offset, Tq, Tk)`` is (H, Tq, Tk), or (B, H, Tq, Tk) for
+    per-row offsets."""
 
     @abstractmethod
-    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
-        """(H, Tq, Tk) for query positions [query_offset, query_offset + Tq) and keys [0, Tk)."""
+    def bias(self, query_offset: QueryOffset, query_length: int, key_length: int) -> torch.Tensor:
+        """(H, Tq, Tk), or (B, H, Tq, Tk) for per-row offsets, for query positions [query_offset, query_offset +
+        Tq) and keys [0, Tk)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: int) -> torch.Tensor:
-        """q: (B, H, Tq, hd), k: (B, H, Tk, hd) (read for their lengths only) -> (1, H, Tq, Tk)."""
-        return self.bias(query_offset, q.shape[-2], k.shape[-2]).unsqueeze(0).to(q.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: QueryOffset) -> torch.Tensor:
+        """q: (B, H, Tq, hd), k: (B, H, Tk, hd) (read for their lengths only) -> (1 or B, H, Tq, Tk)."""
+        bias = self.bias(query_offset, q.shape[-2], k.shape[-2])  # (H, Tq, Tk) or (B, H, Tq, Tk)
+        return bias.reshape(-1, *bias.shape[-3:]).to(q.dtype)
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -70,9 +101,9 @@ class ALiBi(StaticPositionBias):
         super().__init__()
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads)), persistent=False)  # (H,)
 
-    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
-        distance = relative_distance(query_offset, query_length, key_length, self.slopes.device).clamp(min=0)
-        return -self.slopes[:, None, None] * distance  # (H, Tq, Tk)
+    def bias(self, query_offset: QueryOffset, query_length: int, key_length: int) -> torch.Tensor:
+        distance = past_distance(query_offset, query_length, key_length, self.slopes.device)  # ([B,] 1, Tq, Tk)
+        return -self.slopes[:, None, None] * distance  # ([B,] H, Tq, Tk)
 
 
 class KerpleLog(StaticPositionBias):
@@ -88,11 +119,11 @@ class KerpleLog(StaticPositionBias):
         self.raw_r1 = nn.Parameter(torch.log(torch.expm1(r1)))  # (H,), softplus^-1
         self.raw_r2 = nn.Parameter(torch.log(torch.expm1(r2)))  # (H,)
 
-    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
-        distance = relative_distance(query_offset, query_length, key_length, self.raw_r1.device).clamp(min=0)
+    def bias(self, query_offset: QueryOffset, query_length: int, key_length: int) -> torch.Tensor:
+        distance = past_distance(query_offset, query_length, key_length, self.raw_r1.device)  # ([B,] 1, Tq, Tk)
         r1 = F.softplus(self.raw_r1)[:, None, None]  # (H, 1, 1)
         r2 = F.softplus(self.raw_r2)[:, None, None]  # (H, 1, 1)
-        return -r1 * torch.log1p(r2 * distance)  # (H, Tq, Tk)
+        return -r1 * torch.log1p(r2 * distance)  # ([B,] H, Tq, Tk)
 
 
 def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -115,10 +146,10 @@ class T5Buckets(StaticPositionBias):
         self.max_distance = max_distance
         self.bucket_bias = nn.Parameter(torch.randn(num_buckets, n_heads) * 0.02)  # (buckets, H)
 
-    def bias(self, query_offset: int, query_length: int, key_length: int) -> torch.Tensor:
+    def bias(self, query_offset: QueryOffset, query_length: int, key_length: int) -> torch.Tensor:
         distance = relative_distance(query_offset, query_length, key_length, self.bucket_bias.device).clamp(min=0)
-        buckets = t5_bucket(distance, self.num_buckets, self.max_distance)  # (Tq, Tk)
-        return self.bucket_bias[buckets].permute(2, 0, 1)  # (H, Tq, Tk)
+        buckets = t5_bucket(distance, self.num_buckets, self.max_distance)  # ([B,] Tq, Tk)
+        return self.bucket_bias[buckets].movedim(-1, -3)  # ([B,] H, Tq, Tk)
 
 
 class XLRelative(nn.Module):
@@ -139,18 +170,18 @@ class XLRelative(nn.Module):
         self.content_bias = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)  # u: (H, hd)
         self.position_bias = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)  # v: (H, hd)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: QueryOffset) -> torch.Tensor:
         """q: (B, H, Tq, hd), k: (B, H, Tk, hd) -> (B, H, Tq, Tk)."""
         batch, _, query_length, _ = q.shape
         key_length = k.shape[-2]
         d_model = self.relative_proj.in_features
-        # keys j >= 0 and queries i < query_offset + Tq: distances 0 .. query_offset + Tq - 1
-        distances = torch.arange(query_offset + query_length, device=q.device)  # (D,)
+        # keys j >= 0 and queries i <= the last query position: distances 0 .. that position
+        distances = torch.arange(last_query_position(query_offset, query_length) + 1, device=q.device)  # (D,)
         encodings = sinusoidal_encoding(distances, d_model).to(q.dtype)  # (D, d_model)
         proj = self.relative_proj.weight.view(self.n_heads, self.head_dim, d_model)  # (H, hd, d_model)
         query_in_r = (q + self.position_bias[:, None]) @ proj  # (B, H, Tq, d_model)
         by_distance = query_in_r @ encodings.t()  # (B, H, Tq, D)
-        distance = relative_distance(query_offset, query_length, key_length, q.device).clamp(min=0)  # (Tq, Tk)
+        distance = past_distance(query_offset, query_length, key_length, q.device)  # ([B,] 1, Tq, Tk)
         position_term = by_distance.gather(-1, distance.expand(batch, self.n_heads, -1, -1))  # (B, H, Tq, Tk)
         content_term = (k @ self.content_bias[:, :, None]).transpose(-1, -2)  # (B, H, 1, Tk)
         return (position_term + content_term) / math.sqrt(self.head_dim)  # (B, H, Tq, Tk)

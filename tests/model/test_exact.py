@@ -1,4 +1,5 @@
-"""Exact-transformer architecture: the papers' equations, per-prefix labels, the cache, chunked attention, config."""
+"""Exact-transformer architecture: the papers' equations, per-prefix labels, the cache (rows of different lengths),
+chunked attention, running in slices, costs, config."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 from torch.nn import functional as F
 
 from model.config import CheckpointConfig, ConfigError, ExactTransformerConfig
-from model.exact import ZERO_TEST_LOGIT, ExactTransformer, encoder_attention, position_features
+from model.exact import ZERO_TEST_LOGIT, ExactTransformer, encoder_attention, in_slices, position_features
+from tests.model.test_models import (
+    assert_rows_of_different_lengths_run_as_alone,
+    assert_select_split_stack_round_trip,
+    counted_flops,
+    measured_peak_bytes,
+)
+from training.exact_builders import SHIPPED
 
 VOCAB = 2
 ALL_FEATURES = ("fraction", "alternating", "is_first_symbol", "index", "mirror_index", "index_squared",
@@ -130,10 +138,105 @@ def test_prefill_then_step_and_clone() -> None:
         snapshot = cache.clone()
         stepped_first = [model.step(first[:, t], cache) for t in range(4, 10)]
         stepped_second = [model.step(second[:, t], snapshot) for t in range(4, 10)]
-    assert cache.length == snapshot.length == 10 and snapshot.memory_bytes() > 0
+    assert cache.length == snapshot.length == 10 and snapshot.nbytes > 0
     torch.testing.assert_close(prefilled, expected_first[:, :4], rtol=0, atol=0)
     torch.testing.assert_close(torch.stack(stepped_first, 1), expected_first[:, 4:], rtol=0, atol=0)
     torch.testing.assert_close(torch.stack(stepped_second, 1), expected_second[:, 4:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["plain", "layer_norm_log_scaled_eos"])
+def test_rows_of_different_lengths_step_in_one_batch_as_each_alone(name: str) -> None:
+    assert_rows_of_different_lengths_run_as_alone(make(**CONFIGS[name]), VOCAB)
+
+
+def test_select_split_and_stack_round_trip() -> None:
+    assert_select_split_stack_round_trip(make(), VOCAB, padded=True)
+
+
+def run_to_the_end(slices) -> tuple[object, int]:
+    """The result of a generator of slices, and how many times it yielded."""
+    count = 0
+    while True:
+        try:
+            next(slices)
+        except StopIteration as stop:
+            return stop.value, count
+        count += 1
+
+
+@pytest.mark.parametrize("shipped", SHIPPED, ids=lambda shipped: shipped.task)
+def test_run_in_slices_equals_final_logits_and_forward(shipped) -> None:
+    """With slices of 100 multiply-adds (a piece each: every projection, attention query chunk and FFN), both outputs
+    equal the unsliced calls."""
+    model = shipped.build()
+    tolerance = 1e-9 if model.dtype == torch.float64 else 1e-5
+    tokens = torch.randint(0, VOCAB, (1, 40))
+    with torch.no_grad():
+        (final, labels), final_slices = run_to_the_end(model.run_in_slices(tokens, False, slice_flops=100))
+        (last, every), all_slices = run_to_the_end(model.run_in_slices(tokens[:, :12], True, slice_flops=100))
+        torch.testing.assert_close(final, model.final_logits(tokens)[0], rtol=tolerance, atol=tolerance)
+        parallel = model(tokens[:, :12])[0]  # (12, L)
+    assert labels is None and torch.equal(every, parallel.argmax(-1))
+    torch.testing.assert_close(last, parallel[-1], rtol=tolerance, atol=tolerance)
+    assert final_slices > len(model.layers) and all_slices > 12 * len(model.layers)
+
+
+def test_a_slice_holds_about_slice_flops() -> None:
+    """PARITY over 3,000 symbols (its first layer attends, O(n^2)) in slices of a tenth of its multiply-adds: about
+    ten slices, the attention's query chunks cut to fit."""
+    model = next(shipped for shipped in SHIPPED if shipped.task == "parity_check").build()
+    tokens = torch.randint(0, VOCAB, (1, 3000))
+    whole = model.cost("final", 1, 3000).flops
+    with torch.no_grad():
+        (final, _), slices = run_to_the_end(model.run_in_slices(tokens, False, slice_flops=whole / 10))
+        torch.testing.assert_close(final, model.final_logits(tokens)[0], rtol=1e-9, atol=1e-9)
+    assert 10 <= slices + 1 <= 12
+
+
+def test_in_slices_ends_a_slice_before_the_piece_that_would_cross_slice_flops() -> None:
+    def pieces():
+        for flops in (3, 3, 3, 9, 1, 2):
+            yield flops
+        return "done"
+
+    assert run_to_the_end(in_slices(pieces(), slice_flops=6)) == ("done", 3)  # [3, 3], [3], [9], [1, 2]
+
+
+@pytest.mark.parametrize("shipped", SHIPPED, ids=lambda shipped: shipped.task)
+def test_cost_grows_with_length_and_a_step_re_encodes_its_context(shipped) -> None:
+    model = shipped.build()
+    for path in ("forward", "final", "cached"):
+        costs = [model.cost(path, 2, length, context=50) for length in (1, 10, 100, 1000)]
+        assert all(0 < a.flops < b.flops and 0 < a.nbytes <= b.nbytes for a, b in zip(costs, costs[1:])), path
+    assert model.cost("cached", 1, 1, context=10_000).flops > 100 * model.cost("cached", 1, 1, context=10).flops
+    # "forward" is the sum of the prefixes' "final" passes
+    assert model.cost("forward", 3, 20).flops == sum(model.cost("final", 3, length).flops for length in range(1, 21))
+
+
+@pytest.mark.parametrize("shipped", SHIPPED, ids=lambda shipped: shipped.task)
+def test_declared_flops_are_the_counted_matrix_products(shipped) -> None:
+    model = shipped.build()
+    tokens = torch.randint(0, VOCAB, (2, 300))
+    with torch.no_grad():
+        cache = model.new_cache(batch_size=2)
+        model(tokens[:, :50], cache=cache)
+        calls = {
+            ("final", 300, 0): lambda: model.final_logits(tokens),
+            ("forward", 20, 0): lambda: model(tokens[:, :20]),
+            ("cached", 3, 50): lambda: model(tokens[:, 50:53], cache=cache),
+        }
+        for (path, length, context), call in calls.items():
+            ratio = model.cost(path, 2, length, context).flops / counted_flops(call)
+            assert 1 <= ratio <= 1.3, (path, ratio)
+
+
+@pytest.mark.parametrize("shipped", SHIPPED, ids=lambda shipped: shipped.task)
+def test_declared_nbytes_are_at_least_the_measured_peak(shipped) -> None:
+    model = shipped.build()
+    tokens = torch.randint(0, VOCAB, (2, 300))
+    with torch.no_grad():
+        assert measured_peak_bytes(lambda: model.final_logits(tokens)) <= model.cost("final", 2, 300).nbytes
+        assert measured_peak_bytes(lambda: model(tokens[:, :8])) <= model.cost("forward", 2, 8).nbytes
 
 
 @pytest.mark.parametrize("n_keys", [1, 7, 33])

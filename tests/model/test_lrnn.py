@@ -58,7 +58,7 @@ def test_decode_memory_does_not_grow_with_context(model_id: str) -> None:
         for t in range(1000):
             model.step(tokens[t], cache)
             if t + 1 in (10, 1000):
-                sizes[t + 1] = cache.memory_bytes()
+                sizes[t + 1] = cache.nbytes
     assert sizes[10] == sizes[1000] > 0
 
 

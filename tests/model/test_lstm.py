@@ -14,12 +14,12 @@ def test_cache_holds_the_lstm_state_of_fixed_size() -> None:
     model = LSTMModel(CONFIG).double().eval()
     tokens = torch.randint(0, 5, (3, 9))
     cache = model.new_cache(batch_size=3)
-    empty_bytes = cache.memory_bytes()
+    empty_bytes = cache.nbytes
     with torch.no_grad():
         model(tokens, cache=cache)
         _, (hidden, cell) = model.lstm(model.embedding(tokens))
     assert cache.hidden.shape == cache.cell.shape == (2, 3, 24)  # (n_layers, B, hidden_size)
-    assert cache.memory_bytes() == empty_bytes == 2 * 2 * 3 * 24 * 8
+    assert cache.nbytes == empty_bytes == 2 * 2 * 3 * 24 * 8
     torch.testing.assert_close(cache.hidden, hidden, rtol=0, atol=0)
     torch.testing.assert_close(cache.cell, cell, rtol=0, atol=0)
 

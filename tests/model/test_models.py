@@ -1,11 +1,17 @@
-"""Properties every architecture must have: step equals parallel, final equals gather, causality, heads."""
+"""Properties every architecture must have: step equals parallel, final equals gather, causality, heads, rows of
+different lengths in one batch, what calls declare they cost."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
-from tests.model.tiny_models import DEVICES, MODEL_IDS, build_tiny
+from model.base import InferenceCache, SequenceModel
+from tests.model.tiny_models import ARCHITECTURE_OF, DEVICES, MODEL_IDS, build_tiny
 
 VOCAB, LABELS = 5, 3
 
@@ -68,7 +74,7 @@ def test_cache_clone_is_independent(model_id: str) -> None:
             first.append(model.step(first_tokens[:, t], cache))
             second.append(model.step(second_tokens[:, t], snapshot))
     assert snapshot.length == cache.length == 14
-    assert snapshot.memory_bytes() > 0
+    assert snapshot.nbytes > 0
     torch.testing.assert_close(torch.stack(first, 1), expected_first[:, 6:], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(torch.stack(second, 1), expected_second[:, 6:], rtol=1e-9, atol=1e-9)
 
@@ -117,3 +123,180 @@ def test_bfloat16_runs_close_to_float32(model_id: str, device: str) -> None:
         low = model.to(torch.bfloat16)(tokens)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), reference, rtol=0.1, atol=0.1)
+
+
+PROMPT_LENGTHS = (1, 5, 12)
+
+
+def prefilled_alone(model: SequenceModel, prompts: list[torch.Tensor]) -> list[InferenceCache]:
+    """One single-row cache per prompt (1, n), each prefilled alone."""
+    caches = []
+    for prompt in prompts:
+        caches.append(model.new_cache(batch_size=1))
+        model(prompt, cache=caches[-1])
+    return caches
+
+
+def stack(caches: list[InferenceCache]) -> InferenceCache:
+    """As a server stacks caches: through the first one's class, whichever it is."""
+    return type(caches[0]).stack(caches)
+
+
+def run_chunk_then_steps(
+    model: SequenceModel, cache: InferenceCache, chunk: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """chunk (B, Tc) through ``cache`` in one cached forward, then steps (B, Ts) one at a time -> (B, Tc + Ts, V)."""
+    logits = [model(chunk, cache=cache)] + [model.step(steps[:, t], cache)[:, None] for t in range(steps.shape[1])]
+    return torch.cat(logits, dim=1)
+
+
+def assert_rows_of_different_lengths_run_as_alone(model: SequenceModel, vocab: int) -> None:
+    """Prompts of PROMPT_LENGTHS, each prefilled alone, then stacked: a chunk of 4 tokens through the stacked
+    cache, then 5 steps, give each row the logits (1e-9) of the same tokens run through its own cache."""
+    prompts = [torch.randint(0, vocab, (1, n)).to(model.device) for n in PROMPT_LENGTHS]
+    chunk = torch.randint(0, vocab, (len(prompts), 4)).to(model.device)
+    steps = torch.randint(0, vocab, (len(prompts), 5)).to(model.device)
+    with torch.no_grad():
+        alone = prefilled_alone(model, prompts)
+        stacked = stack(alone)
+        assert stacked.lengths.tolist() == list(PROMPT_LENGTHS)
+        together = run_chunk_then_steps(model, stacked, chunk, steps)  # (3, 9, V)
+        for row, cache in enumerate(alone):
+            expected = run_chunk_then_steps(model, cache, chunk[row : row + 1], steps[row : row + 1])  # (1, 9, V)
+            torch.testing.assert_close(together[row : row + 1], expected, rtol=1e-9, atol=1e-9)
+    assert stacked.lengths.tolist() == [n + 9 for n in PROMPT_LENGTHS]
+
+
+def assert_select_split_stack_round_trip(model: SequenceModel, vocab: int, padded: bool) -> None:
+    """select copies rows in any order, split and re-stack give back the same rows; a stack of caches of one
+    layout holds the sum of their bytes, one of rows of different lengths too, or more for a ``padded`` layout."""
+    prompts = [torch.randint(0, vocab, (1, n)) for n in PROMPT_LENGTHS]
+    steps = torch.randint(0, vocab, (len(prompts), 3))
+    order = [2, 0, 1]
+    with torch.no_grad():
+        stacked = stack(prefilled_alone(model, prompts))
+        reordered, restacked = stacked.select(order), stack(stacked.split())
+        assert reordered.lengths.tolist() == [12, 1, 5] and restacked.lengths.tolist() == list(PROMPT_LENGTHS)
+        middle = reordered.select([2])
+        assert stack([middle, middle.clone()]).nbytes == 2 * middle.nbytes
+        parts = sum(cache.nbytes for cache in stacked.split())
+        assert stacked.nbytes > parts if padded else stacked.nbytes == parts
+        for t in range(3):
+            expected = model.step(steps[:, t], stacked)  # (3, V)
+            reordered_logits = model.step(steps[order, t], reordered)
+            torch.testing.assert_close(reordered_logits, expected[order], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(model.step(steps[:, t], restacked), expected, rtol=1e-9, atol=1e-9)
+    assert stacked.lengths.tolist() == restacked.lengths.tolist() == [n + 3 for n in PROMPT_LENGTHS]
+    assert middle.lengths.tolist() == [5]  # untouched by the steps of the cache it was selected from
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_rows_of_different_lengths_decode_in_one_batch_as_each_alone(model_id: str, device: str) -> None:
+    assert_rows_of_different_lengths_run_as_alone(make(model_id, num_labels=0, device=device), VOCAB)
+
+
+PADDED = {"transformer", "regulargpt"}
+"""The architectures whose caches grow with the length, padded to the longest row when stacked."""
+
+
+@pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_select_split_and_stack_round_trip(model_id: str) -> None:
+    model = make(model_id, num_labels=0)
+    assert_select_split_stack_round_trip(model, VOCAB, padded=ARCHITECTURE_OF[type(model.config)] in PADDED)
+
+
+CONTEXT_MATTERS = {"transformer": True, "regulargpt": True, "lrnn": False, "diagonal_lrnn": False, "lstm": False}
+"""Whether a step's cost depends on the context it continues: attention reads the cache, a recurrence does not."""
+
+
+@pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_cost_grows_with_length_and_a_step_reflects_its_context_where_it_matters(model_id: str) -> None:
+    model = make(model_id, num_labels=0)
+    for path in ("forward", "final", "cached"):
+        costs = [model.cost(path, 2, length, context=50) for length in (1, 10, 100, 1000)]
+        assert all(0 < a.flops < b.flops and 0 < a.nbytes <= b.nbytes for a, b in zip(costs, costs[1:])), path
+    short, long = (model.cost("cached", 1, 1, context) for context in (10, 100_000))
+    if CONTEXT_MATTERS[ARCHITECTURE_OF[type(model.config)]]:
+        assert long.flops > short.flops and long.nbytes >= short.nbytes
+    else:
+        assert long == short
+
+
+def counted_flops(call: Callable[[], object]) -> float:
+    """Multiply-adds of ``call`` as torch's FlopCounterMode counts them (matrix products; SDPA through its math
+    path, whose products it sees)."""
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        call()
+    return counter.get_total_flops() / 2
+
+
+@pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_declared_flops_are_the_counted_matrix_products(model_id: str) -> None:
+    """Within [1, 1.3] of what torch counts: the declared multiply-adds are its matrix products (plus weights that
+    are not in one, such as biases and norms)."""
+    model = make(model_id, num_labels=0)
+    tokens = torch.randint(0, VOCAB, (2, 100))
+    with torch.no_grad():
+        cache = model.new_cache(batch_size=2)
+        model(torch.randint(0, VOCAB, (2, 200)), cache=cache)
+        calls = {
+            ("forward", 100, 0): lambda: model(tokens),
+            ("final", 100, 0): lambda: model.final_logits(tokens),
+            ("cached", 16, 200): lambda: model(tokens[:, :16], cache=cache),
+            ("cached", 1, 216): lambda: model.step(tokens[:, 0], cache),
+        }
+        for (path, length, context), call in calls.items():
+            ratio = model.cost(path, 2, length, context).flops / counted_flops(call)
+            assert 1 <= ratio <= 1.3, (path, length, context, ratio)
+
+
+@pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_cache_nbytes_bounds_what_a_row_holds(model_id: str) -> None:
+    model = make(model_id, num_labels=0)
+    cache = model.new_cache(batch_size=1)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 7)), cache=cache)
+        for length in range(8, 40):
+            model.step(torch.randint(0, VOCAB, (1,)), cache)
+            assert 0 < cache.nbytes <= model.cache_nbytes(length)
+
+
+def measured_peak_bytes(call: Callable[[], object]) -> int:
+    """The most bytes that tensors created by ``call`` held at once on the CPU, from torch.profiler's memory
+    timeline (private API: the test skips where it is missing). Tensors that existed before (weights, caches,
+    inputs) are not counted, nor are their frees."""
+    memory_profiler = pytest.importorskip("torch.profiler._memory_profiler")
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        call()
+    created, live, peak = set(), 0, 0
+    for _, action, (key, _), size in prof._memory_profile().timeline:
+        if action == memory_profiler.Action.CREATE:
+            created.add(key)
+            live += size
+        elif action == memory_profiler.Action.DESTROY and key in created:
+            live -= size
+        peak = max(peak, live)
+    return peak
+
+
+TRANSFORMER_IDS = [model_id for model_id in MODEL_IDS if model_id.startswith("transformer")]
+MEASURED_IDS = ["diagonal_lrnn", "lrnn", "lstm", "regulargpt-c2", *TRANSFORMER_IDS]
+"""One tiny model per architecture, and every position handling of the transformer (each has its own bias)."""
+
+
+@pytest.mark.parametrize("model_id", MEASURED_IDS)
+def test_declared_nbytes_are_at_least_the_measured_peak(model_id: str) -> None:
+    """forward and final_logits of (2, 128) tokens, and a 32-token chunk through a stack of rows of different
+    lengths: the declared nbytes bound the measured peak (for the chunk, beside what the cache grew by, which
+    :meth:`cache_nbytes` accounts for). Calls this large make the per-position terms dominate."""
+    model = make(model_id, num_labels=0)
+    tokens = torch.randint(0, VOCAB, (2, 128))
+    with torch.no_grad():
+        assert measured_peak_bytes(lambda: model(tokens)) <= model.cost("forward", 2, 128).nbytes
+        assert measured_peak_bytes(lambda: model.final_logits(tokens)) <= model.cost("final", 2, 128).nbytes
+        cache = stack(prefilled_alone(model, [torch.randint(0, VOCAB, (1, n)) for n in (20, 100, 50)]))
+        before = cache.nbytes
+        peak = measured_peak_bytes(lambda: model(torch.randint(0, VOCAB, (3, 32)), cache=cache))
+    assert peak <= model.cost("cached", 3, 32, context=100).nbytes + cache.nbytes - before

@@ -1,4 +1,5 @@
-"""RegularGPT: adaptive depth, the three exact paths (parallel, shrinking, cached decoding) and the cache size,
+"""RegularGPT: adaptive depth, the three exact paths (parallel, shrinking, cached chunks and steps), caches of
+rows with different lengths and depths, the cache size, the memory of the cached path and the declared costs,
 with out-of-range keys masked and with null keys."""
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ import dataclasses
 import pytest
 import torch
 
+from torch.profiler import ProfilerActivity, profile
+
 from model.config import RegularGPTConfig
-from model.regulargpt import RegularGPT, adaptive_depth
+from model.regulargpt import RegularGPT, RegularGPTCache, adaptive_depth, capacity
 
 VOCAB = 5
 OUT_OF_RANGE = pytest.mark.parametrize("out_of_range", ["mask", "null"])
@@ -139,18 +142,19 @@ def test_cache_keeps_only_what_the_dilated_pattern_needs(chunk_size: int, thickn
     model = make(chunk_size, thickness)
     d_model, item = model.config.d_model, torch.finfo(torch.float64).bits // 8
     cache = model.new_cache(batch_size=1)
+    assert cache.nbytes == model.cache_nbytes(0) == 0
     with torch.no_grad():
-        for t in range(chunk_size**3 + 1):
+        for t in range(chunk_size**4 + 1):
             model.step(torch.randint(0, VOCAB, (1,)), cache)
-            depth = adaptive_depth(t, chunk_size)
-            assert cache.depth == depth
-            assert t + 1 <= cache.top_hidden.shape[1] == chunk_size**depth <= chunk_size * (t + 1)  # O(T) rows
+            depth, room = adaptive_depth(t, chunk_size), capacity(t + 1)
+            assert cache.depth == depth and cache.depths.tolist() == [depth]
+            assert t + 1 <= cache.top_hidden.shape[1] == room <= 2 * (t + 1)  # every consumed position, O(T) room
             for layer, windows in enumerate(cache.windows):
                 assert len(windows) == thickness
-                for window in windows:  # K and V of the last (C-1) * C**l positions
-                    assert window.keys.shape == window.values.shape == (1, 2, (chunk_size - 1) * chunk_size**layer, 4)
-            window_rows = thickness * (chunk_size**depth - 1)  # sum over layers of (C-1) * C**l
-            assert cache.memory_bytes() == (chunk_size**depth + 2 * window_rows) * d_model * item
+                ring = (chunk_size - 1) * chunk_size**layer  # K and V of the last (C-1) * C**l positions, as reached
+                assert all(window.kv.shape == (1, min(ring, room), 2 * d_model) for window in windows)
+            assert cache.nbytes == model.cache_nbytes(t + 1)
+            assert cache.nbytes <= (2 + 6 * thickness) * (t + 1) * d_model * item  # O(T), not O(C T)
 
 
 def test_clone_is_deep() -> None:
@@ -165,10 +169,206 @@ def test_clone_is_deep() -> None:
     assert snapshot.length == 6 and snapshot.depth == 3 and cache.depth == 4
     assert snapshot.top_hidden.data_ptr() != cache.top_hidden.data_ptr()
     assert all(
-        a.keys.data_ptr() != b.keys.data_ptr()
+        a.kv.data_ptr() != b.kv.data_ptr()
         for layer_a, layer_b in zip(snapshot.windows, cache.windows)
         for a, b in zip(layer_a, layer_b)
     )
+
+
+def prefill(model: RegularGPT, tokens: torch.Tensor, chunk: int = 3) -> RegularGPTCache:
+    """A cache of the rows ``tokens`` (B, n), filled through chunks of ``chunk`` tokens."""
+    cache = model.new_cache(tokens.shape[0])
+    for start in range(0, tokens.shape[1], chunk):
+        model(tokens[:, start : start + chunk], cache=cache)
+    return cache
+
+
+@OUT_OF_RANGE
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize("chunks", [[5, 3, 1, 8, 13, 2], [7, 9, 11, 6], [1, 2, 3, 4, 5, 6, 7], [9, 18, 5], [32]])
+def test_chunked_cached_forward_equals_parallel(
+    chunk_size: int, thickness: int, chunks: list[int], out_of_range: str
+) -> None:
+    """Chunks of odd lengths, several crossing C**L (4, 8, 16, 32 for C = 2; 3, 9, 27 for C = 3)."""
+    model = make(chunk_size, thickness, out_of_range=out_of_range)
+    tokens = torch.randint(0, VOCAB, (2, sum(chunks)))
+    with torch.no_grad():
+        parallel = model(tokens)
+        cache, outputs, start = model.new_cache(2), [], 0
+        for chunk in chunks:
+            outputs.append(model(tokens[:, start : start + chunk], cache=cache))
+            start += chunk
+    assert cache.lengths.tolist() == [start, start] and cache.depth == adaptive_depth(start - 1, chunk_size)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), parallel, rtol=1e-9, atol=1e-9)
+
+
+MIXED_LENGTHS = {2: [0, 1, 3, 7, 8, 14], 3: [0, 2, 7, 9, 25, 26]}  # depths 0..4 (C = 2) and 0..3 (C = 3)
+
+
+@OUT_OF_RANGE
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+def test_mixed_length_rows_step_together_as_each_alone(chunk_size: int, thickness: int, out_of_range: str) -> None:
+    """Rows at different lengths and depths, each prefilled alone, stacked into one cache and stepped together:
+    every step equals each row stepped alone and the parallel pass, while rows cross C**L (4, 8, 16; 3, 9, 27)."""
+    model = make(chunk_size, thickness, out_of_range=out_of_range)
+    lengths, steps = MIXED_LENGTHS[chunk_size], 6
+    tokens = torch.randint(0, VOCAB, (len(lengths), max(lengths) + steps))
+    rows = torch.arange(len(lengths))
+    with torch.no_grad():
+        alone = [prefill(model, tokens[row : row + 1, :n]) for row, n in enumerate(lengths)]
+        stacked = RegularGPTCache.stack(alone)
+        assert stacked.lengths.tolist() == lengths
+        assert stacked.depths.tolist() == [adaptive_depth(n - 1, chunk_size) if n else 0 for n in lengths]
+        for step in range(steps):
+            position = torch.tensor(lengths) + step
+            batched = model.step(tokens[rows, position], stacked)  # (B, V)
+            single = torch.cat([model.step(tokens[row : row + 1, p], alone[row]) for row, p in enumerate(position)])
+            torch.testing.assert_close(batched, single, rtol=1e-9, atol=1e-9)
+            parallel = torch.stack([model(tokens[row : row + 1, : p + 1])[0, -1] for row, p in enumerate(position)])
+            torch.testing.assert_close(batched, parallel, rtol=1e-9, atol=1e-9)
+        for split, row in zip(stacked.split(), alone):  # each row back alone, as if it had never been stacked
+            assert split.lengths.tolist() == row.lengths.tolist() and split.depth == row.depth
+            assert split.nbytes == row.nbytes
+            torch.testing.assert_close(model.step(tokens[:, 0][:1], split), model.step(tokens[:, 0][:1], row))
+
+
+@OUT_OF_RANGE
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+def test_chunks_on_a_stacked_mixed_length_cache_equal_each_row_alone(
+    chunk_size: int, thickness: int, out_of_range: str
+) -> None:
+    model = make(chunk_size, thickness, out_of_range=out_of_range)
+    lengths, chunks = MIXED_LENGTHS[chunk_size], [5, 1, 3]
+    tokens = torch.randint(0, VOCAB, (len(lengths), max(lengths) + sum(chunks)))
+    rows = torch.arange(len(lengths))[:, None]
+    with torch.no_grad():
+        cache = RegularGPTCache.stack([prefill(model, tokens[row : row + 1, :n], 4) for row, n in enumerate(lengths)])
+        done = 0
+        for chunk in chunks:
+            positions = torch.tensor(lengths)[:, None] + done + torch.arange(chunk)  # (B, n)
+            batched = model(tokens[rows, positions], cache=cache)  # (B, n, V)
+            for row, n in enumerate(lengths):
+                parallel = model(tokens[row : row + 1, : n + done + chunk])[0, n + done :]
+                torch.testing.assert_close(batched[row], parallel, rtol=1e-9, atol=1e-9)
+            done += chunk
+    assert cache.lengths.tolist() == [n + done for n in lengths]
+
+
+def test_stack_select_and_split_round_trip() -> None:
+    model = make(2, thickness=2, out_of_range="null")
+    lengths = [0, 5, 1, 12]
+    tokens = torch.randint(0, VOCAB, (len(lengths), max(lengths)))
+    with torch.no_grad():
+        caches = [prefill(model, tokens[row : row + 1, :n]) for row, n in enumerate(lengths)]
+    sizes = [cache.nbytes for cache in caches]
+    stacked = RegularGPTCache.stack(caches)
+    assert [cache.nbytes for cache in caches] == sizes  # the inputs are left as they were
+    assert stacked.nbytes == sum(model.cache_nbytes(max(lengths)) for _ in lengths)  # all rows at the longest's room
+    for split, cache in zip(stacked.split(), caches):
+        assert split.lengths.tolist() == cache.lengths.tolist() and split.nbytes == cache.nbytes
+        assert torch.equal(split.top_hidden, cache.top_hidden)
+        for layer_a, layer_b in zip(split.windows, cache.windows, strict=True):
+            assert all(torch.equal(a.kv, b.kv) for a, b in zip(layer_a, layer_b, strict=True))
+    picked = stacked.select([3, 1])
+    assert picked.lengths.tolist() == [12, 5] and picked.nbytes == RegularGPTCache.stack([caches[3], caches[1]]).nbytes
+    assert picked.top_hidden.data_ptr() != stacked.top_hidden.data_ptr()
+    with torch.no_grad():
+        token = torch.tensor([2, 4])
+        torch.testing.assert_close(model.step(token, picked), model.step(token, stacked.select([3, 1])))
+    assert stacked.lengths.tolist() == lengths  # stepping a selection leaves the source as it was
+    empty = RegularGPTCache.stack([model.new_cache(2), model.new_cache(1)])
+    assert empty.lengths.tolist() == [0, 0, 0] and empty.depth == 0 and empty.nbytes == 0
+
+
+def peak_bytes(call, setup=lambda: None) -> int:
+    """Peak bytes that ``call(setup())`` allocates beyond what was live when it started, from the CPU profiler's
+    allocation records (``setup`` runs inside the profile so that the frees of what it made are seen)."""
+    mark = 7_777_777  # a marker allocation's size: the call starts when it is freed
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        state = setup()
+        torch.empty(mark, dtype=torch.uint8)
+        call(state)
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    total, start, peak = 0, None, 0
+    for _, size in records:
+        total += size
+        if start is None and size == -mark:
+            start = peak = total
+        elif start is not None:
+            peak = max(peak, total)
+    assert start is not None
+    return peak - start
+
+
+def test_a_chunk_after_a_long_context_allocates_o_of_the_chunk() -> None:
+    """A chunk of 64 after 4,100 tokens: no T x T tensor (134 MB at float64) nor O(T) per position; the declared
+    cost bounds what it allocates and does not grow with the context."""
+    model = make(2, thickness=2)
+    context, chunk = 4_100, 64
+    tokens = torch.randint(0, VOCAB, (1, context + chunk))
+    filled = []
+
+    def run_chunk(cache: RegularGPTCache) -> None:
+        model(tokens[:, context:], cache=cache)
+        filled.append(cache)
+
+    with torch.no_grad():
+        measured = peak_bytes(run_chunk, lambda: prefill(model, tokens[:, :context], 512))
+        stepped = peak_bytes(lambda cache: model.step(tokens[:, 0], cache), lambda: filled[0])  # no room to grow
+    declared = model.cost("cached", 1, chunk, context).nbytes
+    assert 0 < measured <= declared < 2**20
+    assert 0 < stepped <= model.cost("cached", 1, 1, context + chunk).nbytes < 2**16
+    assert model.cost("cached", 1, chunk, 4 * context).nbytes <= 2 * declared
+
+
+@pytest.mark.parametrize(("chunk_size", "impl", "out_of_range"), [(2, "fast", "null"), (3, "reference", "mask")])
+def test_declared_bytes_bound_what_each_path_allocates(chunk_size: int, impl: str, out_of_range: str) -> None:
+    model = make(chunk_size, thickness=2, impl=impl, out_of_range=out_of_range)
+    with torch.no_grad():
+        for length in (1, 9, 70):
+            tokens = torch.randint(0, VOCAB, (2, length))
+            for path, call in (("forward", model), ("final", model.final_logits)):
+                measured = peak_bytes(lambda _: call(tokens))
+                assert measured <= model.cost(path, 2, length).nbytes <= 4 * measured, (path, length)
+        for context, length in ((0, 30), (5, 1), (8, 1), (26, 2), (27, 6), (40, 25)):  # the room or depth grows
+            tokens = torch.randint(0, VOCAB, (2, context + length))
+            measured = peak_bytes(
+                lambda cache: model(tokens[:, context:], cache=cache), lambda: prefill(model, tokens[:, :context])
+            )
+            declared = model.cost("cached", 2, length, context).nbytes
+            assert measured <= declared <= 8 * measured + 2**14, (context, length)  # + fixed overheads
+
+
+def test_costs_grow_with_length_and_follow_the_attention_impl() -> None:
+    fast, reference = make(2, impl="fast"), make(2, impl="reference")
+    for model in (fast, reference):
+        for path in ("forward", "final", "cached"):
+            flops = [model.cost(path, 3, n, context=10).flops for n in range(1, 130)]
+            assert all(a < b for a, b in zip(flops, flops[1:])), path
+            assert model.cost(path, 6, 50, context=10).flops == 2 * model.cost(path, 3, 50, context=10).flops
+    for n in (256, 1024):  # the reference's T x T scores: 4x the bytes for 2x the length; the fast op's ~2x
+        assert reference.cost("forward", 1, 2 * n).nbytes > 3.5 * reference.cost("forward", 1, n).nbytes
+        assert fast.cost("forward", 1, 2 * n).nbytes < 2.5 * fast.cost("forward", 1, n).nbytes
+        assert reference.cost("cached", 1, 2 * n).nbytes == fast.cost("cached", 1, 2 * n).nbytes  # never T x T
+    chunks = [fast.cost("cached", 1, n, context=1000) for n in range(1, 300)]
+    assert all(a.nbytes <= b.nbytes for a, b in zip(chunks, chunks[1:]))
+    sizes = [fast.cache_nbytes(n) for n in range(200)]
+    assert all(a <= b for a, b in zip(sizes, sizes[1:]))
+
+
+def test_for_serving_switches_the_reference_attention_to_auto() -> None:
+    model = make(2, impl="reference")
+    tokens = torch.randint(0, VOCAB, (1, 100))
+    with torch.no_grad():
+        before = model(tokens)
+        notes = model.for_serving()
+        assert len(notes) == 1 and notes[0].startswith("attention_impl reference -> auto")
+        assert all(block.attention.impl == "auto" for block in model.blocks)
+        assert model.config.attention_impl == "reference"  # the configuration (and checkpoint) stay as they were
+        torch.testing.assert_close(model(tokens), before, rtol=1e-10, atol=1e-10)
+    assert model.cost("forward", 1, 10_000).nbytes < make(2, impl="reference").cost("forward", 1, 10_000).nbytes / 100
+    assert model.for_serving() == []  # nothing left to switch
+    assert make(2, impl="auto").for_serving() == [] and make(2, impl="fast").for_serving() == []
 
 
 def test_null_slots_have_their_own_parameters_and_change_the_output() -> None:

@@ -1,4 +1,5 @@
-"""Transformer baseline: each position handling against its formula, log-length scaling, the KV cache."""
+"""Transformer baseline: each position handling against its formula (also with an offset per row), log-length
+scaling, the KV cache (padded per row)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from model.ops.positions import (
     sinusoidal_encoding,
     t5_bucket,
 )
-from model.transformer import CausalSelfAttention, Transformer
+from model.transformer import CausalSelfAttention, Transformer, TransformerCache
 
 HEADS, HEAD_DIM = 2, 4
 PAIRS = [(0, 0), (3, 0), (3, 3), (7, 2), (9, 1)]  # (query position i, key position j), j <= i
@@ -107,21 +108,46 @@ def test_xl_bias_matches_formula() -> None:
                 assert bias[b, h, i, j].item() == pytest.approx(expected.item() / math.sqrt(HEAD_DIM), rel=1e-9)
 
 
+def position_module(kind: str) -> torch.nn.Module:
+    """A float64 relative position handling of HEADS heads of width HEAD_DIM."""
+    modules = {
+        "alibi": lambda: ALiBi(HEADS),
+        "kerple": lambda: KerpleLog(HEADS),
+        "t5": lambda: T5Buckets(HEADS, num_buckets=8, max_distance=20),
+        "xl": lambda: XLRelative(HEADS * HEAD_DIM, HEADS),
+    }
+    return modules[kind]().double()
+
+
 @pytest.mark.parametrize("kind", ["alibi", "kerple", "t5", "xl"])
 def test_bias_at_an_offset_is_the_rows_of_the_full_bias(kind: str) -> None:
     """Cached decoding (queries [offset, offset + Tq), keys [0, Tk)) sees the full pass's bias rows."""
-    modules = {
-        "alibi": ALiBi(HEADS),
-        "kerple": KerpleLog(HEADS),
-        "t5": T5Buckets(HEADS, num_buckets=8, max_distance=20),
-        "xl": XLRelative(HEADS * HEAD_DIM, HEADS),
-    }
-    module = modules[kind].double()
+    module = position_module(kind)
     q, k = heads_qk(30)
     full = module(q, k, query_offset=0)  # (1 or B, H, 30, 30)
     for offset, length in [(0, 1), (13, 1), (13, 17), (29, 1)]:
         part = module(q[:, :, offset : offset + length], k[:, :, : offset + length], query_offset=offset)
         torch.testing.assert_close(part, full[:, :, offset : offset + length, : offset + length])
+
+
+@pytest.mark.parametrize("kind", ["alibi", "kerple", "t5", "xl"])
+def test_bias_with_an_offset_per_row_gives_each_row_its_own_offsets_bias(kind: str) -> None:
+    """Rows of a cache holding different lengths: a (B,) offset gives (B, H, Tq, Tk), row b that of offset b."""
+    module = position_module(kind)
+    q, k = heads_qk(30)
+    offsets = torch.tensor([13, 4])
+    per_row = module(q[:, :, :5], k[:, :, :18], query_offset=offsets)  # (B, H, 5, 18)
+    assert per_row.shape == (2, HEADS, 5, 18)
+    for row, offset in enumerate(offsets.tolist()):
+        alone = module(q[row : row + 1, :, :5], k[row : row + 1, :, :18], query_offset=offset)  # (1, H, 5, 18)
+        torch.testing.assert_close(per_row[row : row + 1], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_sinusoidal_encoding_of_per_row_positions_is_each_rows() -> None:
+    positions = torch.tensor([[3, 4, 5], [0, 1, 2]])  # (B, T)
+    encoding = sinusoidal_encoding(positions, 6)  # (B, T, 6)
+    torch.testing.assert_close(encoding[0], sinusoidal_encoding(positions[0], 6), rtol=0, atol=0)
+    torch.testing.assert_close(encoding[1], sinusoidal_encoding(torch.arange(3), 6), rtol=0, atol=0)
 
 
 def reference_attention(layer: CausalSelfAttention, x: torch.Tensor, log_length_scaling: bool) -> torch.Tensor:
@@ -185,11 +211,11 @@ def test_kv_cache_memory_grows_linearly_with_length() -> None:
         for length in (8, 16, 32):
             cache = model.new_cache(batch_size=2)
             model(torch.randint(0, 5, (2, length)), cache=cache)
-            assert cache.memory_bytes() == length * bytes_per_token
+            assert cache.nbytes == length * bytes_per_token
         cache = model.new_cache(batch_size=2)
         for length in range(1, 40):
             model.step(torch.randint(0, 5, (2,)), cache)
-            assert length * bytes_per_token <= cache.memory_bytes() <= 2 * length * bytes_per_token
+            assert length * bytes_per_token <= cache.nbytes <= 2 * length * bytes_per_token
 
 
 def test_cache_clone_survives_the_original_decoding_other_tokens() -> None:
@@ -207,6 +233,20 @@ def test_cache_clone_survives_the_original_decoding_other_tokens() -> None:
             continued.append(model.step(tokens[:, t], snapshot))
             model.step((tokens[:, t] + 1) % 5, cache)
     torch.testing.assert_close(torch.stack(continued, dim=1), parallel[:, 7:], rtol=1e-9, atol=1e-9)
+
+
+def test_stack_pads_to_the_largest_capacity_and_select_drops_the_padding() -> None:
+    model = Transformer(TransformerConfig(vocab_size=5, d_model=16, n_heads=2, d_ff=32)).double().eval()
+    caches = [model.new_cache(batch_size=1) for _ in range(2)]
+    with torch.no_grad():
+        for cache, length in zip(caches, (3, 20)):
+            model(torch.randint(0, 5, (1, length)), cache=cache)  # capacities 3 and 20
+    stacked = TransformerCache.stack(caches)
+    assert stacked.layers[0].keys.shape == (2, 2, 20, 8) and stacked.nbytes == 2 * caches[1].nbytes
+    assert torch.equal(stacked.layers[0].keys[0, :, 3:], torch.zeros(2, 17, 8, dtype=torch.float64))  # padding
+    short = stacked.select([0])
+    assert short.layers[0].keys.shape == (1, 2, 6, 8)  # twice its length
+    torch.testing.assert_close(short.layers[0].keys[:, :, :3], caches[0].layers[0].keys, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("num_buckets, max_distance", [(1, 128), (32, 16)])

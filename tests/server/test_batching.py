@@ -1,4 +1,4 @@
-"""The transduce batching policy, and batched results equal to one input at a time."""
+"""The transduce batching policy (buckets, caps, slices), and batched results equal to one input at a time."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from model.base import Cost
 from model.checkpoint import load_checkpoint
 from server.batching import TransduceJob, plan_batches, run_batch
+from server.costing import ModelBudget, ModelSpeed
 from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
 from server.scheduler import Scheduler
@@ -20,8 +22,23 @@ from server.state_cache import StateCache
 from tests.server.checkpoints import TRANSDUCERS
 
 
+class CountingModel:
+    """Costs one multiply-add per padded symbol."""
+
+    def cost(self, path: str, rows: int, length: int, context: int = 0) -> Cost:
+        return Cost(flops=rows * length, nbytes=0)
+
+    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
+        return self.cost("cached", 1, length)
+
+
+def budget(model, slice_flops: float = 1e12) -> ModelBudget:
+    """A budget whose slice is ``slice_flops`` multiply-adds (one second at a rate of 1 per second)."""
+    return ModelBudget(model, ModelSpeed(1 / slice_flops), 1.0, memory_budget=2**40, max_job_seconds=1e9)
+
+
 def job(model_id: str, lengths: list[int], all_outputs: bool = False, served=None) -> TransduceJob:
-    served = served or SimpleNamespace(id=model_id)
+    served = served or SimpleNamespace(id=model_id, model=CountingModel(), budget=budget(CountingModel()))
     inputs = [[i % 2 for i in range(length)] for length in lengths]
     return TransduceJob(served, inputs, all_outputs, RequestTimes(model_id), mailbox=None)
 
@@ -48,6 +65,13 @@ def test_caps_on_rows_and_padded_symbols() -> None:
     assert shape(plan_batches(job("m", [100]).items(), max_batch_size=64, max_batch_symbols=30)) == [[100]]
 
 
+def test_a_batch_is_cut_where_its_call_would_outgrow_one_slice() -> None:
+    served = SimpleNamespace(id="m", model=CountingModel(), budget=budget(CountingModel(), slice_flops=20))
+    items = job("m", [4] * 6 + [30], served=served).items()
+    assert [item.sliced for item in items] == [False] * 6 + [True]  # 30 symbols outgrow a slice of 20
+    assert shape(plan_batches(items[:6], max_batch_size=64, max_batch_symbols=10_000)) == [[4] * 5, [4]]
+
+
 def test_models_and_output_modes_never_share_a_batch() -> None:
     items = job("a", [5, 5]).items() + job("b", [5]).items() + job("a", [5], all_outputs=True).items()
     batches = plan_batches(items, max_batch_size=64, max_batch_symbols=10_000)
@@ -60,7 +84,7 @@ def test_models_and_output_modes_never_share_a_batch() -> None:
 @pytest.mark.parametrize("all_outputs", [False, True])
 def test_batched_results_equal_single_inputs(model_id: str, all_outputs: bool, checkpoints_dir: Path) -> None:
     loaded = load_checkpoint(checkpoints_dir / model_id, device="cpu")
-    served = SimpleNamespace(id=model_id, model=loaded.model)
+    served = SimpleNamespace(id=model_id, model=loaded.model, budget=budget(loaded.model))
     lengths = [1, 2, 3, 5, 8, 13, 21, 34]
     batch = job(model_id, lengths, all_outputs, served).items()
     outputs = run_batch(batch)
@@ -75,7 +99,7 @@ def test_batched_results_equal_single_inputs(model_id: str, all_outputs: bool, c
 
 def scheduler(batch_wait_ms: float = 50.0) -> Scheduler:
     settings = Settings(models=Path("unused"), batch_wait_ms=batch_wait_ms)
-    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman())
+    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), 2**30)
 
 
 def receive_later(worker: Scheduler, *jobs: TransduceJob) -> None:

@@ -110,10 +110,12 @@ def test_wrong_kind_of_model_is_400(limited) -> None:
     )
 
 
-def test_full_queue_is_429_with_retry_after(limited) -> None:
+def test_more_choices_than_the_queue_holds_is_413(limited) -> None:
+    """Never servable, so not 429 (a client honouring Retry-After would loop forever); a full queue is 429:
+    tests/server/test_live.py."""
     response = limited.post("/v1/completions", json={"model": "text-lrnn", "prompt": "x", "n": 2})  # 2 > max_waiting
-    assert_error(response, 429, "overloaded_error", "queue is full")
-    assert response.headers["retry-after"] == "1"
+    assert_error(response, 413, "request_too_large", "the queue holds at most 1")
+    assert "retry-after" not in response.headers
 
 
 def test_unknown_route_and_method_have_the_error_shape(limited) -> None:

@@ -37,10 +37,11 @@ def test_all_outputs_over_the_models_limit_are_413(exact_client) -> None:
     assert response.status_code == 413, response.text
     error = response.json()["error"]
     assert error["type"] == "request_too_large"
-    assert error["message"] == (
-        f"inputs[1] has {LIMIT + 1} symbols; model 'one-exact' computes outputs \"all\" for at most {LIMIT} "
-        f"symbols per input (each prefix is a separate pass); ask for outputs \"final\""
+    assert error["message"].startswith(
+        f"inputs[1] has {LIMIT + 1} symbols; model 'one-exact' admits at most {LIMIT} with outputs \"all\" on this "
+        "server (limits.max_all_outputs_symbols in /v1/models"
     )
+    assert 'outputs "final" admits up to' in error["message"]
     final = transduce(exact_client, text, "final")
     assert final.status_code == 200, final.text
     assert [result["final"] for result in final.json()["results"]] == ["0", "1"]

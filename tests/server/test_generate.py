@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server.generation import GenerationRequest, Sequence, decode_step, prefill, prefill_length, start
+from server.generation import DecodeBatch, GenerationRequest, Sequence, prefill, prefill_length, start
 from server.metrics import ServerMetrics
 from server.state_cache import StateCache
 from tests.server import reference
@@ -96,8 +96,10 @@ def test_lrnn_decoding_state_does_not_grow_with_the_context(client) -> None:
         start(sequence, state_cache, metrics)
         while sequence.prefilling:
             prefill([sequence], prefill_length(sequence, 512), state_cache, metrics)
+        batch = DecodeBatch()
+        batch.join([sequence])
         for _ in range(3):
-            decode_step([sequence], metrics)
-            sizes.append(sequence.cache.memory_bytes())
-        assert sequence.cache.length == length + 3
+            batch.step(metrics)
+            sizes.append(batch.cache.nbytes)
+        assert batch.cache.lengths.tolist() == [length + 3]
     assert len(set(sizes)) == 1

@@ -1,4 +1,5 @@
-"""``python -m server`` as a process: exit code 2 when no model loads; SIGTERM drains requests in flight."""
+"""``python -m server`` as a process: exit code 2 when no model loads; SIGTERM drains requests in flight, and
+answers 503 to those still running past the drain timeout."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -19,9 +22,11 @@ from tests.server.live import wait_healthy
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_server(*args: str) -> subprocess.Popen:
+def start_server(*args: str, **settings: object) -> subprocess.Popen:
+    """``python -m server *args`` with REGULARLM_* ``settings``."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
     env["REGULARLM_TORCH_THREADS"] = "1"
+    env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
     return subprocess.Popen(
         [sys.executable, "-m", "server", "--log-level", "warning", *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -74,6 +79,41 @@ def test_sigterm_drains_requests_in_flight(checkpoints_dir) -> None:
         if process.poll() is None:
             process.kill()
         process.communicate()
+
+
+def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir) -> None:
+    """Work still in flight when drain_timeout_s runs out: a stream gets an SSE error event then [DONE], a
+    plain request a JSON 503, and the process exits 0 within drain_timeout_s + 5 s."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    drain_timeout_s = 0.5
+    process = start_server("--models", str(checkpoints_dir), "--port", str(port), drain_timeout_s=drain_timeout_s)
+    try:
+        wait_healthy(url, timeout=60)
+        body = {"model": "text-transformer", "prompt": "x", "max_tokens": 4096}
+        plain: dict = {}
+        waiting = threading.Thread(
+            target=lambda: plain.update(response=httpx.post(f"{url}/v1/generate", json=body, timeout=60))
+        )
+        waiting.start()
+        with httpx.stream("POST", f"{url}/v1/generate", json={**body, "stream": True}, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = [line for line in lines if line]
+        waiting.join(60)
+        assert process.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < drain_timeout_s + 5
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable" and "drain timeout" in error["message"]
+    assert plain["response"].status_code == 503
+    assert plain["response"].json()["error"]["type"] == "service_unavailable"
 
 
 @pytest.mark.parametrize("module", ["server.protocol", "clients.client"])

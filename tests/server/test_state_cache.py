@@ -43,7 +43,7 @@ def test_exact_prompt_hit_gives_the_next_token_logits() -> None:
 def test_eviction_by_count_and_bytes_and_short_prompts_skipped() -> None:
     model = build_tiny("lrnn", vocab_size=11, num_labels=0).eval()
     cache, logits = prefilled(model, [1, 2, 3])
-    size = cache.memory_bytes() + logits.numel() * logits.element_size()
+    size = cache.nbytes + logits.numel() * logits.element_size()
     store = StateCache(max_entries=2, max_bytes=10 * size, min_tokens=3)
     store.store("m", [1, 2], cache, logits)  # too short
     assert len(store) == 0

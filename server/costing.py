@@ -1,0 +1,170 @@
+"""What the server may give each model: a measured speed, the memory budget, and from both the per-model
+limits that admission enforces (413) and the slices the scheduler cuts work into.
+
+Every model declares what its calls cost (``model.base.Cost``: multiply-adds and peak bytes, for the path it
+really runs at that size). The server turns multiply-adds into seconds with a rate it measures per model: a
+calibration call at load, then an exponential average over every model call it times that is large enough to
+be compute-bound (``MIN_TIMED_FLOPS``). From these:
+
+- a **slice** is about ``settings.slice_ms`` of one model's work: transduce batches are planned to fit one, a
+  longer input runs through ``model.run_in_slices`` with ``slice_flops`` per slice, and prefill chunks are cut
+  to fit one;
+- a model's **limits** are the largest inputs whose path fits the memory budget and ``settings.max_job_seconds``
+  (transduce: one input with outputs "final" and with "all"; generate: prompt + max_tokens, the context whose
+  cache must fit). They are computed at load and listed in /v1/models; they depend on this machine's measured
+  speed and memory.
+
+The memory budget (``settings.memory_budget_bytes``, by default ``DEFAULT_MEMORY_FRACTION`` of the memory
+available once the models are loaded, less the state cache's budget) bounds what running work holds at once:
+the caches of running sequences and long transduce jobs, plus the one model call in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.base import Cost, SequenceModel, largest_fitting
+
+logger = logging.getLogger(__name__)
+
+MIN_TIMED_FLOPS = 1e7  # smaller calls are dominated by per-call overhead and do not update the rate
+CALIBRATION_FLOPS = 5e7  # the size of the calibration call at load
+CALIBRATION_MAX_LENGTH = 4096
+RATE_SMOOTHING = 0.2  # weight of a new observation in the average seconds per multiply-add
+DEFAULT_MEMORY_FRACTION = 0.5
+
+
+class ModelSpeed:
+    """Seconds per multiply-add of one model on this machine, measured."""
+
+    def __init__(self, seconds_per_flop: float) -> None:
+        self.seconds_per_flop = seconds_per_flop
+
+    def observe(self, flops: float, seconds: float) -> None:
+        """Fold in one timed call (ignored below ``MIN_TIMED_FLOPS``)."""
+        if flops >= MIN_TIMED_FLOPS and seconds > 0:
+            rate = seconds / flops
+            self.seconds_per_flop += RATE_SMOOTHING * (rate - self.seconds_per_flop)
+
+    def seconds(self, flops: float) -> float:
+        return flops * self.seconds_per_flop
+
+    def flops(self, seconds: float) -> float:
+        return seconds / self.seconds_per_flop
+
+
+@torch.inference_mode()
+def calibrate(model: SequenceModel) -> ModelSpeed:
+    """Time ``final_logits`` on one input of about ``CALIBRATION_FLOPS`` multiply-adds (after a warm-up call)."""
+    length = largest_fitting(
+        lambda n: model.cost("final", 1, n).flops <= CALIBRATION_FLOPS, CALIBRATION_MAX_LENGTH
+    )
+    tokens = torch.zeros(1, length, dtype=torch.long, device=model.device)  # (1, n): id 0 exists in every model
+    model.final_logits(tokens)
+    started = time.perf_counter()
+    model.final_logits(tokens)
+    _synchronize(model.device)
+    seconds = time.perf_counter() - started
+    return ModelSpeed(max(seconds, 1e-9) / max(model.cost("final", 1, length).flops, 1.0))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """The largest inputs one model is ever given (0: none fits). Transduce models: ``max_input_symbols`` per
+    input with outputs "final", ``max_all_outputs_symbols`` with "all". Generate models: ``max_input_symbols``
+    prompt tokens and ``max_context_tokens`` for prompt + max_tokens."""
+
+    max_input_symbols: int
+    max_all_outputs_symbols: int | None = None
+    max_context_tokens: int | None = None
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+@dataclass
+class ModelBudget:
+    """One served model's speed, its slice of work in multiply-adds, and its limits."""
+
+    model: SequenceModel
+    speed: ModelSpeed
+    slice_seconds: float
+    memory_budget: int
+    max_job_seconds: float
+
+    @property
+    def slice_flops(self) -> float:
+        return self.speed.flops(self.slice_seconds)
+
+    def fits_one_slice(self, cost: Cost) -> bool:
+        return self.speed.seconds(cost.flops) <= self.slice_seconds
+
+    def fits_ever(self, cost: Cost) -> bool:
+        """Within the memory budget alone and within ``max_job_seconds``."""
+        return cost.nbytes <= self.memory_budget and self.speed.seconds(cost.flops) <= self.max_job_seconds
+
+    def transduce_cost(self, length: int, all_outputs: bool) -> tuple[Cost, bool]:
+        """The cost of one input and whether it runs in slices: whole in one call (batched with others) when that
+        call fits one slice, else through ``run_in_slices``."""
+        whole = self.model.cost("forward" if all_outputs else "final", 1, length)
+        if self.fits_one_slice(whole):
+            return whole, False
+        return self.model.slices_cost(length, all_outputs, self.slice_flops), True
+
+    def context_cost(self, length: int) -> Cost:
+        """A sequence of ``length`` tokens (a language model is causal: its prompt is prefilled in slices through
+        its cache): the multiply-adds of the whole, its cache plus one chunk's activations."""
+        return self.model.slices_cost(length, False, self.slice_flops)
+
+    def limits(self, kind: str, max_input_symbols: int, max_tokens: int) -> ModelLimits:
+        """The largest inputs, searched up to the server-wide limits."""
+
+        def largest(fits, high: int) -> int:
+            return largest_fitting(fits, high) if high > 0 and fits(1) else 0
+
+        if kind == "transduce":
+            final = largest(lambda n: self.fits_ever(self.transduce_cost(n, False)[0]), max_input_symbols)
+            all_high = min(max_input_symbols, self.model.max_all_outputs_symbols or max_input_symbols)
+            every = largest(lambda n: self.fits_ever(self.transduce_cost(n, True)[0]), all_high)
+            return ModelLimits(max_input_symbols=final, max_all_outputs_symbols=every)
+        context = largest(lambda n: self.fits_ever(self.context_cost(n)), max_input_symbols + max_tokens)
+        return ModelLimits(max_input_symbols=min(max_input_symbols, context), max_context_tokens=context)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process could still allocate: free GPU memory on CUDA; on the CPU, the smaller of the kernel's
+    MemAvailable and what the cgroup (container) limit leaves."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    available = _meminfo_available()
+    limit, usage = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and usage is not None:
+        available = min(available, max(0, limit - usage))
+    return available
+
+
+def _meminfo_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def _read_int(path: str) -> int | None:
+    """The integer in a cgroup file, or None when absent or "max"."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,157 @@
+"""The engine under many clients, against a live server: mixed-length decode batches for every architecture,
+long transduce inputs in slices beside short requests, disconnects mid-transduce, limits and admission."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from server.scheduler import FairShare
+from tests.server.checkpoints import LANGUAGE_MODELS
+from tests.server.conftest import make_settings
+from tests.server.live import serve
+from tests.server.test_live import wait_for
+
+
+def record_step_batches(monkeypatch, engine, model_id: str) -> list[int]:
+    """The batch size of every decode step of ``model_id`` from now on."""
+    model = engine.models[model_id].model
+    step, sizes = model.step, []
+
+    def recording_step(tokens, cache):
+        sizes.append(tokens.shape[0])
+        return step(tokens, cache)
+
+    monkeypatch.setattr(model, "step", recording_step)
+    return sizes
+
+
+def count_slices(monkeypatch, engine, model_id: str, pause_s: float = 0.02) -> list[int]:
+    """Make ``model_id``'s long inputs pause ``pause_s`` after each slice, and count the slices (one entry each)."""
+    model = engine.models[model_id].model
+    run_in_slices, slices = model.run_in_slices, []
+
+    def slow_slices(*args, **kwargs):
+        inner = run_in_slices(*args, **kwargs)
+        while True:
+            try:
+                next(inner)
+            except StopIteration as finished:
+                slices.append(1)
+                return finished.value
+            slices.append(1)
+            threading.Event().wait(pause_s)
+            yield
+
+    monkeypatch.setattr(model, "run_in_slices", slow_slices)
+    return slices
+
+
+@pytest.mark.parametrize("model_id", sorted(LANGUAGE_MODELS))
+def test_mixed_length_generations_decode_in_one_batch(model_id: str, live, monkeypatch) -> None:
+    """Prompts of different lengths decode together (every architecture) and answer as they do alone."""
+    bodies = [
+        {"model": model_id, "prompt": "p" * length, "max_tokens": 12, "seed": length, "temperature": 0.9}
+        for length in (1, 7, 30, 90)
+    ]
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        alone = [client.post("/v1/generate", json=body).json() for body in bodies]
+    sizes = record_step_batches(monkeypatch, live.engine, model_id)
+
+    async def together() -> list[dict]:
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
+            return [r.json() for r in await asyncio.gather(*(client.post("/v1/generate", json=b) for b in bodies))]
+
+    assert asyncio.run(together()) == alone
+    assert max(sizes) > 1
+
+
+def test_long_transduce_runs_in_slices_beside_short_requests(checkpoints_dir, monkeypatch) -> None:
+    """A long input (sliced: its call would outgrow one slice) does not hold the engine: a short request to
+    another model sent meanwhile is answered while the long one still runs, and the long one's answer equals
+    the batched path's."""
+    text = "0110" * 60
+    with serve(make_settings(checkpoints_dir, slice_ms=0.01)) as server:
+        slices = count_slices(monkeypatch, server.engine, "parity-regulargpt")
+
+        async def run() -> tuple[dict, bool, dict]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                long = asyncio.ensure_future(
+                    client.post("/v1/transduce", json={"model": "parity-regulargpt", "inputs": [text]})
+                )
+                await asyncio.to_thread(wait_for, lambda: len(slices) >= 3)
+                short = await client.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0110"]})
+                long_running = not long.done()
+                return short.json(), long_running, (await long).json()
+
+        short, long_running, long = asyncio.run(run())
+    assert short["results"][0]["final"] in ("0", "1") and long_running
+    with serve(make_settings(checkpoints_dir)) as server:  # default slices: the input runs in one call
+        whole = httpx.post(f"{server.url}/v1/transduce", json={"model": "parity-regulargpt", "inputs": [text]})
+    assert long["results"][0]["final"] == whole.json()["results"][0]["final"]
+    assert long["results"][0]["confidence"] == pytest.approx(whole.json()["results"][0]["confidence"], abs=1e-5)
+
+
+def test_disconnect_mid_transduce_stops_its_slices(checkpoints_dir, monkeypatch) -> None:
+    with serve(make_settings(checkpoints_dir, slice_ms=0.01)) as server:
+        slices = count_slices(monkeypatch, server.engine, "parity-regulargpt", pause_s=0.05)
+        body = {"model": "parity-regulargpt", "inputs": ["01" * 5000]}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/transduce", json=body, timeout=0.5)
+        wait_for(lambda: server.engine.metrics.in_flight == 0)
+        stopped_at = len(slices)
+        threading.Event().wait(0.3)
+        assert len(slices) == stopped_at  # no slice ran after the request was dropped
+        ok = httpx.post(f"{server.url}/v1/transduce", json={"model": "parity-lrnn", "inputs": ["01"]})
+        assert ok.status_code == 200
+
+
+def test_more_choices_than_the_queue_holds_is_413(checkpoints_dir) -> None:
+    with serve(make_settings(checkpoints_dir, max_waiting=8)) as server:
+        body = {"model": "text-lrnn", "prompt": "x", "max_tokens": 2, "n": 9}
+        refused = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert refused.status_code == 413 and "retry-after" not in refused.headers
+        assert "queue holds at most 8" in refused.json()["error"]["message"]
+        assert httpx.post(f"{server.url}/v1/completions", json={**body, "n": 8}).status_code == 200
+
+
+def test_inputs_over_a_models_limit_are_413_naming_it(checkpoints_dir) -> None:
+    """With a small memory budget every model's limits shrink; /v1/models lists them and admission enforces
+    them with a message naming the model's limit."""
+    with serve(make_settings(checkpoints_dir, memory_budget_bytes=2_000_000)) as server:
+        cards = {card["id"]: card for card in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        limit = cards["parity-transformer"]["limits"]["max_input_symbols"]
+        assert 0 < limit < 100_000
+        over = {"model": "parity-transformer", "inputs": ["0" * (limit + 1)]}
+        refused = httpx.post(f"{server.url}/v1/transduce", json=over)
+        assert refused.status_code == 413
+        assert f"admits at most {limit}" in refused.json()["error"]["message"]
+        assert "limits.max_input_symbols" in refused.json()["error"]["message"]
+        context = cards["text-transformer"]["limits"]["max_context_tokens"]
+        prompt = {"model": "text-transformer", "prompt": "x" * context, "max_tokens": 1}
+        refused = httpx.post(f"{server.url}/v1/generate", json=prompt)
+        assert refused.status_code == 413 and "max_context_tokens" in refused.json()["error"]["message"]
+        fits = {"model": "parity-transformer", "inputs": ["0" * limit]}
+        assert httpx.post(f"{server.url}/v1/transduce", json=fits, timeout=120).status_code == 200
+
+
+def test_models_list_their_limits(client) -> None:
+    for card in client.get("/v1/models").json()["data"]:
+        limits = card["limits"]
+        assert limits["max_input_symbols"] > 0
+        assert ("max_context_tokens" in limits) == (card["kind"] == "generate")
+        assert ("max_all_outputs_symbols" in limits) == (card["kind"] == "transduce")
+
+
+def test_fair_share_serves_the_least_served_flow_first() -> None:
+    fair = FairShare()
+    fair.charge({"heavy": 1.0}, 2.0)
+    fair.charge({"heavy": 3.0, "light": 1.0}, 0.4)  # a batch shared by symbols
+    assert fair.service == pytest.approx({"heavy": 2.3, "light": 0.1})
+    assert fair.priority(["light"]) < fair.priority(["heavy"]) and fair.priority(["new"]) == 0.0
+    assert fair.priority(["heavy", "light"]) == pytest.approx(0.1)
+    fair.keep_only({"light"})
+    assert fair.service == pytest.approx({"light": 0.1})
