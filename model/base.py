@@ -196,6 +196,11 @@ class SequenceModel(nn.Module, ABC):
         return next(self.parameters()).dtype
 
 
+def parameter_count(*modules: nn.Module) -> int:
+    """Elements of the modules' parameters (what a cost formula multiplies per token)."""
+    return sum(parameter.numel() for module in modules for parameter in module.parameters())
+
+
 def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
     """The largest n in [1, limit] with ``fits(n)``, for a predicate that holds up to some n and fails beyond
     (bisection: O(log limit) calls); 1 when even ``fits(1)`` fails."""

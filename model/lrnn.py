@@ -19,6 +19,7 @@ The stack (:class:`RecurrentBlock`, :class:`LinearRNN`, :class:`LRNNCache`) is s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, gather_last, lengths_tensor
+from model.base import (
+    CallPath,
+    Cost,
+    InferenceCache,
+    SequenceModel,
+    TokenEmbedding,
+    gather_last,
+    lengths_tensor,
+    parameter_count,
+)
 from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.layers import MLP
 from model.ops.linear_scan import (
@@ -188,11 +198,9 @@ class LinearRNN(SequenceModel):
         cached chunk costs what the same chunk costs from an empty cache. nbytes: per position the transitions
         (:meth:`_transition_bytes`), ~6 d + 3 H b + 2 d_ff activations and the logits' output_size."""
         config = self.config
-        weights = sum(p.numel() for p in self.blocks.parameters())
+        weights, tail = self._weight_counts
         flops = rows * (length * weights + len(self.blocks) * self._scan_flops(rows, length))
         if path == "final":
-            last = self.blocks[-1]
-            tail = sum(p.numel() for module in (last.recurrence.out_proj, last.mlp) for p in module.parameters())
             flops -= rows * (length - 1) * tail
         logit_positions = rows if path == "final" else rows * length
         activations = (6 * config.d_model + 3 * self._state_size + 2 * config.d_ff) * self.dtype.itemsize
@@ -205,6 +213,13 @@ class LinearRNN(SequenceModel):
     def cache_nbytes(self, length: int) -> int:
         """One (H, b) state per layer, whatever the length."""
         return len(self.blocks) * self._state_size * self.dtype.itemsize
+
+    @functools.cached_property
+    def _weight_counts(self) -> tuple[int, int]:
+        """The blocks' parameters, and those of the last block's readout and MLP (counted once: costs are asked
+        for on every scheduling decision)."""
+        last = self.blocks[-1]
+        return parameter_count(self.blocks), parameter_count(last.recurrence.out_proj, last.mlp)
 
     @property
     def _state_size(self) -> int:

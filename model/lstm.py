@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, gather_last, lengths_tensor
+from model.base import (
+    CallPath,
+    Cost,
+    InferenceCache,
+    SequenceModel,
+    TokenEmbedding,
+    gather_last,
+    lengths_tensor,
+    parameter_count,
+)
 from model.config import LSTMConfig
 
 
@@ -85,7 +95,7 @@ class LSTMModel(SequenceModel):
         and per layer the input gates 4 h and output h (all layers' outputs counted) in at least float32 (the
         CPU kernel's bfloat16 path holds float32 gates)."""
         config = self.config
-        per_token = sum(p.numel() for p in self.lstm.parameters()) + self.proj.weight.numel()
+        per_token = self._weights_per_token
         logit_positions = rows if path == "final" else rows * length
         item = self.dtype.itemsize
         per_position = 4 * config.d_model * item + 5 * config.n_layers * config.hidden_size * max(item, 4)
@@ -93,6 +103,10 @@ class LSTMModel(SequenceModel):
             flops=float(rows * length * per_token + logit_positions * config.d_model * config.output_size),
             nbytes=rows * length * per_position + logit_positions * config.output_size * item,
         )
+
+    @functools.cached_property
+    def _weights_per_token(self) -> int:
+        return parameter_count(self.lstm) + self.proj.weight.numel()
 
     def cache_nbytes(self, length: int) -> int:
         """Hidden and cell, (n_layers, hidden_size) each, whatever the length."""

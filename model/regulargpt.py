@@ -97,50 +97,54 @@ def _fit(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 @dataclass
 class ChunkPlan:
-    """Where the dilated keys of a chunk's new positions come from at one thick layer (shared by its K blocks).
+    """Where the dilated keys of a chunk's new positions come from at one thick layer (shared by its K blocks;
+    :meth:`build` makes those of several layers at once, sharing what they have in common).
 
     Row b's chunk holds positions start[b] + i, i in [n]. The key of slot j, at position start[b] + i - j * C**l,
     comes from the chunk itself at index i - j * C**l when that is >= 0 (the same index for every row), else from
-    the block's ring window when the position is >= 0, else it is out of range. Only the J slots some query of
-    the batch can reach are gathered (``reachable_slots``). Memory O(B * n * J).
+    the block's ring window when the position is >= 0, else it is out of range (masked or null, whatever was
+    gathered there). Only the J slots some query of the batch can reach are gathered (``reachable_slots``), so a
+    block's gathered keys and values take O(B * n * J * d_model) memory.
     """
 
     chunk_index: torch.Tensor  # (n, J) index into the chunk, clamped at 0
     valid: torch.Tensor  # (B, 1, n, J) bool: the key lies at a position >= 0
     window_source: torch.Tensor | None  # (B * m,) rows of the flat window holding the m keys before each row's chunk
-    window_target: torch.Tensor | None  # (B * m,) their entries in the flat (B * n * J) gathered keys
+    window_target: torch.Tensor | None  # (m,) their entries in the flat (n * J) slots of a row
     write_index: torch.Tensor  # (B * w,) rows of the flat window for the chunk's last w = min(n, ring) positions
 
     @classmethod
     def build(
-        cls, start: torch.Tensor, length: int, chunk_size: int, layer: int, allocated: int, device: torch.device,
-        rows: torch.Tensor | None = None,
-    ) -> ChunkPlan:
-        """start: (B,) int64 on the CPU, each row's first new position; length: n; allocated: the slots per row
-        of the layer's windows, room for every position < start + n; rows: (B,) the cache rows that the chunk's
-        rows are, or None for all in order."""
-        dilation = chunk_size**layer
-        ring = (chunk_size - 1) * dilation
-        slots = reachable_slots(chunk_size, dilation, int(start.max()) + length - 1)
-        relative, chunk_index, before, before_offset = _relative_keys(length, dilation, slots, device)
-        has_context = bool(start.any())
-        batch = start.shape[0]
+        cls, start: torch.Tensor, length: int, chunk_size: int, allocated: list[int], device: torch.device,
+        rows: torch.Tensor | None = None, first_layer: int = 0,
+    ) -> list[ChunkPlan]:
+        """The plans of thick layers first_layer, first_layer + 1, ... whose windows hold ``allocated`` slots per
+        row (room for every position < start + n). start: (B,) int64 on the CPU, each row's first new position;
+        length: n; rows: (B,) the cache rows that the chunk's rows are, or None for all in order."""
+        last, has_context, batch = int(start.max()) + length - 1, bool(start.any()), start.shape[0]
         start = start.to(device)
-        first = (torch.arange(batch, device=device) if rows is None else rows.to(device)) * allocated  # (B,)
-        window_source = window_target = None
-        if has_context and before.numel():  # key % ring < allocated for every key < start + n
-            key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
-            window_source = (key % ring + first[:, None]).flatten()
-            window_target = (torch.arange(batch, device=device)[:, None] * relative.numel() + before).flatten()
-        kept = min(length, ring)
-        own = start[:, None] + torch.arange(length - kept, length, device=device)  # (B, w) the positions written
-        return cls(
-            chunk_index=chunk_index,
-            valid=(start[:, None, None] + relative >= 0)[:, None],
-            window_source=window_source,
-            window_target=window_target,
-            write_index=(own % ring + first[:, None]).flatten(),
-        )
+        rows = torch.arange(batch, device=device) if rows is None else rows.to(device)
+        own = start[:, None] + torch.arange(length, device=device)  # (B, n) the chunk's positions
+        plans = []
+        for layer, slots_per_row in enumerate(allocated, start=first_layer):
+            dilation = chunk_size**layer
+            ring = (chunk_size - 1) * dilation
+            relative, chunk_index, before, before_offset = _relative_keys(
+                length, dilation, reachable_slots(chunk_size, dilation, last), device
+            )
+            first = (rows * slots_per_row)[:, None]  # (B, 1) each row's first slot in the flat window
+            window_source = window_target = None
+            if has_context and before.numel():  # key % ring < allocated for every key < start + n
+                key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
+                window_source, window_target = (key % ring + first).flatten(), before
+            plans.append(cls(
+                chunk_index=chunk_index,
+                valid=(start[:, None, None] + relative >= 0)[:, None],
+                window_source=window_source,
+                window_target=window_target,
+                write_index=(own[:, length - min(length, ring) :] % ring + first).flatten(),  # the last w positions
+            ))
+        return plans
 
 
 @functools.lru_cache(maxsize=64)
@@ -163,19 +167,23 @@ class KVWindow:
     ring: int
     kv: torch.Tensor  # (B, capacity, 2 * d_model) contiguous
 
-    def gather(self, plan: ChunkPlan, kv: torch.Tensor) -> torch.Tensor:
-        """The chunk's dilated keys and values: kv (B, n, 2 d) of the chunk -> (B, n, J, 2 d)."""
-        gathered = kv[:, plan.chunk_index]  # (B, n, J, 2 d), right where the key lies in the chunk
+    def gather(self, plan: ChunkPlan, kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's dilated keys and values: kv (B, n, 2 d) of the chunk -> (B, H, n, J, hd) each (the halves
+        of one contiguous (B, 2 H, n, J, hd) tensor)."""
+        batch, length, width = kv.shape
+        head_dim = width // (2 * heads)
+        gathered = kv.view(batch, length, 2 * heads, head_dim).transpose(1, 2)[:, :, plan.chunk_index]  # in the chunk
         if plan.window_source is not None:  # the keys before the chunk, from the ring
-            width = self.kv.shape[-1]
-            keys = self.kv.view(-1, width).index_select(0, plan.window_source)  # (B * m, 2 d)
-            gathered.view(-1, width).index_copy_(0, plan.window_target, keys)
-        return gathered
+            ring = self.kv.view(-1, width).index_select(0, plan.window_source)  # (B * m, 2 d)
+            ring = ring.view(batch, -1, 2 * heads, head_dim).transpose(1, 2)  # (B, 2 H, m, hd)
+            gathered.view(batch, 2 * heads, -1, head_dim).index_copy_(2, plan.window_target, ring)
+        keys, values = gathered.split(heads, dim=1)
+        return keys, values
 
     def write(self, plan: ChunkPlan, kv: torch.Tensor) -> None:
         """Store the chunk's last positions (at most ``ring``: distinct slots). kv: (B, n, 2 d)."""
         kept = plan.write_index.shape[0] // kv.shape[0]
-        kv = kv[:, kv.shape[1] - kept :].reshape(-1, kv.shape[-1])  # (B * m, 2 d)
+        kv = kv[:, kv.shape[1] - kept :].reshape(-1, kv.shape[-1])  # (B * w, 2 d)
         self.kv.view(-1, kv.shape[-1]).index_copy_(0, plan.write_index, kv)
 
     def zeros(self, batch_size: int, room: int) -> KVWindow:
@@ -293,8 +301,7 @@ class DilatedSelfAttention(nn.Module):
         heads = self.heads.n_heads
         qkv = self.heads.c_attn(x)  # (B, T, 3 d): q | k | v, heads in order (as HeadProjections.qkv splits it)
         q = qkv[..., :d_model].view(batch, length, heads, -1).transpose(1, 2)  # (B, H, T, hd)
-        gathered = window.gather(plan, qkv[..., d_model:])  # (B, T, J, 2 d)
-        keys, values = gathered.view(*gathered.shape[:3], 2 * heads, -1).permute(0, 3, 1, 2, 4).split(heads, dim=1)
+        keys, values = window.gather(plan, qkv[..., d_model:], heads)  # (B, H, T, J, hd) each
         out = attend_gathered(q, keys, values, self.relative_bias, plan.valid, self.null_key, self.null_value)
         window.write(plan, qkv[..., d_model:])
         return self.heads.merge(out)
@@ -498,8 +505,9 @@ class RegularGPT(SequenceModel):
         position_depths = position_depths.to(tokens.device)
         x = self.embedding(tokens)  # (B, n, d)
         out = top = x
-        for layer, windows in enumerate(cache.windows):
-            plan = ChunkPlan.build(start, length, chunk_size, layer, windows[0].kv.shape[1], tokens.device)
+        allocated = [windows[0].kv.shape[1] for windows in cache.windows]
+        plans = ChunkPlan.build(start, length, chunk_size, allocated, tokens.device)
+        for layer, (windows, plan) in enumerate(zip(cache.windows, plans)):
             x = self._thick_layer(x, chunk_size**layer, windows=windows, plan=plan)  # (B, n, d)
             if mixed:
                 out = torch.where(position_depths[..., None] == layer + 1, x, out)  # (B, n, d)
@@ -533,8 +541,9 @@ class RegularGPT(SequenceModel):
             if rows:
                 consumed = max(lengths[row] for row in rows)
                 index = torch.tensor(rows, device=cache.top_hidden.device)  # (R,)
-                allocated, start = cache.windows[layer][0].kv.shape[1], torch.zeros(len(rows), dtype=torch.long)
-                plan = ChunkPlan.build(start, consumed, chunk_size, layer, allocated, index.device, index)
+                allocated = [cache.windows[layer][0].kv.shape[1]]
+                start = torch.zeros(len(rows), dtype=torch.long)  # the consumed positions as one chunk
+                (plan,) = ChunkPlan.build(start, consumed, chunk_size, allocated, index.device, index, layer)
                 hidden = cache.top_hidden[index, :consumed]  # (R, t, d) after layer - 1; garbage past each t_b
                 cache.top_hidden[index, :consumed] = self._thick_layer(
                     hidden, chunk_size**layer, windows=cache.windows[layer], plan=plan

@@ -18,6 +18,7 @@ every key past the query, the padding included.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, gather_last, lengths_tensor
+from model.base import (
+    CallPath,
+    Cost,
+    InferenceCache,
+    SequenceModel,
+    TokenEmbedding,
+    gather_last,
+    lengths_tensor,
+    parameter_count,
+)
 from model.config import TransformerConfig
 from model.layers import Block, HeadProjections, init_gpt2
 from model.ops.positions import (
@@ -244,7 +254,7 @@ class Transformer(SequenceModel):
         config = self.config
         context = context if path == "cached" else 0
         keys, item, xl = context + length, self.dtype.itemsize, config.position == "xl"
-        per_token = sum(p.numel() for p in self.blocks.parameters())
+        per_token = self._block_weights
         attention = (2 * length + (config.n_heads * length + 1 if xl else 0)) * keys * config.d_model
         logit_positions = rows if path == "final" else rows * length
         head = logit_positions * config.d_model * config.output_size
@@ -259,6 +269,10 @@ class Transformer(SequenceModel):
             flops=float(rows * (length * per_token + config.n_layers * attention) + head),
             nbytes=activations + scores + bias + distances + cached + logit_positions * config.output_size * item,
         )
+
+    @functools.cached_property
+    def _block_weights(self) -> int:
+        return parameter_count(self.blocks)
 
     def cache_nbytes(self, length: int) -> int:
         """Keys and values of every layer at the capacity a row may hold after ``length`` tokens: buffers grow by

@@ -4,8 +4,8 @@ of the shipped text models' shape, since none ships):
 - head-of-line: the latency of 4-symbol transduce requests to another model, sent every 0.5 s from 1.5 s
   after a long exact transduce started (100,000 symbols to parity_check-exact, or the largest it admits);
 - generate throughput (streamed /v1/generate) at concurrency 16 over concurrency 1, per text model;
-- peak RSS of the server while it serves, to each text model in turn, a prompt of that model's
-  max_input_symbols tokens (its limit in /v1/models) with max_tokens 1.
+- peak RSS of the server while it serves, to each text model in turn, a prompt as long as its limits in
+  /v1/models admit (max_input_symbols, and max_context_tokens less the 1 token generated).
 
     python -m benchmarks.serve.bench_engine [--threads 1] [--device cpu] [--skip head,throughput,rss]
 """
@@ -98,27 +98,18 @@ def throughput(url: str, max_tokens: int) -> None:
 
 
 def peak_rss(url: str) -> None:
+    """Each text model's limit, as a prompt of " the" repeated (one token each in the shipped 8k BPE)."""
     model_limits = limits(url)
-    print(f"server RSS before: {peak_rss_bytes(url.pid) / 2**20:.0f} MiB (peak so far)")
+    print(f"server peak RSS before: {peak_rss_bytes(url.pid) / 2**20:.0f} MiB")
     for model in TEXT_MODELS:
-        tokens = model_limits[model]["max_input_symbols"]
-        prompt = [17] * tokens  # token ids: exactly `tokens` tokens
+        tokens = min(model_limits[model]["max_input_symbols"], model_limits[model]["max_context_tokens"] - 1)
         started = time.perf_counter()
-        response = httpx.post(
-            f"{url}/v1/completions",
-            json={"model": model, "prompt": [prompt], "max_tokens": 1},
-            timeout=3600,
-        )
-        status = response.status_code
-        if status == 422:  # no token-id prompts: the same length as text
-            text = " the" * tokens
-            response = httpx.post(
-                f"{url}/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1}, timeout=3600
-            )
-            status = response.status_code
+        body = {"model": model, "prompt": " the" * tokens, "max_tokens": 1}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=3600)
+        response.raise_for_status()
         print(
-            f"prompt of {tokens} tokens to {model}: HTTP {status} in {time.perf_counter() - started:.1f} s; "
-            f"server peak RSS now {peak_rss_bytes(url.pid) / 2**20:.0f} MiB"
+            f"prompt of {response.json()['usage']['prompt_tokens']} tokens to {model}: "
+            f"{time.perf_counter() - started:.1f} s; server peak RSS now {peak_rss_bytes(url.pid) / 2**20:.0f} MiB"
         )
 
 
