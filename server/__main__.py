@@ -5,8 +5,9 @@ the command line come from REGULARLM_* environment variables (``server/settings.
 Ctrl-C the server stops taking requests (/health answers 503 "draining") and finishes those in flight,
 for at most ``drain_timeout_s``; then every request still in flight gets a JSON 503 (a stream: an SSE error
 event, then ``data: [DONE]``), running work stops at its next slice, and the process exits 0 within
-``drain_timeout_s`` + 5 s (``ANSWER_WAIT_S`` + ``CLOSE_WAIT_S`` + the engine's ``STOP_TIMEOUT_S``, plus polling). Exit codes: 0 after a shutdown, 2 on bad options or when no
-model could be loaded (each failure is printed with its path and reason).
+``drain_timeout_s`` + 5 s (``ANSWER_WAIT_S`` + ``CLOSE_WAIT_S`` + the engine's ``STOP_TIMEOUT_S``, plus
+polling). Exit codes: 0 after a shutdown, 2 on bad options or when no model could be loaded (each failure is
+printed with its path and reason).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class DrainingServer(uvicorn.Server):
                 self.drain_timeout_s,
                 self.engine.metrics.in_flight,
             )
-            self.engine.abort_in_flight(f"the server is shutting down: its drain timeout ({self.drain_timeout_s:g} s) ran out")
+            self.engine.abort_in_flight(
+                f"the server is shutting down: its drain timeout ({self.drain_timeout_s:g} s) ran out"
+            )
             self._wait_idle(ANSWER_WAIT_S)
         self.should_exit = True
 

@@ -149,7 +149,8 @@ class Scheduler:
         timeout: float | None = 0.0
         idle = not (self._busy() or self.short) and self.inbox.empty()  # new work will wake us
         if not self._busy():
-            timeout = None if not self.short else max(0.0, self.first_short_at + self.gather_window() - time.monotonic())
+            due = self.first_short_at + self.gather_window()
+            timeout = None if not self.short else max(0.0, due - time.monotonic())
         try:
             work = self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait()
             while True:

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
 QueryOffset = int | torch.Tensor
 """The position of a call's first query: one int for every row, or a (B,) int64 tensor, one per row."""
 

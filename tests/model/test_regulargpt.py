@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from torch.profiler import ProfilerActivity, profile
 
 from model.config import RegularGPTConfig
