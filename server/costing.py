@@ -117,9 +117,12 @@ class ModelBudget:
         return self.model.slices_cost(length, all_outputs, self.slice_flops), True
 
     def context_cost(self, length: int) -> Cost:
-        """A sequence of ``length`` tokens (a language model is causal: its prompt is prefilled in slices through
-        its cache): the multiply-adds of the whole, its cache plus one chunk's activations."""
-        return self.model.slices_cost(length, False, self.slice_flops)
+        """A sequence that may reach ``length`` tokens (a language model is causal: its prompt is prefilled in slices
+        through its cache): the multiply-adds of the whole, and the bytes of its cache padded to the longest row
+        of its decode batch (``context_class``: at most ``class_length``) plus one chunk's activations. Padded
+        layouts (the transformer's KV, RegularGPT's windows) give every row of a stacked cache the longest row's
+        room, which is why decode batches are formed per context class."""
+        return self.model.slices_cost(class_length(context_class(length)), False, self.slice_flops)
 
     def limits(self, kind: str, max_input_symbols: int, max_tokens: int) -> ModelLimits:
         """The largest inputs, searched up to the server-wide limits."""
@@ -134,6 +137,17 @@ class ModelBudget:
             return ModelLimits(max_input_symbols=final, max_all_outputs_symbols=every)
         context = largest(lambda n: self.fits_ever(self.context_cost(n)), max_input_symbols + max_tokens)
         return ModelLimits(max_input_symbols=min(max_input_symbols, context), max_context_tokens=context)
+
+
+def context_class(length: int) -> int:
+    """The decode batch class of a sequence that may reach ``length`` tokens: its bit length, so that the rows
+    of one batch differ in final length by less than 2x."""
+    return length.bit_length()
+
+
+def class_length(context_class: int) -> int:
+    """The longest final length in a context class."""
+    return (1 << context_class) - 1
 
 
 def available_memory(device: torch.device) -> int:

@@ -10,8 +10,10 @@ iteration, and one decode step per model per iteration (``server/generation.py``
 3. runs transduce units for about one slice in all, in fair order;
 4. admits waiting sequences, in fair order, up to ``max_running`` and while their memory fits;
 5. prefills up to ``prefill_chunk_tokens`` prompt tokens, in fair order, chunks of one model and length batched;
-6. runs one decode step per model over all its decoding sequences (continuous batching: a sequence joins the
-   batch after its prefill and leaves it when it finishes, whatever its length and architecture);
+6. runs one decode step per model and context class over its decoding sequences (continuous batching: a
+   sequence joins the batch after its prefill and leaves it when it finishes, whatever its length and
+   architecture; a class holds the sequences whose prompt + max_tokens have one bit length, so that the
+   padded caches of a batch hold at most 2x what their rows need, as ``ModelBudget.context_cost`` reserves);
 7. hands every event of the iteration to the event loop at once.
 
 **Fairness** (``FairShare``): every request belongs to a flow, its client (the peer address). Transduce work
@@ -22,8 +24,8 @@ ahead of a 100k-symbol input that is running, whoever sent them, and two heavy c
 and admission take the least-served flow first, then the oldest. Decode is not rationed: every running
 sequence steps every iteration.
 
-**Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens; a
-long transduce: what its slices keep) and the call in progress its activations, within the budget of
+**Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens,
+padded to its context class; a long transduce: what its slices keep) and the call in progress its activations, within the budget of
 ``server/costing.py``; work that does not fit now waits, and admission (the engine) refuses with 413 what
 could never fit. A model call that raises fails only the requests in that call.
 """
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from server.batching import LongTransduce, TransduceItem, TransduceJob, batch_cost, plan_batches, run_batch
+from server.costing import context_class
 from server.errors import APIError, ModelFailure, Unavailable
 from server.generation import DecodeBatch, Sequence, prefill, prefill_length, start
 from server.mailbox import Postman
@@ -125,7 +128,7 @@ class Scheduler:
         self.long: list[LongTransduce] = []  # long transduce inputs, started or not
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
-        self.decoding: dict[str, DecodeBatch] = {}  # model id -> its decode batch
+        self.decoding: dict[tuple[str, int], DecodeBatch] = {}  # (model id, context class) -> its decode batch
 
     def loop(self) -> None:
         while self._receive():
@@ -328,9 +331,10 @@ class Scheduler:
         self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in admitted)
 
     def _prefill(self) -> None:
-        """Chunks for the least-served prefilling sequences within the token budget, batched by model and length."""
+        """Chunks for the least-served prefilling sequences within the token budget, batched by model, context class
+        and chunk length."""
         budget = self.settings.prefill_chunk_tokens
-        groups: dict[tuple[str, int], list[Sequence]] = {}
+        groups: dict[tuple[str, int, int], list[Sequence]] = {}  # (model, context class, chunk length)
         order = sorted(
             self.prefilling, key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.times.arrival)
         )
@@ -339,8 +343,8 @@ class Scheduler:
                 break
             length = prefill_length(sequence, budget)
             budget -= length
-            groups.setdefault((sequence.served.id, length), []).append(sequence)
-        for (_, length), group in groups.items():
+            groups.setdefault((*_decode_key(sequence), length), []).append(sequence)
+        for (*_, length), group in groups.items():
             model = group[0].served.model
             flops = model.cost("cached", len(group), length, context=min(s.prefilled for s in group)).flops
             seconds = self._guarded(
@@ -348,13 +352,13 @@ class Scheduler:
             )
             self.fair.charge({sequence.flow: 1.0 for sequence in group}, seconds)
         self._drop_finished_sequences()
-        joining: dict[str, list[Sequence]] = {}
+        joining: dict[tuple[str, int], list[Sequence]] = {}
         for sequence in self.prefilling:
             if not sequence.prefilling:
-                joining.setdefault(sequence.served.id, []).append(sequence)
+                joining.setdefault(_decode_key(sequence), []).append(sequence)
         self.prefilling = [sequence for sequence in self.prefilling if sequence.prefilling]
-        for model_id, sequences in joining.items():
-            self.decoding.setdefault(model_id, DecodeBatch()).join(sequences)
+        for key, sequences in joining.items():
+            self.decoding.setdefault(key, DecodeBatch()).join(sequences)
 
     def _decode(self) -> None:
         for batch in self.decoding.values():
@@ -370,10 +374,10 @@ class Scheduler:
                 sequence.reserved_bytes = 0
         self.prefilling = [sequence for sequence in self.prefilling if not sequence.done]
         self.waiting = deque(sequence for sequence in self.waiting if not sequence.done)
-        for model_id, batch in list(self.decoding.items()):
+        for key, batch in list(self.decoding.items()):
             batch.drop_finished()
             if not batch.sequences:
-                del self.decoding[model_id]
+                del self.decoding[key]
 
     # --- helpers ------------------------------------------------------------------------------------------
 
@@ -414,3 +418,8 @@ class Scheduler:
         self.short = []
         self._drop_finished_long()
         self._drop_finished_sequences()
+
+
+def _decode_key(sequence: Sequence) -> tuple[str, int]:
+    """The decode batch of a sequence: its model and context class."""
+    return sequence.served.id, context_class(len(sequence.request.prompt) + sequence.request.max_tokens)

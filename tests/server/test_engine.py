@@ -52,10 +52,11 @@ def count_slices(monkeypatch, engine, model_id: str, pause_s: float = 0.02) -> l
 
 @pytest.mark.parametrize("model_id", sorted(LANGUAGE_MODELS))
 def test_mixed_length_generations_decode_in_one_batch(model_id: str, live, monkeypatch) -> None:
-    """Prompts of different lengths decode together (every architecture) and answer as they do alone."""
+    """Prompts of different lengths decode together (every architecture) and answer as they do alone. The
+    lengths share one context class (prompt + max_tokens in [64, 127]: ``server/costing.py``)."""
     bodies = [
         {"model": model_id, "prompt": "p" * length, "max_tokens": 12, "seed": length, "temperature": 0.9}
-        for length in (1, 7, 30, 90)
+        for length in (52, 61, 80, 110)
     ]
     with httpx.Client(base_url=live.url, timeout=60) as client:
         alone = [client.post("/v1/generate", json=body).json() for body in bodies]
@@ -107,6 +108,20 @@ def test_disconnect_mid_transduce_stops_its_slices(checkpoints_dir, monkeypatch)
         assert len(slices) == stopped_at  # no slice ran after the request was dropped
         ok = httpx.post(f"{server.url}/v1/transduce", json={"model": "parity-lrnn", "inputs": ["01"]})
         assert ok.status_code == 200
+
+
+def test_sequences_of_different_context_classes_decode_in_separate_batches(live, monkeypatch) -> None:
+    """Padded caches give a batch's every row the longest row's room: a long sequence is kept out of a short
+    one's batch, so each holds at most 2x what it reserved."""
+    sizes = record_step_batches(monkeypatch, live.engine, "text-transformer")
+    bodies = [{"model": "text-transformer", "prompt": "p" * length, "max_tokens": 12} for length in (4, 500)]
+
+    async def together() -> None:
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
+            await asyncio.gather(*(client.post("/v1/generate", json=body) for body in bodies))
+
+    asyncio.run(together())
+    assert sizes and max(sizes) == 1
 
 
 def test_more_choices_than_the_queue_holds_is_413(checkpoints_dir) -> None:
