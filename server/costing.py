@@ -21,7 +21,7 @@ the caches of running sequences and long transduce jobs, plus the one model call
 
 from __future__ import annotations
 
-import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,6 @@ import torch
 
 from model.base import Cost, SequenceModel, largest_fitting
 
-logger = logging.getLogger(__name__)
 
 MIN_TIMED_FLOPS = 1e7  # smaller calls are dominated by per-call overhead and do not update the rate
 CALIBRATION_FLOPS = 5e7  # the size of the calibration call at load
@@ -164,10 +163,20 @@ def available_memory(device: torch.device) -> int:
 
 
 def _meminfo_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
+    """The kernel's MemAvailable; where there is no /proc/meminfo, the free pages (sysconf)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        raise RuntimeError(
+            "cannot tell how much memory is available; set REGULARLM_MEMORY_BUDGET_BYTES"
+        ) from None
 
 
 def _read_int(path: str) -> int | None:

@@ -172,17 +172,14 @@ class Engine:
         except Exception as error:  # e.g. an unreadable folder: reported like a folder that failed
             report = LoadReport({}, [f"{self.settings.models}: {type(error).__name__}: {error}"])
         self.models, self.load_failures = report.models, report.failures
-        if not self.models:
-            self.state = "failed"
-            self.detail = f"no model could be loaded from {self.settings.models}: " + "; ".join(report.failures)
-            logger.error(self.detail)
-            if self._on_load_failed is not None:
-                self._on_load_failed(self.detail)
-            return
         threads = torch.get_num_threads()
         torch.set_num_threads(self.settings.torch_threads or threads)
         try:
-            self._measure()
+            if self.models:
+                self._measure()
+            if not self.models:
+                self._fail(f"no model could be loaded from {self.settings.models}: " + "; ".join(self.load_failures))
+                return
             self.state, self.detail = "ready", None
             logger.info("serving %s", ", ".join(sorted(self.models)))
             with torch.inference_mode():
@@ -190,18 +187,35 @@ class Engine:
                     self.settings, self.metrics, self.state_cache, self._inbox, self._postman, self.memory_budget
                 )
                 scheduler.loop()
+        except Exception as error:  # measuring the machine failed: nothing can be served safely
+            self._fail(f"the server could not start: {type(error).__name__}: {error}")
         finally:
             torch.set_num_threads(threads)
 
+    def _fail(self, detail: str) -> None:
+        self.state, self.detail = "failed", detail
+        logger.error(detail)
+        if self._on_load_failed is not None:
+            self._on_load_failed(detail)
+
     def _measure(self) -> None:
-        """Switch each model to its scalable paths, measure its speed, and compute the memory budget and the
-        models' limits (``server/costing.py``)."""
+        """Switch each model to its scalable paths, measure its speed (a model whose measurement fails is dropped
+        and reported like a folder that failed to load), and compute the memory budget and the models' limits
+        (``server/costing.py``)."""
         speeds = {}
-        for served in self.models.values():
-            served.notes = served.model.for_serving()
+        for served in list(self.models.values()):
+            try:
+                served.notes = served.model.for_serving()
+                speeds[served.id] = calibrate(served.model)
+            except Exception as error:
+                self.load_failures.append(f"{served.path}: measuring its speed failed: {type(error).__name__}: {error}")
+                logger.error("skipped %s", self.load_failures[-1])
+                del self.models[served.id]
+                continue
             for note in served.notes:
                 logger.info("%s: %s", served.id, note)
-            speeds[served.id] = calibrate(served.model)
+        if not self.models:
+            return
         settings = self.settings
         device = next(iter(self.models.values())).model.device
         budget = settings.memory_budget_bytes

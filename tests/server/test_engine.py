@@ -9,6 +9,8 @@ import threading
 import httpx
 import pytest
 
+from model.lstm import LSTMModel
+from server import engine as engine_module
 from server.scheduler import FairShare
 from tests.server.checkpoints import LANGUAGE_MODELS
 from tests.server.conftest import make_settings
@@ -151,6 +153,22 @@ def test_inputs_over_a_models_limit_are_413_naming_it(checkpoints_dir) -> None:
         assert refused.status_code == 413 and "max_context_tokens" in refused.json()["error"]["message"]
         fits = {"model": "parity-transformer", "inputs": ["0" * limit]}
         assert httpx.post(f"{server.url}/v1/transduce", json=fits, timeout=120).status_code == 200
+
+
+def test_a_model_whose_speed_cannot_be_measured_is_skipped_and_reported(checkpoints_dir, monkeypatch) -> None:
+    calibrate = engine_module.calibrate
+
+    def failing(model):
+        if isinstance(model, LSTMModel):
+            raise RuntimeError("no kernel for this")
+        return calibrate(model)
+
+    monkeypatch.setattr(engine_module, "calibrate", failing)
+    with serve(make_settings(checkpoints_dir)) as server:
+        served = {card["id"] for card in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        assert "text-lstm" not in served and "text-lrnn" in served
+        assert any("measuring its speed failed: RuntimeError: no kernel for this" in failure
+                   for failure in server.engine.load_failures)  # fmt: skip
 
 
 def test_models_list_their_limits(client) -> None:
