@@ -11,6 +11,7 @@ it (``InferenceCache.select``). The engine never looks at a cache's class.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -80,6 +81,12 @@ class Sequence:
         self.generated: list[int] = []
         self.cancelled = False  # set by the request's side when the client goes away
         self.done = False
+
+    @functools.cached_property
+    def cache_bytes(self) -> int:
+        """The memory its cache may take while it runs (``ModelBudget.context_cost``; computed once: admission
+        looks at it on every iteration the sequence waits)."""
+        return self.served.budget.context_cost(len(self.request.prompt) + self.request.max_tokens).nbytes
 
     @property
     def prefilling(self) -> bool:

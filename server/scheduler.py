@@ -320,11 +320,10 @@ class Scheduler:
         for sequence in order:
             if self._running() >= self.settings.max_running:
                 break
-            need = sequence.served.budget.context_cost(len(sequence.request.prompt) + sequence.request.max_tokens)
-            if not self.memory.fits(need.nbytes):
+            if not self.memory.fits(sequence.cache_bytes):
                 continue
-            self.memory.hold(need.nbytes)
-            sequence.reserved_bytes = need.nbytes
+            self.memory.hold(sequence.cache_bytes)
+            sequence.reserved_bytes = sequence.cache_bytes
             admitted.add(id(sequence))
             self._guarded([sequence], lambda sequence=sequence: start(sequence, self.state_cache, self.metrics))
             self.prefilling.append(sequence)  # released by _drop_finished_sequences if start failed

@@ -72,6 +72,24 @@ def test_mixed_length_generations_decode_in_one_batch(model_id: str, live, monke
     assert max(sizes) > 1
 
 
+def test_prompts_prefilled_in_many_chunks_score_and_continue_as_in_one(checkpoints_dir) -> None:
+    """Tiny slices cut every prompt into chunks of a few tokens (every architecture): the prompt's
+    log-probabilities and the greedy continuation equal those of the default slices (one chunk)."""
+    prompt = "It is a truth universally acknowledged, that a single man " * 3
+    bodies = [
+        {"model": model_id, "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 0}
+        for model_id in sorted(LANGUAGE_MODELS)
+    ]
+    answers = []
+    for slice_ms in (50.0, 0.001):
+        with serve(make_settings(checkpoints_dir, slice_ms=slice_ms, state_cache_entries=0)) as server:
+            answers.append([httpx.post(f"{server.url}/v1/completions", json=body).json() for body in bodies])
+    for whole, chunked in zip(*answers):
+        assert chunked["choices"][0]["text"] == whole["choices"][0]["text"]
+        expected = whole["choices"][0]["logprobs"]["token_logprobs"]
+        assert chunked["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(expected[1:], abs=1e-4)
+
+
 def test_long_transduce_runs_in_slices_beside_short_requests(checkpoints_dir, monkeypatch) -> None:
     """A long input (sliced: its call would outgrow one slice) does not hold the engine: a short request to
     another model sent meanwhile is answered while the long one still runs, and the long one's answer equals
