@@ -1,7 +1,8 @@
 """The app factory: routes (thin), error bodies, API key, CORS, and the lifespan that starts and stops the
 engine. Build an app with ``create_app(settings)``; nothing is created at import time.
 
-/health and /metrics sit outside the API key; /v1/* need it when one is configured.
+/health sits outside the API key; /v1/* need it when one is configured, and /metrics too with
+``metrics_need_api_key``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         )
     _add_error_handlers(app)
     app.include_router(_health_router())
-    app.include_router(_api_router(), dependencies=[Depends(require_api_key)])
+    guarded = [Depends(require_api_key)]
+    app.include_router(_metrics_router(), dependencies=guarded if settings.metrics_need_api_key else [])
+    app.include_router(_api_router(), dependencies=guarded)
     return app
 
 
@@ -120,6 +123,12 @@ def _health_router() -> APIRouter:
         status = "draining" if engine.state == "stopped" else engine.state
         body = HealthResponse(status=status, detail=engine.detail)
         return JSONResponse(body.model_dump(exclude_none=True), status_code=503)
+
+    return router
+
+
+def _metrics_router() -> APIRouter:
+    router = APIRouter()
 
     @router.get("/metrics")
     def metrics(engine: EngineDep) -> Response:

@@ -22,6 +22,9 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     api_key: SecretStr | None = Field(None, description="when set, /v1/* needs 'Authorization: Bearer <key>'")
+    metrics_need_api_key: bool = Field(
+        False, description="when an API key is set, /metrics needs it too (its series name the served models)"
+    )
     cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty: no CORS")
 
     max_input_symbols: int = Field(100_000, gt=0, description="symbols of one transduce input or prompt tokens")

@@ -187,6 +187,15 @@ def test_api_key_guards_v1_only(checkpoints_dir) -> None:
         assert client.get("/metrics").status_code == 200
 
 
+def test_api_key_can_guard_metrics_too(checkpoints_dir) -> None:
+    app = create_app(make_settings(checkpoints_dir, api_key="s3cret", metrics_need_api_key=True))
+    with TestClient(app) as client:
+        app.state.engine.wait_loaded()
+        assert_error(client.get("/metrics"), 401, "authentication_error", "API key")
+        assert client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/health").status_code == 200
+
+
 def test_cors_preflight(checkpoints_dir) -> None:
     app = create_app(make_settings(checkpoints_dir, cors_origins=["https://example.org"]))
     with TestClient(app) as client:
