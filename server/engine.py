@@ -180,6 +180,7 @@ class Engine:
             if not self.models:
                 self._fail(f"no model could be loaded from {self.settings.models}: " + "; ".join(self.load_failures))
                 return
+            self.metrics.register_models(sorted(self.models))
             self.state, self.detail = "ready", None
             logger.info("serving %s", ", ".join(sorted(self.models)))
             with torch.inference_mode():

@@ -1,4 +1,7 @@
-"""Prometheus metrics with vLLM's names (prefix ``regularlm:``), definitions and buckets.
+"""Prometheus metrics with vLLM's names (prefix ``regularlm_``: Prometheus reserves ':' for recording rules, so
+``vllm:time_to_first_token_seconds`` is ``regularlm_time_to_first_token_seconds`` here; ``promtool check metrics``
+passes), definitions and buckets. Every per-model series exists, at 0, from the moment the models are loaded
+(``register_models``), so that dashboards and rate queries have data before the first request.
 
 Definitions (as vLLM's): queue time = arrival -> first scheduled; TTFT = arrival -> first generated token;
 inter-token latency (ITL) = the gap between consecutive generated tokens; time per output token (TPOT) =
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-PREFIX = "regularlm:"
+PREFIX = "regularlm_"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -25,6 +28,7 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 MODEL = ("model_name",)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # how a request can end (``ServerMetrics.finished``)
 
 
 @dataclass
@@ -46,14 +50,20 @@ class ServerMetrics:
         self._waiting = 0  # the waiting gauge summed over models: the engine's queue length
         self._in_flight = 0  # admitted and not finished
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, MODEL, registry=self.registry, buckets=buckets)
+        self._per_model: list[Histogram | Counter | Gauge] = []  # the collectors labelled by model alone
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = MODEL) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+        def per_model(collector: Histogram | Counter | Gauge) -> Histogram | Counter | Gauge:
+            self._per_model.append(collector)
+            return collector
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return per_model(Histogram(PREFIX + name, doc, MODEL, registry=self.registry, buckets=buckets))
+
+        def counter(name: str, doc: str) -> Counter:
+            return per_model(Counter(PREFIX + name, doc, MODEL, registry=self.registry))
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, MODEL, registry=self.registry)
+            return per_model(Gauge(PREFIX + name, doc, MODEL, registry=self.registry))
 
         self.e2e_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to finish, seconds.", REQUEST_LATENCY_BUCKETS
@@ -78,11 +88,22 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled or scored.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.transduced_symbols = counter("transduced_symbols", "Input symbols transduced.")
-        self.request_success = counter("request_success", "Finished requests.", (*MODEL, "finished_reason"))
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests.", (*MODEL, "finished_reason"), registry=self.registry
+        )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the state cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the state cache.")
         self.requests_running = gauge("num_requests_running", "Requests being computed.")
         self.requests_waiting = gauge("num_requests_waiting", "Requests queued, not yet scheduled.")
+
+    def register_models(self, model_ids: list[str]) -> None:
+        """Create every per-model series at 0 (each finish reason of ``request_success`` too)."""
+        for collector in self._per_model:
+            for model in model_ids:
+                collector.labels(model)
+        for model in model_ids:
+            for reason in FINISH_REASONS:
+                self.request_success.labels(model, reason)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

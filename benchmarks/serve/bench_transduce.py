@@ -27,7 +27,7 @@ from benchmarks.serve.harness import (
 
 CONCURRENCIES = (1, 8, 32)
 BATCH_1 = {"max_batch_size": 1, "batch_wait_ms": 0}
-EXECUTE_TIME = "regularlm:model_execute_time_seconds"
+EXECUTE_TIME = "regularlm_model_execute_time_seconds"
 
 
 def inputs(count: int, length: int, seed: int) -> list[str]:
@@ -54,7 +54,7 @@ def load_table(url: str, model_id: str, length: int, requests: int, label: str, 
 
 def overhead(url: str, model_id: str, batch: list[str], repeats: int) -> tuple[float, float]:
     """Mean E2EL of one request of ``batch`` at concurrency 1, and the mean time the server spent in the model
-    call for it (``regularlm:model_execute_time_seconds``), both in seconds, over the same requests."""
+    call for it (``regularlm_model_execute_time_seconds``), both in seconds, over the same requests."""
     run_load(url, "/v1/transduce", [{"model": model_id, "inputs": batch}] * 2, 1)  # warm-up
     before = histogram_totals(url, EXECUTE_TIME, model_id)
     records, _ = run_load(url, "/v1/transduce", [{"model": model_id, "inputs": batch}] * repeats, 1)

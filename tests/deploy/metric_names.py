@@ -12,7 +12,7 @@ NAME = re.compile(re.escape(PREFIX) + r"[a-zA-Z0-9_:]+")
 
 
 def exposed_series() -> set[str]:
-    """Every series name /metrics can carry, e.g. ``regularlm:request_success_total``."""
+    """Every series name /metrics can carry, e.g. ``regularlm_request_success_total``."""
     return {family.name + suffix for family in ServerMetrics().registry.collect() for suffix in SUFFIXES[family.type]}
 
 

@@ -9,13 +9,13 @@ from tests.deploy.metric_names import exposed_series, referenced_series
 from tests.deploy.tools import ALERTS, DASHBOARD, load_yaml
 
 REQUIRED_PANELS = {  # title -> a series its queries must read
-    "Request rate": "regularlm:request_success_total",
-    "End-to-end latency p50 / p99": "regularlm:e2e_request_latency_seconds_bucket",
-    "Time to first token p50 / p99": "regularlm:time_to_first_token_seconds_bucket",
-    "Time per output token p50 / p99": "regularlm:time_per_output_token_seconds_bucket",
-    "Queue": "regularlm:num_requests_waiting",
-    "Tokens per second": "regularlm:generation_tokens_total",
-    "State-cache hit rate": "regularlm:prefix_cache_hits_total",
+    "Request rate": "regularlm_request_success_total",
+    "End-to-end latency p50 / p99": "regularlm_e2e_request_latency_seconds_bucket",
+    "Time to first token p50 / p99": "regularlm_time_to_first_token_seconds_bucket",
+    "Time per output token p50 / p99": "regularlm_time_per_output_token_seconds_bucket",
+    "Queue": "regularlm_num_requests_waiting",
+    "Tokens per second": "regularlm_generation_tokens_total",
+    "State-cache hit rate": "regularlm_prefix_cache_hits_total",
 }
 
 

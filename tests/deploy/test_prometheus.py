@@ -21,7 +21,7 @@ import pytest
 
 from server.settings import Settings
 from tests.deploy.tools import ALERTS, DASHBOARD, PROMETHEUS_CONFIG, PROMETHEUS_MISSING, run_tool
-from tests.server.checkpoints import write_checkpoints
+from tests.server.checkpoints import LANGUAGE_MODELS, TRANSDUCERS, write_checkpoints
 from tests.server.live import serve
 
 pytestmark = PROMETHEUS_MISSING
@@ -30,7 +30,6 @@ DEADLINE_S = 60.0
 TRANSDUCE_REQUESTS = 3
 GENERATE_REQUESTS = 2  # the same long prompt twice: the second finds it in the state cache
 PROMPT = "The state cache keeps this prompt's recurrent state."  # longer than state_cache_min_tokens
-COLON_RULE = "metric names should not contain ':'"  # vLLM's names are "vllm:..."; ours "regularlm:..."
 
 
 def test_promtool_accepts_the_config_and_its_alerts() -> None:
@@ -138,23 +137,24 @@ def test_promtool_lints_the_live_metrics_and_prometheus_scrapes_them(tmp_path: P
         send_requests(server.url)  # before the first scrape: every series exists from then on
         exposition = httpx.get(f"{server.url}/metrics", timeout=5.0).text
 
-        # promtool parses the exposition; its only complaint is the colon of the vLLM-style names
+        # promtool parses and lints the exposition: no problem at all (names without ':', units, suffixes)
         lint = run_tool("promtool", "check", "metrics", stdin=exposition)
-        problems = [line for line in (lint.stdout + lint.stderr).splitlines() if line.strip()]
-        assert lint.returncode in (0, 3), lint.stdout + lint.stderr  # 3: lint problems, 1: unparsable
-        assert problems and all(line.endswith(COLON_RULE) for line in problems), problems
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+        assert not (lint.stdout + lint.stderr).strip(), lint.stdout + lint.stderr
 
         (tmp_path / "prometheus").mkdir()
         with prometheus(server.url.removeprefix("http://"), tmp_path / "prometheus", deadline) as url:
-            counter = 'sum(regularlm:request_success_total{job="regularlm"})'
+            counter = 'sum(regularlm_request_success_total{job="regularlm"})'
             per_round = TRANSDUCE_REQUESTS + GENERATE_REQUESTS
             wait_for(url, counter, lambda result: result and float(result[0]["value"][1]) == per_round, deadline)
             send_requests(server.url)  # between scrapes this time, so that rates and quantiles move
             wait_for(url, counter, lambda result: float(result[0]["value"][1]) == 2 * per_round, deadline)
-            by_model = query(url, "sum by (model_name) (regularlm:request_success_total)")
-            assert {item["metric"]["model_name"]: float(item["value"][1]) for item in by_model} == {
+            by_model = query(url, "sum by (model_name) (regularlm_request_success_total)")
+            counts = {item["metric"]["model_name"]: float(item["value"][1]) for item in by_model}
+            assert {model: count for model, count in counts.items() if count} == {
                 "parity-lrnn": 2 * TRANSDUCE_REQUESTS, "text-lrnn": 2 * GENERATE_REQUESTS
             }  # fmt: skip
+            assert set(counts) == set(TRANSDUCERS) | set(LANGUAGE_MODELS)  # every model's series, at 0 from load
             assert [item["value"][1] for item in query(url, 'up{job="regularlm"}')] == ["1"]
 
             # every dashboard query is valid PromQL for a real Prometheus, and each panel shows a number

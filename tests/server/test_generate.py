@@ -78,7 +78,7 @@ def test_repeated_long_prompt_is_prefilled_from_the_state_cache(client) -> None:
     )
     assert fresh["text"]  # another model never uses text-lrnn's snapshots
     metrics = client.get("/metrics").text
-    assert 'regularlm:prefix_cache_hits_total{model_name="text-lrnn"}' in metrics
+    assert 'regularlm_prefix_cache_hits_total{model_name="text-lrnn"}' in metrics
 
 
 class _Discard:

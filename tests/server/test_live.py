@@ -61,7 +61,7 @@ def test_streaming_over_http(live) -> None:
 def test_disconnect_stops_generation(stream: bool, live, monkeypatch) -> None:
     slow_down(monkeypatch, live.engine, "text-transformer")
     aborted = metric(
-        live.url, "regularlm:request_success_total", model_name="text-transformer", finished_reason="abort"
+        live.url, "regularlm_request_success_total", model_name="text-transformer", finished_reason="abort"
     )
     body = {"model": "text-transformer", "prompt": "Once", "max_tokens": 4000, "stream": stream}
     if stream:
@@ -73,10 +73,10 @@ def test_disconnect_stops_generation(stream: bool, live, monkeypatch) -> None:
             httpx.post(f"{live.url}/v1/generate", json=body, timeout=0.5)
     wait_for(lambda: live.engine.metrics.in_flight == 0)
     assert (
-        metric(live.url, "regularlm:request_success_total", model_name="text-transformer", finished_reason="abort")
+        metric(live.url, "regularlm_request_success_total", model_name="text-transformer", finished_reason="abort")
         == aborted + 1
     )
-    assert metric(live.url, "regularlm:num_requests_running", model_name="text-transformer") == 0
+    assert metric(live.url, "regularlm_num_requests_running", model_name="text-transformer") == 0
 
 
 def test_parallel_requests_equal_sequential_ones(live) -> None:

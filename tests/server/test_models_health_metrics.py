@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastapi.testclient import TestClient
+
+from server.app import create_app
 from server.settings import SHIPPED_CHECKPOINTS, Settings
 from tests.server.checkpoints import BROKEN, LANGUAGE_MODELS, TRANSDUCERS
+from tests.server.conftest import make_settings
 
 
 def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_dir) -> None:
@@ -36,23 +40,36 @@ def test_metrics_use_vllm_names(client) -> None:
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
     for name in [
-        "regularlm:e2e_request_latency_seconds_bucket",
-        "regularlm:request_queue_time_seconds_bucket",
-        "regularlm:time_to_first_token_seconds_bucket",
-        "regularlm:time_per_output_token_seconds_bucket",
-        "regularlm:inter_token_latency_seconds_bucket",
-        "regularlm:model_execute_time_seconds_bucket",
-        "regularlm:prompt_tokens_total",
-        "regularlm:generation_tokens_total",
-        "regularlm:transduced_symbols_total",
-        "regularlm:num_requests_running",
-        "regularlm:num_requests_waiting",
-        "regularlm:prefix_cache_queries_total",
+        "regularlm_e2e_request_latency_seconds_bucket",
+        "regularlm_request_queue_time_seconds_bucket",
+        "regularlm_time_to_first_token_seconds_bucket",
+        "regularlm_time_per_output_token_seconds_bucket",
+        "regularlm_inter_token_latency_seconds_bucket",
+        "regularlm_model_execute_time_seconds_bucket",
+        "regularlm_prompt_tokens_total",
+        "regularlm_generation_tokens_total",
+        "regularlm_transduced_symbols_total",
+        "regularlm_num_requests_running",
+        "regularlm_num_requests_waiting",
+        "regularlm_prefix_cache_queries_total",
     ]:
         assert f"{name}{{" in text, name
-    assert 'regularlm:transduced_symbols_total{model_name="parity-lrnn"} 5.0' in text
-    assert 'regularlm:time_to_first_token_seconds_bucket{le="0.001",model_name="text-lrnn"}' in text
-    assert 'regularlm:num_requests_running{model_name="text-lrnn"} 0.0' in text
+    assert 'regularlm_transduced_symbols_total{model_name="parity-lrnn"} 5.0' in text
+    assert 'regularlm_time_to_first_token_seconds_bucket{le="0.001",model_name="text-lrnn"}' in text
+    assert 'regularlm_num_requests_running{model_name="text-lrnn"} 0.0' in text
+
+
+def test_every_models_series_exists_at_zero_from_load(checkpoints_dir) -> None:
+    app = create_app(make_settings(checkpoints_dir))
+    with TestClient(app) as client:
+        app.state.engine.wait_loaded()
+        text = client.get("/metrics").text
+    for model in sorted(TRANSDUCERS) + sorted(LANGUAGE_MODELS):
+        assert f'regularlm_e2e_request_latency_seconds_count{{model_name="{model}"}} 0.0' in text
+        assert f'regularlm_generation_tokens_total{{model_name="{model}"}} 0.0' in text
+        assert f'regularlm_num_requests_waiting{{model_name="{model}"}} 0.0' in text
+        for reason in ("stop", "length", "abort", "error"):
+            assert f'regularlm_request_success_total{{finished_reason="{reason}",model_name="{model}"}} 0.0' in text
 
 
 def test_settings_come_from_the_environment(monkeypatch) -> None:
