@@ -34,6 +34,7 @@ from server.protocol import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     TransduceRequest,
     TransduceResponse,
@@ -143,6 +144,10 @@ def _api_router() -> APIRouter:
     @router.get("/models", response_model=ModelList)
     def list_models(serving: ServingDep) -> ModelList:
         return serving.models()
+
+    @router.get("/models/{model_id}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    def retrieve_model(model_id: str, serving: ServingDep) -> ModelCard:
+        return serving.model(model_id)
 
     @router.post("/transduce", response_model=TransduceResponse, response_model_exclude_none=True)
     async def transduce(body: TransduceRequest, request: Request, serving: ServingDep) -> Any:

@@ -18,6 +18,7 @@ from server.protocol import (
     GenerateChunk,
     GenerateRequest,
     GenerateResponse,
+    ModelCard,
     ModelList,
     SamplingFields,
     TransduceRequest,
@@ -49,6 +50,10 @@ class Serving:
     def models(self) -> ModelList:
         self.engine.check_serving()
         return ModelList(data=[served.card() for served in self.engine.models.values()])
+
+    def model(self, model_id: str) -> ModelCard:
+        """One model's entry (404 if it is not served)."""
+        return self.engine.model(model_id).card()
 
     def served(self, model_id: str, kind: str) -> ServedModel:
         served = self.engine.model(model_id)

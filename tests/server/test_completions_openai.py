@@ -84,3 +84,11 @@ def test_errors_map_to_openai_exceptions(oai) -> None:
         oai.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.UnprocessableEntityError):
         oai.completions.create(model="text-lrnn", prompt="x", presence_penalty=1.0)
+
+
+def test_models_retrieve(oai) -> None:
+    model = oai.models.retrieve("text-lrnn")
+    assert model.id == "text-lrnn" and model.object == "model" and model.owned_by == "regularlm"
+    assert {entry.id for entry in oai.models.list()} >= {"text-lrnn", "parity-lrnn"}
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("nope")
