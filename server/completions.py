@@ -94,8 +94,9 @@ class CompletionServing:
                     prompt_logprobs=body.echo and body.logprobs is not None,
                 )
                 requests.append(request)
+                text = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)
                 choices.append(
-                    ChoiceState(len(choices), prompt, request.prompt, body.echo, served.tokenizer, body.logprobs)
+                    ChoiceState(len(choices), text, request.prompt, body.echo, served.tokenizer, body.logprobs)
                 )
         handle = self.serving.engine.submit_generation(served, requests, flow)
         response = CompletionResponse(

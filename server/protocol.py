@@ -147,7 +147,9 @@ class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text, a batch of texts, token ids, or a batch of token-id lists"
+    )
     max_tokens: int | None = Field(16, ge=0)
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -174,11 +176,16 @@ class CompletionRequest(SamplingFields):
         named = [name for name, is_set in unsupported.items() if is_set]
         if named:
             raise ValueError(f"not supported by this server: {', '.join(named)}")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt is an empty list; give a text, texts, token ids or lists of token ids")
         return self
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return self.prompt
 
 
 class CompletionLogprobs(BaseModel):

@@ -112,18 +112,25 @@ class Serving:
     def generation_request(
         self,
         served: ServedModel,
-        prompt: str,
+        prompt: str | list[int],
         fields: SamplingFields,
         max_tokens: int | None,
         seed_offset: int = 0,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
     ) -> GenerationRequest:
-        """Validate one prompt and the sampling fields against the limits."""
+        """Validate one prompt (a text, or token ids checked against the vocabulary) and the sampling fields
+        against the limits."""
         max_tokens = self.settings.max_tokens if max_tokens is None else max_tokens
         if max_tokens > self.settings.max_tokens:
             raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
-        tokens = served.tokenizer.encode(prompt)
+        tokens = served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        vocabulary = served.tokenizer.vocab_size
+        for position, token in enumerate(tokens):
+            if not 0 <= token < vocabulary:
+                raise InvalidInput(
+                    f"prompt token {position} is id {token}; model {served.id!r} has token ids 0..{vocabulary - 1}"
+                )
         if not tokens:
             raise InvalidInput("the prompt is empty; it needs at least one token")
         if len(tokens) > self.settings.max_input_symbols:

@@ -92,3 +92,20 @@ def test_models_retrieve(oai) -> None:
     assert {entry.id for entry in oai.models.list()} >= {"text-lrnn", "parity-lrnn"}
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("nope")
+
+
+def test_prompts_as_token_ids(oai, live) -> None:
+    tokenizer = live.engine.models["text-lrnn"].tokenizer
+    ids = tokenizer.encode("Hello there")
+    as_text = oai.completions.create(model="text-lrnn", prompt="Hello there", max_tokens=5, temperature=0)
+    as_ids = oai.completions.create(model="text-lrnn", prompt=ids, max_tokens=5, temperature=0)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage.prompt_tokens == len(ids)
+    batch = oai.completions.create(model="text-lrnn", prompt=[ids, ids[:3]], max_tokens=2, temperature=0)
+    assert len(batch.choices) == 2
+    echoed = oai.completions.create(model="text-lrnn", prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert echoed.choices[0].text == "Hello there"
+    with pytest.raises(openai.UnprocessableEntityError, match="prompt token 1 is id 99999"):
+        oai.completions.create(model="text-lrnn", prompt=[ids[0], 99999], max_tokens=1)
+    with pytest.raises(openai.UnprocessableEntityError, match="empty list"):
+        oai.completions.create(model="text-lrnn", prompt=[], max_tokens=1)
