@@ -23,7 +23,7 @@ from server.errors import APIError
 from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
-from server.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs
 from server.state_cache import StateCache
 
 
@@ -218,7 +218,9 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     and finish the sequences that end."""
     logits = logits.float().cpu()  # (B, V): sampling runs on the CPU with each request's generator
     params = [sequence.request.sampling for sequence in sequences]
-    tokens = sample(logits, params, [sequence.generator for sequence in sequences])
+    prompts, outputs = [s.request.prompt for s in sequences], [s.generated for s in sequences]
+    adjusted = penalize(logits, params, prompts, outputs)  # (B, V); log-probabilities stay the model's
+    tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
     for sequence, token, row_logits in zip(sequences, tokens, logits):
         _append(sequence, token, row_logits, metrics)
 

@@ -6,7 +6,7 @@ unknown fields; ``/v1/completions`` ignores unknown OpenAI fields but refuses kn
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -97,6 +97,14 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this once per seen token")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this per occurrence")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=100.0, description="vLLM's (CTRL's): seen tokens' logits divided (if > 0) or multiplied by it"
+    )
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (as a string) -> a bias added to its logit, as OpenAI's"
+    )
 
     @property
     def stop_strings(self) -> list[str]:
@@ -158,21 +166,12 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     user: str | None = None
     # Known OpenAI fields this server cannot honour: accepted only at their neutral values.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     best_of: int | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> CompletionRequest:
-        unsupported = {
-            "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
-            "best_of": self.best_of not in (None, 1),
-            "suffix": bool(self.suffix),
-            "logit_bias": bool(self.logit_bias),
-        }
+        unsupported = {"best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
         named = [name for name, is_set in unsupported.items() if is_set]
         if named:
             raise ValueError(f"not supported by this server: {', '.join(named)}")

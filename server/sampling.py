@@ -1,9 +1,13 @@
 """Next-token sampling and log-probabilities.
 
 Each request samples with its own CPU ``torch.Generator`` seeded from the request's seed (a random one when
-none is given), so a seeded request gives the same tokens whatever else is decoded beside it. Filters are
-applied in vLLM's order: temperature, then top-k, then top-p (the smallest set of tokens whose probability
-reaches top_p, at least one). A decode step samples all its rows at once (``sample``).
+none is given), so a seeded request gives the same tokens whatever else is decoded beside it. Before the
+filters, ``penalize`` adjusts the logits as vLLM and OpenAI define it: the repetition penalty (vLLM's, as in
+CTRL: a logit of a token seen in the prompt or the output is divided by it when positive, multiplied when
+negative), then OpenAI's ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over the output
+tokens, then ``logit_bias``. Filters are applied in vLLM's order: temperature, then top-k, then top-p (the
+smallest set of tokens whose probability reaches top_p, at least one). A decode step samples all its rows at
+once (``sample``); constrained and free rows share the call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+
+    @property
+    def penalizes(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
     def generator(self) -> torch.Generator:
         generator = torch.Generator()
@@ -46,6 +58,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for row, token in zip(rows, picks.clamp(max=logits.shape[-1] - 1).tolist()):
             tokens[row] = token
     return tokens
+
+
+def penalize(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
+    """The logits to sample from: logits (B, V) float on the CPU, adjusted per row by params[i] given the row's
+    prompt and output tokens so far (module docstring). Rows without penalties or biases are left as they are;
+    the input is not modified."""
+    rows = [row for row, row_params in enumerate(params) if row_params.penalizes]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocabulary = logits.shape[-1]
+    for row in rows:
+        row_params, row_logits = params[row], logits[row]  # (V,) a view: edited in place
+        counts = torch.bincount(torch.tensor(outputs[row], dtype=torch.long), minlength=vocabulary)[:vocabulary]
+        if row_params.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(prompts[row], dtype=torch.long)] = True
+            penalized = torch.where(
+                row_logits > 0, row_logits / row_params.repetition_penalty, row_logits * row_params.repetition_penalty
+            )
+            row_logits.copy_(torch.where(seen, penalized, row_logits))
+        if row_params.frequency_penalty or row_params.presence_penalty:
+            counts = counts.to(row_logits.dtype)  # (V,)
+            row_logits -= row_params.frequency_penalty * counts + row_params.presence_penalty * (counts > 0)
+        for token, bias in row_params.logit_bias:
+            row_logits[token] += bias
+    return logits
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

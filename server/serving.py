@@ -143,7 +143,16 @@ class Serving:
                 "its cache must fit the memory budget)"
             )
         seed = None if fields.seed is None else (fields.seed + seed_offset) % 2**63
-        sampling = SamplingParams(fields.temperature, fields.top_p, fields.top_k, seed)
+        sampling = SamplingParams(
+            fields.temperature,
+            fields.top_p,
+            fields.top_k,
+            seed,
+            fields.presence_penalty,
+            fields.frequency_penalty,
+            fields.repetition_penalty,
+            _logit_bias(fields.logit_bias or {}, vocabulary, served.id),
+        )
         return GenerationRequest(tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs)
 
     # --- /v1/generate -------------------------------------------------------------------------------------
@@ -177,6 +186,16 @@ class Serving:
         except APIError as error:
             yield sse_error(error)
         yield SSE_DONE
+
+
+def _logit_bias(biases: dict[str, float], vocabulary: int, model_id: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings) checked against the vocabulary."""
+    checked = []
+    for key, bias in biases.items():
+        if not (key.isdigit() and int(key) < vocabulary):
+            raise InvalidInput(f"logit_bias key {key!r} is not a token id of model {model_id!r} (0..{vocabulary - 1})")
+        checked.append((int(key), bias))
+    return tuple(checked)
 
 
 def usage(finished: Finished) -> Usage:

@@ -83,7 +83,7 @@ def test_errors_map_to_openai_exceptions(oai) -> None:
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.UnprocessableEntityError):
-        oai.completions.create(model="text-lrnn", prompt="x", presence_penalty=1.0)
+        oai.completions.create(model="text-lrnn", prompt="x", suffix="y")
 
 
 def test_models_retrieve(oai) -> None:
@@ -109,3 +109,24 @@ def test_prompts_as_token_ids(oai, live) -> None:
         oai.completions.create(model="text-lrnn", prompt=[ids[0], 99999], max_tokens=1)
     with pytest.raises(openai.UnprocessableEntityError, match="empty list"):
         oai.completions.create(model="text-lrnn", prompt=[], max_tokens=1)
+
+
+def test_penalties_and_logit_bias(oai, live) -> None:
+    """A +100 bias forces its token; with large frequency and presence penalties greedy decoding never repeats a
+    token (the text models here are byte-level: an ASCII character is one token), which it does without them;
+    the penalties' ranges are OpenAI's."""
+    biased = oai.completions.create(model="text-lrnn", prompt="Hello", max_tokens=5, temperature=0,
+                                    logit_bias={str(ord("q")): 100})  # fmt: skip
+    assert biased.choices[0].text == "q" * 5
+    free = oai.completions.create(model="text-lrnn", prompt="Hello", max_tokens=40, temperature=0)
+    penalized = oai.completions.create(
+        model="text-lrnn", prompt="Hello", max_tokens=40, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
+    )
+
+    def most_repeated_ascii(text: str) -> int:
+        return max(text.count(character) for character in set(text) if character.isascii())
+
+    assert most_repeated_ascii(free.choices[0].text) > 1
+    assert most_repeated_ascii(penalized.choices[0].text) == 1
+    with pytest.raises(openai.UnprocessableEntityError):
+        oai.completions.create(model="text-lrnn", prompt="x", frequency_penalty=2.5)

@@ -74,7 +74,12 @@ def test_invalid_transduce_body_is_422(body: dict, fragment: str, limited) -> No
         ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "max_tokens": -1}, "body.max_tokens"),
         ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "max_tokens": 101}, "limit is 100"),
         ("/v1/generate", {"model": "text-lrnn", "prompt": ""}, "prompt is empty"),
-        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "presence_penalty": 1}, "presence_penalty"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "presence_penalty": 3}, "body.presence_penalty"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "repetition_penalty": 0}, "body.repetition_penalty"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"5": 101}}, "body.logit_bias"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"x": 1}}, "logit_bias key 'x'"),
+        ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"99999": 1}}, "not a token id"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logprobs": 9}, "body.logprobs"),
     ],
 )
