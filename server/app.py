@@ -24,9 +24,10 @@ from starlette.exceptions import HTTPException
 
 from server.completions import CompletionServing
 from server.engine import Engine
-from server.errors import APIError, Unauthorized
+from server.errors import APIError, BadRequest, Unauthorized
 from server.metrics import ServerMetrics
 from server.protocol import (
+    ChatRequest,
     CompletionRequest,
     CompletionResponse,
     ErrorDetail,
@@ -156,6 +157,15 @@ def _api_router() -> APIRouter:
     @router.post("/generate", response_model=GenerateResponse)
     async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Any:
         return _respond(await _until_disconnected(request, serving.generate(body, _flow(request))))
+
+    @router.post("/chat/completions", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    def chat_completions(body: ChatRequest, serving: ServingDep) -> Any:
+        """No served model ships a chat template, so there is no chat format to apply: a clear refusal."""
+        serving.served(body.model, "generate")  # 404 for an unknown model, 400 for a transducer
+        raise BadRequest(
+            f"model {body.model!r} has no chat template, so this server cannot turn messages into a prompt; "
+            "send the text to /v1/completions instead"
+        )
 
     @router.post("/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request, completions: CompletionsDep) -> Any:

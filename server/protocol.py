@@ -187,6 +187,14 @@ class CompletionRequest(SamplingFields):
         return self.prompt
 
 
+class ChatRequest(BaseModel):
+    """/v1/chat/completions: only ``model`` is read (no served model ships a chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)

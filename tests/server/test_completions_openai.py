@@ -130,3 +130,10 @@ def test_penalties_and_logit_bias(oai, live) -> None:
     assert most_repeated_ascii(penalized.choices[0].text) == 1
     with pytest.raises(openai.UnprocessableEntityError):
         oai.completions.create(model="text-lrnn", prompt="x", frequency_penalty=2.5)
+
+
+def test_chat_is_refused_clearly_without_a_chat_template(oai) -> None:
+    with pytest.raises(openai.BadRequestError, match="has no chat template"):
+        oai.chat.completions.create(model="text-lrnn", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
