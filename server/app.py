@@ -48,6 +48,30 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away; nobody reads it
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
 T = TypeVar("T")
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in {
+        400: "the request cannot be served as asked (e.g. a model of the other kind)",
+        401: "a valid API key is needed",
+        404: "unknown model",
+        413: "over a server or model limit (the message names it)",
+        422: "invalid body or value (the message names the field, position or character)",
+        429: "the queue is full now; retry after Retry-After seconds",
+        500: "a model call failed (only the requests of that call)",
+        503: "loading, draining, or shutting down past the drain timeout",
+    }.items()
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` entries of these error statuses."""
+    return {status: ERROR_RESPONSES[status] for status in statuses}
+
+
+GENERATION_RESPONSES = {
+    200: {"content": {"text/event-stream": {}}, "description": "the answer; with stream: Server-Sent Events"},
+    **errors(400, 401, 404, 413, 422, 429, 500, 503),
+}
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
@@ -118,7 +142,12 @@ def require_api_key(request: Request) -> None:
 def _health_router() -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health", response_model=HealthResponse, response_model_exclude_none=True)
+    @router.get(
+        "/health",
+        response_model=HealthResponse,
+        response_model_exclude_none=True,
+        responses={503: {"model": HealthResponse, "description": "loading, draining or failed"}},
+    )
     def health(engine: EngineDep) -> Any:
         if engine.state == "ready":
             return HealthResponse(status="ok")
@@ -132,7 +161,14 @@ def _health_router() -> APIRouter:
 def _metrics_router() -> APIRouter:
     router = APIRouter()
 
-    @router.get("/metrics")
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text exposition"},
+            401: ERROR_RESPONSES[401],
+        },
+    )
     def metrics(engine: EngineDep) -> Response:
         return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -142,23 +178,28 @@ def _metrics_router() -> APIRouter:
 def _api_router() -> APIRouter:
     router = APIRouter(prefix="/v1")
 
-    @router.get("/models", response_model=ModelList)
+    @router.get("/models", response_model=ModelList, responses=errors(401, 503))
     def list_models(serving: ServingDep) -> ModelList:
         return serving.models()
 
-    @router.get("/models/{model_id}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    @router.get("/models/{model_id}", response_model=ModelCard, responses=errors(401, 404, 503))
     def retrieve_model(model_id: str, serving: ServingDep) -> ModelCard:
         return serving.model(model_id)
 
-    @router.post("/transduce", response_model=TransduceResponse, response_model_exclude_none=True)
+    @router.post(
+        "/transduce",
+        response_model=TransduceResponse,
+        response_model_exclude_none=True,
+        responses=errors(400, 401, 404, 413, 422, 429, 500, 503),
+    )
     async def transduce(body: TransduceRequest, request: Request, serving: ServingDep) -> Any:
         return await _until_disconnected(request, serving.transduce(body, _flow(request)))
 
-    @router.post("/generate", response_model=GenerateResponse)
+    @router.post("/generate", response_model=GenerateResponse, responses=GENERATION_RESPONSES)
     async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Any:
         return _respond(await _until_disconnected(request, serving.generate(body, _flow(request))))
 
-    @router.post("/chat/completions", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    @router.post("/chat/completions", responses=errors(400, 401, 404, 422, 503))
     def chat_completions(body: ChatRequest, serving: ServingDep) -> Any:
         """No served model ships a chat template, so there is no chat format to apply: a clear refusal."""
         serving.served(body.model, "generate")  # 404 for an unknown model, 400 for a transducer
@@ -167,7 +208,7 @@ def _api_router() -> APIRouter:
             "send the text to /v1/completions instead"
         )
 
-    @router.post("/completions", response_model=CompletionResponse)
+    @router.post("/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request, completions: CompletionsDep) -> Any:
         return _respond(await _until_disconnected(request, completions.create(body, _flow(request))))
 

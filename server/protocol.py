@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 FinishReason = Literal["stop", "length"]
 
@@ -95,7 +95,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, description="any non-negative integer (used modulo 2^63)")
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this once per seen token")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this per occurrence")
@@ -123,7 +123,7 @@ class Usage(BaseModel):
 
 class GenerateRequest(SamplingFields, StrictModel):
     model: str
-    prompt: str
+    prompt: str = Field(min_length=1)
     max_tokens: int = Field(64, ge=0)
     stream: bool = False
 
@@ -155,9 +155,12 @@ class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a text, a batch of texts, token ids, or a batch of token-id lists"
-    )
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(description="a text, a batch of texts, token ids, or a batch of token-id lists; none empty")
     max_tokens: int | None = Field(16, ge=0)
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -165,19 +168,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     user: str | None = None
-    # Known OpenAI fields this server cannot honour: accepted only at their neutral values.
-    best_of: int | None = None
-    suffix: str | None = None
+    # Known OpenAI fields this server cannot honour: accepted only at their neutral values (so stated in the schema).
+    best_of: Literal[1] | None = Field(None, description="only 1 (or absent): one sample per choice")
+    suffix: Annotated[str, Field(max_length=0)] | None = Field(None, description="not supported: only empty")
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> CompletionRequest:
-        unsupported = {"best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
-        named = [name for name, is_set in unsupported.items() if is_set]
-        if named:
-            raise ValueError(f"not supported by this server: {', '.join(named)}")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt is an empty list; give a text, texts, token ids or lists of token ids")
-        return self
 
     @property
     def prompts(self) -> list[str | list[int]]:

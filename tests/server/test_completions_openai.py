@@ -107,7 +107,7 @@ def test_prompts_as_token_ids(oai, live) -> None:
     assert echoed.choices[0].text == "Hello there"
     with pytest.raises(openai.UnprocessableEntityError, match="prompt token 1 is id 99999"):
         oai.completions.create(model="text-lrnn", prompt=[ids[0], 99999], max_tokens=1)
-    with pytest.raises(openai.UnprocessableEntityError, match="empty list"):
+    with pytest.raises(openai.UnprocessableEntityError, match="at least 1"):
         oai.completions.create(model="text-lrnn", prompt=[], max_tokens=1)
 
 
