@@ -30,7 +30,6 @@ import torch
 
 from model.base import Cost, SequenceModel, largest_fitting
 
-
 MIN_TIMED_FLOPS = 1e7  # smaller calls are dominated by per-call overhead and do not update the rate
 CALIBRATION_FLOPS = 5e7  # the size of the calibration call at load
 CALIBRATION_MAX_LENGTH = 4096

@@ -88,6 +88,11 @@ class Sequence:
         looks at it on every iteration the sequence waits)."""
         return self.served.budget.context_cost(len(self.request.prompt) + self.request.max_tokens).nbytes
 
+    @functools.cached_property
+    def prompt_ids(self) -> torch.Tensor:
+        """The prompt as an int64 tensor, (P,) on the CPU: built once, for the repetition penalty's every step."""
+        return torch.tensor(self.request.prompt, dtype=torch.long)
+
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt)
@@ -218,8 +223,7 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     and finish the sequences that end."""
     logits = logits.float().cpu()  # (B, V): sampling runs on the CPU with each request's generator
     params = [sequence.request.sampling for sequence in sequences]
-    prompts, outputs = [s.request.prompt for s in sequences], [s.generated for s in sequences]
-    adjusted = penalize(logits, params, prompts, outputs)  # (B, V); log-probabilities stay the model's
+    adjusted = penalize(logits, params, sequences)  # (B, V); log-probabilities stay the model's
     tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
     for sequence, token, row_logits in zip(sequences, tokens, logits):
         _append(sequence, token, row_logits, metrics)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,7 +33,8 @@ class SamplingParams:
 
     @property
     def penalizes(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
+        penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        return bool(penalties or self.logit_bias)
 
     def generator(self) -> torch.Generator:
         generator = torch.Generator()
@@ -60,9 +62,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens
 
 
-def penalize(
-    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
-) -> torch.Tensor:
+class TokenHistory(Protocol):
+    """What the penalties read of a sequence: its prompt (P,) int64 and its output token ids so far."""
+
+    prompt_ids: torch.Tensor
+    generated: list[int]
+
+
+def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]) -> torch.Tensor:
     """The logits to sample from: logits (B, V) float on the CPU, adjusted per row by params[i] given the row's
     prompt and output tokens so far (module docstring). Rows without penalties or biases are left as they are;
     the input is not modified."""
@@ -72,11 +79,11 @@ def penalize(
     logits = logits.clone()
     vocabulary = logits.shape[-1]
     for row in rows:
-        row_params, row_logits = params[row], logits[row]  # (V,) a view: edited in place
-        counts = torch.bincount(torch.tensor(outputs[row], dtype=torch.long), minlength=vocabulary)[:vocabulary]
+        row_params, row_logits, history = params[row], logits[row], histories[row]  # row_logits: (V,) a view
+        counts = torch.bincount(torch.tensor(history.generated, dtype=torch.long), minlength=vocabulary)[:vocabulary]
         if row_params.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(prompts[row], dtype=torch.long)] = True
+            seen[history.prompt_ids] = True
             penalized = torch.where(
                 row_logits > 0, row_logits / row_params.repetition_penalty, row_logits * row_params.repetition_penalty
             )

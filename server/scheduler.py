@@ -25,9 +25,9 @@ and admission take the least-served flow first, then the oldest. Decode is not r
 sequence steps every iteration.
 
 **Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens,
-padded to its context class; a long transduce: what its slices keep) and the call in progress its activations, within the budget of
-``server/costing.py``; work that does not fit now waits, and admission (the engine) refuses with 413 what
-could never fit. A model call that raises fails only the requests in that call.
+padded to its context class; a long transduce: what its slices keep) and the call in progress its activations,
+within the budget of ``server/costing.py``; work that does not fit now waits, and admission (the engine)
+refuses with 413 what could never fit. A model call that raises fails only the requests in that call.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class Scheduler:
 
     def _run_transduce(self) -> None:
         """Batches and long-input slices, least-served flow first, until about one slice has run."""
-        units: list[tuple[float, float, float, Callable[[], bool]]] = []  # (flow's, job's service, arrival, run)
+        units: list[tuple[float, float, float, Callable[[], None]]] = []  # (flow's, job's service, arrival, run)
         if self._short_due():
             batches = plan_batches(self.short, self.settings.max_batch_size, self.settings.max_batch_symbols)
             self.last_run_jobs, self.jobs_waiting = self.jobs_waiting, 0
@@ -239,14 +239,14 @@ class Scheduler:
         if not self.short:
             self.jobs_waiting = 0
 
-    def _run_batch(self, batch: list[TransduceItem]) -> bool:
-        """Run one batch now if its call fits in memory now; False if it must wait."""
+    def _run_batch(self, batch: list[TransduceItem]) -> None:
+        """Run one batch now if its call fits in memory now; else it waits (its items stay in ``short``)."""
         batch = [item for item in batch if not item.job.done]
         if not batch:
-            return False
+            return
         cost = batch_cost(batch[0], len(batch), max(len(item.tokens) for item in batch))
         if not self.memory.fits(cost.nbytes):
-            return False
+            return
         served = batch[0].job.served
         for item in batch:
             if item.job.times.scheduled is None:
@@ -259,7 +259,7 @@ class Scheduler:
             logger.exception("transduce batch of %d inputs failed", len(batch))
             for item in batch:
                 item.job.fail(ModelFailure(f"the model failed on this batch: {error}"), self.metrics)
-            return True
+            return
         flows: dict[str, float] = {}
         symbols = sum(len(item.tokens) for item in batch)
         for item, output in zip(batch, outputs):
@@ -267,16 +267,15 @@ class Scheduler:
             item.job.service += seconds * len(item.tokens) / symbols
             item.job.complete(item.index, output, self.metrics)
         self.fair.charge(flows, seconds)
-        return True
 
-    def _run_slice(self, long: LongTransduce) -> bool:
-        """One slice of a long input; its memory is held from the first slice. False if it must wait."""
+    def _run_slice(self, long: LongTransduce) -> None:
+        """One slice of a long input; its memory is held from the first slice, which waits until it fits."""
         job = long.item.job
         if job.done:
-            return False
+            return
         if not long.started:
             if not self.memory.fits(long.item.cost.nbytes):
-                return False
+                return
             self.memory.hold(long.item.cost.nbytes)
             if job.times.scheduled is None:
                 self.metrics.scheduled(job.times)
@@ -286,12 +285,11 @@ class Scheduler:
         except Exception as error:
             logger.exception("a slice of a %d-symbol transduce input failed", len(long.item.tokens))
             job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
-            return True
+            return
         self.fair.charge({job.flow: 1.0}, seconds)
         job.service += seconds
         if long.output is not None:
             job.complete(long.item.index, long.output, self.metrics)
-        return True
 
     def _drop_finished_long(self) -> None:
         """Release the memory of long inputs that are answered, failed or abandoned."""
@@ -313,11 +311,16 @@ class Scheduler:
     def _running(self) -> int:
         return len(self.prefilling) + sum(map(len, self.decoding.values()))
 
+    def _fair_order(self, sequences: Iterable[Sequence]) -> list[Sequence]:
+        """Least-served flow first, then oldest."""
+        return sorted(sequences, key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.times.arrival))
+
     def _schedule(self) -> None:
         """Admit waiting sequences, least-served flow first, while there is room and memory."""
-        order = sorted(self.waiting, key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.times.arrival))
+        if self._running() >= self.settings.max_running:
+            return  # nothing to order while no sequence can start
         admitted = set()
-        for sequence in order:
+        for sequence in self._fair_order(self.waiting):
             if self._running() >= self.settings.max_running:
                 break
             if not self.memory.fits(sequence.cache_bytes):
@@ -334,10 +337,7 @@ class Scheduler:
         and chunk length."""
         budget = self.settings.prefill_chunk_tokens
         groups: dict[tuple[str, int, int], list[Sequence]] = {}  # (model, context class, chunk length)
-        order = sorted(
-            self.prefilling, key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.times.arrival)
-        )
-        for sequence in order:
+        for sequence in self._fair_order(self.prefilling):
             if budget <= 0 and sequence.prefilling:
                 break
             length = prefill_length(sequence, budget)

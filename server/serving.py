@@ -124,13 +124,16 @@ class Serving:
         max_tokens = self.settings.max_tokens if max_tokens is None else max_tokens
         if max_tokens > self.settings.max_tokens:
             raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
-        tokens = served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         vocabulary = served.tokenizer.vocab_size
-        for position, token in enumerate(tokens):
-            if not 0 <= token < vocabulary:
-                raise InvalidInput(
-                    f"prompt token {position} is id {token}; model {served.id!r} has token ids 0..{vocabulary - 1}"
-                )
+        if isinstance(prompt, str):
+            tokens = served.tokenizer.encode(prompt)
+        else:  # token ids: the tokenizer's own output needs no check
+            tokens = prompt
+            for position, token in enumerate(tokens):
+                if not 0 <= token < vocabulary:
+                    raise InvalidInput(
+                        f"prompt token {position} is id {token}; model {served.id!r} has token ids 0..{vocabulary - 1}"
+                    )
         if not tokens:
             raise InvalidInput("the prompt is empty; it needs at least one token")
         if len(tokens) > self.settings.max_input_symbols:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -62,14 +63,18 @@ def test_token_logprobs() -> None:
     assert token_logprobs(logits, torch.tensor([1, 0]), top=0)[0].top == []
 
 
+def history(prompt: list[int], generated: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(prompt_ids=torch.tensor(prompt), generated=generated)
+
+
 def test_penalize_follows_openai_and_vllm() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
-    same = penalize(logits, [SamplingParams()], [[0]], [[1]])
+    same = penalize(logits, [SamplingParams()], [history([0], [1])])
     assert same is logits  # no penalty: nothing copied
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((3, 1.5),))
-    adjusted = penalize(logits, [params], [[0]], [[1, 1, 2]])
+    adjusted = penalize(logits, [params], [history([0], [1, 1, 2])])
     # token 1 seen twice: -1 - 0.25 * 2 - 0.5; token 2 once: 0.5 - 0.25 - 0.5; token 3 biased; prompt not counted
     torch.testing.assert_close(adjusted, torch.tensor([[2.0, -2.0, -0.25, 1.5]]))
-    repeated = penalize(logits, [SamplingParams(repetition_penalty=2.0)], [[0]], [[1]])
+    repeated = penalize(logits, [SamplingParams(repetition_penalty=2.0)], [history([0], [1])])
     torch.testing.assert_close(repeated, torch.tensor([[1.0, -2.0, 0.5, 0.0]]))  # prompt and output tokens
     assert logits.tolist() == [[2.0, -1.0, 0.5, 0.0]]  # the input is left as it was
