@@ -195,7 +195,7 @@ def _logit_bias(biases: dict[str, float], vocabulary: int, model_id: str) -> tup
     """OpenAI's logit_bias (token ids as strings) checked against the vocabulary."""
     checked = []
     for key, bias in biases.items():
-        if not (key.isdigit() and int(key) < vocabulary):
+        if not (key.isdecimal() and int(key) < vocabulary):  # isdigit() passes '²', which int() refuses
             raise InvalidInput(f"logit_bias key {key!r} is not a token id of model {model_id!r} (0..{vocabulary - 1})")
         checked.append((int(key), bias))
     return tuple(checked)

@@ -80,6 +80,7 @@ def test_invalid_transduce_body_is_422(body: dict, fragment: str, limited) -> No
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "repetition_penalty": 0}, "body.repetition_penalty"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"5": 101}}, "body.logit_bias"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"x": 1}}, "logit_bias key 'x'"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"²": 1}}, "logit_bias key '²'"),
         ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"99999": 1}}, "not a token id"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "suffix": "y"}, "body.suffix"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logprobs": 9}, "body.logprobs"),
