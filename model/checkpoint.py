@@ -4,6 +4,7 @@ Saving writes both files to temporary names and renames them into place, so a cr
 written checkpoint. The safetensors header carries the architecture and a SHA-256 of every tensor's bytes;
 loading is strict: a missing or unexpected tensor, a shape or dtype mismatch, a truncated or corrupted file,
 a digest that does not match or a non-finite weight is refused with a :class:`CheckpointError` naming it.
+Both files are written world-readable (0644) whatever the umask.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from model.registry import build_model
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+FILE_MODE = 0o644  # whatever the umask: the server may run as another user (the Docker image's non-root one)
 
 
 class CheckpointError(ValueError):
@@ -51,12 +53,35 @@ def save_checkpoint(model: SequenceModel, config: CheckpointConfig, directory: s
         "sha256": json.dumps({name: _digest(tensor) for name, tensor in sorted(tensors.items())}),
     }
     weights_tmp = directory / f".{WEIGHTS_FILE}.tmp"
-    config_tmp = directory / f".{CONFIG_FILE}.tmp"
     save_file(tensors, str(weights_tmp), metadata=metadata)
-    config_tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    weights_tmp.chmod(FILE_MODE)
+    config_tmp = _config_tmp(config, directory)
     os.replace(weights_tmp, directory / WEIGHTS_FILE)
     os.replace(config_tmp, directory / CONFIG_FILE)
     return directory
+
+
+def upgrade_config(directory: str | os.PathLike) -> bool:
+    """Rewrite an older version's ``config.json`` in the current format (every key written); the weights are
+    left as they are. Returns whether the file changed. Raises CheckpointError for a config that does not load."""
+    directory = Path(directory)
+    config = read_config(directory)
+    if json.loads((directory / CONFIG_FILE).read_text()) == json.loads(_config_text(config)):
+        return False
+    os.replace(_config_tmp(config, directory), directory / CONFIG_FILE)
+    return True
+
+
+def _config_tmp(config: CheckpointConfig, directory: Path) -> Path:
+    """``config`` written beside its final place, to be renamed into it."""
+    path = directory / f".{CONFIG_FILE}.tmp"
+    path.write_text(_config_text(config))
+    path.chmod(FILE_MODE)
+    return path
+
+
+def _config_text(config: CheckpointConfig) -> str:
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
 def read_config(directory: str | os.PathLike) -> CheckpointConfig:

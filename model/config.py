@@ -4,6 +4,12 @@ Every architecture has one frozen dataclass of hyper-parameters. A checkpoint's 
 :class:`CheckpointConfig`: the architecture's name, its hyper-parameters under ``"model"``, and what the
 model reads and writes (task, alphabet, labels or tokenizer). Loading refuses unknown and missing keys and
 values of the wrong type, with a message that names them.
+
+Format versions: a file of the current ``FORMAT_VERSION`` (2) holds every key, and loading refuses one that lacks
+any, defaults or not: a key a file leaves out would otherwise load as whatever this build's default is, which can
+change the model. Version 1 let a file leave out keys that had defaults; :func:`migrate_config` reads such a file
+as the build that wrote it did (the values in ``_V1_DEFAULTS``, spelled out so that a later change of a default
+cannot change what an old file means). ``python -m training upgrade DIR`` rewrites old files.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+FORMAT_VERSION = 2
 
 
 class ConfigError(ValueError):
@@ -278,7 +286,7 @@ class CheckpointConfig:
     labels: tuple[str, ...] | None = None
     tokenizer: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         _check_literals(self)
@@ -291,8 +299,8 @@ class CheckpointConfig:
             raise ConfigError(
                 f"architecture {self.architecture!r} needs a {expected.__name__}, got {type(self.model).__name__}"
             )
-        if self.format_version != 1:
-            raise ConfigError(f"unsupported format_version {self.format_version}; this build reads 1")
+        if self.format_version != FORMAT_VERSION:
+            raise ConfigError(f"format_version must be {FORMAT_VERSION} in a config built here, got {self.format_version}")
         if self.kind == "transduce":
             self._check_transducer()
         elif not self.tokenizer:
@@ -325,19 +333,61 @@ class CheckpointConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> CheckpointConfig:
-        if not isinstance(data, dict):
-            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
-        architecture = data.get("architecture")
-        model_class = ARCHITECTURE_CONFIGS.get(architecture)  # type: ignore[arg-type]
-        if model_class is None:
-            raise ConfigError(f"unknown architecture {architecture!r}; known: {sorted(ARCHITECTURE_CONFIGS)}")
+        """A config.json object of any version this build reads (older ones through :func:`migrate_config`)."""
+        data = migrate_config(data)
+        model_class = ARCHITECTURE_CONFIGS[data["architecture"]]
         fields = dict(data)
         fields["model"] = dataclass_from_dict(model_class, data.get("model"), where="model")
         return dataclass_from_dict(cls, fields, where="config")
 
 
+# What a format_version 1 file meant by a key it left out: the defaults of the builds that wrote version 1.
+_V1_DEFAULTS: dict[str, dict[str, Any]] = {
+    "config": {"task": None, "alphabet": None, "labels": None, "tokenizer": None, "metadata": {}},
+    "model": {"num_labels": 0, "d_model": 64, "dropout": 0.0},
+    "regulargpt": {"n_heads": 4, "d_ff": 256, "chunk_size": 2, "thickness": 1, "attention_impl": "auto",
+                   "out_of_range": "null", "layer_norm_eps": 1e-5},
+    "lrnn": {"n_layers": 1, "block_size": 8, "num_blocks": 8, "p_norm": 1.2, "transition_norm": "column",
+             "d_ff": 256, "scan_impl": "auto", "scan_chunk_size": 64, "layer_norm_eps": 1e-5},
+    "diagonal_lrnn": {"n_layers": 1, "state_size": 64, "d_ff": 256, "scan_impl": "auto", "scan_chunk_size": 64,
+                      "layer_norm_eps": 1e-5},
+    "transformer": {"n_layers": 2, "n_heads": 4, "d_ff": 256, "position": "alibi", "log_length_scaling": False,
+                    "t5_num_buckets": 32, "t5_max_distance": 128, "layer_norm_eps": 1e-5},
+    "lstm": {"n_layers": 1, "hidden_size": 128, "layer_norm_eps": 1e-5},
+    "exact": {"n_layers": 2, "n_heads": 1, "d_ff": 4, "position_features": [], "append_eos": False,
+              "layer_norm": False, "layer_norm_eps": 0.0, "log_length_scaling": False, "output": "logits",
+              "zero_test_tolerance": 0.0, "compute_dtype": "float32", "attention_block_elements": 1 << 22},
+}
+
+
+def migrate_config(data: Any) -> dict[str, Any]:
+    """A config.json object of any version this build reads -> a copy in the current version (every key there).
+
+    Version 1 -> 2: the keys a version 1 file left out get the values that file meant (``_V1_DEFAULTS``). Keys
+    the file has, unknown ones included, are left for the loader to check. Raises ConfigError for a version
+    this build does not read or an unknown architecture.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+    version = data.get("format_version")
+    if "format_version" not in data:
+        raise ConfigError("config: missing key 'format_version'")
+    if version not in (1, FORMAT_VERSION) or isinstance(version, bool):
+        raise ConfigError(f"unsupported format_version {version!r}; this build reads 1 and {FORMAT_VERSION}")
+    architecture = data.get("architecture")
+    if architecture not in ARCHITECTURE_CONFIGS:
+        raise ConfigError(f"unknown architecture {architecture!r}; known: {sorted(ARCHITECTURE_CONFIGS)}")
+    if version == FORMAT_VERSION:
+        return dict(data)
+    migrated = {**_V1_DEFAULTS["config"], **data, "format_version": FORMAT_VERSION}
+    if isinstance(data.get("model"), dict):
+        migrated["model"] = {**_V1_DEFAULTS["model"], **_V1_DEFAULTS[architecture], **data["model"]}
+    return migrated
+
+
 def dataclass_from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build the frozen dataclass ``cls`` from ``data``, refusing unknown, missing and mistyped keys."""
+    """Build the frozen dataclass ``cls`` from ``data``, refusing unknown, mistyped and missing keys (every field
+    must be there, defaults or not)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
     known = {f.name: f for f in dataclasses.fields(cls)}
@@ -348,11 +398,7 @@ def dataclass_from_dict(cls: type, data: Any, where: str) -> Any:
     values = {}
     for name, value in data.items():
         values[name] = _coerce(value, hints[name], f"{where}.{name}")
-    missing = [
-        name
-        for name, f in known.items()
-        if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+    missing = [name for name in known if name not in values]
     if missing:
         raise ConfigError(f"{where}: missing key(s) {missing}")
     try:

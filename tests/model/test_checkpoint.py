@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
-from model.config import CheckpointConfig, ConfigError, LRNNConfig
+from model.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint, upgrade_config
+from model.config import ARCHITECTURE_CONFIGS, FORMAT_VERSION, CheckpointConfig, ConfigError, LRNNConfig
+from model.config import migrate_config
 from tests.model.tiny_models import ARCHITECTURE_OF, MODEL_IDS, build_tiny, tiny_configs
 
 
@@ -70,6 +72,43 @@ def test_save_writes_nothing_but_the_two_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_saved_files_are_world_readable(tmp_path: Path) -> None:
+    directory, _ = saved(tmp_path)
+    for name in ("config.json", "model.safetensors"):
+        assert (directory / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_a_version_1_file_loads_as_the_build_that_wrote_it_meant(tmp_path: Path) -> None:
+    """Version 1 files could leave out keys with defaults; migration fills them with version 1's values."""
+    directory, model = saved(tmp_path)
+
+    def to_version_1(data: dict) -> None:
+        data["format_version"] = 1
+        for key in ("tokenizer", "metadata"):
+            data.pop(key)
+        for key in ("transition_norm", "p_norm", "scan_impl", "dropout", "layer_norm_eps"):
+            data["model"].pop(key)
+
+    edit_config(directory, to_version_1)
+    loaded = load_checkpoint(directory, device="cpu")
+    assert loaded.config == dataclasses.replace(transducer_config("lrnn"), metadata={})
+    assert loaded.config.model.transition_norm == "column" and loaded.config.model.p_norm == 1.2
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_CONFIGS))
+def test_version_1_defaults_cover_every_key(architecture: str) -> None:
+    """A version 1 file with only the keys that never had defaults migrates to a complete version 2 config: a
+    key added later must get its version 1 meaning in model/config.py's _V1_DEFAULTS."""
+    required = {"construction": "parity"} if architecture == "exact" else {}
+    data = {"format_version": 1, "architecture": architecture, "kind": "transduce", "alphabet": "01",
+            "labels": ["0", "1"], "model": {"vocab_size": 2, "num_labels": 2, **required}}
+    config = CheckpointConfig.from_dict(migrate_config(data))
+    assert config.format_version == FORMAT_VERSION
+    assert CheckpointConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
 def edit_config(directory: Path, edit) -> None:
     path = directory / "config.json"
     data = json.loads(path.read_text())
@@ -91,6 +130,10 @@ def edit_config(directory: Path, edit) -> None:
         (lambda d: d.update(kind="classify"), "config.kind: 'classify' is not one of"),
         (lambda d: d["model"].update(p_norm=0.5), "p_norm must be >= 1"),
         (lambda d: d.update(format_version=7), "unsupported format_version 7"),
+        (lambda d: d.pop("format_version"), "missing key 'format_version'"),
+        # version 2 holds every key: one with a default is not filled in silently
+        (lambda d: d["model"].pop("transition_norm"), "model: missing key(s) ['transition_norm']"),
+        (lambda d: d.pop("tokenizer"), "config: missing key(s) ['tokenizer']"),
     ],
 )
 def test_bad_config_is_refused_with_a_message_that_names_it(tmp_path: Path, edit, message: str) -> None:
@@ -188,3 +231,21 @@ def test_config_refuses_wrong_model_class() -> None:
     with pytest.raises(ConfigError, match="needs a RegularGPTConfig"):
         CheckpointConfig(architecture="regulargpt", model=tiny_configs(2, 2)["lrnn"], kind="transduce",
                          alphabet="01", labels=("0", "1"))
+
+
+def test_upgrade_rewrites_an_old_config_once_and_keeps_its_meaning(tmp_path: Path) -> None:
+    directory, _ = saved(tmp_path)
+    edit_config(directory, lambda d: (d.update(format_version=1), d["model"].pop("transition_norm")))
+    before = read_config(directory)
+    assert upgrade_config(directory) is True
+    data = json.loads((directory / "config.json").read_text())
+    assert data["format_version"] == FORMAT_VERSION and data["model"]["transition_norm"] == "column"
+    assert read_config(directory) == before
+    assert upgrade_config(directory) is False
+
+
+def test_shipped_checkpoints_are_in_the_current_format() -> None:
+    for config_file in sorted(Path("checkpoints").glob("*/config.json")):
+        data = json.loads(config_file.read_text())
+        assert data["format_version"] == FORMAT_VERSION, config_file
+        assert data == json.loads(json.dumps(read_config(config_file.parent).to_dict())), config_file
