@@ -33,6 +33,13 @@ class Batch:
     def to(self, device: torch.device) -> Batch:
         return Batch(self.tokens.to(device), self.targets.to(device), self.lengths.to(device))
 
+    def split(self, parts: int) -> list[Batch]:
+        """The rows in ``parts`` consecutive groups of nearly equal size (no empty one), each cut to its own
+        longest row."""
+        groups = zip(*(tensor.tensor_split(parts) for tensor in (self.tokens, self.targets, self.lengths)))
+        return [Batch(tokens[:, : int(lengths.max())], targets[:, : int(lengths.max())], lengths)
+                for tokens, targets, lengths in groups if len(lengths)]
+
 
 def encode_strings(strings: Sequence[str], alphabet: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Strings -> tokens (B, T) right-padded with 0, lengths (B,). Every symbol must be in ``alphabet``."""

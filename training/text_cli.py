@@ -1,8 +1,9 @@
 """The language-model subcommands of ``python -m training``: ``bpe``, ``text-train`` and ``text-eval``.
 
-Argument parsing and validation only; the work is in training/bpe.py, training/text_train.py and
-training/text_eval.py. Bad input (an unknown corpus, tokenizer or architecture, a flag that does not fit the
-architecture, a checkpoint that does not load) exits with status 2 and one line on stderr.
+Argument parsing and validation only; the work is in training/bpe.py, training/loop.py with
+training/language_model.py's objective, and training/text_eval.py. Bad input (an unknown corpus, tokenizer or
+architecture, a flag that does not fit the architecture, a checkpoint that does not load) exits with status 2
+and one line on stderr.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import dataclasses
 import json
 import math
-import shlex
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,10 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model.checkpoint import CONFIG_FILE, load_checkpoint
+from model.checkpoint import load_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig
-from training.model_flags import CONFIG_FIELDS, TRAINABLE_ARCHITECTURES, add_model_flags, given_model_flags
+from training.arguments import UsageError, add_threads, multiples, positive_float, positive_int, probability
+from training.model_flags import CONFIG_FIELDS, TRAINABLE_ARCHITECTURES, given_model_flags
 from training.text_corpus import DEFAULT_CORPUS
+from training.train_cli import NewRun, add_training_flags, check_new_run, check_resume_flags, launch
+from training.train_cli import settings_from_args
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -38,45 +42,17 @@ def add_text_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _guarded(run: Runner) -> Runner:
-    """``run`` with its expected failures turned into one line on stderr and status 2: a corpus, tokenizer,
-    checkpoint or config that does not fit is a ValueError (CorpusError, TokenizerError, CheckpointError,
-    ConfigError), as is a device that is not there."""
+    """``run`` with its expected failures turned into a UsageError (one line on stderr, status 2): a corpus,
+    tokenizer, checkpoint or config that does not fit is a ValueError (CorpusError, TokenizerError,
+    CheckpointError, ConfigError), as is a device that is not there."""
 
     def guarded(args: argparse.Namespace, argv: list[str]) -> int:
         try:
             return run(args, argv)
         except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+            raise UsageError(str(error)) from None
 
     return guarded
-
-
-def _positive(kind: type) -> Callable[[str], object]:
-    def parse(text: str) -> object:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
-
-
-def _multiples(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, e.g. 1,2,4,8,16, got {text!r}") from None
-    if any(value <= 0 for value in values) or list(values) != sorted(values):
-        raise argparse.ArgumentTypeError(f"multiples must be positive and increasing, got {text!r}")
-    return values
-
-
-def _add_threads(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=_positive(int), help="torch CPU threads (default: torch's choice)")
 
 
 # ---------------------------------------------------------------- bpe
@@ -85,12 +61,13 @@ def _add_threads(parser: argparse.ArgumentParser) -> None:
 def _add_bpe_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_guarded(_run_bpe))
     parser.add_argument("--corpus", default=DEFAULT_CORPUS, help="austen (default), text:PATH or owt2:PATH")
-    parser.add_argument("--ranks", type=_positive(int), default=8191,
+    parser.add_argument("--ranks", type=positive_int, default=8191,
                         help="tokens in the file, the 256 bytes included (<|endoftext|> comes on top)")
     parser.add_argument("--validation-fraction", type=float, default=0.1,
                         help="tail of each document left out (in-memory corpora), as text-train holds it out")
-    parser.add_argument("--max-chars", type=_positive(int), help="read at most this many characters")
+    parser.add_argument("--max-chars", type=positive_int, help="read at most this many characters")
     parser.add_argument("--out", required=True, type=Path, help="the .tiktoken file to write")
+    add_threads(parser)
 
 
 def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
@@ -124,37 +101,23 @@ def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
 # ---------------------------------------------------------------- text-train
 
 
+TEXT_DEFAULTS = {"batch_size": 16, "lr": 1e-3, "optimizer": "adamw", "beta2": 0.95, "weight_decay": 0.1,
+                 "schedule": "cosine", "warmup_steps": 100, "min_lr_fraction": 0.1, "eval_every": 200, "dtype": "auto"}
+
+
 def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_guarded(_run_train))
     what = parser.add_argument_group("what to train")
-    what.add_argument("--arch", required=True, help=f"architecture: {', '.join(TRAINABLE_ARCHITECTURES)}")
+    what.add_argument("--arch", help=f"architecture: {', '.join(TRAINABLE_ARCHITECTURES)}")
     what.add_argument("--corpus", default=DEFAULT_CORPUS, help="austen (default), text:PATH or owt2:PATH")
-    what.add_argument("--tokenizer", required=True,
+    what.add_argument("--tokenizer",
                       help="a .tiktoken ranks file (copied into the checkpoint), 'bytes', or an offline tiktoken name")
-    what.add_argument("--out", required=True, type=Path, help="checkpoint folder to write (train.jsonl beside)")
-    what.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
-    budget = parser.add_argument_group("budget and optimisation")
-    budget.add_argument("--length", type=_positive(int), default=128, help="training context length L_tr")
-    budget.add_argument("--steps", type=_positive(int), required=True, help="optimizer steps (at most)")
-    budget.add_argument("--time-budget", type=_positive(float), help="stop after this many seconds")
-    budget.add_argument("--batch-size", type=_positive(int), default=16, help="windows per step and process")
-    budget.add_argument("--lr", type=_positive(float), default=1e-3, help="peak learning rate (AdamW)")
-    budget.add_argument("--warmup-steps", type=int, default=100)
-    budget.add_argument("--weight-decay", type=float, default=0.1)
-    budget.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
-    budget.add_argument("--seed", type=int, default=0)
-    checks = parser.add_argument_group("validation and logging")
-    checks.add_argument("--validation-fraction", type=float, default=0.1, help="held-out tail of each document")
+    what.add_argument("--length", type=positive_int, default=128, help="training context length L_tr")
+    checks = parser.add_argument_group("validation")
+    checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
-    checks.add_argument("--eval-every", type=int, default=200, help="steps between validation losses (0: none)")
-    checks.add_argument("--log-every", type=_positive(int), default=10)
-    run = parser.add_argument_group("run")
-    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (torchrun: the local rank's)")
-    run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                     help="auto: bfloat16 autocast on CUDA, float32 on the CPU")
-    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
-    _add_threads(run)
-    add_model_flags(parser)
+    checks.add_argument("--validation-windows", type=positive_int, default=64, help="fixed validation windows")
+    add_training_flags(parser, TEXT_DEFAULTS)
 
 
 def language_model_config(architecture: str, vocab_size: int, flags: dict) -> BaseModelConfig:
@@ -181,35 +144,35 @@ def training_tokenizer(spec: str) -> tuple[Tokenizer, Path | None]:
 
 
 def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
-    from training.distributed import setup_distributed
-    from training.text_train import TextTrainSettings, train_text
-
-    if (args.out / CONFIG_FILE).exists() and not args.overwrite:
-        raise ValueError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokenizer, ranks_file = training_tokenizer(args.tokenizer)
-    config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))
-    settings = TextTrainSettings(
-        corpus=args.corpus, architecture=args.arch, out=args.out, length=args.length, steps=args.steps,
-        time_budget_s=args.time_budget, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
-        validation_fraction=args.validation_fraction, validation_corpus=args.validation_corpus,
-        eval_every=args.eval_every, log_every=args.log_every, dtype=args.dtype, progress=args.progress,
-    )
-    dist = setup_distributed(args.device)
-    try:
-        launcher = ["python", "-m", "training"] if dist.world_size == 1 else [
-            "torchrun", f"--nproc_per_node={dist.local_world_size}", "-m", "training"]
-        metadata = train_text(settings, config, tokenizer, ranks_file, shlex.join(launcher + argv), dist)
-    finally:
-        dist.close()
-    if dist.is_main:
-        loss = metadata["validation_loss"]
+    if args.resume:
+        check_resume_flags(argv)
+        metadata = launch(args, argv, None)
+    else:
+        metadata = launch(args, argv, _new_text_run(args))
+    if metadata["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
+        loss = metadata.get("validation_loss")
         summary = "no validation" if loss is None else f"validation perplexity {math.exp(loss):.2f}"
         print(f"wrote {args.out}: {metadata['steps']} steps, {metadata['tokens']:,} tokens in "
-              f"{metadata['wall_time_s']:.0f} s ({metadata['tokens_per_s']:,.0f} tokens/s), {summary}")
+              f"{metadata['wall_time_s']:.0f} s ({metadata['tokens_per_s']:,.0f} tokens/s; stopped: "
+              f"{metadata['stopped']}), {summary}")
     return 0
+
+
+def _new_text_run(args: argparse.Namespace) -> NewRun:
+    """The settings, model config and objective of a new ``text-train`` run, all input checked."""
+    from training.language_model import LanguageModelObjective, TextData, checkpoint_tokenizer_name
+
+    if args.arch is None or args.tokenizer is None:
+        raise UsageError("--arch and --tokenizer are required (except with --resume)")
+    check_new_run(args)
+    tokenizer, ranks_file = training_tokenizer(args.tokenizer)
+    config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))
+    settings = settings_from_args(args, args.arch)
+    data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
+                    length=args.length, validation_fraction=args.validation_fraction,
+                    validation_corpus=args.validation_corpus, validation_windows=args.validation_windows)
+    return settings, config, lambda settings, dist: LanguageModelObjective(
+        data, tokenizer, ranks_file, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 
 
 # ---------------------------------------------------------------- text-eval
@@ -230,15 +193,15 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, action="append", type=Path, help="repeat to compare")
     parser.add_argument("--corpus", help="held-out text (default: the corpus each checkpoint was trained on, "
                                          "its validation tails)")
-    parser.add_argument("--train-length", type=_positive(int),
+    parser.add_argument("--train-length", type=positive_int,
                         help="L_tr (default: the checkpoint's metadata.train_length)")
-    parser.add_argument("--multiples", type=_multiples, default=(1, 2, 4, 8, 16),
+    parser.add_argument("--multiples", type=multiples, default=(1, 2, 4, 8, 16),
                         help="context lengths as multiples of L_tr (default 1,2,4,8,16)")
-    parser.add_argument("--targets", type=_positive(int), default=256, help="target tokens, the same at every length")
-    parser.add_argument("--batch-size", type=_positive(int), default=8)
+    parser.add_argument("--targets", type=positive_int, default=256, help="target tokens, the same at every length")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--receptive-field", type=int, default=0, metavar="N",
                         help="also the cumulative gradient-norm curve over N windows (0: skip)")
-    parser.add_argument("--receptive-multiple", type=_positive(float), default=4.0,
+    parser.add_argument("--receptive-multiple", type=positive_float, default=4.0,
                         help="length of the receptive-field windows in multiples of L_tr")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", type=Path, help="write the reports (a list) here as JSON")
@@ -248,16 +211,14 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
                         help="RegularGPT: evaluate through this attention implementation instead of the "
                              "checkpoint's (exact either way; reference is O(T^2), fast O(T*C))")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
-    _add_threads(parser)
+    add_threads(parser)
 
 
 def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
     from training.text_eval import evaluate_text_checkpoint, format_text_table
-    from training.text_train import validation_tokens
+    from training.language_model import validation_tokens
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     reports = []
     for path in args.checkpoint:
         loaded = load_checkpoint(path, device=args.device)

@@ -8,7 +8,8 @@ none for the bytes tokenizer). Training draws windows of ``length + 1`` tokens: 
   uniformly random offsets, from a random stream the caller keys by rank under DDP.
 - :class:`StreamedWindows`: a corpus too large to hold (OpenWebText2): documents stream in (already sharded by
   rank, training/text_corpus.py), are cut into consecutive windows, and each batch draws from a shuffle buffer
-  of windows; the stream restarts at its end.
+  of windows; the stream restarts at its end. Its position (documents read in this pass, the tokens not yet cut,
+  the buffer) is :meth:`StreamedWindows.state`, for resuming a run.
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ class StreamedWindows:
         self._pending = np.zeros(0, dtype=np.int64)  # tokens not yet cut into a window
         self._stream: Iterator[Document] | None = None
         self._windows_this_pass = 0
+        self._documents_read = 0  # in this pass
+
+    def state(self) -> dict:
+        """Where the stream is (JSON values): restored by :meth:`load_state`, the same windows follow."""
+        return {"documents_read": self._documents_read, "windows_this_pass": self._windows_this_pass,
+                "pending": self._pending.tolist(), "buffer": [window.tolist() for window in self._buffer]}
+
+    def load_state(self, state: dict) -> None:
+        """Go back to a position saved by :meth:`state`: the stream is reopened and read up to it again."""
+        self._stream = self._documents()
+        for _ in range(state["documents_read"]):
+            if next(self._stream, None) is None:
+                raise ValueError(f"the corpus holds fewer than the {state['documents_read']} documents already read")
+        self._documents_read = state["documents_read"]
+        self._windows_this_pass = state["windows_this_pass"]
+        self._pending = np.asarray(state["pending"], dtype=np.int64)
+        self._buffer = [np.asarray(window, dtype=np.int64) for window in state["buffer"]]
 
     def batch(self, rng: np.random.Generator, batch_size: int, length: int) -> torch.Tensor:
         """(batch_size, length + 1) windows; each leaves the buffer when drawn."""
@@ -96,6 +114,7 @@ class StreamedWindows:
             self._stream = self._documents()
         document = next(self._stream, None)
         if document is None:
-            self._stream = None
+            self._stream, self._documents_read = None, 0
             return None
+        self._documents_read += 1
         return document.text

@@ -12,12 +12,13 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from training.cli import main
-from training.train import LOG_FILE, weights_digest
+from training.loop import LOG_FILE, RESUME_FILE, weights_digest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]
 TINY_RUN = ["--batch-size", "4", "--eval-lengths", "41-60", "--eval-samples", "6", "--no-progress"]
-TRAIN_RECORD_KEYS = {"event", "step", "loss", "accuracy", "max_length", "lr", "grad_norm", "elapsed_s"}
+TRAIN_RECORD_KEYS = {"event", "step", "loss", "accuracy", "max_length", "lr", "grad_norm", "elapsed_s", "tokens",
+                     "tokens_per_s"}
 
 
 def read_log(folder: Path) -> list[dict]:
@@ -34,7 +35,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_tiny_run_writes_a_checkpoint_that_loads_beside_its_log(tiny_run: Path) -> None:
-    assert sorted(path.name for path in tiny_run.iterdir()) == ["config.json", "model.safetensors", LOG_FILE]
+    assert sorted(path.name for path in tiny_run.iterdir()) == ["config.json", "model.safetensors", RESUME_FILE, LOG_FILE]
     loaded = load_checkpoint(tiny_run, device="cpu")  # train.jsonl is not read
     config = loaded.config
     assert (config.kind, config.task, config.architecture) == ("transduce", "parity_check", "lrnn")
@@ -152,7 +153,7 @@ def test_torchrun_two_processes_agree_and_write_once(tmp_path: Path) -> None:
         "--eval-every", "2", "--log-every", "1", "--device", "cpu", *TINY_LRNN, *TINY_RUN,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors", LOG_FILE]
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors", RESUME_FILE, LOG_FILE]
     records = read_log(out)
     assert [record["event"] for record in records].count("start") == 1  # rank 0 alone writes
     assert [record["step"] for record in records if record["event"] == "train"] == [1, 2, 3, 4]

@@ -1,0 +1,269 @@
+"""The one training loop: resumed runs end bitwise-equal to runs never stopped (cut by a hook, by SIGTERM, by the
+time budget), gradient accumulation, weight decay on matrices only, the schedule, and the resume flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.checkpoint import load_checkpoint
+from model.config import LRNNConfig, RegularGPTConfig
+from model.registry import build_model
+from training.cli import main
+from training.distributed import setup_distributed
+from training.language_model import LanguageModelObjective, TextData
+from training.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
+from training.text_data import TokenArray
+from training.transduction import TaskData, TransductionObjective
+
+REPO = Path(__file__).resolve().parents[2]
+TIMING = {"elapsed_s", "tokens_per_s", "wall_time_s", "command", "threads"}  # fields that differ between runs
+TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]
+
+
+def task_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, **overrides) -> dict:
+    """A parity_check run of a tiny LRNN with dropout (so the torch random stream matters too) through the API;
+    ``stop_at`` cuts it after that many steps of this invocation, as a signal would."""
+    settings = TrainSettings(architecture="lrnn", steps=steps, batch_size=6, lr=3e-3, optimizer="adamw",
+                             weight_decay=0.1, schedule="cosine", warmup_steps=3, eval_every=4, save_every=5,
+                             log_every=3, **overrides)
+    config = LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16, dropout=0.1)
+    data = TaskData(task="parity_check", train_lengths=(1, 12), eval_lengths=(20, 30), curriculum="growing",
+                    curriculum_start=4, eval_samples=8, eval_batch_size=4)
+    dist = setup_distributed("cpu")
+    objective = TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
+    return train(settings, objective, config, out, "test", dist, resume="test resume" if resume else None,
+                 stop_requested=stop_after(stop_at))
+
+
+def stop_after(steps: int | None):
+    """A stop hook that asks to stop after ``steps`` steps of this invocation (None: never)."""
+    calls = [0]
+
+    def hook() -> bool:
+        calls[0] += 1
+        return steps is not None and calls[0] >= steps
+
+    return hook
+
+
+def step_in_log(out: Path) -> int:
+    """The last train record's step (0 before the first)."""
+    records = log_records(out)
+    steps = [record["step"] for record in records if record["event"] == "train"]
+    return steps[-1] if steps else 0
+
+
+def log_records(out: Path) -> list[dict]:
+    path = out / LOG_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{key: value for key, value in record.items() if key not in TIMING} for record in records
+            if record["event"] != "resume"]
+
+
+def final_tensors(out: Path) -> dict[str, torch.Tensor]:
+    return {**load_file(str(out / "model.safetensors")),
+            **{f"resume.{name}": tensor for name, tensor in load_file(str(out / RESUME_FILE)).items()}}
+
+
+def assert_same_run(one: Path, other: Path) -> None:
+    first, second = final_tensors(one), final_tensors(other)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    assert without_timing(log_records(one)) == without_timing(log_records(other))
+
+
+def test_a_resumed_run_ends_bitwise_equal_to_one_never_stopped(tmp_path: Path) -> None:
+    whole = task_run(tmp_path / "whole", steps=13)
+    cut = task_run(tmp_path / "cut", steps=13, stop_at=6)  # between saves (5, 10), evaluations (4, 8), logs
+    assert cut["stopped"] == "signal" and cut["steps"] == 6
+    assert load_checkpoint(tmp_path / "cut", device="cpu").config.metadata["stopped"] == "signal"  # loadable
+    resumed = task_run(tmp_path / "cut", steps=13, resume=True)
+    assert resumed["stopped"] == whole["stopped"] == "steps"
+    assert resumed["best_eval"] == whole["best_eval"] and resumed["tokens"] == whole["tokens"]
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    events = [record["event"] for record in log_records(tmp_path / "cut")]
+    assert events.count("resume") == 1 and events.count("end") == 1  # the cut run's end record was cut back
+    train_steps = [record["step"] for record in log_records(tmp_path / "cut") if record["event"] == "train"]
+    assert train_steps == sorted(set(train_steps))  # no step logged twice
+
+
+def test_a_run_cut_twice_resumes_to_the_same_end(tmp_path: Path) -> None:
+    task_run(tmp_path / "whole", steps=14)
+    task_run(tmp_path / "cut", steps=14, stop_at=2)
+    task_run(tmp_path / "cut", steps=14, stop_at=7, resume=True)  # to step 9
+    task_run(tmp_path / "cut", steps=14, resume=True)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_extending_a_finished_constant_rate_run_equals_running_it_longer(tmp_path: Path) -> None:
+    """--steps on resume goes on past the planned end; with a constant rate nothing else depends on it."""
+    _constant_run(tmp_path / "whole", 10)
+    _constant_run(tmp_path / "parts", 6)
+    _constant_run(tmp_path / "parts", 10, resume=True)
+    first, second = final_tensors(tmp_path / "whole"), final_tensors(tmp_path / "parts")
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def _constant_run(out: Path, steps: int, resume: bool = False) -> dict:
+    settings = TrainSettings(architecture="regulargpt", steps=steps, batch_size=4, lr=1e-3, eval_every=5,
+                             save_every=3, log_every=2)
+    config = RegularGPTConfig(vocab_size=2, num_labels=2, d_model=8, n_heads=2, d_ff=8, dropout=0.1)
+    data = TaskData(task="parity_check", train_lengths=(1, 10), eval_lengths=(12, 16), eval_samples=4)
+    dist = setup_distributed("cpu")
+    objective = TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
+    return train(settings, objective, config, out, "test", dist, resume="resume" if resume else None)
+
+
+def text_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, accumulation: int = 1) -> dict:
+    """A language model on a made token array (in memory, no tokenizer file needed for the loop)."""
+    from model.tokenizer import load_tokenizer
+
+    settings = TrainSettings(architecture="lrnn", steps=steps, batch_size=4, lr=1e-3, optimizer="adamw",
+                             beta2=0.95, weight_decay=0.1, schedule="cosine", warmup_steps=2, min_lr_fraction=0.1,
+                             eval_every=3, save_every=4, log_every=2, grad_accumulation=accumulation)
+    config = LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16)
+    dist = setup_distributed("cpu")
+    objective = LanguageModelObjective.__new__(LanguageModelObjective)
+    objective.data = TextData(corpus="made", tokenizer="bytes", length=12, validation_windows=4)
+    objective.tokenizer, objective.ranks_file, objective.batch_size = load_tokenizer("bytes", "."), None, 4
+    tokens = np.random.default_rng(5).integers(0, 257, size=2000)
+    objective.windows, objective.train_tokens = TokenArray(tokens), len(tokens)
+    objective.validation = TokenArray(tokens).batch(np.random.default_rng(1), 4, 12)
+    return train(settings, objective, config, out, "test", dist, resume="resume" if resume else None,
+                 stop_requested=stop_after(stop_at))
+
+
+def test_a_resumed_language_model_run_is_bitwise_equal_too(tmp_path: Path) -> None:
+    text_run(tmp_path / "whole", steps=9)
+    text_run(tmp_path / "cut", steps=9, stop_at=5)
+    text_run(tmp_path / "cut", steps=9, resume=True)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
+    """The same batch in 1 or 3 micro-batches: the same gradients up to float rounding."""
+    text_run(tmp_path / "one", steps=3)
+    text_run(tmp_path / "three", steps=3, accumulation=3)
+    one, three = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(
+        str(tmp_path / "three" / "model.safetensors"))
+    for name in one:
+        torch.testing.assert_close(one[name], three[name], rtol=1e-4, atol=1e-5)
+
+
+def test_weight_decay_is_only_on_the_matrices_of_linear_maps() -> None:
+    lrnn = build_model("lrnn", LRNNConfig(vocab_size=4, num_labels=2, d_model=8, block_size=2, num_blocks=2))
+    decayed = decayed_parameter_names(lrnn)
+    assert "blocks.0.recurrence.transition.weight" in decayed and "blocks.0.mlp.c_fc.weight" in decayed
+    assert "embedding.embed.weight" in decayed
+    assert not {"blocks.0.recurrence.transition.bias", "blocks.0.ln_1.weight", "ln_f.bias"} & decayed
+    assert all(name.endswith("weight") for name in decayed)
+    regulargpt = build_model("regulargpt", RegularGPTConfig(vocab_size=4, num_labels=2, d_model=8, n_heads=2))
+    decayed = decayed_parameter_names(regulargpt)
+    assert not {"blocks.0.attention.relative_bias", "blocks.0.attention.null_key"} & decayed
+    assert "blocks.0.attention.heads.c_attn.weight" in decayed
+
+
+def test_the_schedule() -> None:
+    settings = TrainSettings(architecture="lrnn", steps=10, batch_size=1, lr=1.0, schedule="cosine",
+                             warmup_steps=2, min_lr_fraction=0.1)
+    factors = [lr_factor(settings, step) for step in range(1, 11)]
+    assert factors[:2] == [0.5, 1.0] and factors[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[1:], factors[2:], strict=False))
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def run_module(*arguments: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "training", *arguments], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def cli_run(out: Path, steps: int, *extra: str) -> list[str]:
+    return ["train", "--task", "parity_check", "--steps", str(steps), "--out", str(out), "--batch-size", "4",
+            "--eval-lengths", "20-30", "--eval-samples", "6", "--eval-every", "40", "--log-every", "5",
+            "--threads", "1", "--no-progress", "--dropout", "0.1", *TINY_LRNN, *extra]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_0_and_the_run_resumes_to_the_same_end(tmp_path: Path) -> None:
+    assert main(cli_run(tmp_path / "whole", 400)) == 0
+    process = run_module(*cli_run(tmp_path / "cut", 400))
+    deadline = time.monotonic() + 60
+    while step_in_log(tmp_path / "cut") < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, process.communicate()
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert time.monotonic() - sent < 5
+    state = json.loads(load_file_metadata(tmp_path / "cut" / RESUME_FILE)["state"])
+    assert state["run"]["stopped"] == "signal" and 10 <= state["run"]["step"] < 400
+    assert main(["train", "--resume", "--out", str(tmp_path / "cut"), "--threads", "1", "--no-progress"]) == 0
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def load_file_metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.metadata()
+
+
+def test_the_time_budget_stops_within_a_step_and_saves(tmp_path: Path, capsys) -> None:
+    started = time.perf_counter()
+    assert main(cli_run(tmp_path / "run", 100_000, "--time-budget", "1")) == 0
+    assert time.perf_counter() - started < 10
+    metadata = load_checkpoint(tmp_path / "run").config.metadata
+    assert metadata["stopped"] == "time" and 0 < metadata["steps"] < 100_000
+    assert "stopped: time" in capsys.readouterr().out
+    assert main(["train", "--resume", "--out", str(tmp_path / "run"), "--time-budget", "0.5", "--threads", "1",
+                 "--no-progress"]) == 0
+    assert load_checkpoint(tmp_path / "run").config.metadata["steps"] > metadata["steps"]
+
+
+BAD_RESUME = {
+    "a setting": (["--lr", "0.1"], "--lr cannot be given with --resume"),
+    "the task": (["--task", "even_pairs"], "--task cannot be given with --resume"),
+    "nothing to resume": ([], "resume.safetensors: missing; there is no run to resume"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RESUME))
+def test_bad_resume_exits_2_with_one_line(case: str, tmp_path: Path, capsys) -> None:
+    extra, message = BAD_RESUME[case]
+    assert main(["train", "--resume", "--out", str(tmp_path / "none"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_finished_run_needs_more_steps_to_resume(tmp_path: Path, capsys) -> None:
+    assert main(cli_run(tmp_path / "run", 3)) == 0
+    assert main(["train", "--resume", "--out", str(tmp_path / "run")]) == 2
+    assert "is at step 3 of 3 (stopped: steps); give --steps above 3" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(tmp_path / "run"), "--steps", "5", "--no-progress"]) == 0
+    assert load_checkpoint(tmp_path / "run").config.metadata["steps"] == 5
+
+
+def test_a_new_run_does_not_overwrite_a_resumable_one(tmp_path: Path, capsys) -> None:
+    assert main(cli_run(tmp_path / "run", 2, "--time-budget", "0.01")) == 0
+    assert main(cli_run(tmp_path / "run", 2)) == 2
+    assert "pass --overwrite to replace it, or --resume to continue its run" in capsys.readouterr().err

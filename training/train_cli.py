@@ -1,0 +1,172 @@
+"""The flags every training subcommand shares (``train`` and ``text-train``), and running or resuming a run.
+
+Both subcommands take the same optimisation, evaluation and run flags, with their own defaults (a transducer:
+batch 128, Adam at 3e-4, constant rate; a language model: batch 16, AdamW at 1e-3 with betas (0.9, 0.95) and
+weight decay 0.1, 100 warm-up steps, cosine to 10%). ``--resume --out DIR`` continues the run in DIR with the
+settings it was started with; only what does not change the result may be given with it (``--threads``,
+``--time-budget``, ``--device``, ``--progress``), and ``--steps`` to go on past a finished run. Bad input exits
+with status 2 and one line on stderr (training/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from model.checkpoint import CONFIG_FILE
+from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, dataclass_from_dict
+from model.threads import set_threads
+from training.arguments import UsageError, add_threads, non_negative_int, positive_float, positive_int, probability
+from training.distributed import Distributed, setup_distributed
+from model.tokenizer import load_tokenizer
+from training.language_model import LanguageModelObjective, TextData
+from training.loop import RESUME_FILE, Objective, ResumeError, RunOptions, TrainSettings, read_resume_state, train
+from training.model_flags import add_model_flags
+from training.transduction import TaskData, TransductionObjective
+
+# Flags that may come with --resume: they do not change what the run computes (--steps only extends it).
+RESUME_FLAGS = {"--resume", "--out", "--threads", "--time-budget", "--device", "--progress", "--no-progress",
+                "--steps"}
+
+# a new run: its settings, its model's config, and how to build its objective once the process group is up
+NewRun = tuple[TrainSettings, BaseModelConfig, Callable[[TrainSettings, Distributed], Objective]]
+
+
+def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """The flags of every training subcommand; ``defaults`` are the objective's own (batch size, rate, ...)."""
+    what = parser.add_argument_group("run folder")
+    what.add_argument("--out", required=True, type=Path, help="checkpoint folder to write (train.jsonl beside)")
+    what.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    what.add_argument("--resume", action="store_true",
+                      help="continue the run in --out from its resume.safetensors, with the settings it started with")
+    what.add_argument("--steps", type=positive_int, help="optimizer steps (at most)")
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--batch-size", type=positive_int, help="sequences per step and process")
+    optim.add_argument("--grad-accumulation", type=positive_int, default=1,
+                       help="split each step's batch into this many micro-batches (same gradient, less memory)")
+    optim.add_argument("--lr", type=positive_float, help="peak learning rate")
+    optim.add_argument("--optimizer", choices=("adam", "adamw"))
+    optim.add_argument("--beta2", type=probability, help="Adam's second-moment decay")
+    optim.add_argument("--weight-decay", type=float, help="on the matrices of linear maps only")
+    optim.add_argument("--schedule", choices=("constant", "cosine"), help="learning rate after the warm-up")
+    optim.add_argument("--warmup-steps", type=non_negative_int, help="linear learning-rate warm-up")
+    optim.add_argument("--min-lr-fraction", type=probability, help="where the cosine ends, over the peak")
+    optim.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    optim.add_argument("--seed", type=int, default=0, help="weights, data (keyed by rank too) and evaluation set")
+    checks = parser.add_argument_group("evaluation, early stopping, saving")
+    checks.add_argument("--eval-every", type=non_negative_int, help="steps between evaluations (0: none)")
+    checks.add_argument("--patience", type=positive_int, help="stop after this many evaluations without a new best")
+    checks.add_argument("--save-every", type=positive_int,
+                        help="steps between resumable saves (default: --eval-every, else 500); also at every stop")
+    checks.add_argument("--log-every", type=positive_int, default=10, help="steps between train.jsonl records")
+    run = parser.add_argument_group("run")
+    run.add_argument("--time-budget", type=positive_float,
+                     help="seconds for this invocation: then save a resumable checkpoint and stop (--resume goes on)")
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (torchrun: the local rank's)")
+    run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
+                     help="bfloat16: autocast for the forward pass (weights stay float32); auto: bfloat16 on CUDA")
+    run.add_argument("--compile", action="store_true", help="torch.compile the model for training")
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
+    add_threads(run)
+    add_model_flags(parser)
+    parser.set_defaults(**defaults)
+
+
+def check_resume_flags(argv: list[str]) -> None:
+    """With --resume only :data:`RESUME_FLAGS` may be given: the rest is fixed by the run being resumed."""
+    given = sorted({arg.split("=", 1)[0] for arg in argv if arg.startswith("--")} - RESUME_FLAGS)
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot be given with --resume: the run goes on with the settings it "
+                         f"started with; allowed: {', '.join(sorted(RESUME_FLAGS))}")
+
+
+def check_new_run(args: argparse.Namespace) -> None:
+    """A new run's --out must not hold another run, unless --overwrite."""
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a folder")
+    held = [name for name in (CONFIG_FILE, RESUME_FILE) if (args.out / name).exists()]
+    if held and not args.overwrite:
+        raise UsageError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it, "
+                         f"or --resume to continue its run")
+    if args.steps is None:
+        raise UsageError("--steps is required (except with --resume)")
+    if args.eval_every == 0 and (args.patience or getattr(args, "target_accuracy", None) is not None):
+        raise UsageError("--patience and --target-accuracy need evaluations: set --eval-every above 0")
+    if args.grad_accumulation > args.batch_size:
+        raise UsageError(f"--grad-accumulation {args.grad_accumulation} exceeds --batch-size {args.batch_size}")
+
+
+def settings_from_args(args: argparse.Namespace, architecture: str, target: float | None = None) -> TrainSettings:
+    save_every = args.save_every or args.eval_every or 500
+    return TrainSettings(
+        architecture=architecture, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        optimizer=args.optimizer, beta2=args.beta2, weight_decay=args.weight_decay, schedule=args.schedule,
+        warmup_steps=args.warmup_steps, min_lr_fraction=args.min_lr_fraction, grad_clip=args.grad_clip,
+        grad_accumulation=args.grad_accumulation, seed=args.seed, eval_every=args.eval_every, save_every=save_every,
+        patience=args.patience, target=target, log_every=args.log_every, dtype=args.dtype, compile=args.compile,
+    )
+
+
+def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) -> dict[str, Any]:
+    """Start the run ``new_run`` describes, or (None) continue the one in ``args.out``; returns its metadata."""
+    try:
+        dist = setup_distributed(args.device)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    try:
+        threads = set_threads(args.threads, processes=dist.local_world_size)
+        command = command_line(argv, dist.world_size, dist.local_world_size)
+        options = RunOptions(time_budget_s=args.time_budget, progress=args.progress, threads=threads)
+        if new_run is not None:
+            settings, model_config, make_objective = new_run
+            objective = _built(lambda: make_objective(settings, dist))
+            return train(settings, objective, model_config, args.out, command, dist, options)
+        state, _ = read_resume_state(args.out)
+        saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
+        steps = args.steps or saved.steps
+        if state["run"]["step"] >= steps:
+            raise UsageError(f"the run in {args.out} is at step {state['run']['step']} of {saved.steps} "
+                             f"(stopped: {state['run']['stopped']}); give --steps above {state['run']['step']} "
+                             "to go on")
+        settings = dataclasses.replace(saved, steps=steps)
+        model_config = dataclass_from_dict(ARCHITECTURE_CONFIGS[state["architecture"]], state["model"],
+                                           where="resume model")
+        objective = _built(lambda: _resumed_objective(state["objective"], settings, args.out, dist))
+        return train(settings, objective, model_config, args.out, state["command"], dist, options, resume=command)
+    except ResumeError as error:
+        raise UsageError(str(error)) from None
+    finally:
+        dist.close()
+
+
+def _built(build: Callable[[], Objective]) -> Objective:
+    try:
+        return build()
+    except ValueError as error:  # a corpus, tokenizer or task that does not fit
+        raise UsageError(str(error)) from None
+
+
+def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path, dist: Distributed) -> Objective:
+    """The objective of a run being resumed, from the settings its resume file holds."""
+    fields = {key: value for key, value in saved.items() if key != "name"}
+    if saved["name"] == TransductionObjective.name:
+        data = dataclass_from_dict(TaskData, fields, where="resume task data")
+        return TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
+    data = dataclass_from_dict(TextData, fields, where="resume text data")
+    tokenizer = load_tokenizer(data.tokenizer, out)  # a ranks file was copied into the run folder
+    return LanguageModelObjective(data, tokenizer, None, settings.batch_size, settings.seed,
+                                  evaluate=settings.eval_every > 0, dist=dist)
+
+
+def command_line(argv: list[str], world_size: int, local_world_size: int) -> str:
+    """The command as typed: ``python -m training ...`` or its torchrun form."""
+    if world_size == 1:
+        launcher = ["python", "-m", "training"]
+    else:
+        nodes = [f"--nnodes={world_size // local_world_size}"] if world_size != local_world_size else []
+        launcher = ["torchrun", *nodes, f"--nproc_per_node={local_world_size}", "-m", "training"]
+    return shlex.join(launcher + argv)
