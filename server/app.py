@@ -25,7 +25,9 @@ from starlette.exceptions import HTTPException
 from server.completions import CompletionServing
 from server.engine import Engine
 from server.errors import APIError, BadRequest, Unauthorized
+from server.json_body import JSONBodyRoute
 from server.metrics import ServerMetrics
+from server.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, errors, schema_for
 from server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -48,30 +50,6 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away; nobody reads it
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
 T = TypeVar("T")
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": description}
-    for status, description in {
-        400: "the request cannot be served as asked (e.g. a model of the other kind)",
-        401: "a valid API key is needed",
-        404: "unknown model",
-        413: "over a server or model limit (the message names it)",
-        422: "invalid body or value (the message names the field, position or character)",
-        429: "the queue is full now; retry after Retry-After seconds",
-        500: "a model call failed (only the requests of that call)",
-        503: "loading, draining, or shutting down past the drain timeout",
-    }.items()
-}
-
-
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI ``responses`` entries of these error statuses."""
-    return {status: ERROR_RESPONSES[status] for status in statuses}
-
-
-GENERATION_RESPONSES = {
-    200: {"content": {"text/event-stream": {}}, "description": "the answer; with stream: Server-Sent Events"},
-    **errors(400, 401, 404, 413, 422, 429, 500, 503),
-}
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
@@ -91,6 +69,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     app = FastAPI(title="regularlm", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
+    app.openapi = schema_for(app, settings)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -176,7 +155,7 @@ def _metrics_router() -> APIRouter:
 
 
 def _api_router() -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=JSONBodyRoute)
 
     @router.get("/models", response_model=ModelList, responses=errors(401, 503))
     def list_models(serving: ServingDep) -> ModelList:
@@ -190,7 +169,7 @@ def _api_router() -> APIRouter:
         "/transduce",
         response_model=TransduceResponse,
         response_model_exclude_none=True,
-        responses=errors(400, 401, 404, 413, 422, 429, 500, 503),
+        responses=errors(400, 401, 404, 413, 415, 422, 429, 500, 503),
     )
     async def transduce(body: TransduceRequest, request: Request, serving: ServingDep) -> Any:
         return await _until_disconnected(request, serving.transduce(body, _flow(request)))
@@ -199,7 +178,7 @@ def _api_router() -> APIRouter:
     async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Any:
         return _respond(await _until_disconnected(request, serving.generate(body, _flow(request))))
 
-    @router.post("/chat/completions", responses=errors(400, 401, 404, 422, 503))
+    @router.post("/chat/completions", responses=errors(400, 401, 404, 415, 422, 503))
     def chat_completions(body: ChatRequest, serving: ServingDep) -> Any:
         """No served model ships a chat template, so there is no chat format to apply: a clear refusal."""
         serving.served(body.model, "generate")  # 404 for an unknown model, 400 for a transducer
@@ -294,6 +273,10 @@ def _describe_validation(error: RequestValidationError) -> str:
     """'body.inputs.0: Input should be a valid string; ...' from pydantic's error list."""
     parts = []
     for problem in error.errors():
+        if problem.get("type") == "json_invalid":  # FastAPI's: at ("body", character offset)
+            reason = problem.get("ctx", {}).get("error", "it cannot be parsed")
+            parts.append(f"the body is not valid JSON: {reason} (at character {problem['loc'][-1]})")
+            continue
         where = ".".join(str(part) for part in problem.get("loc", ()))
         parts.append(f"{where}: {problem.get('msg', 'invalid')}" if where else problem.get("msg", "invalid"))
     return "; ".join(parts) or "invalid request"

@@ -81,14 +81,14 @@ class CompletionServing:
         limit = self.serving.settings.max_inputs
         if len(body.prompts) * body.n > limit:
             raise InputTooLarge(f"{len(body.prompts)} prompts x n={body.n} choices; the limit is {limit}")
-        requests, choices = [], []
+        requests, choices, max_tokens = [], [], self.serving.max_tokens(body)
         for prompt in body.prompts:
             for sample in range(body.n):
                 request = self.serving.generation_request(
                     served,
                     prompt,
                     body,
-                    body.max_tokens,
+                    max_tokens,
                     seed_offset=sample,
                     logprobs=body.logprobs,
                     prompt_logprobs=body.echo and body.logprobs is not None,

@@ -41,6 +41,10 @@ class InvalidInput(APIError, status=422, error_type="invalid_request_error"):
     """An invalid body or value, e.g. a symbol outside the alphabet (the message names position and character)."""
 
 
+class UnsupportedMediaType(APIError, status=415, error_type="invalid_request_error"):
+    """A body sent with a Content-Type other than JSON to a route that reads JSON."""
+
+
 class Overloaded(APIError, status=429, error_type="overloaded_error"):
     """The waiting queue is full: come back after ``retry_after_s``."""
 

@@ -6,14 +6,45 @@ unknown fields; ``/v1/completions`` ignores unknown OpenAI fields but refuses kn
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 FinishReason = Literal["stop", "length"]
+SETTING = "x-regularlm-setting"
+TOKEN_ID_PATTERN = "^(0|[1-9][0-9]*)$"
 
 
-class StrictModel(BaseModel):
+def schema_only(**keywords: Any) -> dict[str, Any]:
+    """JSON-schema keywords the serving code checks itself (with SPEC's status and a message naming the
+    position); in the schema so that clients and schemathesis know them."""
+    return keywords
+
+
+def setting_limit(**keywords: str) -> dict[str, Any]:
+    """JSON-schema keywords whose values are server settings, e.g. ``maxItems="max_inputs"``; the serving code
+    checks them (413 for a size, SPEC section 4) and ``server/openapi.py`` writes the app's settings in."""
+    return {SETTING: keywords}
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# JSON has one number type: 2.0 is the integer 2 (JSON Schema agrees). In a union (``| None``) constraints go
+# before it, Annotated[int, Field(ge=0), INTEGRAL]; after it, pydantic writes "ge" into the schema, not "minimum".
+INTEGRAL = BeforeValidator(_integral)
+Integer = Annotated[int, INTEGRAL]
+
+
+class RequestModel(BaseModel):
+    """A request body holds the JSON types its schema states: no "8" for 8, no 0 for false (integers are
+    ``Integer``); no NaN or Infinity ("Input should be a finite number")."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StrictModel(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -64,9 +95,14 @@ class ModelList(BaseModel):
 # --- /v1/transduce -------------------------------------------------------------------------------------
 
 
+INPUT_LIMIT = setting_limit(maxLength="max_input_symbols")
+
+
 class TransduceRequest(StrictModel):
     model: str
-    inputs: list[str] = Field(min_length=1)
+    inputs: list[Annotated[str, Field(json_schema_extra={**schema_only(minLength=1), **INPUT_LIMIT})]] = Field(
+        min_length=1, json_schema_extra=setting_limit(maxItems="max_inputs")
+    )
     outputs: Literal["final", "all"] = "final"
 
 
@@ -89,13 +125,16 @@ class TransduceResponse(BaseModel):
 # --- sampling, shared by /v1/generate and /v1/completions ------------------------------------------------
 
 
-class SamplingFields(BaseModel):
+MAX_TOKENS_LIMIT = setting_limit(maximum="max_tokens")
+
+
+class SamplingFields(RequestModel):
     """temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off; a seed makes sampling repeatable."""
 
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, description="any non-negative integer (used modulo 2^63)")
+    top_k: Integer = Field(0, ge=0)
+    seed: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(None, description="any integer >= 0 (used modulo 2^63)")
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this once per seen token")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this per occurrence")
@@ -103,7 +142,9 @@ class SamplingFields(BaseModel):
         1.0, gt=0.0, le=100.0, description="vLLM's (CTRL's): seen tokens' logits divided (if > 0) or multiplied by it"
     )
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, description="token id (as a string) -> a bias added to its logit, as OpenAI's"
+        None,
+        description="token id (a decimal string, as OpenAI's) -> a bias added to its logit",
+        json_schema_extra=schema_only(propertyNames={"pattern": TOKEN_ID_PATTERN}),
     )
 
     @property
@@ -124,7 +165,9 @@ class Usage(BaseModel):
 class GenerateRequest(SamplingFields, StrictModel):
     model: str
     prompt: str = Field(min_length=1)
-    max_tokens: int = Field(64, ge=0)
+    max_tokens: Integer = Field(
+        64, ge=0, description="left out: 64, or the server's limit if lower", json_schema_extra=MAX_TOKENS_LIMIT
+    )
     stream: bool = False
 
 
@@ -147,8 +190,15 @@ class GenerateChunk(BaseModel):
 # --- /v1/completions (OpenAI) ----------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
+
+
+PROMPTS_LIMIT = setting_limit(maxItems="max_inputs")  # prompts x n is checked too
+TokenIds = Annotated[
+    list[Annotated[Integer, Field(json_schema_extra=schema_only(minimum=0))]],
+    Field(min_length=1, json_schema_extra=setting_limit(maxItems="max_input_symbols")),
+]
 
 
 class CompletionRequest(SamplingFields):
@@ -157,21 +207,24 @@ class CompletionRequest(SamplingFields):
     model: str
     prompt: (
         Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-        | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, json_schema_extra=PROMPTS_LIMIT)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=PROMPTS_LIMIT)]
     ) = Field(description="a text, a batch of texts, token ids, or a batch of token-id lists; none empty")
-    max_tokens: int | None = Field(16, ge=0)
-    n: int = Field(1, ge=1)
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(
+        16,
+        description="left out: 16, or the server's limit if lower; null: the limit",
+        json_schema_extra=MAX_TOKENS_LIMIT,
+    )
+    n: Integer = Field(1, ge=1, json_schema_extra=setting_limit(maximum="max_inputs"))
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: Annotated[int, Field(ge=0, le=5), INTEGRAL] | None = None
     user: str | None = None
     # Known OpenAI fields this server cannot honour: accepted only at their neutral values (so stated in the schema).
-    best_of: Literal[1] | None = Field(None, description="only 1 (or absent): one sample per choice")
+    best_of: Annotated[int, Field(ge=1, le=1), INTEGRAL] | None = Field(None, description="only 1 (or absent)")
     suffix: Annotated[str, Field(max_length=0)] | None = Field(None, description="not supported: only empty")
-
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -181,7 +234,7 @@ class CompletionRequest(SamplingFields):
         return self.prompt
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(RequestModel):
     """/v1/chat/completions: only ``model`` is read (no served model ships a chat template)."""
 
     model_config = ConfigDict(extra="ignore")

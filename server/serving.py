@@ -6,6 +6,7 @@ completions endpoint is ``server/completions.py``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
@@ -15,6 +16,8 @@ from server.errors import APIError, BadRequest, InputTooLarge, InvalidInput
 from server.generation import Finished, GenerationRequest, TokenGenerated
 from server.model_store import ServedModel
 from server.protocol import (
+    TOKEN_ID_PATTERN,
+    CompletionRequest,
     GenerateChunk,
     GenerateRequest,
     GenerateResponse,
@@ -31,6 +34,7 @@ from server.sampling import SamplingParams
 from server.settings import Settings
 
 SSE_DONE = "data: [DONE]\n\n"
+TOKEN_ID = re.compile(TOKEN_ID_PATTERN)
 
 
 def sse(body: BaseModel | dict) -> str:
@@ -114,14 +118,13 @@ class Serving:
         served: ServedModel,
         prompt: str | list[int],
         fields: SamplingFields,
-        max_tokens: int | None,
+        max_tokens: int,
         seed_offset: int = 0,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
     ) -> GenerationRequest:
         """Validate one prompt (a text, or token ids checked against the vocabulary) and the sampling fields
         against the limits."""
-        max_tokens = self.settings.max_tokens if max_tokens is None else max_tokens
         if max_tokens > self.settings.max_tokens:
             raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
         vocabulary = served.tokenizer.vocab_size
@@ -158,13 +161,20 @@ class Serving:
         )
         return GenerationRequest(tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs)
 
+    def max_tokens(self, body: GenerateRequest | CompletionRequest) -> int:
+        """max_tokens as asked; null: the server's limit; left out: the field's default, or the limit if lower
+        (so that a request without it is never refused for it)."""
+        if "max_tokens" not in body.model_fields_set:
+            return min(body.max_tokens, self.settings.max_tokens)
+        return self.settings.max_tokens if body.max_tokens is None else body.max_tokens
+
     # --- /v1/generate -------------------------------------------------------------------------------------
 
     async def generate(self, body: GenerateRequest, flow: str = "") -> GenerateResponse | AsyncIterator[str]:
         """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts."""
         served = self.served(body.model, "generate")
         handle = self.engine.submit_generation(
-            served, [self.generation_request(served, body.prompt, body, body.max_tokens)], flow
+            served, [self.generation_request(served, body.prompt, body, self.max_tokens(body))], flow
         )
         if body.stream:
             return self._generate_events(body.model, handle)
@@ -192,10 +202,11 @@ class Serving:
 
 
 def _logit_bias(biases: dict[str, float], vocabulary: int, model_id: str) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias (token ids as strings) checked against the vocabulary."""
+    """OpenAI's logit_bias (token ids as decimal strings, ``TOKEN_ID_PATTERN``) checked against the vocabulary."""
     checked = []
     for key, bias in biases.items():
-        if not (key.isdecimal() and int(key) < vocabulary):  # isdigit() passes '²', which int() refuses
+        # ASCII digits only (isdecimal() passes '٣'); the length first (int() refuses more than 4,300 digits)
+        if not (TOKEN_ID.fullmatch(key) and len(key) <= len(str(vocabulary)) and int(key) < vocabulary):
             raise InvalidInput(f"logit_bias key {key!r} is not a token id of model {model_id!r} (0..{vocabulary - 1})")
         checked.append((int(key), bias))
     return tuple(checked)

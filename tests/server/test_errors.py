@@ -15,7 +15,7 @@ from tests.server.conftest import make_settings
 @pytest.fixture(scope="module")
 def limited(checkpoints_dir):
     settings = make_settings(
-        checkpoints_dir, max_input_symbols=50, max_request_symbols=80, max_inputs=4, max_tokens=100, max_waiting=1
+        checkpoints_dir, max_input_symbols=50, max_request_symbols=80, max_inputs=4, max_tokens=40, max_waiting=1
     )
     app = create_app(settings)
     with TestClient(app) as test_client:
@@ -72,7 +72,7 @@ def test_invalid_transduce_body_is_422(body: dict, fragment: str, limited) -> No
         ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "temperature": -1}, "body.temperature"),
         ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "top_p": 0}, "body.top_p"),
         ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "max_tokens": -1}, "body.max_tokens"),
-        ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "max_tokens": 101}, "limit is 100"),
+        ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "max_tokens": 41}, "limit is 40"),
         ("/v1/generate", {"model": "text-lrnn", "prompt": ""}, "body.prompt: String should have at least 1"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": []}, "body.prompt"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "best_of": 2}, "body.best_of"),
@@ -81,6 +81,9 @@ def test_invalid_transduce_body_is_422(body: dict, fragment: str, limited) -> No
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"5": 101}}, "body.logit_bias"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"x": 1}}, "logit_bias key 'x'"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"²": 1}}, "logit_bias key '²'"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"٣": 1}}, "logit_bias key '٣'"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"07": 1}}, "logit_bias key '07'"),
+        ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"9" * 5000: 1}}, "not a token id"),
         ("/v1/generate", {"model": "text-lrnn", "prompt": "x", "logit_bias": {"99999": 1}}, "not a token id"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "suffix": "y"}, "body.suffix"),
         ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "logprobs": 9}, "body.logprobs"),
@@ -90,9 +93,62 @@ def test_invalid_generation_body_is_422(path: str, body: dict, fragment: str, li
     assert_error(limited.post(path, json=body), 422, "invalid_request_error", fragment)
 
 
-def test_malformed_json_is_422(limited) -> None:
-    response = limited.post("/v1/transduce", content=b"{not json", headers={"content-type": "application/json"})
-    assert_error(response, 422, "invalid_request_error", "JSON")
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b"{not json", "Expecting property name"),
+        (b'{"model": "\xff"}', "can't decode byte 0xff"),  # FastAPI alone answers these three 400
+        (b"[" * 100_000, "recursion"),
+        (b'{"model": "text-lrnn", "prompt": "x", "seed": ' + b"9" * 5000 + b"}", "4300 digits"),
+    ],
+)
+def test_a_body_that_is_not_json_is_422(body: bytes, fragment: str, limited) -> None:
+    response = limited.post("/v1/generate", content=body, headers={"content-type": "application/json"})
+    assert_error(response, 422, "invalid_request_error", "the body is not valid JSON", fragment)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+@pytest.mark.parametrize("path", ["/v1/transduce", "/v1/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_body_not_sent_as_json_is_415(path: str, content_type: str | None, limited) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = limited.post(path, content=b'{"model": "parity-lrnn", "inputs": ["0"]}', headers=headers)
+    assert_error(response, 415, "invalid_request_error", "Content-Type: application/json", content_type or "no Content")
+
+
+def test_json_content_types_with_parameters_or_a_suffix_are_json(limited) -> None:
+    body = b'{"model": "parity-lrnn", "inputs": ["01"]}'
+    for content_type in ["application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"]:
+        assert limited.post("/v1/transduce", content=body, headers={"content-type": content_type}).status_code == 200
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "repetition_penalty"])
+def test_numbers_must_be_finite(field: str, number: str, limited) -> None:
+    body = f'{{"model": "text-lrnn", "prompt": "x", "{field}": {number}}}'.encode()
+    response = limited.post("/v1/generate", content=body, headers={"content-type": "application/json"})
+    assert_error(response, 422, "invalid_request_error", f"body.{field}: Input should be a finite number")
+
+
+@pytest.mark.parametrize(
+    "field, value", [("max_tokens", "8"), ("max_tokens", True), ("stream", 0), ("stream", "true"), ("temperature", "1")]
+)
+def test_values_of_another_json_type_are_not_converted(field: str, value, limited) -> None:
+    response = limited.post("/v1/generate", json={"model": "text-lrnn", "prompt": "x", field: value})
+    assert_error(response, 422, "invalid_request_error", f"body.{field}")
+
+
+def test_an_integral_number_is_an_integer(limited) -> None:
+    body = {"model": "text-lrnn", "prompt": [1.0, 2], "max_tokens": 2.0, "n": 1.0, "seed": 3.0, "logprobs": 0.0}
+    assert limited.post("/v1/completions", json=body).status_code == 200
+    assert_error(limited.post("/v1/completions", json={**body, "n": 1.5}), 422, "invalid_request_error", "body.n")
+
+
+def test_max_tokens_left_out_is_the_limit_if_that_is_lower(limited) -> None:
+    """/v1/generate's default of 64 is over this server's limit of 40: a request that leaves it out is not refused."""
+    body = {"model": "text-lrnn", "prompt": "x", "seed": 0}  # bytes: no end-of-text token
+    response = limited.post("/v1/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 40
 
 
 @pytest.mark.parametrize(
