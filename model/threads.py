@@ -1,7 +1,7 @@
 """How many intra-op threads torch uses, chosen by one rule for the server, training and the benchmarks.
 
 The rule: ``max(1, (usable cores - 1) // processes)``, where ``usable cores`` is the CPU affinity of this process
-and ``processes`` the number of processes sharing the host (torchrun's local world size for training). One core
+(capped by a container's CPU limit) and ``processes`` the number of processes sharing the host (torchrun's local world size for training). One core
 is left to everything that is not a model call (the server's event loop and tokenizer, the trainer's data
 generation, other processes), and the rest is split between the processes.
 
@@ -15,17 +15,38 @@ machines the rule keeps nearly every core. ``REGULARLM_TORCH_THREADS`` / ``--thr
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 import torch
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS reports one)."""
+    """The cores this process may run on: its CPU affinity (where the OS reports one), capped by a cgroup CPU
+    quota (a container's CPU limit, e.g. Kubernetes' ``resources.limits.cpu``), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """CPUs allowed by the cgroup (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None if
+    unlimited or unknown."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
 
 
 def default_threads(processes: int = 1) -> int:

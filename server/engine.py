@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from model.threads import set_threads
 from server.batching import TransduceJob, TransduceOutput
 from server.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate
 from server.errors import APIError, InputTooLarge, Overloaded, Unavailable, UnknownModel
@@ -173,7 +174,7 @@ class Engine:
             report = LoadReport({}, [f"{self.settings.models}: {type(error).__name__}: {error}"])
         self.models, self.load_failures = report.models, report.failures
         threads = torch.get_num_threads()
-        torch.set_num_threads(self.settings.torch_threads or threads)
+        logger.info("model calls on %d torch thread(s)", set_threads(self.settings.torch_threads))
         try:
             if self.models:
                 self._measure()

@@ -58,8 +58,9 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(
         None,
         gt=0,
-        description="intra-op threads of the model calls; default torch's (one per core). Small models "
-        "on a shared CPU often run fastest with 1",
+        description="intra-op threads of the model calls; default max(1, (cores - 1) // 1): one core is left to "
+        "the event loop, tokenizer and HTTP (model/threads.py says why: torch's one per core stalls as soon as "
+        "anything else runs)",
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="how long SIGTERM waits for requests in flight; then they get 503 and the process "

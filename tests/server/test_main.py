@@ -41,7 +41,7 @@ def free_port() -> int:
 
 def test_no_loadable_model_exits_2_with_the_reasons(tmp_path) -> None:
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "config.json").write_text("{}")
+    (tmp_path / "bad" / "config.json").write_text('{"format_version": 1}')
     process = start_server("--models", str(tmp_path), "--port", str(free_port()))
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 2
