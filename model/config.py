@@ -5,11 +5,13 @@ Every architecture has one frozen dataclass of hyper-parameters. A checkpoint's 
 model reads and writes (task, alphabet, labels or tokenizer). Loading refuses unknown and missing keys and
 values of the wrong type, with a message that names them.
 
-Format versions: a file of the current ``FORMAT_VERSION`` (2) holds every key, and loading refuses one that lacks
+Format versions: a file of the current ``FORMAT_VERSION`` (3) holds every key, and loading refuses one that lacks
 any, defaults or not: a key a file leaves out would otherwise load as whatever this build's default is, which can
 change the model. Version 1 let a file leave out keys that had defaults; :func:`migrate_config` reads such a file
 as the build that wrote it did (the values in ``_V1_DEFAULTS``, spelled out so that a later change of a default
-cannot change what an old file means). ``python -m training upgrade DIR`` rewrites old files.
+cannot change what an old file means). A key added later gets, in a file older than it, the value that file meant
+(``_ADDED_KEYS``; version 3 added ``LRNNConfig.transition_rank``). ``python -m training upgrade DIR`` rewrites
+old files.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 class ConfigError(ValueError):
@@ -106,6 +108,14 @@ class LRNNConfig(BaseModelConfig):
     cannot represent a rotation by 72 degrees (Z_5). With p = 2 and b = 2, "spectral" keeps exactly the
     rotations and reflections (unit orthogonal columns) unchanged and contracts every other block.
 
+    ``transition_rank``: the generator g of the transitions, A(u) = constraint(g(u)). None (default, the paper's):
+    g is one linear map d_model -> H b^2, d_model H b^2 weights per layer (2.1 M of a d_model = 512, H = 64, b = 8
+    layer's 4.7 M). An integer r: g(u) = V (U u) + c factors through r dimensions, U: d_model -> r made in one
+    product with the input map B, V: r -> H b^2, so r (d_model + H b^2) weights; r must be below
+    min(d_model, H b^2), where the factorisation saves nothing. The norm constraint is the same either way. On a
+    transducer whose V input symbols reach the layer as V distinct vectors, g takes at most V values, which span
+    an affine space of dimension V - 1: a rank of V - 1 then loses nothing (docs/results.md measures training).
+
     ``scan_impl``: "sequential" (the reference loop), "parallel" (log-depth scan), "chunked" (sequential
     inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy documented in
     model/ops/linear_scan.py, figures from benchmarks/bench_linear_scan.py).
@@ -116,6 +126,7 @@ class LRNNConfig(BaseModelConfig):
     num_blocks: int = 8
     p_norm: float = 1.2
     transition_norm: Literal["column", "spectral"] = "column"
+    transition_rank: int | None = None
     d_ff: int = 256
     scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"
     scan_chunk_size: int = 64
@@ -126,6 +137,12 @@ class LRNNConfig(BaseModelConfig):
         _check_positive(self, "n_layers", "block_size", "num_blocks", "d_ff", "scan_chunk_size")
         if self.p_norm < 1.0:
             raise ConfigError(f"p_norm must be >= 1 (a norm), got {self.p_norm}")
+        full_rank = min(self.d_model, self.num_blocks * self.block_size**2)
+        if self.transition_rank is not None and not 1 <= self.transition_rank < full_rank:
+            raise ConfigError(
+                f"transition_rank must be None (the full generator) or in [1, {full_rank}) (below min(d_model, "
+                f"num_blocks * block_size**2), where a factorisation saves nothing), got {self.transition_rank}"
+            )
 
     @property
     def state_size(self) -> int:
@@ -360,28 +377,43 @@ _V1_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# What a file older than the version that added a model key meant by it, by that version and architecture.
+_ADDED_KEYS: dict[int, dict[str, dict[str, Any]]] = {
+    3: {"lrnn": {"transition_rank": None}},  # the full transition generator, the only one before
+}
+
+
 def migrate_config(data: Any) -> dict[str, Any]:
     """A config.json object of any version this build reads -> a copy in the current version (every key there).
 
-    Version 1 -> 2: the keys a version 1 file left out get the values that file meant (``_V1_DEFAULTS``). Keys
-    the file has, unknown ones included, are left for the loader to check. Raises ConfigError for a version
-    this build does not read or an unknown architecture.
+    Version 1 -> 2: the keys a version 1 file left out get the values that file meant (``_V1_DEFAULTS``). Then
+    each key added since the file's version gets the value the file meant (``_ADDED_KEYS``). Keys the file has,
+    unknown ones included, are left for the loader to check. Raises ConfigError for a version this build does not
+    read or an unknown architecture.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
     version = data.get("format_version")
     if "format_version" not in data:
         raise ConfigError("config: missing key 'format_version'")
-    if version not in (1, FORMAT_VERSION) or isinstance(version, bool):
-        raise ConfigError(f"unsupported format_version {version!r}; this build reads 1 and {FORMAT_VERSION}")
+    if version not in range(1, FORMAT_VERSION + 1) or isinstance(version, bool):
+        raise ConfigError(f"unsupported format_version {version!r}; this build reads 1 to {FORMAT_VERSION}")
     architecture = data.get("architecture")
     if architecture not in ARCHITECTURE_CONFIGS:
         raise ConfigError(f"unknown architecture {architecture!r}; known: {sorted(ARCHITECTURE_CONFIGS)}")
     if version == FORMAT_VERSION:
         return dict(data)
-    migrated = {**_V1_DEFAULTS["config"], **data, "format_version": FORMAT_VERSION}
-    if isinstance(data.get("model"), dict):
-        migrated["model"] = {**_V1_DEFAULTS["model"], **_V1_DEFAULTS[architecture], **data["model"]}
+    migrated = {**data, "format_version": FORMAT_VERSION}
+    model = data.get("model")
+    if version == 1:
+        migrated = {**_V1_DEFAULTS["config"], **migrated}
+        if isinstance(model, dict):
+            model = {**_V1_DEFAULTS["model"], **_V1_DEFAULTS[architecture], **model}
+    if isinstance(model, dict):
+        for added_in, keys in _ADDED_KEYS.items():
+            if version < added_in:
+                model = {**keys.get(architecture, {}), **model}
+        migrated["model"] = model
     return migrated
 
 

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from model.config import DiagonalLRNNConfig
-from model.lrnn import LinearRNN
+from model.lrnn import LinearRNN, Recurrence
 
 MIN_RADIUS, MAX_RADIUS, MAX_PHASE = 0.9, 0.999, 2 * math.pi
 
 
-class DiagonalRecurrence(nn.Module):
+class DiagonalRecurrence(Recurrence):
     """x_k = lambda x_{k-1} + gamma B u_k over ``state_size`` complex channels, read out as Re(C x) + D u."""
 
     def __init__(self, config: DiagonalLRNNConfig) -> None:

@@ -4,7 +4,8 @@ Token embedding -> ``n_layers`` recurrent blocks -> LayerNorm -> head. A block i
 
     u_k = LN(x_k)
     h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)) (then spectral_norm_constraint
-                                        for transition_norm "spectral"), block-diagonal, H blocks of b x b
+                                        for transition_norm "spectral"), block-diagonal, H blocks of b x b;
+                                        g linear (the paper), or V U u + c of rank transition_rank
     x_k = x_k + out_proj(h_k)           y_k = h(x_k) of the paper
     x_k = x_k + MLP(LN(x_k))
 
@@ -13,8 +14,7 @@ The parallel pass runs the recurrence with ``model.ops.linear_scan`` (``config.s
 per layer.
 
 The stack (:class:`RecurrentBlock`, :class:`LinearRNN`, :class:`LRNNCache`) is shared with
-``model/diagonal_lrnn.py``: an architecture only supplies its recurrence, a module with ``state_shape``,
-``transitions(u)``, ``inputs(u)`` and ``readout(states, u)``.
+``model/diagonal_lrnn.py``: an architecture only supplies its recurrence, a :class:`Recurrence`.
 """
 
 from __future__ import annotations
@@ -69,38 +69,86 @@ class LRNNCache(InferenceCache):
         return sum(state.numel() * state.element_size() for state in self.states)
 
 
-class BlockDiagonalRecurrence(nn.Module):
-    """h_k = A(u_k) h_{k-1} + B u_k with input-dependent block-diagonal A, read out by a linear map."""
+class Recurrence(nn.Module):
+    """What a :class:`RecurrentBlock` runs: h_k = A_k h_{k-1} + b_k over a state of ``state_shape`` (H, b), read
+    out by ``readout(states, u)``. A recurrence supplies ``transitions(u)`` and ``inputs(u)``, or overrides
+    ``coefficients(u)``, which makes both at once (e.g. from one matrix product)."""
+
+    state_shape: tuple[int, int]
+
+    def transitions(self, u: torch.Tensor) -> torch.Tensor:
+        """u: (..., d_model) -> A: (..., H, b, b)."""
+        raise NotImplementedError
+
+    def inputs(self, u: torch.Tensor) -> torch.Tensor:
+        """u: (..., d_model) -> b: (..., H, b)."""
+        raise NotImplementedError
+
+    def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u: (..., d_model) -> the scan's transitions (..., H, b, b) and inputs (..., H, b)."""
+        return self.transitions(u), self.inputs(u)
+
+    def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
+        raise NotImplementedError
+
+
+class BlockDiagonalRecurrence(Recurrence):
+    """h_k = A(u_k) h_{k-1} + B u_k with input-dependent block-diagonal A, read out by a linear map.
+
+    Parameters, with ``transition_rank`` None: ``transition`` (g: d_model -> H b^2) and ``input_proj`` (B), as in
+    the paper. With a rank r: ``in_proj`` (d_model -> r + H b, [U; B]: the code U u and B u from one product) and
+    ``transition`` (V: r -> H b^2, g(u) = V U u + c).
+    """
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()
         self.num_blocks, self.block_size, self.p_norm = config.num_blocks, config.block_size, config.p_norm
-        self.transition_norm = config.transition_norm
-        self.state_shape = (config.num_blocks, config.block_size)
-        self.transition = nn.Linear(config.d_model, config.num_blocks * config.block_size**2)  # g
-        self.input_proj = nn.Linear(config.d_model, config.state_size)  # B
+        self.transition_norm, self.rank = config.transition_norm, config.transition_rank
+        self.state_shape, self.input_size = (config.num_blocks, config.block_size), config.state_size
+        generated = config.num_blocks * config.block_size**2  # H b^2: g's outputs
+        if self.rank is None:
+            self.transition = nn.Linear(config.d_model, generated)  # g
+            self.input_proj = nn.Linear(config.d_model, config.state_size)  # B
+        else:
+            self.in_proj = nn.Linear(config.d_model, self.rank + config.state_size)  # [U; B]
+            self.transition = nn.Linear(self.rank, generated)  # V, and c as its bias
         self.out_proj = nn.Linear(config.state_size, config.d_model)  # h
         # A(u) starts near 0.9 I for every input: bias 0.9 I, weights so small that each entry of g(u) varies
         # by ~0.02 (u = LN(x) has unit-variance entries). 0.9 I is a leaky running sum: states stay bounded
         # (~10x the input scale) and gradients fade smoothly over ~10 steps instead of exploding or dying at
         # once. A column's 1.2-norm (0.9 on the diagonal, ~0.02 elsewhere) starts near 0.94 (b = 8), so the
         # norm constraint is all but inactive and learning, not the clamp, moves A towards what a task needs.
+        # With a rank r, g(u) starts with the same ~0.02 spread, and one Adam step (every weight moved by about
+        # the learning rate lr) moves it as far: U u has entries of spread code_scale = d_model / r (U ~ N(0,
+        # code_scale^2 / d_model), no bias: c is V's) and V ~ N(0, (0.02 / code_scale)^2 / r), so a step on V
+        # moves g(u) by ~lr sum |U u|, as a step on the full generator's weights does by ~lr sum |u|. With codes of
+        # unit spread g(u) moved several times slower, and sum_mod5 at rank 4 fitted its training lengths but was
+        # at chance past them after 1,500 steps, where this start reached 100% by step 1,000 (docs/results.md).
         identity = torch.eye(config.block_size).expand(config.num_blocks, -1, -1)  # (H, b, b)
         with torch.no_grad():
             self.transition.bias.copy_(0.9 * identity.flatten())
-        nn.init.normal_(self.transition.weight, std=0.02 / config.d_model**0.5)
+        code_scale = 1.0 if self.rank is None else config.d_model / self.rank
+        nn.init.normal_(self.transition.weight, std=0.02 / code_scale / self.transition.in_features**0.5)
+        if self.rank is not None:
+            nn.init.normal_(self.in_proj.weight[: self.rank], std=code_scale / config.d_model**0.5)
+            nn.init.zeros_(self.in_proj.bias[: self.rank])
 
-    def transitions(self, u: torch.Tensor) -> torch.Tensor:
-        """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1."""
-        blocks = self.transition(u).unflatten(-1, (self.num_blocks, self.block_size, self.block_size))
-        blocks = column_norm_constraint(blocks, self.p_norm)  # (..., H, b, b)
+    def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1, and B u: (..., H, b)."""
+        if self.rank is None:
+            generated, inputs = self.transition(u), self.input_proj(u)  # (..., H b^2), (..., H b)
+        else:
+            code, inputs = self.in_proj(u).split([self.rank, self.input_size], dim=-1)  # (..., r), (..., H b)
+            generated = self.transition(code)  # (..., H b^2)
+        blocks = column_norm_constraint(generated.unflatten(-1, (*self.state_shape, self.block_size)), self.p_norm)
         if self.transition_norm == "spectral":
             blocks = spectral_norm_constraint(blocks)  # then every block's largest singular value <= 1 too
-        return blocks
+        return blocks, inputs.unflatten(-1, self.state_shape)  # (..., H, b, b), (..., H, b)
 
-    def inputs(self, u: torch.Tensor) -> torch.Tensor:
-        """u: (..., d_model) -> B u: (..., H, b)."""
-        return self.input_proj(u).unflatten(-1, self.state_shape)  # (..., H, b)
+    def transitions(self, u: torch.Tensor) -> torch.Tensor:
+        """u: (..., d_model) -> A(u): (..., H, b, b) (:meth:`coefficients`' first half)."""
+        return self.coefficients(u)[0]
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
@@ -110,7 +158,7 @@ class BlockDiagonalRecurrence(nn.Module):
 class RecurrentBlock(nn.Module):
     """Pre-norm residual block: ``x + readout(scan(LN(x)))`` then ``x + MLP(LN(x))``."""
 
-    def __init__(self, recurrence: nn.Module, config: LRNNConfig | DiagonalLRNNConfig) -> None:
+    def __init__(self, recurrence: Recurrence, config: LRNNConfig | DiagonalLRNNConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.recurrence = recurrence
@@ -136,19 +184,16 @@ class RecurrentBlock(nn.Module):
     def _scan(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (B, T, d_model) -> LN(x) (B, T, d_model), every state (B, T, H, b), the last state (B, H, b)."""
         u = self.ln_1(x)  # (B, T, d_model)
+        transitions, inputs = self.recurrence.coefficients(u)  # (B, T, H, b, b), (B, T, H, b)
         states, final_state = linear_scan(
-            self.recurrence.transitions(u),  # (B, T, H, b, b)
-            self.recurrence.inputs(u),  # (B, T, H, b)
-            state,
-            impl=self.scan_impl,
-            chunk_size=self.scan_chunk_size,
+            transitions, inputs, state, impl=self.scan_impl, chunk_size=self.scan_chunk_size
         )  # (B, T, H, b), (B, H, b)
         return u, states, final_state
 
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b)."""
         u = self.ln_1(x)  # (B, d_model)
-        state = scan_step(self.recurrence.transitions(u), self.recurrence.inputs(u), state)  # (B, H, b)
+        state = scan_step(*self.recurrence.coefficients(u), state)  # (B, H, b)
         x = x + self.dropout(self.recurrence.readout(state, u))  # (B, d_model)
         return x + self.mlp(self.ln_2(x)), state
 
@@ -156,7 +201,7 @@ class RecurrentBlock(nn.Module):
 class LinearRNN(SequenceModel):
     """Embedding -> one :class:`RecurrentBlock` per recurrence -> LayerNorm -> head."""
 
-    def __init__(self, config: LRNNConfig | DiagonalLRNNConfig, recurrences: list[nn.Module]) -> None:
+    def __init__(self, config: LRNNConfig | DiagonalLRNNConfig, recurrences: list[Recurrence]) -> None:
         super().__init__()
         self.config = config
         self.embedding = TokenEmbedding(config)
@@ -174,6 +219,32 @@ class LinearRNN(SequenceModel):
         for block in self.blocks[:-1]:
             x, _ = block(x, None)  # (B, T, d_model)
         return self.embedding.logits(self.ln_f(self.blocks[-1].forward_last(x, lengths)))  # (B, V)
+
+    def for_serving(self) -> list[str]:
+        """On the CPU, store every weight matrix wider than it is tall (out_features > in_features: the transition
+        generator, the MLPs' first layers, the tied head) transposed in memory, shape and values unchanged, so that
+        a one-token product (:meth:`step`) reads it along its rows. On this project's CPU (one thread, MKL) a
+        matrix-vector product read a 4096 x 512 weight twice as fast stored (in, out) as stored (out, in), the
+        way ``nn.Linear`` stores it, and a square or tall one as fast or faster as stored (docs/benchmarks.md,
+        "LRNN: cheaper transition generator and fused step"). The parallel pass then multiplies by the same
+        matrices laid out the other way (equal up to float rounding); checkpoints are written as before; training
+        never calls this. On CUDA nothing changes."""
+        if self.device.type != "cpu":
+            return []
+        wide = [
+            module.weight
+            for module in self.blocks.modules()
+            if isinstance(module, nn.Linear) and module.out_features > module.in_features
+        ]
+        head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
+        if self.config.is_language_model and head.shape[0] > head.shape[1]:
+            wide.append(head)
+        moved = [weight for weight in wide if weight.stride() != (1, weight.shape[0])]
+        for weight in moved:
+            weight.data = weight.data.t().contiguous().t()  # (out, in) with (in, out) in memory
+        if not moved:
+            return []
+        return [f"{len(moved)} weight matrices wider than tall stored transposed for one-token products (CPU)"]
 
     def new_cache(self, batch_size: int) -> LRNNCache:
         states = [

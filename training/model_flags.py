@@ -40,6 +40,7 @@ MODEL_FLAGS = (
     ModelFlag("p_norm", float, "LRNN p of the column p-norm constraint"),
     ModelFlag("transition_norm", str, "LRNN constraint on A: the paper's column p-norm, or each block's spectral norm "
               "<= 1 (stable at any length, rotations allowed)", ("column", "spectral")),
+    ModelFlag("transition_rank", int, "LRNN: rank r of the transition generator, d -> r -> H*b*b (default: full)"),
     ModelFlag("state_size", int, "diagonal LRNN state size"),
     ModelFlag("scan_impl", str, "LRNN scan implementation", ("auto", "sequential", "parallel", "chunked")),
     ModelFlag("scan_chunk_size", int, "LRNN chunk length of the chunked scan"),
@@ -58,8 +59,8 @@ CONFIG_FIELDS: dict[str, dict[str, str]] = {
     },
     "lrnn": {
         **_COMMON_FIELDS, "layers": "n_layers", "block_size": "block_size", "num_blocks": "num_blocks",
-        "p_norm": "p_norm", "transition_norm": "transition_norm", "d_ff": "d_ff", "scan_impl": "scan_impl",
-        "scan_chunk_size": "scan_chunk_size",
+        "p_norm": "p_norm", "transition_norm": "transition_norm", "transition_rank": "transition_rank", "d_ff": "d_ff",
+        "scan_impl": "scan_impl", "scan_chunk_size": "scan_chunk_size",
     },
     "diagonal_lrnn": {
         **_COMMON_FIELDS, "layers": "n_layers", "state_size": "state_size", "d_ff": "d_ff",

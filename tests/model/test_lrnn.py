@@ -1,4 +1,5 @@
-"""Checks specific to the linear RNNs: scan implementations, O(1) decoding memory, the transitions' shape."""
+"""Checks specific to the linear RNNs: scan implementations, O(1) decoding memory, the transitions' shape and
+generator (full or low-rank)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from model.config import CheckpointConfig, ConfigError, LRNNConfig
 from model.diagonal_lrnn import DiagonalLRNN
 from model.lrnn import BlockDiagonalLRNN, LinearRNN
-from model.ops.linear_scan import ScanImpl
+from model.ops.linear_scan import ScanImpl, column_norm_constraint
 from tests.model.tiny_models import tiny_configs
 
 VOCAB, LABELS = 5, 3
-MODELS = {"lrnn": BlockDiagonalLRNN, "diagonal_lrnn": DiagonalLRNN}
+MODELS = {"lrnn": BlockDiagonalLRNN, "lrnn-rank3": BlockDiagonalLRNN, "diagonal_lrnn": DiagonalLRNN}
+BLOCK_DIAGONAL_IDS = ["lrnn", "lrnn-rank3"]
 
 
 def make(model_id: str, scan_impl: ScanImpl = "auto", scan_chunk_size: int = 64) -> LinearRNN:
@@ -32,7 +36,9 @@ def test_scan_impl_changes_nothing(model_id: str) -> None:
         for impl, chunk_size in [("parallel", 64), ("chunked", 7), ("chunked", 9), ("auto", 64)]:
             model = make(model_id, impl, chunk_size)
             model.load_state_dict(reference.state_dict())
-            torch.testing.assert_close(model(tokens), expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{impl}: {m}")
+            torch.testing.assert_close(
+                model(tokens), expected, rtol=1e-10, atol=1e-10, msg=lambda m, impl=impl: f"{impl}: {m}"
+            )
 
 
 @pytest.mark.parametrize("model_id", sorted(MODELS))
@@ -73,9 +79,10 @@ def column_norms(model: BlockDiagonalLRNN, tokens: torch.Tensor) -> torch.Tensor
     return torch.cat(norms)
 
 
+@pytest.mark.parametrize("model_id", BLOCK_DIAGONAL_IDS)
 @pytest.mark.parametrize("weight_scale", [1.0, 1000.0], ids=["init", "large-weights"])
-def test_every_transition_column_has_p_norm_at_most_one(weight_scale: float) -> None:
-    model = make("lrnn")
+def test_every_transition_column_has_p_norm_at_most_one(model_id: str, weight_scale: float) -> None:
+    model = make(model_id)
     with torch.no_grad():
         for block in model.blocks:
             block.recurrence.transition.weight.mul_(weight_scale)
@@ -95,3 +102,95 @@ def test_diagonal_transitions_do_not_depend_on_the_input() -> None:
     torch.testing.assert_close(recurrence.transitions(torch.randn_like(u)), transitions, rtol=0, atol=0)
     eigenvalue_magnitudes = torch.linalg.vector_norm(transitions[0, 0, :, :, 0], dim=-1)  # (N,)
     assert bool((eigenvalue_magnitudes < 1).all())
+
+
+def test_the_full_generator_keeps_the_papers_parameters_and_arithmetic() -> None:
+    """transition_rank None is the model before the option: the same parameters, and A(u), B u computed by the same
+    products (bitwise), so shipped checkpoints load and give the same outputs."""
+    recurrence = make("lrnn").blocks[0].recurrence
+    assert sorted(recurrence.state_dict()) == [
+        "input_proj.bias", "input_proj.weight", "out_proj.bias", "out_proj.weight", "transition.bias",
+        "transition.weight",
+    ]
+    u = torch.randn(3, 7, recurrence.transition.in_features, dtype=torch.float64)
+    heads, block = recurrence.state_shape
+    transitions, inputs = recurrence.coefficients(u)
+    raw = F.linear(u, recurrence.transition.weight, recurrence.transition.bias)  # (3, 7, H b^2)
+    expected = column_norm_constraint(raw.unflatten(-1, (heads, block, block)), recurrence.p_norm)
+    assert torch.equal(transitions, expected)
+    expected_inputs = F.linear(u, recurrence.input_proj.weight, recurrence.input_proj.bias)  # (3, 7, H b)
+    assert torch.equal(inputs, expected_inputs.unflatten(-1, (heads, block)))
+
+
+def test_a_low_rank_generator_is_v_u_plus_c_and_shares_one_product_with_the_input_map() -> None:
+    config = tiny_configs(VOCAB, LABELS)["lrnn-rank3"]
+    recurrence = make("lrnn-rank3").blocks[0].recurrence
+    rank, d_model, heads, block = 3, config.d_model, config.num_blocks, config.block_size
+    assert recurrence.in_proj.weight.shape == (rank + heads * block, d_model)  # [U; B]
+    assert recurrence.transition.weight.shape == (heads * block * block, rank)  # V
+    assert not hasattr(recurrence, "input_proj")
+    assert recurrence.in_proj.bias.shape == (rank + heads * block,) and recurrence.transition.bias.shape == (32,)
+    u = torch.randn(2, 9, d_model, dtype=torch.float64)
+    code_map, input_map = recurrence.in_proj.weight.split([rank, heads * block])
+    code_bias, input_bias = recurrence.in_proj.bias.split([rank, heads * block])
+    raw = F.linear(F.linear(u, code_map, code_bias), recurrence.transition.weight, recurrence.transition.bias)
+    transitions, inputs = recurrence.coefficients(u)
+    expected = column_norm_constraint(raw.unflatten(-1, (heads, block, block)), config.p_norm)
+    torch.testing.assert_close(transitions, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(inputs, F.linear(u, input_map, input_bias).unflatten(-1, (heads, block)))
+    assert torch.equal(code_bias, torch.zeros(rank, dtype=code_bias.dtype))  # c is V's bias alone at init
+
+
+def test_a_low_rank_generator_starts_like_the_full_one() -> None:
+    """Both start at A(u) ~ 0.9 I with entries of g(u) spread by ~0.02, so a rank changes what can be learned,
+    not where learning starts."""
+    spreads = {}
+    for rank in (None, 16):
+        config = LRNNConfig(vocab_size=VOCAB, d_model=128, num_blocks=8, block_size=8, transition_rank=rank)
+        torch.manual_seed(0)
+        recurrence = BlockDiagonalLRNN(config).blocks[0].recurrence
+        with torch.no_grad():
+            transitions = recurrence.transitions(torch.randn(4096, 128))  # (N, H, b, b): u ~ LN(x), unit entries
+        identity = 0.9 * torch.eye(8)
+        assert torch.allclose(transitions.mean(0), identity.expand(8, 8, 8), atol=0.01)
+        spreads[rank] = float(transitions.std(0).mean())
+    assert spreads[16] == pytest.approx(spreads[None], rel=0.1) and 0.015 < spreads[None] < 0.025
+
+
+@pytest.mark.parametrize("rank", [0, 16, 64])
+def test_a_rank_that_factors_nothing_is_refused(rank: int) -> None:
+    """d_model 16, H b^2 = 32: a factorisation needs 1 <= r < 16."""
+    with pytest.raises(ConfigError, match="transition_rank"):
+        LRNNConfig(vocab_size=VOCAB, d_model=16, num_blocks=2, block_size=4, transition_rank=rank)
+
+
+@pytest.mark.parametrize("model_id", sorted(MODELS))
+def test_for_serving_transposes_the_wide_weights_in_memory_and_changes_no_value(model_id: str) -> None:
+    model = MODELS[model_id](dataclasses.replace(tiny_configs(VOCAB, 0)[model_id], vocab_size=40)).double().eval()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    tokens = torch.randint(0, 40, (2, 21))
+    with torch.no_grad():
+        expected = model(tokens)
+        notes = model.for_serving()
+        parallel = model(tokens)
+        cache = model.new_cache(batch_size=2)
+        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(21)], dim=1)
+    wide = [weight for weight in model.parameters() if weight.dim() == 2 and weight.shape[0] > weight.shape[1]]
+    assert notes and wide and all(weight.stride() == (1, weight.shape[0]) for weight in wide)
+    assert any(weight is model.embedding.embed.weight for weight in wide)  # the tied head (V = 40 > d_model = 16)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    torch.testing.assert_close(parallel, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stepped, expected, rtol=1e-9, atol=1e-9)
+    assert model.for_serving() == []  # nothing left to move
+
+
+def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> None:
+    """Format 2 files (and version 1 ones) have no transition_rank: they meant the full generator."""
+    model = dataclasses.asdict(tiny_configs(2, 2)["lrnn"])
+    del model["transition_rank"]
+    data = {"format_version": 2, "architecture": "lrnn", "kind": "transduce", "alphabet": "01", "labels": ["0", "1"],
+            "task": None, "tokenizer": None, "metadata": {}, "model": model}
+    assert CheckpointConfig.from_dict(data).model == tiny_configs(2, 2)["lrnn"]
+    with pytest.raises(ConfigError, match="missing key"):
+        CheckpointConfig.from_dict({**data, "format_version": 3})  # the current format writes every key
