@@ -10,7 +10,8 @@ Token embedding -> ``n_layers`` recurrent blocks -> LayerNorm -> head. A block i
     x_k = x_k + MLP(LN(x_k))
 
 The parallel pass runs the recurrence with ``model.ops.linear_scan`` (``config.scan_impl``); ``step`` runs one
-``scan_step`` per layer, so decoding holds O(1) memory in the context length: the cache is one (B, H, b) state
+recurrence step per layer (:meth:`BlockDiagonalRecurrence.step`, one ``scan_step`` with the column constraint
+folded into the state), so decoding holds O(1) memory in the context length: the cache is one (B, H, b) state
 per layer.
 
 The stack (:class:`RecurrentBlock`, :class:`LinearRNN`, :class:`LRNNCache`) is shared with
@@ -41,6 +42,7 @@ from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.layers import MLP
 from model.ops.linear_scan import (
     choose_scan_impl,
+    column_divisors,
     column_norm_constraint,
     linear_scan,
     scan_step,
@@ -72,7 +74,8 @@ class LRNNCache(InferenceCache):
 class Recurrence(nn.Module):
     """What a :class:`RecurrentBlock` runs: h_k = A_k h_{k-1} + b_k over a state of ``state_shape`` (H, b), read
     out by ``readout(states, u)``. A recurrence supplies ``transitions(u)`` and ``inputs(u)``, or overrides
-    ``coefficients(u)``, which makes both at once (e.g. from one matrix product)."""
+    ``coefficients(u)``, which makes both at once (e.g. from one matrix product); it may override ``step`` with
+    an equal one-token update that does less work."""
 
     state_shape: tuple[int, int]
 
@@ -87,6 +90,10 @@ class Recurrence(nn.Module):
     def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> the scan's transitions (..., H, b, b) and inputs (..., H, b)."""
         return self.transitions(u), self.inputs(u)
+
+    def step(self, u: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """u: (B, d_model), state: (B, H, b) -> the next state A(u) state + b(u): (B, H, b)."""
+        return scan_step(*self.coefficients(u), state)
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
@@ -136,15 +143,32 @@ class BlockDiagonalRecurrence(Recurrence):
 
     def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1, and B u: (..., H, b)."""
+        generated, inputs = self._generate(u)  # (..., H, b, b), (..., H, b)
+        blocks = column_norm_constraint(generated, self.p_norm)  # (..., H, b, b)
+        if self.transition_norm == "spectral":
+            blocks = spectral_norm_constraint(blocks)  # then every block's largest singular value <= 1 too
+        return blocks, inputs
+
+    def step(self, u: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """u: (B, d_model), state: (B, H, b) -> A(u) state + B u: (B, H, b). Under the column constraint alone,
+        each column's divisor d_j scales the state entry it multiplies instead of the column (A diag(1/d) h =
+        A (h / d)): one pass less over the (B, H, b, b) blocks than ``scan_step(*coefficients(u), state)``, which
+        it equals up to float rounding."""
+        if self.transition_norm == "spectral":
+            return super().step(u, state)
+        generated, inputs = self._generate(u)  # (B, H, b, b), (B, H, b)
+        divisors = column_divisors(generated, self.p_norm).squeeze(-2)  # (B, H, b)
+        scaled = (state / divisors).to(generated.dtype)  # (B, H, b)
+        return torch.matmul(generated, scaled.unsqueeze(-1)).squeeze(-1) + inputs  # (B, H, b)
+
+    def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""
         if self.rank is None:
             generated, inputs = self.transition(u), self.input_proj(u)  # (..., H b^2), (..., H b)
         else:
             code, inputs = self.in_proj(u).split([self.rank, self.input_size], dim=-1)  # (..., r), (..., H b)
             generated = self.transition(code)  # (..., H b^2)
-        blocks = column_norm_constraint(generated.unflatten(-1, (*self.state_shape, self.block_size)), self.p_norm)
-        if self.transition_norm == "spectral":
-            blocks = spectral_norm_constraint(blocks)  # then every block's largest singular value <= 1 too
-        return blocks, inputs.unflatten(-1, self.state_shape)  # (..., H, b, b), (..., H, b)
+        return generated.unflatten(-1, (*self.state_shape, self.block_size)), inputs.unflatten(-1, self.state_shape)
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
         """u: (..., d_model) -> A(u): (..., H, b, b) (:meth:`coefficients`' first half)."""
@@ -193,7 +217,7 @@ class RecurrentBlock(nn.Module):
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b)."""
         u = self.ln_1(x)  # (B, d_model)
-        state = scan_step(*self.recurrence.coefficients(u), state)  # (B, H, b)
+        state = self.recurrence.step(u, state)  # (B, H, b)
         x = x + self.dropout(self.recurrence.readout(state, u))  # (B, d_model)
         return x + self.mlp(self.ln_2(x)), state
 

@@ -64,16 +64,21 @@ def column_norm_constraint(matrices: torch.Tensor, p: float = 1.2) -> torch.Tens
     """Scale every column v of every block by 1 / max(1, ||v||_p) (block-diagonal-lrnn.txt eq. 6).
 
     matrices: (..., b, b); a column is the vector along the row axis (dim -2). Columns already inside the
-    unit p-ball are returned unchanged. The norm is taken in at least float32.
+    unit p-ball are returned unchanged. The norm is taken in at least float32 (:func:`column_divisors`).
+    """
+    return (matrices / column_divisors(matrices, p)).to(matrices.dtype)  # (..., b, b)
 
-    The divisor is computed as max(1, sum |v_i|^p)^(1/p), which equals max(1, ||v||_p) (t -> t^(1/p) is
-    increasing): for a non-integer p this is 2x faster on the CPU than ``torch.linalg.vector_norm`` (the
-    model's hottest op at p = 1.2), and its gradient is 0, never NaN, for a column inside the ball, an all-zero
-    one included. ``tests/model/test_linear_scan.py`` checks it against ``vector_norm``.
+
+def column_divisors(matrices: torch.Tensor, p: float = 1.2) -> torch.Tensor:
+    """matrices: (..., b, b) -> max(1, ||v||_p) of every column v, (..., 1, b), in at least float32.
+
+    Computed as max(1, sum |v_i|^p)^(1/p), which equals max(1, ||v||_p) (t -> t^(1/p) is increasing): for a
+    non-integer p this is 2x faster on the CPU than ``torch.linalg.vector_norm`` (the model's hottest op at
+    p = 1.2), and its gradient is 0, never NaN, for a column inside the ball, an all-zero one included.
+    ``tests/model/test_linear_scan.py`` checks the constraint against ``vector_norm``.
     """
     powered = matrices.to(_compute_dtype(matrices.dtype)).abs().pow(p)  # (..., b, b)
-    divisors = powered.sum(dim=-2, keepdim=True).clamp(min=1.0).pow(1.0 / p)  # (..., 1, b)
-    return (matrices / divisors).to(matrices.dtype)  # (..., b, b)
+    return powered.sum(dim=-2, keepdim=True).clamp(min=1.0).pow(1.0 / p)  # (..., 1, b)
 
 
 SpectralImpl = Literal["auto", "svd", "closed_form"]

@@ -7,6 +7,7 @@ import torch
 
 from model.ops.linear_scan import (
     choose_scan_impl,
+    column_divisors,
     column_norm_constraint,
     linear_scan,
     scan_chunked,
@@ -18,7 +19,7 @@ from model.ops.linear_scan import (
 
 BATCH, HEADS, BLOCK = 2, 2, 3
 CHUNK_SIZES = [1, 3, 4, 16, 64]  # divide some of the lengths below and not others
-TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-5)}
+TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}
 
 
 def make_problem(length: int, dtype: torch.dtype, batch: int = BATCH) -> tuple[torch.Tensor, ...]:
@@ -62,7 +63,9 @@ def test_implementations_agree_with_step_loop(length: int, dtype: torch.dtype) -
     for impl, scan in implementations():
         actual = outputs_and_gradients(scan, problem)
         for name, got, want in zip(names, actual, expected):
-            torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=lambda m: f"{impl} {name}: {m}")
+            torch.testing.assert_close(
+                got, want, **TOLERANCE[dtype], msg=lambda m, impl=impl, name=name: f"{impl} {name}: {m}"
+            )
 
 
 def test_missing_initial_state_means_zeros() -> None:
@@ -70,7 +73,7 @@ def test_missing_initial_state_means_zeros() -> None:
     zeros = torch.zeros(BATCH, HEADS, BLOCK, dtype=torch.float64)
     for impl, scan in implementations():
         for got, want in zip(scan(transitions, inputs), step_loop(transitions, inputs, zeros)):
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{impl}: {m}")
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m, impl=impl: f"{impl}: {m}")
 
 
 def test_transitions_expanded_over_batch_and_time() -> None:
@@ -81,7 +84,7 @@ def test_transitions_expanded_over_batch_and_time() -> None:
     expected = step_loop(transitions, inputs, torch.zeros(BATCH, HEADS, BLOCK, dtype=torch.float64))
     for impl, scan in implementations():
         for got, want in zip(scan(transitions, inputs), expected):
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{impl}: {m}")
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m, impl=impl: f"{impl}: {m}")
 
 
 @pytest.mark.parametrize("impl", ["sequential", "parallel", "chunked"])
@@ -149,6 +152,16 @@ def test_column_norm_constraint_equals_the_reference_formula(p: float) -> None:
     matrices = torch.randn(300, 5, 5, dtype=torch.float64) * torch.tensor([0.05, 0.5, 5.0]).repeat(100).view(300, 1, 1)
     reference = matrices / torch.linalg.vector_norm(matrices, ord=p, dim=-2, keepdim=True).clamp(min=1.0)
     torch.testing.assert_close(column_norm_constraint(matrices, p), reference, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_column_divisors_are_max_one_and_the_column_norm(dtype: torch.dtype) -> None:
+    """What the LRNN's fused step divides the state by; ``column_norm_constraint`` divides the columns by it."""
+    matrices = (torch.randn(300, 5, 5, dtype=torch.float64) * torch.tensor([0.05, 5.0]).repeat(150).view(300, 1, 1))
+    divisors = column_divisors(matrices.to(dtype), 1.2)
+    assert divisors.shape == (300, 1, 5) and divisors.dtype == torch.promote_types(dtype, torch.float32)
+    reference = torch.linalg.vector_norm(matrices.to(dtype).double(), ord=1.2, dim=-2, keepdim=True).clamp(min=1.0)
+    torch.testing.assert_close(divisors.double(), reference, rtol={torch.bfloat16: 1e-5}.get(dtype, 1e-12), atol=0)
 
 
 def test_column_norm_constraint_gradient_is_finite_at_zero_entries() -> None:

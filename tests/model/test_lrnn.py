@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from model.config import CheckpointConfig, ConfigError, LRNNConfig
 from model.diagonal_lrnn import DiagonalLRNN
 from model.lrnn import BlockDiagonalLRNN, LinearRNN
-from model.ops.linear_scan import ScanImpl, column_norm_constraint
+from model.ops.linear_scan import ScanImpl, column_norm_constraint, scan_step
 from tests.model.tiny_models import tiny_configs
 
 VOCAB, LABELS = 5, 3
@@ -90,6 +90,31 @@ def test_every_transition_column_has_p_norm_at_most_one(model_id: str, weight_sc
     assert bool((norms <= 1 + 1e-12).all()), norms.max()
     if weight_scale > 1:
         assert torch.isclose(norms.max(), torch.tensor(1.0, dtype=norms.dtype))  # the constraint is active
+
+
+@pytest.mark.parametrize("model_id", BLOCK_DIAGONAL_IDS)
+def test_the_fused_step_equals_one_scan_step_with_the_constraint_active(model_id: str) -> None:
+    """The step divides the state by the column divisors instead of the columns; at init every divisor is 1, so
+    the weights are scaled up until most columns are clamped."""
+    recurrence = make(model_id).blocks[0].recurrence
+    with torch.no_grad():
+        recurrence.transition.weight.mul_(1000.0)
+        u = torch.randn(5, tiny_configs(VOCAB, LABELS)[model_id].d_model, dtype=torch.float64)
+        state = torch.randn(5, *recurrence.state_shape, dtype=torch.float64)
+        transitions, inputs = recurrence.coefficients(u)
+        assert (torch.linalg.vector_norm(transitions, ord=recurrence.p_norm, dim=-2) > 0.999).float().mean() > 0.5
+        torch.testing.assert_close(recurrence.step(u, state), scan_step(transitions, inputs, state))
+
+
+@pytest.mark.parametrize("model_id", BLOCK_DIAGONAL_IDS)
+def test_the_fused_step_runs_in_bfloat16(model_id: str) -> None:
+    model = make(model_id).float()
+    tokens = torch.randint(0, VOCAB, (3,))
+    with torch.no_grad():
+        reference = model.step(tokens, model.new_cache(batch_size=3))
+        low = model.to(torch.bfloat16).step(tokens, model.new_cache(batch_size=3))
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), reference, rtol=0.1, atol=0.1)
 
 
 def test_diagonal_transitions_do_not_depend_on_the_input() -> None:
