@@ -72,8 +72,10 @@ class MooreMachine:
         step: Callable[[Any, str], Hashable],
         output: Callable[[Any], str],
         state_name: Callable[[Any], str] = str,
+        max_states: int = MAX_STATES,
     ) -> MooreMachine:
-        """The machine on the states reachable from ``start`` by ``step``, numbered in breadth-first order."""
+        """The machine on the states reachable from ``start`` by ``step``, numbered in breadth-first order; an
+        AutomatonError beyond ``max_states`` (a larger bound suits a machine that is minimised next)."""
         order, seen = [start], {start}
         successors: dict[Hashable, dict[str, Hashable]] = {}
         for state in order:  # ``order`` grows while it is read: a breadth-first search
@@ -82,8 +84,9 @@ class MooreMachine:
                 if successor not in seen:
                     seen.add(successor)
                     order.append(successor)
-            if len(order) > MAX_STATES:
-                raise AutomatonError(f"{name}: more than MAX_STATES = {MAX_STATES} reachable states")
+            if len(order) > max_states:
+                bound = f"MAX_STATES = {MAX_STATES}" if max_states == MAX_STATES else str(max_states)
+                raise AutomatonError(f"{name}: more than {bound} reachable states")
         return cls(
             name=name,
             alphabet=alphabet,
@@ -91,6 +94,27 @@ class MooreMachine:
             start=state_name(start),
             delta={state_name(q): {s: state_name(nxt) for s, nxt in row.items()} for q, row in successors.items()},
             output={state_name(state): output(state) for state in order},
+        )
+
+    def minimal(self) -> MooreMachine:
+        """The equivalent machine with the fewest states (Moore's partition refinement: states are merged until
+        no symbol leads two merged states into different blocks), numbered in breadth-first order from the start.
+        Every state is reachable already (``explore`` and the JSON loader keep only reachable ones, or not: the
+        result keeps only those reachable from the start)."""
+        block = {state: self.output[state] for state in self.states}  # a state's block: its label, then refined
+        while True:
+            signature = {state: (block[state], *(block[self.delta[state][s]] for s in self.alphabet))
+                         for state in self.states}
+            numbering = {key: str(i) for i, key in enumerate(dict.fromkeys(signature.values()))}
+            refined = {state: numbering[signature[state]] for state in self.states}
+            if len(set(refined.values())) == len(set(block.values())):
+                break
+            block = refined
+        representative = {block[state]: state for state in reversed(self.states)}  # the first state of each block
+        return MooreMachine.explore(
+            self.name, self.alphabet, block[self.start],
+            step=lambda b, symbol: block[self.delta[representative[b]][symbol]],
+            output=lambda b: self.output[representative[b]], state_name=lambda b: f"q{b}",
         )
 
     def trace(self, string: str) -> list[str]:
