@@ -95,6 +95,11 @@ class Recurrence(nn.Module):
         """u: (B, d_model), state: (B, H, b) -> the next state A(u) state + b(u): (B, H, b)."""
         return scan_step(*self.coefficients(u), state)
 
+    def for_serving(self) -> bool:
+        """Rearrange the weights in memory for :meth:`step` (values unchanged); returns whether anything moved.
+        The default moves nothing."""
+        return False
+
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
         raise NotImplementedError
@@ -156,10 +161,44 @@ class BlockDiagonalRecurrence(Recurrence):
         it equals up to float rounding."""
         if self.transition_norm == "spectral":
             return super().step(u, state)
-        generated, inputs = self._generate(u)  # (B, H, b, b), (B, H, b)
+        joint = None if torch.is_grad_enabled() else self._joint_weight()  # (d_model, H b^2 + H b)
+        if joint is None:
+            generated, inputs = self._generate(u)  # (B, H, b, b), (B, H, b)
+        else:  # g(u) and B u from one product
+            products = u @ joint  # (B, H b^2 + H b)
+            size = self.transition.out_features
+            generated = products[:, :size].add_(self.transition.bias).unflatten(-1, (*self.state_shape, self.block_size))
+            inputs = products[:, size:].add_(self.input_proj.bias).unflatten(-1, self.state_shape)
         divisors = column_divisors(generated, self.p_norm).squeeze(-2)  # (B, H, b)
         scaled = (state / divisors).to(generated.dtype)  # (B, H, b)
         return torch.matmul(generated, scaled.unsqueeze(-1)).squeeze(-1) + inputs  # (B, H, b)
+
+    def for_serving(self) -> bool:
+        """With the full generator: lay g's and B's weights side by side in one (d_model, H b^2 + H b) matrix,
+        (in, out) in memory, that ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and
+        checkpoints unchanged), so that :meth:`step` makes g(u) and B u with one product. A later ``.to()`` gives
+        each weight its own storage again, and the step goes back to two products."""
+        if self.rank is not None or self._joint_weight() is not None:
+            return False
+        joint = torch.cat([self.transition.weight, self.input_proj.weight]).t().contiguous()  # (d, H b^2 + H b)
+        size = self.transition.out_features
+        self.transition.weight.data = joint[:, :size].t()  # (H b^2, d) viewing the joint matrix
+        self.input_proj.weight.data = joint[:, size:].t()  # (H b, d)
+        return True
+
+    def _joint_weight(self) -> torch.Tensor | None:
+        """The (d_model, H b^2 + H b) matrix that :meth:`for_serving` made g's and B's weights views of, while they
+        still are; None otherwise (a low rank, not served, or moved since)."""
+        if self.rank is not None:
+            return None
+        first, second = self.transition.weight, self.input_proj.weight  # (H b^2, d), (H b, d)
+        width = first.shape[0] + second.shape[0]
+        side_by_side = (
+            first.stride() == second.stride() == (1, width)
+            and second.data_ptr() == first.data_ptr() + first.shape[0] * first.element_size()
+            and (first.dtype, first.device) == (second.dtype, second.device)
+        )
+        return first.detach().as_strided((first.shape[1], width), (width, 1)) if side_by_side else None
 
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""
@@ -245,16 +284,18 @@ class LinearRNN(SequenceModel):
         return self.embedding.logits(self.ln_f(self.blocks[-1].forward_last(x, lengths)))  # (B, V)
 
     def for_serving(self) -> list[str]:
-        """On the CPU, store every weight matrix wider than it is tall (out_features > in_features: the transition
-        generator, the MLPs' first layers, the tied head) transposed in memory, shape and values unchanged, so that
-        a one-token product (:meth:`step`) reads it along its rows. On this project's CPU (one thread, MKL) a
-        matrix-vector product read a 4096 x 512 weight twice as fast stored (in, out) as stored (out, in), the
-        way ``nn.Linear`` stores it, and a square or tall one as fast or faster as stored (docs/benchmarks.md,
-        "LRNN: cheaper transition generator and fused step"). The parallel pass then multiplies by the same
-        matrices laid out the other way (equal up to float rounding); checkpoints are written as before; training
-        never calls this. On CUDA nothing changes."""
+        """On the CPU, rearrange weights in memory for :meth:`step` (shapes, values and checkpoints unchanged):
+        each recurrence's own rearrangement (:meth:`BlockDiagonalRecurrence.for_serving`: g's and B's weights side
+        by side), then every other weight matrix wider than it is tall (out_features > in_features: the MLPs'
+        first layers, a low-rank V, the tied head) stored transposed, so that a one-token product reads it along
+        its rows. On this project's CPU (one thread, MKL) a matrix-vector product read a 4096 x 512 weight twice
+        as fast stored (in, out) as stored (out, in), the way ``nn.Linear`` stores it, and a square or tall one
+        as fast or faster as stored (docs/benchmarks.md, "LRNN: cheaper transition generator and fused step").
+        The parallel pass then multiplies by the same matrices laid out the other way (equal up to float
+        rounding); training never calls this. On CUDA nothing changes."""
         if self.device.type != "cpu":
             return []
+        joined = sum(block.recurrence.for_serving() for block in self.blocks)
         wide = [
             module.weight
             for module in self.blocks.modules()
@@ -263,12 +304,13 @@ class LinearRNN(SequenceModel):
         head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
         if self.config.is_language_model and head.shape[0] > head.shape[1]:
             wide.append(head)
-        moved = [weight for weight in wide if weight.stride() != (1, weight.shape[0])]
+        moved = [weight for weight in wide if weight.stride(0) != 1]  # not (in, out) in memory yet
         for weight in moved:
             weight.data = weight.data.t().contiguous().t()  # (out, in) with (in, out) in memory
-        if not moved:
-            return []
-        return [f"{len(moved)} weight matrices wider than tall stored transposed for one-token products (CPU)"]
+        notes = [f"{joined} layers make g(u) and B u with one product per step (CPU)"] if joined else []
+        if moved:
+            notes.append(f"{len(moved)} weight matrices wider than tall stored transposed for one-token products (CPU)")
+        return notes
 
     def new_cache(self, batch_size: int) -> LRNNCache:
         states = [

@@ -201,13 +201,34 @@ def test_for_serving_transposes_the_wide_weights_in_memory_and_changes_no_value(
         cache = model.new_cache(batch_size=2)
         stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(21)], dim=1)
     wide = [weight for weight in model.parameters() if weight.dim() == 2 and weight.shape[0] > weight.shape[1]]
-    assert notes and wide and all(weight.stride() == (1, weight.shape[0]) for weight in wide)
+    assert notes and wide and all(weight.stride(0) == 1 for weight in wide)  # (in, out) in memory
     assert any(weight is model.embedding.embed.weight for weight in wide)  # the tied head (V = 40 > d_model = 16)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
     torch.testing.assert_close(parallel, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(stepped, expected, rtol=1e-9, atol=1e-9)
     assert model.for_serving() == []  # nothing left to move
+
+
+def test_served_full_generator_makes_g_and_b_with_one_product_until_moved() -> None:
+    model = make("lrnn")
+    tokens = torch.randint(0, VOCAB, (2, 13))
+    with torch.no_grad():
+        expected = model(tokens)
+        assert all(block.recurrence._joint_weight() is None for block in model.blocks)
+        model.for_serving()
+        recurrence = model.blocks[0].recurrence
+        joint = recurrence._joint_weight()  # (d_model, H b^2 + H b), what both weights view
+        assert joint is not None and joint.shape == (16, 2 * 4 * 4 + 2 * 4) and joint.is_contiguous()
+        torch.testing.assert_close(joint, torch.cat([recurrence.transition.weight, recurrence.input_proj.weight]).t())
+        for moved in (False, True):
+            if moved:
+                model.float().double()  # each weight gets its own storage: the step makes two products again
+                assert recurrence._joint_weight() is None
+            cache = model.new_cache(batch_size=2)
+            stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(13)], dim=1)
+            torch.testing.assert_close(stepped, expected, rtol=1e-6, atol=1e-6)
+    assert make("lrnn-rank3").blocks[0].recurrence._joint_weight() is None
 
 
 def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> None:
