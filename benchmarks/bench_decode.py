@@ -9,6 +9,15 @@ a large fp32 matmul measured on the same machine in the same run.
 
 On a CPU that other processes share, use --threads 1: a two-thread op whose second thread waits for a busy
 core stalls for a scheduler time slice, which turns an 8 ms LRNN step into 250 ms (seen here).
+
+``--text`` measures instead the shipped text models' shapes (checkpoints/text-regulargpt and text-lrnn, random
+weights, ``for_serving()`` as the server does) for issue 18 point 3, all in one run: the decode step at batch 1
+after 1k and 8k tokens of context, tokens/s of steps at batch 32 after 1k (one row's cache stacked 32 times: a
+step's cost does not depend on the values) and prefill tokens/s of 8k tokens into an empty cache, in the server's
+2048-token chunks and in one call. Every repeat measures every cell once, the models alternating; the table holds
+each cell's median over the repeats.
+
+    python -m benchmarks.bench_decode --text [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.isolated import banner
+from model.checkpoint import read_config
 from model.config import LRNNConfig, RegularGPTConfig, TransformerConfig
 from model.device import resolve_device
 from model.registry import build_model
@@ -74,15 +84,97 @@ def measure(model, context: int, steps: int, device: torch.device) -> dict[str, 
     with FlopCounterMode(display=False) as counter:
         model.step(token, flops_cache)
     flops = counter.get_total_flops()
+    step_s = step_seconds(model, cache, steps, device, token)
+    return {"step_ms": step_s * 1e3, "cache_kib": cache.nbytes / 2**10, "gflops": flops / step_s / 1e9}
+
+
+TEXT_CHECKPOINTS = {"lrnn": "checkpoints/text-lrnn", "regulargpt": "checkpoints/text-regulargpt"}
+TEXT_SHORT, TEXT_LONG, TEXT_BATCH, TEXT_PREFILL, SERVER_PREFILL_CHUNK = 1024, 8192, 32, 8192, 2048
+
+
+def text_model(architecture: str, device: torch.device):
+    """The shipped text model's shape with random weights, switched to what the server runs (``for_serving``)."""
+    config = read_config(TEXT_CHECKPOINTS[architecture]).model
+    model = build_model(architecture, config).to(device).eval()
+    model.for_serving()
+    return model
+
+
+def prefill_seconds(model, tokens: torch.Tensor, chunk: int, device: torch.device):
+    """Seconds to prefill ``tokens`` (B, T) into an empty cache in chunks of ``chunk``, and the cache."""
+    synchronize(device)
+    start = time.perf_counter()
+    cache = model.new_cache(tokens.shape[0])
+    for first in range(0, tokens.shape[1], chunk):
+        model(tokens[:, first : first + chunk], cache=cache)
+    synchronize(device)
+    return time.perf_counter() - start, cache
+
+
+def step_seconds(model, cache, steps: int, device: torch.device, tokens: torch.Tensor | None = None) -> float:
+    """Median seconds of ``steps`` decode steps of ``tokens`` (default random) on ``cache``."""
+    if tokens is None:
+        tokens = torch.randint(0, model.config.vocab_size, (cache.batch_size,), device=device)
     times = []
     for _ in range(steps):
         synchronize(device)
         start = time.perf_counter()
-        model.step(token, cache)
+        model.step(tokens, cache)
         synchronize(device)
         times.append(time.perf_counter() - start)
-    step_s = statistics.median(times)
-    return {"step_ms": step_s * 1e3, "cache_kib": cache.nbytes / 2**10, "gflops": flops / step_s / 1e9}
+    return statistics.median(times)
+
+
+def text_cells(model, device: torch.device, steps: int) -> dict[str, float]:
+    """One repeat of every issue-18 measurement of one model (each timed step after an untimed one)."""
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (1, TEXT_LONG), device=device)
+    cells = {}
+    chunked, cache = prefill_seconds(model, tokens[:, :TEXT_PREFILL], SERVER_PREFILL_CHUNK, device)
+    cells["prefill_chunked"] = TEXT_PREFILL / chunked
+    one_call, _ = prefill_seconds(model, tokens[:, :TEXT_PREFILL], TEXT_PREFILL, device)
+    cells["prefill_one_call"] = TEXT_PREFILL / one_call
+    step_seconds(model, cache, 1, device)  # a context of C**L tokens makes RegularGPT's next step grow its depth
+    cells["step_long_ms"] = 1e3 * step_seconds(model, cache, steps, device)
+    _, short = prefill_seconds(model, tokens[:, :TEXT_SHORT], SERVER_PREFILL_CHUNK, device)
+    batch = type(short).stack([short] * TEXT_BATCH)
+    step_seconds(model, short, 1, device)
+    cells["step_short_ms"] = 1e3 * step_seconds(model, short, steps, device)
+    step_seconds(model, batch, 1, device)
+    cells["batch_tokens_per_s"] = TEXT_BATCH / step_seconds(model, batch, max(4, steps // 4), device)
+    return cells
+
+
+def text_main(device: torch.device, repeats: int, steps: int) -> None:
+    """The issue-18 point-3 table: RegularGPT s against LRNN s, every cell the median of ``repeats``."""
+    models = {name: text_model(name, device) for name in TEXT_CHECKPOINTS}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, model in models.items():
+                runs[name].append(text_cells(model, device, steps))
+    median = {
+        name: {key: statistics.median(run[key] for run in cells) for key in cells[0]} for name, cells in runs.items()
+    }
+    print(
+        f"| model | step b1 @{TEXT_SHORT} (ms) | step b1 @{TEXT_LONG} (ms) | b{TEXT_BATCH} @{TEXT_SHORT} (tok/s) "
+        f"| prefill {TEXT_PREFILL} in {SERVER_PREFILL_CHUNK}-token chunks (tok/s) | prefill {TEXT_PREFILL} in one call "
+        "(tok/s) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, cells in median.items():
+        print(
+            f"| {name} s | {cells['step_short_ms']:.2f} | {cells['step_long_ms']:.2f} "
+            f"| {cells['batch_tokens_per_s']:,.0f} | {cells['prefill_chunked']:,.0f} "
+            f"| {cells['prefill_one_call']:,.0f} |"
+        )
+    ours, base = median["regulargpt"], median["lrnn"]
+    print(
+        f"\nRegularGPT s / LRNN s decode step at batch 1: {ours['step_short_ms'] / base['step_short_ms']:.2f}x "
+        f"@{TEXT_SHORT}, {ours['step_long_ms'] / base['step_long_ms']:.2f}x @{TEXT_LONG} (target <= 2x); "
+        f"RegularGPT s prefill of {TEXT_PREFILL} (chunked) / GPT-2 s's 7.3k tok/s (issue 18's figure): "
+        f"{ours['prefill_chunked'] / 7300:.0%} (target >= 50%); repeats {repeats}"
+    )
 
 
 def main() -> None:
@@ -92,10 +184,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--text", action="store_true", help="issue 18 point 3: the text models' shapes (see above)")
+    parser.add_argument("--repeats", type=int, default=3, help="--text: repeats of every cell (the median is kept)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     torch.manual_seed(0)
+    if args.text:
+        print(banner(device, args.threads))
+        text_main(device, args.repeats, args.steps)
+        return
     peak = matmul_peak_gflops(device)
     print(banner(device, args.threads))
     print(f"large-matmul peak (2048^3 fp32): {peak:.1f} GFLOP/s\n")

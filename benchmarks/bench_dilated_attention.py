@@ -9,11 +9,22 @@ the best of up to five timed runs (fewer once they pass 15 s) after one warm-up 
 shared machine the others measure the neighbours.
 
     python -m benchmarks.bench_dilated_attention [--lengths 512,4096,32768] [--device cpu] [--quick]
+
+``--crossover`` times instead the op alone, each implementation at each length T and reach J (chunk_size = J,
+dilation 1: every query but the first J - 1 has J keys; H = 4, hd = 32, the text model's heads), forward only
+(inference) and forward + backward (training, B = max(1, 4096 // T)), and the cached path's two ways for a chunk of
+n new positions after a long context (``attend_gathered`` on the gathered keys against ``attend_banded`` on the
+ring's last (J - 1) keys and the chunk): the figures behind ``resolve_impl``'s and ``cached_attention_impl``'s
+thresholds (model/ops/dilated_attention.py). Times are CPU seconds of this thread (time.thread_time), best of
+five, so that a busy machine disturbs them less.
+
+    python -m benchmarks.bench_dilated_attention --crossover [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import asdict
 
 import torch
@@ -21,6 +32,7 @@ import torch
 from benchmarks.isolated import MEMORY_LIMIT_BYTES, banner, child_main, run_isolated, time_calls
 from model.config import RegularGPTConfig
 from model.device import resolve_device
+from model.ops.dilated_attention import IMPLEMENTATIONS, attend_banded, attend_gathered
 from model.regulargpt import RegularGPT, adaptive_depth
 
 CONFIG = RegularGPTConfig(vocab_size=256, d_model=128, n_heads=4, d_ff=512, chunk_size=2, thickness=1)
@@ -48,6 +60,95 @@ def cell(result: dict, key: str) -> str:
     return f"{result['peak_bytes'] / 2**20:.0f}"
 
 
+CROSSOVER_LENGTHS = (16, 32, 64, 128, 256, 1024, 4096)
+CROSSOVER_SLOTS = (2, 4, 8, 16, 64)
+CROSSOVER_CHUNKS = (2, 8, 16, 32, 64, 128, 512, 2048)
+HEADS, HEAD_DIM = 4, 32
+
+
+def cpu_ms(call, repeats: int = 5) -> float:
+    """Best CPU milliseconds of this thread over ``repeats`` calls, after one warm-up call."""
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        call()
+        best = min(best, time.thread_time() - start)
+    return 1e3 * best
+
+
+def op_ms(impl: str, length: int, slots: int, train: bool) -> float:
+    """One implementation of the op at T = length, C = J = slots, dilation 1."""
+    batch = max(1, 4096 // length) if train else 1
+    q, k, v = (torch.randn(batch, HEADS, length, HEAD_DIM, requires_grad=train) for _ in range(3))
+    relative_bias = torch.randn(HEADS, slots, requires_grad=train)
+
+    def call() -> None:
+        out = IMPLEMENTATIONS[impl](q, k, v, relative_bias, slots, 1)
+        if train:
+            out.sum().backward()
+
+    with torch.set_grad_enabled(train):
+        return cpu_ms(call)
+
+
+def cached_ms(way: str, length: int, slots: int) -> float:
+    """A cached chunk of ``length`` new positions reaching J = C = ``slots`` keys at dilation 1, batch 1, with a
+    context before it: gathered (J keys per query copied, then attend_gathered) or banded (the J - 1 keys before
+    the chunk and the chunk, attend_banded)."""
+    before = slots - 1
+    q = torch.randn(1, HEADS, length, HEAD_DIM)
+    k, v = (torch.randn(1, HEADS, before + length, HEAD_DIM) for _ in range(2))
+    relative_bias = torch.randn(HEADS, slots)
+    if way == "banded":
+        return cpu_ms(lambda: attend_banded(q, k, v, relative_bias, slots, 1))
+    index = (before + torch.arange(length)[:, None] - torch.arange(slots)).flatten()  # (n * J,)
+
+    def gathered() -> None:
+        keys = k.index_select(2, index).view(1, HEADS, length, slots, HEAD_DIM)
+        values = v.index_select(2, index).view(1, HEADS, length, slots, HEAD_DIM)
+        attend_gathered(q, keys, values, relative_bias, None)
+
+    return cpu_ms(gathered)
+
+
+def print_table(title: str, row_name: str, rows: tuple[int, ...], cell) -> None:
+    """A markdown table: one row per value of ``rows``, one column per reach J, ``cell(row, J)`` in each."""
+    print(f"\n{title}\n")
+    print(f"| {row_name} | " + " | ".join(f"J={slots}" for slots in CROSSOVER_SLOTS) + " |")
+    print("|---:|" + "---|" * len(CROSSOVER_SLOTS))
+    for row in rows:
+        print(f"| {row} | " + " | ".join(cell(row, slots) for slots in CROSSOVER_SLOTS) + " |", flush=True)
+
+
+def crossover() -> None:
+    """The tables behind the ``auto`` and cached-chunk policies (module docstring)."""
+    impls = ("reference", "fast", "banded")
+
+    def inference(length: int, slots: int) -> str:
+        return " / ".join(
+            "-" if impl == "reference" and length > 1024 else f"{op_ms(impl, length, slots, False):.2f}"
+            for impl in impls
+        )
+
+    with torch.no_grad():
+        title = "op, forward (inference), batch 1, ms: reference / fast / banded"
+        print_table(title, "T", CROSSOVER_LENGTHS, inference)
+    print_table(
+        "op, forward + backward (training), batch max(1, 4096 // T), ms: reference / fast / banded",
+        "T",
+        CROSSOVER_LENGTHS[:-1],
+        lambda length, slots: " / ".join(f"{op_ms(impl, length, slots, True):.2f}" for impl in impls),
+    )
+    with torch.no_grad():
+        print_table(
+            "cached chunk of n after a long context, batch 1, ms: gathered / banded",
+            "n",
+            CROSSOVER_CHUNKS,
+            lambda length, slots: " / ".join(f"{cached_ms(way, length, slots):.2f}" for way in ("gathered", "banded")),
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,4096,32768")
@@ -56,10 +157,17 @@ def main() -> None:
         "--threads", type=int, default=torch.get_num_threads(), help="CPU threads (1 on a machine others share)"
     )
     parser.add_argument("--quick", action="store_true", help="a tiny model at short lengths: a smoke run")
+    parser.add_argument("--crossover", action="store_true", help="the op's implementations against each other")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child_main(measure, args.child)
+        return
+    if args.crossover:
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(0)
+        print(banner(torch.device("cpu"), args.threads))
+        crossover()
         return
     config = QUICK_CONFIG if args.quick else CONFIG
     lengths = [64, 256] if args.quick else [int(n) for n in args.lengths.split(",")]

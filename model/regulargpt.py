@@ -38,16 +38,22 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, check_lengths, lengths_tensor
 from model.config import RegularGPTConfig
 from model.layers import Block, HeadProjections, init_gpt2
 from model.ops.dilated_attention import (
     AUTO_REFERENCE_MAX_T,
+    attend_banded,
     attend_gathered,
+    attend_slots,
+    banded_block,
+    cached_attention_impl,
     dilated_attention,
     reachable_slots,
     resolve_impl,
@@ -96,9 +102,20 @@ def _fit(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 @dataclass
+class StepPlan:
+    """Where the J dilated keys of one new position per row come from at one thick layer (a decode step): slot j of
+    row b, at position t_b - j * C**l, from the ring window, except the query's own (j = 0, whose ring slot still
+    holds position t_b - ring), which the new key replaces in the gathered copy before the window stores it."""
+
+    ring_index: torch.Tensor  # (B * J,) rows of the flat window, slot 0 that of the new position
+    write_index: torch.Tensor  # (B,) = the slot-0 entries
+    valid: torch.Tensor | None  # (B, 1, 1, J) bool: the key lies at a position >= 0; None when all do
+
+
+@dataclass
 class ChunkPlan:
-    """Where the dilated keys of a chunk's new positions come from at one thick layer (shared by its K blocks;
-    :meth:`build` makes those of several layers at once, sharing what they have in common).
+    """Where the dilated keys of a chunk's new positions come from at one thick layer, by gathering them (shared by
+    its K blocks; :func:`plan_chunk` makes those of several layers at once, sharing what they have in common).
 
     Row b's chunk holds positions start[b] + i, i in [n]. The key of slot j, at position start[b] + i - j * C**l,
     comes from the chunk itself at index i - j * C**l when that is >= 0 (the same index for every row), else from
@@ -107,55 +124,123 @@ class ChunkPlan:
     block's gathered keys and values take O(B * n * J * d_model) memory.
     """
 
-    chunk_index: torch.Tensor  # (n, J) index into the chunk, clamped at 0
+    chunk_index: torch.Tensor  # (n * J,) index into the chunk, clamped at 0
     valid: torch.Tensor  # (B, 1, n, J) bool: the key lies at a position >= 0
     window_source: torch.Tensor | None  # (B * m,) rows of the flat window holding the m keys before each row's chunk
     window_target: torch.Tensor | None  # (m,) their entries in the flat (n * J) slots of a row
     write_index: torch.Tensor  # (B * w,) rows of the flat window for the chunk's last w = min(n, ring) positions
 
-    @classmethod
-    def build(
-        cls, start: torch.Tensor, length: int, chunk_size: int, allocated: list[int], device: torch.device,
-        rows: torch.Tensor | None = None, first_layer: int = 0,
-    ) -> list[ChunkPlan]:
-        """The plans of thick layers first_layer, first_layer + 1, ... whose windows hold ``allocated`` slots per
-        row (room for every position < start + n). start: (B,) int64 on the CPU, each row's first new position;
-        length: n; rows: (B,) the cache rows that the chunk's rows are, or None for all in order."""
-        last, has_context, batch = int(start.max()) + length - 1, bool(start.any()), start.shape[0]
-        start = start.to(device)
-        rows = torch.arange(batch, device=device) if rows is None else rows.to(device)
-        own = start[:, None] + torch.arange(length, device=device)  # (B, n) the chunk's positions
-        plans = []
-        for layer, slots_per_row in enumerate(allocated, start=first_layer):
-            dilation = chunk_size**layer
-            ring = (chunk_size - 1) * dilation
-            relative, chunk_index, before, before_offset = _relative_keys(
-                length, dilation, reachable_slots(chunk_size, dilation, last), device
-            )
-            first = (rows * slots_per_row)[:, None]  # (B, 1) each row's first slot in the flat window
-            window_source = window_target = None
-            if has_context and before.numel():  # key % ring < allocated for every key < start + n
-                key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
-                window_source, window_target = (key % ring + first).flatten(), before
-            plans.append(cls(
-                chunk_index=chunk_index,
-                valid=(start[:, None, None] + relative >= 0)[:, None],
-                window_source=window_source,
-                window_target=window_target,
-                write_index=(own[:, length - min(length, ring) :] % ring + first).flatten(),  # the last w positions
-            ))
-        return plans
+
+@dataclass
+class BandedPlan:
+    """A long chunk's keys at one thick layer for :func:`attend_banded`: each row's chunk after the ``prefix``
+    positions before it (from the ring window; those before position 0 are out of range through ``first_key``).
+
+    prefix = min(J - 1, ceil(max(start) / C**l)) * C**l: every key a new position can reach, a multiple of the
+    dilation as attend_banded needs. O(B * (prefix + n) * d_model) copies and O(B * n * (J + P)) scores per block.
+    """
+
+    prefix_index: torch.Tensor | None  # (B * prefix,) rows of the flat window, None when prefix = 0
+    first_key: torch.Tensor | None  # (B,) prefix - start[b] where positive: the keys before position 0
+    write_index: torch.Tensor  # (B * w,) as in ChunkPlan
+
+
+Plan = StepPlan | ChunkPlan | BandedPlan
+
+
+def plan_chunk(
+    start: torch.Tensor, length: int, chunk_size: int, allocated: list[int], device: torch.device,
+    rows: torch.Tensor | None = None, first_layer: int = 0,
+) -> list[Plan]:
+    """The plans of thick layers first_layer, first_layer + 1, ... whose windows hold ``allocated`` slots per row
+    (room for every position < start + n): a :class:`StepPlan` each for n = 1 (all layers' indices at once), else
+    gathered or banded as :func:`cached_attention_impl` says for n and the layer's J. start: (B,) int64 on the
+    CPU, each row's first new position; length: n; rows: (B,) the cache rows that the chunk's rows are, or None for
+    all in order."""
+    last, latest, batch = int(start.max()) + length - 1, int(start.max()), start.shape[0]
+    if length == 1 and rows is None:
+        return _plan_step(start, chunk_size, allocated, device, int(start.min()), latest)
+    has_context = latest > 0
+    start_host, start = start, start.to(device)
+    rows = torch.arange(batch, device=device) if rows is None else rows.to(device)
+    own = start[:, None] + torch.arange(length, device=device)  # (B, n) the chunk's positions
+    plans: list[ChunkPlan | BandedPlan] = []
+    for layer, slots_per_row in enumerate(allocated, start=first_layer):
+        dilation = chunk_size**layer
+        ring, slots = (chunk_size - 1) * dilation, reachable_slots(chunk_size, dilation, last)
+        first = (rows * slots_per_row)[:, None]  # (B, 1) each row's first slot in the flat window
+        write_index = (own[:, length - min(length, ring) :] % ring + first).flatten()  # the last w positions
+        prefix = min(slots - 1, -(-latest // dilation)) * dilation  # the keys before the chunk, for banded
+        if cached_attention_impl(length, slots, prefix) == "banded":
+            prefix_index = first_key = None
+            if prefix:  # key % ring < allocated for every key < start + n
+                key = (start[:, None] - prefix + torch.arange(prefix, device=device)).clamp(min=0)  # (B, prefix)
+                prefix_index = (key % ring + first).flatten()
+            if int(start_host.min()) < prefix:
+                first_key = (prefix - start_host).clamp(min=0).to(device)
+            plans.append(BandedPlan(prefix_index=prefix_index, first_key=first_key, write_index=write_index))
+            continue
+        relative, chunk_index, before, before_offset = _relative_keys(length, dilation, slots, device)
+        window_source = window_target = None
+        if has_context and before.numel():  # key % ring < allocated for every key < start + n
+            key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
+            window_source, window_target = (key % ring + first).flatten(), before
+        all_valid = int(start_host.min()) >= (slots - 1) * dilation  # every slot's key at a position >= 0
+        plans.append(ChunkPlan(
+            chunk_index=chunk_index,
+            valid=None if all_valid else (start[:, None, None] + relative >= 0)[:, None],
+            window_source=window_source,
+            window_target=window_target,
+            write_index=write_index,
+        ))
+    return plans
+
+
+def _plan_step(
+    start: torch.Tensor, chunk_size: int, allocated: list[int], device: torch.device, earliest: int, latest: int
+) -> list[StepPlan]:
+    """The :class:`StepPlan` of every thick layer, from one (L, B, J_max) index computation. start: (B,) on the
+    CPU; earliest, latest: its smallest and largest values."""
+    slots = [reachable_slots(chunk_size, chunk_size**layer, latest) for layer in range(len(allocated))]
+    offsets, rings, firsts = _step_tables(chunk_size, tuple(slots), tuple(allocated), start.shape[0], device)
+    key = start.to(device)[None, :, None] - offsets  # (L, B, J_max) each slot's key position
+    index = key.clamp(min=0).remainder_(rings).add_(firsts)  # (L, B, J_max) its row of the flat window
+    all_valid = [earliest >= (count - 1) * chunk_size**layer for layer, count in enumerate(slots)]
+    valid = None if all(all_valid) else key >= 0  # (L, B, J_max)
+    return [
+        StepPlan(
+            ring_index=index[layer, :, :count].reshape(-1),
+            write_index=index[layer, :, 0],
+            valid=None if all_valid[layer] else valid[layer, :, None, None, :count],
+        )
+        for layer, count in enumerate(slots)
+    ]
+
+
+@functools.lru_cache(maxsize=64)
+def _step_tables(
+    chunk_size: int, slots: tuple[int, ...], allocated: tuple[int, ...], batch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a decode step of B rows through L thick layers reaching J_l slots, with windows of ``allocated`` slots
+    per row: each slot's distance back j * C**l (L, 1, J_max; 0 past J_l), the rings (L, 1, 1) and each row's
+    first entry of the flat window (L, B, 1). The same for every step until the room or the batch changes."""
+    with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
+        dilations = torch.tensor([chunk_size**layer for layer in range(len(slots))], device=device)[:, None, None]
+        j = torch.arange(max(slots), device=device)
+        offsets = torch.where(j < torch.tensor(slots, device=device)[:, None, None], j * dilations, 0)
+        firsts = torch.tensor(allocated, device=device)[:, None, None] * torch.arange(batch, device=device)[:, None]
+        return offsets, (chunk_size - 1) * dilations, firsts
 
 
 @functools.lru_cache(maxsize=64)
 def _relative_keys(length: int, dilation: int, slots: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """For a chunk of n positions: the chunk-relative key indices i - j * dilation (n, J), the same clamped at 0,
-    and the flat (n * J) entries where they are negative (before the chunk) with their values. The same for every
-    call with these sizes (every decode step), so kept (read-only)."""
+    """For a chunk of n positions: the chunk-relative key indices i - j * dilation (n, J), the same clamped at 0
+    and flattened (n * J,), and the flat (n * J) entries where they are negative (before the chunk) with their
+    values. The same for every call with these sizes (every decode step), so kept (read-only)."""
     with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
         relative = torch.arange(length, device=device)[:, None] - dilation * torch.arange(slots, device=device)
         before = (relative.flatten() < 0).nonzero().flatten()  # (m,)
-        return relative, relative.clamp(min=0), before, relative.flatten()[before]
+        return relative, relative.clamp(min=0).flatten(), before, relative.flatten()[before]
 
 
 @dataclass
@@ -172,15 +257,34 @@ class KVWindow:
         of one contiguous (B, 2 H, n, J, hd) tensor)."""
         batch, length, width = kv.shape
         head_dim = width // (2 * heads)
-        gathered = kv.view(batch, length, 2 * heads, head_dim).transpose(1, 2)[:, :, plan.chunk_index]  # in the chunk
+        chunk = kv.view(batch, length, 2 * heads, head_dim).transpose(1, 2)  # (B, 2 H, n, hd)
+        gathered = chunk.index_select(2, plan.chunk_index)  # (B, 2 H, n * J, hd) in the chunk
         if plan.window_source is not None:  # the keys before the chunk, from the ring
             ring = self.kv.view(-1, width).index_select(0, plan.window_source)  # (B * m, 2 d)
             ring = ring.view(batch, -1, 2 * heads, head_dim).transpose(1, 2)  # (B, 2 H, m, hd)
-            gathered.view(batch, 2 * heads, -1, head_dim).index_copy_(2, plan.window_target, ring)
-        keys, values = gathered.split(heads, dim=1)
+            gathered.index_copy_(2, plan.window_target, ring)
+        keys, values = gathered.view(batch, 2 * heads, length, -1, head_dim).split(heads, dim=1)
         return keys, values
 
-    def write(self, plan: ChunkPlan, kv: torch.Tensor) -> None:
+    def gather_step(self, plan: StepPlan, kv: torch.Tensor, heads: int) -> torch.Tensor:
+        """The step's dilated keys and values: kv (B, 2 d) of the new positions -> (B, J, 2 H, hd), each slot's key
+        (first H) and value (last H)."""
+        batch, width = kv.shape
+        gathered = self.kv.view(-1, width).index_select(0, plan.ring_index).view(batch, -1, width)  # (B, J, 2 d)
+        gathered.select(1, 0).copy_(kv)  # slot 0: the new key and value
+        return gathered.view(batch, -1, 2 * heads, width // (2 * heads))
+
+    def prefixed(self, plan: BandedPlan, kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's keys and values after the plan's prefix from the ring: kv (B, n, 2 d) of the chunk ->
+        (B, H, prefix + n, hd) each."""
+        batch, _, width = kv.shape
+        if plan.prefix_index is not None:
+            before = self.kv.view(-1, width).index_select(0, plan.prefix_index).view(batch, -1, width)
+            kv = torch.cat([before, kv], dim=1)  # (B, prefix + n, 2 d)
+        kv = kv.view(batch, kv.shape[1], 2 * heads, -1).transpose(1, 2)  # (B, 2 H, prefix + n, hd)
+        return kv[:, :heads], kv[:, heads:]
+
+    def write(self, plan: ChunkPlan | BandedPlan, kv: torch.Tensor) -> None:
         """Store the chunk's last positions (at most ``ring``: distinct slots). kv: (B, n, 2 d)."""
         kept = plan.write_index.shape[0] // kv.shape[0]
         kv = kv[:, kv.shape[1] - kept :].reshape(-1, kv.shape[-1])  # (B * w, 2 d)
@@ -276,35 +380,108 @@ class DilatedSelfAttention(nn.Module):
         self.chunk_size = config.chunk_size
         self.impl = config.attention_impl
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        dilation: int,
-        key_offset: torch.Tensor | None = None,
-        window: KVWindow | None = None,
-        plan: ChunkPlan | None = None,
-    ) -> torch.Tensor:
-        """x: (B, T, d_model) -> (B, T, d_model).
-
-        Without ``window``, x holds positions 0..T-1 (the parallel pass, through ``self.impl``). With a window and
-        its ``plan``, x is a chunk of new positions: they attend through the window and the chunk (ChunkPlan), and
-        the window then stores them.
-        """
-        if window is None:
-            q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
-            out = dilated_attention(
-                q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
-                self.null_key, self.null_value, self.impl,
-            )  # (B, H, T, hd)
-            return self.heads.merge(out)
-        batch, length, d_model = x.shape
-        heads = self.heads.n_heads
-        qkv = self.heads.c_attn(x)  # (B, T, 3 d): q | k | v, heads in order (as HeadProjections.qkv splits it)
-        q = qkv[..., :d_model].view(batch, length, heads, -1).transpose(1, 2)  # (B, H, T, hd)
-        keys, values = window.gather(plan, qkv[..., d_model:], heads)  # (B, H, T, J, hd) each
-        out = attend_gathered(q, keys, values, self.relative_bias, plan.valid, self.null_key, self.null_value)
-        window.write(plan, qkv[..., d_model:])
+    def forward(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
+        """The parallel pass: x (B, T, d_model) holds positions 0..T-1 -> (B, T, d_model), through ``self.impl``.
+        (A cache's chunks go through :meth:`attend_cached`.)"""
+        q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
+        out = dilated_attention(
+            q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
+            self.null_key, self.null_value, self.impl,
+        )  # (B, H, T, hd)
         return self.heads.merge(out)
+
+
+class CachedBlock(NamedTuple):
+    """A Block as the cached path runs it, its parameters read from the modules once per call.
+
+    The computation is the pre-norm Block's, x + attention(ln_1(x)) then x + mlp(ln_2(x)), written with those
+    tensors: a decode step is a chain of small ops, and the modules' eleven __call__ and ~35 attribute lookups per
+    block (an nn.Module attribute costs ~1 us, six times a dict's) came to about a quarter of it.
+    """
+
+    ln_1: tuple[torch.Tensor, torch.Tensor]  # weight, bias
+    c_attn: tuple[torch.Tensor, torch.Tensor]
+    c_proj: tuple[torch.Tensor, torch.Tensor]
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    c_fc: tuple[torch.Tensor, torch.Tensor]
+    mlp_proj: tuple[torch.Tensor, torch.Tensor]
+    relative_bias: torch.Tensor  # (H, C)
+    null_key: torch.Tensor | None  # (H, hd)
+    null_value: torch.Tensor | None
+    heads: int
+    chunk_size: int
+    eps: float
+    dropout: float  # the residual branches' dropout probability when training, else 0
+
+    @classmethod
+    def of(cls, block: Block) -> CachedBlock:
+        modules = _children(block)
+        attention = _children(modules["attention"])
+        heads, mlp = attention["heads"], _children(modules["mlp"])
+        projections = _children(heads)
+        ln_1, ln_2 = modules["ln_1"], modules["ln_2"]
+        parameters = vars(modules["attention"])["_parameters"]
+        return cls(
+            _weight_bias(ln_1),
+            _weight_bias(projections["c_attn"]),
+            _weight_bias(projections["c_proj"]),
+            _weight_bias(ln_2),
+            _weight_bias(mlp["c_fc"]),
+            _weight_bias(mlp["c_proj"]),
+            parameters["relative_bias"],
+            parameters["null_key"],
+            parameters["null_value"],
+            heads.n_heads,
+            modules["attention"].chunk_size,
+            ln_1.eps,
+            mlp["dropout"].p if block.training else 0.0,
+        )
+
+    def forward(self, x: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
+        """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them."""
+        shape = x.shape[-1:]
+        qkv = F.linear(F.layer_norm(x, shape, *self.ln_1, self.eps), *self.c_attn)  # (B, n, 3 d)
+        out = F.linear(self.attend(qkv, dilation, window, plan), *self.c_proj)  # (B, n, d)
+        x = x + (F.dropout(out, self.dropout) if self.dropout else out)
+        hidden = F.gelu(F.linear(F.layer_norm(x, shape, *self.ln_2, self.eps), *self.c_fc))  # (B, n, d_ff)
+        out = F.linear(hidden, *self.mlp_proj)  # (B, n, d)
+        return x + (F.dropout(out, self.dropout) if self.dropout else out)
+
+    def attend(self, qkv: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
+        """The chunk's attention through the window, heads merged: qkv (B, n, 3 d), q | k | v with heads in order
+        (as HeadProjections.qkv splits it) -> (B, n, d); the window then stores the chunk's keys and values."""
+        batch, length, width = qkv.shape
+        heads, d_model = self.heads, width // 3
+        if isinstance(plan, StepPlan):
+            kv = qkv[:, 0, d_model:]  # (B, 2 d)
+            slots = window.gather_step(plan, kv, heads)  # (B, J, 2 H, hd)
+            q = qkv[:, 0, :d_model].view(batch, heads, -1)  # (B, H, hd)
+            out = attend_slots(q, slots, self.relative_bias, plan.valid, self.null_key, self.null_value)
+            window.kv.view(-1, 2 * d_model).index_copy_(0, plan.write_index, kv)  # store the new position
+            return out.view(batch, 1, d_model)
+        q = qkv[..., :d_model].view(batch, length, heads, -1).transpose(1, 2)  # (B, H, n, hd)
+        kv = qkv[..., d_model:]  # (B, n, 2 d)
+        if isinstance(plan, BandedPlan):
+            keys, values = window.prefixed(plan, kv, heads)  # (B, H, prefix + n, hd) each
+            out = attend_banded(
+                q, keys, values, self.relative_bias, self.chunk_size, dilation, plan.first_key,
+                self.null_key, self.null_value,
+            )
+        else:
+            keys, values = window.gather(plan, kv, heads)  # (B, H, n, J, hd) each
+            out = attend_gathered(q, keys, values, self.relative_bias, plan.valid, self.null_key, self.null_value)
+        window.write(plan, kv)
+        return out.transpose(1, 2).reshape(batch, length, d_model)
+
+
+def _children(module: nn.Module) -> dict[str, nn.Module]:
+    """A module's submodules by name, read from its dict (no nn.Module.__getattr__)."""
+    return vars(module)["_modules"]
+
+
+def _weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    parameters = vars(module)["_parameters"]
+    return parameters["weight"], parameters["bias"]
 
 
 class RegularGPT(SequenceModel):
@@ -372,40 +549,59 @@ class RegularGPT(SequenceModel):
         return self.forward(tokens[:, None], cache)[:, 0]
 
     def for_serving(self) -> list[str]:
-        """The reference attention builds a T x T mask (18.7 GB at ~20k positions): switch it to "auto", which is
-        the reference only up to AUTO_REFERENCE_MAX_T positions (where it is faster) and the fast gather beyond.
-        The cached path never uses either. The configuration and the checkpoint are left as they are."""
-        if not any(block.attention.impl == "reference" for block in self.blocks):
-            return []
-        for block in self.blocks:
-            block.attention.impl = "auto"
-        return [
-            f"attention_impl reference -> auto (the T x T mask would not fit long inputs; the reference is kept up to "
-            f"{AUTO_REFERENCE_MAX_T} positions)"
-        ]
+        """Switch to what scales and decodes fast; returns a note per change. The configuration and the checkpoint
+        are left as they are.
+
+        - The reference attention builds a T x T mask (18.7 GB at ~20k positions): it becomes "auto", which is the
+          reference only up to AUTO_REFERENCE_MAX_T positions (where it is faster) and O(T) beyond. The cached path
+          never uses either.
+        - On the CPU, a language model's tied head (vocab x d_model) is stored transposed in memory, shape and
+          values unchanged, as the LRNN does (model/lrnn.py): a decode step's logits read it along its rows, 2x
+          faster with MKL on one thread (0.094 against 0.177 ms for 8192 x 128 here); an embedding lookup reads one
+          strided column instead of a row, which costs nothing measurable.
+        """
+        notes = []
+        if any(block.attention.impl == "reference" for block in self.blocks):
+            for block in self.blocks:
+                block.attention.impl = "auto"
+            notes.append(
+                f"attention_impl reference -> auto (the T x T mask would not fit long inputs; the reference is kept "
+                f"up to {AUTO_REFERENCE_MAX_T} positions)"
+            )
+        head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
+        wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])
+        if self.device.type == "cpu" and self.config.is_language_model and wide:
+            head.data = head.data.t().contiguous().t()  # (V, d) with (d, V) in memory
+            notes.append("the tied head stored transposed for one-token products (CPU)")
+        return notes
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
         """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call.
 
         With d = d_model, f = d_ff, K blocks, C, V = output_size, e bytes per element, D(m) the adaptive depth,
         per position and block F = 4 d^2 + 2 d f (q, k, v and output projections, MLP) plus the attention: 2 J d
-        over J gathered slots (+ d for the null scores), J_l = min(C, last_position // C**l + 1) at layer l; or,
-        for the reference, 2 T d (the T x T scores and weighted sum). Per read position d V for the head.
+        over J gathered slots (+ d for the null scores), J_l = min(C, last_position // C**l + 1) at layer l; for
+        the reference, 2 T d (the T x T scores and weighted sum); banded, 2 (J - 1 + P) d (a block's window). Per
+        read position d V for the head.
 
-        - "forward" (B, T): D(T - 1) layers over all T positions, attention by the impl chosen for T;
+        - "forward" (B, T): D(T - 1) layers over all T positions, attention by the impl chosen for T and J_l;
           bytes: activations B T ((12 + D) d + 2 f) e (the per-layer outputs stay alive until the final cat),
           logits B T (V + 2 d) e, and the attention's: reference 6 B H T^2 e + H T^2 e (mask, scores, softmax,
-          null columns), fast 3 B T J d e (gathered keys and values) + 6 B H T C e (scores).
+          null columns) + 4 B H T C e + 24 T C (the slots' null scores and indices), fast 3 B T J d e (gathered
+          keys and values) + 6 B H T C e (scores), banded
+          B e (2 T' d (padded copies of k and v) + 2 T' d (J - 1 + P) / P (their block windows) + 4 T' d (q and the
+          output) + 3 H T' (J - 1 + P) (scores)) + 2 B T' (J - 1 + P) (masks), T' = T + P C**l.
         - "final" (B, T): the shrinking path, layer l over n_l positions (n_0 = T, n_{l+1} = (n_l - 1) // C + 1)
           at dilation 1, attention by the impl chosen for n_l; the bytes of its largest layer and the logits of
           the last positions.
-        - "cached" (B, n, context c): D(c + n - 1) layers over the n new positions, gathered attention (window
-          and chunk) with J_l as above; plus, when the chunk needs a deeper layer than the rows hold (c >= 1 and
-          D(c - 1) < D(c + n - 1)), each new layer over the c consumed positions with J = 1 (every other key is
-          out of range). Bytes: the cache's growth B (cache_nbytes(c + n) - cache_nbytes(c)), plus the largest
-          of: the room's copy (one tensor at a time: 3 B capacity(c + n) d e, when the room or the depth
-          changes), the depth growth's pass over c positions, the chunk's pass (activations, 8 B n J d e
-          gathered, 6 B H n C e scores, 3 * 8 B n J index bytes, logits B n (V + 2 d) e).
+        - "cached" (B, n, context c): D(c + n - 1) layers over the n new positions, attending gathered or banded
+          (:func:`cached_attention_impl`) with J_l as above; plus, when the chunk needs a deeper layer than the rows
+          hold (c >= 1 and D(c - 1) < D(c + n - 1)), each new layer over the c consumed positions with J = 1
+          (every other key is out of range). Bytes: the cache's growth B (cache_nbytes(c + n) - cache_nbytes(c)),
+          plus the largest of: the room's copy (one tensor at a time: 3 B capacity(c + n) d e, when the room or
+          the depth changes), the depth growth's pass over c positions, the chunk's pass (activations, gathered:
+          8 B n J d e keys, 6 B H n C e scores, 3 * 8 B n J index bytes; banded: as "forward" with the prefix
+          of ring keys before the chunk copied twice more; logits B n (V + 2 d) e).
         """
         if path == "forward":
             layers = [length] * adaptive_depth(length - 1, self.config.chunk_size)
@@ -439,12 +635,12 @@ class RegularGPT(SequenceModel):
         last = context + length - 1
         depth = adaptive_depth(last, chunk_size)
         dilations = [chunk_size**layer for layer in range(depth)]
-        flops, nbytes = self._pass_cost(rows, [length] * depth, dilations, "gathered", last=last)
+        flops, nbytes = self._pass_cost(rows, [length] * depth, dilations, "cached", last=last, context=context)
         flops += rows * length * self._head_flops()
         nbytes += self._logits_nbytes(rows, length)
         held = adaptive_depth(context - 1, chunk_size) if context else 0
         if context and held < depth:  # the consumed positions through each new layer, J = 1
-            grow_flops, grow_nbytes = self._pass_cost(rows, [context] * (depth - held), dilations[held:], "gathered")
+            grow_flops, grow_nbytes = self._pass_cost(rows, [context] * (depth - held), dilations[held:], "cached")
             flops += grow_flops
             nbytes = max(nbytes, grow_nbytes + 2 * rows * context * d * item)
         if capacity(context + length) > capacity(context) or held < depth:  # one tensor's copy at a time
@@ -453,26 +649,48 @@ class RegularGPT(SequenceModel):
         return Cost(float(flops), int(nbytes + growth))
 
     def _pass_cost(
-        self, rows: int, positions: list[int], dilations: list[int], impl: str, kept: int = 0, last: int | None = None
+        self,
+        rows: int,
+        positions: list[int],
+        dilations: list[int],
+        impl: str,
+        kept: int = 0,
+        last: int | None = None,
+        context: int = 0,
     ) -> tuple[float, int]:
         """Multiply-adds and peak bytes of thick layers l over ``positions[l]`` positions at ``dilations[l]``,
-        with attention ``impl`` (an attention_impl, resolved per layer, or "gathered": the cached path's), the last
-        query at ``last`` (default positions[l] - 1); ``kept`` layers' outputs stay alive. See :meth:`cost`."""
+        with attention ``impl`` (an attention_impl, resolved per layer, or "cached": a cache's chunk after
+        ``context`` positions, gathered or banded as :func:`cached_attention_impl` says), the last query at ``last``
+        (default positions[l] - 1); ``kept`` layers' outputs stay alive. See :meth:`cost`."""
         config, item = self.config, self.dtype.itemsize
         d, heads, chunk_size = config.d_model, config.n_heads, config.chunk_size
         linear = 4 * d * d + 2 * d * config.d_ff + (d if config.out_of_range == "null" else 0)
         flops, peak = 0.0, 0
         for count, dilation in zip(positions, dilations):
-            chosen = impl if impl == "gathered" else resolve_impl(impl, count)
             slots = reachable_slots(chunk_size, dilation, count - 1 if last is None else last)
-            attention = 2 * count * d if chosen == "reference" else 2 * slots * d
-            flops += rows * count * config.thickness * (linear + attention)
+            prefix = min(slots - 1, -(-context // dilation)) * dilation
+            if impl == "cached":
+                chosen = "gathered" if count == 1 else cached_attention_impl(count, slots, prefix)
+            else:
+                chosen, prefix = resolve_impl(impl, count, slots), 0
             if chosen == "reference":
+                attention = 2 * count * d
                 scratch = 6 * rows * heads * count * count * item + heads * count * count * item
+                scratch += 4 * rows * heads * count * chunk_size * item + 3 * 8 * count * chunk_size  # the C slots
+            elif chosen == "banded":
+                block = banded_block(slots, -(-count // dilation))
+                window, padded = slots - 1 + block, count + block * dilation  # W + P keys per query
+                attention = 2 * window * d
+                copies = (4 if impl == "cached" else 2) * (prefix + padded) * d + 2 * padded * d * window // block
+                scratch = rows * item * (copies + 4 * padded * d + 3 * heads * padded * window)
+                scratch += rows * padded * window * 2 + 8 * (padded // block + 2 * block + 4) * window  # masks, indices
+                scratch += heads * block * window * item  # the band's bias
             else:  # gathered keys and values: the fast op's stacked pair (and a copy), or the cache's chunk,
-                gathered = 3 if chosen == "fast" else 8  # window and selected pairs (and the einsum's copies)
+                attention = 2 * slots * d
+                gathered = 3 if chosen == "fast" else 8  # window and selected pairs (and the products' copies)
                 scratch = gathered * rows * count * slots * d * item + 6 * rows * heads * count * chunk_size * item
                 scratch += 3 * 8 * rows * count * slots
+            flops += rows * count * config.thickness * (linear + attention)
             activations = rows * count * ((12 + kept) * d + 2 * config.d_ff) * item
             peak = max(peak, activations + scratch)
         return flops, peak
@@ -498,36 +716,40 @@ class RegularGPT(SequenceModel):
         if tokens.shape[1] == 0:
             return self._logits(self.embedding(tokens))
         chunk_size, length, start = self.config.chunk_size, tokens.shape[1], cache.lengths
-        self._reserve(cache, length)
-        positions = start[:, None] + torch.arange(length)  # (B, n)
-        position_depths = adaptive_depths(positions, chunk_size)  # (B, n) nondecreasing along n
-        mixed = bool((position_depths[:, 0] < cache.depth).any())  # some outputs are read below the top layer
-        position_depths = position_depths.to(tokens.device)
+        blocks = [CachedBlock.of(block) for block in self.blocks]
+        first_depths = self._reserve(cache, length, blocks)  # each row's depth at its first new position
+        mixed = min(first_depths) < cache.depth  # some outputs are read below the top layer
+        positions = start.to(tokens.device)[:, None] + torch.arange(length, device=tokens.device)  # (B, n)
+        if mixed:
+            position_depths = adaptive_depths(positions, chunk_size)  # (B, n) nondecreasing along n
         x = self.embedding(tokens)  # (B, n, d)
         out = top = x
         allocated = [windows[0].kv.shape[1] for windows in cache.windows]
-        plans = ChunkPlan.build(start, length, chunk_size, allocated, tokens.device)
+        plans = plan_chunk(start, length, chunk_size, allocated, tokens.device)
         for layer, (windows, plan) in enumerate(zip(cache.windows, plans)):
-            x = self._thick_layer(x, chunk_size**layer, windows=windows, plan=plan)  # (B, n, d)
+            x = self._cached_thick_layer(x, chunk_size**layer, windows, plan, blocks)  # (B, n, d)
             if mixed:
                 out = torch.where(position_depths[..., None] == layer + 1, x, out)  # (B, n, d)
                 top = torch.where(position_depths[:, -1:, None] == layer + 1, x, top)  # each row's own top layer
         if not mixed:
             out = top = x
-        rows = torch.arange(cache.batch_size, device=tokens.device)[:, None]  # (B, 1)
-        cache.top_hidden[rows, positions.to(tokens.device)] = top
+        room = cache.top_hidden.shape[1]
+        flat = positions + room * torch.arange(cache.batch_size, device=tokens.device)[:, None]  # (B, n)
+        cache.top_hidden.view(-1, top.shape[-1]).index_copy_(0, flat.flatten(), top.reshape(-1, top.shape[-1]))
         cache.lengths = start + length
         return self._logits(out)
 
-    def _reserve(self, cache: RegularGPTCache, length: int) -> None:
+    def _reserve(self, cache: RegularGPTCache, length: int, blocks: list[CachedBlock]) -> list[int]:
         """Make room for ``length`` more tokens per row, add the thick layers the batch will need and bring every
         row to the depth its last new position needs: row b at depth D_b < D(t_b + n - 1) runs its t_b consumed
         positions (``top_hidden``) through layers D_b, D_b + 1, ...; there every key but a position's own is out of
         range (t_b <= C**D_b), so this is the parallel pass's pointwise continuation, and it fills the row's
-        windows at those layers. Rows that reach a layer together run it as one chunk of context 0."""
+        windows at those layers. Rows that reach a layer together run it as one chunk of context 0. Returns each
+        row's D(t_b), the depth of its first new position."""
         chunk_size, lengths = self.config.chunk_size, cache.lengths.tolist()
         old = [adaptive_depth(t - 1, chunk_size) if t else 0 for t in lengths]
-        new = [adaptive_depth(t + length - 1, chunk_size) for t in lengths]
+        first = [adaptive_depth(t, chunk_size) for t in lengths]
+        new = first if length == 1 else [adaptive_depth(t + length - 1, chunk_size) for t in lengths]
         room = capacity(max(lengths) + length)
         if room != cache.top_hidden.shape[1]:
             cache.top_hidden = _fit(cache.top_hidden, 1, room)
@@ -543,11 +765,12 @@ class RegularGPT(SequenceModel):
                 index = torch.tensor(rows, device=cache.top_hidden.device)  # (R,)
                 allocated = [cache.windows[layer][0].kv.shape[1]]
                 start = torch.zeros(len(rows), dtype=torch.long)  # the consumed positions as one chunk
-                (plan,) = ChunkPlan.build(start, consumed, chunk_size, allocated, index.device, index, layer)
+                (plan,) = plan_chunk(start, consumed, chunk_size, allocated, index.device, index, layer)
                 hidden = cache.top_hidden[index, :consumed]  # (R, t, d) after layer - 1; garbage past each t_b
-                cache.top_hidden[index, :consumed] = self._thick_layer(
-                    hidden, chunk_size**layer, windows=cache.windows[layer], plan=plan
+                cache.top_hidden[index, :consumed] = self._cached_thick_layer(
+                    hidden, chunk_size**layer, cache.windows[layer], plan, blocks
                 )
+        return first
 
     def _new_layer(self, batch_size: int, layer: int, room: int) -> list[KVWindow]:
         """Empty windows of thick layer ``layer``'s K blocks, with room for ``room`` positions."""
@@ -558,18 +781,18 @@ class RegularGPT(SequenceModel):
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, device=self.device, dtype=self.dtype)
 
-    def _thick_layer(
-        self,
-        x: torch.Tensor,
-        dilation: int,
-        key_offset: torch.Tensor | None = None,
-        windows: list[KVWindow] | None = None,
-        plan: ChunkPlan | None = None,
+    def _thick_layer(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
+        """The K blocks in order, all at ``dilation``, over positions 0..T-1. x: (B, T, d) -> (B, T, d)."""
+        for block in self.blocks:
+            x = block(x, dilation=dilation, key_offset=key_offset)
+        return x
+
+    def _cached_thick_layer(
+        self, x: torch.Tensor, dilation: int, windows: list[KVWindow], plan: Plan, blocks: list[CachedBlock]
     ) -> torch.Tensor:
-        """The K blocks in order, all at ``dilation``. x: (B, T, d) -> (B, T, d)."""
-        for k, block in enumerate(self.blocks):
-            window = windows[k] if windows else None
-            x = block(x, dilation=dilation, key_offset=key_offset, window=window, plan=plan)
+        """The K blocks over a chunk of new positions, attending through their windows. x: (B, n, d) -> (B, n, d)."""
+        for block, window in zip(blocks, windows):
+            x = block.forward(x, dilation, window, plan)
         return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

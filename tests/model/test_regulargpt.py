@@ -5,23 +5,48 @@ with out-of-range keys masked and with null keys."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from model import regulargpt
 from model.config import RegularGPTConfig
-from model.regulargpt import RegularGPT, RegularGPTCache, adaptive_depth, capacity
+from model.regulargpt import (
+    BandedPlan,
+    ChunkPlan,
+    RegularGPT,
+    RegularGPTCache,
+    StepPlan,
+    adaptive_depth,
+    capacity,
+    plan_chunk,
+)
 
 VOCAB = 5
 OUT_OF_RANGE = pytest.mark.parametrize("out_of_range", ["mask", "null"])
 
 
+@pytest.fixture(params=["by policy", "all banded"])
+def cached_attention(request, monkeypatch) -> str:
+    """Cached chunks attend as ``cached_attention_impl`` decides (for these tiny models: gathered, and one query
+    per row through StepPlan), or every chunk of two or more positions through attend_banded."""
+    if request.param == "all banded":
+        monkeypatch.setattr(regulargpt, "cached_attention_impl", lambda length, slots, prefix: "banded")
+    return request.param
+
+
 def make(
-    chunk_size: int = 2, thickness: int = 1, impl: str = "auto", num_labels: int = 0, out_of_range: str = "mask"
+    chunk_size: int = 2,
+    thickness: int = 1,
+    impl: str = "auto",
+    num_labels: int = 0,
+    out_of_range: str = "mask",
+    vocab_size: int = VOCAB,
 ) -> RegularGPT:
     config = RegularGPTConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         num_labels=num_labels,
         d_model=8,
         n_heads=2,
@@ -110,7 +135,7 @@ def test_output_at_each_position_is_the_prefix_final_output(out_of_range: str) -
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
 @pytest.mark.parametrize("prefill", [0, 1, 2, 3, 4, 9, 10])
 def test_decoding_across_depth_growth_equals_parallel(
-    chunk_size: int, thickness: int, prefill: int, out_of_range: str
+    chunk_size: int, thickness: int, prefill: int, out_of_range: str, cached_attention: str
 ) -> None:
     model = make(chunk_size, thickness, out_of_range=out_of_range)
     length = chunk_size**3 + 2
@@ -125,7 +150,7 @@ def test_decoding_across_depth_growth_equals_parallel(
     torch.testing.assert_close(torch.cat(prefilled + stepped, dim=1), parallel, rtol=1e-9, atol=1e-9)
 
 
-def test_prefill_into_a_non_empty_cache_continues_it() -> None:
+def test_prefill_into_a_non_empty_cache_continues_it(cached_attention: str) -> None:
     model = make(2)
     tokens = torch.randint(0, VOCAB, (1, 19))
     with torch.no_grad():
@@ -186,7 +211,7 @@ def prefill(model: RegularGPT, tokens: torch.Tensor, chunk: int = 3) -> RegularG
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
 @pytest.mark.parametrize("chunks", [[5, 3, 1, 8, 13, 2], [7, 9, 11, 6], [1, 2, 3, 4, 5, 6, 7], [9, 18, 5], [32]])
 def test_chunked_cached_forward_equals_parallel(
-    chunk_size: int, thickness: int, chunks: list[int], out_of_range: str
+    chunk_size: int, thickness: int, chunks: list[int], out_of_range: str, cached_attention: str
 ) -> None:
     """Chunks of odd lengths, several crossing C**L (4, 8, 16, 32 for C = 2; 3, 9, 27 for C = 3)."""
     model = make(chunk_size, thickness, out_of_range=out_of_range)
@@ -201,12 +226,48 @@ def test_chunked_cached_forward_equals_parallel(
     torch.testing.assert_close(torch.cat(outputs, dim=1), parallel, rtol=1e-9, atol=1e-9)
 
 
+@OUT_OF_RANGE
+def test_a_long_prompt_through_the_cache_attends_banded_and_equals_parallel(out_of_range: str) -> None:
+    """With C = 16 the policy sends a long chunk through attend_banded (the layers reaching J >= 8 keys), a short
+    one through gathered keys and a step through the ring alone; prompts prefilled so, and steps after them, give
+    the parallel pass's logits, rows of different lengths too."""
+    model = make(16, thickness=2, out_of_range=out_of_range)
+    lengths, chunks = [300, 211], [100, 150, 3, 1, 60]
+    tokens = torch.randint(0, VOCAB, (2, max(lengths) + sum(chunks)))
+    kinds = {  # (n, start): per layer; banded once J >= 4 and n J >= max(1024, 2 (prefix + n))
+        (100, 0): [BandedPlan],  # J = 16, no prefix
+        (1, 250): [StepPlan] * 3,
+        (3, 250): [ChunkPlan] * 3,
+        (60, 300): [ChunkPlan] * 3,  # n J = 960
+        (150, 100): [BandedPlan, BandedPlan, ChunkPlan],  # J = 16, 16, 1
+        (200, 300): [BandedPlan, BandedPlan, ChunkPlan],  # J = 16, 16, 2
+    }
+    for (length, start), expected in kinds.items():
+        plans = plan_chunk(torch.tensor([start]), length, 16, [16**3] * len(expected), torch.device("cpu"))
+        assert [type(plan) for plan in plans] == expected, (length, start)
+    with torch.no_grad():
+        parallel = model(tokens)
+        caches = [model.new_cache(1) for _ in lengths]
+        for row, (cache, length) in enumerate(zip(caches, lengths)):
+            row_tokens = tokens[row : row + 1, :length]
+            prefilled = [model(row_tokens[:, first : first + 100], cache=cache) for first in range(0, length, 100)]
+            torch.testing.assert_close(torch.cat(prefilled, dim=1)[0], parallel[row, :length], rtol=1e-9, atol=1e-9)
+        cache, done, rows = RegularGPTCache.stack(caches), 0, torch.arange(2)[:, None]
+        for chunk in chunks:
+            positions = torch.tensor(lengths)[:, None] + done + torch.arange(chunk)  # (B, n)
+            got = model(tokens[rows, positions], cache=cache)  # (B, n, V)
+            torch.testing.assert_close(got, parallel[rows, positions], rtol=1e-9, atol=1e-9)
+            done += chunk
+
+
 MIXED_LENGTHS = {2: [0, 1, 3, 7, 8, 14], 3: [0, 2, 7, 9, 25, 26]}  # depths 0..4 (C = 2) and 0..3 (C = 3)
 
 
 @OUT_OF_RANGE
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
-def test_mixed_length_rows_step_together_as_each_alone(chunk_size: int, thickness: int, out_of_range: str) -> None:
+def test_mixed_length_rows_step_together_as_each_alone(
+    chunk_size: int, thickness: int, out_of_range: str, cached_attention: str
+) -> None:
     """Rows at different lengths and depths, each prefilled alone, stacked into one cache and stepped together:
     every step equals each row stepped alone and the parallel pass, while rows cross C**L (4, 8, 16; 3, 9, 27)."""
     model = make(chunk_size, thickness, out_of_range=out_of_range)
@@ -234,7 +295,7 @@ def test_mixed_length_rows_step_together_as_each_alone(chunk_size: int, thicknes
 @OUT_OF_RANGE
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
 def test_chunks_on_a_stacked_mixed_length_cache_equal_each_row_alone(
-    chunk_size: int, thickness: int, out_of_range: str
+    chunk_size: int, thickness: int, out_of_range: str, cached_attention: str
 ) -> None:
     model = make(chunk_size, thickness, out_of_range=out_of_range)
     lengths, chunks = MIXED_LENGTHS[chunk_size], [5, 1, 3]
@@ -287,7 +348,8 @@ def peak_bytes(call, setup=lambda: None) -> int:
         state = setup()
         torch.empty(mark, dtype=torch.uint8)
         call(state)
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = prof.profiler.kineto_results.events()
+    records = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     total, start, peak = 0, None, 0
     for _, size in records:
         total += size
@@ -320,19 +382,27 @@ def test_a_chunk_after_a_long_context_allocates_o_of_the_chunk() -> None:
     assert model.cost("cached", 1, chunk, 4 * context).nbytes <= 2 * declared
 
 
-@pytest.mark.parametrize(("chunk_size", "impl", "out_of_range"), [(2, "fast", "null"), (3, "reference", "mask")])
+@pytest.mark.parametrize(
+    ("chunk_size", "impl", "out_of_range"),
+    [(2, "fast", "null"), (3, "reference", "mask"), (16, "banded", "mask"), (16, "auto", "null")],
+)
 def test_declared_bytes_bound_what_each_path_allocates(chunk_size: int, impl: str, out_of_range: str) -> None:
-    model = make(chunk_size, thickness=2, impl=impl, out_of_range=out_of_range)
+    """Each path's declared peak bytes bound what it allocates, within a small factor; with C = 16 the parallel
+    passes (auto beyond 64 positions) and the longer cached chunks attend banded."""
+    model = make(chunk_size, thickness=2, impl="auto" if impl == "banded" else impl, out_of_range=out_of_range)
+    for block in model.blocks:
+        block.attention.impl = impl  # "banded" is the op's, not the configuration's: "auto" picks it
     with torch.no_grad():
-        for length in (1, 9, 70):
+        for length in (1, 9, 70, 150):
             tokens = torch.randint(0, VOCAB, (2, length))
             for path, call in (("forward", model), ("final", model.final_logits)):
-                measured = peak_bytes(lambda _: call(tokens))
+                measured = peak_bytes(lambda _, call=call, tokens=tokens: call(tokens))
                 assert measured <= model.cost(path, 2, length).nbytes <= 4 * measured, (path, length)
-        for context, length in ((0, 30), (5, 1), (8, 1), (26, 2), (27, 6), (40, 25)):  # the room or depth grows
+        for context, length in ((0, 30), (5, 1), (8, 1), (26, 2), (27, 6), (40, 25), (40, 120), (250, 130)):
             tokens = torch.randint(0, VOCAB, (2, context + length))
             measured = peak_bytes(
-                lambda cache: model(tokens[:, context:], cache=cache), lambda: prefill(model, tokens[:, :context])
+                lambda cache, chunk=tokens[:, context:]: model(chunk, cache=cache),
+                lambda context_tokens=tokens[:, :context]: prefill(model, context_tokens),
             )
             declared = model.cost("cached", 2, length, context).nbytes
             assert measured <= declared <= 8 * measured + 2**14, (context, length)  # + fixed overheads
@@ -343,16 +413,35 @@ def test_costs_grow_with_length_and_follow_the_attention_impl() -> None:
     for model in (fast, reference):
         for path in ("forward", "final", "cached"):
             flops = [model.cost(path, 3, n, context=10).flops for n in range(1, 130)]
-            assert all(a < b for a, b in zip(flops, flops[1:])), path
+            assert all(a < b for a, b in itertools.pairwise(flops)), path
             assert model.cost(path, 6, 50, context=10).flops == 2 * model.cost(path, 3, 50, context=10).flops
     for n in (256, 1024):  # the reference's T x T scores: 4x the bytes for 2x the length; the fast op's ~2x
         assert reference.cost("forward", 1, 2 * n).nbytes > 3.5 * reference.cost("forward", 1, n).nbytes
         assert fast.cost("forward", 1, 2 * n).nbytes < 2.5 * fast.cost("forward", 1, n).nbytes
         assert reference.cost("cached", 1, 2 * n).nbytes == fast.cost("cached", 1, 2 * n).nbytes  # never T x T
     chunks = [fast.cost("cached", 1, n, context=1000) for n in range(1, 300)]
-    assert all(a.nbytes <= b.nbytes for a, b in zip(chunks, chunks[1:]))
+    assert all(a.nbytes <= b.nbytes for a, b in itertools.pairwise(chunks))
     sizes = [fast.cache_nbytes(n) for n in range(200)]
-    assert all(a <= b for a, b in zip(sizes, sizes[1:]))
+    assert all(a <= b for a, b in itertools.pairwise(sizes))
+
+
+def test_for_serving_stores_a_wide_tied_head_transposed() -> None:
+    """A language model whose vocabulary is wider than d_model gets its tied head stored (d, V) in memory, shape and
+    values unchanged: the parallel pass, the cached prefill and the steps give what they gave before."""
+    model = make(3, thickness=2, vocab_size=40)
+    tokens = torch.randint(0, 40, (2, 20))
+    with torch.no_grad():
+        before = model(tokens)
+        assert model.for_serving() == ["the tied head stored transposed for one-token products (CPU)"]
+        head = model.embedding.embed.weight
+        assert head.shape == (40, 8) and head.stride() == (1, 40)
+        torch.testing.assert_close(model(tokens), before, rtol=1e-12, atol=1e-12)
+        cache = model.new_cache(2)
+        stepped = [model(tokens[:, :10], cache=cache)]
+        stepped += [model.step(tokens[:, t], cache)[:, None] for t in range(10, 20)]
+        torch.testing.assert_close(torch.cat(stepped, dim=1), before, rtol=1e-9, atol=1e-9)
+    assert model.for_serving() == []  # nothing left to switch
+    assert make(3, vocab_size=40, num_labels=3).for_serving() == []  # a transducer's head is not the embedding
 
 
 def test_for_serving_switches_the_reference_attention_to_auto() -> None:
