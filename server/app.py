@@ -88,15 +88,19 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 # --- dependencies -------------------------------------------------------------------------------------
 
 
-def get_engine(request: Request) -> Engine:
+# ``async def``, all of them: FastAPI runs a plain ``def`` dependency in a worker thread, a hand-off that cost more
+# than the rest of a small request (docs/benchmarks.md, "HTTP path per request").
+
+
+async def get_engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def get_serving(request: Request) -> Serving:
+async def get_serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
-def get_completions(request: Request) -> CompletionServing:
+async def get_completions(request: Request) -> CompletionServing:
     return request.app.state.completions
 
 
@@ -105,7 +109,7 @@ ServingDep = Annotated[Serving, Depends(get_serving)]
 CompletionsDep = Annotated[CompletionServing, Depends(get_completions)]
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """``Authorization: Bearer <key>`` when a key is configured; compared in constant time."""
     expected = request.app.state.settings.api_key
     if expected is None:
@@ -172,7 +176,7 @@ def _api_router() -> APIRouter:
         responses=errors(400, 401, 404, 413, 415, 422, 429, 500, 503),
     )
     async def transduce(body: TransduceRequest, request: Request, serving: ServingDep) -> Any:
-        return await _until_disconnected(request, serving.transduce(body, _flow(request)))
+        return _json(await _until_disconnected(request, serving.transduce(body, _flow(request))), exclude_none=True)
 
     @router.post("/generate", response_model=GenerateResponse, responses=GENERATION_RESPONSES)
     async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Any:
@@ -194,10 +198,16 @@ def _api_router() -> APIRouter:
     return router
 
 
+def _json(body: BaseModel, exclude_none: bool = False) -> Response:
+    """The body as JSON, serialized by pydantic once (``response_model`` would validate the returned model again,
+    dump it to Python objects, then have ``json.dumps`` write those); ``response_model`` still documents it."""
+    return Response(body.model_dump_json(exclude_none=exclude_none), media_type="application/json")
+
+
 def _respond(result: BaseModel | AsyncIterator[str]) -> Any:
     """A body, or a Server-Sent Events stream (whose generator is closed if the client leaves)."""
     if isinstance(result, BaseModel):
-        return result
+        return _json(result)
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

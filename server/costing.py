@@ -21,8 +21,10 @@ the caches of running sequences and long transduce jobs, plus the one model call
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ CALIBRATION_FLOPS = 5e7  # the size of the calibration call at load
 CALIBRATION_MAX_LENGTH = 4096
 RATE_SMOOTHING = 0.2  # weight of a new observation in the average seconds per multiply-add
 DEFAULT_MEMORY_FRACTION = 0.5
+COST_CACHE_SIZE = 4096  # call shapes whose cost each model remembers
 
 
 class ModelSpeed:
@@ -95,6 +98,11 @@ class ModelBudget:
     memory_budget: int
     max_job_seconds: float
 
+    def __post_init__(self) -> None:
+        # A call's cost depends on its shape only, and is asked for every input and every batch the scheduler plans
+        # (tens of microseconds a call: the formulas read the model's modules): remembered per shape.
+        self.cost: Callable[..., Cost] = functools.lru_cache(maxsize=COST_CACHE_SIZE)(self.model.cost)
+
     @property
     def slice_flops(self) -> float:
         return self.speed.flops(self.slice_seconds)
@@ -109,7 +117,7 @@ class ModelBudget:
     def transduce_cost(self, length: int, all_outputs: bool) -> tuple[Cost, bool]:
         """The cost of one input and whether it runs in slices: whole in one call (batched with others) when that
         call fits one slice, else through ``run_in_slices``."""
-        whole = self.model.cost("forward" if all_outputs else "final", 1, length)
+        whole = self.cost("forward" if all_outputs else "final", 1, length)
         if self.fits_one_slice(whole):
             return whole, False
         return self.model.slices_cost(length, all_outputs, self.slice_flops), True

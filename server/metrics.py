@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -49,6 +50,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._waiting = 0  # the waiting gauge summed over models: the engine's queue length
         self._in_flight = 0  # admitted and not finished
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
         self._per_model: list[Histogram | Counter | Gauge] = []  # the collectors labelled by model alone
 
@@ -96,6 +98,15 @@ class ServerMetrics:
         self.requests_running = gauge("num_requests_running", "Requests being computed.")
         self.requests_waiting = gauge("num_requests_waiting", "Requests queued, not yet scheduled.")
 
+    def child(self, collector: Histogram | Counter | Gauge, *labels: str) -> Any:
+        """``collector.labels(*labels)``, remembered: prometheus_client checks the labels on every call (a few us,
+        several times per request)."""
+        key = (id(collector), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = collector.labels(*labels)
+        return found
+
     def register_models(self, model_ids: list[str]) -> None:
         """Create every per-model series at 0 (each finish reason of ``request_success`` too)."""
         for collector in self._per_model:
@@ -124,45 +135,45 @@ class ServerMetrics:
             self._waiting += len(requests)
             self._in_flight += len(requests)
         for times in requests:
-            self.requests_waiting.labels(times.model).inc()
+            self.child(self.requests_waiting, times.model).inc()
         return True
 
     def scheduled(self, times: RequestTimes) -> None:
         times.scheduled = time.monotonic()
-        self.queue_time.labels(times.model).observe(times.scheduled - times.arrival)
+        self.child(self.queue_time, times.model).observe(times.scheduled - times.arrival)
         self._leave_queue(times)
-        self.requests_running.labels(times.model).inc()
+        self.child(self.requests_running, times.model).inc()
 
     def _leave_queue(self, times: RequestTimes) -> None:
         with self._lock:
             self._waiting -= 1
-        self.requests_waiting.labels(times.model).dec()
+        self.child(self.requests_waiting, times.model).dec()
 
     def token(self, times: RequestTimes) -> None:
         now = time.monotonic()
         if times.first_token is None:
             times.first_token = now
-            self.time_to_first_token.labels(times.model).observe(now - times.arrival)
+            self.child(self.time_to_first_token, times.model).observe(now - times.arrival)
         else:
-            self.inter_token_latency.labels(times.model).observe(now - times.last_token)
+            self.child(self.inter_token_latency, times.model).observe(now - times.last_token)
         times.last_token = now
         times.generated += 1
-        self.generation_tokens.labels(times.model).inc()
+        self.child(self.generation_tokens, times.model).inc()
 
     def model_executed(self, model: str, seconds: float) -> None:
-        self.model_execute_time.labels(model).observe(seconds)
+        self.child(self.model_execute_time, model).observe(seconds)
 
     def finished(self, times: RequestTimes, reason: str) -> None:
         """Called once per request that was admitted, however it ended (``reason``: stop, length, abort, error)."""
         if times.scheduled is None:
             self._leave_queue(times)
         else:
-            self.requests_running.labels(times.model).dec()
+            self.child(self.requests_running, times.model).dec()
         with self._lock:
             self._in_flight -= 1
         end = time.monotonic()
-        self.e2e_latency.labels(times.model).observe(end - times.arrival)
+        self.child(self.e2e_latency, times.model).observe(end - times.arrival)
         if times.generated > 1:
             tpot = (times.last_token - times.first_token) / (times.generated - 1)
-            self.time_per_output_token.labels(times.model).observe(tpot)
-        self.request_success.labels(times.model, reason).inc()
+            self.child(self.time_per_output_token, times.model).observe(tpot)
+        self.child(self.request_success, times.model, reason).inc()

@@ -8,6 +8,9 @@ do when none loads.
 from __future__ import annotations
 
 import logging
+import re
+import sys
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from server.errors import InvalidInput
 from server.protocol import ModelCard
 
 logger = logging.getLogger(__name__)
+TOKEN_ID_TYPE = "i"  # a transducer input's token ids: array("i"), 4-byte integers (torch.frombuffer: torch.int32)
+NATIVE_UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"  # code points as array("i") holds them
 
 
 @dataclass
@@ -29,7 +34,8 @@ class ServedModel:
     config: CheckpointConfig
     path: Path
     tokenizer: Tokenizer | None = None
-    symbol_ids: dict[str, int] = field(default_factory=dict)
+    symbol_ids: dict[int, str] = field(default_factory=dict)  # a transducer's ord(symbol) -> chr(its token id)
+    outside_alphabet: re.Pattern[str] | None = None  # finds the first character that is not a symbol
     notes: list[str] = field(default_factory=list)  # what ``model.for_serving()`` changed
     budget: ModelBudget | None = None  # set by the engine once the model's speed is measured
     limits: ModelLimits | None = None
@@ -53,16 +59,19 @@ class ServedModel:
             serving_notes=self.notes,
         )
 
-    def encode_symbols(self, text: str, where: str) -> list[int]:
-        """A transducer input -> token ids; a character outside the alphabet is refused by position."""
-        try:
-            return [self.symbol_ids[symbol] for symbol in text]
-        except KeyError:
-            position = next(i for i, symbol in enumerate(text) if symbol not in self.symbol_ids)
+    def encode_symbols(self, text: str, where: str) -> array[int]:
+        """A transducer input -> its token ids; a character outside the alphabet is refused by position. No Python
+        loop over the symbols: a regular expression checks them, ``str.translate`` maps each to the character of
+        its id, and UTF-32 writes those as the 4-byte integers of the array."""
+        outside = self.outside_alphabet.search(text)
+        if outside is not None:
             raise InvalidInput(
-                f"{where}: character {text[position]!r} at position {position} is not in the alphabet "
+                f"{where}: character {outside.group()!r} at position {outside.start()} is not in the alphabet "
                 f"{self.config.alphabet!r} of model {self.id!r}"
-            ) from None
+            )
+        ids = array(TOKEN_ID_TYPE)
+        ids.frombytes(text.translate(self.symbol_ids).encode(NATIVE_UTF32))
+        return ids
 
 
 @dataclass
@@ -99,7 +108,8 @@ def load_served_model(folder: Path, device: str) -> ServedModel:
     config = loaded.config
     served = ServedModel(id=folder.name, model=loaded.model, config=config, path=folder)
     if config.kind == "transduce":
-        served.symbol_ids = {symbol: index for index, symbol in enumerate(config.alphabet)}
+        served.symbol_ids = str.maketrans({symbol: chr(index) for index, symbol in enumerate(config.alphabet)})
+        served.outside_alphabet = re.compile(f"[^{re.escape(config.alphabet)}]")
         return served
     served.tokenizer = load_tokenizer(config.tokenizer, folder)
     if config.model.vocab_size < served.tokenizer.vocab_size:

@@ -190,7 +190,7 @@ class Scheduler:
         return self.settings.batch_wait_ms / 1000
 
     def _short_due(self) -> bool:
-        symbols = sum(len(item.tokens) for item in self.short)
+        symbols = sum(item.length for item in self.short)
         return bool(self.short) and (
             symbols >= self.settings.max_batch_symbols
             or time.monotonic() >= self.first_short_at + self.gather_window()
@@ -244,7 +244,7 @@ class Scheduler:
         batch = [item for item in batch if not item.job.done]
         if not batch:
             return
-        cost = batch_cost(batch[0], len(batch), max(len(item.tokens) for item in batch))
+        cost = batch_cost(batch[0], len(batch), max(item.length for item in batch))
         if not self.memory.fits(cost.nbytes):
             return
         served = batch[0].job.served
@@ -261,10 +261,10 @@ class Scheduler:
                 item.job.fail(ModelFailure(f"the model failed on this batch: {error}"), self.metrics)
             return
         flows: dict[str, float] = {}
-        symbols = sum(len(item.tokens) for item in batch)
+        symbols = sum(item.length for item in batch)
         for item, output in zip(batch, outputs):
-            flows[item.job.flow] = flows.get(item.job.flow, 0.0) + len(item.tokens)
-            item.job.service += seconds * len(item.tokens) / symbols
+            flows[item.job.flow] = flows.get(item.job.flow, 0.0) + item.length
+            item.job.service += seconds * item.length / symbols
             item.job.complete(item.index, output, self.metrics)
         self.fair.charge(flows, seconds)
 
@@ -283,7 +283,7 @@ class Scheduler:
         try:
             seconds, _ = self._timed(served, served.budget.slice_flops, long.advance)
         except Exception as error:
-            logger.exception("a slice of a %d-symbol transduce input failed", len(long.item.tokens))
+            logger.exception("a slice of a %d-symbol transduce input failed", long.item.length)
             job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
             return
         self.fair.charge({job.flow: 1.0}, seconds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,7 +40,7 @@ def budget(model, slice_flops: float = 1e12) -> ModelBudget:
 
 def job(model_id: str, lengths: list[int], all_outputs: bool = False, served=None) -> TransduceJob:
     served = served or SimpleNamespace(id=model_id, model=CountingModel(), budget=budget(CountingModel()))
-    inputs = [[i % 2 for i in range(length)] for length in lengths]
+    inputs = [array("i", [i % 2 for i in range(length)]) for length in lengths]
     return TransduceJob(served, inputs, all_outputs, RequestTimes(model_id), mailbox=None)
 
 
@@ -90,7 +91,7 @@ def test_batched_results_equal_single_inputs(model_id: str, all_outputs: bool, c
     outputs = run_batch(batch)
     with torch.no_grad():
         for item, output in zip(batch, outputs):
-            logits = loaded.model(torch.tensor([item.tokens]))[0]  # (T, L)
+            logits = loaded.model(torch.tensor([item.tokens.tolist()]))[0]  # (T, L)
             probs = logits.softmax(-1)
             assert output.final == int(probs[-1].argmax())
             assert output.confidence == pytest.approx(float(probs[-1].max()), abs=1e-5)
