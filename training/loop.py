@@ -184,7 +184,7 @@ class RunState:
     best_step: int | None = None
     evaluations_since_best: int = 0
     last_evaluation: dict[str, Any] | None = None
-    window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, positions
+    window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # this process's loss sum, correct, positions
     tokens: int = 0  # positions trained on, all processes
     elapsed_s: float = 0.0  # over every part of the run
     log_bytes: int = 0
@@ -424,8 +424,9 @@ def _save_resume(
     objective: Objective, run: RunState, best_state: dict[str, torch.Tensor] | None, settings: TrainSettings,
     model_config: BaseModelConfig, command: str, log: TextIO | None, dist: Distributed,
 ) -> None:
-    """Write ``resume.safetensors`` (rank 0; every process's random streams and data position gathered to it)."""
-    own = {"numpy": rng.bit_generator.state, "torch": torch.get_rng_state().tolist(),
+    """Write ``resume.safetensors`` (rank 0; every process's random streams, data position and log figures since
+    the last record gathered to it)."""
+    own = {"window": run.window, "numpy": rng.bit_generator.state, "torch": torch.get_rng_state().tolist(),
            "cuda": [state.tolist() for state in torch.cuda.get_rng_state_all()] if dist.device.type == "cuda" else [],
            "data": objective.data_state()}
     processes = [json.loads(text) for text in dist.gather(json.dumps(own))]
@@ -506,7 +507,7 @@ def _load_resume(
     if own["cuda"]:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in own["cuda"]])
     objective.load_data_state(own["data"])
-    return RunState(**state["run"]), best or None
+    return RunState(**{**state["run"], "window": own["window"]}), best or None
 
 
 @contextlib.contextmanager

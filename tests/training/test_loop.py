@@ -267,3 +267,22 @@ def test_a_new_run_does_not_overwrite_a_resumable_one(tmp_path: Path, capsys) ->
     assert main(cli_run(tmp_path / "run", 2, "--time-budget", "0.01")) == 0
     assert main(cli_run(tmp_path / "run", 2)) == 2
     assert "pass --overwrite to replace it, or --resume to continue its run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_torchrun_resume_continues_every_process_where_it_stopped(tmp_path: Path) -> None:
+    """Two processes, each with its own data stream: cut after the first step by the time budget (every process
+    stops at the same step), resumed, they end where an uncut two-process run ends."""
+    def torchrun(*arguments: str) -> None:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "training",
+             *arguments], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+            timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    torchrun(*cli_run(tmp_path / "whole", 12, "--device", "cpu"))
+    torchrun(*cli_run(tmp_path / "cut", 12, "--device", "cpu", "--time-budget", "0.001"))
+    assert load_checkpoint(tmp_path / "cut").config.metadata["steps"] < 12
+    torchrun("train", "--resume", "--out", str(tmp_path / "cut"), "--device", "cpu", "--threads", "1")
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    assert log_records(tmp_path / "cut")[-1]["param_sha256"][0] == log_records(tmp_path / "cut")[-1]["param_sha256"][1]
