@@ -393,17 +393,21 @@ def report(plan: Plan, results: dict[Key, list[dict]], large: str = "L", small: 
 
 
 def revision() -> str:
-    """The commit, and the uncommitted files of the models and this benchmark (other work in the checkout) if any."""
+    """The commit, and the uncommitted files of the models and this benchmark (other work in the checkout) if any;
+    "unknown" outside a git checkout (e.g. a ``git archive`` export, which is how to run a fixed commit while others
+    edit the checkout)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True, check=False)
     try:
-        git = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True, check=False)
-        commit = git(["git", "rev-parse", "HEAD"]).stdout
+        commit = git(["git", "rev-parse", "HEAD"])
         paths = ["model", "benchmarks/peers.py", "benchmarks/peer_systems.py"]
         dirty = git(["git", "status", "--porcelain", "--", *paths]).stdout.split("\n")
     except OSError:
         return "unknown"
+    if commit.returncode:
+        return "unknown (not a git checkout)"
     changed = [line[3:] for line in dirty if line.strip()]
-    return commit.strip() + (f" (uncommitted: {', '.join(changed)})" if changed else "")
+    return commit.stdout.strip() + (f" (uncommitted: {', '.join(changed)})" if changed else "")
 
 
 def main(argv: list[str] | None = None) -> None:
