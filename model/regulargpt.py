@@ -107,8 +107,8 @@ class StepPlan:
     row b, at position t_b - j * C**l, from the ring window, except the query's own (j = 0, whose ring slot still
     holds position t_b - ring), which the new key replaces in the gathered copy before the window stores it."""
 
-    ring_index: torch.Tensor  # (B * J,) rows of the flat window, slot 0 that of the new position
-    write_index: torch.Tensor  # (B,) = the slot-0 entries
+    ring_index: torch.Tensor  # (2 * B * H * J,) entries of the flat window, keys then values, slot 0 the new one's
+    write_index: torch.Tensor  # (B * 2 H,) the new position's entries, row by row
     valid: torch.Tensor | None  # (B, 1, 1, J) bool: the key lies at a position >= 0; None when all do
 
 
@@ -125,10 +125,10 @@ class ChunkPlan:
     """
 
     chunk_index: torch.Tensor  # (n * J,) index into the chunk, clamped at 0
-    valid: torch.Tensor  # (B, 1, n, J) bool: the key lies at a position >= 0
-    window_source: torch.Tensor | None  # (B * m,) rows of the flat window holding the m keys before each row's chunk
+    valid: torch.Tensor | None  # (B, 1, n, J) bool: the key lies at a position >= 0; None when all do
+    window_source: torch.Tensor | None  # (B * 2 H * m,) entries of the flat window: the m keys before each chunk
     window_target: torch.Tensor | None  # (m,) their entries in the flat (n * J) slots of a row
-    write_index: torch.Tensor  # (B * w,) rows of the flat window for the chunk's last w = min(n, ring) positions
+    write_index: torch.Tensor  # (B * 2 H * w,) entries of the flat window for the chunk's last w = min(n, ring)
 
 
 @dataclass
@@ -140,26 +140,26 @@ class BandedPlan:
     dilation as attend_banded needs. O(B * (prefix + n) * d_model) copies and O(B * n * (J + P)) scores per block.
     """
 
-    prefix_index: torch.Tensor | None  # (B * prefix,) rows of the flat window, None when prefix = 0
+    prefix_index: torch.Tensor | None  # (B * 2 H * prefix,) entries of the flat window, None when prefix = 0
     first_key: torch.Tensor | None  # (B,) prefix - start[b] where positive: the keys before position 0
-    write_index: torch.Tensor  # (B * w,) as in ChunkPlan
+    write_index: torch.Tensor  # (B * 2 H * w,) as in ChunkPlan
 
 
 Plan = StepPlan | ChunkPlan | BandedPlan
 
 
 def plan_chunk(
-    start: torch.Tensor, length: int, chunk_size: int, allocated: list[int], device: torch.device,
+    start: torch.Tensor, length: int, chunk_size: int, heads: int, allocated: list[int], device: torch.device,
     rows: torch.Tensor | None = None, first_layer: int = 0,
 ) -> list[Plan]:
-    """The plans of thick layers first_layer, first_layer + 1, ... whose windows hold ``allocated`` slots per row
-    (room for every position < start + n): a :class:`StepPlan` each for n = 1 (all layers' indices at once), else
-    gathered or banded as :func:`cached_attention_impl` says for n and the layer's J. start: (B,) int64 on the
-    CPU, each row's first new position; length: n; rows: (B,) the cache rows that the chunk's rows are, or None for
-    all in order."""
+    """The plans of thick layers first_layer, first_layer + 1, ... whose windows (:class:`KVWindow`, ``heads``
+    heads) hold ``allocated`` slots per row (room for every position < start + n): a :class:`StepPlan` each for
+    n = 1 (all layers' indices at once), else gathered or banded as :func:`cached_attention_impl` says for n and
+    the layer's J. start: (B,) int64 on the CPU, each row's first new position; length: n; rows: (B,) the cache
+    rows that the chunk's rows are, or None for all in order."""
     last, latest, batch = int(start.max()) + length - 1, int(start.max()), start.shape[0]
     if length == 1 and rows is None:
-        return _plan_step(start, chunk_size, allocated, device, int(start.min()), latest)
+        return _plan_step(start, chunk_size, heads, allocated, device, int(start.min()), latest)
     has_context = latest > 0
     start_host, start = start, start.to(device)
     rows = torch.arange(batch, device=device) if rows is None else rows.to(device)
@@ -168,14 +168,14 @@ def plan_chunk(
     for layer, slots_per_row in enumerate(allocated, start=first_layer):
         dilation = chunk_size**layer
         ring, slots = (chunk_size - 1) * dilation, reachable_slots(chunk_size, dilation, last)
-        first = (rows * slots_per_row)[:, None]  # (B, 1) each row's first slot in the flat window
-        write_index = (own[:, length - min(length, ring) :] % ring + first).flatten()  # the last w positions
+        first = _first_entries(rows, 2 * heads, slots_per_row)  # (B, 2 H, 1)
+        write_index = (first + own[:, None, length - min(length, ring) :] % ring).flatten()  # the last w positions
         prefix = min(slots - 1, -(-latest // dilation)) * dilation  # the keys before the chunk, for banded
         if cached_attention_impl(length, slots, prefix) == "banded":
             prefix_index = first_key = None
             if prefix:  # key % ring < allocated for every key < start + n
                 key = (start[:, None] - prefix + torch.arange(prefix, device=device)).clamp(min=0)  # (B, prefix)
-                prefix_index = (key % ring + first).flatten()
+                prefix_index = (first + key[:, None] % ring).flatten()
             if int(start_host.min()) < prefix:
                 first_key = (prefix - start_host).clamp(min=0).to(device)
             plans.append(BandedPlan(prefix_index=prefix_index, first_key=first_key, write_index=write_index))
@@ -184,7 +184,7 @@ def plan_chunk(
         window_source = window_target = None
         if has_context and before.numel():  # key % ring < allocated for every key < start + n
             key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
-            window_source, window_target = (key % ring + first).flatten(), before
+            window_source, window_target = (first + key[:, None] % ring).flatten(), before
         all_valid = int(start_host.min()) >= (slots - 1) * dilation  # every slot's key at a position >= 0
         plans.append(ChunkPlan(
             chunk_index=chunk_index,
@@ -196,21 +196,30 @@ def plan_chunk(
     return plans
 
 
+def _first_entries(rows: torch.Tensor, channels: int, slots_per_row: int) -> torch.Tensor:
+    """The first entry of each row's and channel's ring in a flat window (B' * channels * capacity, hd):
+    rows (B,) -> (B, channels, 1)."""
+    channel = torch.arange(channels, device=rows.device)
+    return ((rows[:, None] * channels + channel) * slots_per_row)[:, :, None]
+
+
 def _plan_step(
-    start: torch.Tensor, chunk_size: int, allocated: list[int], device: torch.device, earliest: int, latest: int
+    start: torch.Tensor, chunk_size: int, heads: int, allocated: list[int], device: torch.device, earliest: int,
+    latest: int,
 ) -> list[StepPlan]:
-    """The :class:`StepPlan` of every thick layer, from one (L, B, J_max) index computation. start: (B,) on the
-    CPU; earliest, latest: its smallest and largest values."""
+    """The :class:`StepPlan` of every thick layer, from one (L, 2, B, H, J_max) index computation. start: (B,) on
+    the CPU; earliest, latest: its smallest and largest values."""
     slots = [reachable_slots(chunk_size, chunk_size**layer, latest) for layer in range(len(allocated))]
-    offsets, rings, firsts = _step_tables(chunk_size, tuple(slots), tuple(allocated), start.shape[0], device)
+    offsets, rings, firsts = _step_tables(chunk_size, heads, tuple(slots), tuple(allocated), start.shape[0], device)
     key = start.to(device)[None, :, None] - offsets  # (L, B, J_max) each slot's key position
-    index = key.clamp(min=0).remainder_(rings).add_(firsts)  # (L, B, J_max) its row of the flat window
+    slot = key.clamp(min=0).remainder_(rings)  # (L, B, J_max) its slot in the ring
+    index = firsts + slot[:, None, :, None, :]  # (L, 2, B, H, J_max) its entry in the flat window
     all_valid = [earliest >= (count - 1) * chunk_size**layer for layer, count in enumerate(slots)]
     valid = None if all(all_valid) else key >= 0  # (L, B, J_max)
     return [
         StepPlan(
-            ring_index=index[layer, :, :count].reshape(-1),
-            write_index=index[layer, :, 0],
+            ring_index=index[layer, ..., :count].reshape(-1),
+            write_index=index[layer, ..., 0].transpose(0, 1).reshape(-1),  # (B, 2, H): the new key's layout
             valid=None if all_valid[layer] else valid[layer, :, None, None, :count],
         )
         for layer, count in enumerate(slots)
@@ -219,17 +228,21 @@ def _plan_step(
 
 @functools.lru_cache(maxsize=64)
 def _step_tables(
-    chunk_size: int, slots: tuple[int, ...], allocated: tuple[int, ...], batch: int, device: torch.device
+    chunk_size: int, heads: int, slots: tuple[int, ...], allocated: tuple[int, ...], batch: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For a decode step of B rows through L thick layers reaching J_l slots, with windows of ``allocated`` slots
-    per row: each slot's distance back j * C**l (L, 1, J_max; 0 past J_l), the rings (L, 1, 1) and each row's
-    first entry of the flat window (L, B, 1). The same for every step until the room or the batch changes."""
+    per row: each slot's distance back j * C**l (L, 1, J_max; 0 past J_l), the rings (L, 1, 1) and the first
+    entry of each key and value head's ring in the flat window (L, 2, B, H, 1). The same for every step until the
+    room or the batch changes."""
     with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
         dilations = torch.tensor([chunk_size**layer for layer in range(len(slots))], device=device)[:, None, None]
         j = torch.arange(max(slots), device=device)
         offsets = torch.where(j < torch.tensor(slots, device=device)[:, None, None], j * dilations, 0)
-        firsts = torch.tensor(allocated, device=device)[:, None, None] * torch.arange(batch, device=device)[:, None]
-        return offsets, (chunk_size - 1) * dilations, firsts
+        rows = torch.arange(batch, device=device)
+        firsts = torch.stack([
+            _first_entries(rows, 2 * heads, count).view(batch, 2, heads).transpose(0, 1) for count in allocated
+        ])  # (L, 2, B, H)
+        return offsets, (chunk_size - 1) * dilations, firsts[..., None]
 
 
 @functools.lru_cache(maxsize=64)
@@ -245,58 +258,60 @@ def _relative_keys(length: int, dilation: int, slots: int, device: torch.device)
 
 @dataclass
 class KVWindow:
-    """One block's keys and values at one thick layer l, side by side (keys | values, heads in order): a ring of
-    ``ring`` = (C-1) * C**l positions per row, position p at slot p % ring. Only the first ``capacity`` slots are
-    allocated: min(ring, :func:`capacity` of the longest row), which holds every slot a row's positions occupy."""
+    """One block's keys and values at one thick layer l: per row, 2 H channels (the keys' heads, then the values'),
+    each a ring of ``ring`` = (C-1) * C**l positions, position p at slot p % ring. Only the first ``capacity`` slots
+    are allocated: min(ring, :func:`capacity` of the longest row), which holds every slot a row's positions occupy.
+    Heads are kept apart so that a step's gathered keys are, as they come, the (B H, J, hd) operand of its
+    products (no copy per block)."""
 
     ring: int
-    kv: torch.Tensor  # (B, capacity, 2 * d_model) contiguous
+    kv: torch.Tensor  # (B, 2 H, capacity, hd) contiguous
 
-    def gather(self, plan: ChunkPlan, kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, plan: ChunkPlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's dilated keys and values: kv (B, n, 2 d) of the chunk -> (B, H, n, J, hd) each (the halves
         of one contiguous (B, 2 H, n, J, hd) tensor)."""
-        batch, length, width = kv.shape
-        head_dim = width // (2 * heads)
-        chunk = kv.view(batch, length, 2 * heads, head_dim).transpose(1, 2)  # (B, 2 H, n, hd)
+        (batch, length, _), (_, channels, _, head_dim) = kv.shape, self.kv.shape
+        chunk = kv.view(batch, length, channels, head_dim).transpose(1, 2)  # (B, 2 H, n, hd)
         gathered = chunk.index_select(2, plan.chunk_index)  # (B, 2 H, n * J, hd) in the chunk
         if plan.window_source is not None:  # the keys before the chunk, from the ring
-            ring = self.kv.view(-1, width).index_select(0, plan.window_source)  # (B * m, 2 d)
-            ring = ring.view(batch, -1, 2 * heads, head_dim).transpose(1, 2)  # (B, 2 H, m, hd)
+            ring = self.kv.view(-1, head_dim).index_select(0, plan.window_source).view(batch, channels, -1, head_dim)
             gathered.index_copy_(2, plan.window_target, ring)
-        keys, values = gathered.view(batch, 2 * heads, length, -1, head_dim).split(heads, dim=1)
+        keys, values = gathered.view(batch, channels, length, -1, head_dim).split(channels // 2, dim=1)
         return keys, values
 
-    def gather_step(self, plan: StepPlan, kv: torch.Tensor, heads: int) -> torch.Tensor:
-        """The step's dilated keys and values: kv (B, 2 d) of the new positions -> (B, J, 2 H, hd), each slot's key
-        (first H) and value (last H)."""
-        batch, width = kv.shape
-        gathered = self.kv.view(-1, width).index_select(0, plan.ring_index).view(batch, -1, width)  # (B, J, 2 d)
-        gathered.select(1, 0).copy_(kv)  # slot 0: the new key and value
-        return gathered.view(batch, -1, 2 * heads, width // (2 * heads))
+    def gather_step(self, plan: StepPlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's dilated keys and values: kv (B, 2 d) of the new positions -> (B, H, J, hd) each."""
+        batch, (_, channels, _, head_dim) = kv.shape[0], self.kv.shape
+        gathered = self.kv.view(-1, head_dim).index_select(0, plan.ring_index)  # (2 B H J, hd)
+        gathered = gathered.view(2, batch, channels // 2, -1, head_dim)  # (2, B, H, J, hd)
+        gathered.select(3, 0).copy_(kv.view(batch, 2, channels // 2, head_dim).transpose(0, 1))  # slot 0: the new
+        return gathered[0], gathered[1]
 
-    def prefixed(self, plan: BandedPlan, kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefixed(self, plan: BandedPlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's keys and values after the plan's prefix from the ring: kv (B, n, 2 d) of the chunk ->
         (B, H, prefix + n, hd) each."""
-        batch, _, width = kv.shape
+        batch, (_, channels, _, head_dim) = kv.shape[0], self.kv.shape
+        kv = kv.view(batch, kv.shape[1], channels, head_dim).transpose(1, 2)  # (B, 2 H, n, hd)
         if plan.prefix_index is not None:
-            before = self.kv.view(-1, width).index_select(0, plan.prefix_index).view(batch, -1, width)
-            kv = torch.cat([before, kv], dim=1)  # (B, prefix + n, 2 d)
-        kv = kv.view(batch, kv.shape[1], 2 * heads, -1).transpose(1, 2)  # (B, 2 H, prefix + n, hd)
-        return kv[:, :heads], kv[:, heads:]
+            before = self.kv.view(-1, head_dim).index_select(0, plan.prefix_index).view(batch, channels, -1, head_dim)
+            kv = torch.cat([before, kv], dim=2)  # (B, 2 H, prefix + n, hd)
+        return kv[:, : channels // 2], kv[:, channels // 2 :]
 
-    def write(self, plan: ChunkPlan | BandedPlan, kv: torch.Tensor) -> None:
+    def write(self, plan: Plan, kv: torch.Tensor) -> None:
         """Store the chunk's last positions (at most ``ring``: distinct slots). kv: (B, n, 2 d)."""
-        kept = plan.write_index.shape[0] // kv.shape[0]
-        kv = kv[:, kv.shape[1] - kept :].reshape(-1, kv.shape[-1])  # (B * w, 2 d)
-        self.kv.view(-1, kv.shape[-1]).index_copy_(0, plan.write_index, kv)
+        batch, (_, channels, _, head_dim) = kv.shape[0], self.kv.shape
+        kept = plan.write_index.shape[0] // (batch * channels)
+        kv = kv[:, kv.shape[1] - kept :].reshape(batch, kept, channels, head_dim).transpose(1, 2)  # (B, 2 H, w, hd)
+        self.kv.view(-1, head_dim).index_copy_(0, plan.write_index, kv.reshape(-1, head_dim))
 
     def zeros(self, batch_size: int, room: int) -> KVWindow:
         """An empty window like this one for ``batch_size`` rows, with ``min(ring, room)`` allocated slots."""
-        return KVWindow(self.ring, self.kv.new_zeros(batch_size, min(self.ring, room), self.kv.shape[2]))
+        _, channels, _, head_dim = self.kv.shape
+        return KVWindow(self.ring, self.kv.new_zeros(batch_size, channels, min(self.ring, room), head_dim))
 
     def fit(self, room: int, rows: torch.Tensor | None = None) -> KVWindow:
         """A window with ``min(ring, room)`` allocated slots (itself when unchanged), of ``rows`` only (copies)."""
-        kv = _fit(self.kv, 1, min(self.ring, room))
+        kv = _fit(self.kv, 2, min(self.ring, room))
         if rows is not None:
             kv = kv[rows]
         return KVWindow(self.ring, kv) if kv is not self.kv else self
@@ -454,21 +469,21 @@ class CachedBlock(NamedTuple):
         heads, d_model = self.heads, width // 3
         if isinstance(plan, StepPlan):
             kv = qkv[:, 0, d_model:]  # (B, 2 d)
-            slots = window.gather_step(plan, kv, heads)  # (B, J, 2 H, hd)
+            keys, values = window.gather_step(plan, kv)  # (B, H, J, hd) each
             q = qkv[:, 0, :d_model].view(batch, heads, -1)  # (B, H, hd)
-            out = attend_slots(q, slots, self.relative_bias, plan.valid, self.null_key, self.null_value)
-            window.kv.view(-1, 2 * d_model).index_copy_(0, plan.write_index, kv)  # store the new position
+            out = attend_slots(q, keys, values, self.relative_bias, plan.valid, self.null_key, self.null_value)
+            window.kv.view(-1, d_model // heads).index_copy_(0, plan.write_index, kv.reshape(-1, d_model // heads))
             return out.view(batch, 1, d_model)
         q = qkv[..., :d_model].view(batch, length, heads, -1).transpose(1, 2)  # (B, H, n, hd)
         kv = qkv[..., d_model:]  # (B, n, 2 d)
         if isinstance(plan, BandedPlan):
-            keys, values = window.prefixed(plan, kv, heads)  # (B, H, prefix + n, hd) each
+            keys, values = window.prefixed(plan, kv)  # (B, H, prefix + n, hd) each
             out = attend_banded(
                 q, keys, values, self.relative_bias, self.chunk_size, dilation, plan.first_key,
                 self.null_key, self.null_value,
             )
         else:
-            keys, values = window.gather(plan, kv, heads)  # (B, H, n, J, hd) each
+            keys, values = window.gather(plan, kv)  # (B, H, n, J, hd) each
             out = attend_gathered(q, keys, values, self.relative_bias, plan.valid, self.null_key, self.null_value)
         window.write(plan, kv)
         return out.transpose(1, 2).reshape(batch, length, d_model)
@@ -724,8 +739,8 @@ class RegularGPT(SequenceModel):
             position_depths = adaptive_depths(positions, chunk_size)  # (B, n) nondecreasing along n
         x = self.embedding(tokens)  # (B, n, d)
         out = top = x
-        allocated = [windows[0].kv.shape[1] for windows in cache.windows]
-        plans = plan_chunk(start, length, chunk_size, allocated, tokens.device)
+        allocated = [windows[0].kv.shape[2] for windows in cache.windows]
+        plans = plan_chunk(start, length, chunk_size, self.config.n_heads, allocated, tokens.device)
         for layer, (windows, plan) in enumerate(zip(cache.windows, plans)):
             x = self._cached_thick_layer(x, chunk_size**layer, windows, plan, blocks)  # (B, n, d)
             if mixed:
@@ -746,7 +761,7 @@ class RegularGPT(SequenceModel):
         range (t_b <= C**D_b), so this is the parallel pass's pointwise continuation, and it fills the row's
         windows at those layers. Rows that reach a layer together run it as one chunk of context 0. Returns each
         row's D(t_b), the depth of its first new position."""
-        chunk_size, lengths = self.config.chunk_size, cache.lengths.tolist()
+        chunk_size, heads, lengths = self.config.chunk_size, self.config.n_heads, cache.lengths.tolist()
         old = [adaptive_depth(t - 1, chunk_size) if t else 0 for t in lengths]
         first = [adaptive_depth(t, chunk_size) for t in lengths]
         new = first if length == 1 else [adaptive_depth(t + length - 1, chunk_size) for t in lengths]
@@ -763,9 +778,9 @@ class RegularGPT(SequenceModel):
             if rows:
                 consumed = max(lengths[row] for row in rows)
                 index = torch.tensor(rows, device=cache.top_hidden.device)  # (R,)
-                allocated = [cache.windows[layer][0].kv.shape[1]]
+                allocated = [cache.windows[layer][0].kv.shape[2]]
                 start = torch.zeros(len(rows), dtype=torch.long)  # the consumed positions as one chunk
-                (plan,) = plan_chunk(start, consumed, chunk_size, allocated, index.device, index, layer)
+                (plan,) = plan_chunk(start, consumed, chunk_size, heads, allocated, index.device, index, layer)
                 hidden = cache.top_hidden[index, :consumed]  # (R, t, d) after layer - 1; garbage past each t_b
                 cache.top_hidden[index, :consumed] = self._cached_thick_layer(
                     hidden, chunk_size**layer, cache.windows[layer], plan, blocks
@@ -775,7 +790,8 @@ class RegularGPT(SequenceModel):
     def _new_layer(self, batch_size: int, layer: int, room: int) -> list[KVWindow]:
         """Empty windows of thick layer ``layer``'s K blocks, with room for ``room`` positions."""
         ring = (self.config.chunk_size - 1) * self.config.chunk_size**layer
-        shape = (batch_size, min(ring, room), 2 * self.config.d_model)
+        heads = self.config.n_heads
+        shape = (batch_size, 2 * heads, min(ring, room), self.config.d_model // heads)
         return [KVWindow(ring, self._zeros(shape)) for _ in self.blocks]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:

@@ -253,27 +253,27 @@ def attend_gathered(
 
 def attend_slots(
     q: torch.Tensor,
-    slots: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     relative_bias: torch.Tensor,
     valid: torch.Tensor | None,
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`attend_gathered` for one query per row (a decode step), with the fewest ops: q (B, H, hd); slots
-    (B, J, 2 H, hd), each slot's key (first H) and value (last H), as gathered from a cache; valid: (B, 1, 1, J)
-    bool or None. Returns (B, H, hd)."""
+    """:func:`attend_gathered` for one query per row (a decode step), in the fewest ops: q (B, H, hd); keys,
+    values: (B, H, J, hd) contiguous, as gathered from a cache; valid: (B, 1, 1, J) bool or None. Returns
+    (B, H, hd)."""
     batch, heads, head_dim = q.shape
-    count = slots.shape[1]
-    keys = slots[:, :, :heads].permute(0, 2, 3, 1).reshape(batch * heads, head_dim, count)  # a view when B = 1
-    values = slots[:, :, heads:].transpose(1, 2).reshape(batch * heads, count, head_dim)
-    bias = relative_bias[:, None, :count]  # (H, 1, J)
-    if batch > 1:
-        bias = bias.repeat(batch, 1, 1)  # (B * H, 1, J)
-    scores = torch.baddbmm(bias, q.reshape(batch * heads, 1, head_dim), keys, alpha=1 / math.sqrt(head_dim))
-    scores = scores.view(batch, heads, 1, count)  # (B, H, 1, J)
+    count = keys.shape[2]
+    keys, values = keys.view(batch * heads, count, head_dim), values.view(batch * heads, count, head_dim)
+    q, bias, scale = q.reshape(batch * heads, 1, head_dim), relative_bias[:, None, :count], 1 / math.sqrt(head_dim)
+    if batch == 1:  # the bias (H, 1, J) is the batch's: one fused op
+        scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale).view(1, heads, 1, count)
+    else:
+        scores = torch.add(bias, torch.bmm(q, keys.transpose(1, 2)).view(batch, heads, 1, count), alpha=scale)
     null_scores = None
     if null_key is not None:
-        null_scores = _null_scores(q[:, :, None] / math.sqrt(head_dim), null_key, relative_bias)  # (B, H, 1, C)
+        null_scores = _null_scores(q.view(batch, heads, 1, head_dim) * scale, null_key, relative_bias)  # (B, H, 1, C)
     weights, null_weight = _slot_weights(scores, valid, null_scores)  # (B, H, 1, J), (B, H, 1, 1) or None
     out = torch.bmm(weights.view(batch * heads, 1, count), values).view(batch, heads, head_dim)  # (B, H, hd)
     return out if null_weight is None else out + null_weight[:, :, 0] * null_value

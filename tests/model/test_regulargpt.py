@@ -176,7 +176,8 @@ def test_cache_keeps_only_what_the_dilated_pattern_needs(chunk_size: int, thickn
             for layer, windows in enumerate(cache.windows):
                 assert len(windows) == thickness
                 ring = (chunk_size - 1) * chunk_size**layer  # K and V of the last (C-1) * C**l positions, as reached
-                assert all(window.kv.shape == (1, min(ring, room), 2 * d_model) for window in windows)
+                shape = (1, 2 * model.config.n_heads, min(ring, room), d_model // model.config.n_heads)
+                assert all(window.kv.shape == shape for window in windows)
             assert cache.nbytes == model.cache_nbytes(t + 1)
             assert cache.nbytes <= (2 + 6 * thickness) * (t + 1) * d_model * item  # O(T), not O(C T)
 
@@ -243,7 +244,7 @@ def test_a_long_prompt_through_the_cache_attends_banded_and_equals_parallel(out_
         (200, 300): [BandedPlan, BandedPlan, ChunkPlan],  # J = 16, 16, 2
     }
     for (length, start), expected in kinds.items():
-        plans = plan_chunk(torch.tensor([start]), length, 16, [16**3] * len(expected), torch.device("cpu"))
+        plans = plan_chunk(torch.tensor([start]), length, 16, 2, [16**3] * len(expected), torch.device("cpu"))
         assert [type(plan) for plan in plans] == expected, (length, start)
     with torch.no_grad():
         parallel = model(tokens)
