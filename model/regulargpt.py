@@ -25,12 +25,17 @@ Three exact paths:
 - ``forward(chunk, cache)`` and ``step`` (the chunk of one) through :class:`RegularGPTCache`: each block keeps
   the keys and values of only the last (C-1) * C**l positions its dilated pattern can reach, in a ring buffer,
   plus each row's hidden states at its top thick layer, needed to grow its depth when it reaches C**L. A chunk
-  of n new positions per row runs every thick layer over them at once: the key t - j * C**l of a new position t
-  comes from the chunk itself if it is at or after the row's first new position, else from the ring, else it is
-  out of range (:class:`ChunkPlan`); O(n * J * d) memory per block, J <= C the slots in reach, never T x T and
+  of n new positions per row runs every thick layer over them at once, each layer's keys found as its plan
+  says: a step (n = 1) gathers its J <= C keys from the ring (:class:`StepPlan`; every layer's indices from one
+  computation); a short chunk gathers, for each new position t, the key t - j * C**l from the chunk itself if
+  it is at or after the row's first new position, else from the ring, else it is out of range
+  (:class:`ChunkPlan`, O(n * J * d) memory per block); a long one attends banded over the ring's last
+  (J - 1) * C**l keys and the chunk (:class:`BandedPlan`, ``cached_attention_impl`` decides). Never T x T,
   never O(T) per position. Rows of one batch may hold different lengths and depths: every row runs through all
   of the batch's layers (above a row's own depth that is the pointwise continuation) and is read at its own
   D(t); a row first reaches the depth its chunk needs by running its consumed positions through the new layers.
+  The cached path runs the blocks from their tensors (:class:`CachedBlock`): a decode step is ~15 small ops
+  per block, and module calls would add a quarter to it.
 """
 
 from __future__ import annotations
@@ -397,7 +402,7 @@ class DilatedSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
         """The parallel pass: x (B, T, d_model) holds positions 0..T-1 -> (B, T, d_model), through ``self.impl``.
-        (A cache's chunks go through :meth:`attend_cached`.)"""
+        (A cache's chunks go through :meth:`CachedBlock.attend`.)"""
         q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
         out = dilated_attention(
             q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
@@ -411,7 +416,8 @@ class CachedBlock(NamedTuple):
 
     The computation is the pre-norm Block's, x + attention(ln_1(x)) then x + mlp(ln_2(x)), written with those
     tensors: a decode step is a chain of small ops, and the modules' eleven __call__ and ~35 attribute lookups per
-    block (an nn.Module attribute costs ~1 us, six times a dict's) came to about a quarter of it.
+    block (an nn.Module attribute costs ~1 us here, six times a dict's) came to about a quarter of it. The
+    tensors are read through the modules' own dicts (:func:`_children`), for the same reason.
     """
 
     ln_1: tuple[torch.Tensor, torch.Tensor]  # weight, bias
