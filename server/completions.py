@@ -77,10 +77,11 @@ class CompletionServing:
     async def create(self, body: CompletionRequest, flow: str = "") -> CompletionResponse | AsyncIterator[str]:
         """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts.
         ``flow``: who asks (the scheduler's fairness key)."""
-        served = self.serving.served(body.model, "generate")
+        served = self.serving.generation_model(body)
         limit = self.serving.settings.max_inputs
         if len(body.prompts) * body.n > limit:
             raise InputTooLarge(f"{len(body.prompts)} prompts x n={body.n} choices; the limit is {limit}")
+        constraint = await self.serving.constraint(served, body)
         requests, choices, max_tokens = [], [], self.serving.max_tokens(body)
         for prompt in body.prompts:
             for sample in range(body.n):
@@ -92,6 +93,7 @@ class CompletionServing:
                     seed_offset=sample,
                     logprobs=body.logprobs,
                     prompt_logprobs=body.echo and body.logprobs is not None,
+                    constraint=constraint,
                 )
                 requests.append(request)
                 text = prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)

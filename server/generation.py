@@ -19,12 +19,13 @@ import torch
 
 from model.base import InferenceCache
 from server.detokenize import TextAssembler
-from server.errors import APIError
+from server.errors import APIError, InputTooLarge, ModelFailure
 from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
 from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs
 from server.state_cache import StateCache
+from server.structured import CompiledConstraint, allowed_tokens
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the chosen token's and k alternatives'
     prompt_logprobs: bool = False  # score every prompt token (then the state cache is not used)
+    constraint: CompiledConstraint | None = None  # structured_outputs: what every text must match
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Sequence:
         self.times = RequestTimes(served.id)
         self.generator = request.sampling.generator()
         self.assembler = TextAssembler(served.tokenizer, request.stop)
+        self.constraint = None if request.constraint is None else request.constraint.start()  # its own matcher
         self.cache: InferenceCache | None = None  # its own while prefilling; then a row of its decode batch
         self.next_logits: torch.Tensor | None = None  # (V,) predicting the next token
         self.prefilled = 0
@@ -222,17 +225,47 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     """Sample each sequence's next token from its row of logits (B, V), hand the tokens to the requests,
     and finish the sequences that end."""
     logits = logits.float().cpu()  # (B, V): sampling runs on the CPU with each request's generator
+    allowed = _allowed(sequences, logits.shape[-1], metrics)  # (B, V) bool, or None: every token everywhere
+    if allowed is not None and any(sequence.done for sequence in sequences):
+        live = [row for row, sequence in enumerate(sequences) if not sequence.done]
+        sequences, logits, allowed = [sequences[row] for row in live], logits[live], allowed[live]
+        if not sequences:
+            return
     params = [sequence.request.sampling for sequence in sequences]
     adjusted = penalize(logits, params, sequences)  # (B, V); log-probabilities stay the model's
+    if allowed is not None:
+        adjusted = adjusted.masked_fill(~allowed, float("-inf"))
     tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
     for sequence, token, row_logits in zip(sequences, tokens, logits):
         _append(sequence, token, row_logits, metrics)
+
+
+def _allowed(sequences: list[Sequence], vocabulary: int, metrics: ServerMetrics) -> torch.Tensor | None:
+    """(B, V) bool: the tokens each row may sample next (all of them in a free row); None if no row is constrained.
+    A constrained row that may sample no token of the model ends here: "stop" at a complete match (a model
+    without an end-of-text token), an error if its matcher failed (e.g. one of llguidance's limits per step)."""
+    rows = [row for row, sequence in enumerate(sequences) if sequence.constraint is not None]
+    if not rows:
+        return None
+    allowed = torch.ones((len(sequences), vocabulary), dtype=torch.bool)  # (B, V)
+    allowed[rows] = allowed_tokens([sequences[row].constraint for row in rows], vocabulary)  # (R, V)
+    for row, empty in zip(rows, (~allowed[rows].any(-1)).tolist()):
+        sequence = sequences[row]
+        if sequence.constraint.error is not None:
+            sequence.abort(metrics, InputTooLarge(f"structured_outputs: {sequence.constraint.error}"))
+        elif empty:
+            sequence.finish("stop", metrics)
+    return allowed
 
 
 def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: ServerMetrics) -> None:
     """logits: (V,), from which ``token`` was sampled."""
     sequence.generated.append(token)
     metrics.token(sequence.times)
+    if sequence.constraint is not None and not sequence.constraint.consume(token):
+        error = sequence.constraint.error
+        sequence.abort(metrics, ModelFailure(f"structured_outputs: token {token} was sampled but not allowed: {error}"))
+        return
     if token == sequence.served.tokenizer.eot_token:
         sequence.finish("stop", metrics)
         return
@@ -241,7 +274,7 @@ def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: Serve
         logprob = token_logprobs(logits[None], torch.tensor([token]), sequence.request.logprobs)[0]
     text, stopped = sequence.assembler.push(token)
     sequence.send(TokenGenerated(token, text, logprob))
-    if stopped:
+    if stopped or (sequence.constraint is not None and sequence.constraint.finished):
         sequence.finish("stop", metrics)
     elif len(sequence.generated) >= sequence.request.max_tokens:
         sequence.finish("length", metrics)

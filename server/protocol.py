@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 FinishReason = Literal["stop", "length"]
 SETTING = "x-regularlm-setting"
@@ -126,6 +126,40 @@ class TransduceResponse(BaseModel):
 
 
 MAX_TOKENS_LIMIT = setting_limit(maximum="max_tokens")
+STRUCTURED_LIMIT = setting_limit(maxLength="structured_max_chars")
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of ``regex``, ``choice`` and ``json``. Every returned text matches
+    it unless cut by max_tokens or a stop string (finish_reason "length", or "stop" with a stop string). An invalid
+    pattern or schema is refused (422), one too large or too slow to compile too (413)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["regex"]}, {"required": ["choice"]}, {"required": ["json"]}]}
+    )
+
+    regex: Annotated[str | None, WithJsonSchema({"type": "string", **STRUCTURED_LIMIT})] = Field(
+        None, description="a Python regular expression; each text matches it whole (re.fullmatch)"
+    )
+    choice: Annotated[
+        list[str] | None,
+        WithJsonSchema({"type": "array", "items": {"type": "string", **STRUCTURED_LIMIT}, "minItems": 1}),
+    ] = Field(None, description="each text is one of these strings")
+    json_schema: Annotated[dict[str, Any] | str | None, WithJsonSchema({"type": ["object", "string"]})] = Field(
+        None,
+        alias="json",
+        description="a JSON schema (an object, or one as a JSON string); each text is compact JSON (no whitespace "
+        "outside strings) that validates against it",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("regex", "choice", "json_schema") if name in self.model_fields_set]
+        if len(given) != 1 or getattr(self, given[0]) is None:
+            raise ValueError("give exactly one of regex, choice and json, not null")
+        if self.choice == []:
+            raise ValueError("choice needs at least one string")
+        return self
 
 
 class SamplingFields(RequestModel):
@@ -145,6 +179,9 @@ class SamplingFields(RequestModel):
         None,
         description="token id (a decimal string, as OpenAI's) -> a bias added to its logit",
         json_schema_extra=schema_only(propertyNames={"pattern": TOKEN_ID_PATTERN}),
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: a regex, a choice of strings or a JSON schema every returned text matches"
     )
 
     @property

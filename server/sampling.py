@@ -57,7 +57,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         cdf = filtered_probs(logits[rows], temperature, top_k, top_p).cumsum(-1)  # (R, V)
         uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in rows])  # (R,)
         picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]  # (R,)
-        for row, token in zip(rows, picks.clamp(max=logits.shape[-1] - 1).tolist()):
+        # Rounding may put the draw at the total: take the last token with a probability, never a filtered one.
+        last = (cdf < cdf[:, -1:]).sum(-1)  # (R,) where the cumulative probability reaches its total
+        for row, token in zip(rows, torch.minimum(picks, last).tolist()):
             tokens[row] = token
     return tokens
 

@@ -32,14 +32,17 @@ from server.protocol import (
 )
 from server.sampling import SamplingParams
 from server.settings import Settings
+from server.structured import CompiledConstraint, ConstraintCompiler
 
 SSE_DONE = "data: [DONE]\n\n"
 TOKEN_ID = re.compile(TOKEN_ID_PATTERN)
 
 
 def sse(body: BaseModel | dict) -> str:
-    """One Server-Sent Event carrying a JSON body."""
+    """One Server-Sent Event carrying a JSON body, on one line for any line splitter: the line breaks of Python's
+    str.splitlines (httpx's iter_lines, our client) that JSON leaves unescaped in strings are escaped."""
     payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
+    payload = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
     return f"data: {payload}\n\n"
 
 
@@ -50,6 +53,7 @@ def sse_error(error: APIError) -> str:
 class Serving:
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
+        self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s)
 
     def models(self) -> ModelList:
         self.engine.check_serving()
@@ -113,6 +117,19 @@ class Serving:
 
     # --- generation, shared with /v1/completions ---------------------------------------------------------
 
+    def generation_model(self, body: GenerateRequest | CompletionRequest) -> ServedModel:
+        """The language model asked for (structured_outputs on a transducer: 422, as it has no text to constrain)."""
+        if body.structured_outputs is not None and self.engine.model(body.model).kind != "generate":
+            raise InvalidInput(f"structured_outputs applies to language models; {body.model!r} is a transduce model")
+        return self.served(body.model, "generate")
+
+    async def constraint(self, served: ServedModel, fields: SamplingFields) -> CompiledConstraint | None:
+        """The request's structured_outputs compiled for the model's vocabulary, off the engine thread (None
+        without one); 422 if invalid, 413 over a size or time limit (``server/structured.py``)."""
+        if fields.structured_outputs is None:
+            return None
+        return await self.constraints.compile(fields.structured_outputs, served.tokenizer)
+
     def generation_request(
         self,
         served: ServedModel,
@@ -122,6 +139,7 @@ class Serving:
         seed_offset: int = 0,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        constraint: CompiledConstraint | None = None,
     ) -> GenerationRequest:
         """Validate one prompt (a text, or token ids checked against the vocabulary) and the sampling fields
         against the limits."""
@@ -159,7 +177,9 @@ class Serving:
             fields.repetition_penalty,
             _logit_bias(fields.logit_bias or {}, vocabulary, served.id),
         )
-        return GenerationRequest(tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs)
+        return GenerationRequest(
+            tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs, constraint
+        )
 
     def max_tokens(self, body: GenerateRequest | CompletionRequest) -> int:
         """max_tokens as asked; null: the server's limit; left out: the field's default, or the limit if lower
@@ -172,10 +192,10 @@ class Serving:
 
     async def generate(self, body: GenerateRequest, flow: str = "") -> GenerateResponse | AsyncIterator[str]:
         """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts."""
-        served = self.served(body.model, "generate")
-        handle = self.engine.submit_generation(
-            served, [self.generation_request(served, body.prompt, body, self.max_tokens(body))], flow
-        )
+        served = self.generation_model(body)
+        constraint = await self.constraint(served, body)
+        request = self.generation_request(served, body.prompt, body, self.max_tokens(body), constraint=constraint)
+        handle = self.engine.submit_generation(served, [request], flow)
         if body.stream:
             return self._generate_events(body.model, handle)
         text, finished = [], None

@@ -50,6 +50,14 @@ class Settings(BaseSettings):
         "memory available after loading, less state_cache_bytes"
     )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of a 429 or 503")
+    structured_max_chars: int = Field(
+        65_536, gt=0, description="characters of a structured_outputs regex, of its choices together, or of its JSON "
+        "schema as JSON text; more is refused (413)"
+    )
+    structured_compile_timeout_s: float = Field(
+        5.0, gt=0, description="the longest a structured_outputs constraint may take to compile (off the engine "
+        "thread); longer is refused (413)"
+    )
 
     state_cache_entries: int = Field(64, ge=0, description="prompt-state snapshots kept (LRU); 0 turns it off")
     state_cache_bytes: int = Field(256 * 2**20, ge=0, description="bytes the snapshots may hold together")

@@ -38,7 +38,7 @@ MAX_SUBSETS = 1 << 16  # DFA states before minimising
 
 _SINGLE_CHARACTER = {regex_constants.LITERAL, regex_constants.NOT_LITERAL, regex_constants.ANY, regex_constants.IN}
 _REPEATS = {regex_constants.MAX_REPEAT, regex_constants.MIN_REPEAT}
-_REFUSED = {
+REFUSED_CONSTRUCTS = {  # what a pattern may not hold, and why (server/structured_regex.py refuses them too)
     "AT": "anchors and word boundaries (^, $, \\A, \\Z, \\b, \\B; a pattern is matched whole anyway)",
     "GROUPREF": "back-references (not regular)",
     "GROUPREF_EXISTS": "conditional groups (not regular in general)",
@@ -118,7 +118,7 @@ class _NFA:
             return start, end
         if op in _REPEATS:
             return self._repeat(*argument)
-        reason = _REFUSED.get(str(op), f"the construct {op}")
+        reason = REFUSED_CONSTRUCTS.get(str(op), f"the construct {op}")
         raise AutomatonError(f"regular expression {self.pattern!r}: {reason} cannot be compiled into an automaton")
 
     def _repeat(self, least: int, most: int, body) -> tuple[int, int]:
