@@ -1,0 +1,218 @@
+"""Issue 18 point 2: the LRNN decode step at size L against its two floors, full against low-rank generator.
+
+Size L: d_model 512, 8 layers of 64 blocks of 8 (state 512), d_ff 2048, vocabulary 8192 (a language model, its
+head tied to the embedding). For the full transition generator and each ``--ranks`` r, one decode step of the
+whole model (``model.step``, no grad, fp32, random weights) is timed at each batch size, as built and after
+``model.for_serving()`` (what the server runs), and set against two floors measured in the same run:
+
+- bandwidth floor (batch 1): the weight bytes (every parameter once, fp32) / the copy bandwidth, the bytes per
+  second that ``copy_`` of a 256 MiB tensor moves, read and write (as STREAM and benchmarks/peers.py count; counted
+  as bytes read, the floor doubles);
+- FLOP floor (batch 32): 2 x parameters x batch FLOPs / the rate of one 2048 x 2048 x 2048 fp32 matmul.
+
+Times are the CPU time of the calling thread (``time.thread_time``; torch runs on that one thread), not wall time:
+on a 2-core machine that other jobs share, a process waits for a core for a large and varying part of the wall
+time, which CPU time leaves out (what other jobs do to the memory bandwidth stays in). Efficiency = floor / step
+time (100% = at the floor). In each of ``--repeats`` rounds the floors and every model are measured back to back
+(``--steps`` steps each, their mean), and the efficiency is taken within the round; the tables show medians over
+rounds and the spread. A model's prefill of 256 tokens (one parallel pass) is timed too, to show what
+``for_serving``'s weight layout does to the parallel pass.
+
+``--layouts`` measures instead how fast a one-token product (``F.linear`` of a (1, in) row) reads each weight
+shape of the size-L step, stored (out, in) as ``nn.Linear`` stores it and (in, out) as ``for_serving`` stores the
+wide ones, beside a copy and a sum of 256 MiB (GB/s read; 64 MiB of copies of each weight cycled, so none is in a
+cache; thread CPU time, median of the rounds).
+
+    python -m benchmarks.bench_lrnn_step [--ranks 32,64,128] [--batches 1,32] [--threads 1] [--repeats 5]
+        [--steps 10] [--layouts]
+
+On a CPU that other processes share, use --threads 1 (benchmarks/bench_decode.py says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.isolated import banner
+from model.base import parameter_count
+from model.config import LRNNConfig
+from model.lrnn import BlockDiagonalLRNN
+
+SIZE_L = {"vocab_size": 8192, "d_model": 512, "n_layers": 8, "num_blocks": 64, "block_size": 8, "d_ff": 2048}
+COPY_ELEMENTS, MATMUL_SIZE, PREFILL = 64 * 2**20, 2048, 256
+WEIGHT_SHAPES = {  # (out, in) of the size-L step's matrices
+    "g (full generator)": (4096, 512),
+    "g and B side by side": (4608, 512),
+    "B, readout (square)": (512, 512),
+    "MLP first layer": (2048, 512),
+    "MLP second layer": (512, 2048),
+    "tied head": (8192, 512),
+    "rank-64 V": (4096, 64),
+    "rank-64 [U; B]": (576, 512),
+}
+CYCLED_BYTES = 64 * 2**20
+
+
+def seconds(call: Callable[[], object], runs: int) -> float:
+    """Mean CPU seconds of this thread over ``runs`` calls, after one untimed call."""
+    call()
+    start = time.thread_time()
+    for _ in range(runs):
+        call()
+    return (time.thread_time() - start) / runs
+
+
+def floors_once() -> dict[str, float]:
+    """The copy bandwidth (bytes moved per second, read and write) and the matmul rate (FLOP/s), one each."""
+    source = torch.randn(COPY_ELEMENTS)
+    target = torch.empty_like(source)
+    a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    return {
+        "copy_bytes_per_s": 2 * source.numel() * source.element_size() / seconds(lambda: target.copy_(source), 5),
+        "matmul_flops_per_s": 2 * MATMUL_SIZE**3 / seconds(lambda: a @ b, 3),
+    }
+
+
+def models(ranks: list[int]) -> dict[str, BlockDiagonalLRNN]:
+    """Size L with each generator, as built ("name") and after ``for_serving`` ("name, served")."""
+    built = {}
+    for rank in [None, *ranks]:
+        torch.manual_seed(0)
+        name = "full" if rank is None else f"rank {rank}"
+        # the full generator without naming the field, so that --ranks "" also runs on a checkout from before it
+        config = LRNNConfig(**SIZE_L) if rank is None else LRNNConfig(**SIZE_L, transition_rank=rank)
+        built[name] = BlockDiagonalLRNN(config).eval()
+        served = copy.deepcopy(built[name])
+        served.for_serving()
+        built[f"{name}, served"] = served
+    return built
+
+
+def step_seconds(model: BlockDiagonalLRNN, batch: int, steps: int) -> float:
+    cache = model.new_cache(batch)
+    tokens = torch.randint(0, model.config.vocab_size, (batch,))
+    return seconds(lambda: model.step(tokens, cache), steps)
+
+
+def prefill_seconds(model: BlockDiagonalLRNN) -> float:
+    tokens = torch.randint(0, model.config.vocab_size, (1, PREFILL))
+    return seconds(lambda: model(tokens, cache=model.new_cache(1)), 1)
+
+
+def read_rate(weights: list[torch.Tensor]) -> float:
+    """Bytes per second that one-token products read, one weight after the other, each three times round."""
+    row = torch.randn(1, weights[0].shape[1])  # (1, in)
+    order = iter(weights * 4)
+
+    def product() -> torch.Tensor:
+        return torch.nn.functional.linear(row, next(order))  # (1, out)
+
+    return weights[0].numel() * 4 / seconds(product, 3 * len(weights))
+
+
+def layouts(repeats: int) -> str:
+    """The ``--layouts`` table: GB/s read by a one-token product per weight shape and layout."""
+    rates: dict[tuple[str, str], list[float]] = {}
+    source = torch.randn(COPY_ELEMENTS)
+    target = torch.empty_like(source)
+    for _ in range(repeats):
+        rates.setdefault(("copy of 256 MiB", "read"), []).append(
+            source.numel() * 4 / seconds(lambda: target.copy_(source), 3)
+        )
+        rates.setdefault(("sum of 256 MiB", "read"), []).append(source.numel() * 4 / seconds(source.sum, 3))
+        for name, (rows, columns) in WEIGHT_SHAPES.items():
+            count = max(4, CYCLED_BYTES // (rows * columns * 4))
+            stored = [torch.randn(rows, columns) for _ in range(count)]  # (out, in), as nn.Linear holds them
+            for layout, weights in (("(out, in)", stored), ("(in, out)", [w.t().contiguous().t() for w in stored])):
+                rates.setdefault((name, layout), []).append(read_rate(weights))
+    lines = ["| weight | (out, in) | layout | GB/s read |", "|---|---|---|---:|"]
+    for (name, layout), values in rates.items():
+        shape = WEIGHT_SHAPES.get(name, "")
+        lines.append(f"| {name} | {shape} | {layout} | {statistics.median(values) / 1e9:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="32,64,128", help="low ranks to compare with the full generator")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--layouts", action="store_true", help="one-token product read rates by weight layout")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.layouts:
+        print(banner(torch.device("cpu"), args.threads))
+        with torch.no_grad():
+            print(layouts(args.repeats))
+        return
+    ranks = [int(rank) for rank in args.ranks.split(",") if rank]
+    batches = [int(batch) for batch in args.batches.split(",")]
+    built = models(ranks)
+    rounds: list[dict] = []
+    with torch.no_grad():
+        for _ in range(args.repeats):
+            cells = floors_once()
+            for name, model in built.items():
+                for batch in batches:
+                    cells[name, batch] = step_seconds(model, batch, args.steps)
+                cells[name, "prefill"] = prefill_seconds(model)
+            rounds.append(cells)
+
+    print(banner(torch.device("cpu"), args.threads))
+    print(report(built, batches, rounds, args.steps))
+
+
+def floor_seconds(parameters: int, batch: int, cells: dict) -> float:
+    """The floor of one step in one round: weight bytes / copy bandwidth at batch 1, else 2 P B / matmul rate."""
+    if batch == 1:
+        return parameters * 4 / cells["copy_bytes_per_s"]
+    return 2 * parameters * batch / cells["matmul_flops_per_s"]
+
+
+def report(built: dict[str, BlockDiagonalLRNN], batches: list[int], rounds: list[dict], steps: int) -> str:
+    """The Markdown tables: medians over rounds, spreads as min-max."""
+
+    def summary(values: list[float], scale: float, digits: int) -> tuple[str, str]:
+        scaled = [value * scale for value in values]
+        return f"{statistics.median(scaled):.{digits}f}", f"{min(scaled):.{digits}f}-{max(scaled):.{digits}f}"
+
+    bandwidth = summary([cells["copy_bytes_per_s"] for cells in rounds], 1e-9, 1)
+    rate = summary([cells["matmul_flops_per_s"] for cells in rounds], 1e-9, 1)
+    heading = (
+        f"size L {SIZE_L}; {len(rounds)} rounds of {steps} steps; thread CPU time; copy bandwidth {bandwidth[0]} GB/s "
+        f"read + write ({bandwidth[1]}), matmul {rate[0]} GFLOP/s ({rate[1]})"
+    )
+    lines = [
+        heading,
+        "",
+        "| generator | parameters | batch | step (ms) | spread (ms) | floor (ms) | of the floor (spread) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, model in built.items():
+        parameters = parameter_count(model)
+        for batch in batches:
+            step = summary([cells[name, batch] for cells in rounds], 1e3, 2)
+            floors = [floor_seconds(parameters, batch, cells) for cells in rounds]
+            share = summary([floor / cells[name, batch] for floor, cells in zip(floors, rounds, strict=True)], 100, 0)
+            kind = "bandwidth" if batch == 1 else "FLOP"
+            lines.append(
+                f"| {name} | {parameters / 1e6:.1f} M | {batch} | {step[0]} | {step[1]} "
+                f"| {statistics.median(floors) * 1e3:.2f} ({kind}) | {share[0]}% ({share[1]}) |"
+            )
+    lines += ["", f"| generator | prefill of {PREFILL} tokens (ms) | spread (ms) |", "|---|---:|---:|"]
+    for name in built:
+        prefill = summary([cells[name, "prefill"] for cells in rounds], 1e3, 1)
+        lines.append(f"| {name} | {prefill[0]} | {prefill[1]} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
