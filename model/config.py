@@ -110,11 +110,12 @@ class LRNNConfig(BaseModelConfig):
 
     ``transition_rank``: the generator g of the transitions, A(u) = constraint(g(u)). None (default, the paper's):
     g is one linear map d_model -> H b^2, d_model H b^2 weights per layer (2.1 M of a d_model = 512, H = 64, b = 8
-    layer's 4.7 M). An integer r: g(u) = V (U u) + c factors through r dimensions, U: d_model -> r made in one
-    product with the input map B, V: r -> H b^2, so r (d_model + H b^2) weights; r must be below
-    min(d_model, H b^2), where the factorisation saves nothing. The norm constraint is the same either way. On a
-    transducer whose V input symbols reach the layer as V distinct vectors, g takes at most V values, which span
-    an affine space of dimension V - 1: a rank of V - 1 then loses nothing (docs/results.md measures training).
+    layer's 4.7 M). An integer r: g(u) = V (s U u) + c factors through r dimensions, U: d_model -> r made in one
+    product with the input map B, s = d_model / r a fixed multiplier (model/lrnn.py says why), V: r -> H b^2, so
+    r (d_model + H b^2) weights; r must be below min(d_model, H b^2), where the factorisation saves nothing. The
+    norm constraint is the same either way. On a transducer whose V input symbols reach the layer as V distinct
+    vectors, g takes at most V values, which span an affine space of dimension V - 1: a rank of V - 1 then loses
+    nothing it could represent (docs/results.md measures training).
 
     ``scan_impl``: "sequential" (the reference loop), "parallel" (log-depth scan), "chunked" (sequential
     inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy documented in

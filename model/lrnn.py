@@ -5,7 +5,7 @@ Token embedding -> ``n_layers`` recurrent blocks -> LayerNorm -> head. A block i
     u_k = LN(x_k)
     h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)) (then spectral_norm_constraint
                                         for transition_norm "spectral"), block-diagonal, H blocks of b x b;
-                                        g linear (the paper), or V U u + c of rank transition_rank
+                                        g linear (the paper), or V (s U u) + c of rank transition_rank
     x_k = x_k + out_proj(h_k)           y_k = h(x_k) of the paper
     x_k = x_k + MLP(LN(x_k))
 
@@ -110,7 +110,7 @@ class BlockDiagonalRecurrence(Recurrence):
 
     Parameters, with ``transition_rank`` None: ``transition`` (g: d_model -> H b^2) and ``input_proj`` (B), as in
     the paper. With a rank r: ``in_proj`` (d_model -> r + H b, [U; B]: the code U u and B u from one product) and
-    ``transition`` (V: r -> H b^2, g(u) = V U u + c).
+    ``transition`` (V: r -> H b^2, g(u) = V (code_scale U u) + c, code_scale = d_model / r fixed).
     """
 
     def __init__(self, config: LRNNConfig) -> None:
@@ -131,19 +131,21 @@ class BlockDiagonalRecurrence(Recurrence):
         # (~10x the input scale) and gradients fade smoothly over ~10 steps instead of exploding or dying at
         # once. A column's 1.2-norm (0.9 on the diagonal, ~0.02 elsewhere) starts near 0.94 (b = 8), so the
         # norm constraint is all but inactive and learning, not the clamp, moves A towards what a task needs.
-        # With a rank r, g(u) starts with the same ~0.02 spread, and one Adam step (every weight moved by about
-        # the learning rate lr) moves it as far: U u has entries of spread code_scale = d_model / r (U ~ N(0,
-        # code_scale^2 / d_model), no bias: c is V's) and V ~ N(0, (0.02 / code_scale)^2 / r), so a step on V
-        # moves g(u) by ~lr sum |U u|, as a step on the full generator's weights does by ~lr sum |u|. With codes of
-        # unit spread g(u) moved several times slower, and sum_mod5 at rank 4 fitted its training lengths but was
-        # at chance past them after 1,500 steps, where this start reached 100% by step 1,000 (docs/results.md).
+        # With a rank r, g(u) = V (code_scale U u) + c: U ~ N(0, 1 / d_model) (U u of unit spread; no bias, c is
+        # V's), the fixed code_scale = d_model / r, V ~ N(0, (0.02 / code_scale)^2 / r), so g(u) starts with the
+        # same ~0.02 spread. Adam moves every weight by about the learning rate lr per step: a step on V then moves
+        # g(u) by ~lr sum |code|, as a step on the full generator's weights moves it by ~lr sum |u|, and a step on
+        # U moves the code as far, relative to its spread, as with codes of unit spread. Both matter (single runs,
+        # docs/results.md): with code_scale 1, sum_mod5 at rank 4 fitted its training lengths but was at chance
+        # past them after 1,500 steps; with the scale in U's initial spread instead of a multiplier, parity_check
+        # at rank 1 stayed at chance for 2,250 steps; with the multiplier both were at 100% by step 500.
         identity = torch.eye(config.block_size).expand(config.num_blocks, -1, -1)  # (H, b, b)
         with torch.no_grad():
             self.transition.bias.copy_(0.9 * identity.flatten())
-        code_scale = 1.0 if self.rank is None else config.d_model / self.rank
-        nn.init.normal_(self.transition.weight, std=0.02 / code_scale / self.transition.in_features**0.5)
+        self.code_scale = 1.0 if self.rank is None else config.d_model / self.rank
+        nn.init.normal_(self.transition.weight, std=0.02 / self.code_scale / self.transition.in_features**0.5)
         if self.rank is not None:
-            nn.init.normal_(self.in_proj.weight[: self.rank], std=code_scale / config.d_model**0.5)
+            nn.init.normal_(self.in_proj.weight[: self.rank], std=config.d_model**-0.5)
             nn.init.zeros_(self.in_proj.bias[: self.rank])
 
     def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +208,7 @@ class BlockDiagonalRecurrence(Recurrence):
             generated, inputs = self.transition(u), self.input_proj(u)  # (..., H b^2), (..., H b)
         else:
             code, inputs = self.in_proj(u).split([self.rank, self.input_size], dim=-1)  # (..., r), (..., H b)
-            generated = self.transition(code)  # (..., H b^2)
+            generated = self.transition(code * self.code_scale)  # (..., H b^2)
         return generated.unflatten(-1, (*self.state_shape, self.block_size)), inputs.unflatten(-1, self.state_shape)
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def test_the_full_generator_keeps_the_papers_parameters_and_arithmetic() -> None
     assert torch.equal(inputs, expected_inputs.unflatten(-1, (heads, block)))
 
 
-def test_a_low_rank_generator_is_v_u_plus_c_and_shares_one_product_with_the_input_map() -> None:
+def test_a_low_rank_generator_is_v_scaled_u_plus_c_and_shares_one_product_with_the_input_map() -> None:
     config = tiny_configs(VOCAB, LABELS)["lrnn-rank3"]
     recurrence = make("lrnn-rank3").blocks[0].recurrence
     rank, d_model, heads, block = 3, config.d_model, config.num_blocks, config.block_size
@@ -158,7 +158,8 @@ def test_a_low_rank_generator_is_v_u_plus_c_and_shares_one_product_with_the_inpu
     u = torch.randn(2, 9, d_model, dtype=torch.float64)
     code_map, input_map = recurrence.in_proj.weight.split([rank, heads * block])
     code_bias, input_bias = recurrence.in_proj.bias.split([rank, heads * block])
-    raw = F.linear(F.linear(u, code_map, code_bias), recurrence.transition.weight, recurrence.transition.bias)
+    code = F.linear(u, code_map, code_bias) * d_model / rank  # code_scale U u
+    raw = F.linear(code, recurrence.transition.weight, recurrence.transition.bias)
     transitions, inputs = recurrence.coefficients(u)
     expected = column_norm_constraint(raw.unflatten(-1, (heads, block, block)), config.p_norm)
     torch.testing.assert_close(transitions, expected, rtol=1e-12, atol=1e-12)
