@@ -108,6 +108,7 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)  # (R, V) each
         drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before it already reached top_p
+        drop_sorted[:, 0] = False  # the most likely token stays: a top_p below float32's range (5e-324) compares as 0
         probs = probs.masked_fill(torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted), 0.0)
     return probs
 

@@ -21,6 +21,7 @@ def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
     assert set(draws(SamplingParams(temperature=0.0), 5)) == {1}
     assert set(draws(SamplingParams(top_k=1, seed=3))) == {1}
     assert set(draws(SamplingParams(top_p=0.01, seed=3))) == {1}
+    assert set(draws(SamplingParams(top_p=5e-324, seed=3))) == {1}  # 0 as float32: it dropped every token, took 0
 
 
 def test_filters_keep_the_right_tokens() -> None:
