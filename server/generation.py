@@ -25,7 +25,7 @@ from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
 from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs
 from server.state_cache import StateCache
-from server.structured import CompiledConstraint, allowed_tokens
+from server.structured import CompiledConstraint, token_bias
 
 
 @dataclass(frozen=True)
@@ -225,37 +225,41 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     """Sample each sequence's next token from its row of logits (B, V), hand the tokens to the requests,
     and finish the sequences that end."""
     logits = logits.float().cpu()  # (B, V): sampling runs on the CPU with each request's generator
-    allowed = _allowed(sequences, logits.shape[-1], metrics)  # (B, V) bool, or None: every token everywhere
-    if allowed is not None and any(sequence.done for sequence in sequences):
-        live = [row for row, sequence in enumerate(sequences) if not sequence.done]
-        sequences, logits, allowed = [sequences[row] for row in live], logits[live], allowed[live]
-        if not sequences:
-            return
+    sequences, logits, masked = _constrain(sequences, logits, metrics)  # (B', V) each
+    if not sequences:
+        return
     params = [sequence.request.sampling for sequence in sequences]
-    adjusted = penalize(logits, params, sequences)  # (B, V); log-probabilities stay the model's
-    if allowed is not None:
-        adjusted = adjusted.masked_fill(~allowed, float("-inf"))
+    adjusted = penalize(masked, params, sequences)  # (B', V); log-probabilities stay the model's
     tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
     for sequence, token, row_logits in zip(sequences, tokens, logits):
         _append(sequence, token, row_logits, metrics)
 
 
-def _allowed(sequences: list[Sequence], vocabulary: int, metrics: ServerMetrics) -> torch.Tensor | None:
-    """(B, V) bool: the tokens each row may sample next (all of them in a free row); None if no row is constrained.
-    A constrained row that may sample no token of the model ends here: "stop" at a complete match (a model
-    without an end-of-text token), an error if its matcher failed (e.g. one of llguidance's limits per step)."""
+def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics
+               ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The structured outputs' masks: (the sequences that go on, their logits, the logits to sample from: -inf
+    where a constraint forbids the token). Penalties after the masks keep -inf at -inf. A constrained row that may
+    sample no token of the model ends here: "stop" at a complete match (a model without an end-of-text token), an
+    error if its matcher failed (e.g. one of llguidance's limits per step). logits: (B, V)."""
     rows = [row for row, sequence in enumerate(sequences) if sequence.constraint is not None]
     if not rows:
-        return None
-    allowed = torch.ones((len(sequences), vocabulary), dtype=torch.bool)  # (B, V)
-    allowed[rows] = allowed_tokens([sequences[row].constraint for row in rows], vocabulary)  # (R, V)
-    for row, empty in zip(rows, (~allowed[rows].any(-1)).tolist()):
+        return sequences, logits, logits
+    bias, any_allowed = token_bias([sequences[row].constraint for row in rows], logits.shape[-1])  # (R, V), (R,)
+    if len(rows) == len(sequences):
+        masked = logits + bias  # (B, V)
+    else:
+        masked = logits.clone()  # (B, V)
+        masked[rows] += bias
+    for row, allowed in zip(rows, any_allowed):
         sequence = sequences[row]
         if sequence.constraint.error is not None:
             sequence.abort(metrics, InputTooLarge(f"structured_outputs: {sequence.constraint.error}"))
-        elif empty:
+        elif not allowed:
             sequence.finish("stop", metrics)
-    return allowed
+    live = [row for row, sequence in enumerate(sequences) if not sequence.done]
+    if len(live) < len(sequences):
+        return [sequences[row] for row in live], logits[live], masked[live]
+    return sequences, logits, masked
 
 
 def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: ServerMetrics) -> None:

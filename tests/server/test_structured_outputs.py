@@ -223,15 +223,15 @@ def test_a_slow_compile_is_refused_and_does_not_hold_the_engine(models_dir) -> N
 
 def test_constrained_and_free_sequences_share_decode_steps(client, monkeypatch) -> None:
     steps: list[tuple[int, int]] = []  # (rows, constrained rows) of each sampling call with a constrained row
-    original = server.generation._allowed
+    original = server.generation._constrain
 
-    def recording(sequences, vocabulary, metrics):
+    def recording(sequences, logits, metrics):
         steps.append((len(sequences), sum(sequence.constraint is not None for sequence in sequences)))
-        return original(sequences, vocabulary, metrics)
+        return original(sequences, logits, metrics)
 
     free_body = {"model": BPE, "prompt": "Once", "max_tokens": 40, "seed": 8, "n": 2}
     alone = client.post("/v1/completions", json=free_body).json()["choices"]
-    monkeypatch.setattr(server.generation, "_allowed", recording)
+    monkeypatch.setattr(server.generation, "_constrain", recording)
     constrained_body = {**free_body, "structured_outputs": {"regex": "[0-9]{30,40}"}, "seed": 9}
     with ThreadPoolExecutor(2) as pool:
         free, constrained = pool.map(lambda body: client.post("/v1/completions", json=body).json()["choices"],
