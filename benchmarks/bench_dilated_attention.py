@@ -14,9 +14,9 @@ shared machine the others measure the neighbours.
 dilation 1: every query but the first J - 1 has J keys; H = 4, hd = 32, the text model's heads), forward only
 (inference) and forward + backward (training, B = max(1, 4096 // T)), and the cached path's two ways for a chunk of
 n new positions after a long context (``attend_gathered`` on the gathered keys against ``attend_banded`` on the
-ring's last (J - 1) keys and the chunk): the figures behind ``resolve_impl``'s and ``cached_attention_impl``'s
-thresholds (model/ops/dilated_attention.py). Times are CPU seconds of this thread (time.thread_time), best of
-five, so that a busy machine disturbs them less.
+ring's last (J - 1) * dilation keys and the chunk, at dilation 1 and 64): the figures behind ``resolve_impl``'s
+and ``cached_attention_impl``'s thresholds (model/ops/dilated_attention.py). Times are CPU seconds of this
+thread (time.thread_time), best of five, so that a busy machine disturbs them less.
 
     python -m benchmarks.bench_dilated_attention --crossover [--threads 1]
 """
@@ -92,17 +92,17 @@ def op_ms(impl: str, length: int, slots: int, train: bool) -> float:
         return cpu_ms(call)
 
 
-def cached_ms(way: str, length: int, slots: int) -> float:
-    """A cached chunk of ``length`` new positions reaching J = C = ``slots`` keys at dilation 1, batch 1, with a
-    context before it: gathered (J keys per query copied, then attend_gathered) or banded (the J - 1 keys before
-    the chunk and the chunk, attend_banded)."""
-    before = slots - 1
+def cached_ms(way: str, length: int, slots: int, dilation: int = 1) -> float:
+    """A cached chunk of ``length`` new positions reaching J = C = ``slots`` keys at ``dilation``, batch 1, after a
+    long context: gathered (J keys per query copied, then attend_gathered) or banded (the (J - 1) * dilation keys
+    before the chunk and the chunk, attend_banded)."""
+    before = (slots - 1) * dilation
     q = torch.randn(1, HEADS, length, HEAD_DIM)
     k, v = (torch.randn(1, HEADS, before + length, HEAD_DIM) for _ in range(2))
     relative_bias = torch.randn(HEADS, slots)
     if way == "banded":
-        return cpu_ms(lambda: attend_banded(q, k, v, relative_bias, slots, 1))
-    index = (before + torch.arange(length)[:, None] - torch.arange(slots)).flatten()  # (n * J,)
+        return cpu_ms(lambda: attend_banded(q, k, v, relative_bias, slots, dilation))
+    index = (before + torch.arange(length)[:, None] - dilation * torch.arange(slots)).flatten()  # (n * J,)
 
     def gathered() -> None:
         keys = k.index_select(2, index).view(1, HEADS, length, slots, HEAD_DIM)
@@ -146,6 +146,14 @@ def crossover() -> None:
             "n",
             CROSSOVER_CHUNKS,
             lambda length, slots: " / ".join(f"{cached_ms(way, length, slots):.2f}" for way in ("gathered", "banded")),
+        )
+        print_table(
+            "the same at dilation 64 (the text model's second layer), (J - 1) * 64 ring keys before the chunk",
+            "n",
+            CROSSOVER_CHUNKS[2:],
+            lambda length, slots: " / ".join(
+                f"{cached_ms(way, length, slots, 64):.2f}" for way in ("gathered", "banded")
+            ),
         )
 
 

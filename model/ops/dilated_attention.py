@@ -23,23 +23,27 @@ Implementations, one signature
 
 ``dilated_attention(..., impl)`` picks one explicitly; "auto" is "reference" up to ``AUTO_REFERENCE_MAX_T``
 positions, beyond it "banded" when the queries reach J >= ``BANDED_MIN_SLOTS`` keys and "fast" below. All are
-exact. The crossovers, measured on this project's CPU with one thread (``python -m
-benchmarks.bench_dilated_attention --crossover``, H = 4, hd = 32, dilation 1, CPU ms; docs/benchmarks.md, "RegularGPT
-decode and prefill (issue 18, point 3)"):
+exact. The crossovers, measured on this project's 2-core CPU with one thread (``python -m
+benchmarks.bench_dilated_attention --crossover``: the op alone, H = 4, hd = 32, C = J at dilation 1, CPU ms, best
+of five; docs/benchmarks.md, "RegularGPT decode and prefill (issue 18, point 3)"):
 
-- up to 64 positions the reference's few large matmuls win, for training above all (forward + backward,
-  4096 / T rows: 10.6-16 ms against banded 17-46 and fast 19-838 at T = 16-64);
-- beyond, banded beats fast from J = 4 on (inference at T = 1024: 1.4 against 2.5 ms at J = 4, 3.7 against 18
-  at J = 64; training at T = 256: 20 against 33 ms at J = 4, 44 against 864 at J = 64) and ties it at J = 2
-  (1.36 against 1.29 ms at T = 1024; 6.0 against 6.2 at 4096), where fast stays: the C = 2 task models keep the
-  fast path.
+- up to 64 positions the reference's few large matmuls win for training (forward + backward, 4096 / T rows:
+  10-18 ms against banded 18-43 and fast 20-830 at T = 16-64); for inference all are below 1.3 ms there.
+  Known gap: at J = 64 the reference stays faster for training up to ~200 positions (26 against 40 ms at
+  T = 128; banded wins from 256: 40 against 47), and "auto" does not look at J for that;
+- beyond, banded beats fast from J = 4 on (inference at T = 1024: 0.97 against 2.3 ms at J = 4, 3.2 against 33
+  at J = 64; training at T = 256: 18 against 32 ms at J = 4, 40 against 793 at J = 64). At J = 2 they are within
+  25% either way (inference 0.27 against 0.23 ms at T = 128, 0.94 against 1.17 at 1024; training 17.1 against
+  18.3 at 128) and "auto" keeps fast there, as before: the C = 2 task models do not change.
 
 A cache's chunks attend through the same functions over the keys they read from the cache (model/regulargpt.py):
 one query per row through :func:`attend_slots`, a chunk through :func:`attend_gathered` or, once
-:func:`cached_attention_impl` says so, :func:`attend_banded` over the ring's last keys and the chunk (that
-crossover measured the same way: n * J >= 1024 gathered keys, and twice the prefix and chunk positions banded
-copies; e.g. at dilation 64 and J = 64, with 4032 ring keys before the chunk, gathered 5.1 against banded 3.2
-ms at n = 128, 2.7 against 3.2 at n = 64).
+:func:`cached_attention_impl` says so, :func:`attend_banded` over the ring's last keys and the chunk. That
+crossover, measured the same way after a long context (J - 1 ring keys before the chunk at dilation 1): banded
+from n = 128 at J = 4 (0.25 against 0.27 ms), 64 at J = 8 and 16, 16-32 at J = 64 (0.26 against 0.40 at 32);
+with a long prefix, at dilation 64 and J = 64 (4032 ring keys before the chunk), from n ~ 100 (2.8 against 3.5
+ms at n = 128, 2.6 against 1.5 at 64), at J = 16 (960 ring keys) between 128 and 512. The rule
+n * J >= max(1024, 2 * (prefix + n)) follows them within a factor of two of n.
 """
 
 from __future__ import annotations
@@ -141,9 +145,10 @@ def attend_banded(
     """Sliding-Dilated-Attention of the queries at the last n of Tk key positions, through dense blocks.
 
     Position m's keys m - j * dilation all lie in m's residue class mod dilation, C consecutive members of it. So
-    the positions are reordered by residue (one copy), each class cut into blocks of P = min(C, rows) query rows,
-    and a block's queries attend, by one matmul, to the W = J - 1 key rows before it and its own P rows; the band
-    0 <= j < C is an additive bias (-inf outside). O(T * (W + P)) scores, never a gathered copy of the keys.
+    the positions are reordered by residue (one copy), each class cut into blocks of P query rows
+    (:func:`banded_block`), and a block's queries attend, by one matmul, to the W = J - 1 key rows before it and
+    its own P rows; the band 0 <= j < C is an additive bias (-inf outside). O(T * (W + P)) scores, never a
+    gathered copy of the keys.
 
     q: (B, H, n, hd); k, v: (B, H, Tk, hd) with Tk - n a multiple of ``dilation`` (query i is key Tk - n + i;
     the parallel op has Tk = n, cached chunks put the ring's keys first); relative_bias: (H, C); first_key: (B,)
