@@ -12,6 +12,7 @@ it (``InferenceCache.select``). The engine never looks at a cache's class.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,7 +26,9 @@ from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
 from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs
 from server.state_cache import StateCache
-from server.structured import CompiledConstraint, token_bias
+from server.structured import CompiledConstraint, token_bias, token_bias_later
+
+Masks = Future[tuple[torch.Tensor, list[bool]]]  # token_bias_later's: the constrained rows' bias, and any allowed
 
 
 @dataclass(frozen=True)
@@ -218,14 +221,18 @@ class DecodeBatch:
         """One token for every sequence: one call of the model."""
         model = self.sequences[0].served.model
         tokens = torch.tensor([sequence.generated[-1] for sequence in self.sequences], device=model.device)  # (B,)
-        accept(self.sequences, model.step(tokens, self.cache), metrics)  # logits (B, V)
+        constrained = [sequence.constraint for sequence in self.sequences if sequence.constraint is not None]
+        vocabulary = self.sequences[0].served.config.model.vocab_size
+        masks = token_bias_later(constrained, vocabulary) if constrained else None  # while the model runs
+        accept(self.sequences, model.step(tokens, self.cache), metrics, masks)  # logits (B, V)
 
 
-def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics) -> None:
+def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
+           ) -> None:  # fmt: skip
     """Sample each sequence's next token from its row of logits (B, V), hand the tokens to the requests,
-    and finish the sequences that end."""
+    and finish the sequences that end. ``masks``: the constrained rows' ``token_bias``, if already under way."""
     logits = logits.float().cpu()  # (B, V): sampling runs on the CPU with each request's generator
-    sequences, logits, masked = _constrain(sequences, logits, metrics)  # (B', V) each
+    sequences, logits, masked = _constrain(sequences, logits, metrics, masks)  # (B', V) each
     if not sequences:
         return
     params = [sequence.request.sampling for sequence in sequences]
@@ -235,7 +242,7 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
         _append(sequence, token, row_logits, metrics)
 
 
-def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics
+def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
                ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:  # fmt: skip
     """The structured outputs' masks: (the sequences that go on, their logits, the logits to sample from: -inf
     where a constraint forbids the token). Penalties after the masks keep -inf at -inf. A constrained row that may
@@ -244,7 +251,10 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
     rows = [row for row, sequence in enumerate(sequences) if sequence.constraint is not None]
     if not rows:
         return sequences, logits, logits
-    bias, any_allowed = token_bias([sequences[row].constraint for row in rows], logits.shape[-1])  # (R, V), (R,)
+    if masks is None:
+        bias, any_allowed = token_bias([sequences[row].constraint for row in rows], logits.shape[-1])  # (R, V), (R,)
+    else:
+        bias, any_allowed = masks.result()
     if len(rows) == len(sequences):
         masked = logits + bias  # (B, V)
     else:

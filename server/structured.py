@@ -11,7 +11,8 @@ that no text matches, is a 422 naming the problem; one over a size or time limit
 kept (LRU) per vocabulary; a request's sequences each get a copy of one (``CompiledConstraint.start``).
 
 **Decoding** (``token_bias``, ``Constraint.consume``): a step writes the allowed tokens of every constrained row
-into one bitmask, and the logits of the other tokens become -inf before the penalties and filters, so constrained and
+into one bitmask (a decode step on a thread of its own while the model runs: ``token_bias_later``), and the logits
+of the other tokens become -inf before the penalties and filters, so constrained and
 free rows sample in the same call. The end-of-text token is allowed only where the text so far matches. A
 sequence ends ("stop") as soon as its text matches and nothing longer could (``Constraint.finished``), or when no
 token of the model may follow (a model without an end-of-text token, at a complete match).
@@ -26,6 +27,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -113,9 +115,20 @@ def token_bias(constraints: list[Constraint], vocabulary: int) -> tuple[torch.Te
     for row, constraint in enumerate(constraints):
         constraint.fill(bitmask[row])
     bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocabulary]  # (R, V) 0 or 1
+    if bits.shape[1] < vocabulary:  # a model with more ids than its tokenizer: those are never allowed
+        bits = np.pad(bits, ((0, 0), (0, vocabulary - bits.shape[1])))
     bias = np.subtract(bits, 1, dtype=np.int32)  # (R, V) 0 or all ones
     bias &= _MINUS_INFINITY_BITS
     return torch.from_numpy(bias.view(np.float32)), bits.any(axis=-1).tolist()  # (R, V) 0 or -inf
+
+
+def token_bias_later(constraints: list[Constraint], vocabulary: int) -> Future[tuple[torch.Tensor, list[bool]]]:
+    """``token_bias`` on a thread of its own, to run while the model computes the step's logits (the constraints
+    must not advance meanwhile). llguidance and numpy let go of the GIL for their work, as torch does for its."""
+    return _MASK_THREAD.submit(token_bias, constraints, vocabulary)
+
+
+_MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="regularlm-masks")
 
 
 def grammar(spec: StructuredOutputs, deadline: float) -> str:

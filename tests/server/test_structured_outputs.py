@@ -225,9 +225,9 @@ def test_constrained_and_free_sequences_share_decode_steps(client, monkeypatch) 
     steps: list[tuple[int, int]] = []  # (rows, constrained rows) of each sampling call with a constrained row
     original = server.generation._constrain
 
-    def recording(sequences, logits, metrics):
+    def recording(sequences, logits, metrics, masks=None):
         steps.append((len(sequences), sum(sequence.constraint is not None for sequence in sequences)))
-        return original(sequences, logits, metrics)
+        return original(sequences, logits, metrics, masks)
 
     free_body = {"model": BPE, "prompt": "Once", "max_tokens": 40, "seed": 8, "n": 2}
     alone = client.post("/v1/completions", json=free_body).json()["choices"]
