@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -32,6 +33,7 @@ from server.protocol import (
     ChatRequest,
     CompletionRequest,
     CompletionResponse,
+    DeletedModel,
     ErrorDetail,
     ErrorResponse,
     GenerateRequest,
@@ -39,6 +41,7 @@ from server.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    RuntimeModelRequest,
     TransduceRequest,
     TransduceResponse,
 )
@@ -169,6 +172,16 @@ def _api_router() -> APIRouter:
     def retrieve_model(model_id: str, serving: ServingDep) -> ModelCard:
         return serving.model(model_id)
 
+    @router.post("/models", status_code=201, response_model=ModelCard, responses=errors(401, 409, 413, 415, 422, 503))
+    async def add_model(body: RuntimeModelRequest, serving: ServingDep) -> Any:
+        """Compile a regular expression (over ``alphabet``) or a DFA into a transduce model and serve it."""
+        return _json(await serving.add_model(body), status_code=201)
+
+    @router.delete("/models/{model_id}", response_model=DeletedModel, responses=errors(401, 404, 409, 503))
+    async def delete_model(model_id: str, serving: ServingDep) -> DeletedModel:
+        """Stop serving a model added by POST /v1/models (shipped models: 409)."""
+        return await serving.delete_model(model_id)
+
     @router.post(
         "/transduce",
         response_model=TransduceResponse,
@@ -198,10 +211,11 @@ def _api_router() -> APIRouter:
     return router
 
 
-def _json(body: BaseModel, exclude_none: bool = False) -> Response:
+def _json(body: BaseModel, exclude_none: bool = False, status_code: int = 200) -> Response:
     """The body as JSON, serialized by pydantic once (``response_model`` would validate the returned model again,
     dump it to Python objects, then have ``json.dumps`` write those); ``response_model`` still documents it."""
-    return Response(body.model_dump_json(exclude_none=exclude_none), media_type="application/json")
+    return Response(body.model_dump_json(exclude_none=exclude_none), status_code=status_code,
+                    media_type="application/json")
 
 
 def _respond(result: BaseModel | AsyncIterator[str]) -> Any:
@@ -245,6 +259,15 @@ async def _disconnected(request: Request) -> None:
 # --- errors -------------------------------------------------------------------------------------------
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves on the request's path (GET and POST /v1/models are two routes)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
+            methods |= route.methods
+    return sorted(methods)
+
+
 def error_response(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorDetail(message=message, type=error_type))
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
@@ -267,7 +290,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         error_type = HTTP_ERROR_TYPES.get(error.status_code, "invalid_request_error")
-        return error_response(error.status_code, str(error.detail), error_type, error.headers)
+        headers = error.headers
+        if error.status_code == 405:  # Starlette names the methods of the first route on the path only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(error.status_code, str(error.detail), error_type, headers)
 
     @app.exception_handler(_ClientGone)
     async def client_gone(request: Request, error: _ClientGone) -> Response:

@@ -11,28 +11,32 @@ speed and computes its limits (``server/costing.py``), then runs the scheduler l
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
 from model.threads import set_threads
 from server.batching import TransduceJob, TransduceOutput
 from server.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate
-from server.errors import APIError, InputTooLarge, Overloaded, Unavailable, UnknownModel
+from server.errors import APIError, Conflict, InputTooLarge, Overloaded, Unavailable, UnknownModel
 from server.generation import Finished, GenerationRequest, Sequence
 from server.mailbox import Mailbox, Postman
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import LoadReport, ServedModel, load_models
-from server.scheduler import STOP, AbortAll, Scheduler
+from server.runtime_models import check_new_id
+from server.scheduler import STOP, AbortAll, OnWorker, Scheduler
 from server.settings import Settings
 from server.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STOP_TIMEOUT_S = 1.0  # how long stopping waits for the worker to end its slice
 
@@ -71,7 +75,8 @@ class Engine:
         self.settings, self.metrics, self._on_load_failed = settings, metrics, on_load_failed
         self.state: EngineState = "loading"
         self.detail: str | None = None  # why the state is not "ok", for /health
-        self.models: dict[str, ServedModel] = {}
+        self.models: dict[str, ServedModel] = {}  # replaced, never changed in place: readers need no lock
+        self.runtime_ids: set[str] = set()  # the models added by POST /v1/models
         self.load_failures: list[str] = []
         self.memory_budget = 0  # bytes running work may hold (server/costing.py)
         self.state_cache = StateCache(
@@ -148,6 +153,23 @@ class Engine:
             self._inbox.put(sequence)
         return GenerationHandle(sequences, mailbox)
 
+    async def add_model(self, served: ServedModel) -> ServedModel:
+        """Serve a model compiled while serving (``server/runtime_models.py``): the worker thread measures it
+        between two iterations and adds it, unless the id is taken (409) or ``runtime_models_max`` are served
+        (413)."""
+        self.check_serving()
+        return await self._on_worker(lambda: self._install(served))
+
+    async def remove_model(self, model_id: str) -> None:
+        """Stop serving a runtime model (404 unknown, 409 shipped); requests already running on it finish."""
+        self.check_serving()
+        await self._on_worker(lambda: self._uninstall(model_id))
+
+    async def _on_worker(self, work: Callable[[], T]) -> T:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(OnWorker(work, done))
+        return await asyncio.wrap_future(done)
+
     def check_serving(self) -> None:
         if self.state != "ready":
             raise Unavailable(f"the server is {self.state}: {self.detail}", retry_after_s=self.settings.retry_after_s)
@@ -200,6 +222,39 @@ class Engine:
         if self._on_load_failed is not None:
             self._on_load_failed(detail)
 
+    def _install(self, served: ServedModel) -> ServedModel:
+        check_new_id(served.id, self.models)
+        if len(self.runtime_ids) >= self.settings.runtime_models_max:
+            raise InputTooLarge(
+                f"{len(self.runtime_ids)} runtime models are served, the most runtime_models_max allows; DELETE one "
+                "first"
+            )
+        served.notes = served.model.for_serving()
+        self._set_limits(served, calibrate(served.model))
+        self.metrics.register_models([served.id])
+        self.models = {**self.models, served.id: served}
+        self.runtime_ids.add(served.id)
+        logger.info("serving runtime model %s (%s)", served.id, served.config.architecture)
+        return served
+
+    def _uninstall(self, model_id: str) -> None:
+        if model_id not in self.models:
+            raise UnknownModel(model_id, sorted(self.models))
+        if model_id not in self.runtime_ids:
+            raise Conflict(f"model {model_id!r} was loaded from {self.models[model_id].path}; only models added with "
+                           "POST /v1/models can be deleted")
+        self.models = {key: served for key, served in self.models.items() if key != model_id}
+        self.runtime_ids.discard(model_id)
+        self.metrics.unregister_model(model_id)
+        logger.info("stopped serving runtime model %s", model_id)
+
+    def _set_limits(self, served: ServedModel, speed: float) -> None:
+        settings = self.settings
+        served.budget = ModelBudget(
+            served.model, speed, settings.slice_ms / 1000, self.memory_budget, settings.max_job_seconds
+        )
+        served.limits = served.budget.limits(served.kind, settings.max_input_symbols, settings.max_tokens)
+
     def _measure(self) -> None:
         """Switch each model to its scalable paths, measure its speed (a model whose measurement fails is dropped
         and reported like a folder that failed to load), and compute the memory budget and the models' limits
@@ -226,7 +281,4 @@ class Engine:
         self.memory_budget = max(0, budget)
         logger.info("memory budget for running work: %.1f MiB", self.memory_budget / 2**20)
         for served in self.models.values():
-            served.budget = ModelBudget(
-                served.model, speeds[served.id], settings.slice_ms / 1000, self.memory_budget, settings.max_job_seconds
-            )
-            served.limits = served.budget.limits(served.kind, settings.max_input_symbols, settings.max_tokens)
+            self._set_limits(served, speeds[served.id])

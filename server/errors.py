@@ -33,6 +33,10 @@ class UnknownModel(APIError, status=404, error_type="not_found_error"):
         super().__init__(f"model {model!r} does not exist; served models: {known}")
 
 
+class Conflict(APIError, status=409, error_type="conflict_error"):
+    """The request conflicts with what the server holds (a model id taken, a shipped model to delete)."""
+
+
 class InputTooLarge(APIError, status=413, error_type="request_too_large"):
     """More symbols, inputs or prompt tokens than the configured limits."""
 

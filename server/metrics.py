@@ -14,6 +14,7 @@ Each app has its own registry: nothing is registered at import time.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -115,6 +116,17 @@ class ServerMetrics:
         for model in model_ids:
             for reason in FINISH_REASONS:
                 self.request_success.labels(model, reason)
+
+    def unregister_model(self, model_id: str) -> None:
+        """Drop every series of a model that is no longer served."""
+        for collector in self._per_model:
+            with contextlib.suppress(KeyError):
+                collector.remove(model_id)
+        for reason in FINISH_REASONS:
+            with contextlib.suppress(KeyError):
+                self.request_success.remove(model_id, reason)
+        for key in [key for key in self._children if key[1][:1] == (model_id,)]:
+            del self._children[key]
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,6 +80,14 @@ class LoadReport:
     failures: list[str]  # "<path>: <reason>" per folder that did not load
 
 
+def served_transducer(model_id: str, model: SequenceModel, config: CheckpointConfig, path: Path) -> ServedModel:
+    """A transduce model with what requests need to turn its inputs into token ids."""
+    served = ServedModel(id=model_id, model=model, config=config, path=path)
+    served.symbol_ids = str.maketrans({symbol: chr(index) for index, symbol in enumerate(config.alphabet)})
+    served.outside_alphabet = re.compile(f"[^{re.escape(config.alphabet)}]")
+    return served
+
+
 def load_models(directory: Path, device: str) -> LoadReport:
     """Load every checkpoint folder directly under ``directory`` (or ``directory`` itself if it is one)."""
     if not directory.is_dir():
@@ -106,11 +114,9 @@ def load_models(directory: Path, device: str) -> LoadReport:
 def load_served_model(folder: Path, device: str) -> ServedModel:
     loaded = load_checkpoint(folder, device=device)
     config = loaded.config
-    served = ServedModel(id=folder.name, model=loaded.model, config=config, path=folder)
     if config.kind == "transduce":
-        served.symbol_ids = str.maketrans({symbol: chr(index) for index, symbol in enumerate(config.alphabet)})
-        served.outside_alphabet = re.compile(f"[^{re.escape(config.alphabet)}]")
-        return served
+        return served_transducer(folder.name, loaded.model, config, folder)
+    served = ServedModel(id=folder.name, model=loaded.model, config=config, path=folder)
     served.tokenizer = load_tokenizer(config.tokenizer, folder)
     if config.model.vocab_size < served.tokenizer.vocab_size:
         raise CheckpointError(

@@ -23,6 +23,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         400: "the request cannot be served as asked (e.g. a model of the other kind)",
         401: "a valid API key is needed",
         404: "unknown model",
+        409: "conflicts with what is served (a model id taken; a shipped model cannot be deleted)",
         413: "over a server or model limit (the message names it)",
         415: "the body is not sent as JSON (Content-Type: application/json)",
         422: "invalid body or value (the message names the field, position or character)",

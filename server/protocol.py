@@ -92,6 +92,25 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class RuntimeModelRequest(BaseModel):
+    """``POST /v1/models``: compile a regular expression or a DFA (SPEC section 2) into a transduce model that
+    labels every prefix "1" when it is accepted (a regex: fully matched), else "0"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="the new model's id")
+    regex: str | None = Field(None, min_length=1, max_length=4096, description="a Python regular expression")
+    dfa: dict[str, Any] | None = Field(None, description="a DFA as in SPEC section 2 (name, alphabet, states, ...)")
+    alphabet: str | None = Field(None, min_length=1, max_length=256, description="with regex: the input symbols")
+    architecture: Literal["lrnn", "regulargpt"] = "lrnn"
+
+
+class DeletedModel(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: Literal[True] = True
+
+
 # --- /v1/transduce -------------------------------------------------------------------------------------
 
 

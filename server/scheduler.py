@@ -32,6 +32,7 @@ refuses with 413 what could never fit. A model call that raises fails only the r
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import time
@@ -61,6 +62,21 @@ class AbortAll:
     """Put into the inbox to end every request in flight with ``error`` (e.g. 503 past the drain timeout)."""
 
     error: APIError
+
+
+@dataclass(frozen=True)
+class OnWorker:
+    """Put into the inbox to run ``work`` on the worker thread between two iterations (e.g. installing a model
+    compiled while serving); its result or exception goes to ``done``."""
+
+    work: Callable[[], object]
+    done: concurrent.futures.Future
+
+    def run(self) -> None:
+        try:
+            self.done.set_result(self.work())
+        except Exception as error:  # the caller re-raises it on the event loop
+            self.done.set_exception(error)
 
 
 class FairShare:
@@ -161,6 +177,8 @@ class Scheduler:
                     return False
                 if isinstance(work, AbortAll):
                     self._fail_all(work.error)
+                elif isinstance(work, OnWorker):
+                    work.run()
                 elif isinstance(work, TransduceJob):
                     self._take_job(work, idle)
                 else:

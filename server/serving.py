@@ -18,11 +18,13 @@ from server.model_store import ServedModel
 from server.protocol import (
     TOKEN_ID_PATTERN,
     CompletionRequest,
+    DeletedModel,
     GenerateChunk,
     GenerateRequest,
     GenerateResponse,
     ModelCard,
     ModelList,
+    RuntimeModelRequest,
     SamplingFields,
     TransduceRequest,
     TransduceResponse,
@@ -30,6 +32,7 @@ from server.protocol import (
     TransduceUsage,
     Usage,
 )
+from server.runtime_models import RuntimeCompiler, check_new_id
 from server.sampling import SamplingParams
 from server.settings import Settings
 from server.structured import CompiledConstraint, ConstraintCompiler
@@ -54,6 +57,7 @@ class Serving:
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
         self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s)
+        self.runtime = RuntimeCompiler(settings)
 
     def models(self) -> ModelList:
         self.engine.check_serving()
@@ -62,6 +66,19 @@ class Serving:
     def model(self, model_id: str) -> ModelCard:
         """One model's entry (404 if it is not served)."""
         return self.engine.model(model_id).card()
+
+    async def add_model(self, body: RuntimeModelRequest) -> ModelCard:
+        """POST /v1/models: compile the request's regular expression or DFA and serve it (server/runtime_models.py)."""
+        self.engine.check_serving()
+        if self.settings.runtime_models_max == 0:
+            raise InputTooLarge("runtime models are turned off on this server (runtime_models_max = 0)")
+        check_new_id(body.id, self.engine.models)
+        served = await self.runtime.compile(body, self.settings.device)
+        return (await self.engine.add_model(served)).card()
+
+    async def delete_model(self, model_id: str) -> DeletedModel:
+        await self.engine.remove_model(model_id)
+        return DeletedModel(id=model_id)
 
     def served(self, model_id: str, kind: str) -> ServedModel:
         served = self.engine.model(model_id)

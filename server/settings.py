@@ -58,6 +58,18 @@ class Settings(BaseSettings):
         5.0, gt=0, description="the longest a structured_outputs constraint may take to compile (off the engine "
         "thread); longer is refused (413)"
     )
+    runtime_models_max: int = Field(
+        16, ge=0, description="models POST /v1/models may add (compiled regular expressions and DFAs) at one time; "
+        "more is refused (413); 0 turns the route off"
+    )
+    runtime_model_max_states: int = Field(
+        1024, gt=0, description="states of a runtime model's minimal DFA (RegularGPT: at most 16, its construction "
+        "grows as n^5); more is refused (413)"
+    )
+    runtime_compile_timeout_s: float = Field(
+        10.0, gt=0, description="the longest compiling a runtime model may take (off the engine thread); longer is "
+        "refused (413)"
+    )
 
     state_cache_entries: int = Field(64, ge=0, description="prompt-state snapshots kept (LRU); 0 turns it off")
     state_cache_bytes: int = Field(256 * 2**20, ge=0, description="bytes the snapshots may hold together")

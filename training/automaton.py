@@ -32,6 +32,10 @@ class AutomatonError(ValueError):
     """An automaton that is malformed, or a string it cannot read; the message names the problem."""
 
 
+class AutomatonTooLarge(AutomatonError):
+    """A well-formed automaton (or regular expression) beyond a size limit; the message names the limit."""
+
+
 @dataclass(frozen=True)
 class MooreMachine:
     """A deterministic automaton that outputs ``output[state]`` after every symbol it reads.
@@ -86,7 +90,7 @@ class MooreMachine:
                     order.append(successor)
             if len(order) > max_states:
                 bound = f"MAX_STATES = {MAX_STATES}" if max_states == MAX_STATES else str(max_states)
-                raise AutomatonError(f"{name}: more than {bound} reachable states")
+                raise AutomatonTooLarge(f"{name}: more than {bound} reachable states")
         return cls(
             name=name,
             alphabet=alphabet,
@@ -227,7 +231,7 @@ def _check_states(states: tuple[str, ...]) -> None:
     if not states:
         raise AutomatonError("there are no states")
     if len(states) > MAX_STATES:
-        raise AutomatonError(f"{len(states)} states: more than MAX_STATES = {MAX_STATES}")
+        raise AutomatonTooLarge(f"{len(states)} states: more than MAX_STATES = {MAX_STATES}")
     repeated = _first_repeated(states)
     if repeated is not None:
         raise AutomatonError(f"state {repeated!r} is listed more than once")

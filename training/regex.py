@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from training.automaton import DFA, AutomatonError, MooreMachine
+from training.automaton import DFA, AutomatonError, AutomatonTooLarge, MooreMachine
 
 try:  # Python 3.11+
     from re import _compiler as regex_compiler
@@ -67,7 +67,7 @@ def regex_dfa(pattern: str, alphabet: str, name: str = "regex") -> DFA:
     def state_name(subset: frozenset[int]) -> str:  # subsets are numbered as the search meets them
         if subset not in names:
             if len(names) >= MAX_SUBSETS:
-                raise AutomatonError(f"regular expression {pattern!r}: more than {MAX_SUBSETS} states before "
+                raise AutomatonTooLarge(f"regular expression {pattern!r}: more than {MAX_SUBSETS} states before "
                                      "minimising")
             names[subset] = str(len(names))
         return names[subset]
@@ -87,7 +87,7 @@ class _NFA:
 
     def new_state(self) -> int:
         if len(self.epsilon) >= MAX_NFA_STATES:
-            raise AutomatonError(f"regular expression {self.pattern!r} unrolls to more than {MAX_NFA_STATES} NFA "
+            raise AutomatonTooLarge(f"regular expression {self.pattern!r} unrolls to more than {MAX_NFA_STATES} NFA "
                                  "states")
         self.epsilon.append([])
         self.edges.append([])

@@ -22,11 +22,14 @@ from tests.server.conftest import make_settings
 
 CONFIG = Path(__file__).resolve().parents[2] / "schemathesis.toml"
 LIMITS = {"max_input_symbols": 48, "max_inputs": 4, "max_tokens": 8}  # small: generated requests stay cheap
+# POST /v1/models is answered 413 here: a runtime model added by one generated request would change the set of
+# served models that the loaded schema lists (tests/server/test_runtime_models.py tests the route).
+FIXED_MODELS = {"runtime_models_max": 0}
 
 
 @pytest.fixture(scope="module")
 def api_schema(checkpoints_dir):
-    app = create_app(make_settings(checkpoints_dir, **LIMITS))
+    app = create_app(make_settings(checkpoints_dir, **LIMITS, **FIXED_MODELS))
     with asgi.get_client(app):  # starts the lifespan (schemathesis keeps it until shutdown_lifespans)
         app.state.engine.wait_loaded()
     yield schemathesis.openapi.from_asgi("/openapi.json", app, config=schemathesis.Config.from_path(CONFIG))
