@@ -62,6 +62,8 @@ class Plan:
     device: str = "cpu"
     copy_bytes: int = 256 * 2**20  # the bandwidth floor's copy
     matmul_size: int = 2048  # the FLOP floor's matmul
+    large: str = "L"  # the sizes the targets read
+    small: str = "s"
 
     @property
     def cells(self) -> list[tuple[str, int, int]]:
@@ -74,7 +76,18 @@ class Plan:
         ]
 
 
-QUICK = Plan(sizes=("tiny",), short=64, long=256, batch=4, prefill=256, repeats=1, copy_bytes=2**24, matmul_size=256)
+QUICK = Plan(
+    sizes=("tiny",),
+    short=64,
+    long=256,
+    batch=4,
+    prefill=256,
+    repeats=1,
+    copy_bytes=2**24,
+    matmul_size=256,
+    large="tiny",
+    small="tiny",
+)
 
 
 # --- one cell, in its own process ---------------------------------------------------------------------------------
@@ -310,23 +323,28 @@ class Target:
     ratios: tuple[tuple[str, float | None], ...]  # (what, measured ratio)
     threshold: float
 
-    def line(self) -> str:
+    @property
+    def met(self) -> bool | None:
+        """None when a figure is missing."""
         values = [ratio for _, ratio in self.ratios]
-        if any(ratio is None for ratio in values):
-            verdict = "not measured"
-        else:
-            verdict = "met" if min(values) >= self.threshold else "missed"
+        return None if None in values else min(values) >= self.threshold
+
+    def line(self, repeats_met: tuple[int, int] | None = None) -> str:
+        """The target's line; ``repeats_met``: in how many of how many repeats, each read alone, it was met."""
+        verdict = {None: "not measured", True: "met", False: "missed"}[self.met]
         shown = ", ".join(f"{what} {number(ratio, 2)}".strip() for what, ratio in self.ratios)
-        return f"- {verdict}: {self.text} (need >= {self.threshold:g}; {shown})"
+        alone = f"; met in {repeats_met[0]} of {repeats_met[1]} repeats alone" if repeats_met else ""
+        return f"- {verdict}: {self.text} (need >= {self.threshold:g}; {shown}{alone})"
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return None if numerator is None or not denominator else numerator / denominator
 
 
-def targets(figures: Figures, large: str = "L", small: str = "s") -> list[Target]:
+def targets(figures: Figures) -> list[Target]:
     """Issue 18's targets, each a set of ratios of this run's figures that must all reach a threshold."""
     f, plan = figures, figures.plan
+    large, small = plan.large, plan.small
     contexts = [(short_length(n), n) for n in (plan.short, plan.long)]
     step, tps, prefill = f.step_ms, f.batch_tokens_per_s, f.prefill_tokens_per_s
     long = short_length(plan.long)
@@ -369,7 +387,9 @@ def targets(figures: Figures, large: str = "L", small: str = "s") -> list[Target
     ]
 
 
-def report(plan: Plan, results: dict[Key, list[dict]], large: str = "L", small: str = "s") -> str:
+def report(plan: Plan, results: dict[Key, list[dict]]) -> str:
+    """The floors, a table per size and the targets: on the medians, and how often each target is met by the
+    repeats read one at a time."""
     figures = Figures(plan, results)
     floors = (
         f"floors (median of {plan.repeats}): copy {number(figures.bandwidth, 1)} GB/s "
@@ -388,8 +408,32 @@ def report(plan: Plan, results: dict[Key, list[dict]], large: str = "L", small: 
     ]
     for size in plan.sizes:
         lines += ["", f"### size {size}", "", *table(figures, size)]
-    lines += ["", "targets:", *(target.line() for target in targets(figures, large, small))]
+    alone = [targets(Figures(plan, one_repeat(results, repeat))) for repeat in range(plan.repeats)]
+    lines += ["", "targets (on the medians):"]
+    for index, target in enumerate(targets(figures)):
+        met = sum(bool(repeat[index].met) for repeat in alone)
+        lines.append(target.line((met, plan.repeats) if plan.repeats > 1 else None))
     return "\n".join(lines)
+
+
+def one_repeat(results: dict[Key, list[dict]], repeat: int) -> dict[Key, list[dict]]:
+    """The results of one repeat alone."""
+    return {key: runs[repeat : repeat + 1] for key, runs in results.items()}
+
+
+def save_results(path: str, header: list[str], plan: Plan, results: dict[Key, list[dict]]) -> None:
+    with open(path, "w") as out:
+        json.dump(
+            {"header": header, "plan": asdict(plan), "results": [[*key, runs] for key, runs in results.items()]}, out
+        )
+
+
+def load_results(path: str) -> tuple[list[str], Plan, dict[Key, list[dict]]]:
+    """What :func:`save_results` (``--json``) wrote: the header lines, the plan and the results."""
+    with open(path) as source:
+        saved = json.load(source)
+    plan = Plan(**{key: tuple(value) if isinstance(value, list) else value for key, value in saved["plan"].items()})
+    return saved.get("header", []), plan, {tuple(entry[:5]): entry[5] for entry in saved["results"]}
 
 
 def revision() -> str:
@@ -418,11 +462,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cell (1 on a shared machine)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write every cell's result of every repeat here")
+    parser.add_argument("--report", metavar="JSON", help="print the report of a run that --json wrote, and stop")
     parser.add_argument("--quick", action="store_true", help="the tiny size, short contexts, one repeat: a smoke run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child_main(measure, args.child)
+        return
+    if args.report:
+        header, plan, results = load_results(args.report)
+        print("\n".join([*header, report(plan, results)]))
         return
     plan = replace(QUICK if args.quick else Plan(), threads=args.threads, device=args.device)
     if args.sizes:
@@ -442,14 +491,14 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     results = run(plan, log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(f"{banner(resolve_device(plan.device), plan.threads)}; started {started}; commit {revision()}")
-    print(f"command: python -m benchmarks.peers {' '.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"load average (1, 5, 15 min) before {load_before}, after {os.getloadavg()}")
-    large, small = ("tiny", "tiny") if args.quick else ("L", "s")
-    print(report(plan, results, large, small))
+    header = [
+        f"{banner(resolve_device(plan.device), plan.threads)}; started {started}; commit {revision()}",
+        f"command: python -m benchmarks.peers {' '.join(sys.argv[1:] if argv is None else argv)}",
+        f"load average (1, 5, 15 min) before {load_before}, after {os.getloadavg()}",
+    ]
+    print("\n".join([*header, report(plan, results)]))
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"plan": asdict(plan), "results": [[*key, runs] for key, runs in results.items()]}, out)
+        save_results(args.json, header, plan, results)
 
 
 if __name__ == "__main__":

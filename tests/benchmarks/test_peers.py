@@ -23,7 +23,7 @@ def in_process(case: dict) -> dict:
 def test_quick_run_fills_every_cell_of_the_table_and_the_targets() -> None:
     plan = replace(peers.QUICK, systems=(*peer_systems.OURS, *peer_systems.PEERS, "lrnn=gpt2", "lrnn=mamba"))
     torch.manual_seed(0)
-    text = peers.report(plan, peers.run(plan, in_process, log=lambda line: None), large="tiny", small="tiny")
+    text = peers.report(plan, peers.run(plan, in_process, log=lambda line: None))
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| system")]
     assert len(rows) == len(plan.systems)
     for row in rows:
@@ -57,8 +57,8 @@ def test_matched_systems_have_the_peers_parameter_count_within_ten_percent(syste
     assert abs(ours - theirs) <= 0.1 * theirs
 
 
-def test_targets_read_met_and_missed_from_the_ratios() -> None:
-    plan = replace(peers.QUICK, systems=("lrnn", "regulargpt", "gpt2"))
+def synthetic_results(plan: peers.Plan) -> dict:
+    """Decode and prefill cells of every system in ``plan`` at the tiny size, one repeat."""
     cell = {"oom": False, "parameters": 1000}
     step = {"lrnn": 1e-3, "regulargpt": 1.5e-3, "gpt2": 4e-3}  # RegularGPT within 2x of the LRNN
     prefill = {"lrnn": 1.0, "regulargpt": 3.0, "gpt2": 1.0}  # RegularGPT's prefill at a third of GPT-2's
@@ -67,13 +67,28 @@ def test_targets_read_met_and_missed_from_the_ratios() -> None:
         for context in (plan.short, plan.long):
             results[(system, "tiny", "decode", context, 1)] = [{**cell, "seconds": step[system]}]
         results[(system, "tiny", "prefill", plan.prefill, 1)] = [{**cell, "seconds": prefill[system]}]
-    lines = [target.line() for target in peers.targets(peers.Figures(plan, results), large="tiny", small="tiny")]
+    return results
+
+
+def test_targets_read_met_and_missed_from_the_ratios() -> None:
+    plan = replace(peers.QUICK, systems=("lrnn", "regulargpt", "gpt2"))
+    results = synthetic_results(plan)
+    lines = [target.line() for target in peers.targets(peers.Figures(plan, results))]
     within_2x = next(line for line in lines if "within 2x" in line)
     half_prefill = next(line for line in lines if "prefill" in line)
     mamba = next(line for line in lines if "Mamba's parameter count" in line)
     assert within_2x.startswith("- met:") and "0.67" in within_2x
     assert half_prefill.startswith("- missed:") and "0.33" in half_prefill
     assert mamba.startswith("- not measured:")
+
+
+def test_a_saved_run_gives_the_same_report(tmp_path) -> None:
+    plan = replace(peers.QUICK, systems=("lrnn", "regulargpt", "gpt2"))
+    results = synthetic_results(plan)
+    peers.save_results(str(tmp_path / "run.json"), ["a header"], plan, results)
+    header, loaded_plan, loaded = peers.load_results(str(tmp_path / "run.json"))
+    assert header == ["a header"] and loaded_plan == plan
+    assert peers.report(loaded_plan, loaded) == peers.report(plan, results)
 
 
 @pytest.mark.slow
