@@ -174,7 +174,7 @@ class ConstraintCompiler:
                 f"structured_outputs.{kind} has {size} characters; the limit is {self.max_chars} "
                 "(REGULARLM_STRUCTURED_MAX_CHARS)"
             )
-        key = spec.model_dump_json(by_alias=True)
+        key = json.dumps(spec.model_dump(by_alias=True), sort_keys=True)  # ASCII: lone surrogates escaped too
         with self._lock:
             known = self._vocabularies.get(tokenizer)
             if known is not None and key in known.compiled:

@@ -48,10 +48,11 @@ def plain_regex(pattern: str, max_length: int = 1 << 20, deadline: float | None 
     once longer than ``max_length`` characters or past ``deadline`` (``time.monotonic()``)."""
     try:
         parsed = regex_parser.parse(pattern)
+        return _Writer(parsed.state, max_length, deadline).sequence(parsed, parsed.state.flags)
     except re.error as error:
         raise PatternError(f"invalid regular expression: {error}") from None
-    writer = _Writer(parsed.state, max_length, deadline)
-    return writer.sequence(parsed, parsed.state.flags)
+    except RecursionError:  # Python's parser, and the writer, recurse once per level of nesting
+        raise PatternError("the pattern is nested too deeply", over_limit=True) from None
 
 
 def literal_regex(text: str) -> str:

@@ -191,6 +191,7 @@ def test_seeded_constrained_sampling_repeats(client) -> None:
         ({"grammar": "root ::= x"}, 422, "grammar: Extra inputs are not permitted"),
         ({"regex": "a" * 2001}, 413, "has 2001 characters; the limit is 2000"),
         ({"choice": ["a" * 1000, "b" * 1001]}, 413, "the limit is 2000"),
+        ({"regex": "(" * 600 + ")" * 600}, 413, "nested too deeply"),
     ],
 )
 def test_invalid_or_too_large_constraints_are_refused(client, structured: dict, status: int, words: str) -> None:
@@ -198,6 +199,14 @@ def test_invalid_or_too_large_constraints_are_refused(client, structured: dict, 
         response = client.post(route, json={"model": BPE, "prompt": "x", "structured_outputs": structured})
         assert response.status_code == status, response.text
         assert words in response.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_is_refused(client) -> None:
+    """JSON can spell a lone surrogate ("\\ud800"), which no UTF-8 text holds."""
+    for structured in ('{"choice": ["a", "\\ud800"]}', '{"regex": "a\\ud800"}'):
+        body = f'{{"model": "{BPE}", "prompt": "x", "structured_outputs": {structured}}}'
+        response = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 422, response.text
 
 
 def test_transducers_have_no_structured_outputs(client) -> None:
