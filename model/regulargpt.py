@@ -741,8 +741,8 @@ class RegularGPT(SequenceModel):
         first_depths = self._reserve(cache, length, blocks)  # each row's depth at its first new position
         mixed = min(first_depths) < cache.depth  # some outputs are read below the top layer
         positions = start.to(tokens.device)[:, None] + torch.arange(length, device=tokens.device)  # (B, n)
-        if mixed:
-            position_depths = adaptive_depths(positions, chunk_size)  # (B, n) nondecreasing along n
+        if mixed:  # (B, n) nondecreasing along n, from the lengths on the CPU (no device sync)
+            position_depths = adaptive_depths(start[:, None] + torch.arange(length), chunk_size).to(tokens.device)
         x = self.embedding(tokens)  # (B, n, d)
         out = top = x
         allocated = [windows[0].kv.shape[2] for windows in cache.windows]
