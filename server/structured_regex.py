@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import time
 
-from training.regex import REFUSED_CONSTRUCTS, regex_compiler, regex_constants, regex_parser
+from training.regex import REFUSED_CONSTRUCTS, regex_compiler, regex_constants, regex_parser, single_character_item
 
 LAST_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: no UTF-8 text holds them
@@ -48,7 +48,7 @@ def plain_regex(pattern: str, max_length: int = 1 << 20, deadline: float | None 
     once longer than ``max_length`` characters or past ``deadline`` (``time.monotonic()``)."""
     try:
         parsed = regex_parser.parse(pattern)
-        return _Writer(parsed.state, max_length, deadline).sequence(parsed, parsed.state.flags)
+        return _Writer(max_length, deadline).sequence(parsed, parsed.state.flags)
     except re.error as error:
         raise PatternError(f"invalid regular expression: {error}") from None
     except RecursionError:  # Python's parser, and the writer, recurse once per level of nesting
@@ -61,8 +61,8 @@ def literal_regex(text: str) -> str:
 
 
 class _Writer:
-    def __init__(self, parser_state: object, max_length: int, deadline: float | None) -> None:
-        self.parser_state, self.max_length, self.deadline, self.length = parser_state, max_length, deadline, 0
+    def __init__(self, max_length: int, deadline: float | None) -> None:
+        self.max_length, self.deadline, self.length = max_length, deadline, 0
 
     def sequence(self, items, flags: int) -> str:
         return "".join(self.item(op, argument, flags) for op, argument in items)
@@ -95,7 +95,7 @@ class _Writer:
             return ((argument, argument),)
         # A key without the parser state: ranges depend only on the item and the flags that change its meaning.
         key = repr((op, argument, flags & (re.IGNORECASE | re.DOTALL | re.ASCII | re.UNICODE)))
-        return _matched_ranges(key, regex_parser.SubPattern(self.parser_state, [(op, argument)]), flags)
+        return _matched_ranges(key, single_character_item(op, argument, flags), flags)
 
 
 _RANGES: dict[str, Ranges] = {}  # item and flags -> its ranges (cached: finding them scans every character)

@@ -55,7 +55,7 @@ def regex_dfa(pattern: str, alphabet: str, name: str = "regex") -> DFA:
         parsed = regex_parser.parse(pattern)
     except re.error as error:
         raise AutomatonError(f"invalid regular expression {pattern!r}: {error}") from None
-    nfa = _NFA(pattern, alphabet, parsed.state.flags, parsed.state)
+    nfa = _NFA(pattern, alphabet, parsed.state.flags)
     start, accept = nfa.fragment(parsed)
     initial = nfa.closure({start})
 
@@ -77,11 +77,20 @@ def regex_dfa(pattern: str, alphabet: str, name: str = "regex") -> DFA:
     return DFA.from_moore(machine.minimal())
 
 
+def single_character_item(op, argument, flags: int) -> object:
+    """A parsed single-character item on its own, for ``regex_compiler.compile(item, flags)``: in a parser state of
+    its own holding exactly ``flags`` (re's compiler ORs the state's flags in, so the pattern's state would put a
+    global (?i) back into a (?-i:...) group)."""
+    state = regex_parser.State()
+    state.flags = flags
+    return regex_parser.SubPattern(state, [(op, argument)])
+
+
 class _NFA:
     """A Thompson NFA under construction: epsilon edges, and symbol edges labelled by alphabet indices."""
 
-    def __init__(self, pattern: str, alphabet: str, flags: int, parser_state: object) -> None:
-        self.pattern, self.alphabet, self.flags, self.parser_state = pattern, alphabet, flags, parser_state
+    def __init__(self, pattern: str, alphabet: str, flags: int) -> None:
+        self.pattern, self.alphabet, self.flags = pattern, alphabet, flags  # flags: those in force where it builds
         self.epsilon: list[list[int]] = []
         self.edges: list[list[tuple[frozenset[int], int]]] = []
 
@@ -107,8 +116,13 @@ class _NFA:
             start, end = self.new_state(), self.new_state()
             self.edges[start].append((self._symbols(op, argument), end))
             return start, end
-        if op is regex_constants.SUBPATTERN:
-            return self.fragment(argument[-1])
+        if op is regex_constants.SUBPATTERN:  # its scoped flags, (?i:...) or (?-i:...), hold inside it only
+            _group, add_flags, del_flags, items = argument
+            outer, self.flags = self.flags, (self.flags | add_flags) & ~del_flags
+            try:
+                return self.fragment(items)
+            finally:
+                self.flags = outer
         if op is regex_constants.BRANCH:
             start, end = self.new_state(), self.new_state()
             for alternative in argument[1]:
@@ -142,8 +156,7 @@ class _NFA:
 
     def _symbols(self, op, argument) -> frozenset[int]:
         """The alphabet indices one single-character item matches, decided by ``re`` itself."""
-        single = regex_parser.SubPattern(self.parser_state, [(op, argument)])
-        matcher = regex_compiler.compile(single, self.flags)
+        matcher = regex_compiler.compile(single_character_item(op, argument, self.flags), self.flags)
         return frozenset(i for i, symbol in enumerate(self.alphabet) if matcher.fullmatch(symbol))
 
     def closure(self, states: Iterable[int]) -> frozenset[int]:

@@ -44,7 +44,7 @@ def assert_same_language(pattern: str, probes: list[str]) -> None:
     "pattern",
     [r"\s", r"\S+", r"(?i)k", r"(?i:a)b", r"a{,3}", r"x*?y?", r".", r"(?s).", r"\d", r"(?a)\w", r"\w", r"[^a-c]",
      r"[\W\d]", r"(?i)[é-ê]", r"(?i)ß", r"é+|😀{2}", r"a|", r"(a|b)*c{2,}", r"\u212a",
-     r"(?x) a  b # comment", r"[\s\S]", r"\x1c|\n", r"(?i)ǆ"],
+     r"(?x) a  b # comment", r"[\s\S]", r"\x1c|\n", r"(?i)ǆ", r"(?i)a(?-i:b)k", r"(?s:.)(?a:\w)\w"],
 )  # fmt: skip
 def test_plain_form_matches_what_re_fullmatch_matches(pattern: str) -> None:
     probes = TRICKY + [a + b for a in TRICKY[:12] for b in TRICKY[:12]] + ["aaa", "aaaa", "xy", "ccc", "ab", "Ab"]
