@@ -160,7 +160,8 @@ class BlockDiagonalRecurrence(Recurrence):
         """u: (B, d_model), state: (B, H, b) -> A(u) state + B u: (B, H, b). Under the column constraint alone,
         each column's divisor d_j scales the state entry it multiplies instead of the column (A diag(1/d) h =
         A (h / d)): one pass less over the (B, H, b, b) blocks than ``scan_step(*coefficients(u), state)``, which
-        it equals up to float rounding."""
+        it equals up to float rounding. After :meth:`for_serving` (full generator, no grad), g(u) and B u come
+        from one product."""
         if self.transition_norm == "spectral":
             return super().step(u, state)
         joint = None if torch.is_grad_enabled() else self._joint_weight()  # (d_model, H b^2 + H b)
