@@ -100,7 +100,10 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """logits: (R, V) -> probabilities (R, V) after temperature, top-k and top-p (filtered tokens get 0)."""
-    scores = logits / temperature  # (R, V)
+    # Shifted so that each row's largest score is 0 (softmax is the same), and the temperature at least the smallest
+    # normal float: a tiny one cannot make NaN probabilities (inf - inf, 0 / 0) or every score -inf.
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
+    scores = (logits - logits.max(-1, keepdim=True).values) / temperature  # (R, V)
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]  # (R, 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))

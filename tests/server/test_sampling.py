@@ -22,6 +22,10 @@ def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
     assert set(draws(SamplingParams(top_k=1, seed=3))) == {1}
     assert set(draws(SamplingParams(top_p=0.01, seed=3))) == {1}
     assert set(draws(SamplingParams(top_p=5e-324, seed=3))) == {1}  # 0 as float32: it dropped every token, took 0
+    assert set(draws(SamplingParams(temperature=1e-135, seed=3))) == {1}  # logits / it overflowed to NaN, took 0
+    masked = torch.tensor([[-5.0, float("-inf"), -4.0, float("-inf")]])  # what a structured_outputs mask leaves
+    params = SamplingParams(temperature=1e-45, top_p=0.5, seed=1)
+    assert sample(masked, [params], [params.generator()]) == [2]
 
 
 def test_filters_keep_the_right_tokens() -> None:
