@@ -64,7 +64,7 @@ class Call:
     body: BaseModel | None = None
 
     def json(self) -> dict[str, Any] | None:
-        return None if self.body is None else self.body.model_dump(exclude_none=True)
+        return None if self.body is None else self.body.model_dump(exclude_none=True, by_alias=True)  # e.g. "json"
 
 
 def api_error(response: httpx.Response, body: bytes) -> APIStatusError:

@@ -27,6 +27,15 @@ def test_sync_client(live) -> None:
         assert error.value.status_code == 422 and "position 2" in error.value.message
 
 
+def test_structured_outputs(live) -> None:
+    with Client(live.url) as client:
+        choice = client.generate("text-lrnn", "Once", seed=1, structured_outputs={"choice": ["yes", "no"]})
+        assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+        schema = {"enum": ["a", [1, 2]]}  # sent as "json" (the field's alias)
+        value = client.generate("text-lrnn", "Once", seed=1, structured_outputs={"json": schema}).text
+        assert value in ('"a"', "[1,2]")
+
+
 def test_async_client(live) -> None:
     async def run() -> None:
         async with AsyncClient(live.url) as client:
