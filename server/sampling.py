@@ -86,9 +86,11 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list
         if row_params.repetition_penalty != 1.0:
             seen = counts > 0
             seen[history.prompt_ids] = True
-            penalized = torch.where(
-                row_logits > 0, row_logits / row_params.repetition_penalty, row_logits * row_params.repetition_penalty
-            )
+            # At least float32's smallest normal (below, the penalty rounds to 0 and a masked -inf x 0 is NaN), and no
+            # logit pushed past float32's largest (inf - inf is NaN when the sampler shifts the scores).
+            limits = torch.finfo(row_logits.dtype)
+            penalty = max(row_params.repetition_penalty, limits.tiny)
+            penalized = torch.where(row_logits > 0, (row_logits / penalty).clamp(max=limits.max), row_logits * penalty)
             row_logits.copy_(torch.where(seen, penalized, row_logits))
         if row_params.frequency_penalty or row_params.presence_penalty:
             counts = counts.to(row_logits.dtype)  # (V,)

@@ -83,3 +83,14 @@ def test_penalize_follows_openai_and_vllm() -> None:
     repeated = penalize(logits, [SamplingParams(repetition_penalty=2.0)], [history([0], [1])])
     torch.testing.assert_close(repeated, torch.tensor([[1.0, -2.0, 0.5, 0.0]]))  # prompt and output tokens
     assert logits.tolist() == [[2.0, -1.0, 0.5, 0.0]]  # the input is left as it was
+
+
+def test_a_repetition_penalty_near_zero_keeps_masked_tokens_out() -> None:
+    """5e-324 (valid: > 0) is 0 in float32: masked tokens (-inf, as structured_outputs leaves them) became NaN and
+    seen ones +inf, and the sampler took token 0."""
+    logits = torch.tensor([[float("-inf"), 3.0, -1.0, float("-inf")]])  # tokens 0 and 3 forbidden
+    params = SamplingParams(repetition_penalty=5e-324, seed=0)
+    adjusted = penalize(logits, [params], [history([0, 1, 2, 3], [])])
+    assert not adjusted.isnan().any() and adjusted[0, 0] == adjusted[0, 3] == float("-inf")
+    assert set(sample(adjusted.repeat(50, 1), [params] * 50, [params.generator() for _ in range(50)])) == {1}
+    assert sample(adjusted, [SamplingParams(temperature=0.0)], [None]) == [1]
