@@ -17,12 +17,13 @@ def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_d
     assert body["object"] == "list"
     cards = {card["id"]: card for card in body["data"]}
     assert set(cards) == set(TRANSDUCERS) | set(LANGUAGE_MODELS)
-    assert cards["parity-lrnn"] | {"parameters": 0, "limits": {}} == {
+    assert cards["parity-lrnn"] | {"parameters": 0, "limits": {}, "serving_notes": []} == {
         "id": "parity-lrnn", "object": "model", "owned_by": "regularlm", "kind": "transduce", "architecture": "lrnn",
         "task": "parity_check", "alphabet": "01", "labels": ["0", "1"], "tokenizer": None, "vocab_size": 2,
         "parameters": 0, "limits": {}, "serving_notes": [],
     }  # fmt: skip
     assert cards["parity-lrnn"]["limits"]["max_input_symbols"] > 0  # tests/server/test_engine.py
+    assert all(isinstance(note, str) and note for note in cards["parity-lrnn"]["serving_notes"])  # model.for_serving
     assert cards["text-lstm"]["kind"] == "generate" and cards["text-lstm"]["tokenizer"] == "bytes"
     (failure,) = client.app.state.engine.load_failures
     assert failure.startswith(str(checkpoints_dir / BROKEN)) and "not valid JSON" in failure
