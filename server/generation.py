@@ -263,7 +263,8 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
     for row, allowed in zip(rows, any_allowed):
         sequence = sequences[row]
         if sequence.constraint.error is not None:
-            sequence.abort(metrics, InputTooLarge(f"structured_outputs: {sequence.constraint.error}"))
+            limit = f"structured_outputs: {sequence.constraint.error} (a limit of llguidance's for one token)"
+            sequence.abort(metrics, InputTooLarge(limit))
         elif not allowed:
             sequence.finish("stop", metrics)
     live = [row for row, sequence in enumerate(sequences) if not sequence.done]

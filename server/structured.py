@@ -88,7 +88,7 @@ class Constraint:
     @property
     def error(self) -> str | None:
         """Why the matcher stopped working (e.g. a limit of llguidance's reached at this step), or None."""
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
 
 class CompiledConstraint:
@@ -255,8 +255,12 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 def _check(matcher: llguidance.LLMatcher, kind: str) -> None:
     if not matcher.is_error():
         return
-    message = matcher.get_error().strip().splitlines()[0]
+    message = _first_line(matcher.get_error())
     raise (InputTooLarge if "limit" in message else InvalidInput)(f"structured_outputs.{kind}: {message}")
+
+
+def _first_line(error: str) -> str:
+    return (error.strip().splitlines() or [""])[0]
 
 
 def _settle(future: asyncio.Future, result: object) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
+import llguidance
 import numpy as np
 import openai
 import pytest
@@ -23,6 +24,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import server.generation
+import server.structured
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig
 from server.app import create_app
@@ -207,6 +209,17 @@ def test_a_lone_surrogate_is_refused(client) -> None:
         body = f'{{"model": "{BPE}", "prompt": "x", "structured_outputs": {structured}}}'
         response = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
         assert response.status_code == 422, response.text
+
+
+def test_a_constraint_over_a_limit_per_token_ends_alone(client, monkeypatch) -> None:
+    """llguidance's work per token is bounded (lexer fuel); a sequence past it ends with 413, the others go on."""
+    monkeypatch.setattr(server.structured, "_LIMITS", llguidance.LLParserLimits(step_lexer_fuel=1000))
+    free = {"model": BPE, "prompt": "x", "max_tokens": 20, "seed": 1}
+    costly = {**free, "structured_outputs": {"regex": r"(\w+\s){1,99}"}}
+    with ThreadPoolExecutor(2) as pool:
+        refused, answered = pool.map(lambda body: client.post("/v1/generate", json=body), [costly, free])
+    assert refused.status_code == 413 and "too many expressions" in refused.json()["error"]["message"]
+    assert answered.status_code == 200 and answered.json()["text"]
 
 
 def test_transducers_have_no_structured_outputs(client) -> None:
