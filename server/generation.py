@@ -12,6 +12,7 @@ it (``InferenceCache.select``). The engine never looks at a cache's class.
 from __future__ import annotations
 
 import functools
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,6 +29,7 @@ from server.sampling import SamplingParams, TokenLogprob, penalize, sample, toke
 from server.state_cache import StateCache
 from server.structured import CompiledConstraint, token_bias, token_bias_later
 
+logger = logging.getLogger(__name__)
 Masks = Future[tuple[torch.Tensor, list[bool]]]  # token_bias_later's: the constrained rows' bias, and any allowed
 
 
@@ -238,6 +240,8 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     params = [sequence.request.sampling for sequence in sequences]
     adjusted = penalize(masked, params, sequences)  # (B', V); log-probabilities stay the model's
     tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
+    if masked is not logits:
+        _keep_to_the_masks(sequences, adjusted, tokens)
     for sequence, token, row_logits in zip(sequences, tokens, logits):
         _append(sequence, token, row_logits, metrics)
 
@@ -271,6 +275,17 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
     if len(live) < len(sequences):
         return [sequences[row] for row in live], logits[live], masked[live]
     return sequences, logits, masked
+
+
+def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens: list[int]) -> None:
+    """Defence in depth: a constrained row that drew a token its mask forbids (-inf: only a numerical corner of the
+    sampler could) takes its best allowed token instead, so that its text still matches. adjusted: (B, V)."""
+    drawn = adjusted[torch.arange(len(tokens)), torch.tensor(tokens)]  # (B,)
+    for row in torch.nonzero(drawn == float("-inf"))[:, 0].tolist():
+        if sequences[row].constraint is not None:
+            logger.warning("structured_outputs: token %d was drawn against its mask; taking the best allowed one",
+                           tokens[row])  # fmt: skip
+            tokens[row] = int(adjusted[row].argmax())
 
 
 def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: ServerMetrics) -> None:

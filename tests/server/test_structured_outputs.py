@@ -157,6 +157,14 @@ def test_end_of_text_only_where_the_text_matches(client) -> None:
     assert results == [("", "stop"), ("", "stop")]
 
 
+def test_a_token_drawn_against_its_mask_is_replaced(client, monkeypatch) -> None:
+    """Should the sampler ever return a forbidden token (a numerical corner), the row takes its best allowed one."""
+    monkeypatch.setattr(server.generation, "sample", lambda logits, params, generators: [0] * len(params))  # "!"
+    results = complete(client, {"regex": "[a-c]{3}"}, n=2, seed=1)
+    assert [reason for _, reason in results] == ["stop", "stop"]
+    assert all(re.fullmatch("[a-c]{3}", text) for text, _ in results)
+
+
 def test_model_without_an_end_of_text_token(client) -> None:
     """The byte-level model has no end-of-text token: a text ends when nothing longer can match, or at max_tokens."""
     for text, reason in complete(client, {"regex": "ab?c?"}, model=BYTES, n=4, seed=2):
