@@ -12,10 +12,10 @@ kept (LRU) per vocabulary; a request's sequences each get a copy of one (``Compi
 
 **Decoding** (``token_bias``, ``Constraint.consume``): a step writes the allowed tokens of every constrained row
 into one bitmask (a decode step on a thread of its own while the model runs: ``token_bias_later``), and the logits
-of the other tokens become -inf before the penalties and filters, so constrained and
-free rows sample in the same call. The end-of-text token is allowed only where the text so far matches. A
-sequence ends ("stop") as soon as its text matches and nothing longer could (``Constraint.finished``), or when no
-token of the model may follow (a model without an end-of-text token, at a complete match).
+of the other tokens become -inf before the penalties and filters, so constrained and free rows sample in the same
+call. The end-of-text token is allowed only where the text so far matches. A sequence ends ("stop") as soon as its
+text matches and nothing longer could (``Constraint.finished``), or when no token of the model may follow (a model
+without an end-of-text token, at a complete match).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ConstraintVocabulary:
     id, which the model can never sample: its constrained sequences end when nothing else may follow."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.size = tokenizer.vocab_size  # the model's logits
+        self.size = tokenizer.vocab_size  # the tokenizer's ids (a model may have more: never allowed)
         end = tokenizer.eot_token if tokenizer.eot_token is not None else self.size
         self.lltokenizer = llguidance.tiktoken.lltokenizer_from_encoding(
             tokenizer.encoding, n_vocab=max(self.size, end + 1), eos_token=end
