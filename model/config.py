@@ -106,7 +106,10 @@ class LRNNConfig(BaseModelConfig):
     length. For p > 1 the column clamp alone lets a block's spectral radius reach b^(1 - 1/p) (1.41 for b = 8,
     p = 1.2; docs/results.md measures what that does past the training length); for p = 1 it is stable but
     cannot represent a rotation by 72 degrees (Z_5). With p = 2 and b = 2, "spectral" keeps exactly the
-    rotations and reflections (unit orthogonal columns) unchanged and contracts every other block.
+    rotations and reflections (unit orthogonal columns) unchanged and contracts every other block. "stochastic"
+    (ours) projects each column onto the probability simplex (sparsemax: column-stochastic A with exact zeros, on
+    the boundary of the p = 1 ball), drops B u and learns h_0: every layer is a probabilistic automaton
+    (model/lrnn.py); ``p_norm`` is then unused.
 
     ``transition_rank``: the generator g of the transitions, A(u) = constraint(g(u)). None (default, the paper's):
     g is one linear map d_model -> H b^2, d_model H b^2 weights per layer (2.1 M of a d_model = 512, H = 64, b = 8
@@ -126,7 +129,7 @@ class LRNNConfig(BaseModelConfig):
     block_size: int = 8
     num_blocks: int = 8
     p_norm: float = 1.2
-    transition_norm: Literal["column", "spectral"] = "column"
+    transition_norm: Literal["column", "spectral", "stochastic"] = "column"
     transition_rank: int | None = None
     d_ff: int = 256
     scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"

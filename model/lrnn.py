@@ -5,7 +5,8 @@ Token embedding -> ``n_layers`` recurrent blocks -> LayerNorm -> head. A block i
     u_k = LN(x_k)
     h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)) (then spectral_norm_constraint
                                         for transition_norm "spectral"), block-diagonal, H blocks of b x b;
-                                        g linear (the paper), or V (s U u) + c of rank transition_rank
+                                        g linear (the paper), or V (s U u) + c of rank transition_rank;
+                                        "stochastic": A(u) = column sparsemax of g(u), no B u, h_0 learned
     x_k = x_k + out_proj(h_k)           y_k = h(x_k) of the paper
     x_k = x_k + MLP(LN(x_k))
 
@@ -44,6 +45,7 @@ from model.ops.linear_scan import (
     choose_scan_impl,
     column_divisors,
     column_norm_constraint,
+    column_sparsemax,
     linear_scan,
     scan_step,
     spectral_norm_constraint,
@@ -95,6 +97,11 @@ class Recurrence(nn.Module):
         """u: (B, d_model), state: (B, H, b) -> the next state A(u) state + b(u): (B, H, b)."""
         return scan_step(*self.coefficients(u), state)
 
+    def initial_state(self, rows: int) -> torch.Tensor:
+        """h_0 of ``rows`` rows: (rows, H, b); zeros unless a recurrence learns it."""
+        weight = next(self.parameters())
+        return weight.new_zeros(rows, *self.state_shape)
+
     def for_serving(self) -> bool:
         """Rearrange the weights in memory for :meth:`step` (values unchanged); returns whether anything moved.
         The default moves nothing."""
@@ -111,20 +118,41 @@ class BlockDiagonalRecurrence(Recurrence):
     Parameters, with ``transition_rank`` None: ``transition`` (g: d_model -> H b^2) and ``input_proj`` (B), as in
     the paper. With a rank r: ``in_proj`` (d_model -> r + H b, [U; B]: the code U u and B u from one product) and
     ``transition`` (V: r -> H b^2, g(u) = V (code_scale U u) + c, code_scale = d_model / r fixed).
+
+    ``transition_norm`` "stochastic" (ours) makes every layer a probabilistic automaton: each column of A(u) is
+    the sparsemax of g(u)'s column (``column_sparsemax``: non-negative, summing to 1, with exact zeros: the
+    boundary of the paper's p = 1 constraint, where every deterministic automaton's 0/1 transition matrices lie),
+    there is no input term B u (no ``input_proj``; no B rows in ``in_proj`` with a rank), and h_0 is a learned
+    distribution per block (``initial``, softmax of its logits). Every state is then a distribution per block at
+    any length: it cannot grow, and once training has moved a column's off-support entries more than 1 below its
+    top, nothing leaks out of a remembered state at all, where under the other norms a remembered value drifts by
+    the residue of B u at every step.
+
+    Training runs in two phases (``soft_transitions``, set by the trainer: ``--soft-transition-steps``): first with
+    each column a softmax instead, whose gradient reaches every entry, then with the sparsemax. A sparsemax from
+    the start got stuck (an entry that leaves a column's support gets no gradient); a softmax alone finds the
+    automaton but leaks e^-gap per step, and lost the first symbol of even_pairs by ~1,000 symbols. Evaluation and
+    serving always use the sparsemax (docs/results.md).
     """
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()
         self.num_blocks, self.block_size, self.p_norm = config.num_blocks, config.block_size, config.p_norm
         self.transition_norm, self.rank = config.transition_norm, config.transition_rank
-        self.state_shape, self.input_size = (config.num_blocks, config.block_size), config.state_size
+        self.stochastic = config.transition_norm == "stochastic"
+        self.state_shape = (config.num_blocks, config.block_size)
+        self.input_size = 0 if self.stochastic else config.state_size  # B's outputs
         generated = config.num_blocks * config.block_size**2  # H b^2: g's outputs
         if self.rank is None:
             self.transition = nn.Linear(config.d_model, generated)  # g
-            self.input_proj = nn.Linear(config.d_model, config.state_size)  # B
+            if not self.stochastic:
+                self.input_proj = nn.Linear(config.d_model, config.state_size)  # B
         else:
-            self.in_proj = nn.Linear(config.d_model, self.rank + config.state_size)  # [U; B]
+            self.in_proj = nn.Linear(config.d_model, self.rank + self.input_size)  # [U; B]
             self.transition = nn.Linear(self.rank, generated)  # V, and c as its bias
+        if self.stochastic:
+            self.initial = nn.Parameter(torch.zeros(self.state_shape))  # logits of h_0, uniform per block
+        self.soft_transitions = False  # "stochastic", training mode only: softmax columns (set by the trainer)
         self.out_proj = nn.Linear(config.state_size, config.d_model)  # h
         # A(u) starts near 0.9 I for every input: bias 0.9 I, weights so small that each entry of g(u) varies
         # by ~0.02 (u = LN(x) has unit-variance entries). 0.9 I is a leaky running sum: states stay bounded
@@ -139,9 +167,12 @@ class BlockDiagonalRecurrence(Recurrence):
         # docs/results.md): with code_scale 1, sum_mod5 at rank 4 fitted its training lengths but was at chance
         # past them after 1,500 steps; with the scale in U's initial spread instead of a multiplier, parity_check
         # at rank 1 stayed at chance for 2,250 steps; with the multiplier both were at 100% by step 500.
+        # "stochastic" starts the same through the softmax it trains with first (``soft_transitions``): 0.9 on the
+        # diagonal of every column, from logits ln(9 (b - 1)) there and 0 elsewhere.
         identity = torch.eye(config.block_size).expand(config.num_blocks, -1, -1)  # (H, b, b)
+        diagonal = math.log(9 * max(config.block_size - 1, 1)) if self.stochastic else 0.9
         with torch.no_grad():
-            self.transition.bias.copy_(0.9 * identity.flatten())
+            self.transition.bias.copy_(diagonal * identity.flatten())
         self.code_scale = 1.0 if self.rank is None else config.d_model / self.rank
         nn.init.normal_(self.transition.weight, std=0.02 / self.code_scale / self.transition.in_features**0.5)
         if self.rank is not None:
@@ -149,8 +180,12 @@ class BlockDiagonalRecurrence(Recurrence):
             nn.init.zeros_(self.in_proj.bias[: self.rank])
 
     def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1, and B u: (..., H, b)."""
+        """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1, and B u: (..., H, b) (zeros for
+        "stochastic", whose columns are distributions)."""
         generated, inputs = self._generate(u)  # (..., H, b, b), (..., H, b)
+        if self.stochastic:
+            soft = self.training and self.soft_transitions
+            return (generated.softmax(dim=-2) if soft else column_sparsemax(generated)), inputs
         blocks = column_norm_constraint(generated, self.p_norm)  # (..., H, b, b)
         if self.transition_norm == "spectral":
             blocks = spectral_norm_constraint(blocks)  # then every block's largest singular value <= 1 too
@@ -162,7 +197,7 @@ class BlockDiagonalRecurrence(Recurrence):
         A (h / d)): one pass less over the (B, H, b, b) blocks than ``scan_step(*coefficients(u), state)``, which
         it equals up to float rounding. After :meth:`for_serving` (full generator, no grad), g(u) and B u come
         from one product."""
-        if self.transition_norm == "spectral":
+        if self.transition_norm != "column":
             return super().step(u, state)
         joint = None if torch.is_grad_enabled() else self._joint_weight()  # (d_model, H b^2 + H b)
         if joint is None:
@@ -181,7 +216,7 @@ class BlockDiagonalRecurrence(Recurrence):
         (in, out) in memory, that ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and
         checkpoints unchanged), so that :meth:`step` makes g(u) and B u with one product. A later ``.to()`` gives
         each weight its own storage again, and the step goes back to two products."""
-        if self.rank is not None or self._joint_weight() is not None:
+        if self.rank is not None or self.stochastic or self._joint_weight() is not None:
             return False
         joint = torch.cat([self.transition.weight, self.input_proj.weight]).t().contiguous()  # (d, H b^2 + H b)
         size = self.transition.out_features
@@ -192,7 +227,7 @@ class BlockDiagonalRecurrence(Recurrence):
     def _joint_weight(self) -> torch.Tensor | None:
         """The (d_model, H b^2 + H b) matrix that :meth:`for_serving` made g's and B's weights views of, while they
         still are; None otherwise (a low rank, not served, or moved since)."""
-        if self.rank is not None:
+        if self.rank is not None or self.stochastic:
             return None
         first, second = self.transition.weight, self.input_proj.weight  # (H b^2, d), (H b, d)
         width = first.shape[0] + second.shape[0]
@@ -206,11 +241,21 @@ class BlockDiagonalRecurrence(Recurrence):
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""
         if self.rank is None:
-            generated, inputs = self.transition(u), self.input_proj(u)  # (..., H b^2), (..., H b)
+            generated = self.transition(u)  # (..., H b^2)
+            inputs = None if self.stochastic else self.input_proj(u)  # (..., H b)
         else:
-            code, inputs = self.in_proj(u).split([self.rank, self.input_size], dim=-1)  # (..., r), (..., H b)
+            code, inputs = self.in_proj(u).split([self.rank, self.input_size], dim=-1)  # (..., r), (..., H b or 0)
             generated = self.transition(code * self.code_scale)  # (..., H b^2)
-        return generated.unflatten(-1, (*self.state_shape, self.block_size)), inputs.unflatten(-1, self.state_shape)
+        generated = generated.unflatten(-1, (*self.state_shape, self.block_size))  # (..., H, b, b)
+        if inputs is None or self.stochastic:
+            return generated, generated.new_zeros(generated.shape[:-1])  # no input term: (..., H, b)
+        return generated, inputs.unflatten(-1, self.state_shape)
+
+    def initial_state(self, rows: int) -> torch.Tensor:
+        """h_0: a learned distribution per block for "stochastic", else zeros: (rows, H, b)."""
+        if not self.stochastic:
+            return super().initial_state(rows)
+        return self.initial.softmax(dim=-1).expand(rows, -1, -1)  # (rows, H, b)
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
         """u: (..., d_model) -> A(u): (..., H, b, b) (:meth:`coefficients`' first half)."""
@@ -234,7 +279,8 @@ class RecurrentBlock(nn.Module):
         self.scan_impl, self.scan_chunk_size = config.scan_impl, config.scan_chunk_size
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, d_model), state: (B, H, b) or None (zeros) -> (B, T, d_model), final state (B, H, b)."""
+        """x: (B, T, d_model), state: (B, H, b) or None (the recurrence's h_0) -> (B, T, d_model), final state
+        (B, H, b)."""
         u, states, final_state = self._scan(x, state)
         x = x + self.dropout(self.recurrence.readout(states, u))  # (B, T, d_model)
         return x + self.mlp(self.ln_2(x)), final_state
@@ -251,6 +297,8 @@ class RecurrentBlock(nn.Module):
         """x: (B, T, d_model) -> LN(x) (B, T, d_model), every state (B, T, H, b), the last state (B, H, b)."""
         u = self.ln_1(x)  # (B, T, d_model)
         transitions, inputs = self.recurrence.coefficients(u)  # (B, T, H, b, b), (B, T, H, b)
+        if state is None:
+            state = self.recurrence.initial_state(x.shape[0]).to(inputs.dtype)  # (B, H, b)
         states, final_state = linear_scan(
             transitions, inputs, state, impl=self.scan_impl, chunk_size=self.scan_chunk_size
         )  # (B, T, H, b), (B, H, b)
@@ -317,7 +365,7 @@ class LinearRNN(SequenceModel):
 
     def new_cache(self, batch_size: int) -> LRNNCache:
         states = [
-            torch.zeros(batch_size, *block.recurrence.state_shape, device=self.device, dtype=self.dtype)
+            block.recurrence.initial_state(batch_size).to(device=self.device, dtype=self.dtype).contiguous()
             for block in self.blocks
         ]  # each (B, H, b)
         return LRNNCache(lengths_tensor(0, batch_size), states)

@@ -84,6 +84,8 @@ class TrainSettings:
     many micro-batches (the same gradient, less memory). ``lr`` is the peak rate: ``warmup_steps`` rise linearly
     to it, then "constant", or "cosine" down to ``min_lr_fraction`` of it at ``steps``. ``patience``: stop after
     that many evaluations without a better score; ``target``: stop once the best score reaches it.
+    ``soft_transition_steps``: a stochastic LRNN trains its first that many steps with softmax columns, then with
+    the sparsemax columns it is evaluated and served with (model/lrnn.py says why); 0 for every other model.
     """
 
     architecture: str
@@ -106,6 +108,7 @@ class TrainSettings:
     log_every: int = 10
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     compile: bool = False
+    soft_transition_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -240,6 +243,8 @@ def train(
             run.step += 1
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * lr_factor(settings, run.step)
+            if settings.soft_transition_steps:
+                _set_soft_transitions(model, run.step <= settings.soft_transition_steps)
             batch = objective.batch(rng, run.step)
             grad_norm, step_tokens = _train_step(trained, optimizer, batch, settings, run, dist, use_bfloat16)
             window_tokens += step_tokens
@@ -303,6 +308,13 @@ def _train_step(
     optimizer.step()
     run.tokens += positions * dist.world_size
     return float(grad_norm), positions
+
+
+def _set_soft_transitions(model: torch.nn.Module, soft: bool) -> None:
+    """Switch every layer that has two training phases (``soft_transitions``: the stochastic LRNN's)."""
+    for module in model.modules():
+        if hasattr(module, "soft_transitions"):
+            module.soft_transitions = soft
 
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

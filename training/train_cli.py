@@ -57,6 +57,9 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     optim.add_argument("--min-lr-fraction", type=probability, help="where the cosine ends, over the peak")
     optim.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
     optim.add_argument("--seed", type=int, default=0, help="weights, data (keyed by rank too) and evaluation set")
+    optim.add_argument("--soft-transition-steps", type=non_negative_int,
+                       help="LRNN with --transition-norm stochastic: train this many first steps with softmax columns, "
+                       "then with the sparsemax it is served with (default: half of --steps)")
     checks = parser.add_argument_group("evaluation, early stopping, saving")
     checks.add_argument("--eval-every", type=non_negative_int, help="steps between evaluations (0: none)")
     checks.add_argument("--patience", type=positive_int, help="stop after this many evaluations without a new best")
@@ -102,12 +105,17 @@ def check_new_run(args: argparse.Namespace) -> None:
 
 def settings_from_args(args: argparse.Namespace, architecture: str, target: float | None = None) -> TrainSettings:
     save_every = args.save_every or args.eval_every or 500
+    stochastic = architecture == "lrnn" and getattr(args, "transition_norm", None) == "stochastic"
+    if args.soft_transition_steps is not None and not stochastic:
+        raise UsageError("--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only")
+    soft_steps = args.soft_transition_steps if args.soft_transition_steps is not None else args.steps // 2
     return TrainSettings(
         architecture=architecture, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         optimizer=args.optimizer, beta2=args.beta2, weight_decay=args.weight_decay, schedule=args.schedule,
         warmup_steps=args.warmup_steps, min_lr_fraction=args.min_lr_fraction, grad_clip=args.grad_clip,
         grad_accumulation=args.grad_accumulation, seed=args.seed, eval_every=args.eval_every, save_every=save_every,
         patience=args.patience, target=target, log_every=args.log_every, dtype=args.dtype, compile=args.compile,
+        soft_transition_steps=soft_steps if stochastic else 0,
     )
 
 
@@ -126,6 +134,7 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             objective = _built(lambda: make_objective(settings, dist))
             return train(settings, objective, model_config, args.out, command, dist, options)
         state, _ = read_resume_state(args.out)
+        state["settings"].setdefault("soft_transition_steps", 0)  # runs saved before the option had none
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps
         if state["run"]["step"] >= steps:

@@ -81,6 +81,24 @@ def column_divisors(matrices: torch.Tensor, p: float = 1.2) -> torch.Tensor:
     return powered.sum(dim=-2, keepdim=True).clamp(min=1.0).pow(1.0 / p)  # (..., 1, b)
 
 
+def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor:
+    """Project every column of every block onto the probability simplex (sparsemax, Martins & Astudillo 2016):
+    p = max(v - tau, 0) with tau such that sum p = 1.
+
+    matrices: (..., b, b); a column is the vector along dim -2. Unlike a softmax, the result has exact zeros: an
+    entry more than 1 below its column's largest is 0, so a deterministic automaton's 0/1 transition matrix is
+    reached with finite logits and nothing leaks out of a state. Gradients flow through the column's support
+    (autograd through the sort gives the sparsemax Jacobian). Computed in at least float32.
+    """
+    values = matrices.to(_compute_dtype(matrices.dtype))  # (..., b, b)
+    ordered = values.sort(dim=-2, descending=True).values  # (..., b, b)
+    ranks = torch.arange(1, values.shape[-2] + 1, device=values.device, dtype=values.dtype).unsqueeze(-1)  # (b, 1)
+    cumulative = ordered.cumsum(dim=-2) - 1  # (..., b, b)
+    support = (ordered * ranks > cumulative).sum(dim=-2, keepdim=True)  # (..., 1, b): k, at least 1
+    tau = cumulative.gather(-2, support - 1) / support.to(values.dtype)  # (..., 1, b)
+    return (values - tau).clamp(min=0).to(matrices.dtype)  # (..., b, b)
+
+
 SpectralImpl = Literal["auto", "svd", "closed_form"]
 
 

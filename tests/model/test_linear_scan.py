@@ -9,6 +9,7 @@ from model.ops.linear_scan import (
     choose_scan_impl,
     column_divisors,
     column_norm_constraint,
+    column_sparsemax,
     linear_scan,
     scan_chunked,
     scan_parallel,
@@ -203,3 +204,32 @@ def test_spectral_norm_constraint_bounds_products_and_keeps_gradients_finite() -
         assert torch.isfinite(blocks.grad).all()
     with pytest.raises(ValueError, match="2 x 2"):
         spectral_norm_constraint(torch.zeros(3, 3), impl="closed_form")
+
+
+def simplex_projection(column: torch.Tensor) -> torch.Tensor:
+    """The reference: argmin ||p - v|| over the simplex is max(v - tau, 0), tau found by bisection on sum = 1."""
+    low, high = float(column.min()) - 1, float(column.max())
+    for _ in range(200):
+        tau = (low + high) / 2
+        low, high = (tau, high) if float((column - tau).clamp(min=0).sum()) > 1 else (low, tau)
+    return (column - (low + high) / 2).clamp(min=0)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 10.0])
+def test_column_sparsemax_is_the_projection_onto_the_simplex(scale: float) -> None:
+    matrices = torch.randn(6, 5, 5, dtype=torch.float64) * scale
+    projected = column_sparsemax(matrices)  # (6, 5, 5)
+    for block, expected_block in zip(matrices, projected):
+        for j in range(5):
+            torch.testing.assert_close(expected_block[:, j], simplex_projection(block[:, j]), rtol=0, atol=1e-12)
+    assert column_sparsemax(matrices.float()).dtype == torch.float32
+
+
+def test_column_sparsemax_reaches_exact_zeros_and_has_the_sparsemax_jacobian() -> None:
+    deterministic = torch.tensor([[3.0, 0.0], [1.5, 0.2]])  # gaps of 1.5 and 0.2: one exact 0/1 column
+    assert column_sparsemax(deterministic)[:, 0].tolist() == [1.0, 0.0]
+    column = torch.tensor([0.5, 0.4, -2.0, 0.45], dtype=torch.float64)
+    jacobian = torch.autograd.functional.jacobian(lambda v: column_sparsemax(v.unsqueeze(-1)).squeeze(-1), column)
+    support = (column_sparsemax(column.unsqueeze(-1)).squeeze(-1) > 0).double()  # (4,)
+    expected = torch.diag(support) - torch.outer(support, support) / support.sum()  # diag(s) - s s^T / |S|
+    torch.testing.assert_close(jacobian, expected)

@@ -16,8 +16,14 @@ from model.ops.linear_scan import ScanImpl, column_norm_constraint, scan_step
 from tests.model.tiny_models import tiny_configs
 
 VOCAB, LABELS = 5, 3
-MODELS = {"lrnn": BlockDiagonalLRNN, "lrnn-rank3": BlockDiagonalLRNN, "diagonal_lrnn": DiagonalLRNN}
-BLOCK_DIAGONAL_IDS = ["lrnn", "lrnn-rank3"]
+MODELS = {
+    "lrnn": BlockDiagonalLRNN,
+    "lrnn-rank3": BlockDiagonalLRNN,
+    "lrnn-stochastic": BlockDiagonalLRNN,
+    "lrnn-stochastic-rank2": BlockDiagonalLRNN,
+    "diagonal_lrnn": DiagonalLRNN,
+}
+BLOCK_DIAGONAL_IDS = ["lrnn", "lrnn-rank3", "lrnn-stochastic"]
 
 
 def make(model_id: str, scan_impl: ScanImpl = "auto", scan_chunk_size: int = 64) -> LinearRNN:
@@ -241,3 +247,28 @@ def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> N
     assert CheckpointConfig.from_dict(data).model == tiny_configs(2, 2)["lrnn"]
     with pytest.raises(ConfigError, match="missing key"):
         CheckpointConfig.from_dict({**data, "format_version": 3})  # the current format writes every key
+
+
+@pytest.mark.parametrize("model_id", ["lrnn-stochastic", "lrnn-stochastic-rank2"])
+def test_a_stochastic_layer_is_a_probabilistic_automaton(model_id: str) -> None:
+    """Column-stochastic transitions, no input term, a learned h_0: every state, at every length and in the cache,
+    is a distribution per block; with weights large enough, the transitions are exact 0/1 matrices."""
+    model = make(model_id).double()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.recurrence.initial.normal_()
+        tokens = torch.randint(0, VOCAB, (3, 2000))
+        cache = model.new_cache(batch_size=3)
+        for state in cache.states:  # h_0 before any token
+            assert torch.allclose(state.sum(-1), torch.ones(3, 2, dtype=torch.float64), atol=1e-12) and bool((state >= 0).all())
+        model(tokens, cache=cache)
+        model.step(tokens[:, 0], cache)
+        for state in cache.states:
+            assert torch.allclose(state.sum(-1), torch.ones(3, 2, dtype=torch.float64), atol=1e-9) and bool((state >= 0).all())
+        recurrence = model.blocks[0].recurrence
+        transitions, inputs = recurrence.coefficients(torch.randn(4, 16, dtype=torch.float64))
+        assert not hasattr(recurrence, "input_proj") and bool((inputs == 0).all())
+        assert torch.allclose(transitions.sum(-2), torch.ones(4, 2, 3, dtype=torch.float64), atol=1e-12)
+        recurrence.transition.weight.mul_(1e4)
+        transitions, _ = recurrence.coefficients(torch.randn(4, 16, dtype=torch.float64))
+        assert bool(((transitions == 0) | (transitions == 1)).all())

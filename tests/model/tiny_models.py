@@ -32,6 +32,12 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
             **common, n_layers=1, block_size=3, num_blocks=2, d_ff=32, transition_norm="spectral"
         ),
         "lrnn-rank3": LRNNConfig(**common, n_layers=2, block_size=4, num_blocks=2, d_ff=32, transition_rank=3),
+        "lrnn-stochastic": LRNNConfig(
+            **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="stochastic"
+        ),
+        "lrnn-stochastic-rank2": LRNNConfig(
+            **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="stochastic", transition_rank=2
+        ),
         "diagonal_lrnn": DiagonalLRNNConfig(**common, n_layers=2, state_size=8, d_ff=32),
         "lstm": LSTMConfig(**common, n_layers=2, hidden_size=24),
     }

@@ -22,6 +22,7 @@ from model.registry import build_model
 from training.cli import main
 from training.distributed import setup_distributed
 from training.language_model import LanguageModelObjective, TextData
+from training import loop
 from training.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
 from training.text_data import TokenArray
 from training.transduction import TaskData, TransductionObjective
@@ -31,13 +32,17 @@ TIMING = {"elapsed_s", "tokens_per_s", "wall_time_s", "command", "threads"}  # f
 TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]
 
 
-def task_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, **overrides) -> dict:
+def task_run(
+    out: Path, steps: int, stop_at: int | None = None, resume: bool = False, transition_norm: str = "column",
+    **overrides,
+) -> dict:
     """A parity_check run of a tiny LRNN with dropout (so the torch random stream matters too) through the API;
     ``stop_at`` cuts it after that many steps of this invocation, as a signal would."""
     settings = TrainSettings(architecture="lrnn", steps=steps, batch_size=6, lr=3e-3, optimizer="adamw",
                              weight_decay=0.1, schedule="cosine", warmup_steps=3, eval_every=4, save_every=5,
                              log_every=3, **overrides)
-    config = LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16, dropout=0.1)
+    config = LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16, dropout=0.1,
+                        transition_norm=transition_norm)
     data = TaskData(task="parity_check", train_lengths=(1, 12), eval_lengths=(20, 30), curriculum="growing",
                     curriculum_start=4, eval_samples=8, eval_batch_size=4)
     dist = setup_distributed("cpu")
@@ -108,6 +113,36 @@ def test_a_run_cut_twice_resumes_to_the_same_end(tmp_path: Path) -> None:
     task_run(tmp_path / "cut", steps=14, stop_at=7, resume=True)  # to step 9
     task_run(tmp_path / "cut", steps=14, resume=True)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
+    phases: list[bool] = []
+    switch = loop._set_soft_transitions
+
+    def recorded(model: torch.nn.Module, soft: bool) -> None:
+        phases.append(soft)
+        switch(model, soft)
+
+    monkeypatch.setattr(loop, "_set_soft_transitions", recorded)
+    task_run(tmp_path / "whole", steps=9, transition_norm="stochastic", soft_transition_steps=5)
+    assert phases == [True] * 5 + [False] * 4
+    task_run(tmp_path / "cut", steps=9, stop_at=3, transition_norm="stochastic", soft_transition_steps=5)
+    task_run(tmp_path / "cut", steps=9, resume=True, transition_norm="stochastic", soft_transition_steps=5)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    model = load_checkpoint(tmp_path / "whole", device="cpu").model.train()
+    assert not any(getattr(module, "soft_transitions", False) for module in model.modules())  # served: sparsemax
+
+
+def test_soft_transition_steps_default_to_half_the_run_and_belong_to_the_stochastic_lrnn(
+    tmp_path: Path, capsys
+) -> None:
+    stochastic = ("--transition-norm", "stochastic")
+    assert main(cli_run(tmp_path / "run", 6, *stochastic)) == 0
+    assert load_checkpoint(tmp_path / "run").config.metadata["settings"]["soft_transition_steps"] == 3
+    assert main(cli_run(tmp_path / "other", 6, "--soft-transition-steps", "2")) == 2
+    err = capsys.readouterr().err
+    assert "--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only" in err
+    assert err.count("\n") == 1
 
 
 def test_extending_a_finished_constant_rate_run_equals_running_it_longer(tmp_path: Path) -> None:
