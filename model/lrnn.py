@@ -247,7 +247,7 @@ class BlockDiagonalRecurrence(Recurrence):
             code, inputs = self.in_proj(u).split([self.rank, self.input_size], dim=-1)  # (..., r), (..., H b or 0)
             generated = self.transition(code * self.code_scale)  # (..., H b^2)
         generated = generated.unflatten(-1, (*self.state_shape, self.block_size))  # (..., H, b, b)
-        if inputs is None or self.stochastic:
+        if self.stochastic:
             return generated, generated.new_zeros(generated.shape[:-1])  # no input term: (..., H, b)
         return generated, inputs.unflatten(-1, self.state_shape)
 

@@ -40,7 +40,8 @@ MODEL_FLAGS = (
     ModelFlag("p_norm", float, "LRNN p of the column p-norm constraint"),
     ModelFlag("transition_norm", str, "LRNN constraint on A: the paper's column p-norm, each block's spectral norm "
               "<= 1 (stable at any length, rotations allowed), or columns projected onto the simplex (sparsemax) with "
-              "no input term and a learned initial state (a probabilistic automaton)", ("column", "spectral", "stochastic")),
+              "no input term and a learned initial state (a probabilistic automaton)",
+              ("column", "spectral", "stochastic")),
     ModelFlag("transition_rank", int, "LRNN: rank r of the transition generator, d -> r -> H*b*b (default: full)"),
     ModelFlag("state_size", int, "diagonal LRNN state size"),
     ModelFlag("scan_impl", str, "LRNN scan implementation", ("auto", "sequential", "parallel", "chunked")),

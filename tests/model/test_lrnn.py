@@ -253,18 +253,21 @@ def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> N
 def test_a_stochastic_layer_is_a_probabilistic_automaton(model_id: str) -> None:
     """Column-stochastic transitions, no input term, a learned h_0: every state, at every length and in the cache,
     is a distribution per block; with weights large enough, the transitions are exact 0/1 matrices."""
-    model = make(model_id).double()
+    def assert_distributions(states: list[torch.Tensor], atol: float) -> None:
+        for state in states:  # (3, H, b)
+            assert torch.allclose(state.sum(-1), torch.ones(3, 2, dtype=torch.float64), atol=atol)
+            assert bool((state >= 0).all())
+
+    model = make(model_id)
     with torch.no_grad():
         for block in model.blocks:
             block.recurrence.initial.normal_()
         tokens = torch.randint(0, VOCAB, (3, 2000))
         cache = model.new_cache(batch_size=3)
-        for state in cache.states:  # h_0 before any token
-            assert torch.allclose(state.sum(-1), torch.ones(3, 2, dtype=torch.float64), atol=1e-12) and bool((state >= 0).all())
+        assert_distributions(cache.states, atol=1e-12)  # h_0 before any token
         model(tokens, cache=cache)
         model.step(tokens[:, 0], cache)
-        for state in cache.states:
-            assert torch.allclose(state.sum(-1), torch.ones(3, 2, dtype=torch.float64), atol=1e-9) and bool((state >= 0).all())
+        assert_distributions(cache.states, atol=1e-9)
         recurrence = model.blocks[0].recurrence
         transitions, inputs = recurrence.coefficients(torch.randn(4, 16, dtype=torch.float64))
         assert not hasattr(recurrence, "input_proj") and bool((inputs == 0).all())
