@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any group exists: see close()
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -62,6 +63,13 @@ class Distributed:
         return values
 
     def close(self) -> None:
+        """Destroy the process group, which stops gloo's threads there and then.
+
+        torch.distributed.nn binds ``group.WORLD`` as a default argument of its functions when first imported, and
+        DistributedDataParallel imports it; imported after ``init_process_group`` it would keep the group (and its
+        gloo threads) alive to interpreter exit, where tearing them down aborted about one process exit in 20
+        ("terminate called without an active exception"). This module imports it first, while WORLD is None.
+        """
         if dist.is_initialized():
             dist.destroy_process_group()
 

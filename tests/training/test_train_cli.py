@@ -166,3 +166,27 @@ def test_torchrun_two_processes_agree_and_write_once(tmp_path: Path) -> None:
     assert metadata["world_size"] == 2
     assert metadata["command"].startswith("torchrun --nproc_per_node=2 -m training train --task parity_check")
     assert result.stdout.count("wrote ") == 1
+
+
+GROUP_LIFETIME = """
+import os, sys
+sys.path.insert(0, os.getcwd())  # the repository (run_module's working directory)
+import torch
+from training.distributed import setup_distributed
+dist = setup_distributed("cpu")
+model = dist.wrap(torch.nn.Linear(3, 3))
+model(torch.ones(2, 3)).sum().backward()
+del model
+dist.close()
+print(sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_closing_the_group_stops_its_threads_before_exit(tmp_path: Path) -> None:
+    """DDP used to pin the process group to interpreter exit, where gloo's threads aborted ~1 exit in 20."""
+    script = tmp_path / "group_lifetime.py"
+    script.write_text(GROUP_LIFETIME)
+    result = run_module("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "gloo" not in result.stdout and "python" in result.stdout
