@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: see close()
+import torch.distributed.nn  # before any group exists: see close()
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
