@@ -16,7 +16,7 @@ from model.ops.dilated_attention import (
     dilated_attention_fast,
     dilated_attention_reference,
 )
-from model.regulargpt import adaptive_depth
+from model.regulargpt_cache import adaptive_depth
 
 INPUT_NAMES = ("q", "k", "v", "relative_bias", "null_key", "null_value")
 OUT_OF_RANGE = pytest.mark.parametrize("null", [False, True], ids=["mask", "null"])

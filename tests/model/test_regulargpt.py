@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from model import regulargpt
+from model import regulargpt, regulargpt_cache
 from model.config import RegularGPTConfig
-from model.regulargpt import (
+from model.regulargpt import RegularGPT
+from model.regulargpt_cache import (
     BandedPlan,
     ChunkPlan,
-    RegularGPT,
     RegularGPTCache,
     StepPlan,
     adaptive_depth,
@@ -33,7 +33,8 @@ def cached_attention(request, monkeypatch) -> str:
     """Cached chunks attend as ``cached_attention_impl`` decides (for these tiny models: gathered, and one query
     per row through StepPlan), or every chunk of two or more positions through attend_banded."""
     if request.param == "all banded":
-        monkeypatch.setattr(regulargpt, "cached_attention_impl", lambda length, slots, prefix: "banded")
+        for module in (regulargpt, regulargpt_cache):  # the plans and the cost model
+            monkeypatch.setattr(module, "cached_attention_impl", lambda length, slots, prefix: "banded")
     return request.param
 
 
