@@ -132,7 +132,10 @@ class BlockDiagonalRecurrence(Recurrence):
     each column a softmax instead, whose gradient reaches every entry, then with the sparsemax. A sparsemax from
     the start got stuck (an entry that leaves a column's support gets no gradient); a softmax alone finds the
     automaton but leaks e^-gap per step, and lost the first symbol of even_pairs by ~1,000 symbols. Evaluation and
-    serving always use the sparsemax (docs/results.md).
+    serving always use the sparsemax (docs/results.md). With ``track_impurity`` the soft phase keeps the mean Gini
+    impurity of its columns (``impurity``), which the trainer can add to the loss (``--determinism-weight``): a
+    softmax model may fit short strings with mixtures that are not an automaton, which then neither extrapolate
+    nor survive the switch to sparsemax.
     """
 
     def __init__(self, config: LRNNConfig) -> None:
@@ -153,6 +156,8 @@ class BlockDiagonalRecurrence(Recurrence):
         if self.stochastic:
             self.initial = nn.Parameter(torch.zeros(self.state_shape))  # logits of h_0, uniform per block
         self.soft_transitions = False  # "stochastic", training mode only: softmax columns (set by the trainer)
+        self.track_impurity = False  # with soft_transitions: keep the columns' impurity (set by the trainer)
+        self.impurity: torch.Tensor | None = None  # () mean of 1 - sum_i A_ij^2 over the last soft call's columns
         self.out_proj = nn.Linear(config.state_size, config.d_model)  # h
         # A(u) starts near 0.9 I for every input: bias 0.9 I, weights so small that each entry of g(u) varies
         # by ~0.02 (u = LN(x) has unit-variance entries). 0.9 I is a leaky running sum: states stay bounded
@@ -184,8 +189,12 @@ class BlockDiagonalRecurrence(Recurrence):
         "stochastic", whose columns are distributions)."""
         generated, inputs = self._generate(u)  # (..., H, b, b), (..., H, b)
         if self.stochastic:
-            soft = self.training and self.soft_transitions
-            return (generated.softmax(dim=-2) if soft else column_sparsemax(generated)), inputs
+            if not (self.training and self.soft_transitions):
+                return column_sparsemax(generated), inputs
+            columns = generated.softmax(dim=-2)  # (..., H, b, b)
+            if self.track_impurity:  # 0 exactly when every column is one-hot: a deterministic automaton
+                self.impurity = 1 - columns.square().sum(dim=-2).mean()
+            return columns, inputs
         blocks = column_norm_constraint(generated, self.p_norm)  # (..., H, b, b)
         if self.transition_norm == "spectral":
             blocks = spectral_norm_constraint(blocks)  # then every block's largest singular value <= 1 too

@@ -60,6 +60,7 @@ def _checked_number(kind: type, accept: Callable[[Any], bool], requirement: str)
 positive_int = _checked_number(int, lambda value: value >= 1, "a positive integer")
 non_negative_int = _checked_number(int, lambda value: value >= 0, "0 or more")
 positive_float = _checked_number(float, lambda value: value > 0, "positive")
+non_negative_float = _checked_number(float, lambda value: 0 <= value < float("inf"), "a finite number, 0 or more")
 probability = _checked_number(float, lambda value: 0.0 <= value <= 1.0, "a probability in [0, 1]")
 
 

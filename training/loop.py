@@ -86,6 +86,8 @@ class TrainSettings:
     that many evaluations without a better score; ``target``: stop once the best score reaches it.
     ``soft_transition_steps``: a stochastic LRNN trains its first that many steps with softmax columns, then with
     the sparsemax columns it is evaluated and served with (model/lrnn.py says why); 0 for every other model.
+    ``determinism_weight``: over those steps the loss also counts the mean impurity 1 - sum_i A_ij^2 of the
+    softmax columns (0 when each is one-hot), weighted from 0 at the first step up to this at the last soft one.
     """
 
     architecture: str
@@ -109,6 +111,7 @@ class TrainSettings:
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     compile: bool = False
     soft_transition_steps: int = 0
+    determinism_weight: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -244,7 +247,8 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * lr_factor(settings, run.step)
             if settings.soft_transition_steps:
-                _set_soft_transitions(model, run.step <= settings.soft_transition_steps)
+                _set_soft_transitions(model, run.step <= settings.soft_transition_steps,
+                                      track_impurity=settings.determinism_weight > 0)
             batch = objective.batch(rng, run.step)
             grad_norm, step_tokens = _train_step(trained, optimizer, batch, settings, run, dist, use_bfloat16)
             window_tokens += step_tokens
@@ -294,13 +298,17 @@ def _train_step(
     whole batch's real positions, whatever the split. Returns the gradient norm before clipping and the number of
     real positions (this process)."""
     positions = int((batch.targets != IGNORE_INDEX).sum())
+    weight = determinism_weight(settings, run.step)
     optimizer.zero_grad(set_to_none=True)
     for part in batch.split(settings.grad_accumulation):
         part = part.to(dist.device)
         with torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=use_bfloat16):
             logits = trained(part.tokens)  # (b, T, V)
         loss_sum, correct = masked_loss(logits.float(), part.targets)
-        (loss_sum / positions).backward()
+        objective = loss_sum
+        if weight:  # the impurity counted once per real position, like the loss
+            objective = loss_sum + weight * int((part.targets != IGNORE_INDEX).sum()) * _impurity(trained)
+        (objective / positions).backward()
         run.window[0] += float(loss_sum.detach())
         run.window[1] += correct
     run.window[2] += positions
@@ -310,11 +318,31 @@ def _train_step(
     return float(grad_norm), positions
 
 
-def _set_soft_transitions(model: torch.nn.Module, soft: bool) -> None:
-    """Switch every layer that has two training phases (``soft_transitions``: the stochastic LRNN's)."""
+def _set_soft_transitions(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:
+    """Switch every layer that has two training phases (``soft_transitions``: the stochastic LRNN's), and whether
+    its soft phase keeps its columns' impurity for :func:`_impurity`."""
     for module in model.modules():
         if hasattr(module, "soft_transitions"):
             module.soft_transitions = soft
+            module.track_impurity = soft and track_impurity
+
+
+def determinism_weight(settings: TrainSettings, step: int) -> float:
+    """The weight of the columns' impurity in the loss at ``step``: rising linearly to ``determinism_weight`` over
+    the soft phase, 0 after it."""
+    if step > settings.soft_transition_steps:
+        return 0.0
+    return settings.determinism_weight * step / settings.soft_transition_steps
+
+
+def _impurity(model: torch.nn.Module) -> torch.Tensor | float:
+    """The sum over layers of the impurity their last forward pass kept, taken from them (0 when none kept one)."""
+    kept = []
+    for module in model.modules():
+        if getattr(module, "impurity", None) is not None:
+            kept.append(module.impurity.float())
+            module.impurity = None
+    return sum(kept, 0.0)
 
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

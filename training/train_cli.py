@@ -20,7 +20,15 @@ from typing import Any
 from model.checkpoint import CONFIG_FILE
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, dataclass_from_dict
 from model.threads import set_threads
-from training.arguments import UsageError, add_threads, non_negative_int, positive_float, positive_int, probability
+from training.arguments import (
+    UsageError,
+    add_threads,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
 from training.distributed import Distributed, setup_distributed
 from model.tokenizer import load_tokenizer
 from training.language_model import LanguageModelObjective, TextData
@@ -60,6 +68,9 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     optim.add_argument("--soft-transition-steps", type=non_negative_int,
                        help="LRNN with --transition-norm stochastic: train this many first steps with softmax columns, "
                        "then with the sparsemax it is served with (default: half of --steps)")
+    optim.add_argument("--determinism-weight", type=non_negative_float,
+                       help="LRNN with --transition-norm stochastic: over the soft steps, add this (rising from 0) "
+                       "times the mean impurity 1 - sum_i A_ij^2 of the softmax columns to the loss (default 0)")
     checks = parser.add_argument_group("evaluation, early stopping, saving")
     checks.add_argument("--eval-every", type=non_negative_int, help="steps between evaluations (0: none)")
     checks.add_argument("--patience", type=positive_int, help="stop after this many evaluations without a new best")
@@ -109,13 +120,16 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
     if args.soft_transition_steps is not None and not stochastic:
         raise UsageError("--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only")
     soft_steps = args.soft_transition_steps if args.soft_transition_steps is not None else args.steps // 2
+    if args.determinism_weight is not None and not (stochastic and soft_steps):
+        raise UsageError("--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic "
+                         "only")
     return TrainSettings(
         architecture=architecture, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         optimizer=args.optimizer, beta2=args.beta2, weight_decay=args.weight_decay, schedule=args.schedule,
         warmup_steps=args.warmup_steps, min_lr_fraction=args.min_lr_fraction, grad_clip=args.grad_clip,
         grad_accumulation=args.grad_accumulation, seed=args.seed, eval_every=args.eval_every, save_every=save_every,
         patience=args.patience, target=target, log_every=args.log_every, dtype=args.dtype, compile=args.compile,
-        soft_transition_steps=soft_steps if stochastic else 0,
+        soft_transition_steps=soft_steps if stochastic else 0, determinism_weight=args.determinism_weight or 0.0,
     )
 
 
@@ -134,7 +148,8 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             objective = _built(lambda: make_objective(settings, dist))
             return train(settings, objective, model_config, args.out, command, dist, options)
         state, _ = read_resume_state(args.out)
-        state["settings"].setdefault("soft_transition_steps", 0)  # runs saved before the option had none
+        for option in ("soft_transition_steps", "determinism_weight"):  # runs saved before the options had none
+            state["settings"].setdefault(option, 0)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps
         if state["run"]["step"] >= steps:

@@ -275,3 +275,20 @@ def test_a_stochastic_layer_is_a_probabilistic_automaton(model_id: str) -> None:
         recurrence.transition.weight.mul_(1e4)
         transitions, _ = recurrence.coefficients(torch.randn(4, 16, dtype=torch.float64))
         assert bool(((transitions == 0) | (transitions == 1)).all())
+
+
+def test_the_soft_phase_keeps_its_columns_impurity_only_when_asked() -> None:
+    """``impurity`` = mean over columns of 1 - sum_i A_ij^2 of the softmax columns, kept with ``track_impurity``
+    in the soft phase; never for the sparsemax (evaluation, serving)."""
+    recurrence = make("lrnn-stochastic").blocks[0].recurrence.train()
+    u = torch.randn(4, 16, dtype=torch.float64)
+    recurrence.soft_transitions = True
+    transitions, _ = recurrence.coefficients(u)  # (4, H, b, b)
+    assert recurrence.impurity is None
+    recurrence.track_impurity = True
+    transitions, _ = recurrence.coefficients(u)
+    expected = (1 - transitions.pow(2).sum(dim=-2)).mean()
+    assert torch.allclose(recurrence.impurity, expected) and 0 < float(expected.detach()) < 1
+    recurrence.impurity, recurrence.soft_transitions = None, False
+    recurrence.coefficients(u)
+    assert recurrence.impurity is None

@@ -119,9 +119,9 @@ def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch
     phases: list[bool] = []
     switch = loop._set_soft_transitions
 
-    def recorded(model: torch.nn.Module, soft: bool) -> None:
+    def recorded(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:
         phases.append(soft)
-        switch(model, soft)
+        switch(model, soft, track_impurity)
 
     monkeypatch.setattr(loop, "_set_soft_transitions", recorded)
     task_run(tmp_path / "whole", steps=9, transition_norm="stochastic", soft_transition_steps=5)
@@ -131,6 +131,32 @@ def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
     model = load_checkpoint(tmp_path / "whole", device="cpu").model.train()
     assert not any(getattr(module, "soft_transitions", False) for module in model.modules())  # served: sparsemax
+
+
+def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_resumes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    settings = TrainSettings(architecture="lrnn", steps=9, batch_size=6, lr=1e-3, soft_transition_steps=4,
+                             determinism_weight=2.0)
+    assert [loop.determinism_weight(settings, step) for step in range(1, 7)] == [0.5, 1.0, 1.5, 2.0, 0.0, 0.0]
+    taken: list[float] = []
+    impurity = loop._impurity
+
+    def recorded(model: torch.nn.Module) -> torch.Tensor | float:
+        value = impurity(model)
+        taken.append(float(value.detach()))
+        return value
+
+    monkeypatch.setattr(loop, "_impurity", recorded)
+    stochastic = {"transition_norm": "stochastic", "soft_transition_steps": 5}
+    task_run(tmp_path / "whole", steps=9, determinism_weight=2.0, **stochastic)
+    assert len(taken) == 5 and all(value > 0 for value in taken)  # each soft step, none after
+    task_run(tmp_path / "cut", steps=9, stop_at=3, determinism_weight=2.0, **stochastic)
+    task_run(tmp_path / "cut", steps=9, resume=True, determinism_weight=2.0, **stochastic)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    task_run(tmp_path / "plain", steps=9, **stochastic)
+    digest = log_records(tmp_path / "whole")[-1]["param_sha256"]
+    assert log_records(tmp_path / "plain")[-1]["param_sha256"] != digest  # the term reached the gradient
 
 
 def test_soft_transition_steps_default_to_half_the_run_and_belong_to_the_stochastic_lrnn(
@@ -143,6 +169,11 @@ def test_soft_transition_steps_default_to_half_the_run_and_belong_to_the_stochas
     err = capsys.readouterr().err
     assert "--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only" in err
     assert err.count("\n") == 1
+    assert main(cli_run(tmp_path / "third", 6, "--determinism-weight", "1")) == 2
+    assert main(cli_run(tmp_path / "fourth", 6, *stochastic, "--soft-transition-steps", "0",
+                        "--determinism-weight", "1")) == 2
+    err = capsys.readouterr().err
+    assert err.count("--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic") == 2
 
 
 def test_extending_a_finished_constant_rate_run_equals_running_it_longer(tmp_path: Path) -> None:
