@@ -305,10 +305,10 @@ def _train_step(
         with torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=use_bfloat16):
             logits = trained(part.tokens)  # (b, T, V)
         loss_sum, correct = masked_loss(logits.float(), part.targets)
-        objective = loss_sum
+        penalised = loss_sum
         if weight:  # the impurity counted once per real position, like the loss
-            objective = loss_sum + weight * int((part.targets != IGNORE_INDEX).sum()) * _impurity(trained)
-        (objective / positions).backward()
+            penalised = loss_sum + weight * int((part.targets != IGNORE_INDEX).sum()) * _impurity(trained)
+        (penalised / positions).backward()
         run.window[0] += float(loss_sum.detach())
         run.window[1] += correct
     run.window[2] += positions
