@@ -3,7 +3,9 @@
 Size L: d_model 512, 8 layers of 64 blocks of 8 (state 512), d_ff 2048, vocabulary 8192 (a language model, its
 head tied to the embedding). For the full transition generator and each ``--ranks`` r, one decode step of the
 whole model (``model.step``, no grad, fp32, random weights) is timed at each batch size, as built and after
-``model.for_serving()`` (what the server runs), and set against two floors measured in the same run:
+``model.for_serving()`` (what the server runs), and for the full generator also served with MKL's products instead
+of the streaming kernel (model/ops/matvec.py; built and run inside ``torch_products()``: what the server ran before
+the kernel, and runs with more than one thread), and set against two floors measured in the same run:
 
 - bandwidth floor (batch 1): the weight bytes (every parameter once, fp32) / the copy bandwidth, the bytes per
   second that ``copy_`` of a 256 MiB tensor moves, read and write (as STREAM and benchmarks/peers.py count; counted
@@ -18,10 +20,11 @@ time (100% = at the floor). In each of ``--repeats`` rounds the floors and every
 rounds and the spread. A model's prefill of 256 tokens (one parallel pass) is timed too, to show what
 ``for_serving``'s weight layout does to the parallel pass.
 
-``--layouts`` measures instead how fast a one-token product (``F.linear`` of a (1, in) row) reads each weight
-shape of the size-L step, stored (out, in) as ``nn.Linear`` stores it and (in, out) as ``for_serving`` stores the
-wide ones, beside a copy and a sum of 256 MiB (GB/s read; 64 MiB of copies of each weight cycled, so none is in a
-cache; thread CPU time, median of the rounds).
+``--layouts`` measures instead how fast a one-token product (a (1, in) row) reads each weight shape of the size-L
+step: MKL's (``F.linear``) with the weight stored (out, in), as ``nn.Linear`` stores it, and (in, out), as
+``for_serving`` stores the wide ones for MKL, and the streaming kernel's (``model.ops.matvec.linear``, (out, in)),
+beside a copy and a sum of 256 MiB (GB/s read; 64 MiB of copies of each weight cycled, so none is in a cache;
+thread CPU time, median of the rounds).
 
     python -m benchmarks.bench_lrnn_step [--ranks 32,64,128] [--batches 1,32] [--threads 1] [--repeats 5]
         [--steps 10] [--layouts]
@@ -32,6 +35,7 @@ On a CPU that other processes share, use --threads 1 (benchmarks/bench_decode.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -43,6 +47,7 @@ from benchmarks.isolated import banner
 from model.base import parameter_count
 from model.config import LRNNConfig
 from model.lrnn import BlockDiagonalLRNN
+from model.ops import matvec
 
 SIZE_L = {"vocab_size": 8192, "d_model": 512, "n_layers": 8, "num_blocks": 64, "block_size": 8, "d_ff": 2048}
 COPY_ELEMENTS, MATMUL_SIZE, PREFILL = 64 * 2**20, 2048, 256
@@ -79,8 +84,12 @@ def floors_once() -> dict[str, float]:
     }
 
 
+MKL = "served, MKL products"  # the suffix of the variant built and run inside matvec.torch_products()
+
+
 def models(ranks: list[int]) -> dict[str, BlockDiagonalLRNN]:
-    """Size L with each generator, as built ("name") and after ``for_serving`` ("name, served")."""
+    """Size L with each generator, as built ("name") and after ``for_serving`` ("name, served"); the full one also
+    served with MKL's products ("full, served, MKL products")."""
     built = {}
     for rank in [None, *ranks]:
         torch.manual_seed(0)
@@ -88,10 +97,17 @@ def models(ranks: list[int]) -> dict[str, BlockDiagonalLRNN]:
         # the full generator without naming the field, so that --ranks "" also runs on a checkout from before it
         config = LRNNConfig(**SIZE_L) if rank is None else LRNNConfig(**SIZE_L, transition_rank=rank)
         built[name] = BlockDiagonalLRNN(config).eval()
-        served = copy.deepcopy(built[name])
-        served.for_serving()
-        built[f"{name}, served"] = served
+        for variant in ("served", MKL) if rank is None else ("served",):
+            served = copy.deepcopy(built[name])
+            with products(variant):
+                served.for_serving()
+            built[f"{name}, {variant}"] = served
     return built
+
+
+def products(name: str) -> contextlib.AbstractContextManager:
+    """Where ``name``'s model runs: inside ``torch_products()`` for the MKL variant, else as the server would."""
+    return matvec.torch_products() if name.endswith(MKL) else contextlib.nullcontext()
 
 
 def step_seconds(model: BlockDiagonalLRNN, batch: int, steps: int) -> float:
@@ -105,15 +121,11 @@ def prefill_seconds(model: BlockDiagonalLRNN) -> float:
     return seconds(lambda: model(tokens, cache=model.new_cache(1)), 1)
 
 
-def read_rate(weights: list[torch.Tensor]) -> float:
+def read_rate(weights: list[torch.Tensor], product: Callable[..., torch.Tensor]) -> float:
     """Bytes per second that one-token products read, one weight after the other, each three times round."""
     row = torch.randn(1, weights[0].shape[1])  # (1, in)
     order = iter(weights * 4)
-
-    def product() -> torch.Tensor:
-        return torch.nn.functional.linear(row, next(order))  # (1, out)
-
-    return weights[0].numel() * 4 / seconds(product, 3 * len(weights))
+    return weights[0].numel() * 4 / seconds(lambda: product(row, next(order)), 3 * len(weights))
 
 
 def layouts(repeats: int) -> str:
@@ -129,9 +141,14 @@ def layouts(repeats: int) -> str:
         for name, (rows, columns) in WEIGHT_SHAPES.items():
             count = max(4, CYCLED_BYTES // (rows * columns * 4))
             stored = [torch.randn(rows, columns) for _ in range(count)]  # (out, in), as nn.Linear holds them
-            for layout, weights in (("(out, in)", stored), ("(in, out)", [w.t().contiguous().t() for w in stored])):
-                rates.setdefault((name, layout), []).append(read_rate(weights))
-    lines = ["| weight | (out, in) | layout | GB/s read |", "|---|---|---|---:|"]
+            transposed = [weight.t().contiguous().t() for weight in stored]  # (in, out) in memory
+            for layout, weights, product in (
+                ("MKL, (out, in)", stored, torch.nn.functional.linear),
+                ("MKL, (in, out)", transposed, torch.nn.functional.linear),
+                ("streaming kernel, (out, in)", stored, matvec.linear),
+            ):
+                rates.setdefault((name, layout), []).append(read_rate(weights, product))
+    lines = ["| weight | (out, in) | product, layout | GB/s read |", "|---|---|---|---:|"]
     for (name, layout), values in rates.items():
         shape = WEIGHT_SHAPES.get(name, "")
         lines.append(f"| {name} | {shape} | {layout} | {statistics.median(values) / 1e9:.1f} |")
@@ -161,9 +178,10 @@ def main() -> None:
         for _ in range(args.repeats):
             cells = floors_once()
             for name, model in built.items():
-                for batch in batches:
-                    cells[name, batch] = step_seconds(model, batch, args.steps)
-                cells[name, "prefill"] = prefill_seconds(model)
+                with products(name):
+                    for batch in batches:
+                        cells[name, batch] = step_seconds(model, batch, args.steps)
+                    cells[name, "prefill"] = prefill_seconds(model)
             rounds.append(cells)
 
     print(banner(torch.device("cpu"), args.threads))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from model.config import BaseModelConfig
+from model.ops.matvec import linear
 
 
 @dataclass
@@ -250,5 +251,5 @@ class TokenEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (..., d_model) -> (..., output_size)."""
         if self.label_head is None:
-            return hidden @ self.embed.weight.t()
-        return self.label_head(hidden)
+            return linear(hidden, self.embed.weight)  # tied: hidden @ embed.weight^T
+        return linear(hidden, self.label_head.weight, self.label_head.bias)

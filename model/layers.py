@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from model.ops.matvec import linear
+
 
 class MLP(nn.Module):
     """GPT-2 feed-forward: Linear -> GELU -> Linear."""
@@ -25,7 +27,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., d_model) -> (..., d_model)."""
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        hidden = F.gelu(linear(x, self.c_fc.weight, self.c_fc.bias))  # (..., d_ff)
+        return self.dropout(linear(hidden, self.c_proj.weight, self.c_proj.bias))
 
 
 class HeadProjections(nn.Module):

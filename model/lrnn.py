@@ -41,6 +41,7 @@ from model.base import (
 )
 from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.layers import MLP
+from model.ops import matvec
 from model.ops.linear_scan import (
     choose_scan_impl,
     column_divisors,
@@ -50,6 +51,7 @@ from model.ops.linear_scan import (
     scan_step,
     spectral_norm_constraint,
 )
+from model.ops.matvec import linear
 
 
 @dataclass
@@ -102,9 +104,11 @@ class Recurrence(nn.Module):
         weight = next(self.parameters())
         return weight.new_zeros(rows, *self.state_shape)
 
-    def for_serving(self) -> bool:
+    def for_serving(self, streaming: bool) -> bool:
         """Rearrange the weights in memory for :meth:`step` (values unchanged); returns whether anything moved.
-        The default moves nothing."""
+        ``streaming``: whether one-token products will run through :func:`model.ops.matvec.linear`'s kernel, which
+        wants weights (out, in) in memory, rather than MKL's, which streams wide ones faster (in, out). The default
+        moves nothing."""
         return False
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -208,11 +212,11 @@ class BlockDiagonalRecurrence(Recurrence):
         from one product."""
         if self.transition_norm != "column":
             return super().step(u, state)
-        joint = None if torch.is_grad_enabled() else self._joint_weight()  # (d_model, H b^2 + H b)
+        joint = None if torch.is_grad_enabled() else self._joint_weight()  # (H b^2 + H b, d_model)
         if joint is None:
             generated, inputs = self._generate(u)  # (B, H, b, b), (B, H, b)
         else:  # g(u) and B u from one product
-            products = u @ joint  # (B, H b^2 + H b)
+            products = linear(u, joint)  # (B, H b^2 + H b)
             size = self.transition.out_features
             generated = products[:, :size].add_(self.transition.bias).unflatten(-1, (*self.state_shape, self.block_size))
             inputs = products[:, size:].add_(self.input_proj.bias).unflatten(-1, self.state_shape)
@@ -220,41 +224,48 @@ class BlockDiagonalRecurrence(Recurrence):
         scaled = (state / divisors).to(generated.dtype)  # (B, H, b)
         return torch.matmul(generated, scaled.unsqueeze(-1)).squeeze(-1) + inputs  # (B, H, b)
 
-    def for_serving(self) -> bool:
-        """With the full generator: lay g's and B's weights side by side in one (d_model, H b^2 + H b) matrix,
-        (in, out) in memory, that ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and
-        checkpoints unchanged), so that :meth:`step` makes g(u) and B u with one product. A later ``.to()`` gives
-        each weight its own storage again, and the step goes back to two products."""
+    def for_serving(self, streaming: bool) -> bool:
+        """With the full generator: stack g's and B's weights in one (H b^2 + H b, d_model) matrix that
+        ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and checkpoints unchanged), so
+        that :meth:`step` makes g(u) and B u with one product: (out, in) in memory for the ``streaming`` kernel,
+        (in, out) for MKL's. A later ``.to()`` gives each weight its own storage again, and the step goes back to
+        two products."""
         if self.rank is not None or self.stochastic or self._joint_weight() is not None:
             return False
-        joint = torch.cat([self.transition.weight, self.input_proj.weight]).t().contiguous()  # (d, H b^2 + H b)
+        joint = torch.cat([self.transition.weight, self.input_proj.weight])  # (H b^2 + H b, d)
+        if not streaming:
+            joint = joint.t().contiguous().t()  # (in, out) in memory
         size = self.transition.out_features
-        self.transition.weight.data = joint[:, :size].t()  # (H b^2, d) viewing the joint matrix
-        self.input_proj.weight.data = joint[:, size:].t()  # (H b, d)
+        self.transition.weight.data = joint[:size]  # (H b^2, d) viewing the joint matrix
+        self.input_proj.weight.data = joint[size:]  # (H b, d)
         return True
 
     def _joint_weight(self) -> torch.Tensor | None:
-        """The (d_model, H b^2 + H b) matrix that :meth:`for_serving` made g's and B's weights views of, while they
-        still are; None otherwise (a low rank, not served, or moved since)."""
+        """The (H b^2 + H b, d_model) matrix that :meth:`for_serving` made g's and B's weights views of, in its
+        layout, while they still are; None otherwise (a low rank, not served, or moved since)."""
         if self.rank is not None or self.stochastic:
             return None
         first, second = self.transition.weight, self.input_proj.weight  # (H b^2, d), (H b, d)
-        width = first.shape[0] + second.shape[0]
-        side_by_side = (
-            first.stride() == second.stride() == (1, width)
-            and second.data_ptr() == first.data_ptr() + first.shape[0] * first.element_size()
+        rows, (out_stride, in_stride) = first.shape[0] + second.shape[0], first.stride()
+        stacked = (
+            (out_stride, in_stride) in ((first.shape[1], 1), (1, rows))
+            and second.stride() == first.stride()
+            and second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and second.data_ptr() == first.data_ptr() + first.shape[0] * out_stride * first.element_size()
             and (first.dtype, first.device) == (second.dtype, second.device)
         )
-        return first.detach().as_strided((first.shape[1], width), (width, 1)) if side_by_side else None
+        return first.detach().as_strided((rows, first.shape[1]), (out_stride, in_stride)) if stacked else None
 
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""
         if self.rank is None:
-            generated = self.transition(u)  # (..., H b^2)
-            inputs = None if self.stochastic else self.input_proj(u)  # (..., H b)
+            generated = linear(u, self.transition.weight, self.transition.bias)  # (..., H b^2)
+            inputs = None if self.stochastic else linear(u, self.input_proj.weight, self.input_proj.bias)  # (..., H b)
         else:
-            code, inputs = self.in_proj(u).split([self.rank, self.input_size], dim=-1)  # (..., r), (..., H b or 0)
-            generated = self.transition(code * self.code_scale)  # (..., H b^2)
+            code, inputs = linear(u, self.in_proj.weight, self.in_proj.bias).split(
+                [self.rank, self.input_size], dim=-1
+            )  # (..., r), (..., H b or 0)
+            generated = linear(code * self.code_scale, self.transition.weight, self.transition.bias)  # (..., H b^2)
         generated = generated.unflatten(-1, (*self.state_shape, self.block_size))  # (..., H, b, b)
         if self.stochastic:
             return generated, generated.new_zeros(generated.shape[:-1])  # no input term: (..., H, b)
@@ -272,7 +283,7 @@ class BlockDiagonalRecurrence(Recurrence):
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
-        return self.out_proj(states.flatten(-2))  # (..., d_model)
+        return linear(states.flatten(-2), self.out_proj.weight, self.out_proj.bias)  # (..., d_model)
 
 
 class RecurrentBlock(nn.Module):
@@ -344,18 +355,23 @@ class LinearRNN(SequenceModel):
         return self.embedding.logits(self.ln_f(self.blocks[-1].forward_last(x, lengths)))  # (B, V)
 
     def for_serving(self) -> list[str]:
-        """On the CPU, rearrange weights in memory for :meth:`step` (shapes, values and checkpoints unchanged):
-        each recurrence's own rearrangement (:meth:`BlockDiagonalRecurrence.for_serving`: g's and B's weights side
-        by side), then every other weight matrix wider than it is tall (out_features > in_features: the MLPs'
-        first layers, a low-rank V, the tied head) stored transposed, so that a one-token product reads it along
-        its rows. On this project's CPU (one thread, MKL) a matrix-vector product read a 4096 x 512 weight twice
-        as fast stored (in, out) as stored (out, in), the way ``nn.Linear`` stores it, and a square or tall one
-        as fast or faster as stored (docs/benchmarks.md, "LRNN: cheaper transition generator and fused step").
-        The parallel pass then multiplies by the same matrices laid out the other way (equal up to float
-        rounding); training never calls this. On CUDA nothing changes."""
+        """On the CPU, lay the weights out in memory for :meth:`step`'s one-token products (shapes, values and
+        checkpoints unchanged). Where they run through the streaming kernel (:func:`model.ops.matvec.streams`: one
+        intra-op thread), every weight stays (out, in), the layout it reads fastest, and each recurrence stacks
+        its generator and input weights into one matrix (:meth:`BlockDiagonalRecurrence.for_serving`). Otherwise
+        (MKL's products, with several threads) the stacked matrix and every weight wider than tall (out_features
+        > in_features: the MLPs' first layers, a low-rank V, the tied head) are stored (in, out): on this project's
+        CPU MKL's one-thread product read a 4096 x 512 weight twice as fast that way, and a square or tall one as
+        fast or faster as stored (docs/benchmarks.md, "LRNN: cheaper transition generator and fused step"). The
+        parallel pass multiplies by the same matrices (equal up to float rounding); training never calls this. On
+        CUDA nothing changes."""
         if self.device.type != "cpu":
             return []
-        joined = sum(block.recurrence.for_serving() for block in self.blocks)
+        streaming = self.dtype == torch.float32 and matvec.streams()
+        joined = sum(block.recurrence.for_serving(streaming) for block in self.blocks)
+        notes = [f"{joined} layers make g(u) and B u with one product per step (CPU)"] if joined else []
+        if streaming:
+            return [*notes, "one-token products through the streaming matrix-vector kernel (CPU, one thread)"]
         wide = [
             module.weight
             for module in self.blocks.modules()
@@ -367,7 +383,6 @@ class LinearRNN(SequenceModel):
         moved = [weight for weight in wide if weight.stride(0) != 1]  # not (in, out) in memory yet
         for weight in moved:
             weight.data = weight.data.t().contiguous().t()  # (out, in) with (in, out) in memory
-        notes = [f"{joined} layers make g(u) and B u with one product per step (CPU)"] if joined else []
         if moved:
             notes.append(f"{len(moved)} weight matrices wider than tall stored transposed for one-token products (CPU)")
         return notes

@@ -50,6 +50,7 @@ from torch.nn import functional as F
 from model.base import CallPath, Cost, SequenceModel, TokenEmbedding, check_lengths, lengths_tensor
 from model.config import RegularGPTConfig
 from model.layers import Block, HeadProjections, init_gpt2
+from model.ops import matvec
 from model.ops.dilated_attention import (
     AUTO_REFERENCE_MAX_T,
     attend_banded,
@@ -61,6 +62,7 @@ from model.ops.dilated_attention import (
     reachable_slots,
     resolve_impl,
 )
+from model.ops.matvec import linear
 from model.regulargpt_cache import (
     BandedPlan,
     KVWindow,
@@ -154,11 +156,11 @@ class CachedBlock(NamedTuple):
     def forward(self, x: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
         """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them."""
         shape = x.shape[-1:]
-        qkv = F.linear(F.layer_norm(x, shape, *self.ln_1, self.eps), *self.c_attn)  # (B, n, 3 d)
-        out = F.linear(self.attend(qkv, dilation, window, plan), *self.c_proj)  # (B, n, d)
+        qkv = linear(F.layer_norm(x, shape, *self.ln_1, self.eps), *self.c_attn)  # (B, n, 3 d)
+        out = linear(self.attend(qkv, dilation, window, plan), *self.c_proj)  # (B, n, d)
         x = x + (F.dropout(out, self.dropout) if self.dropout else out)
-        hidden = F.gelu(F.linear(F.layer_norm(x, shape, *self.ln_2, self.eps), *self.c_fc))  # (B, n, d_ff)
-        out = F.linear(hidden, *self.mlp_proj)  # (B, n, d)
+        hidden = F.gelu(linear(F.layer_norm(x, shape, *self.ln_2, self.eps), *self.c_fc))  # (B, n, d_ff)
+        out = linear(hidden, *self.mlp_proj)  # (B, n, d)
         return x + (F.dropout(out, self.dropout) if self.dropout else out)
 
     def attend(self, qkv: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
@@ -269,10 +271,11 @@ class RegularGPT(SequenceModel):
         - The reference attention builds a T x T mask (18.7 GB at ~20k positions): it becomes "auto", which is the
           reference only up to AUTO_REFERENCE_MAX_T positions (where it is faster) and O(T) beyond. The cached path
           never uses either.
-        - On the CPU, a language model's tied head (vocab x d_model) is stored transposed in memory, shape and
-          values unchanged, as the LRNN does (model/lrnn.py): a decode step's logits read it along its rows, 2x
-          faster with MKL on one thread (0.094 against 0.177 ms for 8192 x 128 here); an embedding lookup reads one
-          strided column instead of a row, which costs nothing measurable.
+        - On the CPU, where one-token products run through MKL (not the streaming kernel of model/ops/matvec.py,
+          which reads weights as stored), a language model's tied head (vocab x d_model) is stored transposed in
+          memory, shape and values unchanged, as the LRNN does (model/lrnn.py): a decode step's logits read it
+          along its rows, 2x faster with MKL on one thread (0.094 against 0.177 ms for 8192 x 128 here); an
+          embedding lookup reads one strided column instead of a row, which costs nothing measurable.
         """
         notes = []
         if any(block.attention.impl == "reference" for block in self.blocks):
@@ -284,7 +287,8 @@ class RegularGPT(SequenceModel):
             )
         head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
         wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])
-        if self.device.type == "cpu" and self.config.is_language_model and wide:
+        streaming = self.dtype == torch.float32 and matvec.streams()
+        if self.device.type == "cpu" and self.config.is_language_model and wide and not streaming:
             head.data = head.data.t().contiguous().t()  # (V, d) with (d, V) in memory
             notes.append("the tied head stored transposed for one-token products (CPU)")
         return notes

@@ -3,6 +3,7 @@ generator (full or low-rank)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from model.config import CheckpointConfig, ConfigError, LRNNConfig
 from model.diagonal_lrnn import DiagonalLRNN
 from model.lrnn import BlockDiagonalLRNN, LinearRNN
+from model.ops import matvec
 from model.ops.linear_scan import ScanImpl, column_norm_constraint, scan_step
 from tests.model.tiny_models import tiny_configs
 
@@ -217,24 +219,28 @@ def test_for_serving_transposes_the_wide_weights_in_memory_and_changes_no_value(
     assert model.for_serving() == []  # nothing left to move
 
 
-def test_served_full_generator_makes_g_and_b_with_one_product_until_moved() -> None:
-    model = make("lrnn")
+@pytest.mark.parametrize("streaming", [True, False])
+def test_served_full_generator_makes_g_and_b_with_one_product_until_moved(streaming: bool) -> None:
+    """Stacked (out, in) in memory for the streaming kernel (float32, one thread), (in, out) for MKL's products."""
+    model = make("lrnn").float()
     tokens = torch.randint(0, VOCAB, (2, 13))
-    with torch.no_grad():
+    products = contextlib.nullcontext() if streaming else matvec.torch_products()
+    with torch.no_grad(), products:
         expected = model(tokens)
         assert all(block.recurrence._joint_weight() is None for block in model.blocks)
         model.for_serving()
         recurrence = model.blocks[0].recurrence
-        joint = recurrence._joint_weight()  # (d_model, H b^2 + H b), what both weights view
-        assert joint is not None and joint.shape == (16, 2 * 4 * 4 + 2 * 4) and joint.is_contiguous()
-        torch.testing.assert_close(joint, torch.cat([recurrence.transition.weight, recurrence.input_proj.weight]).t())
+        joint = recurrence._joint_weight()  # (H b^2 + H b, d_model), what both weights view
+        assert joint is not None and joint.shape == (2 * 4 * 4 + 2 * 4, 16)
+        assert joint.is_contiguous() if streaming else joint.t().is_contiguous()
+        assert torch.equal(joint, torch.cat([recurrence.transition.weight, recurrence.input_proj.weight]))
         for moved in (False, True):
             if moved:
-                model.float().double()  # each weight gets its own storage: the step makes two products again
+                model.double().float()  # each weight gets its own storage: the step makes two products again
                 assert recurrence._joint_weight() is None
             cache = model.new_cache(batch_size=2)
             stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(13)], dim=1)
-            torch.testing.assert_close(stepped, expected, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
     assert make("lrnn-rank3").blocks[0].recurrence._joint_weight() is None
 
 

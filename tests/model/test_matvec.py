@@ -1,0 +1,139 @@
+"""The streaming few-row product (model/ops/matvec.py) against F.linear, where it applies and where it must not."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.lrnn import BlockDiagonalLRNN
+from model.regulargpt import RegularGPT
+from model.ops import matvec
+from tests.model.tiny_models import tiny_configs
+
+pytestmark = pytest.mark.skipif(not matvec.kernel_available(), reason="numba is not importable")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The (rows, in) shape of every x the kernel multiplies, in order; every weight size qualifies."""
+    monkeypatch.setattr(matvec, "MIN_ELEMENTS", 1)
+    calls: list[tuple[int, ...]] = []
+    kernel = matvec._kernel
+
+    def counted(x, *args):
+        calls.append(x.shape)
+        kernel(x, *args)
+
+    monkeypatch.setattr(matvec, "_kernel", counted)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("out", "width"), [(1, 1), (7, 5), (33, 64), (300, 129), (64, 513)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_equals_f_linear(kernel_calls, rows: int, out: int, width: int, bias: bool) -> None:
+    weight, offset = torch.randn(out, width), torch.randn(out) if bias else None
+    x = torch.randn(rows, width)
+    with torch.no_grad():
+        result = matvec.linear(x, weight, offset)
+    assert kernel_calls == [(rows, width)] and result.shape == (rows, out) and result.dtype == torch.float32
+    torch.testing.assert_close(result, F.linear(x, weight, offset), rtol=1e-5, atol=1e-5 * width**0.5)
+
+
+def test_leading_dimensions_non_contiguous_rows_and_special_values(kernel_calls) -> None:
+    weight, bias = torch.randn(9, 6), torch.randn(9)
+    x = torch.randn(2, 1, 12)[..., ::2]  # (2, 1, 6), not contiguous
+    x[1, 0, 2] = float("nan")
+    weight[4, 0] = float("inf")
+    with torch.no_grad():
+        result = matvec.linear(x, weight, bias)  # (2, 1, 9)
+    expected = F.linear(x, weight, bias)
+    assert kernel_calls == [(2, 6)] and result.shape == (2, 1, 9)
+    torch.testing.assert_close(result, expected, equal_nan=True)
+    assert result[1].isnan().all() and result[0, 0, 4] == expected[0, 0, 4]  # NaN and inf keep their meaning
+
+
+def test_a_row_comes_out_the_same_whatever_rows_go_with_it(kernel_calls) -> None:
+    weight, bias, x = torch.randn(50, 40), torch.randn(50), torch.randn(4, 40)
+    with torch.no_grad():
+        together = matvec.linear(x, weight, bias)
+        alone = torch.cat([matvec.linear(x[i : i + 1], weight, bias) for i in range(4)])
+    assert len(kernel_calls) == 5 and torch.equal(together, alone)
+
+
+def test_where_it_does_not_apply_it_is_f_linear(kernel_calls, monkeypatch) -> None:
+    weight, x = torch.randn(8, 6), torch.randn(5, 6)
+    cases = {  # name: (x, weight, grad enabled, threads, inside torch_products)
+        "more rows than MAX_ROWS": (x, weight, False, 1, False),
+        "gradients enabled": (x[:1], weight.clone().requires_grad_(), True, 1, False),
+        "float64": (x[:1].double(), weight.double(), False, 1, False),
+        "weight stored (in, out)": (x[:1], weight.t().contiguous().t(), False, 1, False),
+        "two threads": (x[:1], weight, False, 2, False),
+        "inside torch_products": (x[:1], weight, False, 1, True),
+    }
+    before = torch.get_num_threads()
+    for name, (rows, matrix, grad, threads, reference) in cases.items():
+        torch.set_num_threads(threads)
+        try:
+            with torch.set_grad_enabled(grad), matvec.torch_products() if reference else contextlib.nullcontext():
+                if name in ("two threads", "inside torch_products"):
+                    assert not matvec.streams(), name
+                result = matvec.linear(rows, matrix)
+        finally:
+            torch.set_num_threads(before)
+        assert kernel_calls == [], name
+        assert torch.equal(result, F.linear(rows, matrix)), name
+    monkeypatch.setattr(matvec, "MIN_ELEMENTS", weight.numel() + 1)  # a weight too small to gain
+    assert torch.equal(matvec.linear(x[:1], weight), F.linear(x[:1], weight)) and kernel_calls == []
+    assert matvec.streams() and not matvec.streams(rows=matvec.MAX_ROWS + 1)
+
+
+def test_the_gradient_path_is_untouched() -> None:
+    weight, x = torch.randn(8, 6, requires_grad=True), torch.randn(1, 6)
+    matvec.linear(x, weight).sum().backward()
+    torch.testing.assert_close(weight.grad, x.expand(8, 6))
+
+
+@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-spectral-b2", "lrnn-rank3", "lrnn-stochastic"])
+def test_a_served_lrnn_streams_its_one_token_products_and_steps_as_its_parallel_pass(
+    kernel_calls, model_id: str
+) -> None:
+    """One thread, float32: for_serving keeps every weight (out, in) (the full generator stacks g and B into one
+    matrix), each decode step's products at batch 1-4 go through the kernel, and the steps equal the parallel pass."""
+    config = dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)
+    model = BlockDiagonalLRNN(config).eval()
+    tokens = torch.randint(0, 40, (3, 17))
+    with torch.no_grad():
+        with matvec.torch_products():
+            expected = model(tokens)
+        notes = model.for_serving()
+        assert all(weight.is_contiguous() for weight in model.parameters())
+        assert notes[-1] == "one-token products through the streaming matrix-vector kernel (CPU, one thread)"
+        kernel_calls.clear()
+        cache = model.new_cache(batch_size=3)
+        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(17)], dim=1)
+    per_layer = {"lrnn": 4, "lrnn-spectral-b2": 5, "lrnn-rank3": 5, "lrnn-stochastic": 4}[model_id]
+    products_per_step = 2 * per_layer + 1  # per layer g and B (stacked: 1; [U; B] and V: 2), readout, MLP (2); head
+    assert len(kernel_calls) == 17 * products_per_step and {rows for rows, _ in kernel_calls} == {3}
+    torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_served_regulargpt_keeps_its_head_as_stored_and_streams_its_steps(kernel_calls) -> None:
+    config = dataclasses.replace(tiny_configs(40, 0)["regulargpt-c2"], vocab_size=40)
+    model = RegularGPT(config).eval()
+    tokens = torch.randint(0, 40, (2, 19))
+    with torch.no_grad():
+        with matvec.torch_products():
+            expected = model(tokens)
+        assert model.for_serving() == []  # the head is not transposed for the kernel
+        assert model.embedding.embed.weight.is_contiguous()
+        kernel_calls.clear()
+        cache = model.new_cache(2)
+        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(19)], dim=1)
+    assert len(kernel_calls) > 19 * 5  # four per block application, and the head
+    assert {rows for rows, _ in kernel_calls} == {2, 4}  # 2 rows; 2 x 2 positions where the depth grows (a new level)
+    torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
