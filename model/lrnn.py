@@ -115,6 +115,11 @@ class Recurrence(nn.Module):
         """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
         raise NotImplementedError
 
+    def fused_step_weights(self) -> list[torch.Tensor] | None:
+        """The tensors :func:`model.ops.matvec.lrnn_column_layer_step` takes from the recurrence, where it can run
+        this recurrence's step; None (the default) where it cannot."""
+        return None
+
 
 class BlockDiagonalRecurrence(Recurrence):
     """h_k = A(u_k) h_{k-1} + B u_k with input-dependent block-diagonal A, read out by a linear map.
@@ -240,6 +245,14 @@ class BlockDiagonalRecurrence(Recurrence):
         self.input_proj.weight.data = joint[size:]  # (H b, d)
         return True
 
+    def fused_step_weights(self) -> list[torch.Tensor] | None:
+        """With the column constraint, after :meth:`for_serving` stacked g and B for the streaming kernel (float32,
+        (out, in) in memory): the stacked matrix, g's and B's biases, the readout's weight and bias."""
+        joint = self._joint_weight() if self.transition_norm == "column" else None
+        if joint is None or not joint.is_contiguous() or joint.dtype != torch.float32:
+            return None
+        return [joint, self.transition.bias, self.input_proj.bias, self.out_proj.weight, self.out_proj.bias]
+
     def _joint_weight(self) -> torch.Tensor | None:
         """The (H b^2 + H b, d_model) matrix that :meth:`for_serving` made g's and B's weights views of, in its
         layout, while they still are; None otherwise (a low rank, not served, or moved since)."""
@@ -325,7 +338,21 @@ class RecurrentBlock(nn.Module):
         return u, states, final_state
 
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b)."""
+        """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b). Served on the CPU with few rows,
+        a recurrence that supports it runs the whole layer as one compiled call
+        (:func:`model.ops.matvec.lrnn_column_layer_step`, equal up to float rounding)."""
+        if not (self.training or torch.is_grad_enabled()) and matvec.streams(x.shape[0]):
+            weights = self.recurrence.fused_step_weights()
+            if weights is not None and x.dtype == state.dtype == torch.float32:
+                mlp, ln_1, ln_2 = self.mlp, self.ln_1, self.ln_2
+                return matvec.lrnn_column_layer_step(
+                    x,
+                    state,
+                    [ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
+                     mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias],
+                    ln_1.eps,
+                    self.recurrence.p_norm,
+                )
         u = self.ln_1(x)  # (B, d_model)
         state = self.recurrence.step(u, state)  # (B, H, b)
         x = x + self.dropout(self.recurrence.readout(state, u))  # (B, d_model)
@@ -371,6 +398,9 @@ class LinearRNN(SequenceModel):
         joined = sum(block.recurrence.for_serving(streaming) for block in self.blocks)
         notes = [f"{joined} layers make g(u) and B u with one product per step (CPU)"] if joined else []
         if streaming:
+            fused = sum(block.recurrence.fused_step_weights() is not None for block in self.blocks)
+            if fused:
+                notes.append(f"{fused} layers step as one compiled call each at 1-{matvec.MAX_ROWS} rows (CPU)")
             return [*notes, "one-token products through the streaming matrix-vector kernel (CPU, one thread)"]
         wide = [
             module.weight

@@ -1,4 +1,4 @@
-"""The streaming few-row product (model/ops/matvec.py) against F.linear, where it applies and where it must not."""
+"""The CPU decode kernels (model/ops/matvec.py) against F.linear and the torch LRNN step; where they must not apply."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model.config import LRNNConfig
 from model.lrnn import BlockDiagonalLRNN
-from model.regulargpt import RegularGPT
 from model.ops import matvec
+from model.regulargpt import RegularGPT
 from tests.model.tiny_models import tiny_configs
 
 pytestmark = pytest.mark.skipif(not matvec.kernel_available(), reason="numba is not importable")
@@ -29,6 +30,20 @@ def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
         kernel(x, *args)
 
     monkeypatch.setattr(matvec, "_kernel", counted)
+    return calls
+
+
+@pytest.fixture
+def layer_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
+    """The (rows, d_model) shape of every x the compiled LRNN layer step takes, in order."""
+    calls: list[tuple[int, ...]] = []
+    layer_step = matvec._layer_step
+
+    def counted(x, *args):
+        calls.append(x.shape)
+        layer_step(x, *args)
+
+    monkeypatch.setattr(matvec, "_layer_step", counted)
     return calls
 
 
@@ -100,10 +115,11 @@ def test_the_gradient_path_is_untouched() -> None:
 
 @pytest.mark.parametrize("model_id", ["lrnn", "lrnn-spectral-b2", "lrnn-rank3", "lrnn-stochastic"])
 def test_a_served_lrnn_streams_its_one_token_products_and_steps_as_its_parallel_pass(
-    kernel_calls, model_id: str
+    kernel_calls, layer_calls, model_id: str
 ) -> None:
     """One thread, float32: for_serving keeps every weight (out, in) (the full generator stacks g and B into one
-    matrix), each decode step's products at batch 1-4 go through the kernel, and the steps equal the parallel pass."""
+    matrix); at batch 1-4 a column-constrained layer with the full generator steps as one compiled call, the other
+    layers' products and the head go through the kernel, and the steps equal the parallel pass."""
     config = dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)
     model = BlockDiagonalLRNN(config).eval()
     tokens = torch.randint(0, 40, (3, 17))
@@ -116,10 +132,35 @@ def test_a_served_lrnn_streams_its_one_token_products_and_steps_as_its_parallel_
         kernel_calls.clear()
         cache = model.new_cache(batch_size=3)
         stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(17)], dim=1)
-    per_layer = {"lrnn": 4, "lrnn-spectral-b2": 5, "lrnn-rank3": 5, "lrnn-stochastic": 4}[model_id]
-    products_per_step = 2 * per_layer + 1  # per layer g and B (stacked: 1; [U; B] and V: 2), readout, MLP (2); head
+    fused = model_id == "lrnn"
+    assert ("2 layers step as one compiled call each at 1-4 rows (CPU)" in notes) == fused
+    assert layer_calls == ([(3, 16)] * 2 * 17 if fused else [])
+    per_layer = {"lrnn": 0, "lrnn-spectral-b2": 5, "lrnn-rank3": 5, "lrnn-stochastic": 4}[model_id]
+    products_per_step = 2 * per_layer + 1  # per layer g and B (1 or 2 products), readout, MLP (2); the head
     assert len(kernel_calls) == 17 * products_per_step and {rows for rows, _ in kernel_calls} == {3}
     torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [1.0, 1.2, 2.0])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_the_compiled_layer_step_equals_the_torch_step(layer_calls, p: float, rows: int) -> None:
+    """Weights and states large enough that layer norms, the p-norm divisors (> 1 for most columns) and the GELU's
+    both sides all matter; 5 blocks of 3, d_model 24, d_ff 40."""
+    config = LRNNConfig(vocab_size=10, d_model=24, n_layers=1, num_blocks=5, block_size=3, d_ff=40, p_norm=p)
+    model = BlockDiagonalLRNN(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.7)
+        model.for_serving()
+    block = model.blocks[0]
+    x, state = 2 * torch.randn(rows, 24), 3 * torch.randn(rows, 5, 3)
+    with torch.no_grad():
+        x_out, state_out = block.step(x, state)
+        with matvec.torch_products():
+            x_expected, state_expected = block.step(x, state)
+    assert layer_calls == [(rows, 24)]
+    torch.testing.assert_close(state_out, state_expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_out, x_expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_served_regulargpt_keeps_its_head_as_stored_and_streams_its_steps(kernel_calls) -> None:
