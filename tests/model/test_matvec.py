@@ -18,33 +18,30 @@ from tests.model.tiny_models import tiny_configs
 pytestmark = pytest.mark.skipif(not matvec.kernel_available(), reason="numba is not importable")
 
 
+def record_calls(monkeypatch, name: str) -> list[tuple[int, ...]]:
+    """Wrap the compiled function ``matvec.<name>`` to record the shape of its first argument at every call."""
+    calls: list[tuple[int, ...]] = []
+    compiled = getattr(matvec, name)
+
+    def counted(x, *args):
+        calls.append(x.shape)
+        compiled(x, *args)
+
+    monkeypatch.setattr(matvec, name, counted)
+    return calls
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
     """The (rows, in) shape of every x the kernel multiplies, in order; every weight size qualifies."""
     monkeypatch.setattr(matvec, "MIN_ELEMENTS", 1)
-    calls: list[tuple[int, ...]] = []
-    kernel = matvec._kernel
-
-    def counted(x, *args):
-        calls.append(x.shape)
-        kernel(x, *args)
-
-    monkeypatch.setattr(matvec, "_kernel", counted)
-    return calls
+    return record_calls(monkeypatch, "_kernel")
 
 
 @pytest.fixture
 def layer_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
     """The (rows, d_model) shape of every x the compiled LRNN layer step takes, in order."""
-    calls: list[tuple[int, ...]] = []
-    layer_step = matvec._layer_step
-
-    def counted(x, *args):
-        calls.append(x.shape)
-        layer_step(x, *args)
-
-    monkeypatch.setattr(matvec, "_layer_step", counted)
-    return calls
+    return record_calls(monkeypatch, "_layer_step")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
