@@ -19,12 +19,17 @@ each cell's median over the repeats. ``--clock cpu`` times with this thread's CP
 on a machine that other jobs keep busy it leaves out the time the thread waits for a core (not the slowdown
 their use of the caches and memory causes).
 
-    python -m benchmarks.bench_decode --text [--repeats 3] [--threads 1] [--clock wall|cpu]
+With ``--compare-kernels`` every model runs twice in the same rounds: as the server runs it, and inside
+``model.ops.cpu_decode.torch_products()`` (built and run there: MKL's products and the torch ops instead of the
+compiled decode kernels, what the server ran before them and runs with more than one thread).
+
+    python -m benchmarks.bench_decode --text [--repeats 3] [--threads 1] [--clock wall|cpu] [--compare-kernels]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -35,6 +40,7 @@ from benchmarks.isolated import banner
 from model.checkpoint import read_config
 from model.config import LRNNConfig, RegularGPTConfig, TransformerConfig
 from model.device import resolve_device
+from model.ops import cpu_decode
 from model.registry import build_model
 
 VOCAB = 8192
@@ -103,6 +109,7 @@ def text_model(architecture: str, device: torch.device):
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+TORCH_PRODUCTS = ", torch products"  # the suffix of the models built and run inside cpu_decode.torch_products()
 
 
 def prefill_seconds(model, tokens: torch.Tensor, chunk: int, device: torch.device, clock=time.perf_counter):
@@ -152,14 +159,23 @@ def text_cells(model, device: torch.device, steps: int, clock) -> dict[str, floa
     return cells
 
 
-def text_main(device: torch.device, repeats: int, steps: int, clock) -> None:
-    """The issue-18 point-3 table: RegularGPT s against LRNN s, every cell the median of ``repeats``."""
-    models = {name: text_model(name, device) for name in TEXT_CHECKPOINTS}
+def text_main(device: torch.device, repeats: int, steps: int, clock, compare_kernels: bool = False) -> None:
+    """The issue-18 point-3 table: RegularGPT s against LRNN s, every cell the median of ``repeats``; with
+    ``compare_kernels`` also each model built and run inside ``torch_products()`` ("name, torch products")."""
+    variants = [("", contextlib.nullcontext)]
+    if compare_kernels:
+        variants.append((TORCH_PRODUCTS, cpu_decode.torch_products))
+    models = {}
+    for name in TEXT_CHECKPOINTS:
+        for suffix, products in variants:
+            with products():
+                models[name + suffix] = (text_model(name, device), products)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in models}
     with torch.inference_mode():
         for _ in range(repeats):
-            for name, model in models.items():
-                runs[name].append(text_cells(model, device, steps, clock))
+            for name, (model, products) in models.items():
+                with products():
+                    runs[name].append(text_cells(model, device, steps, clock))
     median = {
         name: {key: statistics.median(run[key] for run in cells) for key in cells[0]} for name, cells in runs.items()
     }
@@ -171,13 +187,18 @@ def text_main(device: torch.device, repeats: int, steps: int, clock) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name, cells in median.items():
         print(
-            f"| {name} s | {cells['step_short_ms']:.2f} | {cells['step_long_ms']:.2f} "
+            f"| {name.replace(',', ' s,', 1) if ',' in name else name + ' s'} | {cells['step_short_ms']:.2f} | {cells['step_long_ms']:.2f} "
             f"| {cells['batch_tokens_per_s']:,.0f} | {cells['prefill_chunked']:,.0f} "
             f"| {cells['prefill_one_call']:,.0f} |"
         )
-    ours, base = median["regulargpt"], median["lrnn"]
+    for suffix in ("", TORCH_PRODUCTS) if compare_kernels else ("",):
+        text_ratios(median["regulargpt" + suffix], median["lrnn" + suffix], repeats, suffix)
+
+
+def text_ratios(ours: dict[str, float], base: dict[str, float], repeats: int, suffix: str) -> None:
+    """The line of issue 18's two RegularGPT s targets."""
     print(
-        f"\nRegularGPT s / LRNN s decode step at batch 1: {ours['step_short_ms'] / base['step_short_ms']:.2f}x "
+        f"\nRegularGPT s / LRNN s{suffix} decode step at batch 1: {ours['step_short_ms'] / base['step_short_ms']:.2f}x "
         f"@{TEXT_SHORT}, {ours['step_long_ms'] / base['step_long_ms']:.2f}x @{TEXT_LONG} (target <= 2x); "
         f"RegularGPT s prefill of {TEXT_PREFILL} (chunked) / GPT-2 s's 7.3k tok/s (issue 18's figure): "
         f"{ours['prefill_chunked'] / 7300:.0%} (target >= 50%); repeats {repeats}"
@@ -194,13 +215,16 @@ def main() -> None:
     parser.add_argument("--text", action="store_true", help="issue 18 point 3: the text models' shapes (see above)")
     parser.add_argument("--repeats", type=int, default=3, help="--text: repeats of every cell (the median is kept)")
     parser.add_argument("--clock", choices=CLOCKS, default="wall", help="--text: wall clock or this thread's CPU time")
+    parser.add_argument(
+        "--compare-kernels", action="store_true", help="--text: also every model inside torch_products() (see above)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     torch.manual_seed(0)
     if args.text:
         print(f"{banner(device, args.threads)}, clock {args.clock}")
-        text_main(device, args.repeats, args.steps, CLOCKS[args.clock])
+        text_main(device, args.repeats, args.steps, CLOCKS[args.clock], args.compare_kernels)
         return
     peak = matmul_peak_gflops(device)
     print(banner(device, args.threads))

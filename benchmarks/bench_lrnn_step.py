@@ -4,7 +4,7 @@ Size L: d_model 512, 8 layers of 64 blocks of 8 (state 512), d_ff 2048, vocabula
 head tied to the embedding). For the full transition generator and each ``--ranks`` r, one decode step of the
 whole model (``model.step``, no grad, fp32, random weights) is timed at each batch size, as built and after
 ``model.for_serving()`` (what the server runs), and for the full generator also served with MKL's products instead
-of the streaming kernel (model/ops/matvec.py; built and run inside ``torch_products()``: what the server ran before
+of the streaming kernel (model/ops/cpu_decode.py; built and run inside ``torch_products()``: what the server ran before
 the kernel, and runs with more than one thread), and set against two floors measured in the same run:
 
 - bandwidth floor (batch 1): the weight bytes (every parameter once, fp32) / the copy bandwidth, the bytes per
@@ -22,7 +22,7 @@ rounds and the spread. A model's prefill of 256 tokens (one parallel pass) is ti
 
 ``--layouts`` measures instead how fast a one-token product (a (1, in) row) reads each weight shape of the size-L
 step: MKL's (``F.linear``) with the weight stored (out, in), as ``nn.Linear`` stores it, and (in, out), as
-``for_serving`` stores the wide ones for MKL, and the streaming kernel's (``model.ops.matvec.linear``, (out, in)),
+``for_serving`` stores the wide ones for MKL, and the streaming kernel's (``model.ops.cpu_decode.linear``, (out, in)),
 beside a copy and a sum of 256 MiB (GB/s read; 64 MiB of copies of each weight cycled, so none is in a cache;
 thread CPU time, median of the rounds).
 
@@ -47,7 +47,7 @@ from benchmarks.isolated import banner
 from model.base import parameter_count
 from model.config import LRNNConfig
 from model.lrnn import BlockDiagonalLRNN
-from model.ops import matvec
+from model.ops import cpu_decode
 
 SIZE_L = {"vocab_size": 8192, "d_model": 512, "n_layers": 8, "num_blocks": 64, "block_size": 8, "d_ff": 2048}
 COPY_ELEMENTS, MATMUL_SIZE, PREFILL = 64 * 2**20, 2048, 256
@@ -84,7 +84,7 @@ def floors_once() -> dict[str, float]:
     }
 
 
-MKL = "served, MKL products"  # the suffix of the variant built and run inside matvec.torch_products()
+MKL = "served, MKL products"  # the suffix of the variant built and run inside cpu_decode.torch_products()
 
 
 def models(ranks: list[int]) -> dict[str, BlockDiagonalLRNN]:
@@ -107,7 +107,7 @@ def models(ranks: list[int]) -> dict[str, BlockDiagonalLRNN]:
 
 def products(name: str) -> contextlib.AbstractContextManager:
     """Where ``name``'s model runs: inside ``torch_products()`` for the MKL variant, else as the server would."""
-    return matvec.torch_products() if name.endswith(MKL) else contextlib.nullcontext()
+    return cpu_decode.torch_products() if name.endswith(MKL) else contextlib.nullcontext()
 
 
 def step_seconds(model: BlockDiagonalLRNN, batch: int, steps: int) -> float:
@@ -145,7 +145,7 @@ def layouts(repeats: int) -> str:
             for layout, weights, product in (
                 ("MKL, (out, in)", stored, torch.nn.functional.linear),
                 ("MKL, (in, out)", transposed, torch.nn.functional.linear),
-                ("streaming kernel, (out, in)", stored, matvec.linear),
+                ("streaming kernel, (out, in)", stored, cpu_decode.linear),
             ):
                 rates.setdefault((name, layout), []).append(read_rate(weights, product))
     lines = ["| weight | (out, in) | product, layout | GB/s read |", "|---|---|---|---:|"]

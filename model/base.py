@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from model.config import BaseModelConfig
-from model.ops.matvec import linear
+from model.ops.cpu_decode import linear
 
 
 @dataclass

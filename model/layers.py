@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.ops.matvec import linear
+from model.ops.cpu_decode import linear
 
 
 class MLP(nn.Module):

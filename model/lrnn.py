@@ -41,7 +41,8 @@ from model.base import (
 )
 from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.layers import MLP
-from model.ops import matvec
+from model.ops import cpu_decode
+from model.ops.cpu_decode import linear
 from model.ops.linear_scan import (
     choose_scan_impl,
     column_divisors,
@@ -51,7 +52,6 @@ from model.ops.linear_scan import (
     scan_step,
     spectral_norm_constraint,
 )
-from model.ops.matvec import linear
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Recurrence(nn.Module):
 
     def for_serving(self, streaming: bool) -> bool:
         """Rearrange the weights in memory for :meth:`step` (values unchanged); returns whether anything moved.
-        ``streaming``: whether one-token products will run through :func:`model.ops.matvec.linear`'s kernel, which
+        ``streaming``: whether one-token products will run through :func:`model.ops.cpu_decode.linear`'s kernel, which
         wants weights (out, in) in memory, rather than MKL's, which streams wide ones faster (in, out). The default
         moves nothing."""
         return False
@@ -116,7 +116,7 @@ class Recurrence(nn.Module):
         raise NotImplementedError
 
     def fused_step_weights(self) -> list[torch.Tensor] | None:
-        """The tensors :func:`model.ops.matvec.lrnn_column_layer_step` takes from the recurrence, where it can run
+        """The tensors :func:`model.ops.cpu_decode.lrnn_column_layer_step` takes from the recurrence, where it can run
         this recurrence's step; None (the default) where it cannot."""
         return None
 
@@ -340,12 +340,12 @@ class RecurrentBlock(nn.Module):
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b). Served on the CPU with few rows,
         a recurrence that supports it runs the whole layer as one compiled call
-        (:func:`model.ops.matvec.lrnn_column_layer_step`, equal up to float rounding)."""
-        if not (self.training or torch.is_grad_enabled()) and matvec.streams(x.shape[0]):
+        (:func:`model.ops.cpu_decode.lrnn_column_layer_step`, equal up to float rounding)."""
+        if not (self.training or torch.is_grad_enabled()) and cpu_decode.streams(x.shape[0]):
             weights = self.recurrence.fused_step_weights()
             if weights is not None and x.dtype == state.dtype == torch.float32:
                 mlp, ln_1, ln_2 = self.mlp, self.ln_1, self.ln_2
-                return matvec.lrnn_column_layer_step(
+                return cpu_decode.lrnn_column_layer_step(
                     x,
                     state,
                     [ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
@@ -383,7 +383,7 @@ class LinearRNN(SequenceModel):
 
     def for_serving(self) -> list[str]:
         """On the CPU, lay the weights out in memory for :meth:`step`'s one-token products (shapes, values and
-        checkpoints unchanged). Where they run through the streaming kernel (:func:`model.ops.matvec.streams`: one
+        checkpoints unchanged). Where they run through the streaming kernel (:func:`model.ops.cpu_decode.streams`: one
         intra-op thread), every weight stays (out, in), the layout it reads fastest, and each recurrence stacks
         its generator and input weights into one matrix (:meth:`BlockDiagonalRecurrence.for_serving`). Otherwise
         (MKL's products, with several threads) the stacked matrix and every weight wider than tall (out_features
@@ -394,13 +394,13 @@ class LinearRNN(SequenceModel):
         CUDA nothing changes."""
         if self.device.type != "cpu":
             return []
-        streaming = self.dtype == torch.float32 and matvec.streams()
+        streaming = self.dtype == torch.float32 and cpu_decode.streams()
         joined = sum(block.recurrence.for_serving(streaming) for block in self.blocks)
         notes = [f"{joined} layers make g(u) and B u with one product per step (CPU)"] if joined else []
         if streaming:
             fused = sum(block.recurrence.fused_step_weights() is not None for block in self.blocks)
             if fused:
-                notes.append(f"{fused} layers step as one compiled call each at 1-{matvec.MAX_ROWS} rows (CPU)")
+                notes.append(f"{fused} layers step as one compiled call each at 1-{cpu_decode.MAX_ROWS} rows (CPU)")
             return [*notes, "one-token products through the streaming matrix-vector kernel (CPU, one thread)"]
         wide = [
             module.weight

@@ -50,7 +50,8 @@ from torch.nn import functional as F
 from model.base import CallPath, Cost, SequenceModel, TokenEmbedding, check_lengths, lengths_tensor
 from model.config import RegularGPTConfig
 from model.layers import Block, HeadProjections, init_gpt2
-from model.ops import matvec
+from model.ops import cpu_decode
+from model.ops.cpu_decode import linear
 from model.ops.dilated_attention import (
     AUTO_REFERENCE_MAX_T,
     attend_banded,
@@ -62,7 +63,6 @@ from model.ops.dilated_attention import (
     reachable_slots,
     resolve_impl,
 )
-from model.ops.matvec import linear
 from model.regulargpt_cache import (
     BandedPlan,
     KVWindow,
@@ -154,7 +154,18 @@ class CachedBlock(NamedTuple):
         )
 
     def forward(self, x: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
-        """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them."""
+        """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them. A decode
+        step of few rows on the CPU runs as one compiled call (:func:`model.ops.cpu_decode.regulargpt_block_step`,
+        equal up to float rounding)."""
+        if isinstance(plan, StepPlan) and self._compiled_step(x):
+            batch, _, width = x.shape
+            null = None if self.null_key is None else (self.null_key, self.null_value)
+            weights = [*self.ln_1, *self.c_attn, *self.c_proj, *self.ln_2, *self.c_fc, *self.mlp_proj]
+            out = cpu_decode.regulargpt_block_step(
+                x.view(batch, width), window.kv, plan.ring_index, plan.write_index, plan.valid,
+                [*weights, self.relative_bias], null, self.heads, self.eps,
+            )
+            return out.view(batch, 1, width)
         shape = x.shape[-1:]
         qkv = linear(F.layer_norm(x, shape, *self.ln_1, self.eps), *self.c_attn)  # (B, n, 3 d)
         out = linear(self.attend(qkv, dilation, window, plan), *self.c_proj)  # (B, n, d)
@@ -162,6 +173,16 @@ class CachedBlock(NamedTuple):
         hidden = F.gelu(linear(F.layer_norm(x, shape, *self.ln_2, self.eps), *self.c_fc))  # (B, n, d_ff)
         out = linear(hidden, *self.mlp_proj)  # (B, n, d)
         return x + (F.dropout(out, self.dropout) if self.dropout else out)
+
+    def _compiled_step(self, x: torch.Tensor) -> bool:
+        """Whether a decode step of x (B, 1, d) runs compiled: no grad or dropout, CPU float32, few rows."""
+        return (
+            x.dtype is torch.float32
+            and x.is_cpu
+            and not self.dropout
+            and not torch.is_grad_enabled()
+            and cpu_decode.streams(x.shape[0])
+        )
 
     def attend(self, qkv: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
         """The chunk's attention through the window, heads merged: qkv (B, n, 3 d), q | k | v with heads in order
@@ -271,7 +292,7 @@ class RegularGPT(SequenceModel):
         - The reference attention builds a T x T mask (18.7 GB at ~20k positions): it becomes "auto", which is the
           reference only up to AUTO_REFERENCE_MAX_T positions (where it is faster) and O(T) beyond. The cached path
           never uses either.
-        - On the CPU, where one-token products run through MKL (not the streaming kernel of model/ops/matvec.py,
+        - On the CPU, where one-token products run through MKL (not the streaming kernel of model/ops/cpu_decode.py,
           which reads weights as stored), a language model's tied head (vocab x d_model) is stored transposed in
           memory, shape and values unchanged, as the LRNN does (model/lrnn.py): a decode step's logits read it
           along its rows, 2x faster with MKL on one thread (0.094 against 0.177 ms for 8192 x 128 here); an
@@ -287,7 +308,7 @@ class RegularGPT(SequenceModel):
             )
         head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
         wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])
-        streaming = self.dtype == torch.float32 and matvec.streams()
+        streaming = self.dtype == torch.float32 and cpu_decode.streams()
         if self.device.type == "cpu" and self.config.is_language_model and wide and not streaming:
             head.data = head.data.t().contiguous().t()  # (V, d) with (d, V) in memory
             notes.append("the tied head stored transposed for one-token products (CPU)")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from model.config import CheckpointConfig, ConfigError, LRNNConfig
 from model.diagonal_lrnn import DiagonalLRNN
 from model.lrnn import BlockDiagonalLRNN, LinearRNN
-from model.ops import matvec
+from model.ops import cpu_decode
 from model.ops.linear_scan import ScanImpl, column_norm_constraint, scan_step
 from tests.model.tiny_models import tiny_configs
 
@@ -224,7 +224,7 @@ def test_served_full_generator_makes_g_and_b_with_one_product_until_moved(stream
     """Stacked (out, in) in memory for the streaming kernel (float32, one thread), (in, out) for MKL's products."""
     model = make("lrnn").float()
     tokens = torch.randint(0, VOCAB, (2, 13))
-    products = contextlib.nullcontext() if streaming else matvec.torch_products()
+    products = contextlib.nullcontext() if streaming else cpu_decode.torch_products()
     with torch.no_grad(), products:
         expected = model(tokens)
         assert all(block.recurrence._joint_weight() is None for block in model.blocks)

@@ -1,5 +1,5 @@
-"""Few-row CPU kernels for the decode step: products that read the weight at the memory's streaming rate, and the LRNN's
-layer step in one call.
+"""CPU kernels for the decode step of few rows: products that read a weight at the memory's streaming rate, and a served
+LRNN layer or RegularGPT block as one compiled call.
 
 A decode step at batch 1 is a chain of matrix-vector products, each of which reads its whole weight once: its
 time is the weight's bytes over the rate at which the product streams them. MKL's one-thread matrix-vector kernel
@@ -18,10 +18,12 @@ thread (the kernel runs on one; MKL's products use them all). Its results equal 
 the kernel compiled (~1 s) on first use; without numba, every call is ``F.linear`` and a warning says why once.
 :func:`torch_products` turns the kernel off within a block (the reference path, for tests and benchmarks).
 
-Between the products, a layer's ~20 small ops (layer norms, the transition constraint, GELU, residual adds) cost
-more than their arithmetic: each is a dispatch whose code and data the weights streamed before it have evicted
-(oneDNN's GELU of 2,048 values: 8 us with hot caches, 40 us inside a size-L step). :func:`lrnn_column_layer_step`
-runs a served LRNN layer, products included, as one compiled call: the size-L step went from 9.9 to ~8 ms.
+Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
+slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
+and data the weights streamed before it have evicted (oneDNN's GELU of 2,048 values: 8 us with hot caches, 40 us
+inside a size-L LRNN step). :func:`lrnn_column_layer_step` and :func:`regulargpt_block_step` run a whole served LRNN
+layer or RegularGPT block, products included, as one compiled call (figures: docs/benchmarks.md, "CPU decode
+kernels").
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ MIN_ELEMENTS = 2**18  # 1 MiB of float32
 _state = threading.local()  # .off: torch_products() depth in this thread
 _kernel: Callable[..., None] | None = None
 _layer_step: Callable[..., None] | None = None
+_block_step: Callable[..., None] | None = None
 _unavailable: str | None = None  # why the kernel cannot be built, once known
 _build_lock = threading.Lock()
 
@@ -99,7 +102,7 @@ def lrnn_column_layer_step(
     step does). Every product streams its weight as :func:`linear` does, and the ~20 small ops between them (layer
     norms, the constraint, the block products, GELU, the residual adds), each a dispatch that finds its code and
     data evicted by the weights streamed before it, run in the same call. Equal to the torch step up to float
-    rounding (tests/model/test_matvec.py).
+    rounding (tests/model/test_cpu_decode.py).
 
     x: (R, d_model), state: (R, H, b), R <= MAX_ROWS; ``weights``: ln_1 weight and bias, the stacked (H b^2 + H b,
     d_model) generator and input matrix, g's bias, B's bias, out_proj weight and bias, ln_2 weight and bias, the
@@ -115,6 +118,41 @@ def lrnn_column_layer_step(
         np.float32(eps), np.float32(p), x_out, state_out,
     )
     return torch.from_numpy(x_out), torch.from_numpy(state_out)
+
+
+def regulargpt_block_step(
+    x: torch.Tensor,
+    window: torch.Tensor,
+    ring_index: torch.Tensor,
+    write_index: torch.Tensor,
+    valid: torch.Tensor | None,
+    weights: Sequence[torch.Tensor],
+    null: tuple[torch.Tensor, torch.Tensor] | None,
+    heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """One RegularGPT block's decode step (model/regulargpt.py, ``CachedBlock.forward`` with a ``StepPlan``) as one
+    compiled call: x + attention(LN_1(x)) over the J dilated slots, then + MLP(LN_2(.)); the new position's keys and
+    values are then written into ``window``, as the torch step does (``KVWindow.gather_step``, ``attend_slots``,
+    the ring write). Equal to it up to float rounding (tests/model/test_cpu_decode.py).
+
+    x: (R, d_model), R <= MAX_ROWS; window: the block's ring (R, 2 H, slots, hd), written in place; ring_index,
+    write_index, valid: the plan's (``valid`` (R, 1, 1, J) bool or None); ``weights``: ln_1 weight and bias,
+    c_attn weight and bias, c_proj weight and bias, ln_2 weight and bias, the MLP's c_fc and c_proj weights and
+    biases, then the relative bias (H, C); ``null``: the null key and value (H, hd) each, or None. Returns (R,
+    d_model). Call it only where :func:`streams` holds for R rows (which builds it)."""
+    arrays = [tensor.numpy(force=True) for tensor in weights]
+    rows = x.contiguous().numpy(force=True)
+    x_out = np.empty_like(rows)
+    null_key, null_value = (_NO_MATRIX, _NO_MATRIX) if null is None else (t.numpy(force=True) for t in null)
+    _block_step(
+        rows, window.view(-1, window.shape[-1]).numpy(), ring_index.numpy(), write_index.numpy(),
+        _NO_MASK if valid is None else valid.view(rows.shape[0], -1).numpy(), valid is not None,
+        (arrays[0], arrays[1]), (arrays[2], arrays[3]), (arrays[4], arrays[5]), (arrays[6], arrays[7]),
+        (arrays[8], arrays[9]), (arrays[10], arrays[11]), arrays[12], null_key, null_value, null is not None,
+        heads, np.float32(eps), x_out,
+    )
+    return torch.from_numpy(x_out)
 
 
 def _off() -> int:
@@ -141,7 +179,7 @@ def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 def _build() -> Callable[..., None] | None:
     """Import numba and compile the kernels once per process; None (and one warning) if numba is missing."""
-    global _kernel, _layer_step, _unavailable
+    global _kernel, _layer_step, _block_step, _unavailable
     with _build_lock:
         if _kernel is not None or _unavailable is not None:
             return _kernel
@@ -151,12 +189,13 @@ def _build() -> Callable[..., None] | None:
             _unavailable = f"numba is not importable ({error})"
             logger.warning("few-row CPU products use F.linear: %s", _unavailable)
             return None
-        _kernel, _layer_step = _compile(numba)
+        _kernel, _layer_step, _block_step = _compile(numba)
         return _kernel
 
 
-def _compile(numba) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The product kernel and the LRNN layer step (:func:`lrnn_column_layer_step`), compiled with numba."""
+def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
+    """The product kernel, the LRNN layer step (:func:`lrnn_column_layer_step`) and the RegularGPT block step
+    (:func:`regulargpt_block_step`), compiled with numba (the two steps on first call)."""
     # reassoc only: sums may run in any order (what vectorises the dot products); NaN and inf keep their meaning
     # (full fastmath would assume neither occurs).
     jit = functools.partial(numba.njit, fastmath={"reassoc"}, boundscheck=False, nogil=True)
@@ -189,6 +228,13 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None]]:
             scale = np.float32(1.0) / np.sqrt(variance / width + eps)
             for i in range(width):
                 out[r, i] = (x[r, i] - mean) * scale * weight[i] + bias[i]
+
+    @jit(inline="always")
+    def gelu(values):  # (R, n) in place: exact GELU, as F.gelu
+        for r in range(values.shape[0]):
+            for i in range(values.shape[1]):
+                value = values[r, i]
+                values[r, i] = np.float32(0.5) * value * (np.float32(1.0) + math.erf(value * _SQRT_HALF))
 
     @jit
     def layer_step(x, state, ln_1, joint, g_bias, b_bias, out_proj, ln_2, c_fc, c_proj, eps, p, x_out, state_out):
@@ -227,17 +273,99 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None]]:
         layer_norm(x_out, ln_2[0], ln_2[1], eps, u)
         hidden = np.empty((rows, c_fc[0].shape[0]), dtype=np.float32)
         product(u, c_fc[0], c_fc[1], True, hidden)
-        for r in range(rows):  # exact GELU, as F.gelu
-            for i in range(hidden.shape[1]):
-                value = hidden[r, i]
-                hidden[r, i] = np.float32(0.5) * value * (np.float32(1.0) + math.erf(value * _SQRT_HALF))
+        gelu(hidden)
         product(hidden, c_proj[0], c_proj[1], True, u)
         for r in range(rows):
             for i in range(width):
                 x_out[r, i] += u[r, i]
 
-    return kernel, layer_step
+    @jit
+    def block_step(
+        x, window, ring_index, write_index, valid, has_valid, ln_1, c_attn, c_proj, ln_2, c_fc, mlp_proj,
+        relative_bias, null_key, null_value, has_null, heads, eps, x_out,
+    ):
+        rows, width = x.shape
+        head_dim = width // heads
+        slots = ring_index.shape[0] // (2 * rows * heads)  # J
+        chunk_size = relative_bias.shape[1]  # C
+        scale = np.float32(1.0) / np.sqrt(np.float32(head_dim))
+        u = np.empty_like(x)
+        layer_norm(x, ln_1[0], ln_1[1], eps, u)
+        qkv = np.empty((rows, 3 * width), dtype=np.float32)  # q | k | v, heads in order
+        product(u, c_attn[0], c_attn[1], True, qkv)
+        attended = np.empty_like(x)
+        scores = np.empty(chunk_size, dtype=np.float32)
+        for r in range(rows):
+            for h in range(heads):
+                query = h * head_dim
+                null_score = np.float32(0.0)
+                if has_null:
+                    for i in range(head_dim):
+                        null_score += qkv[r, query + i] * null_key[h, i]
+                    null_score *= scale
+                top = -np.inf
+                for j in range(chunk_size):  # slot j: key j * dilation back (0: the new one); its score
+                    in_range = j < slots and (not has_valid or valid[r, j])
+                    if in_range:
+                        total = np.float32(0.0)
+                        if j == 0:
+                            for i in range(head_dim):
+                                total += qkv[r, query + i] * qkv[r, width + query + i]
+                        else:
+                            key = ring_index[(r * heads + h) * slots + j]
+                            for i in range(head_dim):
+                                total += qkv[r, query + i] * window[key, i]
+                        scores[j] = total * scale + relative_bias[h, j]
+                    elif has_null:
+                        scores[j] = null_score + relative_bias[h, j]
+                    else:
+                        scores[j] = -np.inf
+                    top = max(top, scores[j])
+                count = chunk_size if has_null else slots
+                total = np.float32(0.0)
+                for j in range(count):
+                    scores[j] = np.exp(scores[j] - top)
+                    total += scores[j]
+                kept = np.float32(0.0)  # the share of the slots in range; the null value gets the rest
+                for i in range(head_dim):
+                    attended[r, query + i] = np.float32(0.0)
+                for j in range(slots):
+                    if has_valid and not valid[r, j]:
+                        continue
+                    weight = scores[j] / total
+                    kept += weight
+                    if j == 0:
+                        for i in range(head_dim):
+                            attended[r, query + i] += weight * qkv[r, 2 * width + query + i]
+                    else:
+                        value = ring_index[((rows + r) * heads + h) * slots + j]
+                        for i in range(head_dim):
+                            attended[r, query + i] += weight * window[value, i]
+                if has_null:
+                    for i in range(head_dim):
+                        attended[r, query + i] += (np.float32(1.0) - kept) * null_value[h, i]
+        for r in range(rows):  # the window stores the new keys and values (after every read of the ring)
+            for channel in range(2 * heads):
+                target = write_index[r * 2 * heads + channel]
+                for i in range(head_dim):
+                    window[target, i] = qkv[r, width + channel * head_dim + i]
+        product(attended, c_proj[0], c_proj[1], True, x_out)
+        for r in range(rows):
+            for i in range(width):
+                x_out[r, i] += x[r, i]
+        layer_norm(x_out, ln_2[0], ln_2[1], eps, u)
+        hidden = np.empty((rows, c_fc[0].shape[0]), dtype=np.float32)
+        product(u, c_fc[0], c_fc[1], True, hidden)
+        gelu(hidden)
+        product(hidden, mlp_proj[0], mlp_proj[1], True, u)
+        for r in range(rows):
+            for i in range(width):
+                x_out[r, i] += u[r, i]
+
+    return kernel, layer_step, block_step
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
 _SQRT_HALF = np.float32(math.sqrt(0.5))
+_NO_MATRIX = np.zeros((0, 0), dtype=np.float32)
+_NO_MASK = np.zeros((0, 0), dtype=np.bool_)

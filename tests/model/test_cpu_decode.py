@@ -1,4 +1,4 @@
-"""The CPU decode kernels (model/ops/matvec.py) against F.linear and the torch LRNN step; where they must not apply."""
+"""The CPU decode kernels (model/ops/cpu_decode.py) against F.linear and the torch steps; where they must not apply."""
 
 from __future__ import annotations
 
@@ -11,30 +11,30 @@ import torch.nn.functional as F
 
 from model.config import LRNNConfig
 from model.lrnn import BlockDiagonalLRNN
-from model.ops import matvec
+from model.ops import cpu_decode
 from model.regulargpt import RegularGPT
 from tests.model.tiny_models import tiny_configs
 
-pytestmark = pytest.mark.skipif(not matvec.kernel_available(), reason="numba is not importable")
+pytestmark = pytest.mark.skipif(not cpu_decode.kernel_available(), reason="numba is not importable")
 
 
 def record_calls(monkeypatch, name: str) -> list[tuple[int, ...]]:
-    """Wrap the compiled function ``matvec.<name>`` to record the shape of its first argument at every call."""
+    """Wrap the compiled function ``cpu_decode.<name>`` to record the shape of its first argument at every call."""
     calls: list[tuple[int, ...]] = []
-    compiled = getattr(matvec, name)
+    compiled = getattr(cpu_decode, name)
 
     def counted(x, *args):
         calls.append(x.shape)
         compiled(x, *args)
 
-    monkeypatch.setattr(matvec, name, counted)
+    monkeypatch.setattr(cpu_decode, name, counted)
     return calls
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
     """The (rows, in) shape of every x the kernel multiplies, in order; every weight size qualifies."""
-    monkeypatch.setattr(matvec, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_decode, "MIN_ELEMENTS", 1)
     return record_calls(monkeypatch, "_kernel")
 
 
@@ -51,7 +51,7 @@ def test_equals_f_linear(kernel_calls, rows: int, out: int, width: int, bias: bo
     weight, offset = torch.randn(out, width), torch.randn(out) if bias else None
     x = torch.randn(rows, width)
     with torch.no_grad():
-        result = matvec.linear(x, weight, offset)
+        result = cpu_decode.linear(x, weight, offset)
     assert kernel_calls == [(rows, width)] and result.shape == (rows, out) and result.dtype == torch.float32
     torch.testing.assert_close(result, F.linear(x, weight, offset), rtol=1e-5, atol=1e-5 * width**0.5)
 
@@ -62,7 +62,7 @@ def test_leading_dimensions_non_contiguous_rows_and_special_values(kernel_calls)
     x[1, 0, 2] = float("nan")
     weight[4, 0] = float("inf")
     with torch.no_grad():
-        result = matvec.linear(x, weight, bias)  # (2, 1, 9)
+        result = cpu_decode.linear(x, weight, bias)  # (2, 1, 9)
     expected = F.linear(x, weight, bias)
     assert kernel_calls == [(2, 6)] and result.shape == (2, 1, 9)
     torch.testing.assert_close(result, expected, equal_nan=True)
@@ -72,8 +72,8 @@ def test_leading_dimensions_non_contiguous_rows_and_special_values(kernel_calls)
 def test_a_row_comes_out_the_same_whatever_rows_go_with_it(kernel_calls) -> None:
     weight, bias, x = torch.randn(50, 40), torch.randn(50), torch.randn(4, 40)
     with torch.no_grad():
-        together = matvec.linear(x, weight, bias)
-        alone = torch.cat([matvec.linear(x[i : i + 1], weight, bias) for i in range(4)])
+        together = cpu_decode.linear(x, weight, bias)
+        alone = torch.cat([cpu_decode.linear(x[i : i + 1], weight, bias) for i in range(4)])
     assert len(kernel_calls) == 5 and torch.equal(together, alone)
 
 
@@ -91,22 +91,22 @@ def test_where_it_does_not_apply_it_is_f_linear(kernel_calls, monkeypatch) -> No
     for name, (rows, matrix, grad, threads, reference) in cases.items():
         torch.set_num_threads(threads)
         try:
-            with torch.set_grad_enabled(grad), matvec.torch_products() if reference else contextlib.nullcontext():
+            with torch.set_grad_enabled(grad), cpu_decode.torch_products() if reference else contextlib.nullcontext():
                 if name in ("two threads", "inside torch_products"):
-                    assert not matvec.streams(), name
-                result = matvec.linear(rows, matrix)
+                    assert not cpu_decode.streams(), name
+                result = cpu_decode.linear(rows, matrix)
         finally:
             torch.set_num_threads(before)
         assert kernel_calls == [], name
         assert torch.equal(result, F.linear(rows, matrix)), name
-    monkeypatch.setattr(matvec, "MIN_ELEMENTS", weight.numel() + 1)  # a weight too small to gain
-    assert torch.equal(matvec.linear(x[:1], weight), F.linear(x[:1], weight)) and kernel_calls == []
-    assert matvec.streams() and not matvec.streams(rows=matvec.MAX_ROWS + 1)
+    monkeypatch.setattr(cpu_decode, "MIN_ELEMENTS", weight.numel() + 1)  # a weight too small to gain
+    assert torch.equal(cpu_decode.linear(x[:1], weight), F.linear(x[:1], weight)) and kernel_calls == []
+    assert cpu_decode.streams() and not cpu_decode.streams(rows=cpu_decode.MAX_ROWS + 1)
 
 
 def test_the_gradient_path_is_untouched() -> None:
     weight, x = torch.randn(8, 6, requires_grad=True), torch.randn(1, 6)
-    matvec.linear(x, weight).sum().backward()
+    cpu_decode.linear(x, weight).sum().backward()
     torch.testing.assert_close(weight.grad, x.expand(8, 6))
 
 
@@ -121,7 +121,7 @@ def test_a_served_lrnn_streams_its_one_token_products_and_steps_as_its_parallel_
     model = BlockDiagonalLRNN(config).eval()
     tokens = torch.randint(0, 40, (3, 17))
     with torch.no_grad():
-        with matvec.torch_products():
+        with cpu_decode.torch_products():
             expected = model(tokens)
         notes = model.for_serving()
         assert all(weight.is_contiguous() for weight in model.parameters())
@@ -153,25 +153,81 @@ def test_the_compiled_layer_step_equals_the_torch_step(layer_calls, p: float, ro
     x, state = 2 * torch.randn(rows, 24), 3 * torch.randn(rows, 5, 3)
     with torch.no_grad():
         x_out, state_out = block.step(x, state)
-        with matvec.torch_products():
+        with cpu_decode.torch_products():
             x_expected, state_expected = block.step(x, state)
     assert layer_calls == [(rows, 24)]
     torch.testing.assert_close(state_out, state_expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x_out, x_expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_served_regulargpt_keeps_its_head_as_stored_and_streams_its_steps(kernel_calls) -> None:
-    config = dataclasses.replace(tiny_configs(40, 0)["regulargpt-c2"], vocab_size=40)
+@pytest.fixture
+def block_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
+    """The (rows, d_model) shape of every x the compiled RegularGPT block step takes, in order."""
+    return record_calls(monkeypatch, "_block_step")
+
+
+@pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2"])
+def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_its_blocks_compiled(
+    kernel_calls, block_calls, model_id: str
+) -> None:
+    """Every block application of a decode step (K per thick layer, D(t) layers) is one compiled call, the head
+    goes through the kernel, and the steps equal the parallel pass: masked and null out-of-range slots, C 2 and 3,
+    weights scaled up so that attention is far from uniform."""
+    config = dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)
     model = RegularGPT(config).eval()
-    tokens = torch.randint(0, 40, (2, 19))
     with torch.no_grad():
-        with matvec.torch_products():
+        for name, parameter in model.named_parameters():
+            if "weight" in name and parameter.dim() == 2:
+                parameter.mul_(4)
+    tokens = torch.randint(0, 40, (2, 30))
+    with torch.no_grad():
+        with cpu_decode.torch_products():
             expected = model(tokens)
         assert model.for_serving() == []  # the head is not transposed for the kernel
         assert model.embedding.embed.weight.is_contiguous()
         kernel_calls.clear()
         cache = model.new_cache(2)
-        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(19)], dim=1)
-    assert len(kernel_calls) > 19 * 5  # four per block application, and the head
-    assert {rows for rows, _ in kernel_calls} == {2, 4}  # 2 rows; 2 x 2 positions where the depth grows (a new level)
+        stepped = []
+        for t in range(30):
+            calls = len(block_calls)
+            stepped.append(model.step(tokens[:, t], cache))
+            assert len(block_calls) - calls == config.thickness * cache.depth, t  # every block of every layer
+    assert set(block_calls) == {(2, 16)}
+    assert kernel_calls.count((2, 16)) == 30  # the head; the rest are chunks where the depth grows
+    torch.testing.assert_close(torch.stack(stepped, dim=1), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2"])
+def test_compiled_block_steps_of_rows_at_different_lengths_equal_the_torch_steps(monkeypatch, model_id: str) -> None:
+    """Two rows decoded together from 11 and 2 tokens: the short row's far slots are out of range (masked or null)
+    while the long row's are not, the case where a step's plan carries a valid mask."""
+    monkeypatch.setattr(cpu_decode, "MIN_ELEMENTS", 1)
+    masks = []
+    block_step = cpu_decode._block_step
+
+    def spy(x, window, ring_index, write_index, valid, has_valid, *args):
+        masks.append(has_valid and not valid.all())
+        block_step(x, window, ring_index, write_index, valid, has_valid, *args)
+
+    monkeypatch.setattr(cpu_decode, "_block_step", spy)
+    config = dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)
+    model = RegularGPT(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "weight" in name and parameter.dim() == 2:
+                parameter.mul_(4)
+    tokens = torch.randint(0, 40, (2, 20))
+
+    def decode() -> torch.Tensor:
+        long, short = model.new_cache(1), model.new_cache(1)
+        model(tokens[:1, :11], cache=long)
+        model(tokens[1:, :2], cache=short)
+        cache = type(long).stack([long, short])
+        return torch.stack([model.step(tokens[:, t], cache) for t in range(11, 20)], dim=1)
+
+    with torch.no_grad():
+        with cpu_decode.torch_products():
+            expected = decode()
+        stepped = decode()
+    assert any(masks)  # some step ran with slots out of range for one row only
     torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
