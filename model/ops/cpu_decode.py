@@ -236,9 +236,28 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                 value = values[r, i]
                 values[r, i] = np.float32(0.5) * value * (np.float32(1.0) + math.erf(value * _SQRT_HALF))
 
+    @jit(inline="always")
+    def residual_tail(x, mixed, mixer, ln_2, c_fc, c_proj, eps, out):
+        """out = y + MLP(LN_2(y)) with y = x + mixer(mixed): a pre-norm block after its mixing (the recurrence's
+        states or the attention's heads), (R, d_model)."""
+        product(mixed, mixer[0], mixer[1], True, out)
+        rows, width = x.shape
+        for r in range(rows):
+            for i in range(width):
+                out[r, i] += x[r, i]
+        normed = np.empty_like(x)
+        layer_norm(out, ln_2[0], ln_2[1], eps, normed)
+        hidden = np.empty((rows, c_fc[0].shape[0]), dtype=np.float32)
+        product(normed, c_fc[0], c_fc[1], True, hidden)
+        gelu(hidden)
+        product(hidden, c_proj[0], c_proj[1], True, normed)
+        for r in range(rows):
+            for i in range(width):
+                out[r, i] += normed[r, i]
+
     @jit
     def layer_step(x, state, ln_1, joint, g_bias, b_bias, out_proj, ln_2, c_fc, c_proj, eps, p, x_out, state_out):
-        rows, width = x.shape
+        rows = x.shape[0]
         heads, size = state.shape[1], state.shape[2]
         u = np.empty_like(x)
         layer_norm(x, ln_1[0], ln_1[1], eps, u)
@@ -265,19 +284,7 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                     for j in range(size):
                         total += products[r, block + i * size + j] * scaled[j]
                     state_out[r, h, i] = total + products[r, generated + h * size + i]
-        flat = state_out.reshape(rows, heads * size)
-        product(flat, out_proj[0], out_proj[1], True, x_out)
-        for r in range(rows):
-            for i in range(width):
-                x_out[r, i] += x[r, i]
-        layer_norm(x_out, ln_2[0], ln_2[1], eps, u)
-        hidden = np.empty((rows, c_fc[0].shape[0]), dtype=np.float32)
-        product(u, c_fc[0], c_fc[1], True, hidden)
-        gelu(hidden)
-        product(hidden, c_proj[0], c_proj[1], True, u)
-        for r in range(rows):
-            for i in range(width):
-                x_out[r, i] += u[r, i]
+        residual_tail(x, state_out.reshape(rows, heads * size), out_proj, ln_2, c_fc, c_proj, eps, x_out)
 
     @jit
     def block_step(
@@ -349,18 +356,7 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                 target = write_index[r * 2 * heads + channel]
                 for i in range(head_dim):
                     window[target, i] = qkv[r, width + channel * head_dim + i]
-        product(attended, c_proj[0], c_proj[1], True, x_out)
-        for r in range(rows):
-            for i in range(width):
-                x_out[r, i] += x[r, i]
-        layer_norm(x_out, ln_2[0], ln_2[1], eps, u)
-        hidden = np.empty((rows, c_fc[0].shape[0]), dtype=np.float32)
-        product(u, c_fc[0], c_fc[1], True, hidden)
-        gelu(hidden)
-        product(hidden, mlp_proj[0], mlp_proj[1], True, u)
-        for r in range(rows):
-            for i in range(width):
-                x_out[r, i] += u[r, i]
+        residual_tail(x, attended, c_proj, ln_2, c_fc, mlp_proj, eps, x_out)
 
     return kernel, layer_step, block_step
 

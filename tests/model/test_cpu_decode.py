@@ -166,6 +166,16 @@ def block_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
     return record_calls(monkeypatch, "_block_step")
 
 
+def sharp_regulargpt(model_id: str) -> RegularGPT:
+    """A tiny RegularGPT language model (vocabulary 40) with its matrices scaled by 4: attention far from uniform."""
+    model = RegularGPT(dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "weight" in name and parameter.dim() == 2:
+                parameter.mul_(4)
+    return model
+
+
 @pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2"])
 def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_its_blocks_compiled(
     kernel_calls, block_calls, model_id: str
@@ -173,12 +183,7 @@ def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_its_blocks_compi
     """Every block application of a decode step (K per thick layer, D(t) layers) is one compiled call, the head
     goes through the kernel, and the steps equal the parallel pass: masked and null out-of-range slots, C 2 and 3,
     weights scaled up so that attention is far from uniform."""
-    config = dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)
-    model = RegularGPT(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "weight" in name and parameter.dim() == 2:
-                parameter.mul_(4)
+    model = sharp_regulargpt(model_id)
     tokens = torch.randint(0, 40, (2, 30))
     with torch.no_grad():
         with cpu_decode.torch_products():
@@ -191,7 +196,7 @@ def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_its_blocks_compi
         for t in range(30):
             calls = len(block_calls)
             stepped.append(model.step(tokens[:, t], cache))
-            assert len(block_calls) - calls == config.thickness * cache.depth, t  # every block of every layer
+            assert len(block_calls) - calls == model.config.thickness * cache.depth, t  # every block, every layer
     assert set(block_calls) == {(2, 16)}
     assert kernel_calls.count((2, 16)) == 30  # the head; the rest are chunks where the depth grows
     torch.testing.assert_close(torch.stack(stepped, dim=1), expected, rtol=1e-5, atol=1e-5)
@@ -210,12 +215,7 @@ def test_compiled_block_steps_of_rows_at_different_lengths_equal_the_torch_steps
         block_step(x, window, ring_index, write_index, valid, has_valid, *args)
 
     monkeypatch.setattr(cpu_decode, "_block_step", spy)
-    config = dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)
-    model = RegularGPT(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "weight" in name and parameter.dim() == 2:
-                parameter.mul_(4)
+    model = sharp_regulargpt(model_id)
     tokens = torch.randint(0, 40, (2, 20))
 
     def decode() -> torch.Tensor:
