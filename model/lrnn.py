@@ -341,9 +341,9 @@ class RecurrentBlock(nn.Module):
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b). Served on the CPU with few rows,
         a recurrence that supports it runs the whole layer as one compiled call
         (:func:`model.ops.cpu_decode.lrnn_column_layer_step`, equal up to float rounding)."""
-        if not (self.training or torch.is_grad_enabled()) and cpu_decode.streams(x.shape[0]):
+        if not self.training and cpu_decode.compiles_step(x):
             weights = self.recurrence.fused_step_weights()
-            if weights is not None and x.dtype == state.dtype == torch.float32:
+            if weights is not None and state.dtype == torch.float32:
                 mlp, ln_1, ln_2 = self.mlp, self.ln_1, self.ln_2
                 return cpu_decode.lrnn_column_layer_step(
                     x,
@@ -394,7 +394,7 @@ class LinearRNN(SequenceModel):
         CUDA nothing changes."""
         if self.device.type != "cpu":
             return []
-        streaming = self.dtype == torch.float32 and cpu_decode.streams()
+        streaming = cpu_decode.streams(dtype=self.dtype)
         joined = sum(block.recurrence.for_serving(streaming) for block in self.blocks)
         notes = [f"{joined} layers make g(u) and B u with one product per step (CPU)"] if joined else []
         if streaming:

@@ -157,7 +157,7 @@ class CachedBlock(NamedTuple):
         """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them. A decode
         step of few rows on the CPU runs as one compiled call (:func:`model.ops.cpu_decode.regulargpt_block_step`,
         equal up to float rounding)."""
-        if isinstance(plan, StepPlan) and self._compiled_step(x):
+        if isinstance(plan, StepPlan) and not self.dropout and cpu_decode.compiles_step(x):
             batch, _, width = x.shape
             null = None if self.null_key is None else (self.null_key, self.null_value)
             weights = [*self.ln_1, *self.c_attn, *self.c_proj, *self.ln_2, *self.c_fc, *self.mlp_proj]
@@ -173,16 +173,6 @@ class CachedBlock(NamedTuple):
         hidden = F.gelu(linear(F.layer_norm(x, shape, *self.ln_2, self.eps), *self.c_fc))  # (B, n, d_ff)
         out = linear(hidden, *self.mlp_proj)  # (B, n, d)
         return x + (F.dropout(out, self.dropout) if self.dropout else out)
-
-    def _compiled_step(self, x: torch.Tensor) -> bool:
-        """Whether a decode step of x (B, 1, d) runs compiled: no grad or dropout, CPU float32, few rows."""
-        return (
-            x.dtype is torch.float32
-            and x.is_cpu
-            and not self.dropout
-            and not torch.is_grad_enabled()
-            and cpu_decode.streams(x.shape[0])
-        )
 
     def attend(self, qkv: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
         """The chunk's attention through the window, heads merged: qkv (B, n, 3 d), q | k | v with heads in order
@@ -308,7 +298,7 @@ class RegularGPT(SequenceModel):
             )
         head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
         wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])
-        streaming = self.dtype == torch.float32 and cpu_decode.streams()
+        streaming = cpu_decode.streams(dtype=self.dtype)
         if self.device.type == "cpu" and self.config.is_language_model and wide and not streaming:
             head.data = head.data.t().contiguous().t()  # (V, d) with (d, V) in memory
             notes.append("the tied head stored transposed for one-token products (CPU)")

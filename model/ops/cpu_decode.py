@@ -76,11 +76,23 @@ def kernel_available() -> bool:
     return (_kernel or _build()) is not None
 
 
-def streams(rows: int = 1) -> bool:
-    """Whether a product of ``rows`` rows with a contiguous CPU float32 weight would run through the kernel now (no
-    gradients aside): one intra-op thread, at most :data:`MAX_ROWS` rows, not inside :func:`torch_products`, numba
-    importable. Serving code lays its weights out for the kernel when this holds."""
-    return rows <= MAX_ROWS and not _off() and torch.get_num_threads() == 1 and kernel_available()
+def streams(rows: int = 1, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a product of ``rows`` rows of ``dtype`` with a contiguous CPU weight would run through the kernel now
+    (no gradients aside): float32, one intra-op thread, at most :data:`MAX_ROWS` rows, not inside
+    :func:`torch_products`, numba importable. Serving code lays its weights out for the kernel when this holds."""
+    return (
+        dtype is torch.float32
+        and rows <= MAX_ROWS
+        and not _off()
+        and torch.get_num_threads() == 1
+        and kernel_available()
+    )
+
+
+def compiles_step(x: torch.Tensor) -> bool:
+    """Whether a decode step over ``x`` (rows first) may run as one compiled call (:func:`lrnn_column_layer_step`,
+    :func:`regulargpt_block_step`): on the CPU, no gradients, and :func:`streams` for its rows and dtype."""
+    return x.is_cpu and not torch.is_grad_enabled() and streams(x.shape[0], x.dtype)
 
 
 @contextlib.contextmanager
