@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -153,19 +154,13 @@ class CachedBlock(NamedTuple):
             mlp["dropout"].p if block.training else 0.0,
         )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The block's parameters in the order :func:`model.ops.cpu_decode.regulargpt_layer_step` packs them."""
+        nulls = [] if self.null_key is None else [self.null_key, self.null_value]
+        return [*self.ln_1, *self.c_attn, *self.c_proj, *self.ln_2, *self.c_fc, *self.mlp_proj, self.relative_bias, *nulls]
+
     def forward(self, x: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
-        """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them. A decode
-        step of few rows on the CPU runs as one compiled call (:func:`model.ops.cpu_decode.regulargpt_block_step`,
-        equal up to float rounding)."""
-        if isinstance(plan, StepPlan) and not self.dropout and cpu_decode.compiles_step(x):
-            batch, _, width = x.shape
-            null = None if self.null_key is None else (self.null_key, self.null_value)
-            weights = [*self.ln_1, *self.c_attn, *self.c_proj, *self.ln_2, *self.c_fc, *self.mlp_proj]
-            out = cpu_decode.regulargpt_block_step(
-                x.view(batch, width), window.kv, plan.ring_index, plan.write_index, plan.valid,
-                [*weights, self.relative_bias], null, self.heads, self.eps,
-            )
-            return out.view(batch, 1, width)
+        """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them."""
         shape = x.shape[-1:]
         qkv = linear(F.layer_norm(x, shape, *self.ln_1, self.eps), *self.c_attn)  # (B, n, 3 d)
         out = linear(self.attend(qkv, dilation, window, plan), *self.c_proj)  # (B, n, d)
@@ -201,6 +196,21 @@ class CachedBlock(NamedTuple):
         return out.transpose(1, 2).reshape(batch, length, d_model)
 
 
+class PackedBlocks(NamedTuple):
+    """The K blocks' parameters as views of one buffer, for the compiled decode step
+    (:func:`model.ops.cpu_decode.regulargpt_layer_step` takes them as one array): made by ``for_serving``."""
+
+    packed: np.ndarray  # the buffer, which every block parameter views (CachedBlock.tensors order, block by block)
+    starts: np.ndarray  # (K, n + 1) int64: each block's tensors' starts in it, then the block's end
+    pointers: tuple[int, ...]  # each parameter's data_ptr when packed: one that differs was replaced since
+    has_null: bool
+
+    def holds(self, blocks: list[CachedBlock]) -> bool:
+        """Whether the blocks' parameters are still the packed views (``.to``, ``.half``, ``load_state_dict(...,
+        assign=True)`` or an assignment to ``.data`` replace them; an in-place change keeps them)."""
+        return self.pointers == tuple(tensor.data_ptr() for block in blocks for tensor in block.tensors())
+
+
 def _children(module: nn.Module) -> dict[str, nn.Module]:
     """A module's submodules by name, read from its dict (no nn.Module.__getattr__)."""
     return vars(module)["_modules"]
@@ -222,6 +232,7 @@ class RegularGPT(SequenceModel):
         )
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         init_gpt2(self, n_residual_layers=config.thickness)  # scaled over the K distinct blocks
+        self.packed: PackedBlocks | None = None  # set by for_serving where decode steps run compiled
 
     def forward(self, tokens: torch.Tensor, cache: RegularGPTCache | None = None) -> torch.Tensor:
         """tokens: (B, T) -> (B, T, output_size).
@@ -287,6 +298,10 @@ class RegularGPT(SequenceModel):
           memory, shape and values unchanged, as the LRNN does (model/lrnn.py): a decode step's logits read it
           along its rows, 2x faster with MKL on one thread (0.094 against 0.177 ms for 8192 x 128 here); an
           embedding lookup reads one strided column instead of a row, which costs nothing measurable.
+        - Where they run through that kernel instead (:func:`model.ops.cpu_decode.streams`: one intra-op thread),
+          the head stays as stored and the K blocks' parameters become views of one buffer (:class:`PackedBlocks`),
+          so that a decode step of 1-4 rows runs each thick layer as one compiled call (its ~15 small ops per block
+          and the Python between them cost more than the arithmetic: docs/benchmarks.md, "CPU decode kernels").
         """
         notes = []
         if any(block.attention.impl == "reference" for block in self.blocks):
@@ -296,13 +311,36 @@ class RegularGPT(SequenceModel):
                 f"attention_impl reference -> auto (the T x T mask would not fit long inputs; the reference is kept "
                 f"up to {AUTO_REFERENCE_MAX_T} positions)"
             )
+        if self.device.type != "cpu":
+            return notes
+        if cpu_decode.streams(dtype=self.dtype):
+            self._pack_blocks()
+            notes.append(f"thick layers step as one compiled call each at 1-{cpu_decode.MAX_ROWS} rows (CPU)")
+            return notes
         head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
         wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])
-        streaming = cpu_decode.streams(dtype=self.dtype)
-        if self.device.type == "cpu" and self.config.is_language_model and wide and not streaming:
+        if self.config.is_language_model and wide:
             head.data = head.data.t().contiguous().t()  # (V, d) with (d, V) in memory
             notes.append("the tied head stored transposed for one-token products (CPU)")
         return notes
+
+    def _pack_blocks(self) -> None:
+        """Make the K blocks' parameters views of one buffer (:class:`PackedBlocks`): values, shapes and the
+        checkpoint unchanged; the compiled decode step then takes one array for all of them."""
+        blocks = [CachedBlock.of(block) for block in self.blocks]
+        if self.packed is not None and self.packed.holds(blocks):
+            return
+        tensors = [tensor for block in blocks for tensor in block.tensors()]
+        flat, starts = cpu_decode.pack(tensors)
+        for tensor, start, end in zip(tensors, starts[:-1], starts[1:]):
+            tensor.data = flat[start:end].view(tensor.shape)
+        per_block = len(tensors) // len(blocks)
+        self.packed = PackedBlocks(
+            packed=flat.numpy(),
+            starts=np.stack([starts[k * per_block : (k + 1) * per_block + 1] for k in range(len(blocks))]),
+            pointers=tuple(tensor.data_ptr() for tensor in tensors),
+            has_null=blocks[0].null_key is not None,
+        )
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
         """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call.
@@ -453,10 +491,15 @@ class RegularGPT(SequenceModel):
             position_depths = adaptive_depths(start[:, None] + torch.arange(length), chunk_size).to(tokens.device)
         x = self.embedding(tokens)  # (B, n, d)
         out = top = x
-        allocated = [windows[0].kv.shape[2] for windows in cache.windows]
-        plans = plan_chunk(start, length, chunk_size, self.config.n_heads, allocated, tokens.device)
-        for layer, (windows, plan) in enumerate(zip(cache.windows, plans)):
-            x = self._cached_thick_layer(x, chunk_size**layer, windows, plan, blocks)  # (B, n, d)
+        compiled = length == 1 and self._compiles_step(x, blocks)
+        if not compiled:
+            allocated = [windows[0].kv.shape[2] for windows in cache.windows]
+            plans = plan_chunk(start, length, chunk_size, self.config.n_heads, allocated, tokens.device)
+        for layer, windows in enumerate(cache.windows):
+            if compiled:  # the layer finds its ring entries itself (no plan)
+                x = self._compiled_thick_layer(x, layer, windows, start.numpy(), blocks[0])  # (B, 1, d)
+            else:
+                x = self._cached_thick_layer(x, chunk_size**layer, windows, plans[layer], blocks)  # (B, n, d)
             if mixed:
                 out = torch.where(position_depths[..., None] == layer + 1, x, out)  # (B, n, d)
                 top = torch.where(position_depths[:, -1:, None] == layer + 1, x, top)  # each row's own top layer
@@ -524,6 +567,30 @@ class RegularGPT(SequenceModel):
         for block, window in zip(blocks, windows):
             x = block.forward(x, dilation, window, plan)
         return x
+
+    def _compiles_step(self, x: torch.Tensor, blocks: list[CachedBlock]) -> bool:
+        """Whether a decode step over x (B, 1, d) runs each thick layer as one compiled call: packed blocks
+        (``for_serving``) still in place, no dropout, and :func:`model.ops.cpu_decode.compiles_step`."""
+        packed = self.packed
+        return (
+            packed is not None and not blocks[0].dropout and cpu_decode.compiles_step(x) and packed.holds(blocks)
+        )
+
+    def _compiled_thick_layer(
+        self, x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, block: CachedBlock
+    ) -> torch.Tensor:
+        """Thick layer ``layer``'s K blocks over one new position per row (``positions``: (B,) int64), as one
+        compiled call (equal to :meth:`_cached_thick_layer` with the step's plan up to float rounding). x: (B, 1, d)
+        -> (B, 1, d)."""
+        batch, _, width = x.shape
+        packed, chunk_size = self.packed, self.config.chunk_size
+        dilation = chunk_size**layer
+        out = cpu_decode.regulargpt_layer_step(
+            x.view(batch, width), [window.kv for window in windows], positions, dilation, windows[0].ring,
+            reachable_slots(chunk_size, dilation, int(positions.max())), packed.packed, packed.starts,
+            packed.has_null, block.heads, block.eps,
+        )
+        return out.view(batch, 1, width)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (..., d) -> (..., output_size)."""

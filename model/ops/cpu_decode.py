@@ -21,9 +21,9 @@ the kernel compiled (~1 s) on first use; without numba, every call is ``F.linear
 Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
 slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
 and data the weights streamed before it have evicted (oneDNN's GELU of 2,048 values: 8 us with hot caches, 40 us
-inside a size-L LRNN step). :func:`lrnn_column_layer_step` and :func:`regulargpt_block_step` run a whole served LRNN
-layer or RegularGPT block, products included, as one compiled call (figures: docs/benchmarks.md, "CPU decode
-kernels").
+inside a size-L LRNN step). :func:`lrnn_column_layer_step` and :func:`regulargpt_layer_step` run a whole served LRNN
+layer or RegularGPT thick layer (its K blocks), products included, as one compiled call (figures:
+docs/benchmarks.md, "CPU decode kernels").
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ MIN_ELEMENTS = 2**18  # 1 MiB of float32
 _state = threading.local()  # .off: torch_products() depth in this thread
 _kernel: Callable[..., None] | None = None
 _layer_step: Callable[..., None] | None = None
-_block_step: Callable[..., None] | None = None
+_regulargpt_layer_step: Callable[..., None] | None = None
 _unavailable: str | None = None  # why the kernel cannot be built, once known
 _build_lock = threading.Lock()
 
@@ -91,7 +91,7 @@ def streams(rows: int = 1, dtype: torch.dtype = torch.float32) -> bool:
 
 def compiles_step(x: torch.Tensor) -> bool:
     """Whether a decode step over ``x`` (rows first) may run as one compiled call (:func:`lrnn_column_layer_step`,
-    :func:`regulargpt_block_step`): on the CPU, no gradients, and :func:`streams` for its rows and dtype."""
+    :func:`regulargpt_layer_step`): on the CPU, no gradients, and :func:`streams` for its rows and dtype."""
     return x.is_cpu and not torch.is_grad_enabled() and streams(x.shape[0], x.dtype)
 
 
@@ -132,37 +132,50 @@ def lrnn_column_layer_step(
     return torch.from_numpy(x_out), torch.from_numpy(state_out)
 
 
-def regulargpt_block_step(
+def pack(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """One contiguous buffer holding ``tensors`` (all of one dtype, on the CPU) one after another, flattened, and
+    where each starts in it, then its end: (n + 1,) int64. The caller makes its parameters views of the buffer (a
+    compiled step then takes them as one array, not one argument each)."""
+    sizes = [tensor.numel() for tensor in tensors]
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+    return flat, starts
+
+
+def regulargpt_layer_step(
     x: torch.Tensor,
-    window: torch.Tensor,
-    ring_index: torch.Tensor,
-    write_index: torch.Tensor,
-    valid: torch.Tensor | None,
-    weights: Sequence[torch.Tensor],
-    null: tuple[torch.Tensor, torch.Tensor] | None,
+    windows: Sequence[torch.Tensor],
+    positions: np.ndarray,
+    dilation: int,
+    ring: int,
+    slots: int,
+    packed: np.ndarray,
+    starts: np.ndarray,
+    has_null: bool,
     heads: int,
     eps: float,
 ) -> torch.Tensor:
-    """One RegularGPT block's decode step (model/regulargpt.py, ``CachedBlock.forward`` with a ``StepPlan``) as one
-    compiled call: x + attention(LN_1(x)) over the J dilated slots, then + MLP(LN_2(.)); the new position's keys and
-    values are then written into ``window``, as the torch step does (``KVWindow.gather_step``, ``attend_slots``,
-    the ring write). Equal to it up to float rounding (tests/model/test_cpu_decode.py).
+    """One thick layer of a RegularGPT decode step (model/regulargpt.py: its K blocks, ``CachedBlock.forward``
+    with a ``StepPlan``) as one compiled call. Each block: x + attention(LN_1(x)) over the J dilated slots, then
+    + MLP(LN_2(.)); the new position's keys and values are then written into its window. The ring entries are
+    found as the step's plan finds them (``_plan_step`` in model/regulargpt_cache.py: row r's slot j holds position
+    p = positions[r] - j * dilation at ring slot p % ring; out of range, masked or null, where p < 0), without
+    building it. Equal to the torch step up to float rounding (tests/model/test_cpu_decode.py).
 
-    x: (R, d_model), R <= MAX_ROWS; window: the block's ring (R, 2 H, slots, hd), written in place; ring_index,
-    write_index, valid: the plan's (``valid`` (R, 1, 1, J) bool or None); ``weights``: ln_1 weight and bias,
-    c_attn weight and bias, c_proj weight and bias, ln_2 weight and bias, the MLP's c_fc and c_proj weights and
-    biases, then the relative bias (H, C); ``null``: the null key and value (H, hd) each, or None. Returns (R,
-    d_model). Call it only where :func:`streams` holds for R rows (which builds it)."""
-    arrays = [tensor.numpy(force=True) for tensor in weights]
+    x: (R, d_model), R <= MAX_ROWS; windows: the K blocks' rings (R, 2 H, allocated, hd) each, written in place;
+    positions: (R,) int64, each row's new position; dilation: C**l; ring: (C - 1) C**l; slots: J, the slots any
+    row can reach;
+    ``packed``: every block's parameters one after another (:func:`pack`): per block ln_1 weight and bias, c_attn
+    weight and bias, c_proj weight and bias, ln_2 weight and bias, the MLP's c_fc and c_proj weights and biases,
+    the relative bias (H, C), then with ``has_null`` the null key and value (H, hd); ``starts``: (K, n + 1), each
+    block's tensors' starts in ``packed`` and its end. Returns (R, d_model). Call it only where :func:`streams`
+    holds for R rows (which builds it)."""
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
-    null_key, null_value = (_NO_MATRIX, _NO_MATRIX) if null is None else (t.numpy(force=True) for t in null)
-    _block_step(
-        rows, window.view(-1, window.shape[-1]).numpy(), ring_index.numpy(), write_index.numpy(),
-        _NO_MASK if valid is None else valid.view(rows.shape[0], -1).numpy(), valid is not None,
-        (arrays[0], arrays[1]), (arrays[2], arrays[3]), (arrays[4], arrays[5]), (arrays[6], arrays[7]),
-        (arrays[8], arrays[9]), (arrays[10], arrays[11]), arrays[12], null_key, null_value, null is not None,
-        heads, np.float32(eps), x_out,
+    _regulargpt_layer_step(
+        rows, tuple(window.view(-1, window.shape[-1]).numpy() for window in windows), positions, dilation, ring,
+        slots, packed, starts, has_null, heads, np.float32(eps), x_out,
     )
     return torch.from_numpy(x_out)
 
@@ -191,7 +204,7 @@ def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 def _build() -> Callable[..., None] | None:
     """Import numba and compile the kernels once per process; None (and one warning) if numba is missing."""
-    global _kernel, _layer_step, _block_step, _unavailable
+    global _kernel, _layer_step, _regulargpt_layer_step, _unavailable
     with _build_lock:
         if _kernel is not None or _unavailable is not None:
             return _kernel
@@ -201,13 +214,13 @@ def _build() -> Callable[..., None] | None:
             _unavailable = f"numba is not importable ({error})"
             logger.warning("few-row CPU products use F.linear: %s", _unavailable)
             return None
-        _kernel, _layer_step, _block_step = _compile(numba)
+        _kernel, _layer_step, _regulargpt_layer_step = _compile(numba)
         return _kernel
 
 
 def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
-    """The product kernel, the LRNN layer step (:func:`lrnn_column_layer_step`) and the RegularGPT block step
-    (:func:`regulargpt_block_step`), compiled with numba (the two steps on first call)."""
+    """The product kernel, the LRNN layer step (:func:`lrnn_column_layer_step`) and the RegularGPT thick layer step
+    (:func:`regulargpt_layer_step`), compiled with numba (the two steps on first call)."""
     # reassoc only: sums may run in any order (what vectorises the dot products); NaN and inf keep their meaning
     # (full fastmath would assume neither occurs).
     jit = functools.partial(numba.njit, fastmath={"reassoc"}, boundscheck=False, nogil=True)
@@ -298,14 +311,27 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                     state_out[r, h, i] = total + products[r, generated + h * size + i]
         residual_tail(x, state_out.reshape(rows, heads * size), out_proj, ln_2, c_fc, c_proj, eps, x_out)
 
-    @jit
-    def block_step(
-        x, window, ring_index, write_index, valid, has_valid, ln_1, c_attn, c_proj, ln_2, c_fc, mlp_proj,
-        relative_bias, null_key, null_value, has_null, heads, eps, x_out,
-    ):
-        rows, width = x.shape
+    @jit(inline="always")
+    def matrix(packed, start, i, columns):  # tensor i of a block in the pack, as (rows, columns)
+        return packed[start[i] : start[i + 1]].reshape(((start[i + 1] - start[i]) // columns, columns))
+
+    @jit(inline="always")
+    def block_step(x, window, positions, dilation, ring, slots, packed, start, has_null, heads, eps, x_out):
+        """One block (tensors of ``start`` in ``packed``: :func:`regulargpt_layer_step`) over x (R, d) -> x_out."""
+        width = x.shape[1]
         head_dim = width // heads
-        slots = ring_index.shape[0] // (2 * rows * heads)  # J
+        ln_1 = (packed[start[0] : start[1]], packed[start[1] : start[2]])
+        c_attn = (matrix(packed, start, 2, width), packed[start[3] : start[4]])
+        c_proj = (matrix(packed, start, 4, width), packed[start[5] : start[6]])
+        ln_2 = (packed[start[6] : start[7]], packed[start[7] : start[8]])
+        c_fc = (matrix(packed, start, 8, width), packed[start[9] : start[10]])
+        hidden_size = c_fc[1].shape[0]
+        mlp_proj = (matrix(packed, start, 10, hidden_size), packed[start[11] : start[12]])
+        relative_bias = matrix(packed, start, 12, (start[13] - start[12]) // heads)
+        null_key = matrix(packed, start, 13, head_dim) if has_null else relative_bias
+        null_value = matrix(packed, start, 14, head_dim) if has_null else relative_bias
+        rows = x.shape[0]
+        allocated = window.shape[0] // (rows * 2 * heads)  # slots held per row and channel
         chunk_size = relative_bias.shape[1]  # C
         scale = np.float32(1.0) / np.sqrt(np.float32(head_dim))
         u = np.empty_like(x)
@@ -317,6 +343,8 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
         for r in range(rows):
             for h in range(heads):
                 query = h * head_dim
+                keys = (r * 2 * heads + h) * allocated  # the first entry of the head's key ring; its values' next
+                values = keys + heads * allocated
                 null_score = np.float32(0.0)
                 if has_null:
                     for i in range(head_dim):
@@ -324,14 +352,14 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                     null_score *= scale
                 top = -np.inf
                 for j in range(chunk_size):  # slot j: key j * dilation back (0: the new one); its score
-                    in_range = j < slots and (not has_valid or valid[r, j])
-                    if in_range:
+                    position = positions[r] - j * dilation
+                    if j < slots and position >= 0:
                         total = np.float32(0.0)
                         if j == 0:
                             for i in range(head_dim):
                                 total += qkv[r, query + i] * qkv[r, width + query + i]
                         else:
-                            key = ring_index[(r * heads + h) * slots + j]
+                            key = keys + position % ring
                             for i in range(head_dim):
                                 total += qkv[r, query + i] * window[key, i]
                         scores[j] = total * scale + relative_bias[h, j]
@@ -349,7 +377,8 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                 for i in range(head_dim):
                     attended[r, query + i] = np.float32(0.0)
                 for j in range(slots):
-                    if has_valid and not valid[r, j]:
+                    position = positions[r] - j * dilation
+                    if position < 0:
                         continue
                     weight = scores[j] / total
                     kept += weight
@@ -357,7 +386,7 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                         for i in range(head_dim):
                             attended[r, query + i] += weight * qkv[r, 2 * width + query + i]
                     else:
-                        value = ring_index[((rows + r) * heads + h) * slots + j]
+                        value = values + position % ring
                         for i in range(head_dim):
                             attended[r, query + i] += weight * window[value, i]
                 if has_null:
@@ -365,15 +394,23 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                         attended[r, query + i] += (np.float32(1.0) - kept) * null_value[h, i]
         for r in range(rows):  # the window stores the new keys and values (after every read of the ring)
             for channel in range(2 * heads):
-                target = write_index[r * 2 * heads + channel]
+                target = (r * 2 * heads + channel) * allocated + positions[r] % ring
                 for i in range(head_dim):
                     window[target, i] = qkv[r, width + channel * head_dim + i]
         residual_tail(x, attended, c_proj, ln_2, c_fc, mlp_proj, eps, x_out)
 
-    return kernel, layer_step, block_step
+    @jit
+    def regulargpt_layer(x, windows, positions, dilation, ring, slots, packed, starts, has_null, heads, eps, x_out):
+        blocks = starts.shape[0]
+        current = x
+        for k in range(blocks):  # the last block writes x_out; the others alternate between two buffers
+            out = x_out if (blocks - 1 - k) % 2 == 0 else np.empty_like(x)
+            block_step(current, windows[k], positions, dilation, ring, slots, packed, starts[k], has_null, heads, eps,
+                       out)
+            current = out
+
+    return kernel, layer_step, regulargpt_layer
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
 _SQRT_HALF = np.float32(math.sqrt(0.5))
-_NO_MATRIX = np.zeros((0, 0), dtype=np.float32)
-_NO_MASK = np.zeros((0, 0), dtype=np.bool_)

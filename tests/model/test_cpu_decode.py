@@ -161,9 +161,9 @@ def test_the_compiled_layer_step_equals_the_torch_step(layer_calls, p: float, ro
 
 
 @pytest.fixture
-def block_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
-    """The (rows, d_model) shape of every x the compiled RegularGPT block step takes, in order."""
-    return record_calls(monkeypatch, "_block_step")
+def thick_layer_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
+    """The (rows, d_model) shape of every x the compiled RegularGPT thick layer step takes, in order."""
+    return record_calls(monkeypatch, "_regulargpt_layer_step")
 
 
 def sharp_regulargpt(model_id: str) -> RegularGPT:
@@ -176,45 +176,56 @@ def sharp_regulargpt(model_id: str) -> RegularGPT:
     return model
 
 
+COMPILED_LAYERS = "thick layers step as one compiled call each at 1-4 rows (CPU)"
+
+
 @pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2"])
-def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_its_blocks_compiled(
-    kernel_calls, block_calls, model_id: str
+def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_each_thick_layer_compiled(
+    kernel_calls, thick_layer_calls, model_id: str
 ) -> None:
-    """Every block application of a decode step (K per thick layer, D(t) layers) is one compiled call, the head
-    goes through the kernel, and the steps equal the parallel pass: masked and null out-of-range slots, C 2 and 3,
-    weights scaled up so that attention is far from uniform."""
+    """for_serving packs the K blocks' parameters into one buffer (values unchanged) and leaves the head as stored;
+    every thick layer of a decode step (D(t) of them) is one compiled call, the head goes through the kernel, and
+    the steps equal the parallel pass: masked and null out-of-range slots, C 2 and 3, K 1 and 2, weights scaled up
+    so that attention is far from uniform."""
     model = sharp_regulargpt(model_id)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     tokens = torch.randint(0, 40, (2, 30))
     with torch.no_grad():
         with cpu_decode.torch_products():
             expected = model(tokens)
-        assert model.for_serving() == []  # the head is not transposed for the kernel
-        assert model.embedding.embed.weight.is_contiguous()
+        assert model.for_serving() == [COMPILED_LAYERS]
+        assert model.embedding.embed.weight.is_contiguous()  # the head is not transposed for the kernel
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, before[name]), name
+        packed = model.packed.packed
+        for parameter in model.blocks.parameters():
+            assert parameter.untyped_storage().data_ptr() == packed.ctypes.data
         kernel_calls.clear()
         cache = model.new_cache(2)
         stepped = []
         for t in range(30):
-            calls = len(block_calls)
+            calls = len(thick_layer_calls)
             stepped.append(model.step(tokens[:, t], cache))
-            assert len(block_calls) - calls == model.config.thickness * cache.depth, t  # every block, every layer
-    assert set(block_calls) == {(2, 16)}
+            assert len(thick_layer_calls) - calls == cache.depth, t  # every thick layer
+    assert set(thick_layer_calls) == {(2, 16)}
     assert kernel_calls.count((2, 16)) == 30  # the head; the rest are chunks where the depth grows
     torch.testing.assert_close(torch.stack(stepped, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2"])
-def test_compiled_block_steps_of_rows_at_different_lengths_equal_the_torch_steps(monkeypatch, model_id: str) -> None:
+def test_compiled_steps_of_rows_at_different_lengths_equal_the_torch_steps(monkeypatch, model_id: str) -> None:
     """Two rows decoded together from 11 and 2 tokens: the short row's far slots are out of range (masked or null)
     while the long row's are not, the case where a step's plan carries a valid mask."""
     monkeypatch.setattr(cpu_decode, "MIN_ELEMENTS", 1)
     masks = []
-    block_step = cpu_decode._block_step
+    layer_step = cpu_decode._regulargpt_layer_step
 
-    def spy(x, window, ring_index, write_index, valid, has_valid, *args):
-        masks.append(has_valid and not valid.all())
-        block_step(x, window, ring_index, write_index, valid, has_valid, *args)
+    def spy(x, windows, positions, dilation, ring, slots, *args):
+        farthest = positions - (slots - 1) * dilation  # each row's farthest slot's position
+        masks.append(farthest.min() < 0 <= farthest.max())
+        layer_step(x, windows, positions, dilation, ring, slots, *args)
 
-    monkeypatch.setattr(cpu_decode, "_block_step", spy)
+    monkeypatch.setattr(cpu_decode, "_regulargpt_layer_step", spy)
     model = sharp_regulargpt(model_id)
     tokens = torch.randint(0, 40, (2, 20))
 
@@ -228,6 +239,35 @@ def test_compiled_block_steps_of_rows_at_different_lengths_equal_the_torch_steps
     with torch.no_grad():
         with cpu_decode.torch_products():
             expected = decode()
+        model.for_serving()
         stepped = decode()
     assert any(masks)  # some step ran with slots out of range for one row only
     torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_replaced_parameters_fall_back_to_the_torch_step_and_in_place_changes_are_seen(thick_layer_calls) -> None:
+    """After for_serving, an in-place change to a block's parameter is a change to the packed buffer (the compiled
+    step sees it); a parameter whose tensor is replaced (here ``.data =``, as ``.to``, ``.half`` or
+    ``load_state_dict(assign=True)`` do) is no longer packed, and the steps run the torch path with the new values."""
+    model = sharp_regulargpt("regulargpt-c2-null")
+    tokens = torch.randint(0, 40, (1, 12))
+
+    def decode() -> torch.Tensor:
+        cache = model.new_cache(1)
+        return torch.stack([model.step(tokens[:, t], cache) for t in range(12)], dim=1)
+
+    with torch.no_grad():
+        model.for_serving()
+        mlp = model.blocks[0].mlp.c_fc.weight
+        mlp.mul_(1.5)
+        compiled = decode()
+        assert len(thick_layer_calls) > 0
+        with cpu_decode.torch_products():
+            torch.testing.assert_close(compiled, model(tokens), rtol=1e-5, atol=1e-5)
+        thick_layer_calls.clear()
+        mlp.data = mlp.data * 2  # a new tensor
+        replaced = decode()
+        assert thick_layer_calls == []
+        with cpu_decode.torch_products():
+            torch.testing.assert_close(replaced, model(tokens), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(replaced, compiled)
