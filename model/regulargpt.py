@@ -492,12 +492,15 @@ class RegularGPT(SequenceModel):
         x = self.embedding(tokens)  # (B, n, d)
         out = top = x
         compiled = length == 1 and self._compiles_step(x, blocks)
-        if not compiled:
+        if compiled:  # each layer finds its ring entries itself (no plan)
+            step_positions = start.numpy()
+            latest = int(step_positions.max())
+        else:
             allocated = [windows[0].kv.shape[2] for windows in cache.windows]
             plans = plan_chunk(start, length, chunk_size, self.config.n_heads, allocated, tokens.device)
         for layer, windows in enumerate(cache.windows):
-            if compiled:  # the layer finds its ring entries itself (no plan)
-                x = self._compiled_thick_layer(x, layer, windows, start.numpy(), blocks[0])  # (B, 1, d)
+            if compiled:
+                x = self._compiled_thick_layer(x, layer, windows, step_positions, latest, blocks[0])  # (B, 1, d)
             else:
                 x = self._cached_thick_layer(x, chunk_size**layer, windows, plans[layer], blocks)  # (B, n, d)
             if mixed:
@@ -577,17 +580,18 @@ class RegularGPT(SequenceModel):
         )
 
     def _compiled_thick_layer(
-        self, x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, block: CachedBlock
+        self, x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, latest: int,
+        block: CachedBlock,
     ) -> torch.Tensor:
-        """Thick layer ``layer``'s K blocks over one new position per row (``positions``: (B,) int64), as one
-        compiled call (equal to :meth:`_cached_thick_layer` with the step's plan up to float rounding). x: (B, 1, d)
+        """Thick layer ``layer``'s K blocks over one new position per row (``positions``: (B,) int64, the largest
+        ``latest``), as one compiled call (equal to :meth:`_cached_thick_layer` with the step's plan up to float rounding). x: (B, 1, d)
         -> (B, 1, d)."""
         batch, _, width = x.shape
         packed, chunk_size = self.packed, self.config.chunk_size
         dilation = chunk_size**layer
         out = cpu_decode.regulargpt_layer_step(
-            x.view(batch, width), [window.kv for window in windows], positions, dilation, windows[0].ring,
-            reachable_slots(chunk_size, dilation, int(positions.max())), packed.packed, packed.starts,
+            x.view(batch, width), tuple(window.entries for window in windows), positions, dilation, windows[0].ring,
+            reachable_slots(chunk_size, dilation, latest), packed.packed, packed.starts,
             packed.has_null, block.heads, block.eps,
         )
         return out.view(batch, 1, width)

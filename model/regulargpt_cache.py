@@ -14,6 +14,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from model.base import InferenceCache
@@ -225,7 +226,13 @@ class KVWindow:
     products (no copy per block)."""
 
     ring: int
-    kv: torch.Tensor  # (B, 2 H, capacity, hd) contiguous
+    kv: torch.Tensor  # (B, 2 H, capacity, hd) contiguous; never reassigned (a resized window is a new one)
+
+    @functools.cached_property
+    def entries(self) -> np.ndarray:
+        """``kv`` as its flat (B * 2 H * capacity, hd) entries, a numpy view (CPU only): the operand of the
+        compiled decode step (model/ops/cpu_decode.py), made once per window."""
+        return self.kv.view(-1, self.kv.shape[-1]).numpy()
 
     def gather(self, plan: ChunkPlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's dilated keys and values: kv (B, n, 2 d) of the chunk -> (B, H, n, J, hd) each (the halves

@@ -145,7 +145,7 @@ def pack(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
 
 def regulargpt_layer_step(
     x: torch.Tensor,
-    windows: Sequence[torch.Tensor],
+    windows: tuple[np.ndarray, ...],
     positions: np.ndarray,
     dilation: int,
     ring: int,
@@ -163,7 +163,8 @@ def regulargpt_layer_step(
     p = positions[r] - j * dilation at ring slot p % ring; out of range, masked or null, where p < 0), without
     building it. Equal to the torch step up to float rounding (tests/model/test_cpu_decode.py).
 
-    x: (R, d_model), R <= MAX_ROWS; windows: the K blocks' rings (R, 2 H, allocated, hd) each, written in place;
+    x: (R, d_model), R <= MAX_ROWS; windows: the K blocks' rings (R, 2 H, allocated, hd) each as flat (R 2 H
+    allocated, hd) arrays, written in place;
     positions: (R,) int64, each row's new position; dilation: C**l; ring: (C - 1) C**l; slots: J, the slots any
     row can reach;
     ``packed``: every block's parameters one after another (:func:`pack`): per block ln_1 weight and bias, c_attn
@@ -174,8 +175,7 @@ def regulargpt_layer_step(
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
     _regulargpt_layer_step(
-        rows, tuple(window.view(-1, window.shape[-1]).numpy() for window in windows), positions, dilation, ring,
-        slots, packed, starts, has_null, heads, np.float32(eps), x_out,
+        rows, windows, positions, dilation, ring, slots, packed, starts, has_null, heads, np.float32(eps), x_out,
     )
     return torch.from_numpy(x_out)
 
