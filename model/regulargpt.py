@@ -36,7 +36,8 @@ Three exact paths:
   of the batch's layers (above a row's own depth that is the pointwise continuation) and is read at its own
   D(t); a row first reaches the depth its chunk needs by running its consumed positions through the new layers.
   The cached path runs the blocks from their tensors (:class:`CachedBlock`): a decode step is ~15 small ops
-  per block, and module calls would add a quarter to it.
+  per block, and module calls would add a quarter to it. Served on the CPU (``for_serving``), a decode step of 1-4
+  rows runs each thick layer as one compiled call (:meth:`RegularGPT._compiled_thick_layer`).
 """
 
 from __future__ import annotations
