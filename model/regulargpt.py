@@ -158,7 +158,8 @@ class CachedBlock(NamedTuple):
     def tensors(self) -> list[torch.Tensor]:
         """The block's parameters in the order :func:`model.ops.cpu_decode.regulargpt_layer_step` packs them."""
         nulls = [] if self.null_key is None else [self.null_key, self.null_value]
-        return [*self.ln_1, *self.c_attn, *self.c_proj, *self.ln_2, *self.c_fc, *self.mlp_proj, self.relative_bias, *nulls]
+        matrices = [*self.ln_1, *self.c_attn, *self.c_proj, *self.ln_2, *self.c_fc, *self.mlp_proj]
+        return [*matrices, self.relative_bias, *nulls]
 
     def forward(self, x: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
         """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them."""
@@ -501,7 +502,7 @@ class RegularGPT(SequenceModel):
             plans = plan_chunk(start, length, chunk_size, self.config.n_heads, allocated, tokens.device)
         for layer, windows in enumerate(cache.windows):
             if compiled:
-                x = self._compiled_thick_layer(x, layer, windows, step_positions, latest, blocks[0])  # (B, 1, d)
+                x = self._compiled_thick_layer(x, layer, windows, step_positions, latest)  # (B, 1, d)
             else:
                 x = self._cached_thick_layer(x, chunk_size**layer, windows, plans[layer], blocks)  # (B, n, d)
             if mixed:
@@ -581,19 +582,18 @@ class RegularGPT(SequenceModel):
         )
 
     def _compiled_thick_layer(
-        self, x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, latest: int,
-        block: CachedBlock,
+        self, x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, latest: int
     ) -> torch.Tensor:
         """Thick layer ``layer``'s K blocks over one new position per row (``positions``: (B,) int64, the largest
-        ``latest``), as one compiled call (equal to :meth:`_cached_thick_layer` with the step's plan up to float rounding). x: (B, 1, d)
-        -> (B, 1, d)."""
+        ``latest``), as one compiled call (equal to :meth:`_cached_thick_layer` with the step's plan up to float
+        rounding). x: (B, 1, d) -> (B, 1, d)."""
         batch, _, width = x.shape
         packed, chunk_size = self.packed, self.config.chunk_size
         dilation = chunk_size**layer
         out = cpu_decode.regulargpt_layer_step(
             x.view(batch, width), tuple(window.entries for window in windows), positions, dilation, windows[0].ring,
             reachable_slots(chunk_size, dilation, latest), packed.packed, packed.starts,
-            packed.has_null, block.heads, block.eps,
+            packed.has_null, self.config.n_heads, self.config.layer_norm_eps,
         )
         return out.view(batch, 1, width)
 

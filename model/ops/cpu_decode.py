@@ -165,9 +165,10 @@ def regulargpt_layer_step(
 
     x: (R, d_model), R <= MAX_ROWS; windows: the K blocks' rings (R, 2 H, allocated, hd) each as flat (R 2 H
     allocated, hd) arrays (``KVWindow.entries``), written in place; positions: (R,) int64, each row's new position;
-    dilation: C**l; ring: (C - 1) C**l; slots: J, the slots any row can reach; ``packed``: every block's parameters one after another (:func:`pack`): per block ln_1 weight and bias, c_attn
-    weight and bias, c_proj weight and bias, ln_2 weight and bias, the MLP's c_fc and c_proj weights and biases,
-    the relative bias (H, C), then with ``has_null`` the null key and value (H, hd); ``starts``: (K, n + 1), each
+    dilation: C**l; ring: (C - 1) C**l; slots: J, the slots any row can reach; ``packed``: every block's parameters
+    one after another (:func:`pack`): per block ln_1 weight and bias, c_attn weight and bias, c_proj weight and
+    bias, ln_2 weight and bias, the MLP's c_fc and c_proj weights and biases, the relative bias (H, C), then with
+    ``has_null`` the null key and value (H, hd); ``starts``: (K, n + 1), each
     block's tensors' starts in ``packed`` and its end. Returns (R, d_model). Call it only where :func:`streams`
     holds for R rows (which builds it)."""
     rows = x.contiguous().numpy(force=True)
