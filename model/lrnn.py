@@ -120,6 +120,11 @@ class Recurrence(nn.Module):
         this recurrence's step; None (the default) where it cannot."""
         return None
 
+    def joint_weight(self) -> torch.Tensor | None:
+        """The matrix that :meth:`for_serving` stacked the recurrence's input-side weights into, while they still
+        view it; None (the default) where there is none."""
+        return None
+
 
 class BlockDiagonalRecurrence(Recurrence):
     """h_k = A(u_k) h_{k-1} + B u_k with input-dependent block-diagonal A, read out by a linear map.
@@ -213,18 +218,10 @@ class BlockDiagonalRecurrence(Recurrence):
         """u: (B, d_model), state: (B, H, b) -> A(u) state + B u: (B, H, b). Under the column constraint alone,
         each column's divisor d_j scales the state entry it multiplies instead of the column (A diag(1/d) h =
         A (h / d)): one pass less over the (B, H, b, b) blocks than ``scan_step(*coefficients(u), state)``, which
-        it equals up to float rounding. After :meth:`for_serving` (full generator, no grad), g(u) and B u come
-        from one product."""
+        it equals up to float rounding."""
         if self.transition_norm != "column":
             return super().step(u, state)
-        joint = None if torch.is_grad_enabled() else self._joint_weight()  # (H b^2 + H b, d_model)
-        if joint is None:
-            generated, inputs = self._generate(u)  # (B, H, b, b), (B, H, b)
-        else:  # g(u) and B u from one product
-            products = linear(u, joint)  # (B, H b^2 + H b)
-            size = self.transition.out_features
-            generated = products[:, :size].add_(self.transition.bias).unflatten(-1, (*self.state_shape, self.block_size))
-            inputs = products[:, size:].add_(self.input_proj.bias).unflatten(-1, self.state_shape)
+        generated, inputs = self._generate(u)  # (B, H, b, b), (B, H, b)
         divisors = column_divisors(generated, self.p_norm).squeeze(-2)  # (B, H, b)
         scaled = (state / divisors).to(generated.dtype)  # (B, H, b)
         return torch.matmul(generated, scaled.unsqueeze(-1)).squeeze(-1) + inputs  # (B, H, b)
@@ -232,10 +229,10 @@ class BlockDiagonalRecurrence(Recurrence):
     def for_serving(self, streaming: bool) -> bool:
         """With the full generator: stack g's and B's weights in one (H b^2 + H b, d_model) matrix that
         ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and checkpoints unchanged), so
-        that :meth:`step` makes g(u) and B u with one product: (out, in) in memory for the ``streaming`` kernel,
-        (in, out) for MKL's. A later ``.to()`` gives each weight its own storage again, and the step goes back to
-        two products."""
-        if self.rank is not None or self.stochastic or self._joint_weight() is not None:
+        that without gradients (the step and the parallel pass) g(u) and B u come from one product: (out, in) in
+        memory for the ``streaming`` kernel, (in, out) for MKL's. A later ``.to()`` gives each weight its own
+        storage again, and they go back to two products."""
+        if self.rank is not None or self.stochastic or self.joint_weight() is not None:
             return False
         joint = torch.cat([self.transition.weight, self.input_proj.weight])  # (H b^2 + H b, d)
         if not streaming:
@@ -248,12 +245,12 @@ class BlockDiagonalRecurrence(Recurrence):
     def fused_step_weights(self) -> list[torch.Tensor] | None:
         """With the column constraint, after :meth:`for_serving` stacked g and B for the streaming kernel (float32,
         (out, in) in memory): the stacked matrix, g's and B's biases, the readout's weight and bias."""
-        joint = self._joint_weight() if self.transition_norm == "column" else None
+        joint = self.joint_weight() if self.transition_norm == "column" else None
         if joint is None or not joint.is_contiguous() or joint.dtype != torch.float32:
             return None
         return [joint, self.transition.bias, self.input_proj.bias, self.out_proj.weight, self.out_proj.bias]
 
-    def _joint_weight(self) -> torch.Tensor | None:
+    def joint_weight(self) -> torch.Tensor | None:
         """The (H b^2 + H b, d_model) matrix that :meth:`for_serving` made g's and B's weights views of, in its
         layout, while they still are; None otherwise (a low rank, not served, or moved since)."""
         if self.rank is not None or self.stochastic:
@@ -271,7 +268,13 @@ class BlockDiagonalRecurrence(Recurrence):
 
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""
-        if self.rank is None:
+        joint = None if torch.is_grad_enabled() else self.joint_weight()  # (H b^2 + H b, d_model)
+        if joint is not None:  # after for_serving: g(u) and B u from one product
+            products = linear(u, joint)  # (..., H b^2 + H b)
+            size = self.transition.out_features
+            generated = products[..., :size].add_(self.transition.bias)  # (..., H b^2)
+            inputs = products[..., size:].add_(self.input_proj.bias)  # (..., H b)
+        elif self.rank is None:
             generated = linear(u, self.transition.weight, self.transition.bias)  # (..., H b^2)
             inputs = None if self.stochastic else linear(u, self.input_proj.weight, self.input_proj.bias)  # (..., H b)
         else:
@@ -390,18 +393,19 @@ class LinearRNN(SequenceModel):
         > in_features: the MLPs' first layers, a low-rank V, the tied head) are stored (in, out): on this project's
         CPU MKL's one-thread product read a 4096 x 512 weight twice as fast that way, and a square or tall one as
         fast or faster as stored (docs/benchmarks.md, "LRNN: cheaper transition generator and fused step"). The
-        parallel pass multiplies by the same matrices (equal up to float rounding); training never calls this. On
-        CUDA nothing changes."""
+        parallel pass multiplies by the same matrices (equal up to float rounding); training never calls this. Last,
+        the products' weights are packed for oneDNN (:meth:`SequenceModel.for_serving`). On CUDA nothing changes."""
         if self.device.type != "cpu":
             return []
         streaming = cpu_decode.streams(dtype=self.dtype)
         joined = sum(block.recurrence.for_serving(streaming) for block in self.blocks)
-        notes = [f"{joined} layers make g(u) and B u with one product per step (CPU)"] if joined else []
+        notes = [f"{joined} layers make g(u) and B u with one product (CPU)"] if joined else []
         if streaming:
             fused = sum(block.recurrence.fused_step_weights() is not None for block in self.blocks)
             if fused:
                 notes.append(f"{fused} layers step as one compiled call each at 1-{cpu_decode.MAX_ROWS} rows (CPU)")
-            return [*notes, "one-token products through the streaming matrix-vector kernel (CPU, one thread)"]
+            notes.append("one-token products through the streaming matrix-vector kernel (CPU, one thread)")
+            return [*notes, *super().for_serving()]
         wide = [
             module.weight
             for module in self.blocks.modules()
@@ -415,7 +419,19 @@ class LinearRNN(SequenceModel):
             weight.data = weight.data.t().contiguous().t()  # (out, in) with (in, out) in memory
         if moved:
             notes.append(f"{len(moved)} weight matrices wider than tall stored transposed for one-token products (CPU)")
-        return notes
+        return [*notes, *super().for_serving()]
+
+    def product_weights(self) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """As the default, except that a recurrence whose g and B weights :meth:`for_serving` stacked multiplies by
+        the stacked matrix (a view made anew for each product) instead of by either."""
+        joints = []
+        for block in self.blocks:
+            recurrence = block.recurrence
+            joint = recurrence.joint_weight()
+            if joint is not None:
+                joints.append((joint, (recurrence.transition.weight, recurrence.input_proj.weight)))
+        stacked = {id(owner) for _, owners in joints for owner in owners}
+        return [*(pair for pair in super().product_weights() if id(pair[0]) not in stacked), *joints]
 
     def new_cache(self, batch_size: int) -> LRNNCache:
         states = [

@@ -304,6 +304,7 @@ class RegularGPT(SequenceModel):
           the head stays as stored and the K blocks' parameters become views of one buffer (:class:`PackedBlocks`),
           so that a decode step of 1-4 rows runs each thick layer as one compiled call (its ~15 small ops per block
           and the Python between them cost more than the arithmetic: docs/benchmarks.md, "CPU decode kernels").
+        - Last, on the CPU, the products' weights are packed for oneDNN (:meth:`SequenceModel.for_serving`).
         """
         notes = []
         if any(block.attention.impl == "reference" for block in self.blocks):
@@ -318,13 +319,13 @@ class RegularGPT(SequenceModel):
         if cpu_decode.streams(dtype=self.dtype):
             self._pack_blocks()
             notes.append(f"thick layers step as one compiled call each at 1-{cpu_decode.MAX_ROWS} rows (CPU)")
-            return notes
+            return [*notes, *super().for_serving()]
         head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
         wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])
         if self.config.is_language_model and wide:
             head.data = head.data.t().contiguous().t()  # (V, d) with (d, V) in memory
             notes.append("the tied head stored transposed for one-token products (CPU)")
-        return notes
+        return [*notes, *super().for_serving()]
 
     def _pack_blocks(self) -> None:
         """Make the K blocks' parameters views of one buffer (:class:`PackedBlocks`): values, shapes and the

@@ -10,13 +10,15 @@ is the textbook loop (one dot product per output, over a row of the weight as ``
 numba with reassociation allowed so that the dot products vectorise: 16-26 GB/s on every shape measured, 1.1-2x
 MKL's best layout, and with 2-4 rows it reads the weight once for all of them.
 
-:func:`linear` is ``F.linear`` wherever the kernel does not apply: with gradients enabled, on other devices and
-dtypes, with more than :data:`MAX_ROWS` rows (MKL's blocked products win from ~8 rows: measured crossover), for a
-weight of fewer than :data:`MIN_ELEMENTS` entries or not contiguous as (out, in), or with more than one intra-op
-thread (the kernel runs on one; MKL's products use them all). Its results equal ``F.linear``'s up to float rounding
-(the sums run in another order); each row's result is the same whatever the other rows are. numba is imported and
-the kernel compiled (~1 s) on first use; without numba, every call is ``F.linear`` and a warning says why once.
-:func:`torch_products` turns the kernel off within a block (the reference path, for tests and benchmarks).
+:func:`linear` does not use the kernel with gradients enabled, on other devices and dtypes, with more than
+:data:`MAX_ROWS` rows (blocked products win from ~8 rows: measured crossover), for a weight of fewer than
+:data:`MIN_ELEMENTS` entries or not contiguous as (out, in), or with more than one intra-op thread (the kernel runs
+on one; MKL's and oneDNN's products use them all). There it multiplies by the weight's oneDNN pack where a served
+model made one (model/ops/prepacked.py), else it is ``F.linear``. Its results equal ``F.linear``'s up to float
+rounding (the sums run in another order); each row's result is the same whatever the other rows are. numba is
+imported and the kernel compiled (~1 s) on first use; without numba, the kernel never applies and a warning says
+why once. :func:`torch_products` turns the kernel and the packs off within a block (the reference path, for tests
+and benchmarks).
 
 Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
 slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
@@ -39,6 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from model.ops import prepacked
+
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 4  # the kernel's rows per call; from 8 rows MKL's blocked products were faster (docs/benchmarks.md)
@@ -57,12 +61,12 @@ _build_lock = threading.Lock()
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: (..., in), weight: (out, in), bias: (out,) or None -> (..., out): ``F.linear(x, weight, bias)``, through
-    the streaming kernel when it applies (module docstring)."""
-    if not _applies(x, weight, bias):
-        return F.linear(x, weight, bias)
-    kernel = _kernel or _build()
+    the streaming kernel when it applies (module docstring), else through the weight's oneDNN pack where it has a
+    valid one (model/ops/prepacked.py), else ``F.linear``."""
+    kernel = (_kernel or _build()) if _applies(x, weight, bias) else None
     if kernel is None:
-        return F.linear(x, weight, bias)
+        packed = None if _off() else prepacked.product(x, weight, bias)
+        return F.linear(x, weight, bias) if packed is None else packed
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (R, in)
     out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)  # (R, out)
     offsets = _NO_BIAS if bias is None else bias.numpy(force=True)
@@ -97,7 +101,8 @@ def compiles_step(x: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def torch_products() -> Iterator[None]:
-    """Within the block (this thread), :func:`linear` is ``F.linear`` everywhere: the reference path."""
+    """Within the block (this thread), :func:`linear` is ``F.linear`` everywhere (no kernel, no packs): the reference
+    path."""
     _state.off = _off() + 1
     try:
         yield

@@ -132,8 +132,8 @@ def test_a_served_lrnn_streams_its_one_token_products_and_steps_as_its_parallel_
     fused = model_id == "lrnn"
     assert ("2 layers step as one compiled call each at 1-4 rows (CPU)" in notes) == fused
     assert layer_calls == ([(3, 16)] * 2 * 17 if fused else [])
-    per_layer = {"lrnn": 0, "lrnn-spectral-b2": 5, "lrnn-rank3": 5, "lrnn-stochastic": 4}[model_id]
-    products_per_step = 2 * per_layer + 1  # per layer g and B (1 or 2 products), readout, MLP (2); the head
+    per_layer = {"lrnn": 0, "lrnn-spectral-b2": 4, "lrnn-rank3": 5, "lrnn-stochastic": 4}[model_id]
+    products_per_step = 2 * per_layer + 1  # per layer g and B (stacked: 1 product; rank: 2), readout, MLP (2); the head
     assert len(kernel_calls) == 17 * products_per_step and {rows for rows, _ in kernel_calls} == {3}
     torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
 

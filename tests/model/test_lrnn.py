@@ -227,21 +227,21 @@ def test_served_full_generator_makes_g_and_b_with_one_product_until_moved(stream
     products = contextlib.nullcontext() if streaming else cpu_decode.torch_products()
     with torch.no_grad(), products:
         expected = model(tokens)
-        assert all(block.recurrence._joint_weight() is None for block in model.blocks)
+        assert all(block.recurrence.joint_weight() is None for block in model.blocks)
         model.for_serving()
         recurrence = model.blocks[0].recurrence
-        joint = recurrence._joint_weight()  # (H b^2 + H b, d_model), what both weights view
+        joint = recurrence.joint_weight()  # (H b^2 + H b, d_model), what both weights view
         assert joint is not None and joint.shape == (2 * 4 * 4 + 2 * 4, 16)
         assert joint.is_contiguous() if streaming else joint.t().is_contiguous()
         assert torch.equal(joint, torch.cat([recurrence.transition.weight, recurrence.input_proj.weight]))
         for moved in (False, True):
             if moved:
                 model.double().float()  # each weight gets its own storage: the step makes two products again
-                assert recurrence._joint_weight() is None
+                assert recurrence.joint_weight() is None
             cache = model.new_cache(batch_size=2)
             stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(13)], dim=1)
             torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
-    assert make("lrnn-rank3").blocks[0].recurrence._joint_weight() is None
+    assert make("lrnn-rank3").blocks[0].recurrence.joint_weight() is None
 
 
 def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> None:
