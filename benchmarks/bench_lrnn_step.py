@@ -26,8 +26,12 @@ step: MKL's (``F.linear``) with the weight stored (out, in), as ``nn.Linear`` st
 beside a copy and a sum of 256 MiB (GB/s read; 64 MiB of copies of each weight cycled, so none is in a cache;
 thread CPU time, median of the rounds).
 
+``--packing`` times the products of the step's large weights (and the size-s head) at 1-2,048 rows: ``F.linear``
+against the weight's oneDNN pack (model/ops/prepacked.py, what served models use beyond the kernel's 4 rows) and,
+at 1-4 rows, the streaming kernel.
+
     python -m benchmarks.bench_lrnn_step [--ranks 32,64,128] [--batches 1,32] [--threads 1] [--repeats 5]
-        [--steps 10] [--layouts]
+        [--steps 10] [--layouts | --packing]
 
 On a CPU that other processes share, use --threads 1 (benchmarks/bench_decode.py says why).
 """
@@ -42,12 +46,13 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.isolated import banner
 from model.base import parameter_count
 from model.config import LRNNConfig
 from model.lrnn import BlockDiagonalLRNN
-from model.ops import cpu_decode
+from model.ops import cpu_decode, prepacked
 
 SIZE_L = {"vocab_size": 8192, "d_model": 512, "n_layers": 8, "num_blocks": 64, "block_size": 8, "d_ff": 2048}
 COPY_ELEMENTS, MATMUL_SIZE, PREFILL = 64 * 2**20, 2048, 256
@@ -62,6 +67,8 @@ WEIGHT_SHAPES = {  # (out, in) of the size-L step's matrices
     "rank-64 [U; B]": (576, 512),
 }
 CYCLED_BYTES = 64 * 2**20
+PACKED_SHAPES = ("g and B side by side", "B, readout (square)", "MLP first layer", "MLP second layer", "tied head")
+PACKED_ROWS = (1, 4, 8, 32, 256, 2048)
 
 
 def seconds(call: Callable[[], object], runs: int) -> float:
@@ -155,6 +162,36 @@ def layouts(repeats: int) -> str:
     return "\n".join(lines)
 
 
+def packing(repeats: int) -> str:
+    """The ``--packing`` table: ms per product of each weight shape (plus the size-s head) at each row count, by
+    ``F.linear`` (MKL), by the weight's oneDNN pack (model/ops/prepacked.py) and, at 1-4 rows, by the streaming
+    kernel (copies of each weight cycled, as in ``--layouts``; thread CPU time, median of the rounds)."""
+    shapes = {**{name: WEIGHT_SHAPES[name] for name in PACKED_SHAPES}, "size-s head": (8192, 128)}
+    times: dict[tuple[str, int, str], list[float]] = {}
+    for _ in range(repeats):
+        for name, (out, width) in shapes.items():
+            weights = [torch.randn(out, width) for _ in range(max(4, CYCLED_BYTES // (out * width * 4)))]
+            for weight in weights:
+                prepacked.prepack(weight)
+            for rows in PACKED_ROWS:
+                x, order = torch.randn(rows, width), iter(weights * 4)
+                runs = max(1, min(3 * len(weights), 2**14 // rows))
+                products = {"F.linear": F.linear, "oneDNN pack": lambda x, w: prepacked.product(x, w, None)}
+                if rows <= cpu_decode.MAX_ROWS:
+                    products["streaming kernel"] = cpu_decode.linear
+                for product_name, product in products.items():
+                    elapsed = seconds(lambda product=product, x=x, order=order: product(x, next(order)), runs)
+                    times.setdefault((name, rows, product_name), []).append(elapsed)
+    lines = ["| weight | (out, in) | rows | product | ms | vs F.linear |", "|---|---|---:|---|---:|---:|"]
+    for (name, rows, product_name), values in times.items():
+        baseline = statistics.median(times[name, rows, "F.linear"])
+        median = statistics.median(values)
+        lines.append(
+            f"| {name} | {shapes[name]} | {rows} | {product_name} | {median * 1e3:.3f} | {baseline / median:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="32,64,128", help="low ranks to compare with the full generator")
@@ -163,12 +200,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layouts", action="store_true", help="one-token product read rates by weight layout")
+    parser.add_argument("--packing", action="store_true", help="products by rows: F.linear, oneDNN pack, kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.layouts:
+    if args.layouts or args.packing:
         print(banner(torch.device("cpu"), args.threads))
         with torch.no_grad():
-            print(layouts(args.repeats))
+            print(layouts(args.repeats) if args.layouts else packing(args.repeats))
         return
     ranks = [int(rank) for rank in args.ranks.split(",") if rank]
     batches = [int(batch) for batch in args.batches.split(",")]
