@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -174,7 +175,7 @@ def packing(repeats: int) -> str:
             for weight in weights:
                 prepacked.prepack(weight)
             for rows in PACKED_ROWS:
-                x, order = torch.randn(rows, width), iter(weights * 4)
+                x, order = torch.randn(rows, width), itertools.cycle(weights)
                 runs = max(1, min(3 * len(weights), 2**14 // rows))
                 products = {"F.linear": F.linear, "oneDNN pack": lambda x, w: prepacked.product(x, w, None)}
                 if rows <= cpu_decode.MAX_ROWS:
