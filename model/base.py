@@ -147,7 +147,7 @@ class SequenceModel(nn.Module, ABC):
     def for_serving(self) -> list[str]:
         """Switch to the implementations that scale to any input a server may admit and run fastest; returns a note
         per change (e.g. "attention_impl reference -> auto"). The default packs the weights of the products for
-        oneDNN (:meth:`product_weights`, model/ops/prepacked.py: on the CPU, 1.2-1.8x faster products of more
+        oneDNN (:meth:`product_weights`, model/ops/prepacked.py: on the CPU, 1.1-2.4x faster products of more
         rows than the streaming kernel takes, for one more copy of each packed weight); subclasses that change
         more call it last, once their weights are where they will stay."""
         sizes = [prepacked.prepack(weight, owners) for weight, owners in self.product_weights()]

@@ -3,9 +3,9 @@
 A product of 8 to a few thousand rows (a batched decode step, a prefill chunk, a transduce pass) with a weight of a
 million entries runs through MKL's general matrix product (``F.linear``), which packs the weight into its blocked
 layout on every call. oneDNN (bundled with torch's CPU builds) can pack it once: on this project's CPU, one thread,
-its product with a packed weight was 1.6-1.8x faster than ``F.linear`` at 8-64 rows and 1.2-1.4x at 256-2,048 rows
-for weights of 4096-8192 x 512, and 1.2-1.4x for the 8192 x 128 head; for weights of under ~2^18 entries its ~10 us
-per call lost (docs/benchmarks.md, "Prepacked weights"). At 1-4 rows the streaming kernel of
+its product with a packed weight was 1.3-2.4x faster than ``F.linear`` at 4-32 rows and 1.1-1.3x at 256-2,048 rows
+for the size-L LRNN's weights (512 x 512 to 8192 x 512) and the 8192 x 128 head; for weights of under ~2^18
+entries its ~10 us per call lost (docs/benchmarks.md, "Prepacked weights"). At 1-4 rows the streaming kernel of
 model/ops/cpu_decode.py stays faster, so the weight is kept as stored as well: packing costs one more copy of each
 packed weight (a model's ``for_serving`` says how many bytes).
 
