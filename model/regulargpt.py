@@ -235,6 +235,10 @@ class RegularGPT(SequenceModel):
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         init_gpt2(self, n_residual_layers=config.thickness)  # scaled over the K distinct blocks
         self.packed: PackedBlocks | None = None  # set by for_serving where decode steps run compiled
+        # Training only (set by the trainer, ``--extra-levels``): the parallel pass reads every position that many
+        # thick layers above its depth D(m), i.e. after that many more pointwise continuations, as early positions'
+        # states are when a long input uses them as keys many layers up. 0 everywhere else.
+        self.extra_levels = 0
 
     def forward(self, tokens: torch.Tensor, cache: RegularGPTCache | None = None) -> torch.Tensor:
         """tokens: (B, T) -> (B, T, output_size).
@@ -245,12 +249,15 @@ class RegularGPT(SequenceModel):
         if cache is not None:
             return self._forward_chunk(tokens, cache)
         chunk_size = self.config.chunk_size
+        extra = self.extra_levels if self.training else 0
         x = self.embedding(tokens)  # (B, T, d)
         outputs = []
-        for layer in range(adaptive_depth(tokens.shape[1] - 1, chunk_size)):
+        for layer in range(adaptive_depth(tokens.shape[1] - 1, chunk_size) + extra):
             x = self._thick_layer(x, chunk_size**layer)  # (B, T, d)
-            first = 0 if layer == 0 else chunk_size**layer
-            outputs.append(x[:, first : chunk_size ** (layer + 1)])  # the positions with D(m) = layer + 1
+            depth = layer - extra + 1  # read the positions with D(m) = depth
+            if depth >= 1:
+                first = 0 if depth == 1 else chunk_size ** (depth - 1)
+                outputs.append(x[:, first : chunk_size**depth])
         return self._logits(torch.cat(outputs, dim=1))
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -70,6 +70,7 @@ LOG_FILE = "train.jsonl"
 RESUME_FILE = "resume.safetensors"
 RESUME_FORMAT = 1
 TRAIN_STREAM = 0  # key of the training data's random stream (with the seed and the rank)
+EXTRA_LEVELS_STREAM = 1  # key of the per-step draw of extra_levels (with the seed and the step)
 
 
 class ResumeError(ValueError):
@@ -88,6 +89,8 @@ class TrainSettings:
     the sparsemax columns it is evaluated and served with (model/lrnn.py says why); 0 for every other model.
     ``determinism_weight``: over those steps the loss also counts the mean impurity 1 - sum_i A_ij^2 of the
     softmax columns (0 when each is one-hot), weighted from 0 at the first step up to this at the last soft one.
+    ``extra_levels``: RegularGPT reads each position of a training step that many thick layers above its depth,
+    the number drawn per step from 0 to this (:func:`extra_levels`; model/regulargpt.py says why); 0 otherwise.
     """
 
     architecture: str
@@ -112,6 +115,7 @@ class TrainSettings:
     compile: bool = False
     soft_transition_steps: int = 0
     determinism_weight: float = 0.0
+    extra_levels: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -249,6 +253,8 @@ def train(
             if settings.soft_transition_steps:
                 _set_soft_transitions(model, run.step <= settings.soft_transition_steps,
                                       track_impurity=settings.determinism_weight > 0)
+            if settings.extra_levels:
+                model.extra_levels = extra_levels(settings, run.step)
             batch = objective.batch(rng, run.step)
             grad_norm, step_tokens = _train_step(trained, optimizer, batch, settings, run, dist, use_bfloat16)
             window_tokens += step_tokens
@@ -325,6 +331,12 @@ def _set_soft_transitions(model: torch.nn.Module, soft: bool, track_impurity: bo
         if hasattr(module, "soft_transitions"):
             module.soft_transitions = soft
             module.track_impurity = soft and track_impurity
+
+
+def extra_levels(settings: TrainSettings, step: int) -> int:
+    """The thick layers RegularGPT adds above each position's depth at ``step``: uniform in 0..extra_levels, a
+    function of the seed and the step alone (the same in every process and after a resume)."""
+    return int(np.random.default_rng([settings.seed, step, EXTRA_LEVELS_STREAM]).integers(settings.extra_levels + 1))
 
 
 def determinism_weight(settings: TrainSettings, step: int) -> float:

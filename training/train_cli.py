@@ -71,6 +71,9 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     optim.add_argument("--determinism-weight", type=non_negative_float,
                        help="LRNN with --transition-norm stochastic: over the soft steps, add this (rising from 0) "
                        "times the mean impurity 1 - sum_i A_ij^2 of the softmax columns to the loss (default 0)")
+    optim.add_argument("--extra-levels", type=non_negative_int,
+                       help="RegularGPT: read each training position after up to this many thick layers above its "
+                       "depth, drawn per step (default 0); trains the state a long input's early positions carry")
     checks = parser.add_argument_group("evaluation, early stopping, saving")
     checks.add_argument("--eval-every", type=non_negative_int, help="steps between evaluations (0: none)")
     checks.add_argument("--patience", type=positive_int, help="stop after this many evaluations without a new best")
@@ -123,6 +126,8 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
     if args.determinism_weight is not None and not (stochastic and soft_steps):
         raise UsageError("--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic "
                          "only")
+    if args.extra_levels and architecture != "regulargpt":
+        raise UsageError("--extra-levels applies to --arch regulargpt only")
     return TrainSettings(
         architecture=architecture, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         optimizer=args.optimizer, beta2=args.beta2, weight_decay=args.weight_decay, schedule=args.schedule,
@@ -130,6 +135,7 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         grad_accumulation=args.grad_accumulation, seed=args.seed, eval_every=args.eval_every, save_every=save_every,
         patience=args.patience, target=target, log_every=args.log_every, dtype=args.dtype, compile=args.compile,
         soft_transition_steps=soft_steps if stochastic else 0, determinism_weight=args.determinism_weight or 0.0,
+        extra_levels=args.extra_levels or 0,
     )
 
 
@@ -148,7 +154,7 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             objective = _built(lambda: make_objective(settings, dist))
             return train(settings, objective, model_config, args.out, command, dist, options)
         state, _ = read_resume_state(args.out)
-        for option in ("soft_transition_steps", "determinism_weight"):  # runs saved before the options had none
+        for option in ("soft_transition_steps", "determinism_weight", "extra_levels"):  # saved before the options
             state["settings"].setdefault(option, 0)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps

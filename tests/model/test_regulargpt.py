@@ -136,6 +136,30 @@ def test_output_at_each_position_is_the_prefix_final_output(out_of_range: str) -
     torch.testing.assert_close(prefixes, parallel, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("chunk_size", [2, 3])
+def test_extra_levels_read_each_position_that_many_layers_higher_in_training_only(chunk_size: int) -> None:
+    """Position m is read after D(m) + k thick layers (k pointwise continuations more: the state a long input's
+    early positions carry up); outside training the parallel pass ignores it."""
+    model = make(chunk_size, out_of_range="null")
+    tokens = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        plain = model(tokens)
+        model.extra_levels = 2
+        assert torch.equal(model(tokens), plain)
+        model.train()  # no dropout in this config: training mode changes nothing else
+        raised = model(tokens)
+        x = model.embedding(tokens)
+        states = []
+        for layer in range(regulargpt.adaptive_depth(19, chunk_size) + 2):
+            x = model._thick_layer(x, chunk_size**layer)
+            states.append(x)
+        expected = torch.stack(
+            [states[regulargpt.adaptive_depth(m, chunk_size) + 1][:, m] for m in range(20)], dim=1
+        )
+    torch.testing.assert_close(raised, model._logits(expected), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(raised, plain)
+
+
 @OUT_OF_RANGE
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
 @pytest.mark.parametrize("prefill", [0, 1, 2, 3, 4, 9, 10])

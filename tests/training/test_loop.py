@@ -3,6 +3,7 @@ time budget), gradient accumulation, weight decay on matrices only, the schedule
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 from model.checkpoint import load_checkpoint
 from model.config import LRNNConfig, RegularGPTConfig
 from model.registry import build_model
+from model.regulargpt import RegularGPT
 from training.cli import main
 from training.distributed import setup_distributed
 from training.language_model import LanguageModelObjective, TextData
@@ -34,15 +36,20 @@ TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blo
 
 def task_run(
     out: Path, steps: int, stop_at: int | None = None, resume: bool = False, transition_norm: str = "column",
-    **overrides,
+    regulargpt: bool = False, **overrides,
 ) -> dict:
-    """A parity_check run of a tiny LRNN with dropout (so the torch random stream matters too) through the API;
-    ``stop_at`` cuts it after that many steps of this invocation, as a signal would."""
-    settings = TrainSettings(architecture="lrnn", steps=steps, batch_size=6, lr=3e-3, optimizer="adamw",
+    """A parity_check run of a tiny LRNN (or ``regulargpt``) with dropout (so the torch random stream matters too)
+    through the API; ``stop_at`` cuts it after that many steps of this invocation, as a signal would."""
+    architecture = "regulargpt" if regulargpt else "lrnn"
+    settings = TrainSettings(architecture=architecture, steps=steps, batch_size=6, lr=3e-3, optimizer="adamw",
                              weight_decay=0.1, schedule="cosine", warmup_steps=3, eval_every=4, save_every=5,
                              log_every=3, **overrides)
-    config = LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16, dropout=0.1,
+    config = (
+        RegularGPTConfig(vocab_size=2, num_labels=2, d_model=8, n_heads=2, d_ff=16, chunk_size=2, dropout=0.1)
+        if regulargpt
+        else LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16, dropout=0.1,
                         transition_norm=transition_norm)
+    )
     data = TaskData(task="parity_check", train_lengths=(1, 12), eval_lengths=(20, 30), curriculum="growing",
                     curriculum_start=4, eval_samples=8, eval_batch_size=4)
     dist = setup_distributed("cpu")
@@ -157,6 +164,36 @@ def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_re
     task_run(tmp_path / "plain", steps=9, **stochastic)
     digest = log_records(tmp_path / "whole")[-1]["param_sha256"]
     assert log_records(tmp_path / "plain")[-1]["param_sha256"] != digest  # the term reached the gradient
+
+
+def test_regulargpt_extra_levels_are_drawn_per_step_reach_the_model_and_resume(tmp_path: Path, monkeypatch) -> None:
+    settings = TrainSettings(architecture="regulargpt", steps=9, batch_size=6, lr=1e-3, extra_levels=3)
+    draws = [loop.extra_levels(settings, step) for step in range(1, 101)]
+    assert set(draws) == {0, 1, 2, 3} and draws == [loop.extra_levels(settings, step) for step in range(1, 101)]
+    assert draws != [loop.extra_levels(dataclasses.replace(settings, seed=1), step) for step in range(1, 101)]
+    seen: list[int] = []
+    forward = RegularGPT.forward
+
+    def recorded(model, tokens, cache=None):
+        if model.training:
+            seen.append(model.extra_levels)
+        return forward(model, tokens, cache)
+
+    monkeypatch.setattr(RegularGPT, "forward", recorded)
+    task_run(tmp_path / "whole", steps=9, regulargpt=True, extra_levels=3)
+    assert seen == draws[:9]
+    task_run(tmp_path / "cut", steps=9, stop_at=3, regulargpt=True, extra_levels=3)
+    task_run(tmp_path / "cut", steps=9, resume=True, regulargpt=True, extra_levels=3)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    task_run(tmp_path / "plain", steps=9, regulargpt=True)
+    digest = log_records(tmp_path / "whole")[-1]["param_sha256"]
+    assert log_records(tmp_path / "plain")[-1]["param_sha256"] != digest  # the extra layers reached the gradient
+
+
+def test_extra_levels_belong_to_regulargpt(tmp_path: Path, capsys) -> None:
+    assert main(cli_run(tmp_path / "run", 6, "--extra-levels", "2")) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --extra-levels applies to --arch regulargpt only\n"
 
 
 def test_soft_transition_steps_default_to_half_the_run_and_belong_to_the_stochastic_lrnn(
