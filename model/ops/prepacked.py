@@ -12,8 +12,9 @@ packed weight (a model's ``for_serving`` says how many bytes).
 :func:`prepack` registers a weight's packed copy; :func:`product` is that copy's product where it is still valid,
 and None otherwise: when any tensor the copy was made from (its *owners*: the weight, or the parameters it is a
 view of) has been changed in place since (its version counter moved: ``copy_``, ``add_``, ``load_state_dict``), has
-moved to other memory (``.to()``, an assignment to ``.data``) or is gone. A change made through ``.data`` is not
-seen (it bypasses the version counter): call ``for_serving`` again after one. Results equal ``F.linear``'s up to
+moved to other memory (``.to()``, an assignment to ``.data``) or is gone. A change made in place through ``.data``
+is not seen (it bypasses the version counter): change a served model's weights through the parameters, or reload it.
+Results equal ``F.linear``'s up to
 float rounding (another order of the sums; tests/model/test_prepacked.py). Packs are looked up by the weight's
 address, shape and strides; an owner's death drops its pack. Without oneDNN (a torch build without it, or without
 the operators) nothing is packed and a warning says why once.
