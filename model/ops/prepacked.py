@@ -14,10 +14,9 @@ and None otherwise: when any tensor the copy was made from (its *owners*: the we
 view of) has been changed in place since (its version counter moved: ``copy_``, ``add_``, ``load_state_dict``), has
 moved to other memory (``.to()``, an assignment to ``.data``) or is gone. A change made in place through ``.data``
 is not seen (it bypasses the version counter): change a served model's weights through the parameters, or reload it.
-Results equal ``F.linear``'s up to
-float rounding (another order of the sums; tests/model/test_prepacked.py). Packs are looked up by the weight's
-address, shape and strides; an owner's death drops its pack. Without oneDNN (a torch build without it, or without
-the operators) nothing is packed and a warning says why once.
+Results equal ``F.linear``'s up to float rounding (another order of the sums; tests/model/test_prepacked.py). Packs
+are looked up by the weight's address, shape and strides; an owner's death drops its pack. Without oneDNN (a torch
+build without it, or without the operators) nothing is packed and a warning says why once.
 """
 
 from __future__ import annotations
