@@ -76,6 +76,7 @@ from model.regulargpt_cache import (
     capacity,
     plan_chunk,
     resized,
+    ring_columns,
 )
 
 
@@ -396,14 +397,14 @@ class RegularGPT(SequenceModel):
         return self._cached_cost(rows, length, context)
 
     def cache_nbytes(self, length: int) -> int:
-        """One row after ``length`` tokens: e d (P + 2 K sum_{l < D(length - 1)} min((C - 1) C**l, P)), P =
-        capacity(length): ``top_hidden``'s room and every block's keys and values at each layer, as allocated."""
+        """One row after ``length`` tokens: e d (P + 2 K sum_{l < D(length - 1)} C**l min(C - 1, ceil(P / C**l))),
+        P = capacity(length): ``top_hidden``'s room and every block's keys and values at each layer, as allocated
+        (``ring_columns``)."""
         if length == 0:
             return 0
         chunk_size, room = self.config.chunk_size, capacity(length)
-        slots = sum(
-            min((chunk_size - 1) * chunk_size**layer, room) for layer in range(adaptive_depth(length - 1, chunk_size))
-        )
+        dilations = [chunk_size**layer for layer in range(adaptive_depth(length - 1, chunk_size))]
+        slots = sum(dilation * ring_columns((chunk_size - 1) * dilation, dilation, room) for dilation in dilations)
         return (room + 2 * self.config.thickness * slots) * self.config.d_model * self.dtype.itemsize
 
     def _cached_cost(self, rows: int, length: int, context: int) -> Cost:
@@ -455,9 +456,12 @@ class RegularGPT(SequenceModel):
                 scratch = 6 * rows * heads * count * count * item + heads * count * count * item
                 scratch += 4 * rows * heads * count * chunk_size * item + 3 * 8 * count * chunk_size  # the C slots
             elif chosen == "banded":
-                block = banded_block(slots, -(-count // dilation))
+                class_rows = -(-count // dilation)  # queries per residue class
+                block = banded_block(slots, class_rows)
                 window, padded = slots - 1 + block, count + block * dilation  # W + P keys per query
-                attention = 2 * window * d
+                # the queries of each class padded to whole blocks also get scores (and null scores)
+                padding = -(-class_rows // block) * block * dilation / count
+                attention = 2 * window * d * padding + (padding - 1) * (d if config.out_of_range == "null" else 0)
                 copies = (4 if impl == "cached" else 2) * (prefix + padded) * d + 2 * padded * d * window // block
                 scratch = rows * item * (copies + 4 * padded * d + 3 * heads * padded * window)
                 scratch += rows * padded * window * 2 + 8 * (padded // block + 2 * block + 4) * window  # masks, indices
@@ -559,10 +563,11 @@ class RegularGPT(SequenceModel):
 
     def _new_layer(self, batch_size: int, layer: int, room: int) -> list[KVWindow]:
         """Empty windows of thick layer ``layer``'s K blocks, with room for ``room`` positions."""
-        ring = (self.config.chunk_size - 1) * self.config.chunk_size**layer
+        dilation = self.config.chunk_size**layer
+        ring = (self.config.chunk_size - 1) * dilation
         heads = self.config.n_heads
-        shape = (batch_size, 2 * heads, min(ring, room), self.config.d_model // heads)
-        return [KVWindow(ring, self._zeros(shape)) for _ in self.blocks]
+        shape = (batch_size, 2 * heads, dilation * ring_columns(ring, dilation, room), self.config.d_model // heads)
+        return [KVWindow(ring, dilation, self._zeros(shape)) for _ in self.blocks]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, device=self.device, dtype=self.dtype)

@@ -2,7 +2,8 @@
 
 A :class:`RegularGPTCache` holds, per row, the adaptive depth D(t) reached (:func:`adaptive_depth`), each block's
 keys and values in a ring window per thick layer (:class:`KVWindow`: the last (C-1) * C**l positions, all a
-dilated pattern can reach) and the hidden states after the row's top layer. A chunk of new positions finds its
+dilated pattern can reach, laid out so that the keys one position reads are next to each other: :func:`ring_slot`)
+and the hidden states after the row's top layer. A chunk of new positions finds its
 keys through a plan per thick layer: :class:`StepPlan` for a decode step (every layer's indices from one
 computation), :class:`ChunkPlan` to gather a short chunk's keys, :class:`BandedPlan` for a long one
 (:func:`plan_chunk`; ``cached_attention_impl`` chooses between the last two).
@@ -48,6 +49,21 @@ def capacity(length: int) -> int:
     """Positions a cache allocates room for while its longest row holds ``length`` tokens: the smallest power of
     two >= length (0 for 0), so that growing the room one token at a time copies O(1) per token amortised."""
     return 0 if length == 0 else 1 << (length - 1).bit_length()
+
+
+def ring_slot(position, dilation: int, columns: int, chunk_size: int):
+    """Where position p lies in a ring window at dilation D = C**l holding ``columns`` K <= C - 1 of positions per
+    residue: slot (p mod D) K + (p div D) mod (C - 1). The J <= C keys a position reads at that layer, p - j D, share
+    the residue p mod D, so they lie in one run of K slots (one contiguous read per head, where p mod (C-1) D would
+    scatter them D slots apart); any (C - 1) D consecutive positions (K = C - 1) or the first K D take distinct
+    slots. ``position``: an int or an integer tensor of positions >= 0."""
+    return position % dilation * columns + position // dilation % (chunk_size - 1)
+
+
+def ring_columns(ring: int, dilation: int, room: int) -> int:
+    """The K of :func:`ring_slot` for a window of ``ring`` = (C - 1) D positions with room for positions < room:
+    min(C - 1, ceil(room / D)), so that D K slots hold them (fewer than room + D)."""
+    return min(ring // dilation, -(-room // dilation))
 
 
 def resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -130,22 +146,23 @@ def plan_chunk(
         dilation = chunk_size**layer
         ring, slots = (chunk_size - 1) * dilation, reachable_slots(chunk_size, dilation, last)
         first = _first_entries(rows, 2 * heads, slots_per_row)  # (B, 2 H, 1)
-        write_index = (first + own[:, None, length - min(length, ring) :] % ring).flatten()  # the last w positions
+        entries = functools.partial(_entries, first, dilation, slots_per_row // dilation, chunk_size)
+        write_index = entries(own[:, length - min(length, ring) :])  # the last w positions
         prefix = min(slots - 1, -(-latest // dilation)) * dilation  # the keys before the chunk, for banded
         if cached_attention_impl(length, slots, prefix) == "banded":
             prefix_index = first_key = None
-            if prefix:  # key % ring < allocated for every key < start + n
+            if prefix:  # every key < start + n has its slot among those allocated
                 key = (start[:, None] - prefix + torch.arange(prefix, device=device)).clamp(min=0)  # (B, prefix)
-                prefix_index = (first + key[:, None] % ring).flatten()
+                prefix_index = entries(key)
             if int(start_host.min()) < prefix:
                 first_key = (prefix - start_host).clamp(min=0).to(device)
             plans.append(BandedPlan(prefix_index=prefix_index, first_key=first_key, write_index=write_index))
             continue
         relative, chunk_index, before, before_offset = _relative_keys(length, dilation, slots, device)
         window_source = window_target = None
-        if has_context and before.numel():  # key % ring < allocated for every key < start + n
+        if has_context and before.numel():  # every key < start + n has its slot among those allocated
             key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
-            window_source, window_target = (first + key[:, None] % ring).flatten(), before
+            window_source, window_target = entries(key), before
         all_valid = int(start_host.min()) >= (slots - 1) * dilation  # every slot's key at a position >= 0
         plans.append(ChunkPlan(
             chunk_index=chunk_index,
@@ -155,6 +172,12 @@ def plan_chunk(
             write_index=write_index,
         ))
     return plans
+
+
+def _entries(first: torch.Tensor, dilation: int, columns: int, chunk_size: int, positions: torch.Tensor) -> torch.Tensor:
+    """The flat window's entries (B * 2 H * m,) of positions (B, m), each row's channels starting at ``first``
+    (B, 2 H, 1) (:func:`_first_entries`), at their :func:`ring_slot`."""
+    return (first + ring_slot(positions, dilation, columns, chunk_size)[:, None]).flatten()
 
 
 def _first_entries(rows: torch.Tensor, channels: int, slots_per_row: int) -> torch.Tensor:
@@ -171,9 +194,11 @@ def _plan_step(
     """The :class:`StepPlan` of every thick layer, from one (L, 2, B, H, J_max) index computation. start: (B,) on
     the CPU; earliest, latest: its smallest and largest values."""
     slots = [reachable_slots(chunk_size, chunk_size**layer, latest) for layer in range(len(allocated))]
-    offsets, rings, firsts = _step_tables(chunk_size, heads, tuple(slots), tuple(allocated), start.shape[0], device)
+    offsets, dilations, columns, firsts = _step_tables(
+        chunk_size, heads, tuple(slots), tuple(allocated), start.shape[0], device
+    )
     key = start.to(device)[None, :, None] - offsets  # (L, B, J_max) each slot's key position
-    slot = key.clamp(min=0).remainder_(rings)  # (L, B, J_max) its slot in the ring
+    slot = ring_slot(key.clamp(min=0), dilations, columns, chunk_size)  # (L, B, J_max) its slot in the ring
     index = firsts + slot[:, None, :, None, :]  # (L, 2, B, H, J_max) its entry in the flat window
     all_valid = [earliest >= (count - 1) * chunk_size**layer for layer, count in enumerate(slots)]
     valid = None if all(all_valid) else key >= 0  # (L, B, J_max)
@@ -190,11 +215,11 @@ def _plan_step(
 @functools.lru_cache(maxsize=64)
 def _step_tables(
     chunk_size: int, heads: int, slots: tuple[int, ...], allocated: tuple[int, ...], batch: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For a decode step of B rows through L thick layers reaching J_l slots, with windows of ``allocated`` slots
-    per row: each slot's distance back j * C**l (L, 1, J_max; 0 past J_l), the rings (L, 1, 1) and the first
-    entry of each key and value head's ring in the flat window (L, 2, B, H, 1). The same for every step until the
-    room or the batch changes."""
+    per row: each slot's distance back j * C**l (L, 1, J_max; 0 past J_l), the dilations and the windows' columns
+    (:func:`ring_slot`; (L, 1, 1) each) and the first entry of each key and value head's ring in the flat window
+    (L, 2, B, H, 1). The same for every step until the room or the batch changes."""
     with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
         dilations = torch.tensor([chunk_size**layer for layer in range(len(slots))], device=device)[:, None, None]
         j = torch.arange(max(slots), device=device)
@@ -203,7 +228,8 @@ def _step_tables(
         firsts = torch.stack([
             _first_entries(rows, 2 * heads, count).view(batch, 2, heads).transpose(0, 1) for count in allocated
         ])  # (L, 2, B, H)
-        return offsets, (chunk_size - 1) * dilations, firsts[..., None]
+        columns = torch.tensor(allocated, device=device)[:, None, None] // dilations
+        return offsets, dilations, columns, firsts[..., None]
 
 
 @functools.lru_cache(maxsize=64)
@@ -220,13 +246,14 @@ def _relative_keys(length: int, dilation: int, slots: int, device: torch.device)
 @dataclass
 class KVWindow:
     """One block's keys and values at one thick layer l: per row, 2 H channels (the keys' heads, then the values'),
-    each a ring of ``ring`` = (C-1) * C**l positions, position p at slot p % ring. Only the first ``capacity`` slots
-    are allocated: min(ring, :func:`capacity` of the longest row), which holds every slot a row's positions occupy.
-    Heads are kept apart so that a step's gathered keys are, as they come, the (B H, J, hd) operand of its
-    products (no copy per block)."""
+    each a ring of ``ring`` = (C-1) * C**l positions, position p at :func:`ring_slot` (D = ``dilation`` = C**l).
+    Only D K slots are allocated, K = :func:`ring_columns` for the room of the longest row (:func:`capacity`),
+    which hold every position a row holds. Heads are kept apart so that a step's gathered keys are, as they come,
+    the (B H, J, hd) operand of its products (no copy per block)."""
 
     ring: int
-    kv: torch.Tensor  # (B, 2 H, capacity, hd) contiguous; never reassigned (a resized window is a new one)
+    dilation: int
+    kv: torch.Tensor  # (B, 2 H, D K, hd) contiguous; never reassigned (a resized window is a new one)
 
     @functools.cached_property
     def entries(self) -> np.ndarray:
@@ -272,16 +299,24 @@ class KVWindow:
         self.kv.view(-1, head_dim).index_copy_(0, plan.write_index, kv.reshape(-1, head_dim))
 
     def zeros(self, batch_size: int, room: int) -> KVWindow:
-        """An empty window like this one for ``batch_size`` rows, with ``min(ring, room)`` allocated slots."""
+        """An empty window like this one for ``batch_size`` rows, with room for positions < room."""
         _, channels, _, head_dim = self.kv.shape
-        return KVWindow(self.ring, self.kv.new_zeros(batch_size, channels, min(self.ring, room), head_dim))
+        slots = self.dilation * ring_columns(self.ring, self.dilation, room)
+        return KVWindow(self.ring, self.dilation, self.kv.new_zeros(batch_size, channels, slots, head_dim))
 
     def fit(self, room: int, rows: torch.Tensor | None = None) -> KVWindow:
-        """A window with ``min(ring, room)`` allocated slots (itself when unchanged), of ``rows`` only (copies)."""
-        kv = resized(self.kv, 2, min(self.ring, room))
+        """A window with room for positions < room (itself when unchanged), of ``rows`` only (copies). A change
+        of K (:func:`ring_slot`) cuts or pads each of the D runs at its end: below K = C - 1 a run's columns are
+        positions r, r + D, ... in order, so the positions < room keep their slots."""
+        batch, channels, slots, head_dim = self.kv.shape
+        columns = ring_columns(self.ring, self.dilation, room)
+        kv = self.kv
+        if columns != slots // self.dilation:
+            runs = kv.view(batch, channels, self.dilation, slots // self.dilation, head_dim)
+            kv = resized(runs, 3, columns).reshape(batch, channels, self.dilation * columns, head_dim)
         if rows is not None:
             kv = kv[rows]
-        return KVWindow(self.ring, kv) if kv is not self.kv else self
+        return KVWindow(self.ring, self.dilation, kv.contiguous()) if kv is not self.kv else self
 
 
 @dataclass
@@ -324,7 +359,7 @@ class RegularGPTCache(InferenceCache):
                     cache.windows[layer][k].fit(room) if cache.depth > layer else template.zeros(cache.batch_size, room)
                     for cache in caches
                 ]
-                windows[-1].append(KVWindow(template.ring, torch.cat([part.kv for part in parts])))
+                windows[-1].append(KVWindow(template.ring, template.dilation, torch.cat([part.kv for part in parts])))
         top_hidden = torch.cat([resized(cache.top_hidden, 1, room) for cache in caches])
         return cls(lengths=lengths, chunk_size=caches[0].chunk_size, top_hidden=top_hidden, windows=windows)
 

@@ -165,7 +165,7 @@ def regulargpt_layer_step(
     with a ``StepPlan``) as one compiled call. Each block: x + attention(LN_1(x)) over the J dilated slots, then
     + MLP(LN_2(.)); the new position's keys and values are then written into its window. The ring entries are
     found as the step's plan finds them (``_plan_step`` in model/regulargpt_cache.py: row r's slot j holds position
-    p = positions[r] - j * dilation at ring slot p % ring; out of range, masked or null, where p < 0), without
+    p = positions[r] - j * dilation at its ``ring_slot``; out of range, masked or null, where p < 0), without
     building it. Equal to the torch step up to float rounding (tests/model/test_cpu_decode.py).
 
     x: (R, d_model), R <= MAX_ROWS; windows: the K blocks' rings (R, 2 H, allocated, hd) each as flat (R 2 H
@@ -320,8 +320,9 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
         return packed[start[i] : start[i + 1]].reshape(((start[i + 1] - start[i]) // columns, columns))
 
     @jit(inline="always")
-    def block_step(x, window, positions, dilation, ring, slots, packed, start, has_null, heads, eps, x_out):
-        """One block (tensors of ``start`` in ``packed``: :func:`regulargpt_layer_step`) over x (R, d) -> x_out."""
+    def block_step(x, window, positions, dilation, where, slots, packed, start, has_null, heads, eps, x_out):
+        """One block (tensors of ``start`` in ``packed``: :func:`regulargpt_layer_step`) over x (R, d) -> x_out;
+        where[r, j]: the ring slot of row r's position positions[r] - j * dilation."""
         width = x.shape[1]
         head_dim = width // heads
         ln_1 = (packed[start[0] : start[1]], packed[start[1] : start[2]])
@@ -363,7 +364,7 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                             for i in range(head_dim):
                                 total += qkv[r, query + i] * qkv[r, width + query + i]
                         else:
-                            key = keys + position % ring
+                            key = keys + where[r, j]
                             for i in range(head_dim):
                                 total += qkv[r, query + i] * window[key, i]
                         scores[j] = total * scale + relative_bias[h, j]
@@ -390,7 +391,7 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                         for i in range(head_dim):
                             attended[r, query + i] += weight * qkv[r, 2 * width + query + i]
                     else:
-                        value = values + position % ring
+                        value = values + where[r, j]
                         for i in range(head_dim):
                             attended[r, query + i] += weight * window[value, i]
                 if has_null:
@@ -398,18 +399,25 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                         attended[r, query + i] += (np.float32(1.0) - kept) * null_value[h, i]
         for r in range(rows):  # the window stores the new keys and values (after every read of the ring)
             for channel in range(2 * heads):
-                target = (r * 2 * heads + channel) * allocated + positions[r] % ring
+                target = (r * 2 * heads + channel) * allocated + where[r, 0]
                 for i in range(head_dim):
                     window[target, i] = qkv[r, width + channel * head_dim + i]
         residual_tail(x, attended, c_proj, ln_2, c_fc, mlp_proj, eps, x_out)
 
     @jit
     def regulargpt_layer(x, windows, positions, dilation, ring, slots, packed, starts, has_null, heads, eps, x_out):
-        blocks = starts.shape[0]
+        blocks, rows = starts.shape[0], x.shape[0]
+        columns = windows[0].shape[0] // (rows * 2 * heads) // dilation  # K of ring_slot
+        period = ring // dilation  # C - 1
+        where = np.empty((rows, max(slots, 1)), dtype=np.int64)  # ring_slot (model/regulargpt_cache.py) of each key
+        for r in range(rows):
+            base, column = positions[r] % dilation * columns, positions[r] // dilation % period
+            for j in range(where.shape[1]):  # position - j * dilation: the same run, j columns back
+                where[r, j] = base + (column - j) % period
         current = x
         for k in range(blocks):  # the last block writes x_out; the others alternate between two buffers
             out = x_out if (blocks - 1 - k) % 2 == 0 else np.empty_like(x)
-            block_step(current, windows[k], positions, dilation, ring, slots, packed, starts[k], has_null, heads, eps,
+            block_step(current, windows[k], positions, dilation, where, slots, packed, starts[k], has_null, heads, eps,
                        out)
             current = out
 

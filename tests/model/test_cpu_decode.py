@@ -179,7 +179,7 @@ def sharp_regulargpt(model_id: str) -> RegularGPT:
 COMPILED_LAYERS = "thick layers step as one compiled call each at 1-4 rows (CPU)"
 
 
-@pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2"])
+@pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2", "regulargpt-c5"])
 def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_each_thick_layer_compiled(
     kernel_calls, thick_layer_calls, model_id: str
 ) -> None:
@@ -212,7 +212,7 @@ def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_each_thick_layer
     torch.testing.assert_close(torch.stack(stepped, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2"])
+@pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2", "regulargpt-c5"])
 def test_compiled_steps_of_rows_at_different_lengths_equal_the_torch_steps(monkeypatch, model_id: str) -> None:
     """Two rows decoded together from 11 and 2 tokens: the short row's far slots are out of range (masked or null)
     while the long row's are not, the case where a step's plan carries a valid mask."""

@@ -161,7 +161,7 @@ def test_extra_levels_read_each_position_that_many_layers_higher_in_training_onl
 
 
 @OUT_OF_RANGE
-@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2), (5, 1)])  # C 5: the windows' runs grow
 @pytest.mark.parametrize("prefill", [0, 1, 2, 3, 4, 9, 10])
 def test_decoding_across_depth_growth_equals_parallel(
     chunk_size: int, thickness: int, prefill: int, out_of_range: str, cached_attention: str
@@ -190,7 +190,7 @@ def test_prefill_into_a_non_empty_cache_continues_it(cached_attention: str) -> N
     torch.testing.assert_close(torch.cat([first, second], dim=1), parallel, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2), (5, 1)])
 def test_cache_keeps_only_what_the_dilated_pattern_needs(chunk_size: int, thickness: int) -> None:
     model = make(chunk_size, thickness)
     d_model, item = model.config.d_model, torch.finfo(torch.float64).bits // 8
@@ -204,11 +204,15 @@ def test_cache_keeps_only_what_the_dilated_pattern_needs(chunk_size: int, thickn
             assert t + 1 <= cache.top_hidden.shape[1] == room <= 2 * (t + 1)  # every consumed position, O(T) room
             for layer, windows in enumerate(cache.windows):
                 assert len(windows) == thickness
-                ring = (chunk_size - 1) * chunk_size**layer  # K and V of the last (C-1) * C**l positions, as reached
-                shape = (1, 2 * model.config.n_heads, min(ring, room), d_model // model.config.n_heads)
+                # K and V of the last (C-1) * C**l positions, as reached: C**l runs of min(C - 1, ceil(room / C**l))
+                dilation = chunk_size**layer
+                slots = dilation * min(chunk_size - 1, -(-room // dilation))
+                assert slots < min((chunk_size - 1) * dilation, room) + dilation
+                shape = (1, 2 * model.config.n_heads, slots, d_model // model.config.n_heads)
                 assert all(window.kv.shape == shape for window in windows)
             assert cache.nbytes == model.cache_nbytes(t + 1)
-            assert cache.nbytes <= (2 + 6 * thickness) * (t + 1) * d_model * item  # O(T), not O(C T)
+            # O(T), not O(C T): fewer than 4 (t + 1) slots per window over all layers (2 (t + 1) for C 2, 3 for C 3)
+            assert cache.nbytes <= (2 + 8 * thickness) * (t + 1) * d_model * item
 
 
 def test_clone_is_deep() -> None:
@@ -290,11 +294,12 @@ def test_a_long_prompt_through_the_cache_attends_banded_and_equals_parallel(out_
             done += chunk
 
 
-MIXED_LENGTHS = {2: [0, 1, 3, 7, 8, 14], 3: [0, 2, 7, 9, 25, 26]}  # depths 0..4 (C = 2) and 0..3 (C = 3)
+# depths 0..4 (C = 2), 0..3 (C = 3) and 0..3 (C = 5, whose rows alone hold 1-4 columns per run at layer 1)
+MIXED_LENGTHS = {2: [0, 1, 3, 7, 8, 14], 3: [0, 2, 7, 9, 25, 26], 5: [0, 3, 6, 11, 26, 40]}
 
 
 @OUT_OF_RANGE
-@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2), (5, 1)])
 def test_mixed_length_rows_step_together_as_each_alone(
     chunk_size: int, thickness: int, out_of_range: str, cached_attention: str
 ) -> None:
@@ -323,7 +328,7 @@ def test_mixed_length_rows_step_together_as_each_alone(
 
 
 @OUT_OF_RANGE
-@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2), (5, 1)])
 def test_chunks_on_a_stacked_mixed_length_cache_equal_each_row_alone(
     chunk_size: int, thickness: int, out_of_range: str, cached_attention: str
 ) -> None:

@@ -24,6 +24,8 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
         "regulargpt-c2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="mask"),
         "regulargpt-c2-null": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="null"),
         "regulargpt-c3-k2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=3, thickness=2),
+        # C 5: windows whose runs hold fewer than C - 1 positions until the room grows (ring_slot)
+        "regulargpt-c5": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=5, out_of_range="null"),
         "lrnn": LRNNConfig(**common, n_layers=2, block_size=4, num_blocks=2, d_ff=32),
         "lrnn-spectral-b2": LRNNConfig(
             **common, n_layers=2, block_size=2, num_blocks=4, d_ff=32, transition_norm="spectral"
