@@ -51,12 +51,12 @@ def capacity(length: int) -> int:
     return 0 if length == 0 else 1 << (length - 1).bit_length()
 
 
-def ring_slot(position, dilation: int, columns: int, chunk_size: int):
+def ring_slot(position, dilation, columns, chunk_size: int):
     """Where position p lies in a ring window at dilation D = C**l holding ``columns`` K <= C - 1 of positions per
     residue: slot (p mod D) K + (p div D) mod (C - 1). The J <= C keys a position reads at that layer, p - j D, share
     the residue p mod D, so they lie in one run of K slots (one contiguous read per head, where p mod (C-1) D would
     scatter them D slots apart); any (C - 1) D consecutive positions (K = C - 1) or the first K D take distinct
-    slots. ``position``: an int or an integer tensor of positions >= 0."""
+    slots. ``position``, ``dilation``, ``columns``: ints or integer tensors that broadcast; positions >= 0."""
     return position % dilation * columns + position // dilation % (chunk_size - 1)
 
 
