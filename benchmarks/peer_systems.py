@@ -26,6 +26,7 @@ from torch import nn
 
 from model.base import largest_fitting, parameter_count
 from model.config import LRNNConfig, RegularGPTConfig, TransformerConfig
+from model.cuda_graphs import capture_sizes, decoder_for
 from model.registry import build_model
 
 OURS = ("lrnn", "regulargpt", "transformer")
@@ -153,11 +154,14 @@ def describe(family: str, config: object) -> str:
 
 
 class Ours:
-    """Our model through the server's calls: cached prefill in chunks, ``step``."""
+    """Our model through the server's calls: cached prefill in chunks, then its decode step as the server runs it
+    (model/cuda_graphs.py: on CUDA, graphs captured at the server's default batch sizes where the cache allows)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         model.for_serving()
+        with torch.inference_mode():
+            self.decoder = decoder_for(model, capture_sizes(64))
 
     def prefill(self, tokens: torch.Tensor) -> object:
         """tokens: (B, T) -> a cache holding them."""
@@ -168,7 +172,7 @@ class Ours:
 
     def step(self, tokens: torch.Tensor, cache: object) -> tuple[torch.Tensor, object]:
         """tokens: (B,) -> logits (B, V) and the advanced cache."""
-        return self.model.step(tokens, cache), cache
+        return self.decoder.step(tokens, cache), cache
 
     def repeat(self, cache: object, rows: int) -> object:
         """A cache of ``rows`` copies of a one-row cache."""

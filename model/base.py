@@ -79,6 +79,12 @@ class InferenceCache(ABC):
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors."""
 
+    def step_state(self) -> list[torch.Tensor] | None:
+        """The tensors a step reads and replaces, each with the rows first, (B, ...) (views where the cache keeps
+        them otherwise), when no step changes their shapes; None for a cache that grows with the lengths. A decode
+        step captured as a CUDA graph (model/cuda_graphs.py) copies them in and out."""
+        return None
+
 
 def lengths_tensor(values: Sequence[int] | int, batch_size: int | None = None) -> torch.Tensor:
     """(B,) int64 on the CPU: ``values`` per row, or the one value ``values`` repeated ``batch_size`` times."""

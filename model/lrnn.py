@@ -74,6 +74,9 @@ class LRNNCache(InferenceCache):
     def nbytes(self) -> int:
         return sum(state.numel() * state.element_size() for state in self.states)
 
+    def step_state(self) -> list[torch.Tensor]:
+        return self.states
+
 
 class Recurrence(nn.Module):
     """What a :class:`RecurrentBlock` runs: h_k = A_k h_{k-1} + b_k over a state of ``state_shape`` (H, b), read

@@ -45,6 +45,9 @@ class LSTMCache(InferenceCache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.hidden, self.cell))
 
+    def step_state(self) -> list[torch.Tensor]:
+        return [self.hidden.transpose(0, 1), self.cell.transpose(0, 1)]  # (B, n_layers, hidden_size) each
+
 
 class LSTMModel(SequenceModel):
     """Dropout (``config.dropout``) acts between LSTM layers and on the last layer's output."""

@@ -79,8 +79,13 @@ def parse_settings(argv: list[str] | None) -> Settings:
     parser.add_argument("--models", help="folder of checkpoint folders (default: the shipped checkpoints/)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the models run (default auto)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="decode without CUDA graphs (REGULARLM_CUDA_GRAPHS=false)"
+    )
     args = parser.parse_args(argv)
-    overrides = {name: value for name, value in vars(args).items() if value is not None}
+    overrides = {name: value for name, value in vars(args).items() if value is not None and name != "enforce_eager"}
+    if args.enforce_eager:
+        overrides["cuda_graphs"] = False
     try:
         return Settings(**overrides)
     except ValidationError as error:

@@ -22,6 +22,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from model.cuda_graphs import Decoder, capture_sizes, decoder_for
 from model.threads import set_threads
 from server.batching import TransduceJob, TransduceOutput
 from server.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate
@@ -248,6 +249,18 @@ class Engine:
         self.metrics.unregister_model(model_id)
         logger.info("stopped serving runtime model %s", model_id)
 
+    def _decoder(self, served: ServedModel) -> Decoder:
+        """Its decode step: captured as CUDA graphs where it can be (before the memory budget is measured, which
+        then leaves out the graphs' memory), else eager; logged either way."""
+        settings = self.settings
+        decoder = decoder_for(served.model, capture_sizes(settings.max_running), settings.cuda_graphs)
+        path = decoder.path
+        if path.mode == "cuda_graphs":
+            logger.info("%s: decode step through CUDA graphs at batch sizes %s", served.id, list(path.batch_sizes))
+        else:
+            logger.info("%s: eager decode step (%s)", served.id, path.reason)
+        return decoder
+
     def _set_limits(self, served: ServedModel, speed: float) -> None:
         settings = self.settings
         served.budget = ModelBudget(
@@ -264,6 +277,8 @@ class Engine:
             try:
                 served.notes = served.model.for_serving()
                 speeds[served.id] = calibrate(served.model)
+                if served.kind == "generate":
+                    served.decoder = self._decoder(served)
             except Exception as error:
                 self.load_failures.append(f"{served.path}: measuring its speed failed: {type(error).__name__}: {error}")
                 logger.error("skipped %s", self.load_failures[-1])

@@ -220,20 +220,21 @@ class DecodeBatch:
         self.cache = self.cache.select(keep) if keep else None
 
     def step(self, metrics: ServerMetrics) -> None:
-        """One token for every sequence: one call of the model."""
-        model = self.sequences[0].served.model
-        tokens = torch.tensor([sequence.generated[-1] for sequence in self.sequences], device=model.device)  # (B,)
+        """One token for every sequence: one call of the model (through its decoder: CUDA graphs where captured)."""
+        served = self.sequences[0].served
+        tokens = torch.tensor([sequence.generated[-1] for sequence in self.sequences], device=served.model.device)
         constrained = [sequence.constraint for sequence in self.sequences if sequence.constraint is not None]
-        vocabulary = self.sequences[0].served.config.model.vocab_size
+        vocabulary = served.config.model.vocab_size
         masks = token_bias_later(constrained, vocabulary) if constrained else None  # while the model runs
-        accept(self.sequences, model.step(tokens, self.cache), metrics, masks)  # logits (B, V)
+        step = served.model.step if served.decoder is None else served.decoder.step
+        accept(self.sequences, step(tokens, self.cache), metrics, masks)  # logits (B, V)
 
 
 def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
            ) -> None:  # fmt: skip
     """Sample each sequence's next token from its row of logits (B, V), hand the tokens to the requests,
     and finish the sequences that end. ``masks``: the constrained rows' ``token_bias``, if already under way."""
-    logits = logits.float().cpu()  # (B, V): sampling runs on the CPU with each request's generator
+    logits = logits.float()  # (B, V) where the model runs: sampling draws on the CPU, filters and searches there
     sequences, logits, masked = _constrain(sequences, logits, metrics, masks)  # (B', V) each
     if not sequences:
         return
@@ -259,6 +260,7 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
         bias, any_allowed = token_bias([sequences[row].constraint for row in rows], logits.shape[-1])  # (R, V), (R,)
     else:
         bias, any_allowed = masks.result()
+    bias = bias.to(logits.device)  # (R, V)
     if len(rows) == len(sequences):
         masked = logits + bias  # (B, V)
     else:

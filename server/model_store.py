@@ -17,10 +17,11 @@ from pathlib import Path
 from model.base import SequenceModel
 from model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
 from model.config import CheckpointConfig
+from model.cuda_graphs import Decoder
 from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from server.costing import ModelBudget, ModelLimits
 from server.errors import InvalidInput
-from server.protocol import ModelCard
+from server.protocol import DecodeStep, ModelCard
 
 logger = logging.getLogger(__name__)
 TOKEN_ID_TYPE = "i"  # a transducer input's token ids: array("i"), 4-byte integers (torch.frombuffer: torch.int32)
@@ -39,6 +40,7 @@ class ServedModel:
     notes: list[str] = field(default_factory=list)  # what ``model.for_serving()`` changed
     budget: ModelBudget | None = None  # set by the engine once the model's speed is measured
     limits: ModelLimits | None = None
+    decoder: Decoder | None = None  # a generation model's decode step, set by the engine (CUDA graphs or eager)
 
     @property
     def kind(self) -> str:
@@ -57,6 +59,7 @@ class ServedModel:
             parameters=sum(parameter.numel() for parameter in self.model.parameters()),
             limits=None if self.limits is None else self.limits.as_dict(),
             serving_notes=self.notes,
+            decode=None if self.decoder is None else DecodeStep(**vars(self.decoder.path)),
         )
 
     def encode_symbols(self, text: str, where: str) -> array[int]:

@@ -66,6 +66,15 @@ class HealthResponse(BaseModel):
     detail: str | None = None
 
 
+class DecodeStep(BaseModel):
+    mode: Literal["cuda_graphs", "eager"]
+    batch_sizes: list[int] = Field(
+        default_factory=list, description="cuda_graphs: the captured batch sizes; a batch runs the graph of the next "
+        "size up (padded), a larger one runs eagerly"
+    )
+    reason: str | None = Field(None, description="eager: why")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -85,6 +94,8 @@ class ModelCard(BaseModel):
         "max_all_outputs_symbols (outputs 'all'), max_context_tokens (prompt + max_tokens)",
     )
     serving_notes: list[str] = Field(default_factory=list, description="implementation changes made for serving")
+    decode: DecodeStep | None = Field(None, description="how a generation model's decode step runs (none for "
+                                      "transduce models)")  # fmt: skip
 
 
 class ModelList(BaseModel):

@@ -43,25 +43,27 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """One token per row. logits: (B, V) float on the CPU; row i samples with params[i] and generators[i].
+    """One token per row. logits: (B, V) float, on the model's device; row i samples with params[i] and
+    generators[i].
 
-    Rows with the same filters are filtered together; each row then draws one uniform number from its own
-    generator and takes the token where the cumulative probability first exceeds it (inverse CDF).
+    Rows with the same filters are filtered together; each row then draws one uniform number from its own (CPU)
+    generator and takes the token where the cumulative probability first exceeds it (inverse CDF). The filters and
+    the search run where the logits are: on a GPU only the uniforms go there and only the B tokens come back.
     """
-    tokens = logits.argmax(-1).tolist()  # greedy rows keep these
+    tokens = logits.argmax(-1)  # (B,) greedy rows keep these
     groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
     for row, row_params in enumerate(params):
         if row_params.temperature > 0.0:
             groups[(row_params.temperature, row_params.top_k, row_params.top_p)].append(row)
     for (temperature, top_k, top_p), rows in groups.items():
-        cdf = filtered_probs(logits[rows], temperature, top_k, top_p).cumsum(-1)  # (R, V)
-        uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in rows])  # (R,)
+        index = torch.tensor(rows).to(logits.device, non_blocking=True)  # (R,)
+        cdf = filtered_probs(logits[index], temperature, top_k, top_p).cumsum(-1)  # (R, V)
+        uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in rows]).to(logits.device)  # (R,)
         picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]  # (R,)
         # Rounding may put the draw at the total: take the last token with a probability, never a filtered one.
         last = (cdf < cdf[:, -1:]).sum(-1)  # (R,) where the cumulative probability reaches its total
-        for row, token in zip(rows, torch.minimum(picks, last).tolist()):
-            tokens[row] = token
-    return tokens
+        tokens[index] = torch.minimum(picks, last)
+    return tokens.tolist()
 
 
 class TokenHistory(Protocol):
@@ -72,7 +74,7 @@ class TokenHistory(Protocol):
 
 
 def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]) -> torch.Tensor:
-    """The logits to sample from: logits (B, V) float on the CPU, adjusted per row by params[i] given the row's
+    """The logits to sample from: logits (B, V) float (on any device), adjusted per row by params[i] given the row's
     prompt and output tokens so far (module docstring). Rows without penalties or biases are left as they are;
     the input is not modified."""
     rows = [row for row, row_params in enumerate(params) if row_params.penalizes]
@@ -82,10 +84,11 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list
     vocabulary = logits.shape[-1]
     for row in rows:
         row_params, row_logits, history = params[row], logits[row], histories[row]  # row_logits: (V,) a view
-        counts = torch.bincount(torch.tensor(history.generated, dtype=torch.long), minlength=vocabulary)[:vocabulary]
+        generated = torch.tensor(history.generated, dtype=torch.long).to(logits.device)  # (N,)
+        counts = torch.bincount(generated, minlength=vocabulary)[:vocabulary]  # (V,)
         if row_params.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[history.prompt_ids] = True
+            seen[history.prompt_ids.to(logits.device)] = True
             # At least float32's smallest normal (below, the penalty rounds to 0 and a masked -inf x 0 is NaN), and no
             # logit pushed past float32's largest (inf - inf is NaN when the sampler shifts the scores).
             limits = torch.finfo(row_logits.dtype)

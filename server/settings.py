@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, gt=0, description="rows of one transduce batch")
     max_batch_symbols: int = Field(65_536, gt=0, description="padded symbols (rows x length) of one transduce batch")
     max_running: int = Field(64, gt=0, description="sequences decoded at once (continuous batching)")
+    cuda_graphs: bool = Field(
+        True, description="on CUDA, run the decode step of models with a fixed-size cache (LRNN, LSTM) through CUDA "
+        "graphs captured at batch sizes 1, 2, 4, 8, 16, ... up to max_running (model/cuda_graphs.py); false: eager"
+    )
     max_waiting: int = Field(256, gt=0, description="requests queued beyond those running; more get 429")
     prefill_chunk_tokens: int = Field(2048, gt=0, description="prompt tokens prefilled per scheduler iteration")
     slice_ms: float = Field(

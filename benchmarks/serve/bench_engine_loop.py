@@ -3,12 +3,18 @@
 cores), to tell the engine's own throughput from the HTTP side's.
 
     python -m benchmarks.serve.bench_engine_loop [--model checkpoints/text-lrnn] [--threads 1] [--repeats 2]
+        [--device cpu|cuda] [--concurrencies 1,16] [--max-tokens 64] [--profile]
+
+``--profile``: the engine's thread runs under cProfile (its rates are then the profiled ones, lower), and its 30
+costliest functions (cumulative) are printed at the end, to see where an iteration's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import time
 from pathlib import Path
 
@@ -17,19 +23,18 @@ from server.engine import Engine
 from server.generation import GenerationRequest
 from server.metrics import ServerMetrics
 from server.model_store import ServedModel
+from server.scheduler import Scheduler
 from server.sampling import SamplingParams
 from server.settings import Settings
 
-MAX_TOKENS = 64
-REQUESTS = 32  # per measurement at concurrency 16; 4 at concurrency 1
-
-
-async def events_per_second(engine: Engine, served: ServedModel, concurrency: int, requests: int) -> float:
+async def events_per_second(
+    engine: Engine, served: ServedModel, concurrency: int, requests: int, max_tokens: int
+) -> float:
     prompt = served.tokenizer.encode("Chapter 1. It was")
 
     async def one(seed: int) -> int:
         sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=seed)
-        handle = engine.submit_generation(served, [GenerationRequest(prompt, MAX_TOKENS, sampling)])
+        handle = engine.submit_generation(served, [GenerationRequest(prompt, max_tokens, sampling)])
         return sum([1 async for _ in handle.events()])
 
     started, events = time.perf_counter(), 0
@@ -38,22 +43,50 @@ async def events_per_second(engine: Engine, served: ServedModel, concurrency: in
     return events / (time.perf_counter() - started)
 
 
+def profiled(loop):
+    """Scheduler.loop under cProfile, kept in ``profiled.profile``."""
+
+    def run(self: Scheduler) -> None:
+        profiled.profile.enable()
+        try:
+            loop(self)
+        finally:
+            profiled.profile.disable()
+
+    return run
+
+
+profiled.profile = cProfile.Profile()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "text-lrnn")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--concurrencies", default="1,16")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--profile", action="store_true", help="profile the engine thread (see above)")
     args = parser.parse_args()
-    engine = Engine(Settings(models=args.model, device="cpu", torch_threads=args.threads), ServerMetrics())
+    concurrencies = [int(value) for value in args.concurrencies.split(",")]
+    if args.profile:
+        Scheduler.loop = profiled(Scheduler.loop)
+    settings = Settings(models=args.model, device=args.device, torch_threads=args.threads)
+    engine = Engine(settings, ServerMetrics())
     engine.start()
     engine.wait_loaded()
     served = engine.models[args.model.name]
-    print(f"machine: {machine()}; torch threads: {args.threads}; {args.model.name}, {MAX_TOKENS} tokens per request")
+    print(f"machine: {machine(args.device)}; torch threads: {args.threads}; {args.model.name}, {args.max_tokens} "
+          f"tokens per request; decode: {served.decoder.path}")  # fmt: skip
     for _ in range(args.repeats):
-        for concurrency, requests in ((1, 4), (16, REQUESTS)):
-            rate = asyncio.run(events_per_second(engine, served, concurrency, requests))
+        for concurrency in concurrencies:
+            requests = 2 * concurrency if concurrency > 1 else 4
+            rate = asyncio.run(events_per_second(engine, served, concurrency, requests, args.max_tokens))
             print(f"concurrency {concurrency}: {rate:.0f} events/s", flush=True)
     engine.stop()
+    if args.profile:
+        pstats.Stats(profiled.profile).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,14 @@
 (vLLM's definitions, harness.py) and throughput, with continuous batching and with batch-1 serving.
 
     python -m benchmarks.serve.bench_generate [--prompt-tokens 32] [--max-tokens 64] [--threads 1]
+        [--model checkpoints/text-lrnn] [--concurrencies 1,8,32] [--decode graphs,eager] [--no-stream]
+        [--no-batch-1] [--device cuda]
+
+``--model``: a checkpoint folder to serve instead of the random-weight LRNN (d_model 256, 4 layers, bytes).
+``--decode``: one set of rows per decode path on CUDA (``graphs``: the default, CUDA graphs where the model allows;
+``eager``: ``cuda_graphs`` false). ``--no-stream``: whole answers, so that a Python client can keep up with a server
+at tens of thousands of tokens per second (the latencies but E2EL are then "-"). Throughput counts the output
+tokens the answers report (a request may end before ``--max-tokens`` at the end-of-text token).
 """
 
 from __future__ import annotations
@@ -25,15 +33,15 @@ CONCURRENCIES = (1, 8, 32)
 BATCH_1 = {"max_running": 1}
 
 
-def bodies(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[dict]:
+def bodies(model: str, count: int, prompt_tokens: int, max_tokens: int, seed: int, stream: bool) -> list[dict]:
     rng = random.Random(seed)
     return [
         {
-            "model": LANGUAGE_MODEL,
+            "model": model,
             "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(prompt_tokens)),
             "max_tokens": max_tokens,
             "seed": index,
-            "stream": True,
+            "stream": stream,
         }
         for index in range(count)
     ]
@@ -42,9 +50,13 @@ def bodies(count: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[d
 def measure(url: str, label: str, concurrency: int, args: argparse.Namespace) -> float:
     """One table row; returns the output tokens per second."""
     requests = max(args.requests, 2 * concurrency)
-    run_load(url, "/v1/generate", bodies(concurrency, args.prompt_tokens, 8, seed=0), concurrency)  # warm-up
+    warm_up = bodies(args.model_id, concurrency, args.prompt_tokens, 8, 0, args.stream)
+    run_load(url, "/v1/generate", warm_up, concurrency)
     records, wall = run_load(
-        url, "/v1/generate", bodies(requests, args.prompt_tokens, args.max_tokens, concurrency), concurrency
+        url,
+        "/v1/generate",
+        bodies(args.model_id, requests, args.prompt_tokens, args.max_tokens, concurrency, args.stream),
+        concurrency,
     )
     latencies = [
         [record.ttft for record in records if record.ttft is not None],
@@ -64,20 +76,36 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=16, help="requests per row (at least 2 x concurrency)")
+    parser.add_argument("--model", type=Path, help="a checkpoint folder (default: a random-weight LRNN)")
+    parser.add_argument("--concurrencies", default=",".join(map(str, CONCURRENCIES)))
+    parser.add_argument("--decode", default="graphs", help="graphs, eager or both (graphs,eager): rows per path")
+    parser.add_argument("--no-stream", dest="stream", action="store_false", help="whole answers, not streamed")
+    parser.add_argument("--no-batch-1", dest="batch_1", action="store_false", help="skip the batch-1 row")
     add_server_arguments(parser)
     args = parser.parse_args()
+    concurrencies = [int(value) for value in args.concurrencies.split(",")]
+    paths = args.decode.split(",")
+    if not set(paths) <= {"graphs", "eager"}:
+        parser.error(f"--decode: graphs, eager or graphs,eager, not {args.decode!r}")
     print(f"machine: {machine(args.device)}; server torch threads: {args.threads}")
     print(f"prompt {args.prompt_tokens} tokens, {args.max_tokens} output tokens per request\n")
     latencies = " | ".join(f"{name} p50/p99 (ms)" for name in ("TTFT", "TPOT", "ITL", "E2EL"))
     print(f"| serving | concurrency | requests | {latencies} | output tok/s | req/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
-        models = write_models(Path(folder))
-        with server_process(models, args.threads, args.device) as url:
-            batched = [measure(url, "continuous batching", concurrency, args) for concurrency in CONCURRENCIES]
-        with server_process(models, args.threads, args.device, **BATCH_1) as url:
-            batch_1 = measure(url, "batch-1 (max_running=1)", CONCURRENCIES[-1], args)
-    print(f"\nThroughput at concurrency 32, continuous batching over batch-1 serving: {batched[-1] / batch_1:.2f}x")
+        models = args.model.resolve() if args.model else write_models(Path(folder))
+        args.model_id = models.name if args.model else LANGUAGE_MODEL
+        batched = 0.0
+        for path in paths:
+            settings = {"cuda_graphs": path == "graphs", "max_running": max(64, *concurrencies)}
+            with server_process(models, args.threads, args.device, **settings) as url:
+                for concurrency in concurrencies:
+                    batched = measure(url, f"continuous batching, {path}", concurrency, args)
+        if args.batch_1:
+            with server_process(models, args.threads, args.device, **BATCH_1) as url:
+                batch_1 = measure(url, "batch-1 (max_running=1)", concurrencies[-1], args)
+            print(f"\nThroughput at concurrency {concurrencies[-1]}, continuous batching over batch-1 serving: "
+                  f"{batched / batch_1:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

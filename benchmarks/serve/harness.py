@@ -151,6 +151,7 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict) -> Record:
         response = await client.post(path, json=body)
         response.raise_for_status()
         record.e2el = time.perf_counter() - start
+        record.output_tokens = response.json().get("usage", {}).get("completion_tokens", 0)
         return record
     async with client.stream("POST", path, json=body) as response:
         response.raise_for_status()

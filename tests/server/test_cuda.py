@@ -59,3 +59,27 @@ def test_greedy_generation_on_cuda_equals_cpu_under_concurrency(model_id: str, c
 def test_seeded_sampling_on_cuda_is_repeatable(cuda_client) -> None:
     body = {"model": "text-lrnn", "prompt": "The cat", "max_tokens": 20, "seed": 11, "temperature": 0.8}
     assert post(cuda_client, "/v1/generate", body)["text"] == post(cuda_client, "/v1/generate", body)["text"]
+
+
+def test_fixed_state_models_decode_through_cuda_graphs(cuda_client) -> None:
+    cards = {card["id"]: card for card in cuda_client.get("/v1/models").json()["data"]}
+    for model_id in ["text-lrnn", "text-lstm"]:
+        assert cards[model_id]["decode"]["mode"] == "cuda_graphs", cards[model_id]["decode"]
+        assert cards[model_id]["decode"]["batch_sizes"][:4] == [1, 2, 4, 8]
+    for model_id in ["text-transformer", "text-regulargpt"]:
+        decode = cards[model_id]["decode"]
+        assert decode["mode"] == "eager" and "grows with the context" in decode["reason"], decode
+
+
+@pytest.mark.parametrize("model_id", ["text-lrnn", "text-lstm"])
+def test_graphed_generation_equals_eager(model_id: str, checkpoints_dir, cuda_client) -> None:
+    prompts = [f"Prompt {i}: over the lazy dog" for i in range(5)]  # up to 5 rows a step: graphs of 1-8 rows, padded
+    app = create_app(make_settings(checkpoints_dir, device="cuda", cuda_graphs=False))
+    with TestClient(app) as eager_client, ThreadPoolExecutor(5) as pool:
+        app.state.engine.wait_loaded()
+        assert eager_client.get(f"/v1/models/{model_id}").json()["decode"]["mode"] == "eager"
+        runs = {}
+        body = {"model": model_id, "max_tokens": 24, "temperature": 0}
+        for name, test_client in [("graphs", cuda_client), ("eager", eager_client)]:
+            runs[name] = list(pool.map(lambda p, c=test_client: post(c, "/v1/generate", body | {"prompt": p}), prompts))
+    assert [run["text"] for run in runs["graphs"]] == [run["text"] for run in runs["eager"]]

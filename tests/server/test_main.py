@@ -56,6 +56,10 @@ def test_bad_option_exits_2(argv: list[str], capsys) -> None:
     assert exit_info.value.code == 2 and argv[0].strip("-") in capsys.readouterr().err
 
 
+def test_enforce_eager_turns_cuda_graphs_off() -> None:
+    assert parse_settings([]).cuda_graphs and not parse_settings(["--enforce-eager"]).cuda_graphs
+
+
 def test_sigterm_drains_requests_in_flight(checkpoints_dir) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"

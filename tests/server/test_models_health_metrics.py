@@ -20,11 +20,14 @@ def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_d
     assert cards["parity-lrnn"] | {"parameters": 0, "limits": {}, "serving_notes": []} == {
         "id": "parity-lrnn", "object": "model", "owned_by": "regularlm", "kind": "transduce", "architecture": "lrnn",
         "task": "parity_check", "alphabet": "01", "labels": ["0", "1"], "tokenizer": None, "vocab_size": 2,
-        "parameters": 0, "limits": {}, "serving_notes": [],
+        "parameters": 0, "limits": {}, "serving_notes": [], "decode": None,
     }  # fmt: skip
     assert cards["parity-lrnn"]["limits"]["max_input_symbols"] > 0  # tests/server/test_engine.py
     assert all(isinstance(note, str) and note for note in cards["parity-lrnn"]["serving_notes"])  # model.for_serving
     assert cards["text-lstm"]["kind"] == "generate" and cards["text-lstm"]["tokenizer"] == "bytes"
+    for model_id in LANGUAGE_MODELS:  # model/cuda_graphs.py: graphs on CUDA only (tests/server/test_cuda.py)
+        decode = cards[model_id]["decode"]
+        assert decode["mode"] == "eager" and "CUDA graphs need a CUDA device" in decode["reason"], decode
     (failure,) = client.app.state.engine.load_failures
     assert failure.startswith(str(checkpoints_dir / BROKEN)) and "not valid JSON" in failure
 
