@@ -54,8 +54,9 @@ class Decoder:
         self.path = DecodePath("eager", reason=reason)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
-        """tokens: (B,) -> logits (B, output_size); advances ``cache`` by one token (``SequenceModel.step``)."""
-        return self.model.step(tokens, cache)
+        """tokens: (B,) on any device -> logits (B, output_size); advances ``cache`` by one token
+        (``SequenceModel.step``). The logits may be a view that the next step overwrites: read them before."""
+        return self.model.step(tokens.to(self.model.device, non_blocking=True), cache)
 
 
 @dataclass
@@ -89,16 +90,13 @@ class GraphedDecoder(Decoder):
             return self.model.step(tokens, cache)
         captured = self.captured[size]
         state = cache.step_state()
-        with torch.inference_mode():
-            captured.tokens[:rows].copy_(tokens)
-            for buffer, live in zip(captured.inputs, state):
-                buffer[:rows].copy_(live)
+        with torch.inference_mode():  # few ops: on a GPU each costs a launch, as many as the graph saves
+            captured.tokens[:rows].copy_(tokens, non_blocking=True)
+            torch._foreach_copy_([buffer[:rows] for buffer in captured.inputs], state)
             captured.graph.replay()
-            for live, buffer in zip(state, captured.outputs):
-                live.copy_(buffer[:rows])
-            logits = captured.logits[:rows].clone()  # the next replay overwrites the buffer
+            torch._foreach_copy_(state, [buffer[:rows] for buffer in captured.outputs])
         cache.lengths = cache.lengths + 1
-        return logits
+        return captured.logits[:rows]  # a view of the graph's buffer, valid until the next replay
 
 
 def decoder_for(model: SequenceModel, batch_sizes: Sequence[int], enabled: bool = True) -> Decoder:

@@ -19,6 +19,7 @@ Nothing here ever reaches the network. A checkpoint names its tokenizer as one o
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 from pathlib import Path
 from unittest import mock
@@ -63,6 +64,24 @@ class Tokenizer:
     def decode_bytes(self, tokens: list[int]) -> bytes:
         return self.encoding.decode_bytes(tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes: a lookup in a table built on first use (a server decodes every generated token alone),
+        else ``decode_bytes`` (which refuses an id the encoding lacks)."""
+        table = self._token_bytes
+        found = table[token] if 0 <= token < len(table) else None
+        return self.decode_bytes([token]) if found is None else found
+
+    @functools.cached_property
+    def _token_bytes(self) -> list[bytes | None]:
+        """Every id's bytes, None where the encoding has no token (a gap in its ranks)."""
+        table: list[bytes | None] = []
+        for token in range(self.encoding.n_vocab):
+            try:
+                table.append(self.encoding.decode_single_token_bytes(token))
+            except KeyError:
+                table.append(None)
+        return table
+
     def stream_decoder(self) -> StreamDecoder:
         """An incremental decoder for tokens that arrive one at a time (see :class:`StreamDecoder`)."""
         return StreamDecoder(self)
@@ -81,7 +100,7 @@ class StreamDecoder:
 
     def push(self, token: int) -> str:
         """The text completed by ``token`` (may be empty)."""
-        return self._utf8.decode(self._tokenizer.decode_bytes([token]))
+        return self._utf8.decode(self._tokenizer.token_bytes(token))
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)

@@ -19,6 +19,8 @@ class TextAssembler:
 
     def push(self, token: int) -> tuple[str, bool]:
         """Add a generated token: (text to release now, whether a stop string was reached)."""
+        if not self._stop:  # nothing to hold back (the common case: once per token of every sequence)
+            return self._decoder.push(token), False
         self._pending += self._decoder.push(token)
         first_stop = min((i for i in (self._pending.find(stop) for stop in self._stop) if i >= 0), default=-1)
         if first_stop >= 0:

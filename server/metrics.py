@@ -43,6 +43,7 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     generated: int = 0
+    per_token: tuple[Any, Any] | None = None  # the model's inter-token latency and token count children, from the first
 
 
 class ServerMetrics:
@@ -166,11 +167,13 @@ class ServerMetrics:
         if times.first_token is None:
             times.first_token = now
             self.child(self.time_to_first_token, times.model).observe(now - times.arrival)
+            times.per_token = (self.child(self.inter_token_latency, times.model),
+                               self.child(self.generation_tokens, times.model))  # fmt: skip
         else:
-            self.child(self.inter_token_latency, times.model).observe(now - times.last_token)
+            times.per_token[0].observe(now - times.last_token)
         times.last_token = now
         times.generated += 1
-        self.child(self.generation_tokens, times.model).inc()
+        times.per_token[1].inc()
 
     def model_executed(self, model: str, seconds: float) -> None:
         self.child(self.model_execute_time, model).observe(seconds)

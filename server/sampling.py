@@ -50,19 +50,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     generator and takes the token where the cumulative probability first exceeds it (inverse CDF). The filters and
     the search run where the logits are: on a GPU only the uniforms go there and only the B tokens come back.
     """
-    tokens = logits.argmax(-1)  # (B,) greedy rows keep these
     groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
     for row, row_params in enumerate(params):
         if row_params.temperature > 0.0:
             groups[(row_params.temperature, row_params.top_k, row_params.top_p)].append(row)
+    # Few ops per step (on a GPU each costs a launch): no argmax when no row is greedy, no gather and scatter of rows
+    # when one group holds them all.
+    whole = len(groups) == 1 and len(next(iter(groups.values()))) == len(params)
+    tokens = None if whole else logits.argmax(-1)  # (B,) greedy rows keep these
     for (temperature, top_k, top_p), rows in groups.items():
-        index = torch.tensor(rows).to(logits.device, non_blocking=True)  # (R,)
-        cdf = filtered_probs(logits[index], temperature, top_k, top_p).cumsum(-1)  # (R, V)
-        uniforms = torch.cat([torch.rand(1, generator=generators[row]) for row in rows]).to(logits.device)  # (R,)
-        picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]  # (R,)
+        index = None if whole else torch.tensor(rows).to(logits.device, non_blocking=True)  # (R,)
+        cdf = filtered_probs(logits if whole else logits[index], temperature, top_k, top_p).cumsum(-1)  # (R, V)
+        uniforms = torch.tensor([torch.rand(1, generator=generators[row]).item() for row in rows])  # (R,)
+        thresholds = uniforms.to(logits.device, non_blocking=True)[:, None] * cdf[:, -1:]  # (R, 1)
+        picks = torch.searchsorted(cdf, thresholds, right=True)[:, 0]  # (R,)
         # Rounding may put the draw at the total: take the last token with a probability, never a filtered one.
         last = (cdf < cdf[:, -1:]).sum(-1)  # (R,) where the cumulative probability reaches its total
-        tokens[index] = torch.minimum(picks, last)
+        if whole:
+            tokens = torch.minimum(picks, last)
+        else:
+            tokens[index] = torch.minimum(picks, last)
     return tokens.tolist()
 
 

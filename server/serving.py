@@ -151,7 +151,7 @@ class Serving:
         self,
         served: ServedModel,
         prompt: str | list[int],
-        fields: SamplingFields,
+        fields: GenerateRequest | CompletionRequest,
         max_tokens: int,
         seed_offset: int = 0,
         logprobs: int | None = None,
@@ -159,7 +159,7 @@ class Serving:
         constraint: CompiledConstraint | None = None,
     ) -> GenerationRequest:
         """Validate one prompt (a text, or token ids checked against the vocabulary) and the sampling fields
-        against the limits."""
+        against the limits; a request that does not stream gets its tokens' events at the end."""
         if max_tokens > self.settings.max_tokens:
             raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
         vocabulary = served.tokenizer.vocab_size
@@ -195,7 +195,7 @@ class Serving:
             _logit_bias(fields.logit_bias or {}, vocabulary, served.id),
         )
         return GenerationRequest(
-            tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs, constraint
+            tokens, max_tokens, sampling, fields.stop_strings, logprobs, prompt_logprobs, constraint, fields.stream
         )
 
     def max_tokens(self, body: GenerateRequest | CompletionRequest) -> int:

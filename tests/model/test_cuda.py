@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint
-from tests.model.test_dilated_attention import assert_agree, dilations, make_inputs
+from tests.model.test_dilated_attention import FAST_OPS, assert_agree, dilations, make_inputs
 from tests.model.test_linear_scan import implementations, make_problem, outputs_and_gradients, step_loop
 from tests.model.tiny_models import MODEL_IDS, build_tiny
 
@@ -36,12 +36,13 @@ def test_parallel_pass_on_cuda_equals_cpu(model_id: str) -> None:
     torch.testing.assert_close(actual.cpu(), expected, **FLOAT32)
 
 
+@FAST_OPS
 @pytest.mark.parametrize(("chunk_size", "null"), [(2, False), (2, True), (3, False), (4, True)])
 @pytest.mark.parametrize("length", [7, 500, 4097])
-def test_fast_dilated_attention_on_cuda_equals_reference(chunk_size: int, null: bool, length: int) -> None:
+def test_fast_dilated_attention_on_cuda_equals_reference(op, chunk_size: int, null: bool, length: int) -> None:
     inputs = on(make_inputs(2, 2, length, chunk_size, torch.float64, null), CUDA)
     for dilation in dilations(length, chunk_size)[:4]:
-        assert_agree(inputs, chunk_size, dilation, rtol=1e-9, atol=1e-9)
+        assert_agree(op, inputs, chunk_size, dilation, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("length", [1, 7, 100, 4096, 10000])

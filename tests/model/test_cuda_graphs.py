@@ -78,25 +78,27 @@ def stand_in(model, sizes: list[int]) -> GraphedDecoder:
     return GraphedDecoder(model, captured)
 
 
-@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-stochastic"])
-def test_padded_replays_equal_the_eager_step(model_id: str) -> None:
-    """Batches of 1-6 rows (padded to 2, 4 or 8; past 8 eager), rows joining and leaving between steps."""
-    model = build_tiny(model_id, VOCAB, LABELS).eval()
-    decoder = stand_in(model, [2, 4, 8])
+def assert_decodes_alike(model, decoder: Decoder, close: dict) -> None:
+    """Batches of 1-9 rows through ``decoder`` and ``model.step`` (rows joining and leaving between steps; past the
+    largest captured size, eager): the same logits, states and lengths at every step."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         graphed, eager = model.new_cache(3), model.new_cache(3)
-        for rows in [3, 3, 4, 1, 6, 9, 2, 2]:
+        for rows in [3, 3, 4, 1, 6, 9, 2, 8]:
             if rows != graphed.batch_size:
                 keep = [row % graphed.batch_size for row in range(rows)]
                 graphed, eager = graphed.select(keep), eager.select(keep)
-            tokens = torch.randint(VOCAB, (rows,), generator=generator)
-            expected = model.step(tokens, eager)
-            got = decoder.step(tokens, graphed)
-            torch.testing.assert_close(got, expected, **CLOSE[torch.float32])  # padded: other product shapes
+            tokens = torch.randint(VOCAB, (rows,), generator=generator).to(model.device)
+            torch.testing.assert_close(decoder.step(tokens, graphed), model.step(tokens, eager), **close)
             for mine, theirs in zip(graphed.step_state(), eager.step_state()):
-                torch.testing.assert_close(mine, theirs, **CLOSE[torch.float32])
+                torch.testing.assert_close(mine, theirs, **close)
             assert graphed.lengths.tolist() == eager.lengths.tolist()
+
+
+@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-stochastic"])
+def test_padded_replays_equal_the_eager_step(model_id: str) -> None:
+    model = build_tiny(model_id, VOCAB, LABELS).eval()
+    assert_decodes_alike(model, stand_in(model, [2, 4, 8]), CLOSE[torch.float32])  # padded: other product shapes
 
 
 @needs_cuda
@@ -110,17 +112,7 @@ def test_cuda_graphs_equal_the_eager_step(model_id: str, dtype: torch.dtype) -> 
     else:
         assert decoder.path.mode == "cuda_graphs", decoder.path.reason
         assert decoder.path.batch_sizes == (1, 2, 4, 8)
-    generator = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        graphed, eager = model.new_cache(3), model.new_cache(3)
-        for rows in [3, 3, 4, 1, 6, 9, 2, 8]:
-            if rows != graphed.batch_size:
-                keep = [row % graphed.batch_size for row in range(rows)]
-                graphed, eager = graphed.select(keep), eager.select(keep)
-            tokens = torch.randint(VOCAB, (rows,), generator=generator).cuda()
-            torch.testing.assert_close(decoder.step(tokens, graphed), model.step(tokens, eager), **CLOSE[dtype])
-            for mine, theirs in zip(graphed.step_state(), eager.step_state()):
-                torch.testing.assert_close(mine, theirs, **CLOSE[dtype])
+    assert_decodes_alike(model, decoder, CLOSE[dtype])
 
 
 @needs_cuda

@@ -81,16 +81,19 @@ def test_repeated_long_prompt_is_prefilled_from_the_state_cache(client) -> None:
     assert 'regularlm_prefix_cache_hits_total{model_name="text-lrnn"}' in metrics
 
 
-class _Discard:
+class _Record:
+    def __init__(self) -> None:
+        self.items: list = []
+
     def put(self, item) -> None:
-        pass
+        self.items.append(item)
 
 
 def test_lrnn_decoding_state_does_not_grow_with_the_context(client) -> None:
     served = client.app.state.engine.models["text-lrnn"]
     sizes = []
     for length in (10, 2000):
-        sequence = Sequence(served, GenerationRequest(prompt=[65] * length, max_tokens=10), _Discard())
+        sequence = Sequence(served, GenerationRequest(prompt=[65] * length, max_tokens=10), _Record())
         state_cache, metrics = StateCache(0, 0, 1), ServerMetrics()
         metrics.admit([sequence.times], 1)
         start(sequence, state_cache, metrics)
@@ -103,3 +106,25 @@ def test_lrnn_decoding_state_does_not_grow_with_the_context(client) -> None:
             sizes.append(batch.cache.nbytes)
         assert batch.cache.lengths.tolist() == [length + 3]
     assert len(set(sizes)) == 1
+
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_whole_answer_gets_its_tokens_at_the_end(stream: bool, client) -> None:
+    """A request that does not stream has its tokens' events held until its last event, in order (no wake-up of
+    its coroutine per token); a streamed one gets each at once."""
+    served = client.app.state.engine.models["text-lrnn"]
+    mailbox, metrics = _Record(), ServerMetrics()
+    sequence = Sequence(served, GenerationRequest(prompt=[65, 66], max_tokens=4, stream=stream), mailbox)
+    metrics.admit([sequence.times], 1)
+    start(sequence, StateCache(0, 0, 1), metrics)
+    prefill([sequence], 2, StateCache(0, 0, 1), metrics)  # samples the first token
+    batch = DecodeBatch()
+    batch.join([sequence])
+    batch.step(metrics)
+    assert len(mailbox.items) == (2 if stream else 0)
+    batch.step(metrics)
+    batch.step(metrics)  # the fourth token: finished
+    events = [event for _, event in mailbox.items]
+    assert [type(event).__name__ for event in events] == ["TokenGenerated"] * 4 + ["Finished"]
+    assert [event.token for event in events[:4]] == sequence.generated
