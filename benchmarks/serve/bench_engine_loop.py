@@ -23,9 +23,10 @@ from server.engine import Engine
 from server.generation import GenerationRequest
 from server.metrics import ServerMetrics
 from server.model_store import ServedModel
-from server.scheduler import Scheduler
 from server.sampling import SamplingParams
+from server.scheduler import Scheduler
 from server.settings import Settings
+
 
 async def events_per_second(
     engine: Engine, served: ServedModel, concurrency: int, requests: int, max_tokens: int
