@@ -3,7 +3,11 @@
 cores), to tell the engine's own throughput from the HTTP side's.
 
     python -m benchmarks.serve.bench_engine_loop [--model checkpoints/text-lrnn] [--threads 1] [--repeats 2]
-        [--device cpu|cuda] [--concurrencies 1,16] [--max-tokens 64] [--profile]
+        [--device cpu|cuda] [--concurrencies 1,16] [--max-tokens 64] [--temperature 1] [--whole] [--stub] [--profile]
+
+``--whole``: requests that do not stream (their events come at the end). ``--stub``: the model's decode step returns
+zero logits at once, so that the rate is the engine's own per-token cost (scheduling, sampling, text, metrics,
+delivery) and the consuming coroutines'.
 
 ``--profile``: the engine's thread runs under cProfile (its rates are then the profiled ones, lower), and its 30
 costliest functions (cumulative) are printed at the end, to see where an iteration's time goes.
@@ -19,6 +23,8 @@ import time
 from pathlib import Path
 
 from benchmarks.serve.harness import ROOT, machine
+from benchmarks.serve.stub_server import zero_step
+from model.cuda_graphs import Decoder
 from server.engine import Engine
 from server.generation import GenerationRequest
 from server.metrics import ServerMetrics
@@ -29,13 +35,14 @@ from server.settings import Settings
 
 
 async def events_per_second(
-    engine: Engine, served: ServedModel, concurrency: int, requests: int, max_tokens: int
+    engine: Engine, served: ServedModel, concurrency: int, requests: int, args: argparse.Namespace
 ) -> float:
     prompt = served.tokenizer.encode("Chapter 1. It was")
 
     async def one(seed: int) -> int:
-        sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=seed)
-        handle = engine.submit_generation(served, [GenerationRequest(prompt, max_tokens, sampling)])
+        sampling = SamplingParams(temperature=args.temperature, top_p=1.0, top_k=0, seed=seed)
+        request = GenerationRequest(prompt, args.max_tokens, sampling, stream=not args.whole)
+        handle = engine.submit_generation(served, [request])
         return sum([1 async for _ in handle.events()])
 
     started, events = time.perf_counter(), 0
@@ -68,6 +75,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--concurrencies", default="1,16")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--whole", action="store_true", help="requests that do not stream")
+    parser.add_argument("--stub", action="store_true", help="a decode step that returns zeros at once")
     parser.add_argument("--profile", action="store_true", help="profile the engine thread (see above)")
     args = parser.parse_args()
     concurrencies = [int(value) for value in args.concurrencies.split(",")]
@@ -78,12 +88,16 @@ def main() -> None:
     engine.start()
     engine.wait_loaded()
     served = engine.models[args.model.name]
+    if args.stub:
+        served.model.step = zero_step(served.config.model.vocab_size)
+        served.decoder = Decoder(served.model, "stub: zero logits at once")
     print(f"machine: {machine(args.device)}; torch threads: {args.threads}; {args.model.name}, {args.max_tokens} "
-          f"tokens per request; decode: {served.decoder.path}")  # fmt: skip
+          f"tokens per request, temperature {args.temperature:g}, {'whole' if args.whole else 'streamed'}; decode: "
+          f"{'stub (zeros)' if args.stub else served.decoder.path}")  # fmt: skip
     for _ in range(args.repeats):
         for concurrency in concurrencies:
             requests = 2 * concurrency if concurrency > 1 else 4
-            rate = asyncio.run(events_per_second(engine, served, concurrency, requests, args.max_tokens))
+            rate = asyncio.run(events_per_second(engine, served, concurrency, requests, args))
             print(f"concurrency {concurrency}: {rate:.0f} events/s", flush=True)
     engine.stop()
     if args.profile:

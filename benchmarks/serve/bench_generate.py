@@ -3,10 +3,11 @@
 
     python -m benchmarks.serve.bench_generate [--prompt-tokens 32] [--max-tokens 64] [--threads 1]
         [--model checkpoints/text-lrnn] [--concurrencies 1,8,32] [--decode graphs,eager] [--no-stream]
-        [--no-batch-1] [--device cuda]
+        [--no-batch-1] [--device cuda] [--stub] [--temperature T]
 
-``--model``: a checkpoint folder to serve instead of the random-weight LRNN (d_model 256, 4 layers, bytes).
-``--decode``: one set of rows per decode path on CUDA (``graphs``: the default, CUDA graphs where the model allows;
+``--stub``: the server's decode steps return zero logits at once (benchmarks/serve/stub_server.py), so that the
+figures are the server's own cost per token. ``--model``: a checkpoint folder to serve instead of the random-weight
+LRNN (d_model 256, 4 layers, bytes). ``--decode``: one set of rows per decode path on CUDA (``graphs``: the default, CUDA graphs where the model allows;
 ``eager``: ``cuda_graphs`` false). ``--no-stream``: whole answers, so that a Python client can keep up with a server
 at tens of thousands of tokens per second (the latencies but E2EL are then "-"). Throughput counts the output
 tokens the answers report (a request may end before ``--max-tokens`` at the end-of-text token).
@@ -33,15 +34,17 @@ CONCURRENCIES = (1, 8, 32)
 BATCH_1 = {"max_running": 1}
 
 
-def bodies(model: str, count: int, prompt_tokens: int, max_tokens: int, seed: int, stream: bool) -> list[dict]:
+def bodies(args: argparse.Namespace, count: int, max_tokens: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
+    sampling = {} if args.temperature is None else {"temperature": args.temperature}
     return [
         {
-            "model": model,
-            "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(prompt_tokens)),
+            "model": args.model_id,
+            "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(args.prompt_tokens)),
             "max_tokens": max_tokens,
             "seed": index,
-            "stream": stream,
+            "stream": args.stream,
+            **sampling,
         }
         for index in range(count)
     ]
@@ -50,14 +53,8 @@ def bodies(model: str, count: int, prompt_tokens: int, max_tokens: int, seed: in
 def measure(url: str, label: str, concurrency: int, args: argparse.Namespace) -> float:
     """One table row; returns the output tokens per second."""
     requests = max(args.requests, 2 * concurrency)
-    warm_up = bodies(args.model_id, concurrency, args.prompt_tokens, 8, 0, args.stream)
-    run_load(url, "/v1/generate", warm_up, concurrency)
-    records, wall = run_load(
-        url,
-        "/v1/generate",
-        bodies(args.model_id, requests, args.prompt_tokens, args.max_tokens, concurrency, args.stream),
-        concurrency,
-    )
+    run_load(url, "/v1/generate", bodies(args, concurrency, 8, 0), concurrency)  # warm-up
+    records, wall = run_load(url, "/v1/generate", bodies(args, requests, args.max_tokens, concurrency), concurrency)
     latencies = [
         [record.ttft for record in records if record.ttft is not None],
         [record.tpot for record in records if record.tpot is not None],
@@ -81,6 +78,8 @@ def main() -> None:
     parser.add_argument("--decode", default="graphs", help="graphs, eager or both (graphs,eager): rows per path")
     parser.add_argument("--no-stream", dest="stream", action="store_false", help="whole answers, not streamed")
     parser.add_argument("--no-batch-1", dest="batch_1", action="store_false", help="skip the batch-1 row")
+    parser.add_argument("--stub", action="store_true", help="decode steps that return zeros at once (see above)")
+    parser.add_argument("--temperature", type=float, help="every request's (default: the API's, 1)")
     add_server_arguments(parser)
     args = parser.parse_args()
     concurrencies = [int(value) for value in args.concurrencies.split(",")]
@@ -96,13 +95,14 @@ def main() -> None:
         models = args.model.resolve() if args.model else write_models(Path(folder))
         args.model_id = models.name if args.model else LANGUAGE_MODEL
         batched = 0.0
+        module = "benchmarks.serve.stub_server" if args.stub else "server"
         for path in paths:
             settings = {"cuda_graphs": path == "graphs", "max_running": max(64, *concurrencies)}
-            with server_process(models, args.threads, args.device, **settings) as url:
+            with server_process(models, args.threads, args.device, module, **settings) as url:
                 for concurrency in concurrencies:
                     batched = measure(url, f"continuous batching, {path}", concurrency, args)
         if args.batch_1:
-            with server_process(models, args.threads, args.device, **BATCH_1) as url:
+            with server_process(models, args.threads, args.device, module, **BATCH_1) as url:
                 batch_1 = measure(url, "batch-1 (max_running=1)", concurrencies[-1], args)
             print(f"\nThroughput at concurrency {concurrencies[-1]}, continuous batching over batch-1 serving: "
                   f"{batched / batch_1:.2f}x")  # fmt: skip
