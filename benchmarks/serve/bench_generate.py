@@ -7,9 +7,10 @@
 
 ``--stub``: the server's decode steps return zero logits at once (benchmarks/serve/stub_server.py), so that the
 figures are the server's own cost per token. ``--model``: a checkpoint folder to serve instead of the random-weight
-LRNN (d_model 256, 4 layers, bytes). ``--decode``: one set of rows per decode path on CUDA (``graphs``: the default, CUDA graphs where the model allows;
-``eager``: ``cuda_graphs`` false). ``--no-stream``: whole answers, so that a Python client can keep up with a server
-at tens of thousands of tokens per second (the latencies but E2EL are then "-"). Throughput counts the output
+LRNN (d_model 256, 4 layers, bytes). ``--decode``: one set of rows per decode path on CUDA (``graphs``: the
+default, CUDA graphs where the model allows; ``eager``: ``cuda_graphs`` false). ``--no-stream``: whole answers, so
+that a Python client can keep up with a server at tens of thousands of tokens per second (the latencies but E2EL
+are then "-"). Throughput counts the output
 tokens the answers report (a request may end before ``--max-tokens`` at the end-of-text token).
 """
 
