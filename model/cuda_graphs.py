@@ -87,7 +87,7 @@ class GraphedDecoder(Decoder):
                 self._warned.add(rows)
                 logger.warning("decode step of %d rows: past the largest captured size %d, run eagerly", rows,
                                self.sizes[-1])  # fmt: skip
-            return self.model.step(tokens, cache)
+            return super().step(tokens, cache)
         captured = self.captured[size]
         state = cache.step_state()
         with torch.inference_mode():  # few ops: on a GPU each costs a launch, as many as the graph saves
