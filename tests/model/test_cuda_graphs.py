@@ -88,8 +88,9 @@ def assert_decodes_alike(model, decoder: Decoder, close: dict) -> None:
             if rows != graphed.batch_size:
                 keep = [row % graphed.batch_size for row in range(rows)]
                 graphed, eager = graphed.select(keep), eager.select(keep)
-            tokens = torch.randint(VOCAB, (rows,), generator=generator).to(model.device)
-            torch.testing.assert_close(decoder.step(tokens, graphed), model.step(tokens, eager), **close)
+            tokens = torch.randint(VOCAB, (rows,), generator=generator)  # on the CPU, as the engine passes them
+            expected = model.step(tokens.to(model.device), eager)
+            torch.testing.assert_close(decoder.step(tokens, graphed), expected, **close)
             for mine, theirs in zip(graphed.step_state(), eager.step_state()):
                 torch.testing.assert_close(mine, theirs, **close)
             assert graphed.lengths.tolist() == eager.lengths.tolist()
