@@ -259,7 +259,8 @@ def test_constrained_and_free_sequences_share_decode_steps(client, monkeypatch) 
         steps.append((len(sequences), sum(sequence.constraint is not None for sequence in sequences)))
         return original(sequences, logits, metrics, masks)
 
-    free_body = {"model": BPE, "prompt": "Once", "max_tokens": 40, "seed": 8, "n": 2}
+    # long enough that the constrained request (its regex compiled off the engine thread first) joins its decoding
+    free_body = {"model": BPE, "prompt": "Once", "max_tokens": 1500, "seed": 8, "n": 2}
     alone = client.post("/v1/completions", json=free_body).json()["choices"]
     monkeypatch.setattr(server.generation, "_constrain", recording)
     constrained_body = {**free_body, "structured_outputs": {"regex": "[0-9]{30,40}"}, "seed": 9}
