@@ -12,11 +12,13 @@ once (``sample``); constrained and free rows share the call.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -47,8 +49,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     generators[i].
 
     Rows with the same filters are filtered together; each row then draws one uniform number from its own (CPU)
-    generator and takes the token where the cumulative probability first exceeds it (inverse CDF). The filters and
-    the search run where the logits are: on a GPU only the uniforms go there and only the B tokens come back.
+    generator and takes the token where the cumulative probability first exceeds it (inverse CDF, :func:`draw`).
+    The filters and the search run where the logits are: on a GPU only the uniforms go there and only the B tokens
+    come back.
     """
     groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
     for row, row_params in enumerate(params):
@@ -57,20 +60,36 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     # Few ops per step (on a GPU each costs a launch): no argmax when no row is greedy, no gather and scatter of rows
     # when one group holds them all.
     whole = len(groups) == 1 and len(next(iter(groups.values()))) == len(params)
-    tokens = None if whole else logits.argmax(-1)  # (B,) greedy rows keep these
+    tokens = None if whole else greedy(logits)  # (B,) greedy rows keep these
     for (temperature, top_k, top_p), rows in groups.items():
         index = None if whole else torch.tensor(rows).to(logits.device, non_blocking=True)  # (R,)
-        cdf = filtered_probs(logits if whole else logits[index], temperature, top_k, top_p).cumsum(-1)  # (R, V)
+        weights = filtered_weights(logits if whole else logits[index], temperature, top_k, top_p)  # (R, V)
         uniforms = torch.tensor([torch.rand(1, generator=generators[row]).item() for row in rows])  # (R,)
-        thresholds = uniforms.to(logits.device, non_blocking=True)[:, None] * cdf[:, -1:]  # (R, 1)
-        picks = torch.searchsorted(cdf, thresholds, right=True)[:, 0]  # (R,)
-        # Rounding may put the draw at the total: take the last token with a probability, never a filtered one.
-        last = (cdf < cdf[:, -1:]).sum(-1)  # (R,) where the cumulative probability reaches its total
+        picks = draw(weights, uniforms.to(logits.device, non_blocking=True))  # (R,)
         if whole:
-            tokens = torch.minimum(picks, last)
+            tokens = picks
         else:
-            tokens[index] = torch.minimum(picks, last)
+            tokens[index] = picks
     return tokens.tolist()
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's largest logit, the first of ties: logits (B, V) -> (B,) int64. On the CPU through numpy, whose
+    argmax is vectorised: torch 2.13's took ~0.5 ms for 64 x 8,192 floats on one thread, numpy's 25 us."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row, the first token whose cumulative weight exceeds its uniform times the row's total weight.
+    weights: (R, V), non-negative with a positive total, summed in place; uniforms: (R,) in [0, 1) -> (R,) token ids.
+    Rounding may put a draw at the total: then the last token with a weight, never a filtered one after it."""
+    cdf = weights.cumsum_(-1)  # (R, V); in place: on the CPU a new 64 x 8,192 result took ~1.7x as long
+    total = cdf[:, -1:].contiguous()  # (R, 1)
+    picks = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)[:, 0]  # (R,)
+    last = torch.searchsorted(cdf, total)[:, 0]  # (R,) the first index where the sum reaches its total
+    return torch.minimum(picks, last)
 
 
 class TokenHistory(Protocol):
@@ -110,22 +129,48 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: (R, V) -> probabilities (R, V) after temperature, top-k and top-p (filtered tokens get 0)."""
-    # Shifted so that each row's largest score is 0 (softmax is the same), and the temperature at least the smallest
-    # normal float: a tiny one cannot make NaN probabilities (inf - inf, 0 / 0) or every score -inf.
+def filtered_weights(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: (R, V) -> weights (R, V) proportional to the probabilities after temperature, top-k and top-p: each
+    row's largest is 1, filtered tokens get 0. Not normalised: :func:`draw` scales its uniforms by the total."""
+    # Shifted so that each row's largest score is 0, and the temperature at least the smallest normal float: a tiny one
+    # cannot make NaN weights (inf - inf, 0 / 0) or every score -inf. amax, not max: torch's max also finds the indices
+    # (~20x slower on the CPU). Base 2, the temperature and log2(e) in one product: on the CPU torch's exp took 20x
+    # longer where it underflows (below -87, e.g. any score at temperature 0.1) and 3x at -inf, its exp2 never more.
     temperature = max(temperature, torch.finfo(logits.dtype).tiny)
-    scores = (logits - logits.max(-1, keepdim=True).values) / temperature  # (R, V)
+    scores = logits - logits.amax(-1, keepdim=True)  # (R, V), a new tensor: the steps below work in place
+    # base-2 scores; below the largest, -inf where a tiny temperature overflows them
+    scores *= math.log2(math.e) / temperature
     if 0 < top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]  # (R, 1)
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = scores.softmax(-1)  # (R, V)
+        scores.masked_fill_(scores < _kth_largest(scores, top_k), float("-inf"))
+    weights = scores.exp2_()  # (R, V)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)  # (R, V) each
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before it already reached top_p
-        drop_sorted[:, 0] = False  # the most likely token stays: a top_p below float32's range (5e-324) compares as 0
-        probs = probs.masked_fill(torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted), 0.0)
-    return probs
+        # The nucleus: in descending order, every token up to the first whose cumulative weight reaches top_p of the
+        # total (the most likely token always: a top_p below float32's range, 5e-324, is 0 here), and tokens tied with
+        # that last one. The threshold only, so the values are sorted without their indices.
+        descending = _descending(weights)  # (R, V)
+        cumulative = descending.cumsum(-1)  # (R, V)
+        last = torch.searchsorted(cumulative, top_p * cumulative[:, -1:].contiguous()).clamp_(max=weights.shape[-1] - 1)
+        weights.masked_fill_(weights < descending.gather(-1, last), 0.0)  # (R, 1) thresholds
+    return weights
+
+
+def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k-th largest value: (R, V) -> (R, 1). On the CPU through numpy's partition (0.3-0.5 ms for 64 x 8,192
+    floats on one thread at any k; torch 2.13's topk 2.2 ms at k = 50, 6.4 ms at 500)."""
+    if values.device.type != "cpu":
+        return torch.topk(values, k, dim=-1).values[:, -1:]
+    position = values.shape[-1] - k
+    return torch.from_numpy(np.partition(values.numpy(), position, axis=-1)[:, position : position + 1])
+
+
+def _descending(values: torch.Tensor) -> torch.Tensor:
+    """Each row sorted from its largest value: (R, V) -> (R, V). On the CPU through numpy: torch 2.13's sort took 36 ms
+    for 64 x 8,192 floats on one thread, numpy's 1.7 ms."""
+    if values.device.type != "cpu":
+        return values.sort(dim=-1, descending=True).values
+    negated = np.negative(values.numpy())
+    negated.sort(axis=-1)
+    return torch.from_numpy(np.negative(negated, out=negated))
 
 
 @dataclass

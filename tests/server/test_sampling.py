@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from server.sampling import SamplingParams, penalize, sample, token_logprobs
+from server.sampling import SamplingParams, draw, filtered_weights, greedy, penalize, sample, token_logprobs
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
 
@@ -53,6 +54,55 @@ def test_rows_sample_alone_whatever_else_is_in_the_batch() -> None:
     assert {tokens[1] for tokens in batched} == {3}
 
 
+def test_greedy_on_the_cpu_is_torch_argmax() -> None:
+    """numpy's argmax on the CPU: the same first-of-ties, -inf and NaN answers as torch's."""
+    logits = torch.randn(6, 300)
+    logits[1] = 0.0  # all tied: the first
+    logits[2, 7] = logits[2, 9] = 50.0  # two tied at the top
+    logits[3] = float("-inf")
+    logits[3, 5] = -1e30
+    logits[4, 11] = float("nan")  # NaN wins, as in torch
+    logits[5, ::2] = float("-inf")
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert greedy(logits[:, 1::3]).tolist() == logits[:, 1::3].argmax(-1).tolist()  # strided rows
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(8, 300)  # (R, V), no ties
+    for top_k in (1, 7, 299):
+        kept = filtered_weights(logits, 0.5, top_k, 1.0) > 0  # (R, V)
+        expected = torch.zeros_like(kept).scatter_(-1, logits.topk(top_k, dim=-1).indices, True)
+        assert torch.equal(kept, expected), top_k
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it() -> None:
+    """Against a plain reference: tokens by probability, most likely first, up to the one whose cumulative probability
+    reaches top_p."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50) * 2  # (R, V)
+    for top_p in (0.05, 0.3, 0.9, 0.999):
+        kept = filtered_weights(logits, 1.0, 0, top_p) > 0  # (R, V)
+        for row, row_logits in enumerate(logits.double().softmax(-1)):
+            expected, total = set(), 0.0
+            for token in sorted(range(50), key=lambda token: -row_logits[token]):
+                expected.add(token)
+                total += float(row_logits[token])
+                if total >= top_p:
+                    break
+            assert set(torch.nonzero(kept[row])[:, 0].tolist()) == expected, (top_p, row)
+    tied = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the nucleus at 0.5 ends inside a tie: all three tied tokens stay
+    assert (filtered_weights(tied, 1.0, 0, 0.5) > 0).tolist() == [[True, True, True, False]]
+
+
+def test_draw_inverts_the_cumulative_weights() -> None:
+    weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0], [2.0, 2.0, 0.0, 0.0, 0.0]])
+    for uniform, expected in [(0.0, [1, 0]), (0.2499, [1, 0]), (0.25, [3, 0]), (0.5, [3, 1]), (0.9999, [3, 1])]:
+        assert draw(weights.clone(), torch.tensor([uniform, uniform])).tolist() == expected
+    # A uniform at the total (rounding) takes the last token with a weight, not a filtered one after it.
+    assert draw(weights.clone(), torch.tensor([1.0, 1.0])).tolist() == [3, 1]
+
+
 def test_seed_makes_sampling_repeatable() -> None:
     assert draws(SamplingParams(seed=42)) == draws(SamplingParams(seed=42))
     assert draws(SamplingParams(seed=42)) != draws(SamplingParams(seed=43))
@@ -94,3 +144,19 @@ def test_a_repetition_penalty_near_zero_keeps_masked_tokens_out() -> None:
     assert not adjusted.isnan().any() and adjusted[0, 0] == adjusted[0, 3] == float("-inf")
     assert set(sample(adjusted.repeat(50, 1), [params] * 50, [params.generator() for _ in range(50)])) == {1}
     assert sample(adjusted, [SamplingParams(temperature=0.0)], [None]) == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampling_on_cuda_draws_what_the_cpu_draws() -> None:
+    """The filters and the search where the logits are (a GPU) take the tokens the CPU takes with the same
+    generators (the sums' rounding differs: a draw within ~1e-7 of a boundary could differ; these seeds have none)."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 1000) * 3  # (B, V)
+    rows = [SamplingParams(temperature=0.0), SamplingParams(seed=1), SamplingParams(temperature=0.7, top_k=20, seed=2),
+            SamplingParams(top_p=0.8, seed=3)] * 16  # fmt: skip
+    for device_logits in (logits, logits[::4]):  # mixed groups; one group holding every row
+        chosen = rows if device_logits.shape[0] == 64 else rows[1::4]
+        on_cpu = [params.generator() for params in chosen]
+        on_cuda = [params.generator() for params in chosen]
+        for _ in range(10):
+            assert sample(device_logits.cuda(), chosen, on_cuda) == sample(device_logits, chosen, on_cpu)
