@@ -51,6 +51,7 @@ R = TypeVar("R")
 
 ZERO_TEST_LOGIT = 10.0  # an indicator output has no confidence: its decision is reported as logits -10 / +10
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+LOG2_E = math.log2(math.e)  # softmax in base 2: exp(x) = 2 ** (x * log2(e))
 
 
 def position_features(
@@ -153,11 +154,13 @@ def encoder_attention_pieces(
 
 
 def _softmax(logits: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """Softmax over the last dimension, overwriting ``logits`` when ``in_place``."""
+    """Softmax over the last dimension, overwriting ``logits`` when ``in_place``. In base 2: the hard attention's scores
+    lie far below the underflow of exp, where torch's CPU exp took 7x longer than its exp2 (float64, 512 x 1,024 scores
+    down to -1e8: 7.2 against 1.0 ms; in range 1.0 against 0.2 ms)."""
     if in_place:
-        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).mul_(LOG2_E).exp2_()
         return logits.div_(logits.sum(dim=-1, keepdim=True))
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    weights = ((logits - logits.amax(dim=-1, keepdim=True)) * LOG2_E).exp2()
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
