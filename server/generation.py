@@ -133,9 +133,10 @@ class Sequence:
             if isinstance(event, TokenGenerated):
                 self.held.append(event)
                 return
-            for held in self.held:  # in order, before the event that ends the sequence (or a prompt's scores)
-                self.mailbox.put((self.index, held))
-            self.held = []
+            if self.held:  # in order, before the event that ends the sequence (or a prompt's scores)
+                self.mailbox.put_many([(self.index, held) for held in self.held] + [(self.index, event)])
+                self.held = []
+                return
         self.mailbox.put((self.index, event))
 
 
@@ -259,6 +260,7 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
     if masked is not logits:
         _keep_to_the_masks(sequences, adjusted, tokens)
+    metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences])
     for sequence, token, row_logits in zip(sequences, tokens, logits):
         _append(sequence, token, row_logits, metrics)
 
@@ -307,9 +309,8 @@ def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens
 
 
 def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: ServerMetrics) -> None:
-    """logits: (V,), from which ``token`` was sampled."""
+    """logits: (V,), from which ``token`` was sampled (its metrics are counted in :func:`accept`, for all rows at once)."""
     sequence.generated.append(token)
-    metrics.token(sequence.times)
     if sequence.constraint is not None and not sequence.constraint.consume(token):
         error = sequence.constraint.error
         sequence.abort(metrics, ModelFailure(f"structured_outputs: token {token} was sampled but not allowed: {error}"))

@@ -20,6 +20,11 @@ class Postman:
         with self._lock:
             self._pending.append((mailbox, item))
 
+    def post_many(self, mailbox: Mailbox, items: list[Any]) -> None:
+        """``post`` for each item, in order, under one lock (a whole answer's events at its end)."""
+        with self._lock:
+            self._pending.extend((mailbox, item) for item in items)
+
     def flush(self) -> None:
         """Deliver what was posted, one event-loop call per loop; a closed loop has nobody left to read."""
         with self._lock:
@@ -50,6 +55,10 @@ class Mailbox:
     def put(self, item: Any) -> None:
         """Thread-safe; delivered at the postman's next flush."""
         self._postman.post(self, item)
+
+    def put_many(self, items: list[Any]) -> None:
+        """``put`` for each item, in order."""
+        self._postman.post_many(self, items)
 
     async def get(self) -> Any:
         return await self.queue.get()

@@ -88,6 +88,9 @@ class _Record:
     def put(self, item) -> None:
         self.items.append(item)
 
+    def put_many(self, items) -> None:
+        self.items += items
+
 
 def test_lrnn_decoding_state_does_not_grow_with_the_context(client) -> None:
     served = client.app.state.engine.models["text-lrnn"]
