@@ -70,10 +70,15 @@ class GenerationHandle:
 
 class Engine:
     def __init__(
-        self, settings: Settings, metrics: ServerMetrics, on_load_failed: Callable[[str], None] | None = None
+        self,
+        settings: Settings,
+        metrics: ServerMetrics,
+        on_load_failed: Callable[[str], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
-        """``on_load_failed(message)`` is called on the worker thread if no model loads."""
-        self.settings, self.metrics, self._on_load_failed = settings, metrics, on_load_failed
+        """``on_load_failed(message)`` is called on the worker thread if no model loads; ``on_ready()`` on it once the
+        models are loaded and measured, before the first request is scheduled."""
+        self.settings, self.metrics, self._on_load_failed, self._on_ready = settings, metrics, on_load_failed, on_ready
         self.state: EngineState = "loading"
         self.detail: str | None = None  # why the state is not "ok", for /health
         self.models: dict[str, ServedModel] = {}  # replaced, never changed in place: readers need no lock
@@ -205,6 +210,8 @@ class Engine:
                 self._fail(f"no model could be loaded from {self.settings.models}: " + "; ".join(self.load_failures))
                 return
             self.metrics.register_models(sorted(self.models))
+            if self._on_ready is not None:
+                self._on_ready()
             self.state, self.detail = "ready", None
             logger.info("serving %s", ", ".join(sorted(self.models)))
             with torch.inference_mode():

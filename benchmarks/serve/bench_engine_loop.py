@@ -4,10 +4,14 @@ cores), to tell the engine's own throughput from the HTTP side's.
 
     python -m benchmarks.serve.bench_engine_loop [--model checkpoints/text-lrnn] [--threads 1] [--repeats 2]
         [--device cpu|cuda] [--concurrencies 1,16] [--max-tokens 64] [--temperature 1] [--whole] [--stub] [--profile]
+        [--default-gc]
 
 ``--whole``: requests that do not stream (their events come at the end). ``--stub``: the model's decode step returns
 zero logits at once, so that the rate is the engine's own per-token cost (scheduling, sampling, text, metrics,
 delivery) and the consuming coroutines'.
+
+The garbage collector is tuned as ``python -m server`` tunes it (``server/__main__.py``); ``--default-gc`` keeps
+CPython's defaults instead.
 
 ``--profile``: the engine's thread runs under cProfile (its rates are then the profiled ones, lower), and its 30
 costliest functions (cumulative) are printed at the end, to see where an iteration's time goes.
@@ -25,6 +29,7 @@ from pathlib import Path
 from benchmarks.serve.harness import ROOT, machine
 from benchmarks.serve.stub_server import zero_step
 from model.cuda_graphs import Decoder
+from server.__main__ import freeze_startup_heap, tune_garbage_collector
 from server.engine import Engine
 from server.generation import GenerationRequest
 from server.metrics import ServerMetrics
@@ -79,12 +84,17 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true", help="requests that do not stream")
     parser.add_argument("--stub", action="store_true", help="a decode step that returns zeros at once")
     parser.add_argument("--profile", action="store_true", help="profile the engine thread (see above)")
+    parser.add_argument(
+        "--default-gc", action="store_true", help="CPython's garbage collector settings, not the server's"
+    )
     args = parser.parse_args()
     concurrencies = [int(value) for value in args.concurrencies.split(",")]
     if args.profile:
         Scheduler.loop = profiled(Scheduler.loop)
     settings = Settings(models=args.model, device=args.device, torch_threads=args.threads)
-    engine = Engine(settings, ServerMetrics())
+    if not args.default_gc:
+        tune_garbage_collector()
+    engine = Engine(settings, ServerMetrics(), on_ready=None if args.default_gc else freeze_startup_heap)
     engine.start()
     engine.wait_loaded()
     served = engine.models[args.model.name]
@@ -93,7 +103,8 @@ def main() -> None:
         served.decoder = Decoder(served.model, "stub: zero logits at once")
     print(f"machine: {machine(args.device)}; torch threads: {args.threads}; {args.model.name}, {args.max_tokens} "
           f"tokens per request, temperature {args.temperature:g}, {'whole' if args.whole else 'streamed'}; decode: "
-          f"{'stub (zeros)' if args.stub else served.decoder.path}")  # fmt: skip
+          f"{'stub (zeros)' if args.stub else served.decoder.path}; garbage collector: "
+          f"{'CPython defaults' if args.default_gc else 'as the server'}")  # fmt: skip
     for _ in range(args.repeats):
         for concurrency in concurrencies:
             requests = 2 * concurrency if concurrency > 1 else 4

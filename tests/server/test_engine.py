@@ -206,3 +206,20 @@ def test_fair_share_serves_the_least_served_flow_first() -> None:
     assert fair.priority(["heavy", "light"]) == pytest.approx(0.1)
     fair.keep_only({"light"})
     assert fair.service == pytest.approx({"light": 0.1})
+
+
+def test_on_ready_runs_once_the_models_are_loaded_before_serving(checkpoints_dir) -> None:
+    """``python -m server`` freezes its start-up heap there (server/__main__.py): the models must be in it."""
+    seen = []
+
+    def on_ready() -> None:
+        seen.append((engine.state, sorted(engine.models)))
+
+    engine = engine_module.Engine(make_settings(checkpoints_dir), engine_module.ServerMetrics(), on_ready=on_ready)
+    engine.start()
+    engine.wait_loaded(30)
+    try:
+        assert engine.state == "ready"
+        assert seen == [("loading", sorted(engine.models))] and engine.models
+    finally:
+        engine.stop()

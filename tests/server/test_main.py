@@ -124,3 +124,18 @@ def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir)
 def test_protocol_and_client_import_without_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_a_serving_process_tunes_its_garbage_collector() -> None:
+    """``python -m server`` raises the collector's thresholds and freezes its start-up heap once the models are loaded
+    (``on_ready``, before the first request), in a child process: a frozen heap stays frozen."""
+    code = (
+        "import gc\n"
+        "from server.__main__ import GC_THRESHOLDS, freeze_startup_heap, tune_garbage_collector\n"
+        "tune_garbage_collector()\n"
+        "assert gc.get_threshold() == GC_THRESHOLDS, gc.get_threshold()\n"
+        "assert gc.get_freeze_count() == 0\n"
+        "freeze_startup_heap()\n"
+        "assert gc.get_freeze_count() > 1000, gc.get_freeze_count()\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT).returncode == 0
