@@ -207,10 +207,11 @@ class SequenceModel(nn.Module, ABC):
             nbytes=self.cache_nbytes(length) + self.cost("cached", 1, chunk, context=length).nbytes,
         )
 
-    def chunk_length(self, flops: float, context: int, limit: int) -> int:
+    def chunk_length(self, flops: float, context: int, limit: int, cost: Callable[..., Cost] | None = None) -> int:
         """The longest chunk (at most ``limit``, at least 1) whose cached forward after ``context`` tokens costs at
-        most ``flops`` (:meth:`cost` grows with the chunk length)."""
-        return largest_fitting(lambda chunk: self.cost("cached", 1, chunk, context).flops <= flops, limit)
+        most ``flops`` (:meth:`cost` grows with the chunk length). ``cost``: :meth:`cost` or a memo of it."""
+        cost = cost or self.cost
+        return largest_fitting(lambda chunk: cost("cached", 1, chunk, context).flops <= flops, limit)
 
     @property
     def device(self) -> torch.device:

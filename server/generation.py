@@ -196,8 +196,8 @@ def prefill_length(sequence: Sequence, budget: int) -> int:
     remaining = min(len(sequence.request.prompt) - sequence.prefilled, budget)
     if remaining <= 0:
         return max(remaining, 0)
-    slice_flops = sequence.served.budget.slice_flops
-    return sequence.served.model.chunk_length(slice_flops, context=sequence.prefilled, limit=remaining)
+    budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
+    return sequence.served.model.chunk_length(budget.slice_flops, sequence.prefilled, remaining, budget.cost)
 
 
 def _score_prompt_chunk(sequence: Sequence, chunk: torch.Tensor, logits: torch.Tensor) -> None:

@@ -129,3 +129,18 @@ def test_the_window_is_kept_under_concurrent_load() -> None:
     after_a_shared_run.last_run_jobs = 3  # their clients are about to send their next requests
     receive_later(after_a_shared_run, job("m", [5]))
     assert after_a_shared_run.gather_window() == 0.05
+
+
+def test_a_context_cost_is_worked_out_once_per_class() -> None:
+    """``context_cost`` is asked once per generated sequence: it answers from what it worked out for the class."""
+    asked = []
+
+    class Recording(CountingModel):
+        def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
+            asked.append(length)
+            return super().slices_cost(length, all_outputs, slice_flops)
+
+    model_budget = budget(Recording())
+    costs = [model_budget.context_cost(length) for length in (40, 33, 63, 64, 100)]
+    assert asked == [63, 127]  # classes of 33-63 and 64-127 tokens, each at its longest
+    assert costs == [Cost(flops=63, nbytes=0)] * 3 + [Cost(flops=127, nbytes=0)] * 2
