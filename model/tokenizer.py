@@ -102,6 +102,11 @@ class StreamDecoder:
         """The text completed by ``token`` (may be empty)."""
         return self._utf8.decode(self._tokenizer.token_bytes(token))
 
+    def push_many(self, tokens: list[int]) -> str:
+        """``push`` of each token, joined: the text they complete, decoded at once."""
+        token_bytes = self._tokenizer.token_bytes
+        return self._utf8.decode(b"".join([token_bytes(token) for token in tokens]))
+
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
 
@@ -141,7 +146,9 @@ def _file_encoding(name: str, checkpoint_dir: Path) -> tiktoken.Encoding:
     if missing:  # tiktoken could not encode text with these bytes
         raise TokenizerError(f"tokenizer {name!r}: {path} lacks {len(missing)} single-byte tokens, e.g. {missing[0]}")
     return tiktoken.Encoding(
-        name=path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+        name=path.stem,
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
         special_tokens={ENDOFTEXT: max(ranks.values()) + 1},
     )
 

@@ -30,6 +30,11 @@ class TextAssembler:
         released, self._pending = self._pending[: len(self._pending) - held], self._pending[len(self._pending) - held :]
         return released, False
 
+    def push_many(self, tokens: list[int]) -> str:
+        """The text of many tokens at once, without stop strings (a whole answer's, decoded at its end)."""
+        assert not self._stop, "stop strings are looked for token by token"
+        return self._decoder.push_many(tokens)
+
     def finish(self) -> str:
         """The rest of the text when generation ends without a stop string."""
         released, self._pending = self._pending + self._decoder.flush(), ""

@@ -97,6 +97,9 @@ class Sequence:
         self.cancelled = False  # set by the request's side when the client goes away
         self.done = False
         self.held: list[TokenGenerated] = []  # a request that does not stream: its tokens' events until the end
+        # A whole answer that needs nothing per token (not streamed; no stop strings, no log-probabilities) has no token
+        # events at all: its text is decoded once, into the Finished event.
+        self.plain = not request.stream and not request.stop and request.logprobs is None
 
     @functools.cached_property
     def cache_bytes(self) -> int:
@@ -117,8 +120,12 @@ class Sequence:
         self.done = True
         self.cache = None
         metrics.finished(self.times, reason)
-        prompt_tokens = len(self.request.prompt)
-        self.send(Finished(reason, self.assembler.finish(), prompt_tokens, len(self.generated), self.cached_tokens))
+        text = ""
+        if self.plain:  # its tokens' text, but for the end-of-text token
+            eot = self.served.tokenizer.eot_token
+            text = self.assembler.push_many(self.generated[:-1] if self.generated[-1:] == [eot] else self.generated)
+        text += self.assembler.finish()
+        self.send(Finished(reason, text, len(self.request.prompt), len(self.generated), self.cached_tokens))
 
     def abort(self, metrics: ServerMetrics, error: APIError | None = None) -> None:
         """End without an answer: the client left (no error) or the model call failed (error)."""
@@ -318,11 +325,13 @@ def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: Serve
     if token == sequence.served.tokenizer.eot_token:
         sequence.finish("stop", metrics)
         return
-    logprob = None
-    if sequence.request.logprobs is not None:
-        logprob = token_logprobs(logits[None], torch.tensor([token]), sequence.request.logprobs)[0]
-    text, stopped = sequence.assembler.push(token)
-    sequence.send(TokenGenerated(token, text, logprob))
+    stopped = False
+    if not sequence.plain:
+        logprob = None
+        if sequence.request.logprobs is not None:
+            logprob = token_logprobs(logits[None], torch.tensor([token]), sequence.request.logprobs)[0]
+        text, stopped = sequence.assembler.push(token)
+        sequence.send(TokenGenerated(token, text, logprob))
     if stopped or (sequence.constraint is not None and sequence.constraint.finished):
         sequence.finish("stop", metrics)
     elif len(sequence.generated) >= sequence.request.max_tokens:

@@ -9,6 +9,7 @@ import pytest
 
 from server.generation import DecodeBatch, GenerationRequest, Sequence, prefill, prefill_length, start
 from server.metrics import ServerMetrics
+from server.sampling import SamplingParams
 from server.state_cache import StateCache
 from tests.server import reference
 from tests.server.checkpoints import LANGUAGE_MODELS
@@ -111,14 +112,15 @@ def test_lrnn_decoding_state_does_not_grow_with_the_context(client) -> None:
     assert len(set(sizes)) == 1
 
 
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_whole_answer_gets_its_tokens_at_the_end(stream: bool, client) -> None:
     """A request that does not stream has its tokens' events held until its last event, in order (no wake-up of
-    its coroutine per token); a streamed one gets each at once."""
+    its coroutine per token); a streamed one gets each at once. (With stop strings: a plain whole answer has no token
+    events, next test.)"""
     served = client.app.state.engine.models["text-lrnn"]
     mailbox, metrics = _Record(), ServerMetrics()
-    sequence = Sequence(served, GenerationRequest(prompt=[65, 66], max_tokens=4, stream=stream), mailbox)
+    request = GenerationRequest(prompt=[65, 66], max_tokens=4, stream=stream, stop=["never in this text"])
+    sequence = Sequence(served, request, mailbox)
     metrics.admit([sequence.times], 1)
     start(sequence, StateCache(0, 0, 1), metrics)
     prefill([sequence], 2, StateCache(0, 0, 1), metrics)  # samples the first token
@@ -131,3 +133,35 @@ def test_a_whole_answer_gets_its_tokens_at_the_end(stream: bool, client) -> None
     events = [event for _, event in mailbox.items]
     assert [type(event).__name__ for event in events] == ["TokenGenerated"] * 4 + ["Finished"]
     assert [event.token for event in events[:4]] == sequence.generated
+
+
+def test_a_plain_whole_answer_has_its_text_in_the_finished_event(client, monkeypatch) -> None:
+    """Not streamed, no stop strings, no log-probabilities: no token events, and the same text as streamed; an
+    end-of-text token is not part of it."""
+    served = client.app.state.engine.models["text-lrnn"]
+
+    def answer(sampling: SamplingParams, stream: bool) -> tuple[str, int, int, list[int]]:
+        mailbox, metrics = _Record(), ServerMetrics()
+        request = GenerationRequest(prompt=[65, 66], max_tokens=12, sampling=sampling, stream=stream)
+        sequence = Sequence(served, request, mailbox)
+        metrics.admit([sequence.times], 1)
+        start(sequence, StateCache(0, 0, 1), metrics)
+        prefill([sequence], 2, StateCache(0, 0, 1), metrics)
+        batch = DecodeBatch()
+        batch.join([sequence])
+        while not sequence.done:
+            batch.step(metrics)
+        events = [event for _, event in mailbox.items]
+        return "".join(event.text for event in events), events[-1].completion_tokens, len(events), sequence.generated
+
+    for sampling in (SamplingParams(temperature=0.0), SamplingParams(seed=5)):
+        text, tokens, _, ids = answer(sampling, stream=True)
+        assert answer(sampling, stream=False) == (text, tokens, 1, ids) and tokens == 12
+    # The bytes tokenizer has no end-of-text token: the greedy answer's fourth token plays it.
+    greedy = SamplingParams(temperature=0.0)
+    ids = answer(greedy, stream=True)[3]
+    end = ids.index(ids[3])
+    monkeypatch.setattr(served.tokenizer, "eot_token", ids[3])
+    streamed = answer(greedy, stream=True)
+    assert streamed[:2] == (served.tokenizer.decode(ids[:end]), end + 1)
+    assert answer(greedy, stream=False) == (*streamed[:2], 1, streamed[3])
