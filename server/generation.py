@@ -268,8 +268,8 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     if masked is not logits:
         _keep_to_the_masks(sequences, adjusted, tokens)
     metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences])
-    for sequence, token, row_logits in zip(sequences, tokens, logits):
-        _append(sequence, token, row_logits, metrics)
+    for row, (sequence, token) in enumerate(zip(sequences, tokens)):
+        _append(sequence, token, logits, row, metrics)
 
 
 def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
@@ -315,8 +315,9 @@ def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens
             tokens[row] = int(adjusted[row].argmax())
 
 
-def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: ServerMetrics) -> None:
-    """logits: (V,), from which ``token`` was sampled (its metrics are counted in :func:`accept`, for all rows at once)."""
+def _append(sequence: Sequence, token: int, logits: torch.Tensor, row: int, metrics: ServerMetrics) -> None:
+    """``token`` was sampled from ``logits[row]`` (logits: (B, V); a row's view is taken only for log-probabilities).
+    Its metrics are counted in :func:`accept`, for all rows at once."""
     sequence.generated.append(token)
     if sequence.constraint is not None and not sequence.constraint.consume(token):
         error = sequence.constraint.error
@@ -329,7 +330,7 @@ def _append(sequence: Sequence, token: int, logits: torch.Tensor, metrics: Serve
     if not sequence.plain:
         logprob = None
         if sequence.request.logprobs is not None:
-            logprob = token_logprobs(logits[None], torch.tensor([token]), sequence.request.logprobs)[0]
+            logprob = token_logprobs(logits[row, None], torch.tensor([token]), sequence.request.logprobs)[0]
         text, stopped = sequence.assembler.push(token)
         sequence.send(TokenGenerated(token, text, logprob))
     if stopped or (sequence.constraint is not None and sequence.constraint.finished):
