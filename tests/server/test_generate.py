@@ -165,3 +165,29 @@ def test_a_plain_whole_answer_has_its_text_in_the_finished_event(client, monkeyp
     streamed = answer(greedy, stream=True)
     assert streamed[:2] == (served.tokenizer.decode(ids[:end]), end + 1)
     assert answer(greedy, stream=False) == (*streamed[:2], 1, streamed[3])
+
+
+def test_log_probabilities_come_from_each_rows_own_logits(client) -> None:
+    """Two sequences decoded in one batch get the log-probabilities they get alone."""
+    served = client.app.state.engine.models["text-lrnn"]
+
+    def logprobs(prompts: list[list[int]]) -> list[list[float]]:
+        metrics, mailboxes, sequences = ServerMetrics(), [], []
+        for prompt in prompts:
+            mailboxes.append(_Record())
+            request = GenerationRequest(prompt, max_tokens=5, sampling=SamplingParams(temperature=0.0), logprobs=1)
+            sequences.append(Sequence(served, request, mailboxes[-1]))
+            metrics.admit([sequences[-1].times], 1)
+            start(sequences[-1], StateCache(0, 0, 1), metrics)
+            prefill([sequences[-1]], len(prompt), StateCache(0, 0, 1), metrics)
+        batch = DecodeBatch()
+        batch.join(sequences)
+        while not all(sequence.done for sequence in sequences):
+            batch.step(metrics)
+            batch.drop_finished()
+        return [[event.logprob.logprob for _, event in mailbox.items[:-1]] for mailbox in mailboxes]  # then Finished
+
+    together = logprobs([[65, 66], [70, 71, 72]])
+    assert len(together[1]) == 5
+    assert together[1] == pytest.approx(logprobs([[70, 71, 72]])[0], abs=1e-5)
+    assert together[0] == pytest.approx(logprobs([[65, 66]])[0], abs=1e-5)
