@@ -1,4 +1,4 @@
-"""The engine alone, without HTTP: generation events per second at concurrency 1 and 16 through
+"""The engine alone, without HTTP: generated tokens per second at concurrency 1 and 16 through
 ``Engine.submit_generation`` on one served checkpoint, in this process (no server, no load generator sharing the
 cores), to tell the engine's own throughput from the HTTP side's.
 
@@ -31,7 +31,7 @@ from benchmarks.serve.stub_server import zero_step
 from model.cuda_graphs import Decoder
 from server.__main__ import freeze_startup_heap, tune_garbage_collector
 from server.engine import Engine
-from server.generation import GenerationRequest
+from server.generation import Finished, GenerationRequest
 from server.metrics import ServerMetrics
 from server.model_store import ServedModel
 from server.sampling import SamplingParams
@@ -39,21 +39,23 @@ from server.scheduler import Scheduler
 from server.settings import Settings
 
 
-async def events_per_second(
+async def tokens_per_second(
     engine: Engine, served: ServedModel, concurrency: int, requests: int, args: argparse.Namespace
 ) -> float:
+    """Generated tokens per second (until 2026-11-25 this counted events, one per token plus one per request; a
+    whole answer now has a single event)."""
     prompt = served.tokenizer.encode("Chapter 1. It was")
 
     async def one(seed: int) -> int:
         sampling = SamplingParams(temperature=args.temperature, top_p=1.0, top_k=0, seed=seed)
         request = GenerationRequest(prompt, args.max_tokens, sampling, stream=not args.whole)
         handle = engine.submit_generation(served, [request])
-        return sum([1 async for _ in handle.events()])
+        return sum([event.completion_tokens async for _, event in handle.events() if isinstance(event, Finished)])
 
-    started, events = time.perf_counter(), 0
+    started, tokens = time.perf_counter(), 0
     for first in range(0, requests, concurrency):
-        events += sum(await asyncio.gather(*(one(first + i) for i in range(concurrency))))
-    return events / (time.perf_counter() - started)
+        tokens += sum(await asyncio.gather(*(one(first + i) for i in range(concurrency))))
+    return tokens / (time.perf_counter() - started)
 
 
 def profiled(loop):
@@ -108,8 +110,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for concurrency in concurrencies:
             requests = 2 * concurrency if concurrency > 1 else 4
-            rate = asyncio.run(events_per_second(engine, served, concurrency, requests, args))
-            print(f"concurrency {concurrency}: {rate:.0f} events/s", flush=True)
+            rate = asyncio.run(tokens_per_second(engine, served, concurrency, requests, args))
+            print(f"concurrency {concurrency}: {rate:.0f} tokens/s", flush=True)
     engine.stop()
     if args.profile:
         pstats.Stats(profiled.profile).sort_stats("cumulative").print_stats(30)
