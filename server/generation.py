@@ -31,9 +31,9 @@ from server.structured import CompiledConstraint, token_bias, token_bias_later
 
 logger = logging.getLogger(__name__)
 # Logits of at most this many elements are sampled on the CPU, more where the model runs. On an H100 machine
-# (docs/benchmarks.md, "Sampling": python -m benchmarks.bench_decode_path) one row of 8,192 logits sampled at temperature
-# 1 took 101-154 us through the CPU against 176-264 us on the GPU (each op a launch), 8 rows 285-463 against 169-289 us,
-# 64 rows 1.8-2.3 ms against 0.35-0.67 ms.
+# (docs/benchmarks.md, "Sampling and the exact models' softmax": python -m benchmarks.bench_decode_path) one row of 8,192
+# logits sampled at temperature 1 took 101-154 us through the CPU against 176-264 us on the GPU (each op a launch), 8 rows
+# 285-463 against 169-289 us, 64 rows 1.8-2.3 ms against 0.35-0.67 ms.
 HOST_SAMPLING_ELEMENTS = 16_384
 Masks = Future[tuple[torch.Tensor, list[bool]]]  # token_bias_later's: the constrained rows' bias, and any allowed
 

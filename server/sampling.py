@@ -6,8 +6,10 @@ filters, ``penalize`` adjusts the logits as vLLM and OpenAI define it: the repet
 CTRL: a logit of a token seen in the prompt or the output is divided by it when positive, multiplied when
 negative), then OpenAI's ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over the output
 tokens, then ``logit_bias``. Filters are applied in vLLM's order: temperature, then top-k, then top-p (the
-smallest set of tokens whose probability reaches top_p, at least one). A decode step samples all its rows at
-once (``sample``); constrained and free rows share the call.
+smallest set of tokens whose probability reaches top_p, at least one, and any tied with its least likely; top-k
+likewise keeps ties with its k-th). A decode step samples all its rows at once (``sample``); constrained and free
+rows share the call. Where the logits are on the CPU, the argmax, the k-th largest and the sort are numpy's
+(torch's are 10-20x slower there on one thread: docs/benchmarks.md, "Sampling and the exact models' softmax").
 """
 
 from __future__ import annotations
