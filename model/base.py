@@ -197,14 +197,17 @@ class SequenceModel(nn.Module, ABC):
                 yield
         return last, torch.cat(labels) if all_outputs else None
 
-    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
+    def slices_cost(
+        self, length: int, all_outputs: bool, slice_flops: float, cost: Callable[..., Cost] | None = None
+    ) -> Cost:
         """What :meth:`run_in_slices` costs for one input of ``length`` symbols: all its slices' multiply-adds,
         and the peak bytes it holds (for causal models the cache at full length plus the largest chunk's
-        activations)."""
-        chunk = self.chunk_length(slice_flops, context=length, limit=length)
+        activations). ``cost``: :meth:`cost` or a memo of it."""
+        cost = cost or self.cost
+        chunk = self.chunk_length(slice_flops, context=length, limit=length, cost=cost)
         return Cost(
-            flops=self.cost("cached", 1, length).flops,
-            nbytes=self.cache_nbytes(length) + self.cost("cached", 1, chunk, context=length).nbytes,
+            flops=cost("cached", 1, length).flops,
+            nbytes=self.cache_nbytes(length) + cost("cached", 1, chunk, context=length).nbytes,
         )
 
     def chunk_length(self, flops: float, context: int, limit: int, cost: Callable[..., Cost] | None = None) -> int:

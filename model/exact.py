@@ -35,7 +35,7 @@ call) yields to other work every fraction of a second.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -393,10 +393,12 @@ class ExactTransformer(SequenceModel):
         """The row's symbols, int64."""
         return 8 * length
 
-    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
+    def slices_cost(
+        self, length: int, all_outputs: bool, slice_flops: float, cost: Callable[..., Cost] | None = None
+    ) -> Cost:
         """:meth:`run_in_slices` does the work of ``forward`` / ``final_logits`` on one row, in pieces that hold no
         more memory."""
-        return self.cost("forward" if all_outputs else "final", 1, length)
+        return (cost or self.cost)("forward" if all_outputs else "final", 1, length)
 
     def _pass_flops(self, n: int) -> int:
         """Multiply-adds of one row's encoder pass over n positions (see :meth:`cost`)."""

@@ -102,9 +102,6 @@ class ModelBudget:
         # A call's cost depends on its shape only, and is asked for every input and every batch the scheduler plans
         # (tens of microseconds a call: the formulas read the model's modules): remembered per shape.
         self.cost: Callable[..., Cost] = functools.lru_cache(maxsize=COST_CACHE_SIZE)(self.model.cost)
-        # Per (context class, slice): asked once per generated sequence, ~0.75 ms each to work out (a bisection over
-        # chunk lengths through the model's cost formulas), with a few dozen distinct answers over the server's life.
-        self._context_costs: dict[tuple[int, float], Cost] = {}
 
     @property
     def slice_flops(self) -> float:
@@ -123,7 +120,7 @@ class ModelBudget:
         whole = self.cost("forward" if all_outputs else "final", 1, length)
         if self.fits_one_slice(whole):
             return whole, False
-        return self.model.slices_cost(length, all_outputs, self.slice_flops), True
+        return self.model.slices_cost(length, all_outputs, self.slice_flops, self.cost), True
 
     def context_cost(self, length: int) -> Cost:
         """A sequence that may reach ``length`` tokens (a language model is causal: its prompt is prefilled in slices
@@ -131,11 +128,9 @@ class ModelBudget:
         of its decode batch (``context_class``: at most ``class_length``) plus one chunk's activations. Padded
         layouts (the transformer's KV, RegularGPT's windows) give every row of a stacked cache the longest row's
         room, which is why decode batches are formed per context class."""
-        key = (context_class(length), self.slice_flops)
-        found = self._context_costs.get(key)
-        if found is None:
-            found = self._context_costs[key] = self.model.slices_cost(class_length(key[0]), False, key[1])
-        return found
+        # Through the memo of the cost formulas: asked once per generated sequence, and its bisection over chunk
+        # lengths took ~0.75 ms through the formulas themselves.
+        return self.model.slices_cost(class_length(context_class(length)), False, self.slice_flops, self.cost)
 
     def limits(self, kind: str, max_input_symbols: int, max_tokens: int) -> ModelLimits:
         """The largest inputs, searched up to the server-wide limits."""

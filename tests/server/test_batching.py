@@ -20,6 +20,7 @@ from server.metrics import RequestTimes, ServerMetrics
 from server.scheduler import Scheduler
 from server.settings import Settings
 from server.state_cache import StateCache
+from tests.model.tiny_models import build_tiny
 from tests.server.checkpoints import TRANSDUCERS
 
 
@@ -29,7 +30,7 @@ class CountingModel:
     def cost(self, path: str, rows: int, length: int, context: int = 0) -> Cost:
         return Cost(flops=rows * length, nbytes=0)
 
-    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
+    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float, cost=None) -> Cost:
         return self.cost("cached", 1, length)
 
 
@@ -131,16 +132,23 @@ def test_the_window_is_kept_under_concurrent_load() -> None:
     assert after_a_shared_run.gather_window() == 0.05
 
 
-def test_a_context_cost_is_worked_out_once_per_class() -> None:
-    """``context_cost`` is asked once per generated sequence: it answers from what it worked out for the class."""
-    asked = []
+def test_context_costs_go_through_the_budgets_memo_as_the_speed_moves() -> None:
+    """``context_cost`` is asked once per generated sequence, while the measured speed (and so the slice) moves with
+    every timed call: its bisection goes through the budget's memo of the cost formulas, and answers as the
+    formulas do."""
+    model = build_tiny("lrnn-spectral-b2", 7, 0)
+    formulas, calls = model.cost, []
 
-    class Recording(CountingModel):
-        def slices_cost(self, length: int, all_outputs: bool, slice_flops: float) -> Cost:
-            asked.append(length)
-            return super().slices_cost(length, all_outputs, slice_flops)
+    def counted(*args, **kwargs) -> Cost:
+        calls.append(args)
+        return formulas(*args, **kwargs)
 
-    model_budget = budget(Recording())
-    costs = [model_budget.context_cost(length) for length in (40, 33, 63, 64, 100)]
-    assert asked == [63, 127]  # classes of 33-63 and 64-127 tokens, each at its longest
-    assert costs == [Cost(flops=63, nbytes=0)] * 3 + [Cost(flops=127, nbytes=0)] * 2
+    model.cost = counted
+    model_budget = ModelBudget(model, ModelSpeed(1e-9), 0.05, memory_budget=2**40, max_job_seconds=1e9)
+    model_budget.context_cost(1000)
+    first = len(calls)
+    for step in range(50):
+        model_budget.speed.observe(1e8, 0.1 * (1 + step / 50))  # a timed call: the slice shrinks a little each time
+        answer = model_budget.context_cost(1000 - step)
+        assert answer == model.slices_cost(1023, False, model_budget.slice_flops, formulas)
+    assert first > 5 and len(calls) < 2 * first  # 12 and 12 here; through the formulas themselves 612
