@@ -3,18 +3,18 @@
     python -m benchmarks.bench_sampling [--device cpu] [--rows 1,8,64] [--vocabulary 8192]
 
 Logits are seeded normal scores times 3 (a spread like a small trained model's: top-p 0.9 keeps a few hundred of 8,192
-tokens); each cell is the best of 5 means over a number of calls, the device's queue drained after each call. To
-compare code versions, run it at each commit (``git worktree add``) on the same machine, alternating.
+tokens); each cell is the median of 200 calls after 10 warm-up calls, the device's queue drained after each
+(``bench_decode_path.microseconds``). To compare code versions, run it at each commit (``git worktree add``) on the
+same machine, alternating.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
+from benchmarks.bench_decode_path import microseconds
 from benchmarks.isolated import banner
 from model.device import resolve_device
 from server.sampling import SamplingParams, sample
@@ -26,24 +26,6 @@ FILTERS = {
     "top_k=50": {"top_k": 50},
     "top_p=0.9": {"top_p": 0.9},
 }
-
-
-def microseconds(call: Callable[[], object], device: torch.device, budget_s: float = 0.2) -> float:
-    def drained() -> None:
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    start = time.perf_counter()
-    drained()
-    calls = max(3, min(200, int(budget_s / max(time.perf_counter() - start, 1e-6))))
-    means = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            drained()
-        means.append((time.perf_counter() - start) / calls)
-    return 1e6 * min(means)
 
 
 def main() -> None:
