@@ -1,4 +1,8 @@
-"""Figure (b): the linear scan's parallel, chunked and sequential implementations against length and batch.
+"""Figure (b): the linear scan's implementations against length and batch.
+
+parallel, chunked and sequential everywhere; on CUDA also "triton" (model/ops/triton_scan.py, where Triton is
+installed) and, with --compile, "compiled-parallel" and "compiled-chunked": the torch scans under
+``torch.compile`` (compiled in the warm-up run, which is not timed), what the Triton kernels must beat.
 
 The op alone (model/ops/linear_scan.py), forward with no grad, H = 8 blocks of b = 8 as in the paper, fp32, at
 each length T and batch B. Transitions are random blocks inside the p = 1.2 norm constraint (a 1024-step
@@ -13,7 +17,7 @@ spent TIME_BUDGET_S (the slowest cases get a single timed run, or none: then the
 reported, marked "*"). The last column is what ``linear_scan(impl="auto")`` picks for that size.
 
     python -m benchmarks.bench_linear_scan [--lengths 500,8192,65536] [--batches 1,64] [--device cpu]
-        [--threads N] [--quick]
+        [--threads N] [--compile] [--quick]
 
 On a CPU that other processes share, use --threads 1: a multi-threaded op whose second thread waits for a busy
 core stalls for a scheduler time slice (~8 ms), which swamps the small per-step ops of the scans.
@@ -29,9 +33,11 @@ import torch
 from benchmarks.isolated import MEMORY_LIMIT_BYTES, banner, child_main, run_isolated, time_calls
 from model.device import resolve_device
 from model.ops.linear_scan import choose_scan_impl, column_norm_constraint, linear_scan
+from model.ops.triton_scan import available
 
 HEADS, BLOCK, P_NORM, TILE = 8, 8, 1.2, 1024
 IMPLS = ("parallel", "chunked", "sequential")
+COMPILED = ("compiled-parallel", "compiled-chunked")
 REPEATS, TIME_BUDGET_S = 5, 30.0
 
 
@@ -48,8 +54,10 @@ def measure(case: dict) -> dict:
     device = resolve_device(case["device"])
     torch.set_flush_denormal(True)
     transitions, inputs = make_problem(case["batch"], case["length"], device)
+    impl = case["impl"].removeprefix("compiled-")
+    scan = torch.compile(linear_scan) if case["impl"] in COMPILED else linear_scan
     times, warmup_only = time_calls(
-        lambda: linear_scan(transitions, inputs, impl=case["impl"], chunk_size=case["chunk_size"]),
+        lambda: scan(transitions, inputs, impl=impl, chunk_size=case["chunk_size"]),
         device,
         REPEATS,
         TIME_BUDGET_S,
@@ -75,6 +83,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="CPU threads (1 on a machine others share)"
     )
+    parser.add_argument("--compile", action="store_true", help="also time the torch scans under torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -91,11 +100,12 @@ def main() -> None:
         f"memory limit {MEMORY_LIMIT_BYTES / 2**30:.0f} GiB (CPU)\n"
     )
     memory = "peak RSS (MiB)" if device.type == "cpu" else "peak CUDA (MiB)"
+    impls = IMPLS + (COMPILED if args.compile else ()) + (("triton",) if device.type == "cuda" and available() else ())
     print(f"| T | B | impl | median (ms) | timed runs | {memory} | auto picks |")
     print("|---:|---:|---|---:|---:|---:|---|")
     for length in lengths:
         for batch in batches:
-            for impl in IMPLS:
+            for impl in impls:
                 case = {
                     "impl": impl,
                     "batch": batch,

@@ -7,12 +7,15 @@ its thread pool (a tiny LRNN step: 0.35 ms on one thread, 86 ms on two with the 
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():  # Triton kernels (model/ops/triton_scan.py) then run in Triton's interpreter;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be set before Triton is first imported
 
 
 @pytest.fixture

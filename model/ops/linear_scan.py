@@ -41,6 +41,11 @@ no grad, fp32, H = 8, b = 8; T = 500 .. 65536, B = 1 .. 64; one CPU thread, and 
   the two scans took the same time (19.5 / 20.2 ms, 153 / 156 ms) and chunked half the memory.
 
 A T shorter than ``chunk_size`` makes "chunked" the plain loop, so the policy needs no rule for short T.
+
+- ``scan_triton`` (``model.ops.triton_scan``): the chunked scan as three Triton kernels, forward only, blocks of
+  at most 16, CUDA (or Triton's interpreter, for tests). Taken only when asked for by name: it has not yet been
+  timed on a GPU against the scans above, so "auto" does not pick it (benchmarks/bench_linear_scan.py times it
+  where CUDA and Triton are present).
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ from typing import Literal
 
 import torch
 
-ScanImpl = Literal["auto", "sequential", "parallel", "chunked"]
+from model.ops.triton_scan import scan_triton
+
+ScanImpl = Literal["auto", "sequential", "parallel", "chunked", "triton"]
 ScanResult = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -280,4 +287,6 @@ def linear_scan(
         return scan_parallel(transitions, inputs, initial_state)
     if impl == "chunked":
         return scan_chunked(transitions, inputs, initial_state, chunk_size=chunk_size)
-    raise ValueError(f"unknown scan impl {impl!r}; choose auto, sequential, parallel or chunked")
+    if impl == "triton":
+        return scan_triton(transitions, inputs, initial_state, chunk_size=chunk_size)
+    raise ValueError(f"unknown scan impl {impl!r}; choose auto, sequential, parallel, chunked or triton")

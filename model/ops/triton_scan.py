@@ -1,0 +1,149 @@
+"""The block-diagonal linear recurrence h_t = A_t h_{t-1} + b_t as Triton kernels: ``scan_triton``.
+
+Same signature and result as the implementations in ``model.ops.linear_scan`` (shapes there), forward only (no
+autograd: serving and evaluation), for blocks of at most ``MAX_BLOCK`` = 16. Where the torch scans launch
+~2 log T batched kernels (parallel) or ~2 x chunk_size small ones (chunked), this is three launches at any T,
+each program keeping one head's b x b work in registers (kernels in ``model.ops.triton_scan_kernels``):
+
+1. ``chunk_summary_kernel``, one program per (row, head, chunk) but the last: the chunk from a zero state,
+   giving its final state and the product A_C ... A_1 of its transitions (chunk_size steps of b^3 work);
+2. ``chunk_starts_kernel``, one program per (row, head): the start state of every chunk, in order
+   (start_{c+1} = P_c start_c + s_c; T / chunk_size steps of b^2);
+3. ``chunk_states_kernel``, one program per (row, head, chunk): the chunk again from its start, writing every
+   state (the work-optimal loop, b^2 per step).
+
+With T <= chunk_size only the third runs. Everything is float32 inside (bfloat16 / float16 in, the input dtype
+out, as the torch scans); float64 is refused. Offsets are 64-bit, any strides (a stride-0 expand of the
+transitions is fine).
+
+The kernels run on CUDA tensors, compiled by ``triton.jit``, or on CPU tensors in Triton's interpreter when
+the environment had TRITON_INTERPRET=1 before Triton was imported (its own switch: it decides how Triton's
+standard library is built). The interpreter is for tests (tests/conftest.py sets it where there is no CUDA;
+tests/model/test_triton_scan.py checks the kernels against ``scan_sequential``), not for speed. Triton is
+imported on first use; without it ``available()`` is False and ``scan_triton`` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import torch
+
+MAX_BLOCK = 16  # the product of stage 1 is a (b, b, b) temporary in registers: 4,096 floats at b = 16
+
+
+def available() -> bool:
+    """Whether Triton is importable here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def scan_triton(
+    transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None, chunk_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transitions (B, T, H, b, b), inputs (B, T, H, b), initial_state (B, H, b) or None (zeros) ->
+    states (B, T, H, b), final state (B, H, b); ``chunk_size`` steps per program (a power of 2 is not needed)."""
+    problem = refusal(transitions, inputs, initial_state, chunk_size)
+    if problem:
+        raise ValueError(problem)
+    batch, length, heads, block = inputs.shape
+    kernels = _kernels()
+    a, x = transitions.float(), inputs.float()  # (B, T, H, b, b), (B, T, H, b): no copy when already float32
+    h0 = x.new_zeros((batch, heads, block)) if initial_state is None else initial_state.float()  # (B, H, b)
+    states = x.new_empty((batch, length, heads, block))  # (B, T, H, b)
+    padded = max(next_power_of_2(block), 2)  # tl.arange needs a power of 2
+    chunks = -(-length // chunk_size)
+    sizes, strides = (heads, length, block, chunk_size), (*a.stride(), *x.stride())
+    if chunks == 1:
+        starts, chunk_stride = h0, 0  # (B, H, b)
+    else:
+        products = x.new_empty((batch, heads, chunks - 1, block, block))  # (B, H, n - 1, b, b)
+        finals = x.new_empty((batch, heads, chunks - 1, block))  # (B, H, n - 1, b)
+        kernels.summary[(batch * heads, chunks - 1)](a, x, products, finals, *sizes, *strides, BLOCK=padded)
+        starts = x.new_empty((batch, heads, chunks, block))  # (B, H, n, b)
+        kernels.starts[(batch * heads,)](products, finals, h0, *h0.stride(), starts, heads, chunks, block, BLOCK=padded)
+        chunk_stride = starts.stride(2)
+    kernels.states[(batch * heads, chunks)](
+        a,
+        x,
+        starts,
+        starts.stride(0),
+        starts.stride(1),
+        chunk_stride,
+        starts.stride(-1),
+        states,
+        *states.stride(),
+        *sizes,
+        *strides,
+        BLOCK=padded,
+    )
+    return states.to(inputs.dtype), states[:, -1].to(inputs.dtype)
+
+
+def refusal(
+    transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None, chunk_size: int
+) -> str | None:
+    """Why ``scan_triton`` cannot take these arguments, or None."""
+    if not available():
+        return "the triton scan needs the triton package (installed with CUDA builds of torch)"
+    if inputs.dim() != 4:
+        return f"inputs must have shape (B, T, H, b), got {tuple(inputs.shape)}"
+    batch, length, heads, block = inputs.shape
+    if transitions.shape != (batch, length, heads, block, block):
+        return (
+            f"transitions must have shape {(batch, length, heads, block, block)} to match inputs "
+            f"{tuple(inputs.shape)}, got {tuple(transitions.shape)}"
+        )
+    if initial_state is not None and initial_state.shape != (batch, heads, block):
+        return f"initial_state must have shape {(batch, heads, block)}, got {tuple(initial_state.shape)}"
+    if length == 0:
+        return "the scan needs at least one time step"
+    if block > MAX_BLOCK:
+        return f"the triton scan takes blocks of at most {MAX_BLOCK}, got {block}"
+    if chunk_size < 1:
+        return f"chunk_size must be >= 1, got {chunk_size}"
+    tensors = [transitions, inputs] + ([] if initial_state is None else [initial_state])
+    if any(tensor.dtype == torch.float64 for tensor in tensors):
+        return "the triton scan computes in float32; use a torch scan for float64"
+    if len({tensor.device for tensor in tensors}) != 1:
+        return "transitions, inputs and initial_state must be on one device"
+    if inputs.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the triton scan runs on CUDA tensors, got {inputs.device.type} ones (or set TRITON_INTERPRET=1)"
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        return "the triton scan has no backward; train with a torch scan"
+    return None
+
+
+def next_power_of_2(value: int) -> int:
+    """The smallest power of 2 >= value (as triton.next_power_of_2, without importing Triton)."""
+    return 1 << max(value - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+    """The three kernels of ``model.ops.triton_scan_kernels`` under ``triton.jit``: compiled, or interpreted
+    where TRITON_INTERPRET=1 was set before Triton was imported."""
+
+    summary: Any
+    starts: Any
+    states: Any
+
+
+@functools.cache
+def _kernels() -> _Kernels:
+    import triton
+
+    from model.ops import triton_scan_kernels as source
+
+    return _Kernels(
+        *(
+            triton.jit(kernel)
+            for kernel in (source.chunk_summary_kernel, source.chunk_starts_kernel, source.chunk_states_kernel)
+        )
+    )

@@ -1,0 +1,99 @@
+"""The Triton scan agrees with the reference loop: on CUDA compiled, elsewhere in Triton's interpreter (which
+tests/conftest.py switches on where there is no CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from model.ops.linear_scan import column_norm_constraint, linear_scan, scan_sequential
+from model.ops.triton_scan import MAX_BLOCK, refusal, scan_triton
+
+pytest.importorskip("triton")
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter is off (CUDA is present)"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+def make_problem(batch: int, length: int, heads: int, block: int, device: str, dtype=torch.float32):
+    """Transitions inside the paper's norm constraint (states stay bounded), inputs and an initial state."""
+    generator = torch.Generator().manual_seed(length * 1000 + block)
+    transitions = column_norm_constraint(torch.randn(batch, length, heads, block, block, generator=generator))
+    inputs = torch.randn(batch, length, heads, block, generator=generator)
+    initial_state = torch.randn(batch, heads, block, generator=generator)
+    return tuple(tensor.to(device=device, dtype=dtype) for tensor in (transitions, inputs, initial_state))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("batch", "length", "heads", "block", "chunk_size"),
+    [
+        (1, 1, 1, 1, 4),  # one step
+        (2, 7, 3, 5, 64),  # one short chunk, a block that is not a power of 2
+        (2, 16, 2, 8, 16),  # exactly one chunk
+        (2, 67, 3, 8, 16),  # four whole chunks and a short one
+        (1, 96, 2, 4, 32),  # whole chunks only
+        (3, 33, 2, MAX_BLOCK, 8),  # the largest block
+        (1, 40, 1, 3, 1),  # chunks of one step
+    ],
+)
+def test_agrees_with_the_reference_loop(device, batch, length, heads, block, chunk_size) -> None:
+    transitions, inputs, initial_state = make_problem(batch, length, heads, block, device)
+    expected_states, expected_final = scan_sequential(transitions, inputs, initial_state)
+    states, final_state = scan_triton(transitions, inputs, initial_state, chunk_size=chunk_size)
+    torch.testing.assert_close(states, expected_states, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final_state, expected_final, rtol=1e-5, atol=1e-5)
+    zero_start, _ = scan_triton(transitions, inputs, chunk_size=chunk_size)  # initial state None: zeros
+    torch.testing.assert_close(zero_start, scan_sequential(transitions, inputs)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_any_strides_and_half_precision(device) -> None:
+    """A stride-0 expand of one transition per step, inputs viewed through a transpose, and bfloat16 in (float32
+    inside, bfloat16 out), through ``linear_scan(impl="triton")``."""
+    batch, length, heads, block = 2, 37, 3, 4
+    transitions, inputs, initial_state = make_problem(1, length, 1, block, device)
+    shared = transitions.expand(batch, length, heads, block, block)  # (B, T, H, b, b) with stride 0 on B and H
+    inputs = torch.randn(batch, heads, length, block, device=device).transpose(1, 2)  # (B, T, H, b), not contiguous
+    start = initial_state.expand(batch, heads, block)
+    states, final_state = linear_scan(shared, inputs, start, impl="triton", chunk_size=8)
+    expected_states, expected_final = scan_sequential(shared, inputs, start)
+    torch.testing.assert_close(states, expected_states, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final_state, expected_final, rtol=1e-5, atol=1e-5)
+    half = [tensor.bfloat16() for tensor in (shared, inputs, start)]
+    states, final_state = scan_triton(*half, chunk_size=8)
+    expected_states, expected_final = scan_sequential(*half)  # the same: float32 inside, bfloat16 out
+    assert states.dtype == final_state.dtype == torch.bfloat16
+    torch.testing.assert_close(states, expected_states, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(final_state, expected_final, rtol=1e-2, atol=1e-2)
+
+
+def test_refuses_what_it_cannot_run(monkeypatch) -> None:
+    transitions, inputs, initial_state = make_problem(1, 5, 1, 3, "cpu")
+    cases = {
+        "blocks of at most 16": make_problem(1, 2, 1, MAX_BLOCK + 1, "cpu"),
+        "float64": (transitions.double(), inputs.double(), initial_state.double()),
+        "no backward": (transitions.clone().requires_grad_(), inputs, initial_state),
+        "transitions must have shape": (transitions[:, :4], inputs, initial_state),
+        "initial_state must have shape": (transitions, inputs, initial_state[:, :, :2]),
+        "at least one time step": (transitions[:, :0], inputs[:, :0], initial_state),
+    }
+    for message, problem in cases.items():
+        with pytest.raises(ValueError, match=message):
+            scan_triton(*problem)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        scan_triton(transitions, inputs, initial_state, chunk_size=0)
+    with torch.no_grad():  # without autograd a tensor that requires grad is fine
+        assert refusal(transitions.clone().requires_grad_(), inputs, initial_state, 64) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="runs on CUDA tensors, got cpu"):
+        scan_triton(transitions, inputs, initial_state)
