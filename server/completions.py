@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from model.tokenizer import Tokenizer
 from server.engine import GenerationHandle
@@ -18,7 +18,7 @@ from server.errors import APIError, InputTooLarge
 from server.generation import Finished, PromptScored, TokenGenerated
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from server.sampling import TokenLogprob
-from server.serving import SSE_DONE, Serving, sse, sse_error
+from server.serving import SSE_DONE, Serving, coalesced, sse, sse_error
 
 
 class ChoiceState:
@@ -107,7 +107,7 @@ class CompletionServing:
         prompt_tokens = sum(len(request.prompt) for request in requests[:: body.n])
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return self._events(handle, choices, response, prompt_tokens if include_usage else None)
+            return coalesced(self._events(handle, choices, response, prompt_tokens if include_usage else None), handle)
         merged = [CompletionChoice(index=choice.index, text="") for choice in choices]
         async for index, event in handle.events():
             _merge(merged[index], choices[index].delta(event))
@@ -121,7 +121,7 @@ class CompletionServing:
         choices: list[ChoiceState],
         response: CompletionResponse,
         prompt_tokens: int | None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         try:
             async for index, event in handle.events():
                 delta = choices[index].delta(event)

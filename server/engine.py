@@ -49,18 +49,23 @@ class GenerationHandle:
 
     def __init__(self, sequences: list[Sequence], mailbox: Mailbox) -> None:
         self.sequences, self._mailbox = sequences, mailbox
+        self._unfinished = len(sequences)
 
     async def events(self) -> AsyncIterator[tuple[int, object]]:
-        unfinished = len(self.sequences)
         try:
-            while unfinished:
+            while self._unfinished:
                 index, event = await self._mailbox.get()
                 if isinstance(event, APIError):
+                    self._unfinished = 0
                     raise event
-                unfinished -= isinstance(event, Finished)
+                self._unfinished -= isinstance(event, Finished)
                 yield index, event
         finally:
             self.cancel()
+
+    def ready(self) -> bool:
+        """Whether ``events`` would go on without waiting: an event is queued, or every sequence has finished."""
+        return not self._unfinished or self._mailbox.pending()
 
     def cancel(self) -> None:
         """Stop generating (the client went away, or the answer is complete)."""

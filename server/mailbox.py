@@ -62,3 +62,7 @@ class Mailbox:
 
     async def get(self) -> Any:
         return await self.queue.get()
+
+    def pending(self) -> bool:
+        """Whether ``get`` would return at once (on the event loop's thread)."""
+        return not self.queue.empty()

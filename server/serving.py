@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from pydantic import BaseModel
 
@@ -51,6 +51,24 @@ def sse(body: BaseModel | dict) -> str:
 
 def sse_error(error: APIError) -> str:
     return sse({"error": {"message": error.message, "type": error.error_type}})
+
+
+async def coalesced(chunks: AsyncGenerator[str, None], handle: GenerationHandle) -> AsyncIterator[str]:
+    """The SSE ``chunks`` of ``handle``'s stream, those made without waiting joined into one write: where the event
+    loop falls behind the engine, a stream's queued tokens leave in one send instead of one each (and a finished
+    stream's last events with its [DONE]). Nothing is held back: a chunk goes out as soon as nothing more is ready.
+    """
+    pending: list[str] = []
+    try:
+        async for chunk in chunks:
+            pending.append(chunk)
+            if not handle.ready():
+                yield "".join(pending)
+                pending.clear()
+        if pending:
+            yield "".join(pending)
+    finally:
+        await chunks.aclose()  # at once, not when collected: its handle then cancels the sequences left
 
 
 class Serving:
@@ -214,7 +232,7 @@ class Serving:
         request = self.generation_request(served, body.prompt, body, self.max_tokens(body), constraint=constraint)
         handle = self.engine.submit_generation(served, [request], flow)
         if body.stream:
-            return self._generate_events(body.model, handle)
+            return coalesced(self._generate_events(body.model, handle), handle)
         text, finished = [], None
         async for _, event in handle.events():  # ends with the Finished event
             if isinstance(event, (TokenGenerated, Finished)):
@@ -224,7 +242,7 @@ class Serving:
             model=body.model, text="".join(text), finish_reason=finished.reason, usage=usage(finished)
         )
 
-    async def _generate_events(self, model_id: str, handle: GenerationHandle) -> AsyncIterator[str]:
+    async def _generate_events(self, model_id: str, handle: GenerationHandle) -> AsyncGenerator[str, None]:
         try:
             async for _, event in handle.events():
                 if isinstance(event, TokenGenerated) and event.text:

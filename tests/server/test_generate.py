@@ -3,6 +3,7 @@ max_tokens, streaming; the state cache; O(1) decoding memory of the LRNN."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from server.generation import DecodeBatch, GenerationRequest, Sequence, prefill, prefill_length, start
 from server.metrics import ServerMetrics
 from server.sampling import SamplingParams
+from server.serving import coalesced
 from server.state_cache import StateCache
 from tests.server import reference
 from tests.server.checkpoints import LANGUAGE_MODELS
@@ -191,3 +193,50 @@ def test_log_probabilities_come_from_each_rows_own_logits(client) -> None:
     assert len(together[1]) == 5
     assert together[1] == pytest.approx(logprobs([[70, 71, 72]])[0], abs=1e-5)
     assert together[0] == pytest.approx(logprobs([[65, 66]])[0], abs=1e-5)
+
+
+
+class ScriptedHandle:
+    """Stands in for a GenerationHandle: ``ready`` answers from a script, one answer per call."""
+
+    def __init__(self, answers: list[bool]) -> None:
+        self.answers = iter(answers)
+
+    def ready(self) -> bool:
+        return next(self.answers)
+
+
+async def source(chunks: list[str], closed: list[bool]):
+    try:
+        for chunk in chunks:
+            yield chunk
+    finally:
+        closed.append(True)
+
+
+@pytest.mark.parametrize(
+    ("ready", "written"),
+    [
+        ([True, False, True, True, False], ["ab", "cde"]),  # what was queued behind a chunk leaves with it
+        ([False] * 5, ["a", "b", "c", "d", "e"]),  # nothing queued: each chunk at once
+        ([True] * 5, ["abcde"]),  # the rest of a finished stream needs no waiting: one write
+    ],
+)
+def test_a_stream_writes_what_is_ready_together(ready: list[bool], written: list[str]) -> None:
+    async def run() -> list[str]:
+        return [chunk async for chunk in coalesced(source(list("abcde"), closed), ScriptedHandle(ready))]
+
+    closed: list[bool] = []
+    assert asyncio.run(run()) == written and closed == [True]
+
+
+def test_a_stream_closes_its_source_when_the_client_leaves() -> None:
+    async def first_two_then_leave() -> list[str]:
+        stream = coalesced(source(list("abcde"), closed), ScriptedHandle([False] * 5))
+        written = [await anext(stream), await anext(stream)]
+        await stream.aclose()
+        assert closed == [True]  # at once, not when the collector gets to it: the handle cancels its sequences
+        return written
+
+    closed: list[bool] = []
+    assert asyncio.run(first_two_then_leave()) == ["a", "b"]
