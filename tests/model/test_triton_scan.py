@@ -4,6 +4,8 @@ tests/conftest.py switches on where there is no CUDA)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,3 +99,50 @@ def test_refuses_what_it_cannot_run(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="runs on CUDA tensors, got cpu"):
         scan_triton(transitions, inputs, initial_state)
+
+
+COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from model.ops import triton_scan_kernels as kernels
+
+pointer, index = "*fp32", "i64"
+signatures = {  # as launched by scan_triton: pointers, then sizes and strides (i64 covers both)
+    kernels.chunk_summary_kernel: [pointer] * 4 + [index] * 13,
+    kernels.chunk_starts_kernel: [pointer] * 3 + [index] * 3 + [pointer] + [index] * 3,
+    kernels.chunk_states_kernel: [pointer] * 3 + [index] * 4 + [pointer] + [index] * 17,
+}
+for function, types in signatures.items():
+    kernel = JITFunction(function)
+    names = [name for name in kernel.arg_names if name != "BLOCK"]
+    assert len(names) == len(types), (function.__name__, len(names), len(types))
+    for block in (2, 8, 16):
+        source = ASTSource(kernel, {**dict(zip(names, types)), "BLOCK": "constexpr"},
+                           constexprs={(kernel.arg_names.index("BLOCK"),): block})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], function.__name__
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_an_h100(tmp_path) -> None:
+    """Without a GPU the interpreter checks what the kernels compute, not that Triton compiles them: this compiles
+    each for sm_90 (Triton's own ptxas, no device needed), in a process where the interpreter is off."""
+    environment = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "TRITON_DEFAULT_FP_FUSION": "1",
+        "TRITON_CACHE_DIR": str(tmp_path),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_H100],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
