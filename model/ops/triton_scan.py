@@ -35,6 +35,7 @@ import torch
 MAX_BLOCK = 16  # the product of stage 1 is a (b, b, b) temporary in registers: 4,096 floats at b = 16
 
 
+@functools.cache
 def available() -> bool:
     """Whether Triton is importable here."""
     try:
@@ -52,6 +53,16 @@ def scan_triton(
     problem = refusal(transitions, inputs, initial_state, chunk_size)
     if problem:
         raise ValueError(problem)
+    if inputs.device.type == "cuda":
+        with torch.cuda.device(inputs.device):  # Triton launches on the current device
+            return _scan(transitions, inputs, initial_state, chunk_size)
+    return _scan(transitions, inputs, initial_state, chunk_size)
+
+
+def _scan(
+    transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scan_triton`` on arguments it takes."""
     batch, length, heads, block = inputs.shape
     kernels = _kernels()
     a, x = transitions.float(), inputs.float()  # (B, T, H, b, b), (B, T, H, b): no copy when already float32
