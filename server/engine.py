@@ -183,7 +183,8 @@ class Engine:
 
     def check_serving(self) -> None:
         if self.state != "ready":
-            raise Unavailable(f"the server is {self.state}: {self.detail}", retry_after_s=self.settings.retry_after_s)
+            why = f": {self.detail}" if self.detail else ""  # none while loading
+            raise Unavailable(f"the server is {self.state}{why}", retry_after_s=self.settings.retry_after_s)
 
     def _admit(self, requests: list[RequestTimes]) -> None:
         self.check_serving()

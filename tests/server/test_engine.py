@@ -11,6 +11,7 @@ import pytest
 
 from model.lstm import LSTMModel
 from server import engine as engine_module
+from server.errors import Unavailable
 from server.scheduler import FairShare
 from tests.server.checkpoints import LANGUAGE_MODELS
 from tests.server.conftest import make_settings
@@ -223,3 +224,10 @@ def test_on_ready_runs_once_the_models_are_loaded_before_serving(checkpoints_dir
         assert seen == [("loading", sorted(engine.models))] and engine.models
     finally:
         engine.stop()
+
+
+def test_requests_before_the_models_are_loaded_are_told_so(checkpoints_dir) -> None:
+    engine = engine_module.Engine(make_settings(checkpoints_dir), engine_module.ServerMetrics())  # not started
+    with pytest.raises(Unavailable) as refused:
+        engine.check_serving()
+    assert refused.value.message == "the server is loading" and refused.value.status_code == 503
