@@ -123,10 +123,12 @@ class CompletionServing:
         prompt_tokens: int | None,
     ) -> AsyncGenerator[str, None]:
         try:
-            async for index, event in handle.events():
+            async for index, event in handle.events():  # one yield per event (``coalesced``)
                 delta = choices[index].delta(event)
                 if delta.text or delta.logprobs or delta.finish_reason:
                     yield sse(response.model_copy(update={"choices": [delta]}))
+                else:
+                    yield ""
             if prompt_tokens is not None:
                 yield sse(response.model_copy(update={"usage": _usage(prompt_tokens, choices)}))
         except APIError as error:

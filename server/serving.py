@@ -56,16 +56,19 @@ def sse_error(error: APIError) -> str:
 async def coalesced(chunks: AsyncGenerator[str, None], handle: GenerationHandle) -> AsyncIterator[str]:
     """The SSE ``chunks`` of ``handle``'s stream, those made without waiting joined into one write: where the event
     loop falls behind the engine, a stream's queued tokens leave in one send instead of one each (and a finished
-    stream's last events with its [DONE]). Nothing is held back: a chunk goes out as soon as nothing more is ready.
-    """
+    stream's last events with its [DONE]). Nothing is held back: what is pending goes out as soon as nothing more is
+    ready. ``chunks`` must yield once for every event it takes from ``handle`` ("" for one it writes nothing for):
+    an event taken silently could leave the next one to wait for, with text still pending."""
     pending: list[str] = []
     try:
         async for chunk in chunks:
             pending.append(chunk)
             if not handle.ready():
-                yield "".join(pending)
+                text = "".join(pending)
                 pending.clear()
-        if pending:
+                if text:
+                    yield text
+        if any(pending):
             yield "".join(pending)
     finally:
         await chunks.aclose()  # at once, not when collected: its handle then cancels the sequences left
@@ -244,13 +247,15 @@ class Serving:
 
     async def _generate_events(self, model_id: str, handle: GenerationHandle) -> AsyncGenerator[str, None]:
         try:
-            async for _, event in handle.events():
+            async for _, event in handle.events():  # one yield per event (``coalesced``)
                 if isinstance(event, TokenGenerated) and event.text:
                     yield sse(GenerateChunk(model=model_id, text=event.text))
                 elif isinstance(event, Finished):
                     yield sse(
                         GenerateChunk(model=model_id, text=event.text, finish_reason=event.reason, usage=usage(event))
                     )
+                else:
+                    yield ""
         except APIError as error:
             yield sse_error(error)
         yield SSE_DONE

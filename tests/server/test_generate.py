@@ -215,16 +215,18 @@ async def source(chunks: list[str], closed: list[bool]):
 
 
 @pytest.mark.parametrize(
-    ("ready", "written"),
+    ("chunks", "ready", "written"),
     [
-        ([True, False, True, True, False], ["ab", "cde"]),  # what was queued behind a chunk leaves with it
-        ([False] * 5, ["a", "b", "c", "d", "e"]),  # nothing queued: each chunk at once
-        ([True] * 5, ["abcde"]),  # the rest of a finished stream needs no waiting: one write
+        ("abcde", [True, False, True, True, False], ["ab", "cde"]),  # what was queued behind a chunk leaves with it
+        ("abcde", [False] * 5, ["a", "b", "c", "d", "e"]),  # nothing queued: each chunk at once
+        ("abcde", [True] * 5, ["abcde"]),  # the rest of a finished stream needs no waiting: one write
+        (["a", "", "b"], [True, False, False], ["a", "b"]),  # an event that writes nothing still lets "a" go
+        (["", ""], [False, True], []),  # no empty writes
     ],
 )
-def test_a_stream_writes_what_is_ready_together(ready: list[bool], written: list[str]) -> None:
+def test_a_stream_writes_what_is_ready_together(chunks, ready: list[bool], written: list[str]) -> None:
     async def run() -> list[str]:
-        return [chunk async for chunk in coalesced(source(list("abcde"), closed), ScriptedHandle(ready))]
+        return [chunk async for chunk in coalesced(source(list(chunks), closed), ScriptedHandle(ready))]
 
     closed: list[bool] = []
     assert asyncio.run(run()) == written and closed == [True]
