@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 MAX_BLOCK = 16  # the product of stage 1 is a (b, b, b) temporary in registers: 4,096 floats at b = 16
+MAX_ROWS_TIMES_HEADS = 65_535  # CUDA's limit on a grid's second axis; chunks take the first (2^31 - 1)
 
 
 @functools.cache
@@ -76,11 +77,11 @@ def _scan(
     else:
         products = x.new_empty((batch, heads, chunks - 1, block, block))  # (B, H, n - 1, b, b)
         finals = x.new_empty((batch, heads, chunks - 1, block))  # (B, H, n - 1, b)
-        kernels.summary[(batch * heads, chunks - 1)](a, x, products, finals, *sizes, *strides, BLOCK=padded)
+        kernels.summary[(chunks - 1, batch * heads)](a, x, products, finals, *sizes, *strides, BLOCK=padded)
         starts = x.new_empty((batch, heads, chunks, block))  # (B, H, n, b)
         kernels.starts[(batch * heads,)](products, finals, h0, *h0.stride(), starts, heads, chunks, block, BLOCK=padded)
         chunk_stride = starts.stride(2)
-    kernels.states[(batch * heads, chunks)](
+    kernels.states[(chunks, batch * heads)](
         a,
         x,
         starts,
@@ -119,6 +120,8 @@ def refusal(
         return f"the triton scan takes blocks of at most {MAX_BLOCK}, got {block}"
     if chunk_size < 1:
         return f"chunk_size must be >= 1, got {chunk_size}"
+    if batch * heads > MAX_ROWS_TIMES_HEADS:
+        return f"the triton scan takes at most {MAX_ROWS_TIMES_HEADS} rows x heads (a grid axis), got {batch * heads}"
     tensors = [transitions, inputs] + ([] if initial_state is None else [initial_state])
     if any(tensor.dtype == torch.float64 for tensor in tensors):
         return "the triton scan computes in float32; use a torch scan for float64"

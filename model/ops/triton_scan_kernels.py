@@ -1,7 +1,8 @@
 """The Triton kernels of ``model.ops.triton_scan``, imported by it on first use so that Triton stays optional.
 
 They are plain functions here; ``triton_scan`` wraps them with ``triton.jit`` (CUDA) or Triton's interpreter
-(CPU, for tests). Each is self-contained (no calls to other kernels). Names: ``pid_rh`` = row * H + head; a
+(CPU, for tests). Each is self-contained (no calls to other kernels). Names: ``pid_rh`` = row * H + head (the grid's
+second axis, chunks on the first: CUDA allows 2^31 - 1 programs there, 65,535 on the others); a
 block is indexed [i, j], i the output (row) axis and j the input (column) one: A_t[i, j] sits at
 a + row s_ab + t s_at + head s_ah + i s_ai + j s_aj. Everything is float32; offsets are 64-bit.
 """
@@ -29,10 +30,10 @@ def chunk_summary_kernel(
     s_xi,
     BLOCK: tl.constexpr,
 ):
-    """Program (row * H + head, chunk): the chunk from a zero state; its final state goes to ``finals`` (B, H,
+    """Program (chunk, row * H + head): the chunk from a zero state; its final state goes to ``finals`` (B, H,
     n - 1, b) and the product A_C ... A_1 of its transitions to ``products`` (B, H, n - 1, b, b), both
     contiguous. Only whole chunks (every chunk but the last) come here."""
-    pid_rh, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    chunk, pid_rh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     row, head = pid_rh // heads, pid_rh % heads
     i = tl.arange(0, BLOCK)
     inside = i < block
@@ -47,7 +48,7 @@ def chunk_summary_kernel(
         transition = tl.load(a_base + t * s_at, mask=square, other=0.0)  # (BLOCK, BLOCK)
         state = tl.sum(transition * state[None, :], axis=1) + tl.load(x_base + t * s_xt, mask=inside, other=0.0)
         product = tl.sum(transition[:, :, None] * product[None, :, :], axis=1)  # A_t times the product so far
-    summary = pid_rh * tl.num_programs(1) + chunk  # (row, head, chunk) in (B, H, n - 1)
+    summary = pid_rh * tl.num_programs(0) + chunk  # (row, head, chunk) in (B, H, n - 1)
     tl.store(products + summary * block * block + i[:, None] * block + i[None, :], product, mask=square)
     tl.store(finals + summary * block + i, state, mask=inside)
 
@@ -102,10 +103,10 @@ def chunk_states_kernel(
     s_xi,
     BLOCK: tl.constexpr,
 ):
-    """Program (row * H + head, chunk): the chunk's steps from its start state, each state written to ``states``
+    """Program (chunk, row * H + head): the chunk's steps from its start state, each state written to ``states``
     (B, T, H, b). The start is h0[row, head] + chunk s_hc: with one chunk h0 is the initial state and s_hc 0,
     with several it is ``chunk_starts_kernel``'s (B, H, n, b). The last chunk may be short."""
-    pid_rh, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    chunk, pid_rh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     row, head = pid_rh // heads, pid_rh % heads
     i = tl.arange(0, BLOCK)
     inside = i < block

@@ -83,6 +83,7 @@ def test_refuses_what_it_cannot_run(monkeypatch) -> None:
     transitions, inputs, initial_state = make_problem(1, 5, 1, 3, "cpu")
     cases = {
         "blocks of at most 16": make_problem(1, 2, 1, MAX_BLOCK + 1, "cpu"),
+        "at most 65535 rows x heads": make_problem(65_536, 1, 1, 1, "cpu"),
         "float64": (transitions.double(), inputs.double(), initial_state.double()),
         "no backward": (transitions.clone().requires_grad_(), inputs, initial_state),
         "transitions must have shape": (transitions[:, :4], inputs, initial_state),
