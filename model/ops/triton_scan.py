@@ -25,10 +25,8 @@ imported on first use; without it ``available()`` is False and ``scan_triton`` s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-from typing import Any
 
 import torch
 
@@ -64,8 +62,9 @@ def _scan(
     transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``scan_triton`` on arguments it takes."""
+    from model.ops import triton_scan_kernels as kernels  # imports Triton: only here
+
     batch, length, heads, block = inputs.shape
-    kernels = _kernels()
     a, x = transitions.float(), inputs.float()  # (B, T, H, b, b), (B, T, H, b): no copy when already float32
     h0 = x.new_zeros((batch, heads, block)) if initial_state is None else initial_state.float()  # (B, H, b)
     states = x.new_empty((batch, length, heads, block))  # (B, T, H, b)
@@ -77,11 +76,15 @@ def _scan(
     else:
         products = x.new_empty((batch, heads, chunks - 1, block, block))  # (B, H, n - 1, b, b)
         finals = x.new_empty((batch, heads, chunks - 1, block))  # (B, H, n - 1, b)
-        kernels.summary[(chunks - 1, batch * heads)](a, x, products, finals, *sizes, *strides, BLOCK=padded)
+        kernels.chunk_summary_kernel[(chunks - 1, batch * heads)](
+            a, x, products, finals, *sizes, *strides, BLOCK=padded
+        )
         starts = x.new_empty((batch, heads, chunks, block))  # (B, H, n, b)
-        kernels.starts[(batch * heads,)](products, finals, h0, *h0.stride(), starts, heads, chunks, block, BLOCK=padded)
+        kernels.chunk_starts_kernel[(batch * heads,)](
+            products, finals, h0, *h0.stride(), starts, heads, chunks, block, BLOCK=padded
+        )
         chunk_stride = starts.stride(2)
-    kernels.states[(chunks, batch * heads)](
+    kernels.chunk_states_kernel[(chunks, batch * heads)](
         a,
         x,
         starts,
@@ -137,27 +140,3 @@ def refusal(
 def next_power_of_2(value: int) -> int:
     """The smallest power of 2 >= value (as triton.next_power_of_2, without importing Triton)."""
     return 1 << max(value - 1, 0).bit_length()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Kernels:
-    """The three kernels of ``model.ops.triton_scan_kernels`` under ``triton.jit``: compiled, or interpreted
-    where TRITON_INTERPRET=1 was set before Triton was imported."""
-
-    summary: Any
-    starts: Any
-    states: Any
-
-
-@functools.cache
-def _kernels() -> _Kernels:
-    import triton
-
-    from model.ops import triton_scan_kernels as source
-
-    return _Kernels(
-        *(
-            triton.jit(kernel)
-            for kernel in (source.chunk_summary_kernel, source.chunk_starts_kernel, source.chunk_states_kernel)
-        )
-    )

@@ -1,15 +1,28 @@
-"""The Triton kernels of ``model.ops.triton_scan``, imported by it on first use so that Triton stays optional.
+"""The Triton kernels of ``model.ops.triton_scan``, imported by it on first use so that Triton stays optional (and
+so that ``triton.jit`` here sees the TRITON_INTERPRET=1 a CPU test process sets first). Names: ``pid_rh`` =
+row * H + head (the grid's second axis, chunks on the first: CUDA allows 2^31 - 1 programs there, 65,535 on the
+others); a block is indexed [i, j], i the output (row) axis and j the input (column) one: A_t[i, j] sits at
+a + row s_ab + t s_at + head s_ah + i s_ai + j s_aj. Everything is float32; offsets are 64-bit."""
 
-They are plain functions here; ``triton_scan`` wraps them with ``triton.jit`` (CUDA) or Triton's interpreter
-(CPU, for tests). Each is self-contained (no calls to other kernels). Names: ``pid_rh`` = row * H + head (the grid's
-second axis, chunks on the first: CUDA allows 2^31 - 1 programs there, 65,535 on the others); a
-block is indexed [i, j], i the output (row) axis and j the input (column) one: A_t[i, j] sits at
-a + row s_ab + t s_at + head s_ah + i s_ai + j s_aj. Everything is float32; offsets are 64-bit.
-"""
-
+import triton
 import triton.language as tl
 
 
+@triton.jit
+def _head_pointers(a, x, row, head, i, s_ab, s_ah, s_ai, s_aj, s_xb, s_xh, s_xi):
+    """The pointers of one (row, head)'s transition block (BLOCK, BLOCK) and input (BLOCK,) at t = 0."""
+    a_base = a + row * s_ab + head * s_ah + i[:, None] * s_ai + i[None, :] * s_aj
+    x_base = x + row * s_xb + head * s_xh + i * s_xi
+    return a_base, x_base
+
+
+@triton.jit
+def _affine_step(transition, state, input):
+    """transition (BLOCK, BLOCK) @ state (BLOCK,) + input (BLOCK,)."""
+    return tl.sum(transition * state[None, :], axis=1) + input
+
+
+@triton.jit
 def chunk_summary_kernel(
     a,
     x,
@@ -38,21 +51,21 @@ def chunk_summary_kernel(
     i = tl.arange(0, BLOCK)
     inside = i < block
     square = inside[:, None] & inside[None, :]
-    a_base = a + row * s_ab + head * s_ah + i[:, None] * s_ai + i[None, :] * s_aj  # (BLOCK, BLOCK) pointers
-    x_base = x + row * s_xb + head * s_xh + i * s_xi  # (BLOCK,)
+    a_base, x_base = _head_pointers(a, x, row, head, i, s_ab, s_ah, s_ai, s_aj, s_xb, s_xh, s_xi)
     first = chunk * chunk_size
     product = tl.where(i[:, None] == i[None, :], 1.0, 0.0)  # (BLOCK, BLOCK): I
     state = tl.zeros((BLOCK,), dtype=tl.float32)
     for step in range(chunk_size):
         t = first + step
         transition = tl.load(a_base + t * s_at, mask=square, other=0.0)  # (BLOCK, BLOCK)
-        state = tl.sum(transition * state[None, :], axis=1) + tl.load(x_base + t * s_xt, mask=inside, other=0.0)
+        state = _affine_step(transition, state, tl.load(x_base + t * s_xt, mask=inside, other=0.0))
         product = tl.sum(transition[:, :, None] * product[None, :, :], axis=1)  # A_t times the product so far
     summary = pid_rh * tl.num_programs(0) + chunk  # (row, head, chunk) in (B, H, n - 1)
     tl.store(products + summary * block * block + i[:, None] * block + i[None, :], product, mask=square)
     tl.store(finals + summary * block + i, state, mask=inside)
 
 
+@triton.jit
 def chunk_starts_kernel(products, finals, h0, s_hb, s_hh, s_hi, starts, heads, chunks, block, BLOCK: tl.constexpr):
     """Program row * H + head: the start state of each of the ``chunks`` chunks into ``starts`` (B, H, n, b),
     contiguous: h0 for the first, then start_{c+1} = P_c start_c + s_c from ``chunk_summary_kernel``'s output."""
@@ -71,10 +84,11 @@ def chunk_starts_kernel(products, finals, h0, s_hb, s_hh, s_hi, starts, heads, c
             products + summary * block * block + i[:, None] * block + i[None, :], mask=square, other=0.0
         )  # (BLOCK, BLOCK)
         final = tl.load(finals + summary * block + i, mask=inside, other=0.0)
-        state = tl.sum(product * state[None, :], axis=1) + final
+        state = _affine_step(product, state, final)
         tl.store(out + (chunk + 1) * block, state, mask=inside)
 
 
+@triton.jit
 def chunk_states_kernel(
     a,
     x,
@@ -110,8 +124,7 @@ def chunk_states_kernel(
     row, head = pid_rh // heads, pid_rh % heads
     i = tl.arange(0, BLOCK)
     inside = i < block
-    a_base = a + row * s_ab + head * s_ah + i[:, None] * s_ai + i[None, :] * s_aj  # (BLOCK, BLOCK) pointers
-    x_base = x + row * s_xb + head * s_xh + i * s_xi  # (BLOCK,)
+    a_base, x_base = _head_pointers(a, x, row, head, i, s_ab, s_ah, s_ai, s_aj, s_xb, s_xh, s_xi)
     out_base = states + row * s_sb + head * s_sh + i * s_si  # (BLOCK,)
     state = tl.load(h0 + row * s_hb + head * s_hh + chunk * s_hc + i * s_hi, mask=inside, other=0.0)
     first = chunk * chunk_size
@@ -120,5 +133,5 @@ def chunk_states_kernel(
         live = i < tl.where(t < length, block, 0)  # (BLOCK,): none past the end (the last chunk only)
         transition = tl.load(a_base + t * s_at, mask=live[:, None] & live[None, :], other=0.0)  # (BLOCK, BLOCK)
         input = tl.load(x_base + t * s_xt, mask=live, other=0.0)  # (BLOCK,)
-        state = tl.sum(transition * state[None, :], axis=1) + input
+        state = _affine_step(transition, state, input)
         tl.store(out_base + t * s_st, state, mask=live)

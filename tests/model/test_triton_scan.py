@@ -106,7 +106,6 @@ COMPILE_FOR_H100 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
 from model.ops import triton_scan_kernels as kernels
 
@@ -116,15 +115,17 @@ signatures = {  # as launched by scan_triton: pointers, then sizes and strides (
     kernels.chunk_starts_kernel: [pointer] * 3 + [index] * 3 + [pointer] + [index] * 3,
     kernels.chunk_states_kernel: [pointer] * 3 + [index] * 4 + [pointer] + [index] * 17,
 }
-for function, types in signatures.items():
-    kernel = JITFunction(function)
+for kernel, types in signatures.items():
     names = [name for name in kernel.arg_names if name != "BLOCK"]
-    assert len(names) == len(types), (function.__name__, len(names), len(types))
+    assert len(names) == len(types), (kernel.__name__, len(names), len(types))
     for block in (2, 8, 16):
-        source = ASTSource(kernel, {**dict(zip(names, types)), "BLOCK": "constexpr"},
-                           constexprs={(kernel.arg_names.index("BLOCK"),): block})
+        source = ASTSource(
+            kernel,
+            {**dict(zip(names, types)), "BLOCK": "constexpr"},
+            constexprs={(kernel.arg_names.index("BLOCK"),): block},
+        )
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"], function.__name__
+        assert compiled.asm["cubin"], kernel.__name__
 print("compiled")
 """
 
