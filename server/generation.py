@@ -25,7 +25,7 @@ from server.errors import APIError, InputTooLarge, ModelFailure
 from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
-from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs
+from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs, unusable_rows
 from server.state_cache import StateCache
 from server.structured import CompiledConstraint, token_bias, token_bias_later
 
@@ -267,9 +267,15 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
     if masked is not logits:
         _keep_to_the_masks(sequences, adjusted, tokens)
-    metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences])
+    for row in unusable_rows(logits, tokens):  # NaN or infinite logits (e.g. an overflowed state): that row alone fails
+        sequence, value = sequences[row], float(logits[row, tokens[row]])
+        sequence.abort(metrics, ModelFailure(
+            f"the model failed: its logits after {len(sequence.generated)} output tokens are not finite ({value})"
+        ))  # fmt: skip
+    metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences if not sequence.done])
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
-        _append(sequence, token, logits, row, metrics)
+        if not sequence.done:
+            _append(sequence, token, logits, row, metrics)
 
 
 def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None

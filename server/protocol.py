@@ -193,17 +193,28 @@ class StructuredOutputs(StrictModel):
 
 
 class SamplingFields(RequestModel):
-    """temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off; a seed makes sampling repeatable."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off; a seed makes sampling repeatable.
 
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    Every value in range gives a distribution: values below what float32 holds act as its smallest normal
+    (temperature, repetition_penalty) or keep only the most likely token (top_p)."""
+
+    temperature: float = Field(
+        1.0, ge=0.0, le=100.0, description="0: greedy; above 0, a value below float32's smallest normal (1.2e-38) acts "
+        "as that (the most likely tokens, ties drawn among)"
+    )
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="the most likely tokens up to this share of the probability, at least one and "
+        "any tied with the last; a tiny value keeps the most likely token (and its ties)"
+    )
     top_k: Integer = Field(0, ge=0)
     seed: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(None, description="any integer >= 0 (used modulo 2^63)")
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this once per seen token")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this per occurrence")
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=100.0, description="vLLM's (CTRL's): seen tokens' logits divided (if > 0) or multiplied by it"
+        1.0, gt=0.0, le=100.0, description="vLLM's (CTRL's): seen tokens' logits divided (if > 0) or multiplied by it; "
+        "a value below float32's smallest normal (1.2e-38) acts as that, and a logit it pushes past float32's largest "
+        "stays at the largest"
     )
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None,

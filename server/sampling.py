@@ -75,6 +75,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens.tolist()
 
 
+def unusable_rows(logits: torch.Tensor, tokens: list[int]) -> list[int]:
+    """The rows whose token was drawn at a logit that is NaN or infinite: logits (B, V) as the model gave them, tokens
+    (B,) sampled from them (with any masks and penalties). :func:`sample` draws such a token only where the row had
+    no finite logit to draw (all NaN or -inf; a greedy row: any NaN, which wins as in torch's argmax) or had +inf
+    ones (an overflow): the model gave no distribution there. B values are read, not B x V (on the CPU through
+    numpy: a few microseconds)."""
+    if logits.device.type == "cpu":
+        drawn = logits.detach().numpy()[np.arange(len(tokens)), tokens].tolist()
+    else:
+        rows = torch.arange(len(tokens), device=logits.device)
+        drawn = logits[rows, torch.tensor(tokens, device=logits.device)].tolist()
+    return [row for row, value in enumerate(drawn) if not math.isfinite(value)]
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's largest logit, the first of ties: logits (B, V) -> (B,) int64. On the CPU through numpy, whose
     argmax is vectorised: torch 2.13's took ~0.5 ms for 64 x 8,192 floats on one thread, numpy's 25 us."""
@@ -85,13 +99,14 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: per row, the first token whose cumulative weight exceeds its uniform times the row's total weight.
-    weights: (R, V), non-negative with a positive total, summed in place; uniforms: (R,) in [0, 1) -> (R,) token ids.
-    Rounding may put a draw at the total: then the last token with a weight, never a filtered one after it."""
+    weights: (R, V), non-negative, summed in place; uniforms: (R,) in [0, 1) -> (R,) token ids, always in [0, V).
+    Rounding may put a draw at the total: then the last token with a weight, never a filtered one after it. A row with
+    nothing to draw from (a total of 0) gets 0; weights that break the contract (NaN) still give an id in range."""
     cdf = weights.cumsum_(-1)  # (R, V); in place: on the CPU a new 64 x 8,192 result took ~1.7x as long
     total = cdf[:, -1:].contiguous()  # (R, 1)
     picks = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)[:, 0]  # (R,)
-    last = torch.searchsorted(cdf, total)[:, 0]  # (R,) the first index where the sum reaches its total
-    return torch.minimum(picks, last)
+    last = torch.searchsorted(cdf, total)[:, 0]  # (R,) the first index where the sum reaches its total (V if NaN)
+    return torch.minimum(picks, last).clamp_(max=weights.shape[-1] - 1)
 
 
 class TokenHistory(Protocol):
@@ -135,11 +150,16 @@ def filtered_weights(logits: torch.Tensor, temperature: float, top_k: int, top_p
     """logits: (R, V) -> weights (R, V) proportional to the probabilities after temperature, top-k and top-p: each
     row's largest is 1, filtered tokens get 0. Not normalised: :func:`draw` scales its uniforms by the total."""
     # Shifted so that each row's largest score is 0, and the temperature at least the smallest normal float: a tiny one
-    # cannot make NaN weights (inf - inf, 0 / 0) or every score -inf. amax, not max: torch's max also finds the indices
-    # (~20x slower on the CPU). Base 2, the temperature and log2(e) in one product: on the CPU torch's exp took 20x
-    # longer where it underflows (below -87, e.g. any score at temperature 0.1) and 3x at -inf, its exp2 never more.
-    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
-    scores = logits - logits.amax(-1, keepdim=True)  # (R, V), a new tensor: the steps below work in place
+    # cannot make NaN weights (inf - inf, 0 / 0) or every score -inf. Whatever the logits, no weight is NaN: a NaN
+    # logit is never drawn (-inf), +inf is the largest float (inf - inf is NaN), and a row with no finite logit keeps
+    # every score at -inf (its shift is the lowest float, not -inf) and gets all-zero weights (:func:`draw`). amax, not
+    # max: torch's max also finds the indices (~20x slower on the CPU). Base 2, the temperature and log2(e) in one
+    # product: on the CPU torch's exp took 20x longer where it underflows (below -87, e.g. any score at temperature
+    # 0.1) and 3x at -inf, its exp2 never more.
+    limits = torch.finfo(logits.dtype)
+    temperature = max(temperature, limits.tiny)
+    scores = logits.nan_to_num(-math.inf, limits.max, -math.inf)  # (R, V), a new tensor: the steps below work in place
+    scores -= scores.amax(-1, keepdim=True).clamp_(min=limits.min)  # (R, V) <= 0, or -inf
     # base-2 scores; below the largest, -inf where a tiny temperature overflows them
     scores *= math.log2(math.e) / temperature
     if 0 < top_k < scores.shape[-1]:

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from server.sampling import SamplingParams, draw, filtered_weights, greedy, penalize, sample, token_logprobs
+from server.sampling import (
+    SamplingParams,
+    draw,
+    filtered_weights,
+    greedy,
+    penalize,
+    sample,
+    token_logprobs,
+    unusable_rows,
+)
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
 
@@ -119,7 +133,7 @@ def test_token_logprobs() -> None:
 
 
 def history(prompt: list[int], generated: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(prompt_ids=torch.tensor(prompt), generated=generated)
+    return SimpleNamespace(prompt_ids=torch.tensor(prompt, dtype=torch.long), generated=generated)
 
 
 def test_penalize_follows_openai_and_vllm() -> None:
@@ -144,6 +158,138 @@ def test_a_repetition_penalty_near_zero_keeps_masked_tokens_out() -> None:
     assert not adjusted.isnan().any() and adjusted[0, 0] == adjusted[0, 3] == float("-inf")
     assert set(sample(adjusted.repeat(50, 1), [params] * 50, [params.generator() for _ in range(50)])) == {1}
     assert sample(adjusted, [SamplingParams(temperature=0.0)], [None]) == [1]
+
+
+# --- any logits, any values the API accepts: an id in the vocabulary (issue 30) ---------------------------------------
+
+FLOAT32 = torch.finfo(torch.float32)
+SPECIAL = [math.nan, math.inf, -math.inf, FLOAT32.max, FLOAT32.min, FLOAT32.tiny, -FLOAT32.tiny, 1.4e-45, 0.0, 1.0]
+LOGIT = st.one_of(st.sampled_from(SPECIAL), st.floats(-50, 50, width=32), st.sampled_from([2.0, -3.0]))  # ties
+POSITIVE_EDGES = [5e-324, 1.4e-45, FLOAT32.tiny]  # below float32's range, its smallest subnormal, its smallest normal
+PARAMS = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.sampled_from([0.0, *POSITIVE_EDGES, 31.05, 100.0]), st.floats(0.0, 100.0)),
+    top_p=st.one_of(st.sampled_from([*POSITIVE_EDGES, 1.0 - 1e-7, 1.0]), st.floats(5e-324, 1.0)),
+    top_k=st.integers(0, 40),
+    seed=st.integers(0, 2**63 - 1),
+    presence_penalty=st.floats(-2.0, 2.0),
+    frequency_penalty=st.floats(-2.0, 2.0),
+    repetition_penalty=st.one_of(st.sampled_from([*POSITIVE_EDGES, 1.1754943508222875e-38, 100.0]),
+                                 st.floats(5e-324, 100.0)),  # fmt: skip
+    logit_bias=st.lists(st.tuples(st.integers(0, 0), st.floats(-100.0, 100.0)), max_size=1).map(tuple),
+)
+
+
+@st.composite
+def batches(draw_from) -> tuple[torch.Tensor, list[SamplingParams], list[SimpleNamespace]]:
+    """Logits (B, V) with NaN, infinities, float32's extremes and ties; per row the request's parameters (any the API
+    accepts) and a history for the penalties."""
+    rows, vocabulary = draw_from(st.integers(1, 5)), draw_from(st.integers(1, 24))
+    logits = torch.tensor(draw_from(st.lists(LOGIT, min_size=rows * vocabulary, max_size=rows * vocabulary)))
+    params = draw_from(st.lists(PARAMS, min_size=rows, max_size=rows))
+    token = st.integers(0, vocabulary - 1)
+    histories = [history(draw_from(st.lists(token, max_size=4)), draw_from(st.lists(token, max_size=6)))
+                 for _ in range(rows)]  # fmt: skip
+    return logits.view(rows, vocabulary), params, histories
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_sampling_returns_an_id_of_the_vocabulary_whatever_the_logits(batch) -> None:
+    """Never an id outside [0, V) (the sampler returned V for NaN logits: the batch's next step failed on it). And
+    never a NaN or -inf token while the row has a finite or +inf logit to draw; where it has +inf, a +inf token (or
+    one at float32's largest: +inf counts as that); greedy rows take torch's argmax."""
+    logits, params, histories = batch
+    adjusted = penalize(logits, params, histories)  # (B, V)
+    tokens = sample(adjusted, params, [row_params.generator() for row_params in params])
+    vocabulary = logits.shape[-1]
+    assert all(0 <= token < vocabulary for token in tokens), tokens
+    for row, (token, row_params) in enumerate(zip(tokens, params)):
+        row_logits = adjusted[row]
+        if row_params.temperature == 0.0:
+            assert token == int(row_logits.argmax())
+        elif (row_logits == math.inf).any():
+            assert row_logits[token] >= FLOAT32.max  # +inf counts as the largest float
+        elif (row_logits.isfinite()).any():
+            assert row_logits[token].isfinite()
+    usable = [bool(row.isfinite().any()) and not bool(row.isnan().any() or (row == math.inf).any()) for row in adjusted]
+    failed = set(unusable_rows(adjusted, tokens))
+    assert all(row not in failed for row, fine in enumerate(usable) if fine)  # a finite row never flagged
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.one_of(st.just(0.0), st.floats(0.0, 1.0, width=32)), min_size=1, max_size=64),
+    st.one_of(st.sampled_from([0.0, 1.0 - 2**-24, 0.5]), st.floats(0.0, 1.0 - 2**-24, width=32)),
+)
+def test_draw_stays_on_tokens_with_a_weight(weights, uniform) -> None:
+    """float32's rounding at the end of the cumulative sum (a uniform near 1 times the total rounds to the total): the
+    token drawn has a weight, and no id reaches V."""
+    row = torch.tensor([weights])
+    token = int(draw(row.clone(), torch.tensor([uniform]))[0])
+    assert 0 <= token < len(weights)
+    if sum(weights) > 0:
+        assert weights[token] > 0
+
+
+def test_the_issue_30_request_gets_an_id_of_the_vocabulary() -> None:
+    """The request of issue 30: temperature 31.05, top_k 269, top_p 1.4e-45, repetition penalty float32's smallest
+    normal. Its model's state overflowed after 1,051 tokens and every logit was NaN: the sampler returned 8,192 (= V),
+    and the batch's next step failed on it for every request. Now an id in range, and the row is reported as one the
+    model gave no distribution for (the engine ends that request alone: see the test below)."""
+    params = SamplingParams(
+        temperature=31.05, top_k=269, top_p=1.4e-45, repetition_penalty=1.1754943508222875e-38, seed=100
+    )
+    logits = torch.randn(3, 8192)  # (B, V)
+    logits[1] = math.nan
+    logits[2, 7] = math.inf
+    rows = [params, params, SamplingParams(temperature=0.0)]
+    seen = [history([95, 95, 109], [265, 265]) for _ in rows]
+    adjusted = penalize(logits, rows, seen)
+    tokens = sample(adjusted, rows, [row_params.generator() for row_params in rows])
+    assert all(0 <= token < 8192 for token in tokens)
+    assert tokens[0] in {95, 109, 265}  # seen tokens' positive logits / 1.2e-38: the largest are all of them
+    assert tokens[2] == 7
+    assert unusable_rows(logits, tokens) == [1, 2]
+    assert draw(torch.full((2, 5), math.nan), torch.tensor([0.3, 0.9])).tolist() == [4, 4]  # NaN weights: in range
+    assert draw(torch.zeros(1, 5), torch.tensor([0.3])).tolist() == [0]  # nothing to draw: 0
+
+
+def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -> None:
+    """Issue 30's reproduction in small: ten greedy requests beside one at the extreme parameters, whose model state
+    overflows (its logits NaN from its 5th output token on). Only that one fails, with a message, streamed or not;
+    the others answer as they do alone (before: 500 for all eleven, "index out of range in self")."""
+    model = live.engine.models["text-lrnn"].model
+    greedy_bodies = [
+        {"model": "text-lrnn", "prompt": "__main__", "max_tokens": 8, "temperature": 0, "seed": 100 + i}
+        for i in range(10)
+    ]  # prompt + max_tokens: the decode batch class of the extreme ones (16-31 tokens), never 17 tokens in the cache
+    extreme = {"model": "text-lrnn", "max_tokens": 12, "temperature": 31.05, "top_k": 269, "top_p": 1.4e-45,
+               "repetition_penalty": 1.1754943508222875e-38}  # fmt: skip
+    overflowing = [{**extreme, "prompt": "x" * 12}, {**extreme, "prompt": "y" * 12, "stream": True}]
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        alone = [client.post("/v1/generate", json=body).json() for body in greedy_bodies]
+    step, sizes = model.step, []
+
+    def overflowing_step(tokens: torch.Tensor, cache) -> torch.Tensor:
+        sizes.append(tokens.shape[0])
+        logits = step(tokens, cache)  # (B, V)
+        return logits.masked_fill((cache.lengths >= 17).to(logits.device)[:, None], math.nan)
+
+    monkeypatch.setattr(model, "step", overflowing_step)
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
+            posts = (client.post("/v1/generate", json=body) for body in [*greedy_bodies, *overflowing])
+            return list(await asyncio.gather(*posts))
+
+    *answers, failed, streamed = asyncio.run(together())
+    assert [answer.json() for answer in answers] == alone
+    assert max(sizes) > 2  # they shared decode steps
+    message = "the model failed: its logits after 5 output tokens are not finite (nan)"
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == message
+    events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
