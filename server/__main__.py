@@ -7,7 +7,8 @@ for at most ``drain_timeout_s``; then every request still in flight gets a JSON 
 event, then ``data: [DONE]``), running work stops at its next slice, and the process exits 0 within
 ``drain_timeout_s`` + 5 s (``ANSWER_WAIT_S`` + ``CLOSE_WAIT_S`` + the engine's ``STOP_TIMEOUT_S``, plus
 polling). Exit codes: 0 after a shutdown, 2 on bad options or when no model could be loaded (each failure is
-printed with its path and reason).
+printed with its path and reason). A connection that has not sent a request's headers ``header_timeout_s`` after it
+opened or after its previous response is closed (``server/http_guard.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from types import FrameType
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from server.app import create_app
 from server.engine import Engine
+from server.http_guard import with_header_timeout
 from server.metrics import ServerMetrics
 from server.settings import Settings
 
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=CLOSE_WAIT_S,
+        http=with_header_timeout(AutoHTTPProtocol, settings.header_timeout_s),  # httptools, or h11 without it
     )
     server = DrainingServer(config, engine, settings.drain_timeout_s)
     server.run()

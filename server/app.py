@@ -1,16 +1,16 @@
 """The app factory: routes (thin), error bodies, API key, CORS, and the lifespan that starts and stops the
 engine. Build an app with ``create_app(settings)``; nothing is created at import time.
 
-/health sits outside the API key; /v1/* need it when one is configured, and /metrics too with
-``metrics_need_api_key``.
+/health sits outside the API key; /v1/* need it when one is configured, /metrics too with
+``metrics_need_api_key``, and /openapi.json, /docs and /redoc with ``docs_need_api_key``. The key and the body's
+size are checked from the headers before the body is read (``server/http_guard.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException
 from server.completions import CompletionServing
 from server.engine import Engine
 from server.errors import APIError, BadRequest, Unauthorized
-from server.json_body import JSONBodyRoute
+from server.http_guard import RequestGuard
+from server.json_body import BodyRefused, JSONBodyRoute
 from server.metrics import ServerMetrics
 from server.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, errors, schema_for
 from server.protocol import (
@@ -73,7 +74,15 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app = FastAPI(title="regularlm", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.openapi = schema_for(app, settings)
-    if settings.cors_origins:
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        needs_key=_paths_that_need_the_key(app, settings),
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        refuse=api_error_response,
+    )
+    if settings.cors_origins:  # added last, so outermost: preflights need no key, and refusals carry CORS headers
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
@@ -82,10 +91,20 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         )
     _add_error_handlers(app)
     app.include_router(_health_router())
-    guarded = [Depends(require_api_key)]
-    app.include_router(_metrics_router(), dependencies=guarded if settings.metrics_need_api_key else [])
-    app.include_router(_api_router(), dependencies=guarded)
+    app.include_router(_metrics_router())
+    app.include_router(_api_router())
     return app
+
+
+def _paths_that_need_the_key(app: FastAPI, settings: Settings) -> Callable[[str], bool]:
+    """/v1/*, and /metrics and the API's documentation where the settings say so."""
+    also = {"/metrics"} if settings.metrics_need_api_key else set()
+    docs_need_api_key = settings.docs_need_api_key
+    if docs_need_api_key is None:
+        docs_need_api_key = settings.metrics_need_api_key
+    if docs_need_api_key:
+        also |= {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url}
+    return lambda path: path.startswith("/v1/") or path in also
 
 
 # --- dependencies -------------------------------------------------------------------------------------
@@ -110,16 +129,6 @@ async def get_completions(request: Request) -> CompletionServing:
 EngineDep = Annotated[Engine, Depends(get_engine)]
 ServingDep = Annotated[Serving, Depends(get_serving)]
 CompletionsDep = Annotated[CompletionServing, Depends(get_completions)]
-
-
-async def require_api_key(request: Request) -> None:
-    """``Authorization: Bearer <key>`` when a key is configured; compared in constant time."""
-    expected = request.app.state.settings.api_key
-    if expected is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), expected.get_secret_value().encode()):
-        raise Unauthorized("a valid API key is needed: 'Authorization: Bearer <key>'")
 
 
 # --- routes -------------------------------------------------------------------------------------------
@@ -172,7 +181,7 @@ def _api_router() -> APIRouter:
     def retrieve_model(model_id: str, serving: ServingDep) -> ModelCard:
         return serving.model(model_id)
 
-    @router.post("/models", status_code=201, response_model=ModelCard, responses=errors(401, 409, 413, 415, 422, 503))
+    @router.post("/models", status_code=201, response_model=ModelCard, responses=errors(401, 408, 409, 413, 415, 422, 503))
     async def add_model(body: RuntimeModelRequest, serving: ServingDep) -> Any:
         """Compile a regular expression (over ``alphabet``) or a DFA into a transduce model and serve it."""
         return _json(await serving.add_model(body), status_code=201)
@@ -186,7 +195,7 @@ def _api_router() -> APIRouter:
         "/transduce",
         response_model=TransduceResponse,
         response_model_exclude_none=True,
-        responses=errors(400, 401, 404, 413, 415, 422, 429, 500, 503),
+        responses=errors(400, 401, 404, 408, 413, 415, 422, 429, 500, 503),
     )
     async def transduce(body: TransduceRequest, request: Request, serving: ServingDep) -> Any:
         return _json(await _until_disconnected(request, serving.transduce(body, _flow(request))), exclude_none=True)
@@ -195,7 +204,7 @@ def _api_router() -> APIRouter:
     async def generate(body: GenerateRequest, request: Request, serving: ServingDep) -> Any:
         return _respond(await _until_disconnected(request, serving.generate(body, _flow(request))))
 
-    @router.post("/chat/completions", responses=errors(400, 401, 404, 415, 422, 503))
+    @router.post("/chat/completions", responses=errors(400, 401, 404, 408, 413, 415, 422, 503))
     def chat_completions(body: ChatRequest, serving: ServingDep) -> Any:
         """No served model ships a chat template, so there is no chat format to apply: a clear refusal."""
         serving.served(body.model, "generate")  # 404 for an unknown model, 400 for a transducer
@@ -273,15 +282,23 @@ def error_response(status: int, message: str, error_type: str, headers: dict[str
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
 
 
+def api_error_response(error: APIError) -> JSONResponse:
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    if isinstance(error, Unauthorized):
+        headers["WWW-Authenticate"] = "Bearer"
+    return error_response(error.status_code, error.message, error.error_type, headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        headers = {}
-        if error.retry_after_s is not None:
-            headers["Retry-After"] = str(error.retry_after_s)
-        if isinstance(error, Unauthorized):
-            headers["WWW-Authenticate"] = "Bearer"
-        return error_response(error.status_code, error.message, error.error_type, headers)
+        return api_error_response(error)
+
+    @app.exception_handler(BodyRefused)
+    async def body_refused(request: Request, error: BodyRefused) -> JSONResponse:
+        return api_error_response(error.error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -38,7 +38,11 @@ class Conflict(APIError, status=409, error_type="conflict_error"):
 
 
 class InputTooLarge(APIError, status=413, error_type="request_too_large"):
-    """More symbols, inputs or prompt tokens than the configured limits."""
+    """More symbols, inputs or prompt tokens than the configured limits, or a body of more bytes."""
+
+
+class RequestTimeout(APIError, status=408, error_type="request_timeout"):
+    """The request's body took longer than ``body_timeout_s`` to arrive."""
 
 
 class InvalidInput(APIError, status=422, error_type="invalid_request_error"):

@@ -1,30 +1,64 @@
 """Routes that read a JSON body (FastAPI's "custom Request and APIRoute class"): a body sent as anything but
 JSON is refused with 415, and a body that is not JSON with 422 and the usual error body, whatever the parser
-fails on (FastAPI answers 400 to invalid UTF-8, nesting too deep or an integer of more than 4,300 digits).
-NaN and Infinity parse; the request models refuse them by field ("Input should be a finite number")."""
+fails on (FastAPI answers 400 to invalid UTF-8 or an integer of more than 4,300 digits). A body that nests arrays
+and objects deeper than the parser can follow is 422 too, with a message that says so and names the depth it
+reaches. NaN and Infinity parse; the request models refuse them by field ("Input should be a finite number")."""
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
-from server.errors import UnsupportedMediaType
+from server.errors import APIError, InvalidInput, UnsupportedMediaType
+
+
+class BodyRefused(HTTPException):
+    """An ``APIError`` met while FastAPI reads a body (too large, too slow, nested too deeply), raised as the one
+    kind of exception FastAPI passes on from there (it answers 400 to any other); the app answers ``error``."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status_code, error.message)
+        self.error = error
 
 
 class JSONBodyRequest(Request):
     async def json(self) -> Any:
-        body = await self.body()
-        try:
-            return json.loads(body)
-        except json.JSONDecodeError:
-            raise
-        except (ValueError, RecursionError) as error:  # FastAPI turns only JSONDecodeError into a 422
-            start = getattr(error, "start", 0)  # a UnicodeDecodeError's byte offset
-            raise json.JSONDecodeError(str(error), body.decode("utf-8", "replace"), start) from error
+        return parse_json(await self.body())
+
+
+def parse_json(body: bytes) -> Any:
+    """``json.loads``, with its ValueErrors as JSONDecodeError (FastAPI turns only that into a 422) and nesting
+    past its reach refused with the depth it reaches from here. The parser recurses once per level of arrays and
+    objects within Python's recursion limit, so that depth is the limit less the calls that lead here; it is
+    measured in this frame, where the body was parsed, by parsing nested arrays."""
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        reachable, unreachable = 0, sys.getrecursionlimit()
+        while unreachable - reachable > 1:
+            depth = (reachable + unreachable) // 2
+            try:
+                json.loads("[" * depth + "]" * depth)
+                reachable = depth
+            except RecursionError:
+                unreachable = depth
+        raise BodyRefused(
+            InvalidInput(
+                f"the body nests arrays and objects deeper than this server's JSON parser reaches: {reachable} "
+                f"levels (Python's recursion limit, {sys.getrecursionlimit()} calls, less those that lead to it)"
+            )
+        ) from None
+    except ValueError as error:
+        start = getattr(error, "start", 0)  # a UnicodeDecodeError's byte offset
+        raise json.JSONDecodeError(str(error), body.decode("utf-8", "replace"), start) from error
 
 
 class JSONBodyRoute(APIRoute):

@@ -23,8 +23,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         400: "the request cannot be served as asked (e.g. a model of the other kind)",
         401: "a valid API key is needed",
         404: "unknown model",
+        408: "the body took longer than body_timeout_s to arrive",
         409: "conflicts with what is served (a model id taken; a shipped model cannot be deleted)",
-        413: "over a server or model limit (the message names it)",
+        413: "over a server or model limit, or a body over max_body_bytes (the message names it)",
         415: "the body is not sent as JSON (Content-Type: application/json)",
         422: "invalid body or value (the message names the field, position or character)",
         429: "the queue is full now; retry after Retry-After seconds",
@@ -41,7 +42,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 GENERATION_RESPONSES = {
     200: {"content": {"text/event-stream": {}}, "description": "the answer; with stream: Server-Sent Events"},
-    **errors(400, 401, 404, 413, 415, 422, 429, 500, 503),
+    **errors(400, 401, 404, 408, 413, 415, 422, 429, 500, 503),
 }
 
 

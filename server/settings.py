@@ -25,7 +25,23 @@ class Settings(BaseSettings):
     metrics_need_api_key: bool = Field(
         False, description="when an API key is set, /metrics needs it too (its series name the served models)"
     )
+    docs_need_api_key: bool | None = Field(
+        None, description="when an API key is set, /openapi.json, /docs and /redoc need it too (the schema lists the "
+        "served model ids); default: as metrics_need_api_key"
+    )
     cors_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; empty: no CORS")
+    max_body_bytes: int = Field(
+        16 * 2**20, gt=0, description="bytes of a request body; more is refused (413) from Content-Length before the "
+        "body is read, or once a chunked body passes it. The default holds a transduce request of "
+        "max_request_symbols (1,000,000) even with every symbol written as a 6-byte JSON escape"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="the longest a request body may take to arrive, from the app's first read; then 408"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="the longest a connection may take to send a request's headers, from its opening or "
+        "its previous response; then it is closed (python -m server)"
+    )
 
     max_input_symbols: int = Field(100_000, gt=0, description="symbols of one transduce input or prompt tokens")
     max_request_symbols: int = Field(1_000_000, gt=0, description="symbols of all inputs of one transduce request")

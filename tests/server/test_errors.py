@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
+import re
 import threading
+from collections.abc import Iterable
 
 import pytest
 from fastapi.testclient import TestClient
@@ -98,13 +103,34 @@ def test_invalid_generation_body_is_422(path: str, body: dict, fragment: str, li
     [
         (b"{not json", "Expecting property name"),
         (b'{"model": "\xff"}', "can't decode byte 0xff"),  # FastAPI alone answers these three 400
-        (b"[" * 100_000, "recursion"),
         (b'{"model": "text-lrnn", "prompt": "x", "seed": ' + b"9" * 5000 + b"}", "4300 digits"),
     ],
 )
 def test_a_body_that_is_not_json_is_422(body: bytes, fragment: str, limited) -> None:
     response = limited.post("/v1/generate", content=body, headers={"content-type": "application/json"})
     assert_error(response, 422, "invalid_request_error", "the body is not valid JSON", fragment)
+
+
+def nested_schema(levels: int) -> str:
+    """A JSON schema of objects ``levels`` deep (each level nests two JSON objects), as text: ``json.dumps``
+    recurses as deeply as ``json.loads``."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+def test_nesting_past_the_parser_is_refused_with_the_depth_it_reaches(limited) -> None:
+    """A valid body (a 500-deep JSON schema) that nests past the parser is not called invalid JSON, and the
+    depth the message names is the parser's real one: one level more fails as deep, that many parses."""
+    body = '{"model": "text-lrnn", "prompt": "x", "structured_outputs": {"json": %s}}' % nested_schema(500)
+    response = limited.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    message = assert_error(response, 422, "invalid_request_error", "nests arrays and objects deeper")["error"]["message"]
+    assert "not valid JSON" not in message
+    reached = int(re.search(r"reaches: (\d+) levels", message).group(1))
+    assert 100 < reached < 1000
+    for depth, deeper_than_the_parser in [(reached, False), (reached + 1, True)]:
+        nested = b"[" * depth + b"]" * depth
+        response = limited.post("/v1/completions", content=nested, headers={"content-type": "application/json"})
+        assert response.status_code == 422
+        assert ("nests arrays and objects deeper" in response.text) is deeper_than_the_parser, depth
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
@@ -246,18 +272,103 @@ def test_api_key_guards_v1_only(checkpoints_dir) -> None:
         assert_error(response, 401, "authentication_error", "API key")
         assert response.headers["www-authenticate"] == "Bearer"
         assert_error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, "authentication_error")
+        assert_error(client.get("/v1/nothing"), 401, "authentication_error")  # which routes exist is not told either
         assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert client.get("/health").status_code == 200
         assert client.get("/metrics").status_code == 200
 
 
-def test_api_key_can_guard_metrics_too(checkpoints_dir) -> None:
-    app = create_app(make_settings(checkpoints_dir, api_key="s3cret", metrics_need_api_key=True))
+@pytest.mark.parametrize(
+    "settings, locked",
+    [
+        ({}, set()),
+        ({"metrics_need_api_key": True}, {"/metrics", "/openapi.json", "/docs", "/redoc"}),  # docs follow metrics
+        ({"docs_need_api_key": True}, {"/openapi.json", "/docs", "/redoc"}),
+        ({"metrics_need_api_key": True, "docs_need_api_key": False}, {"/metrics"}),
+    ],
+)
+def test_api_key_can_guard_metrics_and_the_api_docs(settings: dict, locked: set[str], checkpoints_dir) -> None:
+    """/metrics and the schema (with its pages) name the served models: they can need the key too."""
+    app = create_app(make_settings(checkpoints_dir, api_key="s3cret", **settings))
     with TestClient(app) as client:
         app.state.engine.wait_loaded()
-        assert_error(client.get("/metrics"), 401, "authentication_error", "API key")
-        assert client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert client.get("/health").status_code == 200
+        for path in ["/metrics", "/openapi.json", "/docs", "/redoc", "/health"]:
+            anonymous = client.get(path)
+            if path in locked:
+                assert_error(anonymous, 401, "authentication_error", "API key")
+            else:
+                assert anonymous.status_code == 200, path
+            assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200, path
+
+
+# --- the body: refused from the headers before it is read, counted as it is read, timed ------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(checkpoints_dir):
+    """An app with an API key and a 1,000-byte body limit, called without its lifespan: all that is tested with it
+    is decided before a model is needed."""
+    return create_app(make_settings(checkpoints_dir, api_key="s3cret", max_body_bytes=1000, body_timeout_s=0.2))
+
+
+AUTHORIZED = {"authorization": "Bearer s3cret", "content-type": "application/json"}
+
+
+def post(app, headers: dict[str, str], chunks: Iterable[bytes], ends: bool = True) -> tuple[int, dict, int]:
+    """POST /v1/transduce straight through the ASGI ``app``, the body sent as ``chunks`` and then its end (or, if not
+    ``ends``, nothing more, the client never leaving): the status, the JSON body, and how many chunks the app read."""
+    chunks, pulled, sent = iter(chunks), 0, {}
+
+    async def receive() -> dict:
+        nonlocal pulled
+        chunk = next(chunks, None)
+        if chunk is None and not ends:
+            await asyncio.Event().wait()
+        pulled += 1
+        return {"type": "http.request", "body": chunk or b"", "more_body": chunk is not None}
+
+    async def send(message: dict) -> None:
+        sent.setdefault(message["type"], []).append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/transduce", "raw_path": b"/v1/transduce", "query_string": b"", "root_path": "",
+        "headers": [(name.encode(), value.encode()) for name, value in headers.items()],
+        "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+    }  # fmt: skip
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    body = b"".join(message.get("body", b"") for message in sent["http.response.body"])
+    return sent["http.response.start"][0]["status"], json.loads(body), pulled
+
+
+def test_a_missing_key_is_401_before_the_body_is_read(guarded) -> None:
+    headers = {"content-type": "application/json", "content-length": str(100 * 2**20)}  # over the limit too
+    status, body, pulled = post(guarded, headers, itertools.repeat(b"0" * 2**16))
+    assert (status, body["error"]["type"], pulled) == (401, "authentication_error", 0)
+
+
+def test_a_body_declared_over_the_limit_is_413_before_it_is_read(guarded) -> None:
+    status, body, pulled = post(guarded, {**AUTHORIZED, "content-length": "1001"}, [b" " * 1001])
+    assert (status, body["error"]["type"], pulled) == (413, "request_too_large", 0)
+    assert body["error"]["message"] == "the body has 1001 bytes; the limit is 1000 (max_body_bytes)"
+
+
+def test_a_streamed_body_is_refused_once_past_the_limit(guarded) -> None:
+    status, body, pulled = post(guarded, AUTHORIZED, itertools.repeat(b" " * 100))  # chunked: no Content-Length
+    assert (status, body["error"]["type"], pulled) == (413, "request_too_large", 11)  # 1,100 bytes > 1,000
+    assert "the limit (max_body_bytes)" in body["error"]["message"]
+
+
+def test_a_body_at_the_limit_is_read(guarded) -> None:
+    status, body, pulled = post(guarded, {**AUTHORIZED, "content-length": "1000"}, [b"{" * 500, b"}" * 500])
+    assert (status, pulled) == (422, 3)  # read to its end, then found not to be JSON
+    assert "the body is not valid JSON" in body["error"]["message"]
+
+
+def test_a_body_that_stops_arriving_is_408(guarded) -> None:
+    status, body, pulled = post(guarded, {**AUTHORIZED, "content-length": "100"}, [b'{"model": '], ends=False)
+    assert (status, body["error"]["type"], pulled) == (408, "request_timeout", 1)
+    assert body["error"]["message"] == "the body took longer than 0.2 s to arrive (body_timeout_s)"
 
 
 def test_cors_preflight(checkpoints_dir) -> None:

@@ -120,6 +120,46 @@ def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir)
     assert plain["response"].json()["error"]["type"] == "service_unavailable"
 
 
+def closed_by_server(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a socket timeout, if it does not, fails the test)."""
+    received = b""
+    try:
+        while chunk := sock.recv(4096):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
+    """A connection whose request headers are not complete header_timeout_s after it opened, or after its previous
+    response, is closed without a response; a body still arriving body_timeout_s after it was first read gets 408.
+    The sockets wait 3 s: several timeouts of 0.5 s, less than the defaults (10 s) or uvicorn's keep-alive (5 s)."""
+    port = free_port()
+    process = start_server(
+        "--models", str(checkpoints_dir), "--port", str(port), header_timeout_s=0.5, body_timeout_s=0.5
+    )  # fmt: skip
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=60)
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as slow_headers:
+            slow_headers.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            assert closed_by_server(slow_headers) == b""
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as slow_body:
+            slow_body.sendall(
+                b"POST /v1/transduce HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"model": '
+            )
+            response = closed_by_server(slow_body)  # the 408, then no next request's headers: closed
+        assert response.startswith(b"HTTP/1.1 408 ")
+        assert json.loads(response.partition(b"\r\n\r\n")[2])["error"] == {
+            "message": "the body took longer than 0.5 s to arrive (body_timeout_s)", "type": "request_timeout"
+        }  # fmt: skip
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
 @pytest.mark.parametrize("module", ["server.protocol", "clients.client"])
 def test_protocol_and_client_import_without_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
