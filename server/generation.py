@@ -270,7 +270,7 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     for row in unusable_rows(logits, tokens):  # NaN or infinite logits (e.g. an overflowed state): that row alone fails
         sequence, value = sequences[row], float(logits[row, tokens[row]])
         sequence.abort(metrics, ModelFailure(
-            f"the model failed: its logits after {len(sequence.generated)} output tokens are not finite ({value})"
+            f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
         ))  # fmt: skip
     metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences if not sequence.done])
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):

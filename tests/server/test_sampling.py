@@ -286,7 +286,7 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -
     *answers, failed, streamed = asyncio.run(together())
     assert [answer.json() for answer in answers] == alone
     assert max(sizes) > 2  # they shared decode steps
-    message = "the model failed: its logits after 5 output tokens are not finite (nan)"
+    message = "the model failed: its logits for output token 6 are not finite (nan)"
     assert failed.status_code == 500 and failed.json()["error"]["message"] == message
     events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
