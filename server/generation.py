@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,13 +20,13 @@ import torch
 
 from model.base import InferenceCache
 from server.detokenize import TextAssembler
-from server.errors import APIError, InputTooLarge, ModelFailure
+from server.errors import APIError, ModelFailure
 from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
 from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs, unusable_rows
 from server.state_cache import StateCache
-from server.structured import CompiledConstraint, token_bias, token_bias_later
+from server.structured import CompiledConstraint, Masks, token_bias, token_bias_later
 
 logger = logging.getLogger(__name__)
 # Logits of at most this many elements are sampled on the CPU, more where the model runs. On an H100 machine
@@ -35,7 +34,6 @@ logger = logging.getLogger(__name__)
 # logits sampled at temperature 1 took 101-154 us through the CPU against 176-264 us on the GPU (each op a launch), 8 rows
 # 285-463 against 169-289 us, 64 rows 1.8-2.3 ms against 0.35-0.67 ms.
 HOST_SAMPLING_ELEMENTS = 16_384
-Masks = Future[tuple[torch.Tensor, list[bool]]]  # token_bias_later's: the constrained rows' bias, and any allowed
 
 
 @dataclass(frozen=True)
@@ -283,7 +281,7 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
     """The structured outputs' masks: (the sequences that go on, their logits, the logits to sample from: -inf
     where a constraint forbids the token). Penalties after the masks keep -inf at -inf. A constrained row that may
     sample no token of the model ends here: "stop" at a complete match (a model without an end-of-text token), an
-    error if its matcher failed (e.g. one of llguidance's limits per step). logits: (B, V)."""
+    error if its matcher failed or ran past its time budget (``Constraint.failure``). logits: (B, V)."""
     rows = [row for row, sequence in enumerate(sequences) if sequence.constraint is not None]
     if not rows:
         return sequences, logits, logits
@@ -300,8 +298,7 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
     for row, allowed in zip(rows, any_allowed):
         sequence = sequences[row]
         if sequence.constraint.error is not None:
-            limit = f"structured_outputs: {sequence.constraint.error} (a limit of llguidance's for one token)"
-            sequence.abort(metrics, InputTooLarge(limit))
+            sequence.abort(metrics, sequence.constraint.failure())
         elif not allowed:
             sequence.finish("stop", metrics)
     live = [row for row, sequence in enumerate(sequences) if not sequence.done]
@@ -326,8 +323,7 @@ def _append(sequence: Sequence, token: int, logits: torch.Tensor, row: int, metr
     Its metrics are counted in :func:`accept`, for all rows at once."""
     sequence.generated.append(token)
     if sequence.constraint is not None and not sequence.constraint.consume(token):
-        error = sequence.constraint.error
-        sequence.abort(metrics, ModelFailure(f"structured_outputs: token {token} was sampled but not allowed: {error}"))
+        sequence.abort(metrics, sequence.constraint.failure(token))
         return
     if token == sequence.served.tokenizer.eot_token:
         sequence.finish("stop", metrics)

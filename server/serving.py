@@ -35,7 +35,7 @@ from server.protocol import (
 from server.runtime_models import RuntimeCompiler, check_new_id
 from server.sampling import SamplingParams
 from server.settings import Settings
-from server.structured import CompiledConstraint, ConstraintCompiler
+from server.structured import CompiledConstraint, ConstraintCompiler, MaskBudget
 
 SSE_DONE = "data: [DONE]\n\n"
 TOKEN_ID = re.compile(TOKEN_ID_PATTERN)
@@ -77,7 +77,8 @@ async def coalesced(chunks: AsyncGenerator[str, None], handle: GenerationHandle)
 class Serving:
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
-        self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s)
+        self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
+                                              MaskBudget.of(settings))  # fmt: skip
         self.runtime = RuntimeCompiler(settings)
 
     def models(self) -> ModelList:

@@ -78,6 +78,15 @@ class Settings(BaseSettings):
         5.0, gt=0, description="the longest a structured_outputs constraint may take to compile (off the engine "
         "thread); longer is refused (413)"
     )
+    structured_mask_timeout_s: float = Field(
+        0.25, gt=0, description="the longest the allowed tokens of one constrained sequence's next token may take "
+        "to compute (off the engine thread, which waits no longer); a sequence past it ends with an error (413, or "
+        "an SSE error event once streaming), the others go on"
+    )
+    structured_mask_budget_s: float = Field(
+        5.0, gt=0, description="the time computing allowed tokens may take in all for one constrained sequence; a "
+        "sequence past it ends with an error (413, or an SSE error event once streaming)"
+    )
     runtime_models_max: int = Field(
         16, ge=0, description="models POST /v1/models may add (compiled regular expressions and DFAs) at one time; "
         "more is refused (413); 0 turns the route off"

@@ -31,7 +31,7 @@ from server.metrics import ServerMetrics
 from server.protocol import StructuredOutputs
 from server.sampling import SamplingParams
 from server.settings import Settings
-from server.structured import ConstraintCompiler
+from server.structured import ConstraintCompiler, MaskBudget
 
 BATCH = 32
 CONSTRAINTS = {
@@ -119,7 +119,8 @@ def main() -> None:
     engine.start()
     engine.wait_loaded()
     served = engine.models[args.model.name]
-    compiler = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s)
+    compiler = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
+                                  MaskBudget.of(settings))
     print(f"machine: {machine()}; torch threads: {args.threads}; {args.model.name}; batch {BATCH}, "
           f"{args.tokens} tokens; vocabulary {served.tokenizer.vocab_size}")  # fmt: skip
     results: dict[str, list[dict]] = {kind: [] for kind in CONSTRAINTS}

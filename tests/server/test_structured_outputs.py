@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,10 @@ import server.generation
 import server.structured
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig
+from model.tokenizer import load_tokenizer
 from server.app import create_app
+from server.errors import InputTooLarge, ModelFailure
+from server.structured_regex import plain_regex
 from tests.model.tiny_models import ARCHITECTURE_OF, build_tiny
 from tests.server.conftest import make_settings
 from tests.server.live import serve
@@ -228,6 +232,112 @@ def test_a_constraint_over_a_limit_per_token_ends_alone(client, monkeypatch) -> 
         refused, answered = pool.map(lambda body: client.post("/v1/generate", json=body), [costly, free])
     assert refused.status_code == 413 and "too many expressions" in refused.json()["error"]["message"]
     assert answered.status_code == 200 and answered.json()["text"]
+
+
+def test_a_lexer_out_of_fuel_is_refused_when_compiled(client) -> None:
+    """Issue 30: (x{1000}){1000} spends llguidance's lexer fuel on its start, which llguidance reports only when a
+    token is consumed: 500 at the first sampled token before; now 413 from the compile (a stream never starts)."""
+    body = {"model": BPE, "prompt": "Answer:", "max_tokens": 64, "structured_outputs": {"regex": "(x{1000}){1000}"}}
+    for route, stream in (("/v1/completions", False), ("/v1/generate", True)):
+        response = client.post(route, json={**body, "stream": stream})
+        assert response.status_code == 413, response.text
+        assert "too many expressions constructed (a limit of llguidance's)" in response.json()["error"]["message"]
+
+
+def test_a_limit_met_while_decoding_is_413_not_500(client, monkeypatch) -> None:
+    """A token that llguidance refuses because one of its limits was reached (not because the mask forbade it) ends
+    the sequence with 413; llguidance's own wording (``Constraint.failure``) is checked with a real matcher below."""
+    original = server.structured.Constraint.consume
+
+    def consume(self, token: int) -> bool:  # the third token meets the limit
+        self.consumed = getattr(self, "consumed", 0) + 1
+        if self.consumed < 3:
+            return original(self, token)
+        self.limit_met = "lexer error: too many expressions constructed"
+        return False
+
+    monkeypatch.setattr(server.structured.Constraint, "consume", consume)
+    monkeypatch.setattr(server.structured.Constraint, "error", property(lambda self: getattr(self, "limit_met", None)))
+    response = client.post("/v1/generate", json={"model": BPE, "prompt": "x", "max_tokens": 20,
+                                                 "structured_outputs": {"regex": "[a-z]{10}"}})  # fmt: skip
+    assert response.status_code == 413, response.text
+    assert "too many expressions constructed (a limit of llguidance's)" in response.json()["error"]["message"]
+
+
+def test_llguidance_limit_errors_are_413_and_others_500() -> None:
+    vocabulary = server.structured.ConstraintVocabulary(load_tokenizer("file:tokenizer.tiktoken", BPE_RANKS.parent))
+    text = llguidance.LLMatcher.grammar_from_regex(plain_regex("(ab{500}){200}"))
+    limits = llguidance.LLParserLimits(initial_lexer_fuel=10_000, verbose_errors=False)  # spent on the start
+    matcher = llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0, limits=limits)
+    budget = server.structured.MaskBudget(per_token_s=10.0, total_s=10.0)
+    constraint = server.structured.CompiledConstraint(matcher, vocabulary, budget).start()
+    constraint.fill(np.empty(vocabulary.words, dtype=np.int32))  # spends the fuel (allows "ab" all the same)
+    ab = vocabulary.lltokenizer.tokenize_str("ab")[0]
+    assert not constraint.consume(ab)
+    failure = constraint.failure(ab)
+    assert isinstance(failure, InputTooLarge) and "too many expressions constructed" in failure.message
+    other = server.structured.CompiledConstraint(llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0),
+                                                 vocabulary, budget).start()  # fmt: skip
+    assert not other.consume(vocabulary.lltokenizer.tokenize_str("b")[0])  # not allowed: the sampler's bug, a 500
+    assert isinstance(other.failure(), ModelFailure)
+
+
+def test_a_mask_past_its_budget_ends_its_sequence_alone(models_dir, monkeypatch) -> None:
+    """Issue 30: a mask that takes too long (here: held until the test lets it go, as (ab{500}){200}'s took 5 s
+    each) ends its sequence with 413 after structured_mask_timeout_s; the engine does not wait for it, so a plain
+    request beside it answers while it is still held. The same constraint is then refused at once, and another one
+    gets 429 while MAX_LEFT_BEHIND masks are still held."""
+    entered, release, released_by_test = threading.Event(), threading.Event(), []
+    original = server.structured.Constraint.fill
+
+    def held_fill(self, bitmask) -> None:
+        if threading.current_thread().name == "regularlm-masks":  # decoding (the compile's first mask is not held)
+            entered.set()
+            released_by_test.append(release.wait(60))
+        original(self, bitmask)
+
+    monkeypatch.setattr(server.structured.Constraint, "fill", held_fill)
+    monkeypatch.setattr(server.structured, "MAX_LEFT_BEHIND", 1)
+    app = create_app(make_settings(models_dir, structured_mask_timeout_s=0.05))
+    try:
+        with TestClient(app) as test_client, ThreadPoolExecutor(1) as pool:
+            app.state.engine.wait_loaded()
+            plain = {"model": BPE, "prompt": "Answer:", "max_tokens": 8}
+            costly = {**plain, "structured_outputs": {"regex": "[a-z]{5}"}}
+            refused = pool.submit(test_client.post, "/v1/completions", json=costly)
+            assert entered.wait(60)
+            answered = test_client.post("/v1/completions", json=plain)
+            assert answered.status_code == 200 and answered.json()["choices"][0]["text"]
+            assert refused.result().status_code == 413, refused.result().text
+            assert "took longer than 0.05 s (REGULARLM_STRUCTURED_MASK_TIMEOUT_S)" in refused.result().text
+            again = test_client.post("/v1/completions", json=costly)
+            assert again.status_code == 413 and "for an earlier request" in again.text
+            other = test_client.post("/v1/completions", json={**plain, "structured_outputs": {"regex": "[0-9]+"}})
+            assert other.status_code == 429 and "past their time budget" in other.text
+            assert not release.is_set() and server.structured._MASK_THREADS.left_behind == 1
+    finally:
+        release.set()
+    for _ in range(600):  # the held mask's thread ends once it is let go
+        if server.structured._MASK_THREADS.left_behind == 0:
+            break
+        threading.Event().wait(0.01)
+    assert server.structured._MASK_THREADS.left_behind == 0
+    assert released_by_test == [True]  # every answer above came while the mask was held
+
+
+def test_masks_past_the_budget_in_all_end_the_sequence(models_dir) -> None:
+    app = create_app(make_settings(models_dir, structured_mask_budget_s=1e-6))
+    with TestClient(app) as test_client:
+        app.state.engine.wait_loaded()
+        body = {"model": BPE, "prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{5}"}}
+        response = test_client.post("/v1/generate", json=body)
+        assert response.status_code == 413 and "over the 1e-06 s a sequence may take" in response.text
+        with test_client.stream("POST", "/v1/generate", json={**body, "stream": True}) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert streamed.status_code == 200 and "over the 1e-06 s a sequence may take" in events[-2], events
+        assert events[-1] == "data: [DONE]"
+        free = test_client.post("/v1/generate", json={"model": BPE, "prompt": "x", "max_tokens": 3})
+        assert free.status_code == 200
 
 
 def test_transducers_have_no_structured_outputs(client) -> None:
