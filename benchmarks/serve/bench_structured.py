@@ -4,7 +4,7 @@
 32 sequences run together for ``--tokens`` steps, all constrained or all free (runs alternate, medians over
 ``--repeats``). A step's mask time is the CPU time structured outputs add to it, in the engine's thread and the
 mask thread that runs beside the model call: the bitmask of every constrained row from llguidance and its 0/-inf
-bias (``server.structured.token_bias``), adding it (``server.generation._constrain``) and advancing each matcher
+bias (``server.structured.Masks.run``), adding it (``server.generation._constrain``) and advancing each matcher
 past its token (``Constraint.consume``); the step time is ``DecodeBatch.step`` whole (model call, penalties, masks,
 sampling, detokenizing). The end-of-text token's logit is lowered by 100 and the patterns cannot end sooner, so
 every measured step holds 32 rows.
@@ -81,7 +81,7 @@ def instrument() -> None:
 
     DecodeBatch.step = full_step
     server.generation._constrain = MASKS.wrap(server.generation._constrain)
-    server.structured.token_bias = MASKS.wrap(server.structured.token_bias)  # on the mask thread, in a decode step
+    server.structured.Masks.run = MASKS.wrap(server.structured.Masks.run)  # on the mask thread, in a decode step
     server.structured.Constraint.consume = MASKS.wrap(server.structured.Constraint.consume)
 
 
