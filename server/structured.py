@@ -23,7 +23,8 @@ without an end-of-text token, at a complete match).
 16-character regex (``(ab{500}){200}``) could take seconds per token. The engine waits for a row's mask no longer
 than ``structured_mask_timeout_s``; a row past it ends its sequence with a 413 (an SSE error once streaming), its
 computation is left to finish on its thread (llguidance cannot be interrupted), a new thread takes over the other
-rows, and its compiled constraint is refused from then on. A sequence whose masks take more than
+rows, and its compiled constraint is refused from then on (its other sequences end at their next mask, without
+computing it: n sequences cost one wait, not n). A sequence whose masks take more than
 ``structured_mask_budget_s`` in all ends the same way. While ``MAX_LEFT_BEHIND`` such computations still run, new
 constrained requests get a 429.
 """
@@ -205,6 +206,9 @@ class Masks:
         """On the mask thread."""
         try:
             for row, constraint in enumerate(self.constraints):
+                if constraint.compiled.too_slow is not None:  # another sequence's mask was: its row allows nothing
+                    constraint.over_budget = constraint.compiled.too_slow
+                    continue
                 with self._lock:
                     if self._left:
                         return

@@ -285,8 +285,9 @@ def test_llguidance_limit_errors_are_413_and_others_500() -> None:
 def test_a_mask_past_its_budget_ends_its_sequence_alone(models_dir, monkeypatch) -> None:
     """Issue 30: a mask that takes too long (here: held until the test lets it go, as (ab{500}){200}'s took 5 s
     each) ends its sequence with 413 after structured_mask_timeout_s; the engine does not wait for it, so a plain
-    request beside it answers while it is still held. The same constraint is then refused at once, and another one
-    gets 429 while MAX_LEFT_BEHIND masks are still held."""
+    request beside it answers while it is still held. Its request's other sequences end without computing theirs
+    (one held mask, not three); the same constraint is then refused at once, and another one gets 429 while
+    MAX_LEFT_BEHIND masks are still held."""
     entered, release, released_by_test = threading.Event(), threading.Event(), []
     original = server.structured.Constraint.fill
 
@@ -303,7 +304,7 @@ def test_a_mask_past_its_budget_ends_its_sequence_alone(models_dir, monkeypatch)
         with TestClient(app) as test_client, ThreadPoolExecutor(1) as pool:
             app.state.engine.wait_loaded()
             plain = {"model": BPE, "prompt": "Answer:", "max_tokens": 8}
-            costly = {**plain, "structured_outputs": {"regex": "[a-z]{5}"}}
+            costly = {**plain, "structured_outputs": {"regex": "[a-z]{5}"}, "n": 3}
             refused = pool.submit(test_client.post, "/v1/completions", json=costly)
             assert entered.wait(60)
             answered = test_client.post("/v1/completions", json=plain)
