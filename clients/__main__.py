@@ -24,7 +24,9 @@ EXIT_ERROR = 2
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m clients", description="Talk to a regularlm server.")
-    parser.add_argument("--url", default=os.environ.get("REGULARLM_URL", DEFAULT_URL))
+    parser.add_argument("--url", default=os.environ.get("REGULARLM_URL", DEFAULT_URL),
+                        help=f"the server (default: REGULARLM_URL if set, else {DEFAULT_URL}; here %(default)s); "
+                             "the API key, if the server wants one, is read from REGULARLM_API_KEY")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from clients.__main__ import main
+from clients.__main__ import build_parser, main
+from clients.client import DEFAULT_URL
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -57,3 +58,12 @@ def test_unreachable_server_exits_2(capsys) -> None:
         port = sock.getsockname()[1]
     code, _, err = run(capsys, "--url", f"http://127.0.0.1:{port}", "models")
     assert code == 2 and "cannot reach the server" in err
+
+
+def test_help_tells_the_url_default_and_the_api_key_variable(monkeypatch) -> None:
+    monkeypatch.delenv("REGULARLM_URL", raising=False)
+    text = " ".join(build_parser().format_help().split())  # argparse wraps the lines
+    assert f"default: REGULARLM_URL if set, else {DEFAULT_URL}; here {DEFAULT_URL}" in text
+    assert "REGULARLM_API_KEY" in text
+    monkeypatch.setenv("REGULARLM_URL", "http://pod:9000")
+    assert "here http://pod:9000" in " ".join(build_parser().format_help().split())
