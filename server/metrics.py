@@ -1,7 +1,10 @@
 """Prometheus metrics with vLLM's names (prefix ``regularlm_``: Prometheus reserves ':' for recording rules, so
 ``vllm:time_to_first_token_seconds`` is ``regularlm_time_to_first_token_seconds`` here; ``promtool check metrics``
-passes), definitions and buckets. Every per-model series exists, at 0, from the moment the models are loaded
-(``register_models``), so that dashboards and rate queries have data before the first request.
+passes), definitions and buckets. A model's counters and gauges exist, at 0, from the moment it is loaded
+(``register_models``), so that rates, the queue, the alert on it and the dashboard's list of models have data
+before the first request. Its histograms (25 or 26 lines each, 154 of a model's 174) appear with its first
+observation: at 0 their quantiles are NaN, which tells a dashboard what no series does, and the 30 shipped models'
+empty histograms made /metrics 5,220 lines (600 without them).
 
 Definitions (as vLLM's): queue time = arrival -> first scheduled; TTFT = arrival -> first generated token;
 inter-token latency (ITL) = the gap between consecutive generated tokens; time per output token (TPOT) =
@@ -54,20 +57,21 @@ class ServerMetrics:
         self._in_flight = 0  # admitted and not finished
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-        self._per_model: list[Histogram | Counter | Gauge] = []  # the collectors labelled by model alone
-
-        def per_model(collector: Histogram | Counter | Gauge) -> Histogram | Counter | Gauge:
-            self._per_model.append(collector)
-            return collector
+        # the collectors labelled by model alone: those whose series exist from load, and the histograms
+        self._from_load: list[Counter | Gauge] = []
+        self._histograms: list[Histogram] = []
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return per_model(Histogram(PREFIX + name, doc, MODEL, registry=self.registry, buckets=buckets))
+            self._histograms.append(Histogram(PREFIX + name, doc, MODEL, registry=self.registry, buckets=buckets))
+            return self._histograms[-1]
 
         def counter(name: str, doc: str) -> Counter:
-            return per_model(Counter(PREFIX + name, doc, MODEL, registry=self.registry))
+            self._from_load.append(Counter(PREFIX + name, doc, MODEL, registry=self.registry))
+            return self._from_load[-1]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return per_model(Gauge(PREFIX + name, doc, MODEL, registry=self.registry))
+            self._from_load.append(Gauge(PREFIX + name, doc, MODEL, registry=self.registry))
+            return self._from_load[-1]
 
         self.e2e_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to finish, seconds.", REQUEST_LATENCY_BUCKETS
@@ -110,8 +114,9 @@ class ServerMetrics:
         return found
 
     def register_models(self, model_ids: list[str]) -> None:
-        """Create every per-model series at 0 (each finish reason of ``request_success`` too)."""
-        for collector in self._per_model:
+        """Create the models' counters and gauges at 0 (each finish reason of ``request_success`` too); their
+        histograms come with their first observation (module docstring)."""
+        for collector in self._from_load:
             for model in model_ids:
                 collector.labels(model)
         for model in model_ids:
@@ -120,8 +125,8 @@ class ServerMetrics:
 
     def unregister_model(self, model_id: str) -> None:
         """Drop every series of a model that is no longer served."""
-        for collector in self._per_model:
-            with contextlib.suppress(KeyError):
+        for collector in [*self._from_load, *self._histograms]:
+            with contextlib.suppress(KeyError):  # a histogram the model never observed
                 collector.remove(model_id)
         for reason in FINISH_REASONS:
             with contextlib.suppress(KeyError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.deploy.metric_names import exposed_series, referenced_series
+from tests.deploy.metric_names import exposed_series, referenced_series, series_at_load
 from tests.deploy.tools import ALERTS, DASHBOARD, load_yaml
 
 REQUIRED_PANELS = {  # title -> a series its queries must read
@@ -44,6 +44,19 @@ def test_dashboard_and_alerts_read_only_exposed_series() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     (variable,) = dashboard["templating"]["list"]
     assert referenced_series(variable["definition"]) <= exposed
+
+
+def test_what_the_alerts_and_panels_read_exists_at_0_from_load_except_histograms() -> None:
+    """The model list, the alerts and every counter and gauge a panel reads have a series before the first
+    request; a histogram appears with its model's first observation (at 0 its quantiles are NaN anyway)."""
+    expressions = [expression for group in dashboard_queries().values() for expression in group]
+    expressions += [rule["expr"] for group in load_yaml(ALERTS)["groups"] for rule in group["rules"]]
+    (variable,) = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    read = set().union(*map(referenced_series, [*expressions, variable["definition"]]))
+    histograms = {name for name in read if name.endswith("_bucket")}
+    assert "regularlm_num_requests_waiting" in read - histograms  # RegularlmQueueBacklog's
+    assert read - histograms <= series_at_load()
+    assert not histograms & series_at_load()
 
 
 def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:

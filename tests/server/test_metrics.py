@@ -1,4 +1,5 @@
-"""ServerMetrics' per-step token accounting: the same exposition as one ``observe`` per token."""
+"""ServerMetrics' per-step token accounting (the same exposition as one ``observe`` per token) and which series a
+model has before and after it serves."""
 
 from __future__ import annotations
 
@@ -48,3 +49,36 @@ def test_tokens_counts_first_tokens_gaps_and_totals() -> None:
     assert 'regularlm_time_to_first_token_seconds_count{model_name="m"} 2.0' in lines
     assert 'regularlm_inter_token_latency_seconds_count{model_name="m"} 3.0' in lines
     assert 'regularlm_generation_tokens_total{model_name="m"} 5.0' in lines
+
+
+def model_lines(metrics: ServerMetrics, model: str) -> list[str]:
+    return [line for line in exposition_lines(metrics.registry) if f'model_name="{model}"' in line]
+
+
+def test_a_models_counters_and_gauges_exist_from_load_its_histograms_from_its_first_observation() -> None:
+    metrics = ServerMetrics()
+    metrics.register_models(["served", "idle"])
+    at_load = model_lines(metrics, "idle")
+    assert len(at_load) == 20  # 5 counters and 4 finish reasons (_total, _created), 2 gauges; was 174
+    assert not any(line.startswith(("regularlm_e2e_request_latency", "regularlm_time_to_first_token")) for line in at_load)
+    for line in [line for line in at_load if "_created{" not in line]:
+        assert line.endswith(" 0.0"), line
+    assert 'regularlm_num_requests_waiting{model_name="idle"} 0.0' in at_load
+    assert 'regularlm_request_success_total{finished_reason="error",model_name="idle"} 0.0' in at_load
+
+    times = RequestTimes("served")
+    assert metrics.admit([times], max_waiting=10)
+    metrics.scheduled(times)
+    metrics.tokens("served", [times])
+    metrics.model_executed("served", 0.002)
+    metrics.finished(times, "stop")
+    served = model_lines(metrics, "served")
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds",
+                 "model_execute_time_seconds"):
+        assert f'regularlm_{name}_count{{model_name="served"}} 1.0' in served, name
+    assert not any(line.startswith("regularlm_time_per_output_token") for line in served)  # one token: no TPOT yet
+    assert model_lines(metrics, "idle") == at_load
+
+    metrics.unregister_model("served")
+    metrics.unregister_model("idle")
+    assert model_lines(metrics, "served") == model_lines(metrics, "idle") == []

@@ -63,13 +63,18 @@ def test_metrics_use_vllm_names(client) -> None:
     assert 'regularlm_num_requests_running{model_name="text-lrnn"} 0.0' in text
 
 
-def test_every_models_series_exists_at_zero_from_load(checkpoints_dir) -> None:
+def test_every_models_counters_and_gauges_exist_at_zero_from_load_its_histograms_once_it_serves(
+    checkpoints_dir,
+) -> None:
     app = create_app(make_settings(checkpoints_dir))
     with TestClient(app) as client:
         app.state.engine.wait_loaded()
         text = client.get("/metrics").text
+        client.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0110"]})
+        served = client.get("/metrics").text
+    assert "regularlm_e2e_request_latency_seconds_count{" not in text
+    assert 'regularlm_e2e_request_latency_seconds_count{model_name="parity-lrnn"} 1.0' in served
     for model in sorted(TRANSDUCERS) + sorted(LANGUAGE_MODELS):
-        assert f'regularlm_e2e_request_latency_seconds_count{{model_name="{model}"}} 0.0' in text
         assert f'regularlm_generation_tokens_total{{model_name="{model}"}} 0.0' in text
         assert f'regularlm_num_requests_waiting{{model_name="{model}"}} 0.0' in text
         for reason in ("stop", "length", "abort", "error"):
