@@ -174,9 +174,11 @@ class SequenceModel(nn.Module, ABC):
 
     def run_in_slices(
         self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
-    ) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Compute one input in slices of about ``slice_flops`` each, yielding after every slice, so that a
-        caller can interleave other work and stop between slices (close the generator).
+    ) -> Generator[float, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Compute one input in slices of about ``slice_flops`` each, yielding after every slice (the last one
+        included) the multiply-adds that slice did, so that a caller can interleave other work, time each slice
+        against the work it really did, and stop between slices (close the generator). Once every slice has run,
+        the generator returns without more work.
 
         tokens: (1, T). Returns (final logits (output_size,), per-position logits argmax (T,) when
         ``all_outputs`` else None), equal to ``final_logits``/``forward``. The default, for causal models,
@@ -192,9 +194,8 @@ class SequenceModel(nn.Module, ABC):
             if all_outputs:
                 labels.append(logits[0].argmax(-1))
             last = logits[0, -1]
+            yield self.cost("cached", 1, chunk, context=position).flops
             position += chunk
-            if position < length:
-                yield
         return last, torch.cat(labels) if all_outputs else None
 
     def slices_cost(

@@ -91,17 +91,18 @@ def drain(pieces: Pieces[R]) -> R:
             return stop.value
 
 
-def in_slices(pieces: Pieces[R], slice_flops: float) -> Generator[None, None, R]:
-    """Run ``pieces`` in slices of at most ``slice_flops`` multiply-adds (a larger piece alone), yielding between
-    slices; returns its result."""
+def in_slices(pieces: Pieces[R], slice_flops: float) -> Generator[float, None, R]:
+    """Run ``pieces`` in slices of at most ``slice_flops`` multiply-adds (a larger piece alone), yielding after
+    each slice, the last one included, the multiply-adds it did; then returns the result."""
     done = 0.0
     while True:
         try:
-            flops = next(pieces)
+            flops = next(pieces)  # the next piece's multiply-adds; it runs at the following next()
         except StopIteration as stop:
+            yield done
             return stop.value
         if done and done + flops > slice_flops:
-            yield
+            yield done
             done = 0.0
         done += flops
 
@@ -349,7 +350,7 @@ class ExactTransformer(SequenceModel):
 
     def run_in_slices(
         self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
-    ) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
+    ) -> Generator[float, None, tuple[torch.Tensor, torch.Tensor | None]]:
         """tokens: (1, T), in slices of at most about ``slice_flops`` multiply-adds. Outputs "final": one encoder
         pass whose attention runs in query chunks, a slice ending between chunks or layers; ``all_outputs``: one
         pass per prefix, a slice ending between prefixes or inside a large one. Returns what

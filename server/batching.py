@@ -152,7 +152,7 @@ class LongTransduce:
 
     def __init__(self, item: TransduceItem) -> None:
         self.item = item
-        self._slices: Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._slices: Generator[float, None, tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self.output: TransduceOutput | None = None
 
     @property
@@ -160,20 +160,21 @@ class LongTransduce:
         return self._slices is not None or self.output is not None
 
     @torch.inference_mode()
-    def advance(self) -> bool:
-        """Run the next slice; True once the output is ready."""
+    def advance(self) -> float:
+        """Run the next slice; returns the multiply-adds it did (what the caller times it against: the slice planned
+        when the input started, not the slice the speed measured since gives). The call after the last slice does no
+        model work (0.0) and sets ``output``."""
         if self._slices is None:
             served = self.item.job.served
             tokens = padded([self.item.tokens]).to(served.model.device)  # (1, T)
             self._slices = served.model.run_in_slices(tokens, self.item.job.all_outputs, served.budget.slice_flops)
         try:
-            next(self._slices)
+            return next(self._slices)
         except StopIteration as finished:
             final_logits, labels = finished.value  # (L,), (T,) or None
             self.output = _outputs(final_logits[None], None if labels is None else [labels.tolist()])[0]
             self._slices = None
-            return True
-        return False
+            return 0.0
 
     def close(self) -> None:
         """Stop computing (the request is gone): frees what the slices hold."""

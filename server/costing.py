@@ -4,7 +4,9 @@ limits that admission enforces (413) and the slices the scheduler cuts work into
 Every model declares what its calls cost (``model.base.Cost``: multiply-adds and peak bytes, for the path it
 really runs at that size). The server turns multiply-adds into seconds with a rate it measures per model: a
 calibration call at load, then an exponential average over every model call it times that is large enough to
-be compute-bound (``MIN_TIMED_FLOPS``). From these:
+be compute-bound (``MIN_TIMED_FLOPS``), each against the work it did (a slice of a long input reports its own:
+timed against the slice the speed gives now, which moves with every observation, the average ran away to 0 over
+one long input and the next one then looked short and ran whole, issue 30). From these:
 
 - a **slice** is about ``settings.slice_ms`` of one model's work: transduce batches are planned to fit one, a
   longer input runs through ``model.run_in_slices`` with ``slice_flops`` per slice, and prefill chunks are cut

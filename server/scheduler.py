@@ -126,7 +126,9 @@ class Scheduler:
         inbox: queue.SimpleQueue,
         postman: Postman,
         memory_budget: int,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``clock``: seconds, what model calls and slices are timed with (a test drives a fake one)."""
         self.settings, self.metrics, self.state_cache, self.inbox, self.postman = (
             settings,
             metrics,
@@ -134,6 +136,7 @@ class Scheduler:
             inbox,
             postman,
         )
+        self.clock = clock
         self.fair = FairShare()
         self.memory = MemoryLedger(memory_budget)
         self.short: list[TransduceItem] = []  # short transduce inputs being gathered
@@ -148,14 +151,18 @@ class Scheduler:
 
     def loop(self) -> None:
         while self._receive():
-            self._drop_cancelled()
-            self._run_transduce()
-            self._schedule()
-            self._prefill()
-            self._decode()
-            self.fair.keep_only(self._active_flows())
-            self.postman.flush()
+            self.iteration()
         self._fail_all(Unavailable("the server is shutting down"))
+        self.postman.flush()
+
+    def iteration(self) -> None:
+        """Steps 2-7 of the module docstring, on the work already received."""
+        self._drop_cancelled()
+        self._run_transduce()
+        self._schedule()
+        self._prefill()
+        self._decode()
+        self.fair.keep_only(self._active_flows())
         self.postman.flush()
 
     # --- intake -------------------------------------------------------------------------------------------
@@ -248,9 +255,9 @@ class Scheduler:
             job = long.item.job
             order = (self.fair.priority([job.flow]), job.service, job.times.arrival)
             units.append((*order, lambda long=long: self._run_slice(long)))
-        started = time.perf_counter()
+        started = self.clock()
         for *_, run in sorted(units, key=lambda unit: unit[:3]):
-            if time.perf_counter() - started >= self.settings.slice_ms / 1000:
+            if self.clock() - started >= self.settings.slice_ms / 1000:
                 break
             run()
         self._drop_finished_long()
@@ -297,13 +304,13 @@ class Scheduler:
             self.memory.hold(long.item.cost.nbytes)
             if job.times.scheduled is None:
                 self.metrics.scheduled(job.times)
-        served = job.served
         try:
-            seconds, _ = self._timed(served, served.budget.slice_flops, long.advance)
+            seconds, flops = self._clocked(long.advance)
         except Exception as error:
             logger.exception("a slice of a %d-symbol transduce input failed", long.item.length)
             job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
             return
+        self._record(job.served, flops, seconds)  # the work this slice did: the slice's size was fixed at its start
         self.fair.charge({job.flow: 1.0}, seconds)
         job.service += seconds
         if long.output is not None:
@@ -401,12 +408,19 @@ class Scheduler:
     def _timed(self, served: ServedModel, flops: float, call: Callable[[], T]) -> tuple[float, T]:
         """Run a model call of about ``flops`` multiply-adds; record its time (metrics and the model's measured
         speed). Returns (seconds, its result)."""
-        started = time.perf_counter()
+        seconds, result = self._clocked(call)
+        self._record(served, flops, seconds)
+        return seconds, result
+
+    def _clocked(self, call: Callable[[], T]) -> tuple[float, T]:
+        started = self.clock()
         result = call()
-        seconds = time.perf_counter() - started
+        return self.clock() - started, result
+
+    def _record(self, served: ServedModel, flops: float, seconds: float) -> None:
+        """A model call of ``flops`` multiply-adds took ``seconds``: metrics and the model's measured speed."""
         self.metrics.model_executed(served.id, seconds)
         served.budget.speed.observe(flops, seconds)
-        return seconds, result
 
     def _guarded(self, sequences: list[Sequence], call: Callable[[], object], flops: float = 0.0) -> float:
         """Run a model call for ``sequences``; if it raises, only they fail. Returns its seconds."""

@@ -13,7 +13,7 @@ import torch
 
 from model.base import Cost
 from model.checkpoint import load_checkpoint
-from server.batching import TransduceJob, plan_batches, run_batch
+from server.batching import LongTransduce, TransduceJob, plan_batches, run_batch
 from server.costing import ModelBudget, ModelSpeed
 from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
@@ -22,6 +22,8 @@ from server.settings import Settings
 from server.state_cache import StateCache
 from tests.model.tiny_models import build_tiny
 from tests.server.checkpoints import TRANSDUCERS
+from tests.server.driven import FakeClock, FakeTransducer, receive, transduce_job, transducer
+from tests.server.driven import scheduler as driven_scheduler
 
 
 class CountingModel:
@@ -99,6 +101,29 @@ def test_batched_results_equal_single_inputs(model_id: str, all_outputs: bool, c
             assert output.labels == (logits.argmax(-1).tolist() if all_outputs else None)
 
 
+@pytest.mark.parametrize("model_id", sorted(TRANSDUCERS))
+def test_a_long_input_reports_the_work_of_each_slice(model_id: str, checkpoints_dir: Path) -> None:
+    """Each slice of a causal model's long input returns the multiply-adds of its chunk (what the scheduler times
+    it against), the last included; the call after it does no work and sets the output, the batched path's."""
+    loaded = load_checkpoint(checkpoints_dir / model_id, device="cpu")
+    model = loaded.model
+    slice_flops = model.cost("cached", 1, 10).flops  # chunks of about ten symbols
+    served = SimpleNamespace(id=model_id, model=model, budget=budget(model, slice_flops=slice_flops))
+    (item,) = job(model_id, [95], served=served).items()
+    long, reported = LongTransduce(item), []
+    while long.output is None:
+        reported.append(long.advance())
+    chunks, position = [], 0
+    while position < 95:
+        chunks.append(model.chunk_length(slice_flops, position, 95 - position))
+        position += chunks[-1]
+    assert len(chunks) > 5 and reported[-1] == 0.0
+    assert reported[:-1] == [model.cost("cached", 1, chunk, start).flops for chunk, start in
+                             zip(chunks, [sum(chunks[:index]) for index in range(len(chunks))])]  # fmt: skip
+    (whole,) = run_batch(job(model_id, [95], served=served).items())
+    assert long.output.final == whole.final and long.output.confidence == pytest.approx(whole.confidence, abs=1e-5)
+
+
 def scheduler(batch_wait_ms: float = 50.0) -> Scheduler:
     settings = Settings(models=Path("unused"), batch_wait_ms=batch_wait_ms)
     return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), 2**30)
@@ -152,3 +177,30 @@ def test_context_costs_go_through_the_budgets_memo_as_the_speed_moves() -> None:
         answer = model_budget.context_cost(1000 - step)
         assert answer == model.slices_cost(1023, False, model_budget.slice_flops, formulas)
     assert first > 5 and len(calls) < 2 * first  # 12 and 12 here; through the formulas themselves 612
+
+
+def test_long_inputs_in_turn_each_run_in_slices_beside_a_short_request() -> None:
+    """Issue 30 point 3: three long inputs in turn, each sent with a short request, on a model 4x faster than the speed
+    measured at load. Each long input runs in slices and the short request waits for at most one of them; once
+    each ends, the ledger holds nothing, no flow keeps a share, and the measured speed is the model's true one.
+    (Timing each slice against the slice the speed gives now, not the work the slice did, sent the speed to 0:
+    the second input then looked short and ran whole, 1 s, before the short request.)"""
+    clock = FakeClock()
+    model = FakeTransducer(clock, seconds_per_flop=1e-9)
+    served = transducer("m", model, measured_seconds_per_flop=4e-9)  # a 50 ms slice: 12,500 symbols at first
+    worker = driven_scheduler(clock)
+    for turn in range(3):
+        long, short = transduce_job(served, 1_000_000, clock), transduce_job(served, 4, clock)  # 1 s and 4 us
+        sent, slices_before = clock.now, len(model.slices)
+        receive(worker, long, short)
+        assert [long_input.item.job for long_input in worker.long] == [long]  # sliced, not batched
+        while not short.done:
+            worker.iteration()
+        answered_at, _ = short.mailbox.items[0]
+        assert answered_at - sent <= 0.05 + 1e-3  # one slice of the long input at most
+        assert not long.done and worker.memory.held == 1_000_000  # the long input's bytes, held while it runs
+        while not long.done:
+            worker.iteration()
+        assert len(model.slices) - slices_before >= 20
+        assert worker.memory.held == 0 and worker.fair.service == {} and not worker.long
+        assert served.budget.speed.seconds_per_flop == pytest.approx(1e-9, rel=1e-3)

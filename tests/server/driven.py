@@ -1,0 +1,107 @@
+"""The scheduler driven by hand, one iteration at a time, on a fake clock that the model calls advance by the work
+they do: what runs when is then decided by the scheduler's rules alone, whatever the machine (no sleeps, no timing).
+"""
+
+from __future__ import annotations
+
+import queue
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from model.base import Cost
+from server.batching import TransduceJob
+from server.costing import ModelBudget, ModelSpeed
+from server.mailbox import Postman
+from server.metrics import RequestTimes, ServerMetrics
+from server.scheduler import Scheduler
+from server.settings import Settings
+from server.state_cache import StateCache
+
+
+@dataclass
+class FakeClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class Recorder:
+    """A mailbox that keeps what is put into it, with the clock's time."""
+
+    clock: FakeClock
+    items: list[tuple[float, object]] = field(default_factory=list)
+
+    def put(self, item: object) -> None:
+        self.items.append((self.clock.now, item))
+
+    def put_many(self, items: list[object]) -> None:
+        for item in items:
+            self.put(item)
+
+
+class FakeTransducer:
+    """A transducer whose calls cost ``FLOPS_PER_SYMBOL`` multiply-adds and one byte per symbol and take
+    ``seconds_per_flop`` each on ``clock``: really that fast, whatever the speed the server measured at load. Its long
+    inputs run in slices as ``SequenceModel.run_in_slices`` says (the slice fixed when the input starts; each slice
+    reports the work it did)."""
+
+    FLOPS_PER_SYMBOL = 1000
+    device = torch.device("cpu")
+
+    def __init__(self, clock: FakeClock, seconds_per_flop: float) -> None:
+        self.clock, self.seconds_per_flop = clock, seconds_per_flop
+        self.slices: list[float] = []  # the multiply-adds of every slice run
+
+    def cost(self, path: str, rows: int, length: int, context: int = 0) -> Cost:
+        return Cost(flops=rows * length * self.FLOPS_PER_SYMBOL, nbytes=rows * length)
+
+    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float, cost=None) -> Cost:
+        return self.cost("final", 1, length)
+
+    def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        self.clock.advance(self.cost("final", *tokens.shape).flops * self.seconds_per_flop)
+        return torch.zeros(tokens.shape[0], 2)  # (B, L)
+
+    def run_in_slices(self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float):
+        done, length = 0, tokens.shape[1]
+        while done < length:
+            symbols = min(max(1, int(slice_flops) // self.FLOPS_PER_SYMBOL), length - done)
+            flops = self.cost("final", 1, symbols).flops
+            self.clock.advance(flops * self.seconds_per_flop)
+            self.slices.append(flops)
+            done += symbols
+            yield float(flops)
+        return torch.zeros(2), None
+
+
+def transducer(model_id: str, model, measured_seconds_per_flop: float, slice_s: float = 0.05) -> SimpleNamespace:
+    """A served transducer whose speed was measured (at load) as ``measured_seconds_per_flop``."""
+    budget = ModelBudget(model, ModelSpeed(measured_seconds_per_flop), slice_s, memory_budget=2**40, max_job_seconds=1e9)
+    return SimpleNamespace(id=model_id, model=model, budget=budget)
+
+
+def transduce_job(served, length: int, clock: FakeClock, flow: str = "client") -> TransduceJob:
+    inputs = [array("i", [position % 2 for position in range(length)])]
+    return TransduceJob(served, inputs, False, RequestTimes(served.id), Recorder(clock), flow)
+
+
+def scheduler(clock: FakeClock, **settings) -> Scheduler:
+    """A scheduler on ``clock``; transduce inputs are batched at once (no gathering window)."""
+    settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, **settings})
+    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), 2**40, clock)
+
+
+def receive(worker: Scheduler, *work: object) -> None:
+    """Hand ``work`` to the worker as if it had just arrived (the worker does not run)."""
+    for each in work:
+        worker.inbox.put(each)
+    worker._receive()
