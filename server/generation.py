@@ -82,6 +82,8 @@ class Sequence:
         self.served, self.request, self.mailbox, self.index = served, request, mailbox, index
         self.flow = flow  # who asked (the scheduler's fairness key)
         self.reserved_bytes = 0  # memory held for its cache while it runs (the scheduler's ledger)
+        self.service = 0.0  # model seconds spent on it so far (the scheduler's fairness)
+        self.prefill_resumes_at = 0.0  # the scheduler's clock: until then its prefill yields to less-served sequences
         self.times = RequestTimes(served.id)
         self.generator = request.sampling.generator()
         self.assembler = TextAssembler(served.tokenizer, request.stop)

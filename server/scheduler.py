@@ -9,7 +9,8 @@ iteration, and one decode step per model per iteration (``server/generation.py``
 2. drops work whose client went away (a long transduce stops before its next slice);
 3. runs transduce units for about one slice in all, in fair order;
 4. admits waiting sequences, in fair order, up to ``max_running`` and while their memory fits;
-5. prefills up to ``prefill_chunk_tokens`` prompt tokens, in fair order, chunks of one model and length batched;
+5. prefills up to ``prefill_chunk_tokens`` prompt tokens for about one slice, in fair order, chunks of one model
+   and length batched;
 6. runs one decode step per model and context class over its decoding sequences (continuous batching: a
    sequence joins the batch after its prefill and leaves it when it finishes, whatever its length and
    architecture; a class holds the sequences whose prompt + max_tokens have one bit length, so that the
@@ -20,9 +21,13 @@ iteration, and one decode step per model per iteration (``server/generation.py``
 is taken least-served flow first, then, within a flow, least-served request first, then oldest: a flow's
 service is the model seconds spent on its work while it had work queued (a batch charges its flows and
 requests in proportion to their symbols); a flow with nothing queued is forgotten. So a short request goes
-ahead of a 100k-symbol input that is running, whoever sent them, and two heavy clients alternate. Prefill
-and admission take the least-served flow first, then the oldest. Decode is not rationed: every running
-sequence steps every iteration.
+ahead of a 100k-symbol input that is running, whoever sent them, and two heavy clients alternate. Admission
+and prefill take the least-served flow first, then the least-served sequence (its prefill chunks and its share
+of the decode steps), then the oldest; and a prefilling sequence served more than a slice beyond the least-served
+running sequence yields to it, so that a short request beside a long prompt is prefilled and decoded as if alone
+once the slice in progress ends, but for no longer than the prompt's last round took: a long prompt keeps half
+the engine however many short requests come. Decode is not rationed: every running sequence steps every
+iteration.
 
 **Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens,
 padded to its context class; a long transduce: what its slices keep) and the call in progress its activations,
@@ -333,12 +338,18 @@ class Scheduler:
     def _decoding_sequences(self) -> list[Sequence]:
         return [sequence for batch in self.decoding.values() for sequence in batch.sequences]
 
+    def _sequences_running(self) -> list[Sequence]:
+        return [*self.prefilling, *self._decoding_sequences()]
+
     def _running(self) -> int:
         return len(self.prefilling) + sum(map(len, self.decoding.values()))
 
     def _fair_order(self, sequences: Iterable[Sequence]) -> list[Sequence]:
-        """Least-served flow first, then oldest."""
-        return sorted(sequences, key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.times.arrival))
+        """Least-served flow first, then least-served sequence, then oldest."""
+        return sorted(
+            sequences,
+            key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.service, sequence.times.arrival),
+        )
 
     def _schedule(self) -> None:
         """Admit waiting sequences, least-served flow first, while there is room and memory."""
@@ -358,23 +369,40 @@ class Scheduler:
         self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in admitted)
 
     def _prefill(self) -> None:
-        """Chunks for the least-served prefilling sequences within the token budget, batched by model, context class
-        and chunk length."""
+        """Chunks for the prefilling sequences in fair order, within the token budget and about one slice of time,
+        batched by model, context class and chunk length. A sequence served more than a slice beyond the
+        least-served running one (prefilling or decoding) yields to it, so that a short request is prefilled and
+        decoded beside a long prompt as if alone, once the slice in progress ends; but it waits no longer than its
+        last round took, so that a long prompt keeps half the engine however many short requests come."""
+        slice_seconds = self.settings.slice_ms / 1000
+        now = self.clock()
+        least_served = min((sequence.service for sequence in self._sequences_running()), default=0.0)
         budget = self.settings.prefill_chunk_tokens
         groups: dict[tuple[str, int, int], list[Sequence]] = {}  # (model, context class, chunk length)
         for sequence in self._fair_order(self.prefilling):
             if budget <= 0 and sequence.prefilling:
                 break
+            if sequence.service > least_served + slice_seconds and now < sequence.prefill_resumes_at:
+                continue
             length = prefill_length(sequence, budget)
             budget -= length
             groups.setdefault((*_decode_key(sequence), length), []).append(sequence)
+        prefilled = []
         for (*_, length), group in groups.items():
+            if self.clock() - now >= slice_seconds:
+                break  # the rest next iteration
             model = group[0].served.model
             flops = model.cost("cached", len(group), length, context=min(s.prefilled for s in group)).flops
             seconds = self._guarded(
                 group, lambda group=group, length=length: prefill(group, length, self.state_cache, self.metrics), flops
             )
             self.fair.charge({sequence.flow: 1.0 for sequence in group}, seconds)
+            for sequence in group:
+                sequence.service += seconds / len(group)
+            prefilled += group
+        ended = self.clock()
+        for sequence in prefilled:
+            sequence.prefill_resumes_at = ended + (ended - now)
         self._drop_finished_sequences()
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for sequence in self.prefilling:
@@ -387,7 +415,9 @@ class Scheduler:
     def _decode(self) -> None:
         for batch in self.decoding.values():
             sequences = list(batch.sequences)
-            self._guarded(sequences, lambda batch=batch: batch.step(self.metrics))
+            seconds = self._guarded(sequences, lambda batch=batch: batch.step(self.metrics))
+            for sequence in sequences:
+                sequence.service += seconds / len(sequences)
         self._drop_finished_sequences()
 
     def _drop_finished_sequences(self) -> None:

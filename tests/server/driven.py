@@ -13,10 +13,14 @@ from types import SimpleNamespace
 import torch
 
 from model.base import Cost
+from model.cuda_graphs import decoder_for
 from server.batching import TransduceJob
 from server.costing import ModelBudget, ModelSpeed
+from server.generation import Finished, GenerationRequest, Sequence
 from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
+from server.model_store import ServedModel, load_served_model
+from server.sampling import SamplingParams
 from server.scheduler import Scheduler
 from server.settings import Settings
 from server.state_cache import StateCache
@@ -92,6 +96,63 @@ def transducer(model_id: str, model, measured_seconds_per_flop: float, slice_s: 
 def transduce_job(served, length: int, clock: FakeClock, flow: str = "client") -> TransduceJob:
     inputs = [array("i", [position % 2 for position in range(length)])]
     return TransduceJob(served, inputs, False, RequestTimes(served.id), Recorder(clock), flow)
+
+
+def language_model(folder: Path, clock: FakeClock, tokens_per_slice: int, slice_s: float = 0.05) -> ServedModel:
+    """A served language model (eager decode steps) whose every call, prefill chunk or decode step, takes on
+    ``clock`` the time its cost formula gives at the speed measured for it: a chunk of ``tokens_per_slice`` tokens
+    at context 0 takes one slice."""
+    served = load_served_model(folder, "cpu")
+    model = served.model
+    seconds_per_flop = slice_s / model.cost("cached", 1, tokens_per_slice).flops
+    served.budget = ModelBudget(model, ModelSpeed(seconds_per_flop), slice_s, memory_budget=2**40, max_job_seconds=1e9)
+    served.decoder = ClockedDecoder(decoder_for(model, [1], enabled=False), clock, seconds_per_flop)
+    forward = model.forward
+
+    def clocked_forward(tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        if not served.decoder.stepping:  # a step that runs as a chunk of one token is counted once, as a step
+            clock.advance(_call_seconds(model, tokens.shape, cache, seconds_per_flop))
+        return forward(tokens, cache)
+
+    model.forward = clocked_forward
+    return served
+
+
+@dataclass
+class ClockedDecoder:
+    decoder: object
+    clock: FakeClock
+    seconds_per_flop: float
+    stepping: bool = False
+
+    @property
+    def path(self):
+        return self.decoder.path
+
+    def step(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        self.clock.advance(_call_seconds(self.decoder.model, (tokens.shape[0], 1), cache, self.seconds_per_flop))
+        self.stepping = True
+        try:
+            return self.decoder.step(tokens, cache)
+        finally:
+            self.stepping = False
+
+
+def _call_seconds(model, shape: tuple[int, int], cache, seconds_per_flop: float) -> float:
+    """A cached call over ``shape`` (rows, tokens) after the cache's longest row."""
+    context = 0 if cache is None else int(cache.lengths.max())
+    return model.cost("cached", shape[0], shape[1], context).flops * seconds_per_flop
+
+
+def generation(served: ServedModel, prompt: str, max_tokens: int, clock: FakeClock, flow: str = "client") -> Sequence:
+    """A greedy sequence of a byte-level model."""
+    request = GenerationRequest(list(prompt.encode()), max_tokens, SamplingParams(temperature=0.0))
+    return Sequence(served, request, Recorder(clock), flow=flow)
+
+
+def finished_at(sequence: Sequence) -> float | None:
+    """The clock's time at its Finished event, or None."""
+    return next((when for when, (_, event) in sequence.mailbox.items if isinstance(event, Finished)), None)
 
 
 def scheduler(clock: FakeClock, **settings) -> Scheduler:
