@@ -27,7 +27,7 @@ from training.evaluate import Band, combine_reports, draw_bands, evaluate_checkp
 from training.evaluate import protocol_bands, split_lengths
 from training.model_flags import TRAINABLE_ARCHITECTURES, given_model_flags, model_config
 from training.tasks import Task, get_task
-from training.text_cli import add_text_commands
+from training.text_cli import TEXT_COMMANDS, add_text_commands
 from training.train_cli import NewRun, add_training_flags, check_new_run, check_resume_flags, launch
 from training.train_cli import settings_from_args
 from training.transduction import TaskData, TransductionObjective
@@ -37,9 +37,12 @@ PROG = "python -m training"
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
     try:
-        args = _parser().parse_args(_text_route(argv))
+        args = parser.parse_args(_text_route(argv))
         set_threads(args.threads, processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if getattr(args, "resume", False):  # train, text-train
+            check_resume_flags(args, argv, lambda started: parser.parse_args(_text_route(started)))
         return args.run(args, argv)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -66,18 +69,36 @@ def _text_route(argv: list[str]) -> list[str]:
 # ---------------------------------------------------------------- parsers
 
 
+COMMANDS = {  # each command's one-line summary: ``python -m training --help`` lists them, ``<command> --help`` opens with it
+    "train": "train a transducer on a task and write a checkpoint folder",
+    "eval": "final-label accuracy of transducer checkpoints per length band (of a text model: text-eval)",
+    "compile": "compile a DFA JSON file into a checkpoint folder",
+    "upgrade": "rewrite old checkpoints' config.json in the current format",
+    **TEXT_COMMANDS,
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description="Train and evaluate transducers on the tasks of SPEC section 1.")
-    commands = parser.add_subparsers(
-        dest="command", required=True, metavar="{train,eval,compile,upgrade,bpe,text-train,text-eval}")
-    _add_train_parser(commands.add_parser("train", help="train a model and write a checkpoint folder"))
-    _add_eval_parser(commands.add_parser("eval", help="final-label accuracy of checkpoints per length band"))
-    compile_parser = commands.add_parser("compile", help="compile a DFA JSON file into a checkpoint folder")
+    width = max(map(len, COMMANDS)) + 2
+    listing = "\n".join(f"  {name:<{width}}{summary}" for name, summary in COMMANDS.items())
+    parser = Parser(prog=PROG, usage=f"{PROG} <command> [flags]", formatter_class=argparse.RawDescriptionHelpFormatter,
+                    description="Train and evaluate transducers on the tasks of SPEC section 1, and language models.\n\n"
+                                f"commands ({PROG} <command> --help lists a command's flags):\n{listing}",
+                    epilog=f"e.g. {PROG} train --help")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="<command>", help=argparse.SUPPRESS)
+
+    def command(name: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, prog=f"{PROG} {name}",
+                                   description=COMMANDS[name][0].upper() + COMMANDS[name][1:] + ".")
+
+    _add_train_parser(command("train"))
+    _add_eval_parser(command("eval"))
+    compile_parser = command("compile")
     add_compile_arguments(compile_parser)  # training/compile_cli.py
     compile_parser.set_defaults(run=lambda args, argv: run_compile(args))
     add_threads(compile_parser)
-    _add_upgrade_parser(commands.add_parser("upgrade", help="rewrite old checkpoints' config.json in this format"))
-    add_text_commands(commands)  # bpe, text-train, text-eval: training/text_cli.py
+    _add_upgrade_parser(command("upgrade"))
+    add_text_commands(command)  # bpe, text-train, text-eval: training/text_cli.py
     return parser
 
 
@@ -154,11 +175,7 @@ def _run_upgrade(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.resume:
-        check_resume_flags(argv)
-        metadata = launch(args, argv, None)
-    else:
-        metadata = launch(args, argv, _new_transduction_run(args))
+    metadata = launch(args, argv, None if args.resume else _new_transduction_run(args))
     if metadata["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         best = metadata.get("best_eval")
         summary = "no evaluation"

@@ -517,15 +517,17 @@ def _save_resume(
     os.replace(temporary, out / RESUME_FILE)
 
 
-def read_resume_state(out: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The JSON state and the tensors of ``out/resume.safetensors``; ResumeError when it is missing or unreadable."""
+def read_resume_state(out: Path, with_tensors: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The JSON state and the tensors (none unless ``with_tensors``) of ``out/resume.safetensors``; ResumeError when it
+    is missing or unreadable."""
     path = Path(out) / RESUME_FILE
     if not path.is_file():
         raise ResumeError(f"{path}: missing; there is no run to resume in {out}")
     try:
         with safe_open(str(path), framework="pt") as handle:
             state = json.loads((handle.metadata() or {})["state"])
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+            names = handle.keys() if with_tensors else []
+            tensors = {name: handle.get_tensor(name) for name in names}
     except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as error:
         raise ResumeError(f"{path}: not a readable resume file (truncated or corrupted?): {error}") from None
     if state.get("format") != RESUME_FORMAT:

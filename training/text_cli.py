@@ -25,7 +25,7 @@ from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig
 from training.arguments import UsageError, add_threads, multiples, positive_float, positive_int, probability
 from training.model_flags import CONFIG_FIELDS, TRAINABLE_ARCHITECTURES, given_model_flags
 from training.text_corpus import DEFAULT_CORPUS
-from training.train_cli import NewRun, add_training_flags, check_new_run, check_resume_flags, launch
+from training.train_cli import NewRun, add_training_flags, check_new_run, launch
 from training.train_cli import settings_from_args
 
 if TYPE_CHECKING:
@@ -34,11 +34,19 @@ if TYPE_CHECKING:
 Runner = Callable[[argparse.Namespace, list[str]], int]
 
 
-def add_text_commands(commands: argparse._SubParsersAction) -> None:
-    """Register ``bpe``, ``text-train`` and ``text-eval`` on the ``python -m training`` subparsers."""
-    _add_bpe_parser(commands.add_parser("bpe", help="train a byte-level BPE and write a .tiktoken ranks file"))
-    _add_train_parser(commands.add_parser("text-train", help="train a language model on text"))
-    _add_eval_parser(commands.add_parser("text-eval", help="last-token perplexity against context length"))
+TEXT_COMMANDS = {  # name: one-line summary
+    "bpe": "train a byte-level BPE and write a .tiktoken ranks file",
+    "text-train": "train a language model on text and write a checkpoint folder",
+    "text-eval": "last-token perplexity of language models against context length",
+}
+
+
+def add_text_commands(command: Callable[[str], argparse.ArgumentParser]) -> None:
+    """Fill in the parsers of ``bpe``, ``text-train`` and ``text-eval``; ``command(name)``: a new subcommand's parser
+    of ``python -m training``."""
+    _add_bpe_parser(command("bpe"))
+    _add_train_parser(command("text-train"))
+    _add_eval_parser(command("text-eval"))
 
 
 def _guarded(run: Runner) -> Runner:
@@ -144,11 +152,7 @@ def training_tokenizer(spec: str) -> tuple[Tokenizer, Path | None]:
 
 
 def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.resume:
-        check_resume_flags(argv)
-        metadata = launch(args, argv, None)
-    else:
-        metadata = launch(args, argv, _new_text_run(args))
+    metadata = launch(args, argv, None if args.resume else _new_text_run(args))
     if metadata["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         loss = metadata.get("validation_loss")
         summary = "no validation" if loss is None else f"validation perplexity {math.exp(loss):.2f}"

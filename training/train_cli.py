@@ -3,9 +3,11 @@
 Both subcommands take the same optimisation, evaluation and run flags, with their own defaults (a transducer:
 batch 128, Adam at 3e-4, constant rate; a language model: batch 16, AdamW at 1e-3 with betas (0.9, 0.95) and
 weight decay 0.1, 100 warm-up steps, cosine to 10%). ``--resume --out DIR`` continues the run in DIR with the
-settings it was started with; only what does not change the result may be given with it (``--threads``,
-``--time-budget``, ``--device``, ``--progress``), and ``--steps`` to go on past a finished run. Bad input exits
-with status 2 and one line on stderr (training/cli.py).
+settings it was started with. What does not change the result may take any value with it (``--threads``,
+``--time-budget``, ``--device``, ``--progress``, and ``--steps`` to go on past a finished run); any other flag
+must have the value the run started with, so that a job script retried with ``--resume`` appended (what a
+cluster scheduler does on requeue) goes on, and a flag that differs is refused, named with both values. Bad
+input exits with status 2 and one line on stderr (training/cli.py).
 """
 
 from __future__ import annotations
@@ -93,12 +95,50 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     parser.set_defaults(**defaults)
 
 
-def check_resume_flags(argv: list[str]) -> None:
-    """With --resume only :data:`RESUME_FLAGS` may be given: the rest is fixed by the run being resumed."""
+def check_resume_flags(args: argparse.Namespace, argv: list[str],
+                       parse: Callable[[list[str]], argparse.Namespace]) -> None:
+    """With --resume, a flag outside :data:`RESUME_FLAGS` must have the value it had in the command that started
+    the run (``parse``: that command's arguments, as ``argv`` is parsed); one that differs is a UsageError naming
+    the flag, the run's value and the value given."""
     given = sorted({arg.split("=", 1)[0] for arg in argv if arg.startswith("--")} - RESUME_FLAGS)
-    if given:
-        raise UsageError(f"{', '.join(given)} cannot be given with --resume: the run goes on with the settings it "
-                         f"started with; allowed: {', '.join(sorted(RESUME_FLAGS))}")
+    if not given:
+        return
+    try:
+        command = read_resume_state(args.out, with_tensors=False)[0]["command"]
+    except ResumeError as error:
+        raise UsageError(str(error)) from None
+    try:
+        started = parse(_training_arguments(command))
+    except UsageError as error:
+        raise UsageError(f"the command that started the run in {args.out} ({command}) does not parse here ({error}); "
+                         f"give only {', '.join(sorted(RESUME_FLAGS))} with --resume") from None
+    if started.command != args.command:
+        raise UsageError(f"the run in {args.out} was started by {started.command!r}, not {args.command!r} "
+                         f"({command})")
+    differing = []
+    for flag in given:
+        dest = flag[2:].replace("-", "_")
+        ran, asked = getattr(started, dest), getattr(args, dest)
+        if ran != asked:
+            differing.append(f"{flag} is {_shown(asked)} here but was {_shown(ran)} when the run started")
+    if differing:
+        raise UsageError(f"{'; '.join(differing)}: a resumed run goes on with the settings it started with (give "
+                         f"the same values or leave them out; {', '.join(sorted(RESUME_FLAGS))} may differ)")
+
+
+def _training_arguments(command: str) -> list[str]:
+    """The arguments after ``-m training`` in a run's recorded command (``python -m training ...`` or torchrun's)."""
+    words = shlex.split(command)
+    starts = [index + 2 for index in range(len(words) - 1) if words[index:index + 2] == ["-m", "training"]]
+    return words[starts[0]:] if starts else []
+
+
+def _shown(value: Any) -> str:
+    if value is None or value is False:
+        return "not given"
+    if value is True:
+        return "given"
+    return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def check_new_run(args: argparse.Namespace) -> None:
@@ -153,7 +193,7 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             settings, model_config, make_objective = new_run
             objective = _built(lambda: make_objective(settings, dist))
             return train(settings, objective, model_config, args.out, command, dist, options)
-        state, _ = read_resume_state(args.out)
+        state, _ = read_resume_state(args.out, with_tensors=False)
         for option in ("soft_transition_steps", "determinism_weight", "extra_levels"):  # saved before the options
             state["settings"].setdefault(option, 0)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")

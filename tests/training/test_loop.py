@@ -344,9 +344,8 @@ def test_the_time_budget_stops_within_a_step_and_saves(tmp_path: Path, capsys) -
 
 
 BAD_RESUME = {
-    "a setting": (["--lr", "0.1"], "--lr cannot be given with --resume"),
-    "the task": (["--task", "even_pairs"], "--task cannot be given with --resume"),
     "nothing to resume": ([], "resume.safetensors: missing; there is no run to resume"),
+    "a setting, nothing to resume": (["--lr", "0.1"], "resume.safetensors: missing; there is no run to resume"),
 }
 
 
@@ -356,6 +355,31 @@ def test_bad_resume_exits_2_with_one_line(case: str, tmp_path: Path, capsys) -> 
     assert main(["train", "--resume", "--out", str(tmp_path / "none"), *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_run_retried_with_resume_appended_goes_on_and_a_differing_flag_is_named(tmp_path: Path, capsys) -> None:
+    """What a cluster scheduler does on requeue: the job's command again, with --resume appended."""
+    run = tmp_path / "run"
+    assert main(cli_run(run, 6, "--time-budget", "0.001")) == 0
+    cut = load_checkpoint(run).config.metadata["steps"]
+    assert cut < 6
+    capsys.readouterr()
+    differing = cli_run(run, 6, "--resume", "--lr", "0.1", "--dropout", "0.2", "--balanced", "--eval-lengths=20-31")
+    assert main(differing) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    for named in ("--balanced is given here but was not given when the run started",
+                  "--dropout is 0.2 here but was 0.1 when the run started",
+                  "--eval-lengths is 20-31 here but was 20-30 when the run started",
+                  "--lr is 0.1 here but was 0.0003 when the run started"):
+        assert named in err, err
+    assert main(cli_run(run, 6, "--resume", "--task", "even_pairs")) == 2
+    assert "--task is even_pairs here but was parity_check when the run started" in capsys.readouterr().err
+    assert load_checkpoint(run).config.metadata["steps"] == cut  # refused before anything ran
+    assert main(cli_run(run, 6, "--time-budget", "60", "--resume")) == 0
+    assert load_checkpoint(run).config.metadata["steps"] == 6
+    events = [record["event"] for record in log_records(run)]
+    assert events.count("resume") == 1 and events[-1] == "end"
 
 
 def test_a_finished_run_needs_more_steps_to_resume(tmp_path: Path, capsys) -> None:

@@ -94,6 +94,23 @@ def test_time_budget_stops_training(tmp_path, corpus, ranks) -> None:
     assert load_checkpoint(out).config.metadata["stopped"] == "time"
 
 
+def test_text_train_retried_with_resume_appended_goes_on(tmp_path, corpus, ranks, capsys) -> None:
+    """The same flags with --resume are accepted (as typed, or in SPEC's ``train --corpus`` spelling); a flag that
+    differs, or another subcommand's, is refused with what the run started with."""
+    out = tmp_path / "requeued"
+    assert train(out, f"text:{corpus}", ranks, "lrnn", "--time-budget", "0.001") == 0
+    assert load_checkpoint(out).config.metadata["stopped"] == "time"
+    capsys.readouterr()
+    assert train(out, f"text:{corpus}", ranks, "lrnn", "--resume", "--length", "8") == 2
+    assert "--length is 8 here but was 16 when the run started" in capsys.readouterr().err
+    assert main(["train", "--task", "parity_check", "--out", str(out), "--resume"]) == 2
+    assert "was started by 'text-train', not 'train'" in capsys.readouterr().err
+    spec_spelling = ["train", "--corpus", f"text:{corpus}", "--tokenizer", str(ranks), "--arch", "lrnn"]
+    assert main([*spec_spelling, "--out", str(out), "--resume", "--time-budget", "0.001", "--no-progress"]) == 0
+    assert train(out, f"text:{corpus}", ranks, "lrnn", "--resume") == 0
+    assert load_checkpoint(out).config.metadata["steps"] == 6
+
+
 def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks) -> None:
     out = tmp_path / "model"
     assert train(out, f"text:{corpus}", ranks, "regulargpt") == 0

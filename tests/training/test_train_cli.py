@@ -144,6 +144,21 @@ def test_compile_is_a_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert capsys.readouterr().err.count("\n") == 1
 
 
+def test_top_level_help_has_a_summary_per_command_and_says_where_its_flags_are(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "python -m training <command> --help lists a command's flags" in text
+    for name in ("train", "eval", "compile", "upgrade", "bpe", "text-train", "text-eval"):
+        (line,) = [line for line in text.splitlines() if line.split()[:1] == [name]]
+        assert len(line.split()) >= 5, line  # the name and its summary on one line
+    with pytest.raises(SystemExit):
+        main(["text-train", "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m training text-train ") and "--time-budget" in text
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_agree_and_write_once(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
