@@ -19,6 +19,10 @@ a step and a save); under torchrun every process stops at the same step.
 
 Threads: the command line sets torch's intra-op threads by model/threads.py's rule unless ``--threads``.
 
+Progress (``--progress``, rank 0): a tqdm bar of steps with the loss, accuracy and tokens/s of the last logged
+window; under ``time_budget_s`` it counts to the step the budget ends at, at this invocation's pace so far, when
+that comes before the last step (so its ETA is the budget's, not that of ``--steps 100000``).
+
 The output folder: the checkpoint (``config.json``, ``model.safetensors``: the best weights by the evaluation
 score for a transducer, the latest for a language model; saved at every evaluation too, so a cut run leaves a
 loadable model), ``resume.safetensors`` and the log ``train.jsonl``, one JSON object per line with an ``event``:
@@ -243,8 +247,10 @@ def train(
                threads=options.threads, **objective.start_figures())
     elapsed_before = run.elapsed_s
     window_started, window_tokens = time.perf_counter(), 0
-    bar = tqdm(total=settings.steps, initial=run.step, desc=f"{objective.name} {settings.architecture}",
-               dynamic_ncols=True, disable=not (dist.is_main and options.progress))
+    bar = tqdm(total=settings.steps if options.time_budget_s is None else None,  # under a budget: after a step
+               initial=run.step, desc=f"{objective.name} {settings.architecture}", unit="step", dynamic_ncols=True,
+               disable=not (dist.is_main and options.progress))
+    first_step, loop_started = run.step, time.perf_counter()
     with _stop_signals() as signalled:
         while run.step < settings.steps and run.stopped is None:
             run.step += 1
@@ -258,6 +264,10 @@ def train(
             batch = objective.batch(rng, run.step)
             grad_norm, step_tokens = _train_step(trained, optimizer, batch, settings, run, dist, use_bfloat16)
             window_tokens += step_tokens
+            if options.time_budget_s is not None:
+                now = time.perf_counter()
+                bar.total = progress_total(settings.steps, run.step, (now - loop_started) / (run.step - first_step),
+                                           options.time_budget_s - (now - started))
             bar.update(1)
             run.elapsed_s = elapsed_before + time.perf_counter() - started
             out_of_time = options.time_budget_s is not None and time.perf_counter() - started >= options.time_budget_s
@@ -273,7 +283,8 @@ def train(
                 _write(log, event="train", step=run.step, loss=loss_sum / positions, accuracy=correct / positions,
                        tokens=run.tokens, tokens_per_s=speed, lr=optimizer.param_groups[0]["lr"],
                        grad_norm=grad_norm, elapsed_s=run.elapsed_s, **objective.train_figures(run.step))
-                bar.set_postfix(loss=f"{loss_sum / positions:.4f}", acc=f"{correct / positions:.3f}")
+                bar.set_postfix({"loss": f"{loss_sum / positions:.4f}", "acc": f"{correct / positions:.3f}",
+                                 "tokens/s": f"{speed:,.0f}"})
                 window_started, window_tokens = now, 0
             if settings.eval_every and (run.step % settings.eval_every == 0 or last):
                 best_state = _evaluate(model, objective, settings, run, dist, log, best_state)
@@ -294,6 +305,12 @@ def train(
                best_step=run.best_step, wall_time_s=run.elapsed_s, tokens=run.tokens, param_sha256=digests)
         log.close()
     return metadata
+
+
+def progress_total(steps: int, step: int, seconds_per_step: float, seconds_left: float) -> int:
+    """The step the progress bar counts to, after ``step``: ``steps``, or the step at which the time left ends at
+    the pace so far if that comes first."""
+    return min(steps, step + max(0, math.ceil(seconds_left / max(seconds_per_step, 1e-9))))
 
 
 def _train_step(

@@ -282,6 +282,13 @@ def test_weight_decay_is_only_on_the_matrices_of_linear_maps() -> None:
     assert "blocks.0.attention.heads.c_attn.weight" in decayed
 
 
+def test_the_progress_bar_counts_to_the_step_the_time_budget_ends_at_when_it_comes_first() -> None:
+    assert loop.progress_total(100_000, 10, seconds_per_step=0.5, seconds_left=60.0) == 130
+    assert loop.progress_total(100, 10, seconds_per_step=0.5, seconds_left=60.0) == 100
+    assert loop.progress_total(100_000, 10, seconds_per_step=0.5, seconds_left=-1.0) == 10  # spent: the bar is full
+    assert loop.progress_total(100_000, 10, seconds_per_step=0.0, seconds_left=1.0) == 100_000
+
+
 def test_the_schedule() -> None:
     settings = TrainSettings(architecture="lrnn", steps=10, batch_size=1, lr=1.0, schedule="cosine",
                              warmup_steps=2, min_lr_fraction=0.1)

@@ -111,6 +111,19 @@ def test_text_train_retried_with_resume_appended_goes_on(tmp_path, corpus, ranks
     assert load_checkpoint(out).config.metadata["steps"] == 6
 
 
+def test_the_progress_bar_counts_to_the_time_budget_when_it_ends_first_and_shows_tokens_per_s(
+    tmp_path, corpus, ranks, capsys
+) -> None:
+    out = tmp_path / "timed"
+    assert train(out, f"text:{corpus}", ranks, "lrnn", "--steps", "100000", "--time-budget", "1", "--eval-every", "0",
+                 "--log-every", "1", "--progress") == 0
+    steps = load_checkpoint(out).config.metadata["steps"]
+    bar = capsys.readouterr().err
+    assert "/100000" not in bar
+    last = bar.strip().split("\r")[-1]
+    assert f" {steps}/{steps} [" in last and "tokens/s=" in last, last
+
+
 def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks) -> None:
     out = tmp_path / "model"
     assert train(out, f"text:{corpus}", ranks, "regulargpt") == 0
