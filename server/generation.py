@@ -265,17 +265,40 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     params = [sequence.request.sampling for sequence in sequences]
     adjusted = penalize(masked, params, sequences)  # (B', V); log-probabilities stay the model's
     tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
+    _end_outside_the_vocabulary(sequences, tokens, metrics)
     if masked is not logits:
         _keep_to_the_masks(sequences, adjusted, tokens)
     for row in unusable_rows(logits, tokens):  # NaN or infinite logits (e.g. an overflowed state): that row alone fails
+        if sequences[row].done:
+            continue
         sequence, value = sequences[row], float(logits[row, tokens[row]])
         sequence.abort(metrics, ModelFailure(
             f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
         ))  # fmt: skip
     metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences if not sequence.done])
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
-        if not sequence.done:
+        if sequence.done:
+            continue
+        try:
             _append(sequence, token, logits, row, metrics)
+        except Exception as error:  # its text, log-probability or constraint: this row alone fails
+            logger.exception("a sequence failed on its output token %d", len(sequence.generated))
+            if not sequence.done:
+                sequence.abort(metrics, ModelFailure(f"the model failed: {error}"))
+
+
+def _end_outside_the_vocabulary(sequences: list[Sequence], tokens: list[int], metrics: ServerMetrics) -> None:
+    """Defence in depth: a drawn id outside the model's vocabulary would make the next batched call (indexing the
+    logits, the decode step's embedding) fail for every row; it ends its own sequence instead, and its place in
+    ``tokens`` takes id 0, which nothing reads further."""
+    vocabulary = sequences[0].served.config.model.vocab_size
+    for row, (sequence, token) in enumerate(zip(sequences, tokens)):
+        if not 0 <= token < vocabulary:
+            sequence.abort(metrics, ModelFailure(
+                f"the model failed: output token {len(sequence.generated) + 1} was drawn as id {token}, outside its "
+                f"vocabulary of {vocabulary}"
+            ))  # fmt: skip
+            tokens[row] = 0
 
 
 def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None

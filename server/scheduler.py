@@ -32,7 +32,13 @@ iteration.
 **Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens,
 padded to its context class; a long transduce: what its slices keep) and the call in progress its activations,
 within the budget of ``server/costing.py``; work that does not fit now waits, and admission (the engine)
-refuses with 413 what could never fit. A model call that raises fails only the requests in that call.
+refuses with 413 what could never fit.
+
+**Failures**: a model call that raises fails only what fails alone. A transduce batch's inputs, and the
+sequences of a prefill chunk (whose stacked call works on a copy of their caches), run again one by one, and only
+those that raise by themselves fail. A decode step advances its batch's stacked cache in place, so a step that
+raises fails its batch; what one row could bring into it, a token outside the model's vocabulary, ends that
+sequence when it is sampled (``server/generation.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from model.base import Cost
 from server.batching import LongTransduce, TransduceItem, TransduceJob, batch_cost, plan_batches, run_batch
 from server.costing import context_class
 from server.errors import APIError, ModelFailure, Unavailable
@@ -277,18 +284,28 @@ class Scheduler:
         cost = batch_cost(batch[0], len(batch), max(item.length for item in batch))
         if not self.memory.fits(cost.nbytes):
             return
-        served = batch[0].job.served
         for item in batch:
             if item.job.times.scheduled is None:
                 self.metrics.scheduled(item.job.times)
         running = {id(item) for item in batch}
         self.short = [item for item in self.short if id(item) not in running]
+        self._compute_batch(batch, cost)
+
+    def _compute_batch(self, batch: list[TransduceItem], cost: Cost) -> None:
+        """Run one batch's call (``cost``) and answer its items; if it raises, each item runs alone, and only those
+        that fail alone fail (a batch has no state to roll back)."""
+        served = batch[0].job.served
         try:
             seconds, outputs = self._timed(served, cost.flops, lambda: run_batch(batch))
         except Exception as error:
-            logger.exception("transduce batch of %d inputs failed", len(batch))
-            for item in batch:
-                item.job.fail(ModelFailure(f"the model failed on this batch: {error}"), self.metrics)
+            if len(batch) > 1:
+                logger.warning("a transduce batch of %d inputs failed (%s: %s); each runs alone", len(batch),
+                               type(error).__name__, error)  # fmt: skip
+                for item in batch:
+                    self._compute_batch([item], batch_cost(item, 1, item.length))
+                return
+            logger.exception("a transduce input of %d symbols failed", batch[0].length)
+            batch[0].job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
             return
         flows: dict[str, float] = {}
         symbols = sum(item.length for item in batch)
@@ -394,7 +411,10 @@ class Scheduler:
             model = group[0].served.model
             flops = model.cost("cached", len(group), length, context=min(s.prefilled for s in group)).flops
             seconds = self._guarded(
-                group, lambda group=group, length=length: prefill(group, length, self.state_cache, self.metrics), flops
+                group,
+                lambda group=group, length=length: prefill(group, length, self.state_cache, self.metrics),
+                flops,
+                alone=lambda sequence, length=length: prefill([sequence], length, self.state_cache, self.metrics),
             )
             self.fair.charge({sequence.flow: 1.0 for sequence in group}, seconds)
             for sequence in group:
@@ -452,16 +472,34 @@ class Scheduler:
         self.metrics.model_executed(served.id, seconds)
         served.budget.speed.observe(flops, seconds)
 
-    def _guarded(self, sequences: list[Sequence], call: Callable[[], object], flops: float = 0.0) -> float:
-        """Run a model call for ``sequences``; if it raises, only they fail. Returns its seconds."""
+    def _guarded(
+        self,
+        sequences: list[Sequence],
+        call: Callable[[], object],
+        flops: float = 0.0,
+        alone: Callable[[Sequence], object] | None = None,
+    ) -> float:
+        """Run a model call for ``sequences``; if it raises, only they fail, and given ``alone`` (the call for one
+        of them) only those that fail alone: a sequence the failed call left as it found it (same cache, same
+        position: e.g. a prefill whose stacked call raised works on a copy of the rows) runs again by itself.
+        Returns the seconds spent."""
+        state = [(sequence.cache, sequence.prefilled) for sequence in sequences]
         try:
             return self._timed(sequences[0].served, flops, call)[0]
         except Exception as error:
-            logger.exception("a model call failed for %d sequence(s)", len(sequences))
+            retry = [] if alone is None or len(sequences) == 1 else [
+                sequence for sequence, (cache, prefilled) in zip(sequences, state)
+                if not sequence.done and sequence.cache is cache and sequence.prefilled == prefilled
+            ]  # fmt: skip
+            if retry:
+                logger.warning("a model call for %d sequences failed (%s: %s); %d run again alone", len(sequences),
+                               type(error).__name__, error, len(retry))  # fmt: skip
+            else:
+                logger.exception("a model call failed for %d sequence(s)", len(sequences))
             for sequence in sequences:
-                if not sequence.done:
+                if not sequence.done and sequence not in retry:
                     sequence.abort(self.metrics, ModelFailure(f"the model failed: {error}"))
-            return 0.0
+        return sum(self._guarded([sequence], lambda sequence=sequence: alone(sequence)) for sequence in retry)
 
     def _active_flows(self) -> set[str]:
         flows = {item.job.flow for item in self.short} | {long.item.job.flow for long in self.long}

@@ -89,7 +89,8 @@ class FakeTransducer:
 
 def transducer(model_id: str, model, measured_seconds_per_flop: float, slice_s: float = 0.05) -> SimpleNamespace:
     """A served transducer whose speed was measured (at load) as ``measured_seconds_per_flop``."""
-    budget = ModelBudget(model, ModelSpeed(measured_seconds_per_flop), slice_s, memory_budget=2**40, max_job_seconds=1e9)
+    speed = ModelSpeed(measured_seconds_per_flop)
+    budget = ModelBudget(model, speed, slice_s, memory_budget=2**40, max_job_seconds=1e9)
     return SimpleNamespace(id=model_id, model=model, budget=budget)
 
 
@@ -144,10 +145,25 @@ def _call_seconds(model, shape: tuple[int, int], cache, seconds_per_flop: float)
     return model.cost("cached", shape[0], shape[1], context).flops * seconds_per_flop
 
 
-def generation(served: ServedModel, prompt: str, max_tokens: int, clock: FakeClock, flow: str = "client") -> Sequence:
-    """A greedy sequence of a byte-level model."""
-    request = GenerationRequest(list(prompt.encode()), max_tokens, SamplingParams(temperature=0.0))
+def generation(
+    served: ServedModel, prompt: str | list[int], max_tokens: int, clock: FakeClock, flow: str = "client", **sampling
+) -> Sequence:
+    """A sequence of a byte-level model (a text's bytes, or token ids); greedy unless ``sampling`` says otherwise."""
+    ids = list(prompt.encode()) if isinstance(prompt, str) else prompt
+    request = GenerationRequest(ids, max_tokens, SamplingParams(**{"temperature": 0.0, **sampling}))
     return Sequence(served, request, Recorder(clock), flow=flow)
+
+
+def events(sequence: Sequence) -> list[object]:
+    return [event for _, (_, event) in sequence.mailbox.items]
+
+
+def run_until_done(worker: Scheduler, sequences: list[Sequence], iterations: int = 500) -> None:
+    for _ in range(iterations):
+        if all(sequence.done for sequence in sequences):
+            return
+        worker.iteration()
+    raise AssertionError(f"not done after {iterations} iterations")
 
 
 def finished_at(sequence: Sequence) -> float | None:

@@ -15,6 +15,7 @@ from model.base import Cost
 from model.checkpoint import load_checkpoint
 from server.batching import LongTransduce, TransduceJob, plan_batches, run_batch
 from server.costing import ModelBudget, ModelSpeed
+from server.errors import ModelFailure
 from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
 from server.scheduler import Scheduler
@@ -204,3 +205,34 @@ def test_long_inputs_in_turn_each_run_in_slices_beside_a_short_request() -> None
         assert len(model.slices) - slices_before >= 20
         assert worker.memory.held == 0 and worker.fair.service == {} and not worker.long
         assert served.budget.speed.seconds_per_flop == pytest.approx(1e-9, rel=1e-3)
+
+
+class RefusingLength7(FakeTransducer):
+    """Fails any call that holds an input of 7 symbols."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock, seconds_per_flop=1e-9)
+        self.calls: list[int] = []  # rows of each call
+
+    def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        self.calls.append(tokens.shape[0])
+        if bool((lengths == 7).any()):
+            raise RuntimeError("7 symbols refused")
+        return super().final_logits(tokens, lengths)
+
+
+def test_a_batch_that_fails_fails_only_the_inputs_that_fail_alone() -> None:
+    """Issue 30 point 1: three requests batched together, one of which the model refuses: each input then runs
+    alone, and the other two are answered."""
+    clock = FakeClock()
+    model = RefusingLength7(clock)
+    served = transducer("m", model, measured_seconds_per_flop=1e-9)
+    jobs = [transduce_job(served, length, clock) for length in (5, 7, 6)]  # one bucket, [4, 7]: one batch
+    worker = driven_scheduler(clock)
+    receive(worker, *jobs)
+    worker.iteration()
+    assert model.calls == [3, 1, 1, 1] and all(job.done for job in jobs)
+    answers = [job.mailbox.items[0][1] for job in jobs]
+    assert isinstance(answers[1], ModelFailure)
+    assert answers[1].message == "the model failed on this input: 7 symbols refused"
+    assert [len(answer) for answer in (answers[0], answers[2])] == [1, 1]  # the outputs of their one input

@@ -8,13 +8,17 @@ import json
 
 import pytest
 
-from server.generation import DecodeBatch, GenerationRequest, Sequence, prefill, prefill_length, start
+from server import generation as generation_module
+from server.errors import ModelFailure
+from server.generation import DecodeBatch, Finished, GenerationRequest, Sequence, prefill, prefill_length, start
 from server.metrics import ServerMetrics
 from server.sampling import SamplingParams
 from server.serving import coalesced
 from server.state_cache import StateCache
 from tests.server import reference
 from tests.server.checkpoints import LANGUAGE_MODELS
+from tests.server.driven import FakeClock, events, generation, language_model, receive, run_until_done
+from tests.server.driven import scheduler as driven_scheduler
 
 
 def generate(client, **body) -> dict:
@@ -242,3 +246,82 @@ def test_a_stream_closes_its_source_when_the_client_leaves() -> None:
 
     closed: list[bool] = []
     assert asyncio.run(first_two_then_leave()) == ["a", "b"]
+
+
+def finished(sequence: Sequence) -> bool:
+    return isinstance(events(sequence)[-1], Finished)
+
+
+def failure(sequence: Sequence) -> str:
+    last = events(sequence)[-1]
+    assert isinstance(last, ModelFailure)
+    return last.message
+
+
+def test_a_prefill_call_that_fails_fails_only_the_sequence_that_fails_alone(checkpoints_dir) -> None:
+    """Issue 30 point 1: two prompts prefilled as one call, one of which the model refuses. The stacked call worked on
+    copies of their caches, so each runs again alone: the other one goes on as if it had been alone all along."""
+    clock = FakeClock()
+    served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+    forward, calls = served.model.forward, []
+
+    def refusing_byte_255(tokens, cache=None):
+        calls.append(tokens.shape[0])
+        if tokens.shape[1] > 1 and bool((tokens == 255).any()):
+            raise RuntimeError("byte 255 refused")
+        return forward(tokens, cache)
+
+    served.model.forward = refusing_byte_255
+    alone = generation(served, [97, 98, 99, 100], 6, clock)
+    run_until_done(receive_into(driven_scheduler(clock), alone), [alone])
+    calls.clear()
+    clean, poisoned = generation(served, [97, 98, 99, 100], 6, clock), generation(served, [97, 98, 99, 255], 6, clock)
+    run_until_done(receive_into(driven_scheduler(clock), clean, poisoned), [clean, poisoned])
+    assert calls[:3] == [2, 1, 1]  # the stacked call, then each alone
+    assert finished(clean) and clean.generated == alone.generated
+    assert failure(poisoned) == "the model failed: byte 255 refused"
+
+
+def receive_into(worker, *sequences: Sequence):
+    receive(worker, *sequences)
+    return worker
+
+
+def test_a_token_outside_the_vocabulary_ends_only_its_sequence(checkpoints_dir, monkeypatch) -> None:
+    """Issue 30 point 1: a sampler that draws id V for one row (its third token) ends that sequence with a message;
+    the other rows of its decode batch step on (before, the next step's embedding raised for the whole batch:
+    'the model failed: index out of range in self' for all of them)."""
+    sample, draws = generation_module.sample, {}
+
+    def drawing_the_vocabulary_size_for_seed_13(adjusted, params, generators):
+        tokens = sample(adjusted, params, generators)
+        for row, (parameters, generator) in enumerate(zip(params, generators)):
+            draws[id(generator)] = draws.get(id(generator), 0) + 1
+            if parameters.seed == 13 and draws[id(generator)] == 3:
+                tokens[row] = adjusted.shape[-1]
+        return tokens
+
+    monkeypatch.setattr(generation_module, "sample", drawing_the_vocabulary_size_for_seed_13)
+    clock = FakeClock()
+    served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+    sequences = [generation(served, f"prompt {row}", 8, clock, seed=10 + row) for row in range(5)]
+    worker = receive_into(driven_scheduler(clock), *sequences)
+    run_until_done(worker, sequences)
+    culprit = sequences[3]
+    assert failure(culprit) == "the model failed: output token 3 was drawn as id 256, outside its vocabulary of 256"
+    assert all(finished(sequence) and len(sequence.generated) == 8 for sequence in sequences if sequence is not culprit)
+
+
+def test_a_row_whose_text_fails_ends_alone(checkpoints_dir) -> None:
+    """What one row's bookkeeping raises after sampling (its text, log-probability or constraint) ends that row."""
+    clock = FakeClock()
+    served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+    sequences = [generation(served, f"prompt {row}", 8, clock) for row in range(3)]
+
+    def failing_push(token):
+        raise UnicodeError("cannot decode")
+
+    sequences[1].assembler.push = failing_push
+    run_until_done(receive_into(driven_scheduler(clock), *sequences), sequences)
+    assert failure(sequences[1]) == "the model failed: cannot decode"
+    assert finished(sequences[0]) and finished(sequences[2])
