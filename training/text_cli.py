@@ -192,6 +192,9 @@ def _with_attention_impl(model: torch.nn.Module, attention_impl: str) -> torch.n
     return rebuilt.eval()
 
 
+REPORT_FILE, PERPLEXITY_PLOT, RECEPTIVE_PLOT = "eval.json", "perplexity.png", "receptive_field.png"  # in --out
+
+
 def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_guarded(_run_eval))
     parser.add_argument("--checkpoint", required=True, action="append", type=Path, help="repeat to compare")
@@ -208,9 +211,12 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--receptive-multiple", type=positive_float, default=4.0,
                         help="length of the receptive-field windows in multiples of L_tr")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json", type=Path, help="write the reports (a list) here as JSON")
-    parser.add_argument("--plot", type=Path, help="PNG of perplexity against context length")
-    parser.add_argument("--plot-receptive", type=Path, help="PNG of the receptive-field curves")
+    parser.add_argument("--out", type=Path,
+                        help=f"folder for {REPORT_FILE} (the reports, a list) and the plots (default: "
+                             "runs/text-eval/<checkpoint names joined by '+'>)")
+    parser.add_argument("--plots", action="store_true",
+                        help=f"also write {PERPLEXITY_PLOT} and, with --receptive-field, {RECEPTIVE_PLOT} "
+                             "(matplotlib: the plots extra)")
     parser.add_argument("--attention-impl", choices=("auto", "reference", "fast"),
                         help="RegularGPT: evaluate through this attention implementation instead of the "
                              "checkpoint's (exact either way; reference is O(T^2), fast O(T*C))")
@@ -243,14 +249,17 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"{path}: " + ", ".join(f"{row['length']}: {row['perplexity']:.2f}" for row in reports[-1]["perplexity"]),
               file=sys.stderr)
     print(format_text_table(reports))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(reports, indent=2) + "\n")
-    if args.plot or args.plot_receptive:
+    out = args.out or Path("runs", "text-eval", "+".join(path.resolve().name for path in args.checkpoint))
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / REPORT_FILE]
+    written[0].write_text(json.dumps(reports, indent=2) + "\n")
+    if args.plots:
         from training.text_plots import plot_perplexity, plot_receptive_field
 
-        if args.plot:
-            plot_perplexity(reports, args.plot)
-        if args.plot_receptive:
-            plot_receptive_field(reports, args.plot_receptive)
+        written.append(out / PERPLEXITY_PLOT)
+        plot_perplexity(reports, written[-1])
+        if args.receptive_field:
+            written.append(out / RECEPTIVE_PLOT)
+            plot_receptive_field(reports, written[-1])
+    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0

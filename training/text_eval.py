@@ -13,7 +13,7 @@ from the most recent position back to the earliest and divided by the total, ave
 curve at position p is the share of the gradient that falls on positions p..T-1: a model that uses only a
 local window rises to 1 within that window of the end.
 
-The report (``--json``):
+The report (``eval.json`` in text-eval's ``--out``, a list of these):
 
 .. code-block:: text
 

@@ -1,4 +1,4 @@
-"""``text-eval --plot/--plot-receptive``: PNGs of last-token perplexity against context length and of the
+"""``text-eval --plots``: PNGs of last-token perplexity against context length and of the
 receptive field (cumulative gradient-norm share against position, as regulargpt.txt Fig. 4)."""
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,10 +128,12 @@ def test_the_progress_bar_counts_to_the_time_budget_when_it_ends_first_and_shows
 def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks) -> None:
     out = tmp_path / "model"
     assert train(out, f"text:{corpus}", ranks, "regulargpt") == 0
-    report_path, plot, field_plot = tmp_path / "eval.json", tmp_path / "ppl.png", tmp_path / "field.png"
+    folder = tmp_path / "eval"
     assert main(["text-eval", "--checkpoint", str(out), "--checkpoint", str(out), "--multiples", "1,2,4",
-                 "--targets", "10", "--receptive-field", "3", "--receptive-multiple", "2", "--json", str(report_path),
-                 "--plot", str(plot), "--plot-receptive", str(field_plot), "--threads", "1"]) == 0
+                 "--targets", "10", "--receptive-field", "3", "--receptive-multiple", "2", "--out", str(folder),
+                 "--plots", "--threads", "1"]) == 0
+    assert sorted(path.name for path in folder.iterdir()) == ["eval.json", "perplexity.png", "receptive_field.png"]
+    report_path, plot, field_plot = folder / "eval.json", folder / "perplexity.png", folder / "receptive_field.png"
     reports = json.loads(report_path.read_text())
     assert len(reports) == 2 and reports[0]["perplexity"] == reports[1]["perplexity"]
     report = reports[0]
@@ -147,24 +150,31 @@ def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks) -> None:
     assert math.isclose(field["cumulative"][0], 1.0, rel_tol=1e-5)
     assert all(a >= b - 1e-6 for a, b in zip(field["cumulative"], field["cumulative"][1:]))  # non-increasing
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and field_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    fast_path = tmp_path / "fast.json"  # another attention implementation: the same figures
+    fast_path = tmp_path / "fast"  # another attention implementation: the same figures
     assert main(["text-eval", "--checkpoint", str(out), "--multiples", "1,2,4", "--targets", "10",
-                 "--attention-impl", "fast", "--json", str(fast_path), "--no-progress"]) == 0
-    fast = json.loads(fast_path.read_text())[0]
+                 "--attention-impl", "fast", "--out", str(fast_path), "--no-progress"]) == 0
+    fast = json.loads((fast_path / "eval.json").read_text())[0]
     for row, fast_row in zip(report["perplexity"], fast["perplexity"]):
         assert math.isclose(row["nll"], fast_row["nll"], rel_tol=1e-4)
 
 
-def test_spec_spelling_train_corpus_and_eval_of_a_text_checkpoint(tmp_path, corpus, ranks, capsys) -> None:
-    """SPEC section 3: ``train --corpus PATH`` trains a text model; ``eval`` of one prints perplexity by length."""
+def test_spec_spelling_train_corpus_and_eval_of_a_text_checkpoint(
+    tmp_path, corpus, ranks, capsys, monkeypatch
+) -> None:
+    """SPEC section 3: ``train --corpus PATH`` trains a text model; ``eval`` of one prints perplexity by length and
+    writes its report into runs/text-eval/<checkpoint name>, not the working directory."""
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "spec"
     assert main(["train", "--arch", "lstm", "--corpus", f"text:{corpus}", "--tokenizer", str(ranks), "--out", str(out),
                  "--length", "8", "--steps", "2", "--eval-every", "0", "--no-progress", "--d-model", "8"]) == 0
     assert load_checkpoint(out).config.kind == "generate"
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(out), "--multiples", "1,2", "--targets", "4", "--no-progress"]) == 0
-    table = capsys.readouterr().out
-    assert "| 8 (1x) |" in table and "| 16 (2x) |" in table  # one row of last-token perplexity per length
+    captured = capsys.readouterr()
+    assert "| 8 (1x) |" in captured.out and "| 16 (2x) |" in captured.out  # one row of last-token perplexity per length
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["runs", "spec"]
+    assert json.loads((tmp_path / "runs" / "text-eval" / "spec" / "eval.json").read_text())[0]["train_length"] == 8
+    assert f"wrote {Path('runs', 'text-eval', 'spec', 'eval.json')}" in captured.err
     assert main(["eval", "--checkpoint", str(out), "--protocol", "hard"]) == 2  # a transducer flag: refused
     assert "--protocol" in capsys.readouterr().err
 
