@@ -1,7 +1,7 @@
 """Measured figures of the automaton compiler (docs/exact_results.md, "Automaton compiler"): compile shipped DFA
 files and a 16-state counter into both architectures and check the labels against the DFA on one random string
 of --length symbols (10^5 by default), reporting wrong labels and the smallest logit margin (logit of the right
-label minus the wrong one; the construction aims at training.compiler.LABEL_MARGIN = 20).
+label minus the wrong one; the construction aims at automata.compiler.LABEL_MARGIN = 20).
 
     python -m benchmarks.compiler_sweep [--length 100000] [--automata tomita3 tomita5 d4 parity_check
         even_pair_mod5 counter16] [--archs lrnn regulargpt] [--regulargpt-path auto|forward|final]
@@ -17,9 +17,10 @@ What is checked, per row (the table's "checked" column says which):
   per-position pass over 10^5 symbols of a 16-state DFA would hold ~3.7 GB per activation and take tens of
   minutes on one thread.
 
-Strings are random walks that never enter a state from which no accepting state is reachable (``live_string``):
-uniform strings of most Tomita and Dyck languages fall into a rejecting sink within a few symbols, after which
-every label is "0" and the check says little. Seconds are wall time of the model calls, on whatever CPU runs it.
+Strings are random walks that never enter a state from which no accepting state is reachable
+(``automata.samples.live_string``): uniform strings of most Tomita and Dyck languages fall into a rejecting sink
+within a few symbols, after which every label is "0" and the check says little. Seconds are wall time of the
+model calls, on whatever CPU runs it.
 """
 
 from __future__ import annotations
@@ -32,45 +33,20 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from training.automaton import DFA
-from training.compiler import COMPILERS
-from training.task_automata import AUTOMATA_DIR
+from automata.automaton import DFA
+from automata.compiler import COMPILERS
+from automata.samples import counter, live_string
+from automata.task_automata import AUTOMATA_DIR
 
-COUNTER_STATES = 16  # training.compiler.MAX_REGULARGPT_STATES: the largest DFA the RegularGPT construction takes
+COUNTER_STATES = 16  # automata.compiler.MAX_REGULARGPT_STATES: the largest DFA the RegularGPT construction takes
 FINAL_PREFIXES = (100_000, 65_537, 4_097, 1_000, 1)
 
 
-def counter(states: int) -> dict:
-    """The DFA JSON of counting 1s modulo ``states`` over "01" (every state reachable), accepting at 0."""
-    return {
-        "name": f"counter{states}", "alphabet": "01", "states": [f"q{i}" for i in range(states)], "start": "q0",
-        "accept": ["q0"], "delta": {f"q{i}": {"0": f"q{i}", "1": f"q{(i + 1) % states}"} for i in range(states)},
-    }
-
-
 def load_automaton(name: str) -> DFA:
-    """A file under training/automata, or ``counter<n>``."""
+    """A file under automata/tasks, or ``counter<n>``."""
     if name.startswith("counter"):
         return DFA.from_json(counter(int(name.removeprefix("counter"))))
     return DFA.from_json(AUTOMATA_DIR / f"{name}.json")
-
-
-def live_string(dfa: DFA, length: int, rng: np.random.Generator) -> str:
-    """A random walk on the DFA that never enters a state from which no accepting state can be reached, so long
-    strings keep exercising the automaton (uniform strings of most Tomita and Dyck languages die early)."""
-    live = set(dfa.accept)
-    while True:
-        grown = live | {q for q in dfa.states if any(dfa.delta[q][s] in live for s in dfa.alphabet)}
-        if grown == live:
-            break
-        live = grown
-    state, symbols = dfa.start, []
-    for _ in range(length):
-        choices = [s for s in dfa.alphabet if dfa.delta[state][s] in live] or list(dfa.alphabet)
-        symbol = choices[rng.integers(len(choices))]
-        state = dfa.delta[state][symbol]
-        symbols.append(symbol)
-    return "".join(symbols)
 
 
 def signed_margins(logits: torch.Tensor, accepted: Sequence[bool]) -> torch.Tensor:
@@ -106,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=100_000, help="symbols of the random string")
     parser.add_argument("--automata", nargs="+", default=["tomita3", "tomita5", "d4", "parity_check",
                                                           "even_pair_mod5", f"counter{COUNTER_STATES}"],
-                        help="DFA files under training/automata, or counter<n>")
+                        help="DFA files under automata/tasks, or counter<n>")
     parser.add_argument("--archs", nargs="+", default=sorted(COMPILERS), choices=sorted(COMPILERS))
     parser.add_argument("--regulargpt-path", choices=["auto", "forward", "final"], default="auto")
     parser.add_argument("--forward-budget-mib", type=float, default=1024.0,

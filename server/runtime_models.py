@@ -1,7 +1,7 @@
 """Models added while serving (``POST /v1/models``) and removed (``DELETE /v1/models/{id}``).
 
 A runtime model is a regular expression (over an alphabet) or a DFA (SPEC section 2) compiled into exact weights
-(training/regex.py, training/compiler.py): a transduce model that labels each prefix "1" when the DFA accepts it
+(automata/regex.py, automata/compiler.py): a transduce model that labels each prefix "1" when the DFA accepts it
 (for a regular expression: ``re.fullmatch`` matches it), else "0", at any length. Compiling runs in a thread of
 its own, never the engine's, one at a time, within ``runtime_compile_timeout_s``; the engine then switches the
 model to its serving paths, measures its speed and sets its limits between two of its slices, like a model loaded
@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from automata.automaton import DFA, AutomatonError, AutomatonTooLarge
+from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError
+from automata.regex import regex_dfa
 from model.device import resolve_device
 from server.errors import Conflict, InputTooLarge, InvalidInput
 from server.model_store import ServedModel, served_transducer
 from server.protocol import RuntimeModelRequest
 from server.settings import Settings
-from training.automaton import DFA, AutomatonError, AutomatonTooLarge
-from training.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError
-from training.regex import regex_dfa
 
 RUNTIME_PATH = Path("runtime")  # what a runtime model's ServedModel.path says (it has no folder)
 

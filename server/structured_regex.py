@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import time
 
-from training.regex import REFUSED_CONSTRUCTS, regex_compiler, regex_constants, regex_parser, single_character_item
+from automata.regex import REFUSED_CONSTRUCTS, regex_compiler, regex_constants, regex_parser, single_character_item
 
 LAST_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: no UTF-8 text holds them

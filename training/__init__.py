@@ -1,1 +1,2 @@
-"""Tasks, data, training loops, evaluation and the automaton compiler."""
+"""Tasks, data, training loops, evaluation, the exact transformers' builders and the ``python -m training`` CLI
+(its ``compile`` command runs the automaton compiler of automata/)."""

@@ -1,10 +1,10 @@
-"""``python -m training compile DFA.json --arch lrnn|regulargpt --out DIR`` (SPEC section 3), also runnable as
-``python -m training.compiler ...``: compile a DFA file into a checkpoint folder (training/compiler.py).
-``compile --regex PATTERN --alphabet SYMBOLS`` compiles a regular expression instead: its minimal DFA over the
-alphabet (training/regex.py), labelling each prefix "1" when it fully matches, else "0".
+"""``python -m training compile DFA.json --arch lrnn|regulargpt --out DIR`` (SPEC section 3): compile a DFA file
+into a checkpoint folder (automata/compiler.py). ``compile --regex PATTERN --alphabet SYMBOLS`` compiles a regular
+expression instead: its minimal DFA over the alphabet (automata/regex.py), labelling each prefix "1" when it fully
+matches, else "0".
 
 Exit codes: 0 written; 2 bad input, with one line on stderr: a DFA file that does not parse or validate (the
-:class:`~training.automaton.AutomatonError` message, which names the problem), a DFA the architecture cannot take,
+:class:`~automata.automaton.AutomatonError` message, which names the problem), a DFA the architecture cannot take,
 or an --out folder that already holds a checkpoint (without --overwrite).
 
 The compiled checkpoints shipped under checkpoints/ are written by this command, never by hand; from the
@@ -12,25 +12,24 @@ repository root::
 
     for task in tomita3 tomita4 tomita5 tomita6 d2 d3 d4; do
       for arch in lrnn regulargpt; do
-        python -m training.compiler training/automata/$task.json --arch $arch \\
+        python -m training compile automata/tasks/$task.json --arch $arch \\
           --out checkpoints/$task-$arch-compiled --overwrite
       done
     done
 
-tests/training/test_compiler.py checks that each of them equals a fresh compilation.
+tests/training/test_compile_cli.py checks that each of them equals a fresh compilation.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
+from automata.automaton import DFA, AutomatonError
+from automata.compiler import COMPILERS, CompileError
+from automata.regex import regex_dfa
 from model.checkpoint import CONFIG_FILE, save_checkpoint
-from training.automaton import DFA, AutomatonError
-from training.compiler import COMPILERS, CompileError
-from training.regex import regex_dfa
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,15 +75,3 @@ def _automaton(args: argparse.Namespace) -> DFA:
     if not args.alphabet:
         raise CompileError("--regex needs --alphabet: the symbols the model reads, e.g. --alphabet 01")
     return regex_dfa(args.regex, args.alphabet, args.name)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m training.compiler", description="Compile a DFA JSON file into a checkpoint folder."
-    )
-    add_compile_arguments(parser)
-    return run_compile(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from training.automaton import MooreMachine
+from automata.automaton import MooreMachine
 
 
 class FinalLabelSampler:

@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import accumulate
 
-CYCLE_MOVES = {"0": -1, "1": 0, "2": +1}
-OPERATORS = "+-*"
-DIGITS = "01234"
+from automata.task_automata import CYCLE_MOVES, DIGITS, OPERATORS
 
 
 def _binary(flags: list[bool]) -> list[str]:

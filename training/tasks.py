@@ -16,8 +16,10 @@ from types import MappingProxyType
 
 import numpy as np
 
-from training import labelers, task_automata
-from training.automaton import MooreMachine
+from automata import task_automata
+from automata.automaton import MooreMachine
+from automata.task_automata import DIGITS, OPERATORS
+from training import labelers
 from training.final_label_sampling import FinalLabelSampler
 
 BINARY_LABELS = ("0", "1")
@@ -137,10 +139,10 @@ def _expression(rng: np.random.Generator, length: int, p_one: float | None = Non
     uniform, or "1" with probability ``p_one`` and the other four sharing the rest; operators are uniform."""
     count = (length + 1) // 2
     if p_one is None:
-        operands = _uniform_symbols(labelers.DIGITS)(rng, count)
+        operands = _uniform_symbols(DIGITS)(rng, count)
     else:
-        operands = _skewed_symbols(labelers.DIGITS, rng, count, p_one)
-    operators = _uniform_symbols(labelers.OPERATORS)(rng, len(operands) - 1)
+        operands = _skewed_symbols(DIGITS, rng, count, p_one)
+    operators = _uniform_symbols(OPERATORS)(rng, len(operands) - 1)
     return "".join(digit + operator for digit, operator in zip(operands, operators)) + operands[-1]
 
 
@@ -177,12 +179,12 @@ def _build_tasks() -> dict[str, Task]:
         _regular("even_pairs", "ab", BINARY_LABELS, labelers.even_pairs, task_automata.even_pairs()),
         _regular("cycle_navigation", "012", MOD5_LABELS, labelers.cycle_navigation,
                  task_automata.cycle_navigation()),
-        Task("modular_arithmetic", labelers.DIGITS + labelers.OPERATORS, MOD5_LABELS, DELETANG_TRAIN_LENGTHS,
+        Task("modular_arithmetic", DIGITS + OPERATORS, MOD5_LABELS, DELETANG_TRAIN_LENGTHS,
              labelers.modular_arithmetic, task_automata.modular_arithmetic(),
              draw=_expression, draw_with_final_label=None,  # conditioning would count malformed strings too
              draw_skewed=_expression),
-        _regular("sum_mod5", labelers.DIGITS, MOD5_LABELS, labelers.sum_mod5, task_automata.sum_mod5()),
-        _regular("even_pair_mod5", labelers.DIGITS, BINARY_LABELS, labelers.even_pair_mod5,
+        _regular("sum_mod5", DIGITS, MOD5_LABELS, labelers.sum_mod5, task_automata.sum_mod5()),
+        _regular("even_pair_mod5", DIGITS, BINARY_LABELS, labelers.even_pair_mod5,
                  task_automata.even_pair_mod5()),
         *(_regular(f"d{depth}", "ab", BINARY_LABELS, labelers.dyck(depth), task_automata.dyck(depth),
                    BHATTAMISHRA_TRAIN_LENGTHS) for depth in (2, 3, 4, 12)),

@@ -1,6 +1,6 @@
 """POST /v1/models end to end: how long compiling and installing a runtime model takes against its DFA's states.
 
-For counters modulo n (n states, every one reachable, as DFA JSON; ``benchmarks/compiler_sweep.py``), each cell
+For counters modulo n (n states, every one reachable, as DFA JSON; ``automata/samples.py``), each cell
 posts the model to an in-process app (``TestClient``, one torch thread, CPU) and reports the wall time of the
 request: the compile (DFA -> weights, in a thread of its own) plus the engine's measurement of the new model.
 Median of ``--repeats``; each repeat deletes the model again. RegularGPT takes at most 16 states.
@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from fastapi.testclient import TestClient
 
-from benchmarks.compiler_sweep import counter
+from automata.compiler import MAX_REGULARGPT_STATES
+from automata.samples import counter
 from benchmarks.isolated import banner
 from server.app import create_app
 from server.settings import Settings
-from training.compiler import MAX_REGULARGPT_STATES
 
 
 def post_seconds(client: TestClient, body: dict, repeats: int) -> tuple[float, int]:

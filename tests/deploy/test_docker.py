@@ -97,7 +97,8 @@ def test_every_file_the_images_copy_is_in_the_build_context() -> None:
     patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()]
     patterns = [line for line in patterns if line and not line.startswith("#")]
     sources = build_context_sources()
-    assert {"pyproject.toml", "README.md", "model", "server", "training", "clients", "checkpoints"} <= sources
+    copied = {"pyproject.toml", "README.md", "model", "automata", "server", "training", "clients", "checkpoints"}
+    assert copied <= sources
     for source in sources:
         root = REPO / source
         files = [root] if root.is_file() else [path for path in root.rglob("*") if path.is_file()]

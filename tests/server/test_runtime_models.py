@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from automata.task_automata import AUTOMATA_DIR
 from server.app import create_app
 from tests.server.conftest import make_settings
-from training.task_automata import AUTOMATA_DIR
 
 MULTIPLE_OF_3 = "(0|1(01*0)*1)*"
 

@@ -14,7 +14,7 @@ import pytest
 
 from model.tokenizer import byte_encoding
 from server.structured_regex import PatternError, literal_regex, plain_regex
-from tests.training.test_regex import random_pattern
+from tests.automata.helpers import random_pattern
 
 BYTES = llguidance.tiktoken.lltokenizer_from_encoding(byte_encoding(), n_vocab=257, eos_token=256)
 TRICKY = ["", "a", "K", "k", "\u212a", "\x1c", " ", "\u2028", "\n", "é", "É", "٣", "3", "_", "ß", "SS", "ǅ",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint
-from tests.training.test_train_cli import TINY_LRNN, TINY_RUN, read_log, run_module
+from tests.training.helpers import TINY_LRNN, TINY_RUN, read_log, run_module
 from training.cli import main
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

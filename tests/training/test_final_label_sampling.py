@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from automata.task_automata import dyck, tomita6
 from training.final_label_sampling import FinalLabelSampler
-from training.task_automata import dyck, tomita6
 
 
 def strings_with_final_label(machine, length: int, label: str) -> set[str]:

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from training.automaton import DFA
-from training.task_automata import AUTOMATA_DIR, binary_task_dfas
+from automata.automaton import DFA
+from automata.task_automata import AUTOMATA_DIR, binary_task_dfas
 from training.tasks import TASKS, Task, get_task, sample_batch
 
 SPEC_TASKS = [
@@ -121,7 +121,7 @@ def test_palindrome_has_no_automaton() -> None:
 def test_shipped_dfa_files_are_the_task_automata() -> None:
     files = {path.stem: DFA.from_json(path) for path in AUTOMATA_DIR.glob("*.json")}
     expected = binary_task_dfas()
-    assert files == expected, "regenerate them with: python -m training.task_automata"
+    assert files == expected, "regenerate them with: python -m automata.task_automata"
     assert set(files) == {name for name in REGULAR_TASKS if TASKS[name].labels == ("0", "1")}
     for name, dfa in files.items():
         assert dfa.machine == TASKS[name].automaton

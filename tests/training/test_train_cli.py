@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from model.checkpoint import load_checkpoint
+from tests.training.helpers import TINY_LRNN, TINY_RUN, read_log, run_module
 from training.cli import main
 from training.loop import LOG_FILE, RESUME_FILE, weights_digest
 
-REPO = Path(__file__).resolve().parents[2]
-TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]
-TINY_RUN = ["--batch-size", "4", "--eval-lengths", "41-60", "--eval-samples", "6", "--no-progress"]
 TRAIN_RECORD_KEYS = {"event", "step", "loss", "accuracy", "max_length", "lr", "grad_norm", "elapsed_s", "tokens",
                      "tokens_per_s"}
-
-
-def read_log(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / LOG_FILE).read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +112,6 @@ def test_an_existing_checkpoint_is_kept_without_overwrite(tiny_run: Path, capsys
     assert "already holds a checkpoint; pass --overwrite" in capsys.readouterr().err
 
 
-def run_module(*arguments: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-
-
 def test_entry_point_exits_2_without_a_traceback() -> None:
     result = run_module("-m", "training", "train", "--task", "parity_check", "--arch", "lrnn", "--steps", "0",
                         "--out", "unused")
@@ -134,14 +119,6 @@ def test_entry_point_exits_2_without_a_traceback() -> None:
     assert result.stderr.strip().splitlines() == [
         "error: python -m training train: argument --steps: must be a positive integer, got 0"
     ]
-
-
-def test_compile_is_a_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    dfa = REPO / "training" / "automata" / "tomita4.json"
-    assert main(["compile", str(dfa), "--arch", "lrnn", "--out", str(tmp_path / "compiled")]) == 0
-    assert load_checkpoint(tmp_path / "compiled", device="cpu").config.task == "tomita4"
-    assert main(["compile", str(tmp_path / "missing.json"), "--arch", "lrnn", "--out", str(tmp_path / "x")]) == 2
-    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_top_level_help_has_a_summary_per_command_and_says_where_its_flags_are(capsys) -> None:

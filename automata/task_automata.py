@@ -1,8 +1,9 @@
-"""Moore machines for the regular tasks of SPEC section 1, and the DFA files shipped in ``training/automata``.
+"""Moore machines for the regular tasks of SPEC section 1, and the DFA files shipped in ``automata/tasks``.
 
 Each machine's label after every prefix is the task's label; the tests check them against the reference labelers
-of :mod:`training.labelers`. The binary-label ones are also shipped as DFA JSON files for the compiler;
-``python -m training.task_automata`` rewrites those files from the machines below.
+of training/labelers.py. The binary-label ones are also shipped as DFA JSON files for the compiler (and name the
+task of what it compiles: ``compiler.task_of``); ``python -m automata.task_automata`` rewrites those files from
+the machines below.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-from training.automaton import DFA, MooreMachine
-from training.labelers import CYCLE_MOVES, DIGITS, OPERATORS
+from automata.automaton import DFA, MooreMachine
 
-AUTOMATA_DIR = Path(__file__).parent / "automata"
+AUTOMATA_DIR = Path(__file__).parent / "tasks"
+
+CYCLE_MOVES = {"0": -1, "1": 0, "2": +1}  # the alphabets and moves of SPEC section 1, shared with the labelers
+OPERATORS = "+-*"
+DIGITS = "01234"
 
 
 def _binary(flag: bool) -> str:
@@ -187,11 +191,16 @@ def one() -> MooreMachine:
     )
 
 
-def binary_task_dfas() -> dict[str, DFA]:
-    """The DFA of every regular task whose labels are "0"/"1", by task name: the files in AUTOMATA_DIR."""
+def binary_task_machines() -> dict[str, MooreMachine]:
+    """The machine of every regular task whose labels are "0"/"1", by task name."""
     machines = [parity_check(), even_pairs(), even_pair_mod5(), *(dyck(depth) for depth in (2, 3, 4, 12)),
                 tomita3(), tomita4(), tomita5(), tomita6(), first(), one()]
-    return {machine.name: DFA.from_moore(machine) for machine in machines}
+    return {machine.name: machine for machine in machines}
+
+
+def binary_task_dfas() -> dict[str, DFA]:
+    """The DFA of every regular task whose labels are "0"/"1", by task name: the files in AUTOMATA_DIR."""
+    return {name: DFA.from_moore(machine) for name, machine in binary_task_machines().items()}
 
 
 def write_dfa_files(directory: Path = AUTOMATA_DIR) -> list[Path]:

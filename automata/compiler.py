@@ -41,12 +41,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from automata.automaton import DFA, MooreMachine
+from automata.task_automata import binary_task_machines
 from model.base import SequenceModel
 from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
 from model.lrnn import BlockDiagonalLRNN
 from model.regulargpt import RegularGPT
-from training.automaton import DFA, MooreMachine
-from training.tasks import TASKS
 
 LABELS = ("0", "1")  # label index 1 = accepted
 LABEL_MARGIN = 20.0
@@ -66,7 +66,7 @@ PRODUCT_THRESHOLDS = (1.25, 1.75)
 
 MAX_REGULARGPT_STATES = 16
 """The RegularGPT construction has d_model = 2 n**2 and 2 n**3 + 4 n**2 hidden units, ~8 n**5 weights: 41 MB of
-float32 at n = 16, 32 times more at n = 32. The LRNN construction takes any DFA (training.automaton.MAX_STATES)."""
+float32 at n = 16, 32 times more at n = 32. The LRNN construction takes any DFA (automata.automaton.MAX_STATES)."""
 
 
 class CompileError(ValueError):
@@ -169,17 +169,18 @@ def checkpoint_config(dfa: DFA, architecture: str, model_config: LRNNConfig | Re
     return CheckpointConfig(
         architecture=architecture, model=model_config, kind="transduce", task=task_of(dfa),
         alphabet=dfa.alphabet, labels=LABELS,
-        metadata={"compiled": True, "compiler": "training.compiler", "dfa": dfa.to_json()},
+        metadata={"compiled": True, "compiler": "automata.compiler", "dfa": dfa.to_json()},
     )
 
 
 def task_of(dfa: DFA) -> str | None:
-    """``dfa.name`` if a task of SPEC section 1 has that name, the same alphabet (in the same order: token ids)
-    and the same labels after every non-empty prefix; None otherwise."""
-    task = TASKS.get(dfa.name)
-    if task is None or task.automaton is None or task.alphabet != dfa.alphabet or task.labels != LABELS:
+    """``dfa.name`` if a task of SPEC section 1 with labels ("0", "1") has that name, the same alphabet (in the same
+    order: token ids) and the same labels after every non-empty prefix; None otherwise. Those tasks are the binary
+    task machines (tests/training/test_tasks.py checks them against the task registry)."""
+    task = binary_task_machines().get(dfa.name)
+    if task is None or task.alphabet != dfa.alphabet:
         return None
-    return dfa.name if same_transduction(task.automaton, dfa.machine) else None
+    return dfa.name if same_transduction(task, dfa.machine) else None
 
 
 def same_transduction(first: MooreMachine, second: MooreMachine) -> bool:
@@ -273,9 +274,3 @@ def _hadamard(size: int) -> np.ndarray:
 
 def _next_power_of_two(value: int) -> int:
     return 1 << (value - 1).bit_length()
-
-
-if __name__ == "__main__":
-    from training.compile_cli import main
-
-    raise SystemExit(main())

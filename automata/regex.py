@@ -3,7 +3,7 @@
 A pattern is parsed by Python's own regex parser (``re._parser``: the syntax and every single-character class,
 flag and escape mean exactly what they mean to ``re``), turned into a Thompson NFA, determinised by the subset
 construction over the given alphabet only, and minimised (``MooreMachine.minimal``). The DFA accepts a string
-over the alphabet exactly when ``re.fullmatch(pattern, string)`` matches; tests/training/test_regex.py checks it
+over the alphabet exactly when ``re.fullmatch(pattern, string)`` matches; tests/automata/test_regex.py checks it
 on every prefix of random strings for hand-written and 240 random patterns.
 
 Why not a library: interegular (what outlines uses) builds its automaton over every character before one can
@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from training.automaton import DFA, AutomatonError, AutomatonTooLarge, MooreMachine
+from automata.automaton import DFA, AutomatonError, AutomatonTooLarge, MooreMachine
 
 try:  # Python 3.11+
     from re import _compiler as regex_compiler

@@ -10,8 +10,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from training.automaton import MAX_STATES, DFA, AutomatonError, MooreMachine
-from training.task_automata import AUTOMATA_DIR
+from automata.automaton import MAX_STATES, DFA, AutomatonError, MooreMachine
+from automata.task_automata import AUTOMATA_DIR
 
 SPEC_TOMITA4_TEXT = """
 {"name": "tomita4", "alphabet": "01", "states": ["q0", "q1", "q2", "dead"], "start": "q0",

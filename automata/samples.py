@@ -1,0 +1,36 @@
+"""Automata and strings that exercise compiled models: the counter DFA modulo n (every state reachable) and random
+walks that stay live (uniform strings of most Tomita and Dyck languages fall into a rejecting sink within a few
+symbols, after which every label is "0" and a check says little). Used by the tests and benchmarks/compiler_sweep.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from automata.automaton import DFA
+
+
+def counter(states: int) -> dict:
+    """The DFA JSON of counting 1s modulo ``states`` over "01" (every state reachable), accepting at 0."""
+    return {
+        "name": f"counter{states}", "alphabet": "01", "states": [f"q{i}" for i in range(states)], "start": "q0",
+        "accept": ["q0"], "delta": {f"q{i}": {"0": f"q{i}", "1": f"q{(i + 1) % states}"} for i in range(states)},
+    }
+
+
+def live_string(dfa: DFA, length: int, rng: np.random.Generator) -> str:
+    """A random walk on the DFA that never enters a state from which no accepting state can be reached, so long
+    strings keep exercising the automaton."""
+    live = set(dfa.accept)
+    while True:
+        grown = live | {q for q in dfa.states if any(dfa.delta[q][s] in live for s in dfa.alphabet)}
+        if grown == live:
+            break
+        live = grown
+    state, symbols = dfa.start, []
+    for _ in range(length):
+        choices = [s for s in dfa.alphabet if dfa.delta[state][s] in live] or list(dfa.alphabet)
+        symbol = choices[rng.integers(len(choices))]
+        state = dfa.delta[state][symbol]
+        symbols.append(symbol)
+    return "".join(symbols)

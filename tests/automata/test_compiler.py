@@ -1,0 +1,136 @@
+"""The automaton compiler: compiled LRNN and RegularGPT models compute their DFA's transduction exactly, on every
+short string, on long ones and step by step; they name a task only when the DFA computes it. The command line and
+the shipped compiled checkpoints: tests/training/test_compile_cli.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from automata.automaton import DFA
+from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError, compile_lrnn, compile_regulargpt, task_of
+from automata.samples import counter, live_string
+from model.ops.linear_scan import column_norm_constraint
+from tests.automata.helpers import assert_exact_on_every_string, assert_labels, assert_transduces, encode, load_dfa
+
+SMALL_AUTOMATA = ["parity_check", "tomita3", "tomita4", "tomita5", "tomita6", "d2", "d3", "first", "one", "even_pairs"]
+EXHAUSTIVE_LENGTH = 12
+FIVE_SYMBOL_LENGTH = 5  # 5**5 strings; RegularGPT's d_ff for 11 states is 3146
+
+
+@pytest.mark.parametrize("name", SMALL_AUTOMATA)
+@pytest.mark.parametrize("arch", sorted(COMPILERS))
+def test_exact_on_every_string_up_to_length_12(arch: str, name: str) -> None:
+    dfa = load_dfa(name)
+    assert_exact_on_every_string(COMPILERS[arch](dfa)[0], dfa, EXHAUSTIVE_LENGTH)
+
+
+@pytest.mark.parametrize("arch", sorted(COMPILERS))
+def test_exact_on_every_string_over_five_symbols(arch: str) -> None:
+    """even_pair_mod5 (11 states, alphabet 01234): every string of length 1..FIVE_SYMBOL_LENGTH."""
+    dfa = load_dfa("even_pair_mod5")
+    assert len(dfa.alphabet) == 5
+    assert_exact_on_every_string(COMPILERS[arch](dfa)[0], dfa, FIVE_SYMBOL_LENGTH)
+
+
+@pytest.mark.parametrize("name", ["parity_check", "tomita4", "tomita6", "d3"])
+@pytest.mark.parametrize("arch", sorted(COMPILERS))
+def test_exact_on_long_strings(arch: str, name: str) -> None:
+    dfa = load_dfa(name)
+    model, _ = COMPILERS[arch](dfa)
+    rng = np.random.default_rng(0)
+    assert_transduces(model, dfa, [live_string(dfa, 2049, rng)])  # RegularGPT: 12 thick layers
+    strings = [live_string(dfa, length, rng) for length in (2000, 3333, 5000)]
+    tokens, lengths = encode(dfa, strings)
+    with torch.no_grad():
+        assert_labels(model.final_logits(tokens, lengths), torch.tensor([dfa.run(s)[-1] for s in strings]))
+
+
+@pytest.mark.slow
+def test_exact_at_a_hundred_thousand_symbols() -> None:
+    """float32, 10**5 symbols: per position for both (RegularGPT at 17 thick layers), and final ones."""
+    for name, arch in (("tomita6", "lrnn"), ("parity_check", "regulargpt")):
+        dfa = load_dfa(name)
+        model, _ = COMPILERS[arch](dfa)
+        assert_transduces(model, dfa, [live_string(dfa, 100_000, np.random.default_rng(1))])
+    dfa = load_dfa("d3")
+    string = live_string(dfa, 100_000, np.random.default_rng(2))
+    for compile_dfa in (compile_lrnn, compile_regulargpt):
+        with torch.no_grad():
+            final = compile_dfa(dfa)[0].final_logits(encode(dfa, [string])[0])
+        assert_labels(final, torch.tensor([dfa.run(string)[-1]]))
+
+
+def test_lrnn_state_is_the_one_hot_dfa_state_and_the_constraint_is_a_no_op() -> None:
+    dfa = load_dfa("tomita3")
+    model, _ = compile_lrnn(dfa)
+    string = live_string(dfa, 3000, np.random.default_rng(3))
+    tokens, _ = encode(dfa, [string])
+    block = model.blocks[0]
+    with torch.no_grad():
+        u = block.ln_1(model.embedding(tokens))  # (1, T, d)
+        raw = block.recurrence.transition(u).unflatten(-1, (1, len(dfa.states) + 1, len(dfa.states) + 1))
+        torch.testing.assert_close(column_norm_constraint(raw, model.config.p_norm), raw, rtol=0, atol=0)
+        cache = model.new_cache(batch_size=1)
+        for position, state in enumerate(dfa.machine.trace(string)):
+            model.step(tokens[:, position], cache)
+            expected = torch.zeros(len(dfa.states) + 1)
+            expected[[dfa.states.index(state), len(dfa.states)]] = 1.0  # [e_q; started]
+            torch.testing.assert_close(cache.states[0][0, 0], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", sorted(COMPILERS))
+def test_step_by_step_decoding_gives_the_labels(arch: str) -> None:
+    """Across RegularGPT's depth growths (at 2, 4, ..., 64), after a prefill and from an empty cache."""
+    dfa = load_dfa("tomita5")
+    model, _ = COMPILERS[arch](dfa)
+    string = live_string(dfa, 70, np.random.default_rng(4))
+    tokens, _ = encode(dfa, [string])
+    accepted = torch.tensor(dfa.run(string))
+    for prefill in (0, 5):
+        with torch.no_grad():
+            cache = model.new_cache(batch_size=1)
+            logits = [model(tokens[:, :prefill], cache=cache)[0]] if prefill else []
+            logits += [model.step(tokens[:, t], cache) for t in range(prefill, len(string))]
+        assert_labels(torch.cat(logits), accepted)
+
+
+def test_task_is_named_only_when_the_dfa_computes_it() -> None:
+    dfa = load_dfa("tomita4").to_json()
+    assert task_of(DFA.from_json(dfa)) == "tomita4"
+    assert task_of(DFA.from_json({**dfa, "name": "my_language"})) is None
+    assert task_of(DFA.from_json({**dfa, "accept": dfa["accept"][:-1]})) is None  # another language
+    assert task_of(DFA.from_json({**dfa, "alphabet": "10"})) is None  # other token ids
+    renamed = {**dfa, "states": [f"s{i}" for i in range(4)], "start": "s0", "accept": ["s0", "s1", "s2"],
+               "delta": {f"s{i}": {s: f"s{dfa['states'].index(t)}" for s, t in row.items()}
+                         for i, row in enumerate(dfa["delta"].values())}}
+    assert task_of(DFA.from_json(renamed)) == "tomita4"  # the same transduction under other state names
+
+
+def test_compilation_does_not_depend_on_the_random_seed() -> None:
+    dfa = load_dfa("one")
+    for compile_dfa in (compile_lrnn, compile_regulargpt):
+        torch.manual_seed(0)
+        first = compile_dfa(dfa)[0].state_dict()
+        torch.manual_seed(1)
+        second = compile_dfa(dfa)[0].state_dict()
+        assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_an_arbitrary_dfa_compiles_without_a_task() -> None:
+    dfa = DFA.from_json(counter(7))
+    strings = ["".join(symbols) for symbols in itertools.product(dfa.alphabet, repeat=8)]
+    for compile_dfa in (compile_lrnn, compile_regulargpt):
+        model, config = compile_dfa(dfa)
+        assert config.task is None and config.metadata["dfa"]["name"] == "counter7"
+        assert_transduces(model, dfa, strings)
+
+
+def test_regulargpt_refuses_too_many_states_and_lrnn_takes_them() -> None:
+    dfa = DFA.from_json(counter(MAX_REGULARGPT_STATES + 1))
+    with pytest.raises(CompileError, match="MAX_REGULARGPT_STATES"):
+        compile_regulargpt(dfa)
+    assert_exact_on_every_string(compile_lrnn(dfa)[0], dfa, 8)

@@ -1,0 +1,71 @@
+"""The packages import each other only downwards (docs/architecture.md): every module's imports, read with ast
+(top-level and inside functions), against the rule of its package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("model", "automata", "training", "server", "clients")
+FIRST_PARTY = (*PACKAGES, "benchmarks", "tests")
+ALLOWED = {  # package -> the first-party packages (or modules) its modules may import
+    "model": ("model",),
+    "automata": ("model", "automata"),
+    "training": ("model", "automata", "training"),
+    "server": ("model", "automata", "server"),
+    "clients": ("clients", "server.protocol"),
+}
+STANDALONE = ("server/__init__.py", "server/protocol.py")  # the client imports them: no torch, nothing first-party
+
+
+def imported(path: Path) -> list[str]:
+    """Every module ``path`` imports, as a dotted name: ``import a.b`` gives a.b, ``from a import b`` gives a.b
+    (b may be a module or a name in a), a relative import is resolved against the module's package."""
+    package = path.relative_to(REPO).parent.parts
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # in a/b/c.py, ``from .x import y`` is a.b.x.y and ``from .. import y`` is a.y
+                module = ".".join([*package[: len(package) - node.level + 1], *([module] if module else [])])
+            names += [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def first_party(names: list[str]) -> list[str]:
+    return [name for name in names if name.split(".")[0] in FIRST_PARTY]
+
+
+def allows(rule: tuple[str, ...], name: str) -> bool:
+    return any(name == allowed or name.startswith(f"{allowed}.") for allowed in rule)
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((REPO / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_imports_only_what_its_layer_allows(package: str) -> None:
+    assert modules(package), f"{package}/ has no modules"
+    wrong = [f"{path.relative_to(REPO)} imports {name}" for path in modules(package)
+             for name in first_party(imported(path)) if not allows(ALLOWED[package], name)]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", STANDALONE)
+def test_what_the_client_imports_imports_nothing_of_ours(module: str) -> None:
+    assert first_party(imported(REPO / module)) == []
+
+
+def test_the_rule_sees_the_imports() -> None:
+    """The checker itself: an import of each form is found, and a wrong one is named."""
+    names = imported(REPO / "server" / "runtime_models.py")
+    assert "automata.compiler.COMPILERS" in names and "model.device.resolve_device" in names
+    assert first_party(imported(REPO / "clients" / "client.py")) and allows(ALLOWED["clients"], "server.protocol")
+    assert not allows(ALLOWED["server"], "training.tasks.get_task")
+    assert not allows(ALLOWED["clients"], "server.app.create_app")
