@@ -389,6 +389,14 @@ def test_a_run_retried_with_resume_appended_goes_on_and_a_differing_flag_is_name
     assert events.count("resume") == 1 and events[-1] == "end"
 
 
+def test_the_arguments_of_a_recorded_command_are_found_in_either_launcher_form() -> None:
+    from training.train_cli import _training_arguments, command_line
+
+    for world_size, local_world_size in ((1, 1), (2, 2), (4, 2)):
+        recorded = command_line(["train", "--task", "parity_check", "--corpus", "text:a b"], world_size, local_world_size)
+        assert _training_arguments(recorded) == ["train", "--task", "parity_check", "--corpus", "text:a b"]
+
+
 def test_a_finished_run_needs_more_steps_to_resume(tmp_path: Path, capsys) -> None:
     assert main(cli_run(tmp_path / "run", 3)) == 0
     assert main(["train", "--resume", "--out", str(tmp_path / "run")]) == 2
