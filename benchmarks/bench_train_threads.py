@@ -1,5 +1,5 @@
 """Training speed against torch's thread count, on a quiet machine and beside one busy core: the measurement
-behind model/threads.py's rule (docs/results.md, "Threads").
+behind model/threads.py's rule (docs/benchmarks.md, "Thread policy").
 
 Each cell is a fresh ``python -m training`` process training for ``--steps`` steps (no evaluation) with
 ``--threads N``; "busy" cells run a pure-Python spin loop in another process meanwhile (what a server's event

@@ -76,7 +76,7 @@ class RegularGPTConfig(BaseModelConfig):
     the input were left-padded with a null token (regulargpt.txt footnote 1): a layer can then tell "no
     partner" (the identity of the composition) from "a partner equal to me". "mask" drops the slot, so the query
     attends over fewer keys and those two cases look the same: trained on parity_check, a "mask" model did not
-    get past chance in 1500 steps where a "null" one was at 100% on lengths 41-500 by step 250 (docs/results.md).
+    get past chance in 1500 steps where a "null" one was at 100% on lengths 41-500 by step 250 (2026-11).
     """
 
     n_heads: int = 4

@@ -25,7 +25,7 @@ Implementations, one signature
 positions, beyond it "banded" when the queries reach J >= ``BANDED_MIN_SLOTS`` keys and "fast" below. All are
 exact. The crossovers, measured on this project's 2-core CPU with one thread (``python -m
 benchmarks.bench_dilated_attention --crossover``: the op alone, H = 4, hd = 32, C = J at dilation 1, CPU ms, best
-of five; docs/benchmarks.md, "RegularGPT decode and prefill (issue 18, point 3)"):
+of five; docs/benchmarks.md, "RegularGPT decode and prefill"):
 
 - up to 64 positions the reference's few large matmuls win for training (forward + backward, 4096 / T rows:
   10-18 ms against banded 18-43 and fast 20-830 at T = 16-64); for inference all are below 1.3 ms there.
