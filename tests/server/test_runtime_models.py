@@ -61,8 +61,9 @@ def test_a_dfa_becomes_a_served_model_and_deleting_it_stops_serving_it(runtime_c
     dfa = json.loads((AUTOMATA_DIR / "tomita4.json").read_text())
     assert add(runtime_client, id="t4", dfa=dfa)["status"] == 201
     metrics = runtime_client.get("/metrics").text
-    assert 'regularlm_e2e_request_latency_seconds_count{model_name="t4"}' in metrics
+    assert 'regularlm_request_success_total{finished_reason="stop",model_name="t4"} 0.0' in metrics
     assert transduce(runtime_client, "t4", ["0001", "0010"], "final") == ["0", "1"]  # tomita4: no "000"
+    assert 'regularlm_e2e_request_latency_seconds_count{model_name="t4"} 1.0' in runtime_client.get("/metrics").text
     assert runtime_client.delete("/v1/models/t4").status_code == 200
     response = runtime_client.post("/v1/transduce", json={"model": "t4", "inputs": ["01"]})
     assert response.status_code == 404
