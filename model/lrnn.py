@@ -406,7 +406,7 @@ class LinearRNN(SequenceModel):
         if streaming:
             fused = sum(block.recurrence.fused_step_weights() is not None for block in self.blocks)
             if fused:
-                notes.append(f"{fused} layers step as one compiled call each at 1-{cpu_decode.MAX_ROWS} rows (CPU)")
+                notes.append(f"{fused} layers step as one compiled call each at {cpu_decode.rows_note()} (CPU)")
             notes.append("one-token products through the streaming matrix-vector kernel (CPU, one thread)")
             return [*notes, *super().for_serving()]
         wide = [

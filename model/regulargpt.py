@@ -326,7 +326,7 @@ class RegularGPT(SequenceModel):
             return notes
         if cpu_decode.streams(dtype=self.dtype):
             self._pack_blocks()
-            notes.append(f"thick layers step as one compiled call each at 1-{cpu_decode.MAX_ROWS} rows (CPU)")
+            notes.append(f"thick layers step as one compiled call each at {cpu_decode.rows_note()} (CPU)")
             return [*notes, *super().for_serving()]
         head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
         wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])

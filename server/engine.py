@@ -23,6 +23,7 @@ from typing import Literal, TypeVar
 import torch
 
 from model.cuda_graphs import Decoder, capture_sizes, decoder_for
+from model.ops import cpu_decode
 from model.threads import set_threads
 from server.batching import TransduceJob, TransduceOutput
 from server.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate
@@ -209,7 +210,10 @@ class Engine:
         self.models, self.load_failures = report.models, report.failures
         threads = torch.get_num_threads()
         logger.info("model calls on %d torch thread(s)", set_threads(self.settings.torch_threads))
+        cpu_decode.set_row_invariant(self.settings.batch_invariant)  # before for_serving lays the weights out
         try:
+            if self.settings.batch_invariant:
+                _check_batch_invariant(self.models)
             if self.models:
                 self._measure()
             if not self.models:
@@ -310,3 +314,29 @@ class Engine:
         logger.info("memory budget for running work: %.1f MiB", self.memory_budget / 2**20)
         for served in self.models.values():
             self._set_limits(served, speeds[served.id])
+
+
+# Language models whose decode step is row-wise through model/ops/cpu_decode.py's kernels where batch_invariant is
+# on (tests/server/test_sampling.py). The LSTM (nn.LSTM's products), the transformer (nn.Linear's, and attention over
+# keys padded to the batch's longest row) and the diagonal LRNN are not.
+ROW_INVARIANT_ARCHITECTURES = frozenset({"lrnn", "regulargpt"})
+
+
+def _check_batch_invariant(models: dict[str, ServedModel]) -> None:
+    """``batch_invariant`` holds only where every language model decodes through the CPU kernels
+    (model/ops/cpu_decode.py, "Batch invariance"): the server does not start otherwise."""
+    elsewhere = sorted(model_id for model_id, served in models.items() if served.model.device.type != "cpu")
+    if elsewhere:
+        raise ValueError(f"batch_invariant holds on the CPU only, and {', '.join(elsewhere)} run on another device")
+    if not cpu_decode.kernel_available():
+        raise ValueError("batch_invariant needs the CPU kernels, and numba is not importable")
+    others = sorted(
+        f"{model_id} ({served.config.architecture}, {str(served.model.dtype).removeprefix('torch.')})"
+        for model_id, served in models.items()
+        if served.kind == "generate"
+        and (served.config.architecture not in ROW_INVARIANT_ARCHITECTURES or served.model.dtype != torch.float32)
+    )
+    if others:
+        raise ValueError(
+            f"batch_invariant holds for float32 LRNN and RegularGPT language models only, not {', '.join(others)}"
+        )

@@ -1,15 +1,20 @@
 """Next-token sampling and log-probabilities.
 
 Each request samples with its own CPU ``torch.Generator`` seeded from the request's seed (a random one when
-none is given), so a seeded request gives the same tokens whatever else is decoded beside it. Before the
-filters, ``penalize`` adjusts the logits as vLLM and OpenAI define it: the repetition penalty (vLLM's, as in
-CTRL: a logit of a token seen in the prompt or the output is divided by it when positive, multiplied when
-negative), then OpenAI's ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over the output
-tokens, then ``logit_bias``. Filters are applied in vLLM's order: temperature, then top-k, then top-p (the
-smallest set of tokens whose probability reaches top_p, at least one, and any tied with its least likely; top-k
-likewise keeps ties with its k-th). A decode step samples all its rows at once (``sample``); constrained and free
-rows share the call. Where the logits are on the CPU, the argmax, the k-th largest and the sort are numpy's
-(torch's are 10-20x slower there on one thread: docs/benchmarks.md, "Sampling and the exact models' softmax").
+none is given), and every step below works row by row, so a row's token depends only on its logits, its parameters
+and its generator, whatever else is sampled beside it. Its logits are the same bits in any batch only where the
+server's ``batch_invariant`` holds (model/ops/cpu_decode.py, "Batch invariance"); elsewhere they differ by float
+rounding with the batch, and a seeded text may diverge from its solo run where a draw falls that close to the
+boundary between two tokens (issue 30). Before the filters, ``penalize`` adjusts the logits as vLLM and OpenAI
+define it: the repetition penalty (vLLM's, as in CTRL: a logit of a token seen in the prompt or the output is
+divided by it when positive, multiplied when negative), then OpenAI's ``logit -= frequency_penalty * count +
+presence_penalty * (count > 0)`` over the output tokens, then ``logit_bias``. Filters are applied in vLLM's order:
+temperature, then top-k, then top-p (the smallest set of tokens whose probability reaches top_p, at least one, and
+any tied with its least likely; top-k likewise keeps ties with its k-th). A decode step samples all its rows at once
+(``sample``); constrained and free rows share the call. Where the logits are on the CPU, the argmax, the k-th
+largest and the sort are numpy's (torch's are 10-20x slower there on one thread: docs/benchmarks.md, "Sampling and
+the exact models' softmax"). Any logits give an id of the vocabulary: NaN is never drawn while anything else can
+be, +inf counts as float32's largest, and a row with no finite logit gets 0 (``unusable_rows`` tells the engine).
 """
 
 from __future__ import annotations

@@ -20,6 +20,15 @@ imported and the kernel compiled (~1 s) on first use; without numba, the kernel 
 why once. :func:`torch_products` turns the kernel and the packs off within a block (the reference path, for tests
 and benchmarks).
 
+Batch invariance (:func:`set_row_invariant`, the server's ``batch_invariant``): the kernels compute each row by the
+same arithmetic whatever the other rows, but MKL's and oneDNN's products do not (at one thread this torch's MKL gave
+other bits at 1-3 rows than at 4 or more; at two threads at most row counts below 12), so a sequence's logits
+changed by float rounding when its decode batch crossed :data:`MAX_ROWS` (issue 30: a seeded text-regulargpt sample
+diverged from its solo run beside ten others). Where it is on, a decode step's products and layer steps run through
+the kernels at any rows, weight size and thread count: a row's logits are then bit for bit the same in any batch
+(tests/model/test_cpu_decode.py, tests/server/test_sampling.py), at the kernels' speed, which past ~8 rows can be
+below MKL's blocked products'. Prefill chunks (many positions per row) keep MKL's and oneDNN's products.
+
 Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
 slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
 and data the weights streamed before it have evicted (oneDNN's GELU of 2,048 values: 8 us with hot caches, 40 us
@@ -51,7 +60,7 @@ MAX_ROWS = 4  # the kernel's rows per call; from 8 rows MKL's blocked products w
 # 26 us either way; 2048 x 512: 67 against 80-95 us).
 MIN_ELEMENTS = 2**18  # 1 MiB of float32
 
-_state = threading.local()  # .off: torch_products() depth in this thread
+_state = threading.local()  # .off: torch_products() depth in this thread; .invariant: set_row_invariant's choice
 _kernel: Callable[..., None] | None = None
 _layer_step: Callable[..., None] | None = None
 _regulargpt_layer_step: Callable[..., None] | None = None
@@ -82,15 +91,33 @@ def kernel_available() -> bool:
 
 def streams(rows: int = 1, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a product of ``rows`` rows of ``dtype`` with a contiguous CPU weight would run through the kernel now
-    (no gradients aside): float32, one intra-op thread, at most :data:`MAX_ROWS` rows, not inside
-    :func:`torch_products`, numba importable. Serving code lays its weights out for the kernel when this holds."""
+    (no gradients aside): float32, one intra-op thread, at most :data:`MAX_ROWS` rows (any threads and rows where
+    :func:`set_row_invariant` is on), not inside :func:`torch_products`, numba importable. Serving code lays its
+    weights out for the kernel when this holds."""
+    invariant = _invariant()
     return (
         dtype is torch.float32
-        and rows <= MAX_ROWS
+        and (invariant or rows <= MAX_ROWS)
         and not _off()
-        and torch.get_num_threads() == 1
+        and (invariant or torch.get_num_threads() == 1)
         and kernel_available()
     )
+
+
+def set_row_invariant(invariant: bool) -> None:
+    """From now on in this thread (the engine's worker; False: the default policy again), every compiled layer step
+    and every product of :func:`linear` over one position per row (x (R, in) or (..., 1, in): a decode step's)
+    runs through the kernels at any number of rows, any weight size and any intra-op threads (the kernels run on
+    one), so that each row's result is the same whatever the other rows are (module docstring, "Batch invariance").
+    Products over many positions per row (prefill chunks) keep the default policy and its speed. Set it before the
+    model's ``for_serving``, which lays weights out for the kernels where :func:`streams` holds. Without numba it
+    cannot hold: :func:`kernel_available` says."""
+    _state.invariant = invariant
+
+
+def rows_note() -> str:
+    """The rows at which the compiled layer steps run, for a model's serving notes."""
+    return "every batch size (batch-invariant)" if _invariant() else f"1-{MAX_ROWS} rows"
 
 
 def compiles_step(x: torch.Tensor) -> bool:
@@ -188,19 +215,25 @@ def _off() -> int:
     return getattr(_state, "off", 0)
 
 
+def _invariant() -> bool:
+    return getattr(_state, "invariant", False)
+
+
 def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The module docstring's conditions, cheapest first (this runs on every product: ~1 us)."""
+    invariant = _invariant() and (x.dim() == 2 or x.shape[-2] == 1)  # one position per row: a decode step's
     return (
         x.dtype is torch.float32
         and not torch.is_grad_enabled()
-        and weight.numel() >= MIN_ELEMENTS
-        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+        and (invariant or weight.numel() >= MIN_ELEMENTS)
+        and 0 < x.numel()
+        and (invariant or x.numel() <= MAX_ROWS * x.shape[-1])
         and x.is_cpu
         and weight.dtype is torch.float32
         and weight.is_cpu
         and weight.is_contiguous()
         and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()))
-        and torch.get_num_threads() == 1
+        and (invariant or torch.get_num_threads() == 1)
         and not _off()
         and _unavailable is None
     )

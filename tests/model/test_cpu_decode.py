@@ -13,7 +13,7 @@ from model.config import LRNNConfig
 from model.lrnn import BlockDiagonalLRNN
 from model.ops import cpu_decode
 from model.regulargpt import RegularGPT
-from tests.model.tiny_models import tiny_configs
+from tests.model.tiny_models import build_tiny, tiny_configs
 
 pytestmark = pytest.mark.skipif(not cpu_decode.kernel_available(), reason="numba is not importable")
 
@@ -271,3 +271,33 @@ def test_replaced_parameters_fall_back_to_the_torch_step_and_in_place_changes_ar
         with cpu_decode.torch_products():
             torch.testing.assert_close(replaced, model(tokens), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(replaced, compiled)
+
+
+@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-spectral-b2", "regulargpt-c2-null", "regulargpt-c5"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_invariant_steps_give_a_row_the_same_bits_in_any_batch(model_id: str, threads: int) -> None:
+    """set_row_invariant (the server's batch_invariant): a row decoded alone and beside six rows of other lengths
+    gets the same logits bit for bit, at one thread and two; by default the batch past MAX_ROWS changes them."""
+    torch.manual_seed(0)
+    model = build_tiny(model_id, vocab_size=40, num_labels=0).eval()
+    tokens = torch.randint(0, 40, (7, 30))
+
+    def decode(rows: int) -> torch.Tensor:  # row 0's logits: (steps, V)
+        caches = [model.new_cache(1) for _ in range(rows)]
+        for row, cache in enumerate(caches):
+            model(tokens[row : row + 1, : 5 + 3 * row], cache=cache)  # prompts of 5 to 23 tokens
+        cache = caches[0] if rows == 1 else type(caches[0]).stack(caches)
+        return torch.stack([model.step(tokens[:rows, 23 + t], cache)[0] for t in range(7)])
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            cpu_decode.set_row_invariant(True)
+            model.for_serving()
+            assert torch.equal(decode(7), decode(1))
+            cpu_decode.set_row_invariant(False)
+            assert not torch.equal(decode(7), decode(1))  # what it changes (MKL's products past MAX_ROWS)
+    finally:
+        cpu_decode.set_row_invariant(False)
+        torch.set_num_threads(before)

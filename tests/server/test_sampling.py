@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model.ops import cpu_decode
+from server.app import create_app
 from server.sampling import (
     SamplingParams,
     draw,
@@ -23,6 +28,8 @@ from server.sampling import (
     token_logprobs,
     unusable_rows,
 )
+from tests.server.conftest import make_settings
+from tests.server.live import LiveServer, serve
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
 
@@ -290,6 +297,68 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -
     assert failed.status_code == 500 and failed.json()["error"]["message"] == message
     events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
+
+
+# --- batch invariance (issue 30 point 6) -------------------------------------------------------------------------------
+
+ROW_INVARIANT = ["text-lrnn", "text-regulargpt"]
+
+
+def models_folder(checkpoints_dir: Path, folder: Path, model_ids: list[str]) -> Path:
+    for model_id in model_ids:
+        (folder / model_id).symlink_to(checkpoints_dir / model_id)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def invariant(checkpoints_dir, tmp_path_factory) -> Iterator[LiveServer]:
+    """A server of the LRNN and RegularGPT language models with batch_invariant on."""
+    folder = models_folder(checkpoints_dir, tmp_path_factory.mktemp("invariant"), ROW_INVARIANT)
+    with serve(make_settings(folder, batch_invariant=True)) as server:
+        yield server
+
+
+@pytest.mark.parametrize("model_id", ROW_INVARIANT)
+def test_a_seeded_request_samples_beside_others_what_it_samples_alone(model_id: str, invariant, monkeypatch) -> None:
+    """With batch_invariant, a seeded request's tokens and log-probabilities are bit for bit its solo run's beside ten
+    others of other prompts, lengths and parameters: the decode batch goes past the kernels' default MAX_ROWS (where
+    MKL took over: text-regulargpt's sample diverged from its solo run) and its rows reach other depths."""
+    seeded = {"model": model_id, "prompt": "__main__", "max_tokens": 40, "temperature": 0.8, "seed": 7, "logprobs": 3}
+    others = [
+        {"model": model_id, "prompt": "an other prompt, " * (1 + i % 4), "max_tokens": 40 - 2 * i, "seed": i,
+         "temperature": [0.0, 1.0, 0.7][i % 3], "top_p": [1.0, 0.9][i % 2], "repetition_penalty": [1.0, 1.3][i % 2]}
+        for i in range(10)
+    ]  # fmt: skip
+    with httpx.Client(base_url=invariant.url, timeout=60) as client:
+        alone = client.post("/v1/completions", json=seeded).json()["choices"]
+    model = invariant.engine.models[model_id].model
+    step, sizes = model.step, []
+
+    def recording_step(tokens, cache):
+        sizes.append(tokens.shape[0])
+        return step(tokens, cache)
+
+    monkeypatch.setattr(model, "step", recording_step)
+
+    async def together() -> list[dict]:
+        async with httpx.AsyncClient(base_url=invariant.url, timeout=60) as client:
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for body in [*others, seeded]))
+            return [answer.json() for answer in answers]
+
+    beside = asyncio.run(together())[-1]["choices"]
+    assert beside == alone
+    assert max(sizes) > cpu_decode.MAX_ROWS
+
+
+@pytest.mark.parametrize("model_id", ["text-lstm", "text-transformer"])
+def test_batch_invariant_refuses_to_serve_models_it_does_not_hold_for(model_id: str, checkpoints_dir, tmp_path) -> None:
+    folder = models_folder(checkpoints_dir, tmp_path, ["text-lrnn", model_id])
+    with TestClient(create_app(make_settings(folder, batch_invariant=True))) as client:
+        engine = client.app.state.engine
+        engine.wait_loaded()
+        assert engine.state == "failed"
+        assert "batch_invariant holds for float32 LRNN and RegularGPT language models only, not " in engine.detail
+        assert client.get("/health").status_code == 503
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
