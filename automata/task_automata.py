@@ -19,6 +19,9 @@ AUTOMATA_DIR = Path(__file__).parent / "tasks"
 CYCLE_MOVES = {"0": -1, "1": 0, "2": +1}  # the alphabets and moves of SPEC section 1, shared with the labelers
 OPERATORS = "+-*"
 DIGITS = "01234"
+INDUCTION_LETTERS = "abcdefghijklmnop"
+INDUCTION_MARK = "#"
+NO_KEY = "-"  # the induction_heads label while no symbol has followed the first "#"
 
 
 def _binary(flag: bool) -> str:
@@ -189,6 +192,32 @@ def one() -> MooreMachine:
         output=lambda ones: _binary(ones == 1),
         state_name=lambda ones: ("no_one", "one", "many")[ones],
     )
+
+
+def induction_heads() -> MooreMachine:
+    """State: "before_mark" until the first "#", "after_mark" just after it, then "key_x" for good, x the symbol
+    that followed it (the label; "-" in the first two).
+
+    19 states: the key may be any symbol, "#" included ("##" has label "#" at its second position, as SPEC section
+    1 reads); the task's generator only ever puts a letter there."""
+
+    def step(key: str | None, symbol: str) -> str | None:  # None: no "#" yet; "": just after the first one
+        if key is None:
+            return "" if symbol == INDUCTION_MARK else None
+        return key or symbol
+
+    return MooreMachine.explore(
+        "induction_heads", INDUCTION_LETTERS + INDUCTION_MARK, start=None, step=step,
+        output=lambda key: key or NO_KEY,
+        state_name=lambda key: "before_mark" if key is None else f"key_{key}" if key else "after_mark",
+    )
+
+
+def task_machines() -> dict[str, MooreMachine]:
+    """The machine of every regular task of SPEC section 1 (all but palindrome), by task name: the tasks whose
+    checkpoints the compiler names (``compiler.task_of``)."""
+    machines = [cycle_navigation(), modular_arithmetic(), sum_mod5(), induction_heads()]
+    return {**binary_task_machines(), **{machine.name: machine for machine in machines}}
 
 
 def binary_task_machines() -> dict[str, MooreMachine]:

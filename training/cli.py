@@ -137,9 +137,9 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, action="append", type=Path,
                         help="checkpoint folder; repeat it (e.g. one per seed) for max and mean")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--protocol", choices=("papers", "hard"),
-                       help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000, plus P(1)=0.1 and 0.9 "
-                            "(default: papers)")
+    which.add_argument("--protocol", choices=("papers", "hard", "induction"),
+                       help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000, plus P(1)=0.1 and 0.9; "
+                            "induction: lengths 2^6, 2^7, ..., 2^20, fewer samples past 2^16 (default: papers)")
     which.add_argument("--lengths", type=length_range, help="A-B: a custom length range, e.g. 41-500")
     parser.add_argument("--bands", type=band_spec, default=10,
                         help="N bands over the range (default 10), or an explicit list A-B,C-D,...")
@@ -149,6 +149,10 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=positive_int, default=100, help="samples per band")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--chunk-symbols", type=positive_int,
+                        help="run each batch through the model's cache in chunks of at most this many symbols "
+                             "(bounded memory at any length, e.g. 2^20-symbol inputs to an LRNN; default: "
+                             "final_logits over whole batches)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", action="store_true", help="print the JSON report (schema: training/evaluate.py)")
     parser.add_argument("--plot", type=Path, help="write a PNG of accuracy against length here")
@@ -195,6 +199,7 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         kind = "is built by hand, not trained" if args.arch in ARCHITECTURE_CONFIGS else "is unknown"
         raise UsageError(f"architecture {args.arch!r} {kind}; trainable: {', '.join(TRAINABLE_ARCHITECTURES)}")
     _check_sampling(task, args.p_one, args.balanced)
+    _check_lengths(task, [args.train_lengths or task.train_lengths, args.eval_lengths or papers_lengths(task)])
     check_new_run(args)
     try:
         config = model_config(args.arch, task, given_model_flags(args))
@@ -216,6 +221,13 @@ def _task(name: str) -> Task:
         return get_task(name)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def _check_lengths(task: Task, ranges: list[tuple[int, int]]) -> None:
+    too_short = [lengths for lengths in ranges if lengths[0] < task.shortest_length]
+    if too_short:
+        raise UsageError(f"{task.name} strings have at least {task.shortest_length} symbols; "
+                         f"length range {too_short[0][0]}-{too_short[0][1]} starts below")
 
 
 def _check_sampling(task: Task, p_one: float | tuple[float, float] | None, balanced: bool) -> None:
@@ -247,9 +259,10 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         protocol = "custom"
     else:
         protocol = args.protocol or "papers"
-        bands = protocol_bands(task, protocol, args.bands)
+        bands = protocol_bands(task, protocol, args.bands, args.samples)
+    _check_lengths(task, [band.lengths for band in bands])
     band_sets = draw_bands(task, bands, args.samples, args.seed)
-    reports = [evaluate_checkpoint(loaded, protocol, bands, band_sets, args.seed, args.batch_size)
+    reports = [evaluate_checkpoint(loaded, protocol, bands, band_sets, args.seed, args.batch_size, args.chunk_symbols)
                for loaded in checkpoints]
     output = reports[0] if len(reports) == 1 else combine_reports(reports)
     print(json.dumps(output, indent=2) if args.json else format_table(reports))

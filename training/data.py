@@ -129,14 +129,45 @@ class FinalLabelSet:
 
 
 @torch.no_grad()
-def count_correct_final(model: torch.nn.Module, examples: FinalLabelSet, alphabet: str, batch_size: int) -> int:
-    """How many examples' final label ``model.final_logits`` gets right (argmax), in batches of ``batch_size``."""
+def count_correct_final(
+    model: torch.nn.Module, examples: FinalLabelSet, alphabet: str, batch_size: int, chunk_symbols: int | None = None
+) -> int:
+    """How many examples' final label the model gets right (argmax), in batches of ``batch_size``.
+
+    ``chunk_symbols`` None: ``model.final_logits`` of each batch, the architecture's cheapest exact path (memory
+    grows with the batch's rows x length). An integer: each batch's rows of one length run through ``new_cache``
+    and ``forward(chunk, cache)`` in chunks of at most that many symbols (rows x positions), whose memory is bounded
+    at any length; equal to ``final_logits`` for every causal model (step equals parallel)."""
     device = next(model.parameters()).device
     correct = 0
     for first in range(0, len(examples), batch_size):
         strings = examples.strings[first : first + batch_size]
-        tokens, lengths = encode_strings(strings, alphabet)  # (B, T), (B,)
-        logits = model.final_logits(tokens.to(device), lengths.to(device))  # (B, num_labels)
         targets = torch.tensor(examples.final_labels[first : first + batch_size], device=device)  # (B,)
+        if chunk_symbols is None:
+            tokens, lengths = encode_strings(strings, alphabet)  # (B, T), (B,)
+            logits = model.final_logits(tokens.to(device), lengths.to(device))  # (B, num_labels)
+        else:
+            logits = _final_logits_in_chunks(model, strings, alphabet, chunk_symbols, device)  # (B, num_labels)
         correct += int((logits.argmax(dim=-1) == targets).sum())
     return correct
+
+
+def _final_logits_in_chunks(
+    model: torch.nn.Module, strings: Sequence[str], alphabet: str, chunk_symbols: int, device: torch.device
+) -> torch.Tensor:
+    """(len(strings), num_labels): each run of strings of one length fed through one cache, ``chunk_symbols`` //
+    rows positions (at least one) per call."""
+    rows: list[torch.Tensor] = []
+    start = 0
+    while start < len(strings):
+        end = start + 1
+        while end < len(strings) and len(strings[end]) == len(strings[start]):
+            end += 1
+        tokens, _ = encode_strings(strings[start:end], alphabet)  # (R, T)
+        tokens = tokens.to(device)
+        cache, chunk = model.new_cache(end - start), max(1, chunk_symbols // (end - start))
+        for position in range(0, tokens.shape[1], chunk):
+            logits = model.forward(tokens[:, position : position + chunk], cache=cache)  # (R, chunk, num_labels)
+        rows.append(logits[:, -1])
+        start = end
+    return torch.cat(rows)  # (B, num_labels)

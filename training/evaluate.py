@@ -4,7 +4,8 @@ A band is a length range and a sampling distribution (``p_one``: P(second symbol
 the other symbols sharing the rest (modular_arithmetic: of the digit "1" among the digits), or null for the
 task's own generator). Each band gets ``samples`` strings of lengths drawn uniformly from its range,
 and an example counts as right when the argmax of ``model.final_logits`` (RegularGPT's shrinking path) is the
-reference label of the last position. Every checkpoint sees the same strings: band i is drawn from the random
+reference label of the last position (``--chunk-symbols``: computed through the model's cache in bounded chunks,
+training/data.py). Every checkpoint sees the same strings: band i is drawn from the random
 stream keyed by (seed, i).
 
 Protocols:
@@ -13,6 +14,9 @@ Protocols:
   (d*, tomita*) and 41..500 for the others (the Deletang tasks; first, one and palindrome likewise, being trained
   on 1..40);
 - ``hard``: 501..2000, and the same lengths again with P(1) = 0.1 and with 0.9;
+- ``induction``: the lengths of Mamba's induction-heads table (SPEC section 5), one band per length 2^6 .. 2^20;
+  a band draws ``samples`` strings, or fewer where they would pass INDUCTION_BAND_SYMBOLS in all, but at least
+  INDUCTION_MIN_SAMPLES (with 100: 100 strings up to 2^16 symbols, then 64, 32, 16 and 8 at 2^20);
 - ``custom``: ``--lengths A-B`` (or an explicit list of bands) with the ``--p-one`` values asked for.
 
 JSON output (``--json``) for one checkpoint::
@@ -45,17 +49,21 @@ from model.checkpoint import LoadedCheckpoint
 from training.data import FinalLabelSet, count_correct_final
 from training.tasks import BHATTAMISHRA_TRAIN_LENGTHS, Task
 
-Protocol = Literal["papers", "hard", "custom"]
+Protocol = Literal["papers", "hard", "induction", "custom"]
 HARD_LENGTHS = (501, 2000)
 HARD_P_ONES = (0.1, 0.9)
 BHATTAMISHRA_EVAL_LENGTHS = (51, 100)
 DELETANG_EVAL_LENGTHS = (41, 500)
+INDUCTION_LENGTHS = tuple(2**k for k in range(6, 21))
+INDUCTION_BAND_SYMBOLS = 2**23
+INDUCTION_MIN_SAMPLES = 8
 
 
 @dataclass(frozen=True)
 class Band:
     lengths: tuple[int, int]  # inclusive
     p_one: float | None = None
+    samples: int | None = None  # strings to draw; None: as many as asked for every band
 
 
 def papers_lengths(task: Task) -> tuple[int, int]:
@@ -73,18 +81,25 @@ def split_lengths(lengths: tuple[int, int], count: int) -> list[tuple[int, int]]
     return [(edges[i], edges[i + 1] - 1) for i in range(count)]
 
 
-def protocol_bands(task: Task, protocol: Literal["papers", "hard"], band_count: int) -> list[Band]:
-    """The bands of a named protocol (module docstring), each length range cut into ``band_count`` bands."""
+def protocol_bands(
+    task: Task, protocol: Literal["papers", "hard", "induction"], band_count: int, samples: int
+) -> list[Band]:
+    """The bands of a named protocol (module docstring), each length range of papers and hard cut into
+    ``band_count`` bands; ``samples`` strings per band (induction: fewer at the longest lengths)."""
     if protocol == "papers":
         return [Band(lengths) for lengths in split_lengths(papers_lengths(task), band_count)]
+    if protocol == "induction":
+        fitting = {length: max(INDUCTION_MIN_SAMPLES, INDUCTION_BAND_SYMBOLS // length) for length in INDUCTION_LENGTHS}
+        return [Band((length, length), samples=min(samples, fitting[length])) for length in INDUCTION_LENGTHS]
     lengths = split_lengths(HARD_LENGTHS, band_count)
     return [Band(band, p_one) for p_one in (None, *HARD_P_ONES) for band in lengths]
 
 
 def draw_bands(task: Task, bands: Sequence[Band], samples: int, seed: int) -> list[FinalLabelSet]:
-    """``samples`` fresh examples per band, band i from the random stream (seed, i)."""
+    """``samples`` fresh examples per band (``band.samples`` where set), band i from the random stream (seed, i)."""
     return [
-        FinalLabelSet.draw(task, np.random.default_rng([seed, index]), samples, band.lengths, band.p_one)
+        FinalLabelSet.draw(task, np.random.default_rng([seed, index]), band.samples or samples, band.lengths,
+                           band.p_one)
         for index, band in enumerate(bands)
     ]
 
@@ -96,13 +111,15 @@ def evaluate_checkpoint(
     band_sets: Sequence[FinalLabelSet],
     seed: int,
     batch_size: int,
+    chunk_symbols: int | None = None,
 ) -> dict[str, Any]:
-    """The JSON report of one checkpoint (module docstring) on the drawn ``band_sets``."""
+    """The JSON report of one checkpoint (module docstring) on the drawn ``band_sets``; ``chunk_symbols``: see
+    :func:`training.data.count_correct_final`."""
     alphabet = loaded.config.alphabet
     assert alphabet is not None
     results, correct_total, sample_total = [], 0, 0
     for band, examples in zip(bands, band_sets):
-        correct = count_correct_final(loaded.model, examples, alphabet, batch_size)
+        correct = count_correct_final(loaded.model, examples, alphabet, batch_size, chunk_symbols)
         results.append({"lengths": list(band.lengths), "p_one": band.p_one, "samples": len(examples),
                         "accuracy": correct / len(examples)})
         correct_total, sample_total = correct_total + correct, sample_total + len(examples)

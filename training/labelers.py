@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import accumulate
 
-from automata.task_automata import CYCLE_MOVES, DIGITS, OPERATORS
+from automata.task_automata import CYCLE_MOVES, DIGITS, INDUCTION_MARK, NO_KEY, OPERATORS
 
 
 def _binary(flags: list[bool]) -> list[str]:
@@ -136,3 +136,11 @@ def modular_arithmetic(string: str) -> list[str]:
             product = int(symbol) if operator == "+" else -int(symbol)
         labels.append(str((finished_terms + product) % 5))
     return labels
+
+
+def induction_heads(string: str) -> list[str]:
+    """The symbol that followed the first "#" once there is one, "-" before."""
+    mark = string.find(INDUCTION_MARK)
+    if mark == -1 or mark + 1 == len(string):
+        return [NO_KEY] * len(string)
+    return [NO_KEY] * (mark + 1) + [string[mark + 1]] * (len(string) - mark - 1)

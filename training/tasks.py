@@ -1,5 +1,12 @@
 """The tasks of SPEC section 1: alphabet, labels, reference labeler, automaton and string sampler of each.
 
+induction_heads draws Mamba's strings (SPEC section 1): letters, one "#" followed by the key letter at a uniformly
+drawn place, and "#" last, so at least 3 symbols (``Task.shortest_length``); it has no balanced sampling (the key, the
+final label, is uniform already) and ``p_one`` skews the letters ("b"), the "#"s staying where they are.
+
+Every regular task's labels are its automaton's labels in sorted order, the order the compiler gives a Moore
+machine's labels (automata/compiler.py), so that a compiled task checkpoint's label ids are the task's.
+
 Sampling controls the length (the caller picks it), the frequency of the second symbol of the alphabet
 (``p_one``: P("1"), or P("b") for the a/b tasks, the other symbols sharing the rest; for modular_arithmetic, of
 the digit "1" among the digits) and balance: ``balanced=True`` draws the final label uniformly
@@ -18,14 +25,16 @@ import numpy as np
 
 from automata import task_automata
 from automata.automaton import MooreMachine
-from automata.task_automata import DIGITS, OPERATORS
+from automata.task_automata import DIGITS, INDUCTION_LETTERS, INDUCTION_MARK, NO_KEY, OPERATORS
 from training import labelers
 from training.final_label_sampling import FinalLabelSampler
 
 BINARY_LABELS = ("0", "1")
 MOD5_LABELS = ("0", "1", "2", "3", "4")
+INDUCTION_LABELS = tuple(sorted(NO_KEY + INDUCTION_LETTERS + INDUCTION_MARK))  # "#": after "##", never drawn
 DELETANG_TRAIN_LENGTHS = (1, 40)
 BHATTAMISHRA_TRAIN_LENGTHS = (1, 50)  # the d* and tomita* tasks
+INDUCTION_TRAIN_LENGTHS = (3, 256)  # Mamba trains at 256 (SPEC section 5)
 REJECTION_TRIES = 64
 
 Drawer = Callable[[np.random.Generator, int], str]
@@ -52,6 +61,7 @@ class Task:
     draw: Drawer
     draw_with_final_label: FinalLabelDrawer | None
     draw_skewed: SkewedDrawer  # (rng, length, p_one): the ``p_one`` sampling of ``sample``
+    shortest_length: int = 1  # the shortest string the generator draws
 
     def label(self, string: str) -> list[str]:
         """The reference label at every position of ``string``."""
@@ -73,8 +83,8 @@ class Task:
         final label uniformly first; where no string of this length has that label (D_n at odd lengths, a
         non-palindrome of length 1) the free draw is returned.
         """
-        if length < 1:
-            raise ValueError(f"length must be at least 1, got {length}")
+        if length < self.shortest_length:
+            raise ValueError(f"length must be at least {self.shortest_length} for {self.name}, got {length}")
         if p_one is not None:
             if balanced:
                 raise ValueError("p_one and balanced cannot be combined: balanced draws condition on the label")
@@ -107,8 +117,9 @@ def sample_batch(
     uniformly (so a batch mixes dense and sparse strings).
     """
     shortest, longest = length_range
-    if not 1 <= shortest <= longest:
-        raise ValueError(f"length_range must satisfy 1 <= shortest <= longest, got {length_range}")
+    if not task.shortest_length <= shortest <= longest:
+        raise ValueError(f"length_range must satisfy {task.shortest_length} <= shortest <= longest for {task.name}, "
+                         f"got {length_range}")
     lengths = rng.integers(shortest, longest + 1, size=n)
     if isinstance(p_one, tuple):
         lo, hi = p_one
@@ -144,6 +155,17 @@ def _expression(rng: np.random.Generator, length: int, p_one: float | None = Non
         operands = _skewed_symbols(DIGITS, rng, count, p_one)
     operators = _uniform_symbols(OPERATORS)(rng, len(operands) - 1)
     return "".join(digit + operator for digit, operator in zip(operands, operators)) + operands[-1]
+
+
+def _induction_heads(rng: np.random.Generator, length: int, p_one: float | None = None) -> str:
+    """``length - 1`` letters (uniform, or "b" with probability ``p_one``), the one at a uniformly drawn position
+    before the last two replaced by "#" (the letter after it is the key), then "#"."""
+    if p_one is None:
+        letters = list(_uniform_symbols(INDUCTION_LETTERS)(rng, length - 1))
+    else:
+        letters = list(_skewed_symbols(INDUCTION_LETTERS, rng, length - 1, p_one))
+    letters[rng.integers(length - 2)] = INDUCTION_MARK
+    return "".join(letters) + INDUCTION_MARK
 
 
 def _palindrome_with_final_label(rng: np.random.Generator, length: int, label: str) -> str | None:
@@ -197,6 +219,9 @@ def _build_tasks() -> dict[str, Task]:
         Task("palindrome", "01", BINARY_LABELS, DELETANG_TRAIN_LENGTHS, labelers.palindrome, automaton=None,
              draw=_uniform_symbols("01"), draw_with_final_label=_palindrome_with_final_label,
              draw_skewed=partial(_skewed_symbols, "01")),
+        Task("induction_heads", INDUCTION_LETTERS + INDUCTION_MARK, INDUCTION_LABELS, INDUCTION_TRAIN_LENGTHS,
+             labelers.induction_heads, task_automata.induction_heads(), draw=_induction_heads,
+             draw_with_final_label=None, draw_skewed=_induction_heads, shortest_length=3),
     ]
     return {task.name: task for task in tasks}
 

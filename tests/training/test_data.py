@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from training.data import IGNORE_INDEX, FinalLabelSet, LengthCurriculum, TrainingData, count_correct_final
-from training.data import label_batch
+from training.data import _final_logits_in_chunks, encode_strings, label_batch
 from training.tasks import get_task
 
 
@@ -61,6 +61,26 @@ def test_count_correct_final_counts_argmax_hits(wrong: bool, expected: int) -> N
     examples = FinalLabelSet.draw(get_task("parity_check"), np.random.default_rng(1), 50, (41, 90))
     assert [len(s) for s in examples.strings] == sorted(len(s) for s in examples.strings)
     assert count_correct_final(ParityOracle(wrong), examples, "01", batch_size=7) == expected
+
+
+def test_final_labels_in_chunks_equal_final_logits() -> None:
+    """Through the cache, a few symbols per call, rows of several lengths in one batch: the same logits."""
+    from model.config import LRNNConfig
+    from model.registry import build_model
+
+    task = get_task("induction_heads")
+    torch.manual_seed(0)
+    model = build_model("lrnn", LRNNConfig(vocab_size=17, num_labels=18, d_model=16, block_size=2, num_blocks=4,
+                                           d_ff=16, n_layers=2)).eval()
+    examples = FinalLabelSet.draw(task, np.random.default_rng(3), 9, (3, 40))
+    expected = count_correct_final(model, examples, task.alphabet, batch_size=4)
+    for chunk_symbols in (1, 7, 1000):
+        assert count_correct_final(model, examples, task.alphabet, 4, chunk_symbols) == expected
+    strings = list(examples.strings)
+    tokens, lengths = encode_strings(strings, task.alphabet)
+    whole = model.final_logits(tokens, lengths)  # (9, 18)
+    chunked = _final_logits_in_chunks(model, strings, task.alphabet, 7, torch.device("cpu"))  # (9, 18)
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-5)
 
 
 def test_shards_partition_the_set() -> None:

@@ -55,16 +55,39 @@ def test_split_lengths_covers_the_range_in_contiguous_bands() -> None:
 def test_papers_protocol_uses_each_suite_s_lengths() -> None:
     for name, lengths in [("parity_check", (41, 500)), ("modular_arithmetic", (41, 500)), ("d12", (51, 100)),
                           ("tomita6", (51, 100))]:
-        bands = protocol_bands(get_task(name), "papers", 5)
+        bands = protocol_bands(get_task(name), "papers", 5, 100)
         assert (bands[0].lengths[0], bands[-1].lengths[1]) == lengths
         assert {band.p_one for band in bands} == {None}
 
 
 def test_hard_protocol_adds_skewed_bands() -> None:
-    binary = protocol_bands(get_task("parity_check"), "hard", 3)
+    binary = protocol_bands(get_task("parity_check"), "hard", 3, 100)
     assert [band.p_one for band in binary] == [None] * 3 + [0.1] * 3 + [0.9] * 3
     assert binary[0] == Band((501, 1000), None) and binary[2].lengths[1] == 2000
-    assert {band.p_one for band in protocol_bands(get_task("sum_mod5"), "hard", 3)} == {None, 0.1, 0.9}
+    assert {band.p_one for band in protocol_bands(get_task("sum_mod5"), "hard", 3, 100)} == {None, 0.1, 0.9}
+
+
+def test_induction_protocol_has_mamba_s_lengths_with_fewer_samples_past_2_16() -> None:
+    bands = protocol_bands(get_task("induction_heads"), "induction", 10, 100)
+    assert [band.lengths for band in bands] == [(2**k, 2**k) for k in range(6, 21)]
+    assert [band.samples for band in bands] == [100] * 11 + [64, 32, 16, 8]
+    assert [band.samples for band in protocol_bands(get_task("induction_heads"), "induction", 10, 5)] == [5] * 15
+
+
+def test_induction_protocol_evaluates_through_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The first bands of the protocol (the rest is the same code at longer lengths), in chunks of 50 symbols:
+    the same accuracies as final_logits over whole batches."""
+    folder = write_transducer(tmp_path / "induction", "induction_heads")
+    reports = []
+    for chunking in ([], ["--chunk-symbols", "50"]):
+        status, out, _ = run_eval(capsys, "--checkpoint", str(folder), "--bands", "64-64,100-130", "--samples", "6",
+                                  "--batch-size", "4", "--json", *chunking)
+        assert status == 0
+        reports.append(json.loads(out))
+    assert reports[0]["bands"] == reports[1]["bands"]
+    assert [band["samples"] for band in reports[0]["bands"]] == [6, 6]
+    status, _, err = run_eval(capsys, "--checkpoint", str(folder), "--lengths", "2-10")
+    assert status == 2 and "induction_heads strings have at least 3 symbols; length range 2-" in err
 
 
 def test_json_report_schema(checkpoints: list[Path], capsys: pytest.CaptureFixture) -> None:

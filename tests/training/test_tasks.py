@@ -16,6 +16,7 @@ from training.tasks import TASKS, Task, get_task, sample_batch
 SPEC_TASKS = [
     "parity_check", "even_pairs", "cycle_navigation", "modular_arithmetic", "sum_mod5", "even_pair_mod5",
     "d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita5", "tomita6", "first", "one", "palindrome",
+    "induction_heads",
 ]
 SPARSE_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita6", "first", "one", "palindrome"]
 REGULAR_TASKS = [name for name in SPEC_TASKS if name != "palindrome"]
@@ -48,6 +49,7 @@ BRUTE_FORCE: dict[str, Callable[[str], str]] = {
     "first": lambda prefix: flag(prefix[0] == "1"),
     "one": lambda prefix: flag(prefix.count("1") == 1),
     "palindrome": lambda prefix: flag(all(prefix[i] == prefix[-1 - i] for i in range(len(prefix)))),
+    "induction_heads": lambda prefix: (re.search("#(.)", prefix) or [None, "-"])[1],
 }
 
 
@@ -69,7 +71,10 @@ def short_strings(task: Task) -> Iterator[str]:
         yield from map("".join, itertools.product(*slots))
     rng = np.random.default_rng(0)
     for _ in range(500):
-        yield task.sample(rng, int(rng.integers(1, LONGEST_EXHAUSTIVE + 1)))
+        yield task.sample(rng, int(rng.integers(task.shortest_length, LONGEST_EXHAUSTIVE + 1)))
+    if task.name == "induction_heads":  # strings its generator never draws: several "#"s, "##", none
+        for _ in range(500):
+            yield "".join(rng.choice(list(task.alphabet), size=int(rng.integers(1, 3 * LONGEST_EXHAUSTIVE))))
 
 
 def test_registry_has_every_spec_task_in_order() -> None:
@@ -86,7 +91,8 @@ def test_unknown_task_is_refused_with_the_known_names() -> None:
 @pytest.mark.parametrize("name", SPEC_TASKS)
 def test_train_lengths(name: str) -> None:
     bhattamishra = name.startswith(("d", "tomita"))
-    assert TASKS[name].train_lengths == ((1, 50) if bhattamishra else (1, 40))
+    expected = (3, 256) if name == "induction_heads" else (1, 50) if bhattamishra else (1, 40)
+    assert TASKS[name].train_lengths == expected
 
 
 @pytest.mark.parametrize("name", SPEC_TASKS)
@@ -108,10 +114,18 @@ def test_automaton_agrees_with_labeler_on_short_strings(name: str) -> None:
 @pytest.mark.parametrize("name", REGULAR_TASKS)
 def test_automaton_agrees_with_labeler_on_long_strings(name: str) -> None:
     task, rng = TASKS[name], np.random.default_rng(1)
-    balanced = name != "modular_arithmetic"
+    balanced = TASKS[name].draw_with_final_label is not None
     for length in [2000, 1999, *rng.integers(41, 2000, size=2)]:
         for string in [task.sample(rng, int(length)), task.sample(rng, int(length), balanced=balanced)]:
             assert task.automaton.transduce(string) == task.label(string)
+
+
+@pytest.mark.parametrize("name", REGULAR_TASKS)
+def test_labels_are_the_automaton_s_in_sorted_order(name: str) -> None:
+    """The compiler orders a Moore machine's labels so (automata/compiler.py): a compiled task checkpoint's label
+    ids are the task's."""
+    task = TASKS[name]
+    assert task.labels == tuple(sorted(set(task.automaton.output.values())))
 
 
 def test_palindrome_has_no_automaton() -> None:
@@ -144,6 +158,10 @@ def test_samples_have_the_requested_length_and_alphabet(name: str) -> None:
     options += [{"balanced": True}] if task.draw_with_final_label is not None else []
     options += [{"p_one": 0.3}]
     for length in (1, 2, 7, 40, 101):
+        if length < task.shortest_length:
+            with pytest.raises(ValueError, match=f"length must be at least {task.shortest_length} for {name}"):
+                task.sample(rng, length)
+            continue
         for option in options:
             string = task.sample(rng, length, **option)
             expected_length = length - 1 + length % 2 if name == "modular_arithmetic" else length
@@ -256,3 +274,49 @@ def test_dyck_depth_limit_is_exact(depth: int) -> None:
     for string, final in [(deepest, "1"), (too_deep, "0"), (deepest * 3, "1"), (deepest + too_deep, "0")]:
         assert task.label(string)[-1] == final == brute_force_labels(task.name, string)[-1]
         assert task.automaton.transduce(string) == task.label(string)
+
+
+def test_induction_heads_automaton_states() -> None:
+    """Before the first "#", just after it, and one state per key (any symbol, "#" after "##" included)."""
+    machine = TASKS["induction_heads"].automaton
+    assert len(machine.states) == 19
+    assert machine.transduce("ab#cd#") == ["-", "-", "-", "c", "c", "c"]
+    assert machine.transduce("##a#") == ["-", "#", "#", "#"]
+    assert machine.transduce("abc#") == ["-"] * 4
+
+
+@pytest.mark.parametrize("p_one", [None, 0.5])
+def test_induction_heads_strings_are_mamba_s(p_one: float | None) -> None:
+    """Letters, exactly one "#" before the last two symbols followed by the key letter, "#" last: the final label
+    is the key, drawn uniformly, and the mark's position is uniform over the first length - 2."""
+    task, rng = TASKS["induction_heads"], np.random.default_rng(11)
+    keys, marks = [], []
+    for _ in range(2000):
+        string = task.sample(rng, 12, p_one=p_one)
+        assert len(string) == 12 and string[-1] == "#" and string[:-1].count("#") == 1
+        mark = string.index("#")
+        assert mark <= 9 and string[mark + 1] in "abcdefghijklmnop"
+        assert task.label(string)[-1] == string[mark + 1] == task.automaton.transduce(string)[-1]
+        keys.append(string[mark + 1])
+        marks.append(mark)
+    assert np.bincount(marks).tolist() == pytest.approx([200] * 10, abs=60)
+    if p_one is None:
+        assert sorted(set(keys)) == list("abcdefghijklmnop")
+        assert max(keys.count(key) for key in set(keys)) < 2000 / 16 * 1.4
+    else:
+        assert keys.count("b") / len(keys) == pytest.approx(0.5, abs=0.05)
+    assert task.sample(rng, 3) in {f"#{letter}#" for letter in "abcdefghijklmnop"}
+
+
+def test_induction_heads_labeler_and_automaton_agree_on_long_strings() -> None:
+    task, rng = TASKS["induction_heads"], np.random.default_rng(12)
+    for string in [task.sample(rng, 5000), "".join(rng.choice(list(task.alphabet), size=5000))]:
+        assert task.automaton.transduce(string) == task.label(string)
+
+
+def test_induction_heads_has_no_balanced_sampling_and_refuses_short_ranges() -> None:
+    task = TASKS["induction_heads"]
+    with pytest.raises(ValueError, match="no balanced sampling"):
+        task.sample(np.random.default_rng(0), 10, balanced=True)
+    with pytest.raises(ValueError, match="3 <= shortest <= longest for induction_heads"):
+        sample_batch(task, np.random.default_rng(0), 4, (1, 10))

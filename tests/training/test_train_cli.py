@@ -86,6 +86,8 @@ BAD_TRAIN = {
     "p_one range bounds": (["--p-one", "0.1-1.5"], "must be a probability in [0, 1], got 1.5"),
     "stopping without eval": (["--eval-every", "0", "--patience", "2"], "need evaluations: set --eval-every above 0"),
     "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
+    "too short for the task": (["--task", "induction_heads", "--train-lengths", "1-256"],
+                               "induction_heads strings have at least 3 symbols; length range 1-256 starts below"),
 }
 
 
