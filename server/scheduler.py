@@ -211,8 +211,8 @@ class Scheduler:
         self.long += [LongTransduce(item) for item in items if item.sliced]
         short = [item for item in items if not item.sliced]
         if short:
-            if not self.short:
-                self.first_short_at, self.first_job_found_idle = time.monotonic(), idle
+            if not self.short:  # the window counts from its arrival: one that came during a slice waited through it
+                self.first_short_at, self.first_job_found_idle = job.times.arrival, idle
             self.short += short
             self.jobs_waiting += 1
 

@@ -236,3 +236,19 @@ def test_a_batch_that_fails_fails_only_the_inputs_that_fail_alone() -> None:
     assert isinstance(answers[1], ModelFailure)
     assert answers[1].message == "the model failed on this input: 7 symbols refused"
     assert [len(answer) for answer in (answers[0], answers[2])] == [1, 1]  # the outputs of their one input
+
+
+def test_a_request_that_came_during_a_slice_is_not_held_for_the_gathering_window() -> None:
+    """The transduce gathering window counts from a request's arrival: one that came while a slice of a long input
+    ran has waited that long already, and runs before the next slice (it waited two slices before)."""
+    clock = FakeClock()
+    served = transducer("m", FakeTransducer(clock, seconds_per_flop=1e-9), measured_seconds_per_flop=1e-9)
+    worker = driven_scheduler(clock, batch_wait_ms=3.0)
+    receive(worker, transduce_job(served, 1_000_000, clock))
+    worker.iteration()  # the long input's first slice
+    short = transduce_job(served, 4, clock)
+    short.times.arrival -= 0.05  # it came during that slice
+    sent = clock.now
+    receive(worker, short)
+    worker.iteration()
+    assert short.done and short.mailbox.items[0][0] - sent < 0.001
