@@ -549,11 +549,15 @@ class RegularGPT(SequenceModel):
             cache.windows.append(self._new_layer(cache.batch_size, cache.depth, room))
         for layer in range(1, cache.depth):
             rows = [row for row, (held, needed) in enumerate(zip(old, new)) if 1 <= held <= layer < needed]
-            if rows:
-                consumed = max(lengths[row] for row in rows)
-                index = torch.tensor(rows, device=cache.top_hidden.device)  # (R,)
+            if not rows:
+                continue
+            # Together, or where batch invariance is asked for (cpu_decode.row_invariant) each row as it runs alone:
+            # rows run together came out other in the last bits (text-regulargpt, 2 rows reaching layer 1 at t = 64).
+            for group in [[row] for row in rows] if cpu_decode.row_invariant() else [rows]:
+                consumed = max(lengths[row] for row in group)
+                index = torch.tensor(group, device=cache.top_hidden.device)  # (R,)
                 allocated = [cache.windows[layer][0].kv.shape[2]]
-                start = torch.zeros(len(rows), dtype=torch.long)  # the consumed positions as one chunk
+                start = torch.zeros(len(group), dtype=torch.long)  # the consumed positions as one chunk
                 (plan,) = plan_chunk(start, consumed, chunk_size, heads, allocated, index.device, index, layer)
                 hidden = cache.top_hidden[index, :consumed]  # (R, t, d) after layer - 1; garbage past each t_b
                 cache.top_hidden[index, :consumed] = self._cached_thick_layer(

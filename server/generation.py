@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from model.base import InferenceCache
+from model.ops import cpu_decode
 from server.detokenize import TextAssembler
 from server.errors import APIError, ModelFailure
 from server.mailbox import Mailbox
@@ -167,24 +168,13 @@ def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -
 def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
     """Consume the next ``length`` prompt tokens of each sequence (one model) in one forward pass over their
     stacked caches. A sequence whose prompt is then done is snapshotted, scored if asked, and gets its first
-    token. ``length`` 0 only completes prompts taken whole from the state cache."""
+    token. ``length`` 0 only completes prompts taken whole from the state cache. Where batch invariance is asked
+    for (``cpu_decode.row_invariant``), each sequence's chunk is a pass of its own, as it runs alone: stacked, a
+    prompt's first logits came out other in the last bits (shipped text models: prompts of 2-3 tokens, RegularGPT's
+    of 40)."""
     if length:
-        model = sequences[0].served.model
-        chunks = torch.tensor(
-            [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
-            device=model.device,
-        )  # (B, n)
-        caches = [sequence.cache for sequence in sequences]
-        cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
-        logits = model.forward(chunks, cache=cache)  # (B, n, V)
-        if len(caches) > 1:
-            for sequence, row in zip(sequences, cache.split()):
-                sequence.cache = row
-        for sequence, chunk, chunk_logits in zip(sequences, chunks, logits):
-            if sequence.request.prompt_logprobs:
-                _score_prompt_chunk(sequence, chunk, chunk_logits)
-            sequence.next_logits = chunk_logits[-1]  # (V,)
-            sequence.prefilled += length
+        for group in [[sequence] for sequence in sequences] if cpu_decode.row_invariant() else [sequences]:
+            _prefill_chunk(group, length)
     done = [sequence for sequence in sequences if not sequence.prefilling]
     for sequence in done:
         state_cache.store(sequence.served.id, sequence.request.prompt, sequence.cache, sequence.next_logits)
@@ -195,6 +185,26 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
     sampling = [sequence for sequence in done if not sequence.done]
     if sampling:
         accept(sampling, torch.stack([sequence.next_logits for sequence in sampling]), metrics)
+
+
+def _prefill_chunk(sequences: list[Sequence], length: int) -> None:
+    """The next ``length`` prompt tokens of each sequence in one forward pass over their stacked caches."""
+    model = sequences[0].served.model
+    chunks = torch.tensor(
+        [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
+        device=model.device,
+    )  # (B, n)
+    caches = [sequence.cache for sequence in sequences]
+    cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
+    logits = model.forward(chunks, cache=cache)  # (B, n, V)
+    if len(caches) > 1:
+        for sequence, row in zip(sequences, cache.split()):
+            sequence.cache = row
+    for sequence, chunk, chunk_logits in zip(sequences, chunks, logits):
+        if sequence.request.prompt_logprobs:
+            _score_prompt_chunk(sequence, chunk, chunk_logits)
+        sequence.next_logits = chunk_logits[-1]  # (V,)
+        sequence.prefilled += length
 
 
 def prefill_length(sequence: Sequence, budget: int) -> int:

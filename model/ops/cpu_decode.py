@@ -27,7 +27,11 @@ changed by float rounding when its decode batch crossed :data:`MAX_ROWS` (issue 
 diverged from its solo run beside ten others). Where it is on, a decode step's products and layer steps run through
 the kernels at any rows, weight size and thread count: a row's logits are then bit for bit the same in any batch
 (tests/model/test_cpu_decode.py, tests/server/test_sampling.py), at the kernels' speed, which past ~8 rows can be
-below MKL's blocked products'. Prefill chunks (many positions per row) keep MKL's and oneDNN's products.
+below MKL's blocked products'. Prefill chunks (many positions per row) keep MKL's and oneDNN's products, and
+what a model or the engine would run over several rows at once outside a decode step's kernels runs one row at a
+time (:func:`row_invariant`: a RegularGPT row's new thick layer, a prompt's prefill chunk), as it runs alone. Not
+invariant even so: where a long prompt is cut into chunks (that depends on what else is prefilling), and any
+model or device this does not cover (the engine refuses to start with them).
 
 Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
 slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
@@ -113,6 +117,13 @@ def set_row_invariant(invariant: bool) -> None:
     model's ``for_serving``, which lays weights out for the kernels where :func:`streams` holds. Without numba it
     cannot hold: :func:`kernel_available` says."""
     _state.invariant = invariant
+
+
+def row_invariant() -> bool:
+    """Whether :func:`set_row_invariant` is on in this thread: then what would run over several rows at once outside
+    the kernels runs one row at a time, as it runs alone (a RegularGPT row's new thick layer, a prompt's prefill
+    chunk in server/generation.py)."""
+    return _invariant()
 
 
 def rows_note() -> str:

@@ -276,18 +276,19 @@ def test_replaced_parameters_fall_back_to_the_torch_step_and_in_place_changes_ar
 @pytest.mark.parametrize("model_id", ["lrnn", "lrnn-spectral-b2", "regulargpt-c2-null", "regulargpt-c5"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_invariant_steps_give_a_row_the_same_bits_in_any_batch(model_id: str, threads: int) -> None:
-    """set_row_invariant (the server's batch_invariant): a row decoded alone and beside six rows of other lengths
-    gets the same logits bit for bit, at one thread and two; by default the batch past MAX_ROWS changes them."""
+    """set_row_invariant (the server's batch_invariant): a row decoded alone and beside six rows, two as long as it
+    (a RegularGPT's rows then reach new thick layers together) and four longer, gets the same logits bit for bit, at
+    one thread and two; by default the batch past MAX_ROWS changes them."""
     torch.manual_seed(0)
     model = build_tiny(model_id, vocab_size=40, num_labels=0).eval()
-    tokens = torch.randint(0, 40, (7, 30))
+    tokens = torch.randint(0, 40, (7, 40))
 
     def decode(rows: int) -> torch.Tensor:  # row 0's logits: (steps, V)
         caches = [model.new_cache(1) for _ in range(rows)]
         for row, cache in enumerate(caches):
-            model(tokens[row : row + 1, : 5 + 3 * row], cache=cache)  # prompts of 5 to 23 tokens
+            model(tokens[row : row + 1, : [5, 5, 5, 9, 13, 17, 23][row]], cache=cache)
         cache = caches[0] if rows == 1 else type(caches[0]).stack(caches)
-        return torch.stack([model.step(tokens[:rows, 23 + t], cache)[0] for t in range(7)])
+        return torch.stack([model.step(tokens[:rows, 23 + t], cache)[0] for t in range(14)])  # row 0 past 16 tokens
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

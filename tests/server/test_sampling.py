@@ -299,7 +299,7 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
 
 
-# --- batch invariance (issue 30 point 6) -------------------------------------------------------------------------------
+# --- batch invariance (issue 30 point 6) ------------------------------------------------------------------------------
 
 ROW_INVARIANT = ["text-lrnn", "text-regulargpt"]
 
@@ -318,16 +318,21 @@ def invariant(checkpoints_dir, tmp_path_factory) -> Iterator[LiveServer]:
         yield server
 
 
+@pytest.mark.parametrize("prompt", ["__main__", "ab"])
 @pytest.mark.parametrize("model_id", ROW_INVARIANT)
-def test_a_seeded_request_samples_beside_others_what_it_samples_alone(model_id: str, invariant, monkeypatch) -> None:
+def test_a_seeded_request_samples_beside_others_what_it_samples_alone(
+    model_id: str, prompt: str, invariant, monkeypatch
+) -> None:
     """With batch_invariant, a seeded request's tokens and log-probabilities are bit for bit its solo run's beside ten
-    others of other prompts, lengths and parameters: the decode batch goes past the kernels' default MAX_ROWS (where
-    MKL took over: text-regulargpt's sample diverged from its solo run) and its rows reach other depths."""
-    seeded = {"model": model_id, "prompt": "__main__", "max_tokens": 40, "temperature": 0.8, "seed": 7, "logprobs": 3}
+    others of other parameters, some prompts as long as its own (prefilled together but for batch_invariant), the
+    rest longer: the decode batch goes past the kernels' default MAX_ROWS (where MKL took over: text-regulargpt's
+    sample diverged from its solo run), and rows reach new depths together and apart."""
+    seeded = {"model": model_id, "prompt": prompt, "max_tokens": 40, "temperature": 0.8, "seed": 7, "logprobs": 3}
+    prompts = [prompt.upper(), prompt[::-1], "?" * len(prompt)] + ["an other prompt, " * (1 + i % 4) for i in range(7)]
     others = [
-        {"model": model_id, "prompt": "an other prompt, " * (1 + i % 4), "max_tokens": 40 - 2 * i, "seed": i,
-         "temperature": [0.0, 1.0, 0.7][i % 3], "top_p": [1.0, 0.9][i % 2], "repetition_penalty": [1.0, 1.3][i % 2]}
-        for i in range(10)
+        {"model": model_id, "prompt": other, "max_tokens": 40 - 2 * i, "seed": i, "temperature": [0.0, 1.0, 0.7][i % 3],
+         "top_p": [1.0, 0.9][i % 2], "repetition_penalty": [1.0, 1.3][i % 2]}
+        for i, other in enumerate(prompts)
     ]  # fmt: skip
     with httpx.Client(base_url=invariant.url, timeout=60) as client:
         alone = client.post("/v1/completions", json=seeded).json()["choices"]
