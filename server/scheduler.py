@@ -406,8 +406,9 @@ class Scheduler:
             groups.setdefault((*_decode_key(sequence), length), []).append(sequence)
         prefilled = []
         for (*_, length), group in groups.items():
-            if self.clock() - now >= slice_seconds:
-                break  # the rest next iteration
+            if prefilled and self.clock() - now >= slice_seconds:
+                break  # the rest next iteration (one group at least: a slice shorter than the loop's own time would
+                # otherwise never prefill anything)
             model = group[0].served.model
             flops = model.cost("cached", len(group), length, context=min(s.prefilled for s in group)).flops
             seconds = self._guarded(
