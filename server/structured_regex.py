@@ -3,7 +3,7 @@
 ``structured_outputs.regex`` means what ``re.fullmatch`` means. The constraint libraries parse patterns with their
 own dialects (Rust's ``regex-syntax``, or an EBNF translation), which differ from Python's in places: what ``\\s``,
 ``\\w`` and ``\\d`` contain, case folding, ``{,n}``, scoped flags. So the pattern is parsed here by Python's own
-parser (``re._parser``, as ``training/regex.py`` reads it) and written back with nothing left to interpret:
+parser (``re._parser``, as ``automata/regex.py`` reads it) and written back with nothing left to interpret:
 groups, alternation, counted repetition, and every single-character item (a literal, ``.``, a class, any flag
 applied) as the explicit code-point ranges that ``re`` itself matches, e.g. ``(?i)\\w`` becomes
 ``[0-9A-Z_a-z\\u{aa}...]``.
