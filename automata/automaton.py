@@ -121,6 +121,18 @@ class MooreMachine:
             output=lambda b: self.output[representative[b]], state_name=lambda b: f"q{b}",
         )
 
+    def to_json(self) -> dict[str, Any]:
+        """The machine as a JSON object: a DFA file's keys (SPEC section 2) with "output" (each state's label) in
+        place of "accept"; what a compiled checkpoint records of it."""
+        return {
+            "name": self.name,
+            "alphabet": self.alphabet,
+            "states": list(self.states),
+            "start": self.start,
+            "output": {state: self.output[state] for state in self.states},
+            "delta": {state: dict(self.delta[state]) for state in self.states},
+        }
+
     def trace(self, string: str) -> list[str]:
         """The state reached after each prefix of ``string`` (the empty prefix excluded)."""
         state, visited = self.start, []

@@ -2,6 +2,11 @@
 accepts it and "0" otherwise: exactly, at any length, through the ordinary model code (``forward``,
 ``final_logits``, ``step``) and its fast paths. Only the weights are constructed; nothing is trained.
 
+A Moore machine with other labels compiles the same way into a transducer of its label after every prefix; its
+labels, in the checkpoint's order (label ids), are its outputs sorted (a DFA's: "0", "1"), which is the order of
+every regular task's labels (training/tasks.py), so that ``python -m training compile --task NAME`` writes the
+task's checkpoint (e.g. induction_heads, 19 states and 18 labels). Below, "accepting" reads "labelled".
+
 Notation: n states, V symbols, M_s the (n, n) one-hot transition matrix of symbol s (column q is the one-hot
 image of state q, ``DFA.transition_matrices``), q0 the start state, F the accepting states.
 
@@ -15,8 +20,9 @@ A_s has a single entry +-1, so the p-norm column constraint leaves A_s unchanged
 c * H_{1+s}, a row of the Sylvester-Hadamard matrix H (d_model x d_model, entries +-1, zero mean for rows >= 1)
 scaled by c = 2**12: its LayerNorm is H_{1+s} (eps = 1e-5 vanishes against the variance c**2 in float32), and
 since those rows are orthogonal, transition and input projections with weights sum_s target_s H_{1+s}^T / d_model
-and no bias give A_s and B u_s. The readout writes c * (+1 if accepting else -1) along another Hadamard row,
-which the label head reads after ``ln_f``; the MLP is zero.
+and no bias give A_s and B u_s. The readout writes c times the code of state q's label, which the label head reads
+after ``ln_f`` (label k scores its code's dot product); the MLP is zero. Labels "0"/"1": the codes are -H_{V+1} and
++H_{V+1}; K other labels: one row each, H_{V+1} .. H_{V+K}.
 
 **RegularGPT** (C = 2, K = 1, one head, out_of_range="null"; regulargpt.txt section 7.2 and appendix C). After
 thick layer l, position m holds in its residual stream X = Flat(A), A = M_{s_m} ... M_{s_{m - 2**(l+1) + 1}}
@@ -30,7 +36,8 @@ when both are 1, exactly 0 otherwise, also for inputs off by up to 0.25, so roun
 depth. It writes sum_j g - X into X and -O into O (pass-through units GELU(lambda x) - GELU(-lambda x) =
 lambda x), leaving just the composed Flat(A). X and O hold exactly n ones each, so every LayerNorm input has a
 constant mean and variance and each LayerNorm's weight and bias undo its normalisation. The head reads
-acceptance of A's column q0: sum over i in F of A[i, q0].
+acceptance of A's column q0: sum over i in F of A[i, q0] (K other labels: label k scores the sum over the states
+labelled k).
 """
 
 from __future__ import annotations
@@ -42,13 +49,13 @@ import numpy as np
 import torch
 
 from automata.automaton import DFA, MooreMachine
-from automata.task_automata import binary_task_machines
+from automata.task_automata import task_machines
 from model.base import SequenceModel
 from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
 from model.lrnn import BlockDiagonalLRNN
 from model.regulargpt import RegularGPT
 
-LABELS = ("0", "1")  # label index 1 = accepted
+LABELS = ("0", "1")  # a DFA's labels; label index 1 = accepted
 LABEL_MARGIN = 20.0
 """Logit of the right label minus the wrong one: softmax gives it probability 1 - 2e-9."""
 
@@ -69,22 +76,35 @@ MAX_REGULARGPT_STATES = 16
 float32 at n = 16, 32 times more at n = 32. The LRNN construction takes any DFA (automata.automaton.MAX_STATES)."""
 
 
+Automaton = DFA | MooreMachine
+
+
 class CompileError(ValueError):
     """A valid DFA that a construction cannot take (too many states for RegularGPT); the message says why."""
 
 
-def compile_lrnn(dfa: DFA) -> tuple[BlockDiagonalLRNN, CheckpointConfig]:
+def labels_of(automaton: Automaton) -> tuple[str, ...]:
+    """The label ids of a compiled automaton: ("0", "1") for a DFA, a Moore machine's outputs sorted."""
+    return LABELS if isinstance(automaton, DFA) else tuple(sorted(set(automaton.output.values())))
+
+
+def compile_lrnn(automaton: Automaton) -> tuple[BlockDiagonalLRNN, CheckpointConfig]:
     """The one-layer block-diagonal LRNN of the module docstring, float32, in eval mode."""
-    n, vocab = len(dfa.states), len(dfa.alphabet)
-    d_model = max(8, _next_power_of_two(vocab + 2))  # Hadamard rows 1..V: symbols; row V + 1: the readout
+    machine, labels = _machine(automaton), labels_of(automaton)
+    n, vocab = len(machine.states), len(machine.alphabet)
+    binary = labels == LABELS
+    label_rows = 1 if binary else len(labels)
+    d_model = max(8, _next_power_of_two(vocab + 1 + label_rows))  # Hadamard rows 1..V: symbols; then the labels'
     config = LRNNConfig(
-        vocab_size=vocab, num_labels=len(LABELS), d_model=d_model, n_layers=1, block_size=n + 1, num_blocks=1,
+        vocab_size=vocab, num_labels=len(labels), d_model=d_model, n_layers=1, block_size=n + 1, num_blocks=1,
         d_ff=1,
     )
     hadamard = _hadamard(d_model)  # (d, d)
-    symbol_rows, readout_row = hadamard[1 : vocab + 1], hadamard[vocab + 1]  # (V, d), (d,)
-    matrices = dfa.transition_matrices().astype(np.float64)  # (V, n, n)
-    start = dfa.states.index(dfa.start)
+    symbol_rows = hadamard[1 : vocab + 1]  # (V, d)
+    readout_rows = hadamard[vocab + 1 : vocab + 1 + label_rows]  # (label_rows, d)
+    codes = np.concatenate([-readout_rows, readout_rows]) if binary else readout_rows  # (K, d): label k's code
+    matrices = machine.transition_matrices().astype(np.float64)  # (V, n, n)
+    start = machine.states.index(machine.start)
     transitions = np.zeros((vocab, n + 1, n + 1))  # (V, n + 1, n + 1): A_s
     inputs = np.zeros((vocab, n + 1))  # (V, n + 1): B u_s
     for s in range(vocab):
@@ -92,13 +112,16 @@ def compile_lrnn(dfa: DFA) -> tuple[BlockDiagonalLRNN, CheckpointConfig]:
         transitions[s, :n, :n] = matrices[s]
         transitions[s, :n, n] = -first
         inputs[s, :n], inputs[s, n] = first, 1.0
-    readout = np.zeros((d_model, n + 1))  # (d, n + 1): c * (+-1) * readout_row per state, 0 for the flag
-    readout[:, :n] = EMBEDDING_SCALE * np.outer(readout_row, _acceptance_signs(dfa))
-    # ln_f(x) = (H_s + sign * readout_row) / sqrt(2), so readout_row . ln_f(x) = sign * d / sqrt(2)
-    head_gain = LABEL_MARGIN / 2 * math.sqrt(2) / d_model
+    label_index = {label: k for k, label in enumerate(labels)}
+    readout = np.zeros((d_model, n + 1))  # (d, n + 1): c * the code of each state's label, 0 for the flag
+    readout[:, :n] = EMBEDDING_SCALE * codes[[label_index[machine.output[state]] for state in machine.states]].T
+    # ln_f(x) = (H_s + code) / sqrt(2): code_k . ln_f(x) = d / sqrt(2) for the state's label, and for the others
+    # -d / sqrt(2) (binary: the negated code) or 0 (orthogonal rows), so the margin is 2 or 1 times gain d / sqrt(2)
+    head_gain = LABEL_MARGIN / (2 if binary else 1) * math.sqrt(2) / d_model
     weights = {
         "embedding.embed.weight": EMBEDDING_SCALE * symbol_rows,
-        **_label_head(head_gain * readout_row, 0.0),
+        "embedding.label_head.weight": head_gain * codes,
+        "embedding.label_head.bias": np.zeros(len(labels)),
         **_layer_norm("blocks.0.ln_1", d_model),
         "blocks.0.recurrence.transition.weight": transitions.reshape(vocab, -1).T @ symbol_rows / d_model,
         "blocks.0.recurrence.transition.bias": np.zeros((n + 1) ** 2),
@@ -110,21 +133,22 @@ def compile_lrnn(dfa: DFA) -> tuple[BlockDiagonalLRNN, CheckpointConfig]:
         **_mlp("blocks.0.mlp", np.zeros((1, d_model)), np.zeros(1), np.zeros((d_model, 1))),
         **_layer_norm("ln_f", d_model),
     }
-    return _assemble(BlockDiagonalLRNN(config), weights), checkpoint_config(dfa, "lrnn", config)
+    return _assemble(BlockDiagonalLRNN(config), weights), checkpoint_config(automaton, "lrnn", config)
 
 
-def compile_regulargpt(dfa: DFA) -> tuple[RegularGPT, CheckpointConfig]:
+def compile_regulargpt(automaton: Automaton) -> tuple[RegularGPT, CheckpointConfig]:
     """The C = 2, K = 1 RegularGPT with null slots of the module docstring, float32, in eval mode."""
-    n, vocab = len(dfa.states), len(dfa.alphabet)
+    machine, labels = _machine(automaton), labels_of(automaton)
+    n, vocab = len(machine.states), len(machine.alphabet)
     if n > MAX_REGULARGPT_STATES:
         raise CompileError(
-            f"{dfa.name}: {n} states; the RegularGPT construction takes at most MAX_REGULARGPT_STATES = "
+            f"{machine.name}: {n} states; the RegularGPT construction takes at most MAX_REGULARGPT_STATES = "
             f"{MAX_REGULARGPT_STATES} (its size grows as n**5); compile it with --arch lrnn"
         )
     flat, d_model = n * n, 2 * n * n  # the residual stream: X = channels [0, n^2), O = [n^2, 2 n^2)
     product_units = len(PRODUCT_THRESHOLDS) * n**3
     config = RegularGPTConfig(
-        vocab_size=vocab, num_labels=len(LABELS), d_model=d_model, n_heads=1, d_ff=product_units + 2 * d_model,
+        vocab_size=vocab, num_labels=len(labels), d_model=d_model, n_heads=1, d_ff=product_units + 2 * d_model,
         chunk_size=2, thickness=1, out_of_range="null",
     )
     eps = config.layer_norm_eps
@@ -136,13 +160,19 @@ def compile_regulargpt(dfa: DFA) -> tuple[RegularGPT, CheckpointConfig]:
     into_other[flat:, :flat] = np.eye(flat)
     null_value = np.zeros((1, d_model))
     null_value[0, :flat] = np.eye(n).flatten()
-    start = dfa.states.index(dfa.start)
-    accepted = np.zeros(d_model)  # the channels X[i, q0] of accepting states i
-    accepted[np.arange(n) * n + start] = np.array([state in dfa.accept for state in dfa.states], dtype=float)
+    start = machine.states.index(machine.start)
+    labelled = np.zeros((len(labels), d_model))  # (K, d): the channels X[i, q0] of the states i labelled k
+    for i, state in enumerate(machine.states):
+        labelled[labels.index(machine.output[state]), i * n + start] = 1.0
+    if labels == LABELS:  # "1" scores M (sum over accepting i of A[i, q0]) - M / 2, "0" the negation
+        head = _label_head(LABEL_MARGIN * labelled[1], -LABEL_MARGIN / 2)
+    else:  # label k scores M (sum over the states i labelled k of A[i, q0]): M for one label, 0 for the others
+        head = {"embedding.label_head.weight": LABEL_MARGIN * labelled,
+                "embedding.label_head.bias": np.zeros(len(labels))}
     weights = {
-        "embedding.embed.weight": np.concatenate([dfa.transition_matrices().reshape(vocab, flat),
+        "embedding.embed.weight": np.concatenate([machine.transition_matrices().reshape(vocab, flat),
                                                   np.zeros((vocab, flat))], axis=1),
-        **_label_head(LABEL_MARGIN * accepted, -LABEL_MARGIN / 2),
+        **head,
         **_layer_norm("blocks.0.ln_1", d_model, *attention_stats),
         "blocks.0.attention.heads.c_attn.weight": qkv,
         "blocks.0.attention.heads.c_attn.bias": np.zeros(3 * d_model),
@@ -155,32 +185,38 @@ def compile_regulargpt(dfa: DFA) -> tuple[RegularGPT, CheckpointConfig]:
         **_mlp("blocks.0.mlp", *_composition_mlp(n)),
         **_layer_norm("ln_f", d_model, *attention_stats),
     }
-    return _assemble(RegularGPT(config), weights), checkpoint_config(dfa, "regulargpt", config)
+    return _assemble(RegularGPT(config), weights), checkpoint_config(automaton, "regulargpt", config)
 
 
-COMPILERS: dict[str, Callable[[DFA], tuple[SequenceModel, CheckpointConfig]]] = {
+COMPILERS: dict[str, Callable[[Automaton], tuple[SequenceModel, CheckpointConfig]]] = {
     "lrnn": compile_lrnn,
     "regulargpt": compile_regulargpt,
 }
 
 
-def checkpoint_config(dfa: DFA, architecture: str, model_config: LRNNConfig | RegularGPTConfig) -> CheckpointConfig:
-    """A transducer over the DFA's alphabet with labels ("0", "1"), naming the task only if the DFA computes it."""
+def checkpoint_config(
+    automaton: Automaton, architecture: str, model_config: LRNNConfig | RegularGPTConfig
+) -> CheckpointConfig:
+    """A transducer over the automaton's alphabet with :func:`labels_of` it, naming the task only if the automaton
+    computes it; metadata records what was compiled ("dfa": the DFA JSON, or "moore_machine")."""
+    source = {"dfa": automaton.to_json()} if isinstance(automaton, DFA) else {"moore_machine": automaton.to_json()}
     return CheckpointConfig(
-        architecture=architecture, model=model_config, kind="transduce", task=task_of(dfa),
-        alphabet=dfa.alphabet, labels=LABELS,
-        metadata={"compiled": True, "compiler": "automata.compiler", "dfa": dfa.to_json()},
+        architecture=architecture, model=model_config, kind="transduce", task=task_of(automaton),
+        alphabet=automaton.alphabet, labels=labels_of(automaton),
+        metadata={"compiled": True, "compiler": "automata.compiler", **source},
     )
 
 
-def task_of(dfa: DFA) -> str | None:
-    """``dfa.name`` if a task of SPEC section 1 with labels ("0", "1") has that name, the same alphabet (in the same
-    order: token ids) and the same labels after every non-empty prefix; None otherwise. Those tasks are the binary
-    task machines (tests/training/test_tasks.py checks them against the task registry)."""
-    task = binary_task_machines().get(dfa.name)
-    if task is None or task.alphabet != dfa.alphabet:
+def task_of(automaton: Automaton) -> str | None:
+    """The automaton's name if a regular task of SPEC section 1 has that name, the same alphabet (in the same order:
+    token ids) and the same labels after every non-empty prefix; None otherwise. Those tasks are the task machines
+    (tests/training/test_tasks.py checks them against the task registry, and that each task's labels are its
+    machine's sorted, the label ids :func:`labels_of` gives)."""
+    machine = _machine(automaton)
+    task = task_machines().get(machine.name)
+    if task is None or task.alphabet != machine.alphabet:
         return None
-    return dfa.name if same_transduction(task, dfa.machine) else None
+    return machine.name if same_transduction(task, machine) else None
 
 
 def same_transduction(first: MooreMachine, second: MooreMachine) -> bool:
@@ -200,9 +236,8 @@ def same_transduction(first: MooreMachine, second: MooreMachine) -> bool:
     return True
 
 
-def _acceptance_signs(dfa: DFA) -> np.ndarray:
-    """(n,): +1 for accepting states, -1 for the others."""
-    return np.array([1.0 if state in dfa.accept else -1.0 for state in dfa.states])
+def _machine(automaton: Automaton) -> MooreMachine:
+    return automaton.machine if isinstance(automaton, DFA) else automaton
 
 
 def _composition_mlp(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         16 * 2**20, gt=0, description="bytes of a request body; more is refused (413) from Content-Length before the "
         "body is read, or once a chunked body passes it. The default holds a transduce request of "
-        "max_request_symbols (1,000,000) even with every symbol written as a 6-byte JSON escape"
+        "max_request_symbols (2^20) even with every symbol written as a 6-byte JSON escape"
     )
     body_timeout_s: float = Field(
         60.0, gt=0, description="the longest a request body may take to arrive, from the app's first read; then 408"
@@ -43,8 +43,12 @@ class Settings(BaseSettings):
         "its previous response; then it is closed (python -m server)"
     )
 
-    max_input_symbols: int = Field(100_000, gt=0, description="symbols of one transduce input or prompt tokens")
-    max_request_symbols: int = Field(1_000_000, gt=0, description="symbols of all inputs of one transduce request")
+    max_input_symbols: int = Field(
+        2**20, gt=0, description="symbols of one transduce input or prompt tokens (each model's own limits, from "
+        "its memory and max_job_seconds, may be lower): 2^20, the longest length of SPEC section 5's "
+        "induction-heads test, which an LRNN runs in O(1) memory"
+    )
+    max_request_symbols: int = Field(2**20, gt=0, description="symbols of all inputs of one transduce request")
     max_inputs: int = Field(256, gt=0, description="inputs of one transduce request, prompts x n of a completion")
     max_tokens: int = Field(4096, ge=0, description="the largest max_tokens a request may ask for")
 

@@ -1,7 +1,8 @@
 """``python -m training compile DFA.json --arch lrnn|regulargpt --out DIR`` (SPEC section 3): compile a DFA file
 into a checkpoint folder (automata/compiler.py). ``compile --regex PATTERN --alphabet SYMBOLS`` compiles a regular
 expression instead: its minimal DFA over the alphabet (automata/regex.py), labelling each prefix "1" when it fully
-matches, else "0".
+matches, else "0". ``compile --task NAME`` compiles the Moore machine of a regular task of SPEC section 1 (labels
+other than "0"/"1" too: induction_heads; automata/task_automata.py), the checkpoint naming the task.
 
 Exit codes: 0 written; 2 bad input, with one line on stderr: a DFA file that does not parse or validate (the
 :class:`~automata.automaton.AutomatonError` message, which names the problem), a DFA the architecture cannot take,
@@ -17,7 +18,11 @@ repository root::
       done
     done
 
-tests/training/test_compile_cli.py checks that each of them equals a fresh compilation.
+    python -m training compile --task induction_heads --arch lrnn --out checkpoints/induction_heads-lrnn-compiled \
+      --overwrite
+
+(19 states: the RegularGPT construction takes at most 16.) tests/training/test_compile_cli.py checks that each of
+them equals a fresh compilation.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from automata.automaton import DFA, AutomatonError
+from automata.automaton import DFA, AutomatonError, MooreMachine
 from automata.compiler import COMPILERS, CompileError
 from automata.regex import regex_dfa
+from automata.task_automata import task_machines
 from model.checkpoint import CONFIG_FILE, save_checkpoint
 
 
@@ -37,6 +43,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regex", help="instead of a DFA file: a regular expression (Python syntax, matched whole)")
     parser.add_argument("--alphabet", help="with --regex: the input symbols, one character each, e.g. 01")
     parser.add_argument("--name", default="regex", help="with --regex: the automaton's name (default: regex)")
+    parser.add_argument("--task", help="instead of a DFA file: a regular task's automaton, e.g. induction_heads")
     parser.add_argument("--arch", required=True, choices=sorted(COMPILERS), help="architecture to compile into")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
@@ -56,21 +63,26 @@ def _compile(args: argparse.Namespace) -> int:
         raise CompileError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it")
     if args.out.exists() and not args.out.is_dir():
         raise CompileError(f"--out {args.out} exists and is not a folder")
-    dfa = _automaton(args)
-    model, config = COMPILERS[args.arch](dfa)
+    automaton = _automaton(args)
+    model, config = COMPILERS[args.arch](automaton)
     save_checkpoint(model, config, args.out)
     task = f"task {config.task}" if config.task else "no task"
-    print(f"wrote {args.out}: {args.arch} for {dfa.name} ({len(dfa.states)} states, {task})")
+    print(f"wrote {args.out}: {args.arch} for {automaton.name} ({len(automaton.states)} states, {task})")
     return 0
 
 
-def _automaton(args: argparse.Namespace) -> DFA:
-    """The DFA of the command line: a JSON file, or a regular expression over an alphabet."""
-    if (args.dfa is None) == (args.regex is None):
-        raise CompileError("give a DFA JSON file or --regex PATTERN, one of the two")
+def _automaton(args: argparse.Namespace) -> DFA | MooreMachine:
+    """The automaton of the command line: a JSON file, a regular expression over an alphabet, or a task's."""
+    if [args.dfa, args.regex, args.task].count(None) != 2:
+        raise CompileError("give a DFA JSON file, --regex PATTERN or --task NAME, one of the three")
+    if args.regex is None and args.alphabet is not None:
+        raise CompileError("--alphabet goes with --regex; a DFA file or a task names its own alphabet")
+    if args.task is not None:
+        machines = task_machines()
+        if args.task not in machines:
+            raise CompileError(f"no regular task {args.task!r}; the regular tasks: {', '.join(machines)}")
+        return machines[args.task]
     if args.regex is None:
-        if args.alphabet is not None:
-            raise CompileError("--alphabet goes with --regex; a DFA file names its own alphabet")
         return DFA.from_json(args.dfa)
     if not args.alphabet:
         raise CompileError("--regex needs --alphabet: the symbols the model reads, e.g. --alphabet 01")

@@ -153,7 +153,8 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
     lines.append(f"{'lengths':<12}{'p_one':>7}{'samples':>9}" + "".join(f"{header:>10}" for header in headers))
     for index, band in enumerate(first["bands"]):
         row = [report["bands"][index]["accuracy"] for report in reports]
-        lengths = "{}-{}".format(*band["lengths"])
+        shortest, longest = band["lengths"]
+        lengths = str(shortest) if shortest == longest else f"{shortest}-{longest}"
         p_one = "-" if band["p_one"] is None else f"{band['p_one']:g}"
         lines.append(f"{lengths:<12}{p_one:>7}{band['samples']:>9}" + _accuracy_cells(row))
     overall = [report["overall"] for report in reports]

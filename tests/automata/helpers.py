@@ -10,8 +10,8 @@ import re
 import numpy as np
 import torch
 
-from automata.automaton import DFA
-from automata.compiler import LABEL_MARGIN
+from automata.automaton import DFA, MooreMachine
+from automata.compiler import LABEL_MARGIN, labels_of
 from automata.task_automata import AUTOMATA_DIR
 
 MARGIN_TOLERANCE = 1e-4  # every logit difference is LABEL_MARGIN to within this, at every length checked
@@ -28,7 +28,7 @@ def tomita4_with(**changes) -> dict:
     return {**data, **changes}
 
 
-def encode(dfa: DFA, strings: list[str], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(dfa: DFA | MooreMachine, strings: list[str], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded token ids (B, length or the longest) and lengths (B,)."""
     length = length or max(map(len, strings))
     tokens = torch.zeros(len(strings), length, dtype=torch.long)
@@ -53,6 +53,29 @@ def assert_transduces(model, dfa: DFA, strings: list[str]) -> None:
         prefixes = sorted({string[:end] for string in strings for end in (1, len(string) // 2, len(string))})
         tokens, lengths = encode(dfa, prefixes)
         assert_labels(model.final_logits(tokens, lengths), torch.tensor([dfa.run(p)[-1] for p in prefixes]))
+
+
+def assert_machine_labels(logits: torch.Tensor, label_ids: torch.Tensor) -> None:
+    """logits (..., K) must rank label ``label_ids`` (...) first, LABEL_MARGIN above the next."""
+    right = logits.gather(-1, label_ids[..., None])[..., 0]  # (...)
+    others = logits.scatter(-1, label_ids[..., None], float("-inf")).amax(-1)  # (...)
+    wrong = int((right <= others).sum())
+    assert wrong == 0, f"{wrong} wrong labels of {label_ids.numel()}"
+    torch.testing.assert_close(right - others, torch.full_like(right, LABEL_MARGIN), rtol=0, atol=MARGIN_TOLERANCE)
+
+
+def assert_machine_transduces(model, machine: MooreMachine, strings: list[str]) -> None:
+    """A compiled Moore machine: its label ids (``labels_of``) per position of equal-length strings (forward) and at
+    the end of mixed-length prefixes (final_logits)."""
+    ids = {label: k for k, label in enumerate(labels_of(machine))}
+    tokens, _ = encode(machine, strings)
+    with torch.no_grad():
+        expected = torch.tensor([[ids[label] for label in machine.transduce(string)] for string in strings])
+        assert_machine_labels(model(tokens), expected)
+        prefixes = sorted({string[:end] for string in strings for end in (1, len(string) // 2, len(string))})
+        tokens, lengths = encode(machine, prefixes)
+        expected = torch.tensor([ids[machine.transduce(prefix)[-1]] for prefix in prefixes])
+        assert_machine_labels(model.final_logits(tokens, lengths), expected)
 
 
 def assert_exact_on_every_string(model, dfa: DFA, length: int) -> None:

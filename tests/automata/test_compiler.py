@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from automata.automaton import DFA
+from automata.automaton import DFA, MooreMachine
 from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError, compile_lrnn, compile_regulargpt, task_of
 from automata.samples import counter, live_string
+from automata.task_automata import cycle_navigation, induction_heads, modular_arithmetic, sum_mod5
 from model.ops.linear_scan import column_norm_constraint
-from tests.automata.helpers import assert_exact_on_every_string, assert_labels, assert_transduces, encode, load_dfa
+from tests.automata.helpers import assert_exact_on_every_string, assert_labels, assert_machine_transduces
+from tests.automata.helpers import assert_transduces, encode, load_dfa
 
 SMALL_AUTOMATA = ["parity_check", "tomita3", "tomita4", "tomita5", "tomita6", "d2", "d3", "first", "one", "even_pairs"]
 EXHAUSTIVE_LENGTH = 12
@@ -134,3 +136,43 @@ def test_regulargpt_refuses_too_many_states_and_lrnn_takes_them() -> None:
     with pytest.raises(CompileError, match="MAX_REGULARGPT_STATES"):
         compile_regulargpt(dfa)
     assert_exact_on_every_string(compile_lrnn(dfa)[0], dfa, 8)
+
+
+@pytest.mark.parametrize("machine", [cycle_navigation(), sum_mod5()], ids=lambda machine: machine.name)
+@pytest.mark.parametrize("arch", sorted(COMPILERS))
+def test_a_moore_machine_with_five_labels_compiles_exactly(arch: str, machine) -> None:
+    """Every string up to length 6, a long one; its labels are its outputs sorted, and it names its task."""
+    model, config = COMPILERS[arch](machine)
+    assert config.labels == ("0", "1", "2", "3", "4") and config.task == machine.name
+    assert config.metadata["moore_machine"] == machine.to_json() and "dfa" not in config.metadata
+    strings = ["".join(symbols) for symbols in itertools.product(machine.alphabet, repeat=6)]
+    assert_machine_transduces(model, machine, strings)
+    rng = np.random.default_rng(7)
+    assert_machine_transduces(model, machine, ["".join(rng.choice(list(machine.alphabet), 3000))])
+
+
+def test_induction_heads_compiles_into_an_lrnn_and_is_too_large_for_regulargpt() -> None:
+    """19 states, 18 labels: every string of 4 symbols ("##", several marks, none), long strings of the task's
+    generator and uniform ones; RegularGPT's construction refuses it (more than MAX_REGULARGPT_STATES)."""
+    machine = induction_heads()
+    model, config = compile_lrnn(machine)
+    assert config.task == "induction_heads" and config.labels[:3] == ("#", "-", "a") and len(config.labels) == 18
+    assert model.config.d_model == 64 and model.config.block_size == 20
+    strings = ["".join(symbols) for symbols in itertools.product(machine.alphabet, repeat=4)]
+    assert_machine_transduces(model, machine, strings)
+    rng = np.random.default_rng(8)
+    letters = "abcdefghijklmnop"
+    keyed = ["".join(rng.choice(list(letters), 2999)) + "#" for _ in range(3)]
+    keyed = [string[:mark] + "#" + string[mark + 1 :] for string, mark in zip(keyed, (0, 1500, 2997))]
+    assert_machine_transduces(model, machine, [*keyed, "".join(rng.choice(list(machine.alphabet), 3000))])
+    with pytest.raises(CompileError, match="induction_heads: 19 states.*MAX_REGULARGPT_STATES = 16"):
+        compile_regulargpt(machine)
+
+
+def test_a_moore_machine_names_its_task_only_when_it_computes_it() -> None:
+    machine = cycle_navigation()
+    assert task_of(machine) == "cycle_navigation" and task_of(induction_heads()) == "induction_heads"
+    assert task_of(modular_arithmetic()) == "modular_arithmetic"
+    other_labels = {state: str(i % 2) for i, state in enumerate(machine.states)}
+    assert task_of(MooreMachine(machine.name, machine.alphabet, machine.states, machine.start, machine.delta,
+                                other_labels)) is None

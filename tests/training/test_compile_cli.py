@@ -22,6 +22,7 @@ from automata.task_automata import AUTOMATA_DIR
 from model.checkpoint import load_checkpoint, read_config, read_weights
 from tests.automata.helpers import assert_exact_on_every_string, assert_transduces, encode, load_dfa, tomita4_with
 from training.cli import main
+from training.data import FinalLabelSet, count_correct_final
 from training.tasks import get_task
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -57,6 +58,32 @@ def test_shipped_checkpoint_equals_a_fresh_compilation(task: str, arch: str) -> 
     assert sorted(shipped) == sorted(fresh)
     for name, tensor in fresh.items():
         assert torch.equal(shipped[name], tensor), name
+
+
+def test_shipped_induction_heads_checkpoint_equals_a_fresh_task_compilation(tmp_path: Path, capsys) -> None:
+    """checkpoints/induction_heads-lrnn-compiled is ``compile --task induction_heads --arch lrnn``'s output; the
+    RegularGPT construction refuses the task's 19 states."""
+    folder = REPOSITORY / "checkpoints" / "induction_heads-lrnn-compiled"
+    assert compile_("--task", "induction_heads", "--arch", "lrnn", "--out", str(tmp_path / "fresh")) == 0
+    assert read_config(folder).to_dict() == read_config(tmp_path / "fresh").to_dict()
+    shipped, fresh = read_weights(folder / "model.safetensors"), read_weights(tmp_path / "fresh" / "model.safetensors")
+    assert sorted(shipped) == sorted(fresh) and all(torch.equal(shipped[name], fresh[name]) for name in fresh)
+    config = read_config(folder)
+    assert config.task == "induction_heads" and config.labels == get_task("induction_heads").labels
+    assert compile_("--task", "induction_heads", "--arch", "regulargpt", "--out", str(tmp_path / "rg")) == 2
+    assert "19 states" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_shipped_induction_heads_checkpoint_is_right_at_2_to_the_20() -> None:
+    """The final label of two 2^20-symbol strings of the task's generator, through the cache in bounded chunks (the
+    path of ``eval --chunk-symbols``), and of short ones through final_logits."""
+    loaded = load_checkpoint(REPOSITORY / "checkpoints" / "induction_heads-lrnn-compiled", device="cpu")
+    task = get_task("induction_heads")
+    long = FinalLabelSet.draw(task, np.random.default_rng(9), 2, (2**20, 2**20))
+    assert count_correct_final(loaded.model, long, task.alphabet, batch_size=2, chunk_symbols=2**17) == 2
+    short = FinalLabelSet.draw(task, np.random.default_rng(10), 200, (3, 300))
+    assert count_correct_final(loaded.model, short, task.alphabet, batch_size=50) == 200
 
 
 @pytest.mark.parametrize("arch", sorted(COMPILERS))
@@ -148,8 +175,11 @@ def test_compile_regex_writes_an_exact_model(arch: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--regex", "a"], "--regex needs --alphabet"),
-    (["--alphabet", "ab"], "give a DFA JSON file or --regex PATTERN"),
+    (["--alphabet", "ab"], "give a DFA JSON file, --regex PATTERN or --task NAME, one of the three"),
     (["--regex", "(a", "--alphabet", "ab"], "invalid regular expression '(a'"),
+    (["--task", "palindrome"], "no regular task 'palindrome'; the regular tasks: parity_check, "),
+    (["--task", "d2", "--alphabet", "ab"], "--alphabet goes with --regex"),
+    (["--task", "d2", str(AUTOMATA_DIR / "d2.json")], "one of the three"),
 ])
 def test_compile_regex_refuses_bad_input_with_exit_2(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
     assert compile_(*argv, "--arch", "lrnn", "--out", str(tmp_path / "out")) == 2
