@@ -268,9 +268,9 @@ class Scheduler:
             order = (self.fair.priority([job.flow]), job.service, job.times.arrival)
             units.append((*order, lambda long=long: self._run_slice(long)))
         started = self.clock()
-        for *_, run in sorted(units, key=lambda unit: unit[:3]):
-            if self.clock() - started >= self.settings.slice_ms / 1000:
-                break
+        for index, (*_, run) in enumerate(sorted(units, key=lambda unit: unit[:3])):
+            if index and self.clock() - started >= self.settings.slice_ms / 1000:
+                break  # one unit at least: a slice shorter than the loop's own time would otherwise run nothing
             run()
         self._drop_finished_long()
         if not self.short:

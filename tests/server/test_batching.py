@@ -252,3 +252,16 @@ def test_a_request_that_came_during_a_slice_is_not_held_for_the_gathering_window
     receive(worker, short)
     worker.iteration()
     assert short.done and short.mailbox.items[0][0] - sent < 0.001
+
+
+def test_a_slice_shorter_than_the_loop_itself_still_runs_one_unit_per_iteration() -> None:
+    """With a slice shorter than the time the loop takes to order its units, each iteration still runs one (the
+    transduce twin of 74ada47's prefill fix): here the clock moves by a slice at every reading."""
+    clock = FakeClock()
+    served = transducer("m", FakeTransducer(clock, seconds_per_flop=1e-9), measured_seconds_per_flop=1e-9)
+    worker = driven_scheduler(clock, slice_ms=0.001)
+    worker.clock = lambda: clock.advance(1e-6) or clock.now
+    job = transduce_job(served, 4, clock)
+    receive(worker, job)
+    worker.iteration()
+    assert job.done

@@ -85,7 +85,7 @@ def test_prompts_prefilled_in_many_chunks_score_and_continue_as_in_one(checkpoin
     answers = []
     for slice_ms in (50.0, 0.001):
         with serve(make_settings(checkpoints_dir, slice_ms=slice_ms, state_cache_entries=0)) as server:
-            answers.append([httpx.post(f"{server.url}/v1/completions", json=body).json() for body in bodies])
+            answers.append([httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json() for body in bodies])
     for whole, chunked in zip(*answers):
         assert chunked["choices"][0]["text"] == whole["choices"][0]["text"]
         expected = whole["choices"][0]["logprobs"]["token_logprobs"]
