@@ -105,7 +105,7 @@ def test_long_transduce_runs_in_slices_beside_short_requests(checkpoints_dir, mo
                 long = asyncio.ensure_future(
                     client.post("/v1/transduce", json={"model": "parity-regulargpt", "inputs": [text]})
                 )
-                await asyncio.to_thread(wait_for, lambda: len(slices) >= 3)
+                await asyncio.to_thread(wait_for, lambda: len(slices) >= 3, 120)  # 1-token chunks: numba compiles
                 short = await client.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0110"]})
                 long_running = not long.done()
                 return short.json(), long_running, (await long).json()
