@@ -302,7 +302,8 @@ class Scheduler:
                 logger.warning("a transduce batch of %d inputs failed (%s: %s); each runs alone", len(batch),
                                type(error).__name__, error)  # fmt: skip
                 for item in batch:
-                    self._compute_batch([item], batch_cost(item, 1, item.length))
+                    if not item.job.done:  # not failed meanwhile through another of its inputs
+                        self._compute_batch([item], batch_cost(item, 1, item.length))
                 return
             logger.exception("a transduce input of %d symbols failed", batch[0].length)
             batch[0].job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
