@@ -1,4 +1,4 @@
-"""RegularGPT's decoding state and the plans of its cached path (model/regulargpt.py runs the blocks).
+"""RegularGPT's decoding state and the plans of its cached path (model/regulargpt_decode.py runs the blocks).
 
 A :class:`RegularGPTCache` holds, per row, the adaptive depth D(t) reached (:func:`adaptive_depth`), each block's
 keys and values in a ring window per thick layer (:class:`KVWindow`: the last (C-1) * C**l positions, all a

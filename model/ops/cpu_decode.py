@@ -199,7 +199,7 @@ def regulargpt_layer_step(
     heads: int,
     eps: float,
 ) -> torch.Tensor:
-    """One thick layer of a RegularGPT decode step (model/regulargpt.py: its K blocks, ``CachedBlock.forward``
+    """One thick layer of a RegularGPT decode step (model/regulargpt_decode.py: its K blocks, ``CachedBlock.forward``
     with a ``StepPlan``) as one compiled call. Each block: x + attention(LN_1(x)) over the J dilated slots, then
     + MLP(LN_2(.)); the new position's keys and values are then written into its window. The ring entries are
     found as the step's plan finds them (``_plan_step`` in model/regulargpt_cache.py: row r's slot j holds position

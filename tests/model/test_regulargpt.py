@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from model import regulargpt, regulargpt_cache
+from model import regulargpt, regulargpt_cache, regulargpt_cost
 from model.config import RegularGPTConfig
 from model.regulargpt import RegularGPT
 from model.regulargpt_cache import (
@@ -33,7 +33,7 @@ def cached_attention(request, monkeypatch) -> str:
     """Cached chunks attend as ``cached_attention_impl`` decides (for these tiny models: gathered, and one query
     per row through StepPlan), or every chunk of two or more positions through attend_banded."""
     if request.param == "all banded":
-        for module in (regulargpt, regulargpt_cache):  # the plans and the cost model
+        for module in (regulargpt_cost, regulargpt_cache):  # the cost model and the plans
             monkeypatch.setattr(module, "cached_attention_impl", lambda length, slots, prefix: "banded")
     return request.param
 
