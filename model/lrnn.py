@@ -17,6 +17,9 @@ per layer.
 
 The stack (:class:`RecurrentBlock`, :class:`LinearRNN`, :class:`LRNNCache`) is shared with
 ``model/diagonal_lrnn.py``: an architecture only supplies its recurrence, a :class:`Recurrence`.
+
+To read first: model/reference/lrnn_minimal.py, the column-constrained model (full or low-rank g) in plain PyTorch
+as a sequential scan, tested to give this one's logits on its weights (tests/model/test_minimal.py).
 """
 
 from __future__ import annotations
