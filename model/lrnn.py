@@ -398,7 +398,7 @@ class LinearRNN(SequenceModel):
         (MKL's products, with several threads) the stacked matrix and every weight wider than tall (out_features
         > in_features: the MLPs' first layers, a low-rank V, the tied head) are stored (in, out): on this project's
         CPU MKL's one-thread product read a 4096 x 512 weight twice as fast that way, and a square or tall one as
-        fast or faster as stored (docs/benchmarks.md, "LRNN: cheaper transition generator and fused step"). The
+        fast or faster as stored (docs/benchmarks.md, "One-token products" and "Low-rank transition generator"). The
         parallel pass multiplies by the same matrices (equal up to float rounding); training never calls this. Last,
         the products' weights are packed for oneDNN (:meth:`SequenceModel.for_serving`). On CUDA nothing changes."""
         if self.device.type != "cpu":

@@ -22,6 +22,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from model.base import SequenceModel
 from model.cuda_graphs import Decoder, capture_sizes, decoder_for
 from model.ops import cpu_decode
 from model.threads import set_threads
@@ -210,10 +211,14 @@ class Engine:
         self.models, self.load_failures = report.models, report.failures
         threads = torch.get_num_threads()
         logger.info("model calls on %d torch thread(s)", set_threads(self.settings.torch_threads))
-        cpu_decode.set_row_invariant(self.settings.batch_invariant)  # before for_serving lays the weights out
         try:
-            if self.settings.batch_invariant:
-                _check_batch_invariant(self.models)
+            obstacle = _batch_invariance_obstacle(self.models)
+            if self.settings.batch_invariant is True and obstacle:
+                raise ValueError(obstacle)
+            invariant = self.settings.batch_invariant is True or obstacle is None
+            if self.settings.batch_invariant == "auto":
+                logger.info("batch invariance: %s", "on" if invariant else f"off: {obstacle}")
+            cpu_decode.set_row_invariant(invariant)  # before for_serving lays the weights out
             if self.models:
                 self._measure()
             if not self.models:
@@ -296,6 +301,7 @@ class Engine:
                 speeds[served.id] = calibrate(served.model)
                 if served.kind == "generate":
                     served.decoder = self._decoder(served)
+                    _warm_up_decode(served.model)
             except Exception as error:
                 self.load_failures.append(f"{served.path}: measuring its speed failed: {type(error).__name__}: {error}")
                 logger.error("skipped %s", self.load_failures[-1])
@@ -316,20 +322,31 @@ class Engine:
             self._set_limits(served, speeds[served.id])
 
 
+def _warm_up_decode(model: SequenceModel) -> None:
+    """Prefill one token and take one decode step, so that what compiles on its first call (model/ops/cpu_decode.py's
+    layer steps, numba: 8-19 s on a loaded 2-core machine) compiles before the server is ready, not inside the first
+    request while every other request waits."""
+    with torch.inference_mode():
+        cache = model.new_cache(batch_size=1)
+        tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # (1, 1): id 0 exists in every model
+        model(tokens, cache=cache)
+        model.step(tokens[:, 0], cache)
+
+
 # Language models whose decode step is row-wise through model/ops/cpu_decode.py's kernels where batch_invariant is
 # on (tests/server/test_sampling.py). The LSTM (nn.LSTM's products), the transformer (nn.Linear's, and attention over
 # keys padded to the batch's longest row) and the diagonal LRNN are not.
 ROW_INVARIANT_ARCHITECTURES = frozenset({"lrnn", "regulargpt"})
 
 
-def _check_batch_invariant(models: dict[str, ServedModel]) -> None:
-    """``batch_invariant`` holds only where every language model decodes through the CPU kernels
-    (model/ops/cpu_decode.py, "Batch invariance"): the server does not start otherwise."""
+def _batch_invariance_obstacle(models: dict[str, ServedModel]) -> str | None:
+    """Why ``batch_invariant`` cannot hold for these models, or None where it holds: every language model must decode
+    through the CPU kernels (model/ops/cpu_decode.py, "Batch invariance")."""
     elsewhere = sorted(model_id for model_id, served in models.items() if served.model.device.type != "cpu")
     if elsewhere:
-        raise ValueError(f"batch_invariant holds on the CPU only, and {', '.join(elsewhere)} run on another device")
+        return f"batch_invariant holds on the CPU only, and {', '.join(elsewhere)} run on another device"
     if not cpu_decode.kernel_available():
-        raise ValueError("batch_invariant needs the CPU kernels, and numba is not importable")
+        return "batch_invariant needs the CPU kernels, and numba is not importable"
     others = sorted(
         f"{model_id} ({served.config.architecture}, {str(served.model.dtype).removeprefix('torch.')})"
         for model_id, served in models.items()
@@ -337,6 +354,5 @@ def _check_batch_invariant(models: dict[str, ServedModel]) -> None:
         and (served.config.architecture not in ROW_INVARIANT_ARCHITECTURES or served.model.dtype != torch.float32)
     )
     if others:
-        raise ValueError(
-            f"batch_invariant holds for float32 LRNN and RegularGPT language models only, not {', '.join(others)}"
-        )
+        return f"batch_invariant holds for float32 LRNN and RegularGPT language models only, not {', '.join(others)}"
+    return None

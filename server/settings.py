@@ -60,11 +60,12 @@ class Settings(BaseSettings):
         True, description="on CUDA, run the decode step of models with a fixed-size cache (LRNN, LSTM) through CUDA "
         "graphs captured at batch sizes 1, 2, 4, 8, 16, ... up to max_running (model/cuda_graphs.py); false: eager"
     )
-    batch_invariant: bool = Field(
-        False, description="decode every row by the same arithmetic whatever the other rows, so that a seeded "
+    batch_invariant: bool | Literal["auto"] = Field(
+        "auto", description="decode every row by the same arithmetic whatever the other rows, so that a seeded "
         "request gets the same logits and text alone or beside others: a decode step's products and layers through "
-        "the row-wise kernels of model/ops/cpu_decode.py (slower at many rows). Float32 LRNN and RegularGPT language "
-        "models on the CPU, with numba, only: otherwise the server does not start"
+        "the row-wise kernels of model/ops/cpu_decode.py (slower at many rows: 64 rows of text-lrnn ~1.6x). It holds "
+        "for float32 LRNN and RegularGPT language models on the CPU, with numba. auto (default): on where it holds for "
+        "every served language model, off otherwise (logged); true: the server does not start where it does not hold"
     )
     max_waiting: int = Field(256, gt=0, description="requests queued beyond those running; more get 429")
     prefill_chunk_tokens: int = Field(2048, gt=0, description="prompt tokens prefilled per scheduler iteration")

@@ -65,7 +65,7 @@ def test_sigterm_drains_requests_in_flight(checkpoints_dir) -> None:
     url = f"http://127.0.0.1:{port}"
     process = start_server("--models", str(checkpoints_dir), "--port", str(port))
     try:
-        wait_healthy(url, timeout=60)
+        wait_healthy(url, timeout=120)
         body = {"model": "text-lstm", "prompt": "x", "max_tokens": 800, "stream": True}
         with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -93,7 +93,7 @@ def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir)
     drain_timeout_s = 0.5
     process = start_server("--models", str(checkpoints_dir), "--port", str(port), drain_timeout_s=drain_timeout_s)
     try:
-        wait_healthy(url, timeout=60)
+        wait_healthy(url, timeout=120)
         body = {"model": "text-transformer", "prompt": "x", "max_tokens": 4096}
         plain: dict = {}
         waiting = threading.Thread(
@@ -140,7 +140,7 @@ def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
         "--models", str(checkpoints_dir), "--port", str(port), header_timeout_s=0.5, body_timeout_s=0.5
     )  # fmt: skip
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout=60)
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
         with socket.create_connection(("127.0.0.1", port), timeout=3) as slow_headers:
             slow_headers.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
             assert closed_by_server(slow_headers) == b""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,9 +313,9 @@ def models_folder(checkpoints_dir: Path, folder: Path, model_ids: list[str]) -> 
 
 @pytest.fixture(scope="module")
 def invariant(checkpoints_dir, tmp_path_factory) -> Iterator[LiveServer]:
-    """A server of the LRNN and RegularGPT language models with batch_invariant on."""
+    """A server of the LRNN and RegularGPT language models, batch_invariant as by default ("auto": on, as it holds)."""
     folder = models_folder(checkpoints_dir, tmp_path_factory.mktemp("invariant"), ROW_INVARIANT)
-    with serve(make_settings(folder, batch_invariant=True)) as server:
+    with serve(make_settings(folder)) as server:
         yield server
 
 
@@ -364,6 +365,16 @@ def test_batch_invariant_refuses_to_serve_models_it_does_not_hold_for(model_id: 
         assert engine.state == "failed"
         assert "batch_invariant holds for float32 LRNN and RegularGPT language models only, not " in engine.detail
         assert client.get("/health").status_code == 503
+
+
+def test_batch_invariant_auto_serves_models_it_does_not_hold_for_without_it(checkpoints_dir, tmp_path, caplog) -> None:
+    folder = models_folder(checkpoints_dir, tmp_path, ["text-lrnn", "text-lstm"])
+    with caplog.at_level(logging.INFO, logger="server.engine"), TestClient(create_app(make_settings(folder))) as client:
+        client.app.state.engine.wait_loaded()
+        assert client.get("/health").status_code == 200
+    assert "batch invariance: off: batch_invariant holds for float32 LRNN and RegularGPT language models only" in (
+        caplog.text
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
