@@ -1,5 +1,6 @@
 """The packages import each other only downwards (docs/architecture.md): every module's imports, read with ast
-(top-level and inside functions), against the rule of its package."""
+(top-level and inside functions), against the rule of its package. The tests share helpers through modules of
+their own (tests/<package>/helpers.py and the named ones beside it), never through a test module or a conftest."""
 
 from __future__ import annotations
 
@@ -69,3 +70,26 @@ def test_the_rule_sees_the_imports() -> None:
     assert first_party(imported(REPO / "clients" / "client.py")) and allows(ALLOWED["clients"], "server.protocol")
     assert not allows(ALLOWED["server"], "training.tasks.get_task")
     assert not allows(ALLOWED["clients"], "server.app.create_app")
+
+
+def from_a_test_module(name: str) -> bool:
+    """Whether the dotted ``name`` is, or lies inside, a test module (``test_*``) or a conftest."""
+    return any(part == "conftest" or part.startswith("test_") for part in name.split("."))
+
+
+def test_tests_share_helpers_only_through_helper_modules() -> None:
+    """No test module, conftest or helper imports from a ``test_*`` module or a conftest: what more than one file
+    uses lives in a helper module (fixtures stay in conftest.py, where pytest finds them without an import)."""
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    assert len(tests) > 10
+    wrong = [f"{path.relative_to(REPO)} imports {name}" for path in tests
+             for name in first_party(imported(path)) if from_a_test_module(name)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_test_module_rule_sees_the_imports() -> None:
+    assert from_a_test_module("tests.server.test_live.wait_for") and from_a_test_module("tests.server.test_live")
+    assert from_a_test_module("tests.server.conftest.make_settings") and from_a_test_module("tests.server.conftest")
+    assert not from_a_test_module("tests.server.helpers.make_settings")
+    assert not from_a_test_module("tests.model.tiny_models.build_tiny")
+    assert "tests.model.tiny_models.build_tiny" in imported(REPO / "tests" / "model" / "test_models.py")

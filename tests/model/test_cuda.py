@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint
-from tests.model.test_dilated_attention import FAST_OPS, assert_agree, dilations, make_inputs
-from tests.model.test_linear_scan import implementations, make_problem, outputs_and_gradients, step_loop
+from tests.model.helpers import (
+    FAST_OPS,
+    assert_agree,
+    dilations,
+    implementations,
+    make_inputs,
+    make_problem,
+    outputs_and_gradients,
+    step_loop,
+)
 from tests.model.tiny_models import MODEL_IDS, build_tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

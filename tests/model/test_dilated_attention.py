@@ -16,47 +16,9 @@ from model.ops.dilated_attention import (
     dilated_attention_fast,
     dilated_attention_reference,
 )
-from model.regulargpt_cache import adaptive_depth
+from tests.model.helpers import FAST_OPS, assert_agree, assert_close, attend, dilations, make_inputs, values_and_grads
 
-INPUT_NAMES = ("q", "k", "v", "relative_bias", "null_key", "null_value")
 OUT_OF_RANGE = pytest.mark.parametrize("null", [False, True], ids=["mask", "null"])
-FAST_OPS = pytest.mark.parametrize("op", [dilated_attention_fast, dilated_attention_banded], ids=["fast", "banded"])
-
-
-def make_inputs(batch: int, heads: int, length: int, chunk_size: int, dtype: torch.dtype, null: bool = False):
-    """(q, k, v, relative_bias), then (null_key, null_value) if ``null``; head_dim 4."""
-    shapes = [(batch, heads, length, 4)] * 3 + [(heads, chunk_size)] + [(heads, 4)] * (2 if null else 0)
-    return tuple(torch.randn(shape, dtype=dtype, requires_grad=True) for shape in shapes)
-
-
-def attend(op, inputs, chunk_size: int, dilation: int, key_offset=None) -> torch.Tensor:
-    q, k, v, relative_bias, *null = inputs
-    return op(q, k, v, relative_bias, chunk_size, dilation, key_offset, *null)  # (B, H, T, hd)
-
-
-def values_and_grads(op, inputs, chunk_size: int, dilation: int, key_offset=None):
-    out = attend(op, inputs, chunk_size, dilation, key_offset)  # (B, H, T, hd)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype).to(out.device)
-    grads = torch.autograd.grad((out * weights).sum(), inputs)
-    return out, grads
-
-
-def assert_agree(op, inputs, chunk_size: int, dilation: int, key_offset=None, **tolerance) -> None:
-    fast = values_and_grads(op, inputs, chunk_size, dilation, key_offset)
-    reference = values_and_grads(dilated_attention_reference, inputs, chunk_size, dilation, key_offset)
-    assert_close(fast, reference, **tolerance)
-
-
-def assert_close(fast, reference, **tolerance) -> None:
-    """Values and the gradients of every input (from :func:`values_and_grads`) agree."""
-    torch.testing.assert_close(fast[0], reference[0], **tolerance)
-    for name, fast_grad, reference_grad in zip(INPUT_NAMES, fast[1], reference[1]):
-        torch.testing.assert_close(fast_grad, reference_grad, **tolerance, msg=lambda m, name=name: f"grad {name}: {m}")
-
-
-def dilations(length: int, chunk_size: int) -> list[int]:
-    """Every dilation the model uses at this length, and the first at which a position sees only itself."""
-    return [chunk_size**layer for layer in range(adaptive_depth(length - 1, chunk_size) + 1)]
 
 
 @FAST_OPS

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from model.config import CheckpointConfig, ConfigError, ExactTransformerConfig
 from model.exact import ZERO_TEST_LOGIT, ExactTransformer, encoder_attention, in_slices, position_features
-from tests.model.test_models import (
+from tests.model.helpers import (
     assert_rows_of_different_lengths_run_as_alone,
     assert_select_split_stack_round_trip,
     counted_flops,

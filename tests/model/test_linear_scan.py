@@ -11,48 +11,13 @@ from model.ops.linear_scan import (
     column_norm_constraint,
     column_sparsemax,
     linear_scan,
-    scan_chunked,
     scan_parallel,
     scan_sequential,
-    scan_step,
     spectral_norm_constraint,
 )
+from tests.model.helpers import BATCH, BLOCK, HEADS, implementations, make_problem, outputs_and_gradients, step_loop
 
-BATCH, HEADS, BLOCK = 2, 2, 3
-CHUNK_SIZES = [1, 3, 4, 16, 64]  # divide some of the lengths below and not others
 TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}
-
-
-def make_problem(length: int, dtype: torch.dtype, batch: int = BATCH) -> tuple[torch.Tensor, ...]:
-    """Random transitions inside the norm constraint, inputs and an initial state, all requiring grad."""
-    transitions = column_norm_constraint(torch.randn(batch, length, HEADS, BLOCK, BLOCK, dtype=dtype))
-    inputs = torch.randn(batch, length, HEADS, BLOCK, dtype=dtype)
-    initial_state = torch.randn(batch, HEADS, BLOCK, dtype=dtype)
-    return tuple(t.requires_grad_() for t in (transitions, inputs, initial_state))
-
-
-def step_loop(transitions, inputs, initial_state):
-    """The recurrence written out with ``scan_step``: the reference every implementation is checked against."""
-    state, states = initial_state, []
-    for transition, input in zip(transitions.unbind(1), inputs.unbind(1)):
-        state = scan_step(transition, input, state)
-        states.append(state)
-    return torch.stack(states, dim=1), state
-
-
-def implementations():
-    yield "sequential", scan_sequential
-    yield "parallel", scan_parallel
-    for chunk_size in CHUNK_SIZES:
-        yield f"chunked-{chunk_size}", lambda *args, c=chunk_size: scan_chunked(*args, chunk_size=c)
-
-
-def outputs_and_gradients(scan, problem):
-    """(states, final_state, d/d transitions, d/d inputs, d/d initial_state) of a fixed random loss."""
-    states, final_state = scan(*problem)
-    weights = torch.linspace(-1, 1, states.numel(), dtype=states.dtype, device=states.device).view_as(states)
-    loss = (states * weights).sum() + final_state.square().sum()
-    return (states.detach(), final_state.detach(), *torch.autograd.grad(loss, problem))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])

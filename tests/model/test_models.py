@@ -3,14 +3,17 @@ different lengths in one batch, what calls declare they cost."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
-from model.base import InferenceCache, SequenceModel
+from tests.model.helpers import (
+    assert_rows_of_different_lengths_run_as_alone,
+    assert_select_split_stack_round_trip,
+    counted_flops,
+    measured_peak_bytes,
+    prefilled_alone,
+    stack,
+)
 from tests.model.tiny_models import ARCHITECTURE_OF, DEVICES, MODEL_IDS, build_tiny
 
 VOCAB, LABELS = 5, 3
@@ -125,71 +128,6 @@ def test_bfloat16_runs_close_to_float32(model_id: str, device: str) -> None:
     torch.testing.assert_close(low.float(), reference, rtol=0.1, atol=0.1)
 
 
-PROMPT_LENGTHS = (1, 5, 12)
-
-
-def prefilled_alone(model: SequenceModel, prompts: list[torch.Tensor]) -> list[InferenceCache]:
-    """One single-row cache per prompt (1, n), each prefilled alone."""
-    caches = []
-    for prompt in prompts:
-        caches.append(model.new_cache(batch_size=1))
-        model(prompt, cache=caches[-1])
-    return caches
-
-
-def stack(caches: list[InferenceCache]) -> InferenceCache:
-    """As a server stacks caches: through the first one's class, whichever it is."""
-    return type(caches[0]).stack(caches)
-
-
-def run_chunk_then_steps(
-    model: SequenceModel, cache: InferenceCache, chunk: torch.Tensor, steps: torch.Tensor
-) -> torch.Tensor:
-    """chunk (B, Tc) through ``cache`` in one cached forward, then steps (B, Ts) one at a time -> (B, Tc + Ts, V)."""
-    logits = [model(chunk, cache=cache)] + [model.step(steps[:, t], cache)[:, None] for t in range(steps.shape[1])]
-    return torch.cat(logits, dim=1)
-
-
-def assert_rows_of_different_lengths_run_as_alone(model: SequenceModel, vocab: int) -> None:
-    """Prompts of PROMPT_LENGTHS, each prefilled alone, then stacked: a chunk of 4 tokens through the stacked
-    cache, then 5 steps, give each row the logits (1e-9) of the same tokens run through its own cache."""
-    prompts = [torch.randint(0, vocab, (1, n)).to(model.device) for n in PROMPT_LENGTHS]
-    chunk = torch.randint(0, vocab, (len(prompts), 4)).to(model.device)
-    steps = torch.randint(0, vocab, (len(prompts), 5)).to(model.device)
-    with torch.no_grad():
-        alone = prefilled_alone(model, prompts)
-        stacked = stack(alone)
-        assert stacked.lengths.tolist() == list(PROMPT_LENGTHS)
-        together = run_chunk_then_steps(model, stacked, chunk, steps)  # (3, 9, V)
-        for row, cache in enumerate(alone):
-            expected = run_chunk_then_steps(model, cache, chunk[row : row + 1], steps[row : row + 1])  # (1, 9, V)
-            torch.testing.assert_close(together[row : row + 1], expected, rtol=1e-9, atol=1e-9)
-    assert stacked.lengths.tolist() == [n + 9 for n in PROMPT_LENGTHS]
-
-
-def assert_select_split_stack_round_trip(model: SequenceModel, vocab: int, padded: bool) -> None:
-    """select copies rows in any order, split and re-stack give back the same rows; a stack of caches of one
-    layout holds the sum of their bytes, one of rows of different lengths too, or more for a ``padded`` layout."""
-    prompts = [torch.randint(0, vocab, (1, n)) for n in PROMPT_LENGTHS]
-    steps = torch.randint(0, vocab, (len(prompts), 3))
-    order = [2, 0, 1]
-    with torch.no_grad():
-        stacked = stack(prefilled_alone(model, prompts))
-        reordered, restacked = stacked.select(order), stack(stacked.split())
-        assert reordered.lengths.tolist() == [12, 1, 5] and restacked.lengths.tolist() == list(PROMPT_LENGTHS)
-        middle = reordered.select([2])
-        assert stack([middle, middle.clone()]).nbytes == 2 * middle.nbytes
-        parts = sum(cache.nbytes for cache in stacked.split())
-        assert stacked.nbytes > parts if padded else stacked.nbytes == parts
-        for t in range(3):
-            expected = model.step(steps[:, t], stacked)  # (3, V)
-            reordered_logits = model.step(steps[order, t], reordered)
-            torch.testing.assert_close(reordered_logits, expected[order], rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(model.step(steps[:, t], restacked), expected, rtol=1e-9, atol=1e-9)
-    assert stacked.lengths.tolist() == restacked.lengths.tolist() == [n + 3 for n in PROMPT_LENGTHS]
-    assert middle.lengths.tolist() == [5]  # untouched by the steps of the cache it was selected from
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model_id", MODEL_IDS)
 def test_rows_of_different_lengths_decode_in_one_batch_as_each_alone(model_id: str, device: str) -> None:
@@ -223,14 +161,6 @@ def test_cost_grows_with_length_and_a_step_reflects_its_context_where_it_matters
         assert long == short
 
 
-def counted_flops(call: Callable[[], object]) -> float:
-    """Multiply-adds of ``call`` as torch's FlopCounterMode counts them (matrix products; SDPA through its math
-    path, whose products it sees)."""
-    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
-        call()
-    return counter.get_total_flops() / 2
-
-
 @pytest.mark.parametrize("model_id", MODEL_IDS)
 def test_declared_flops_are_the_counted_matrix_products(model_id: str) -> None:
     """Within [1, 1.3] of what torch counts: the declared multiply-adds are its matrix products (plus weights that
@@ -260,25 +190,6 @@ def test_cache_nbytes_bounds_what_a_row_holds(model_id: str) -> None:
         for length in range(8, 40):
             model.step(torch.randint(0, VOCAB, (1,)), cache)
             assert 0 < cache.nbytes <= model.cache_nbytes(length)
-
-
-def measured_peak_bytes(call: Callable[[], object]) -> int:
-    """The most bytes that tensors created by ``call`` held at once on the CPU, from torch.profiler's memory
-    timeline (private API: the test skips where it is missing). Tensors that existed before (weights, caches,
-    inputs) are not counted, nor are their frees."""
-    memory_profiler = pytest.importorskip("torch.profiler._memory_profiler")
-    cpu = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=cpu, profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        call()
-    created, live, peak = set(), 0, 0
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if action == memory_profiler.Action.CREATE:
-            created.add(key)
-            live += size
-        elif action == memory_profiler.Action.DESTROY and key in created:
-            live -= size
-        peak = max(peak, live)
-    return peak
 
 
 TRANSFORMER_IDS = [model_id for model_id in MODEL_IDS if model_id.startswith("transformer")]

@@ -9,13 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
-from server.settings import Settings
 from tests.server.checkpoints import write_checkpoints
+from tests.server.helpers import make_settings
 from tests.server.live import LiveServer, serve
-
-
-def make_settings(models: Path, **overrides) -> Settings:
-    return Settings(**{"models": models, "device": "cpu", "batch_wait_ms": 2.0, "torch_threads": 1, **overrides})
 
 
 @pytest.fixture(scope="session")

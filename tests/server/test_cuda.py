@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from tests.server.checkpoints import LANGUAGE_MODELS, TRANSDUCERS
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -14,11 +14,10 @@ from server import engine as engine_module
 from server.errors import Unavailable
 from server.scheduler import FairShare
 from tests.server.checkpoints import LANGUAGE_MODELS
-from tests.server.conftest import make_settings
 from tests.server.driven import FakeClock, finished_at, generation, language_model, receive
 from tests.server.driven import scheduler as driven_scheduler
+from tests.server.helpers import make_settings, wait_for
 from tests.server.live import serve
-from tests.server.test_live import wait_for
 
 
 def record_step_batches(monkeypatch, engine, model_id: str) -> list[int]:

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 import server.engine
 from server.app import create_app
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from model.exact import ExactTransformer
 from server.app import create_app
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 from training.exact_builders import write_checkpoints
 from training.tasks import get_task
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings, wait_for
 from tests.server.live import serve
 
 
@@ -35,14 +35,6 @@ def metric(url: str, name: str, **labels: str) -> float:
         if match and ",".join(sorted(match.group(1).split(","))) == wanted:
             return float(match.group(2))
     return 0.0
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.02)
 
 
 def test_streaming_over_http(live) -> None:

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.settings import SHIPPED_CHECKPOINTS, Settings
 from tests.server.checkpoints import BROKEN, LANGUAGE_MODELS, TRANSDUCERS
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 
 
 def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_dir) -> None:

@@ -19,7 +19,7 @@ from schemathesis.python import asgi
 
 from server.app import create_app
 from server.openapi import decimals_below
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 
 CONFIG = Path(__file__).resolve().parents[2] / "schemathesis.toml"
 LIMITS = {"max_input_symbols": 48, "max_inputs": 4, "max_tokens": 8}  # small: generated requests stay cheap

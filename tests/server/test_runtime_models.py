@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from automata.task_automata import AUTOMATA_DIR
 from server.app import create_app
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 
 MULTIPLE_OF_3 = "(0|1(01*0)*1)*"
 

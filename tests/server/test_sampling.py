@@ -29,7 +29,7 @@ from server.sampling import (
     token_logprobs,
     unusable_rows,
 )
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 from tests.server.live import LiveServer, serve
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])

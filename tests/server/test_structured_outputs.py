@@ -33,7 +33,7 @@ from server.app import create_app
 from server.errors import InputTooLarge, ModelFailure
 from server.structured_regex import plain_regex
 from tests.model.tiny_models import ARCHITECTURE_OF, build_tiny
-from tests.server.conftest import make_settings
+from tests.server.helpers import make_settings
 from tests.server.live import serve
 
 BPE_RANKS = Path(__file__).resolve().parents[2] / "checkpoints" / "text-lrnn" / "tokenizer.tiktoken"

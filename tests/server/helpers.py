@@ -1,0 +1,22 @@
+"""Helpers that more than one test module of tests/server uses (tests/clients too): the settings of a test
+server and a wait for a condition. Fixtures stay in conftest.py; a live server is live.py's, the tiny
+checkpoints checkpoints.py's."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from server.settings import Settings
+
+
+def make_settings(models: Path, **overrides) -> Settings:
+    return Settings(**{"models": models, "device": "cpu", "batch_wait_ms": 2.0, "torch_threads": 1, **overrides})
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.02)
