@@ -67,11 +67,12 @@ def test_hard_protocol_adds_skewed_bands() -> None:
     assert {band.p_one for band in protocol_bands(get_task("sum_mod5"), "hard", 3, 100)} == {None, 0.1, 0.9}
 
 
-def test_induction_protocol_has_mamba_s_lengths_with_fewer_samples_past_2_16() -> None:
+def test_induction_protocol_has_mamba_s_lengths_with_fewer_samples_past_2_14() -> None:
     bands = protocol_bands(get_task("induction_heads"), "induction", 10, 100)
     assert [band.lengths for band in bands] == [(2**k, 2**k) for k in range(6, 21)]
-    assert [band.samples for band in bands] == [100] * 11 + [64, 32, 16, 8]
-    assert [band.samples for band in protocol_bands(get_task("induction_heads"), "induction", 10, 5)] == [5] * 15
+    assert [band.samples for band in bands] == [100] * 9 + [64, 32, 16, 8, 4, 4]
+    few = protocol_bands(get_task("induction_heads"), "induction", 10, 5)
+    assert [band.samples for band in few] == [5] * 13 + [4] * 2
 
 
 def test_induction_protocol_evaluates_through_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
