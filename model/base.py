@@ -116,6 +116,8 @@ class SequenceModel(nn.Module, ABC):
     max_all_outputs_symbols: int | None = None
     """The longest input whose every-position labels (a server's outputs "all") should be computed, or None for
     no limit beyond the server's own: set where ``forward`` costs far more than ``final_logits``."""
+    selects_positions: bool = False
+    """``forward`` takes ``positions``, a (B, T) bool mask, and returns the (N, output_size) logits there only."""
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:

@@ -371,6 +371,8 @@ class RecurrentBlock(nn.Module):
 class LinearRNN(SequenceModel):
     """Embedding -> one :class:`RecurrentBlock` per recurrence -> LayerNorm -> head."""
 
+    selects_positions = True
+
     def __init__(self, config: LRNNConfig | DiagonalLRNNConfig, recurrences: list[Recurrence]) -> None:
         super().__init__()
         self.config = config
@@ -378,9 +380,16 @@ class LinearRNN(SequenceModel):
         self.blocks = nn.ModuleList(RecurrentBlock(recurrence, config) for recurrence in recurrences)
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
-    def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) -> logits (B, T, output_size); with ``cache``, continue from it and advance it."""
-        return self.embedding.logits(self.ln_f(self._hidden(tokens, cache)))  # (B, T, V)
+    def forward(
+        self, tokens: torch.Tensor, cache: InferenceCache | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens: (B, T) -> logits (B, T, output_size); with ``cache``, continue from it and advance it. With
+        ``positions`` ((B, T) bool), the logits at those positions only, (N, output_size) in row-major order: the
+        head, the largest product of a language model, runs on them alone (a trainer scoring a few positions)."""
+        hidden = self._hidden(tokens, cache)  # (B, T, d_model)
+        if positions is not None:
+            hidden = hidden[positions]  # (N, d_model)
+        return self.embedding.logits(self.ln_f(hidden))  # (B, T, V) or (N, V)
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) right-padded, lengths: (B,) -> (B, output_size); the last block's readout and MLP and the

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from model.base import SequenceModel
 from model.config import BaseModelConfig, CheckpointConfig
 from model.tokenizer import FILE_PREFIX, Tokenizer
-from training.data import Batch
+from training.data import IGNORE_INDEX, Batch
 from training.distributed import Distributed
 from training.loop import Evaluation, Objective, RunState
 from training.text_corpus import corpus_documents, is_streamed, split_document
+from training.passkey import KEY_DIGITS, PassKeyBuilder
 from training.text_data import StreamedWindows, TokenArray, tokenize_documents
 
 RANKS_FILE = "tokenizer.tiktoken"
@@ -48,9 +49,30 @@ class TextData:
     validation_fraction: float = 0.1  # the tail of each document held out (in-memory corpora)
     validation_corpus: str | None = None  # for a streamed corpus: where validation windows come from
     validation_windows: int = 64
+    passkey_fraction: float = 0.0  # of the training rows: pass-key examples (training/passkey.py)
+    state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
+
+
+PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
+PASSKEY_VALIDATION_MULTIPLES = (1, 16)  # evaluated prompt sizes, in training lengths
+PASSKEY_STREAM = 2  # key of the validation prompts' random stream (with the seed)
 
 
 class LanguageModelObjective(Objective):
+    """Next-token prediction on text windows, with two options (``TextData``):
+
+    - ``passkey_fraction``: each training row is, with this probability, a pass-key prompt (training/passkey.py)
+      of the window's length, its filler cut from the training text at a random place, the needle at a uniform
+      depth, scored on the answer " {key}." only. Evaluation then also reports the pass-key accuracy (every
+      answer token the argmax, teacher-forced) of fixed prompts whose filler is held-out text, at 1x and 16x the
+      training length (``passkey_accuracy_<size>``).
+    - ``state_passing`` (Buitrago Ruiz & Gu 2025): row i of every batch reads the window after the one it read
+      last (a random place when the text runs out), and the loop starts it from the state row i ended the last
+      step in, the gradient cut there (``carries_state``): the model trains on the states long inputs reach,
+      not only on states a window's length from the learned start. A pass-key row reads from the carried state
+      too, and leaves the text position where it was.
+    """
+
     name = "text"
     keep_best = False
 
@@ -68,7 +90,20 @@ class LanguageModelObjective(Objective):
                      for document in corpus_documents(data.corpus)]
             tokens = tokenize_documents(texts, tokenizer)
             self.windows, self.train_tokens = TokenArray(tokens), len(tokens)
+        if (data.passkey_fraction or data.state_passing) and not isinstance(self.windows, TokenArray):
+            raise ValueError(f"{data.corpus} is streamed: pass-key examples and state passing need an in-memory "
+                             "corpus (austen or text:PATH)")
+        self.carries_state = data.state_passing
+        self.cursors: np.ndarray | None = None  # with state passing: where each row reads next
+        self.passkey = None
+        if data.passkey_fraction:
+            self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens)
+            longest_answer = len(tokenizer.encode(" 99999."))
+            if self.passkey.shortest() + longest_answer > data.length + 1:
+                raise ValueError(f"pass-key examples need windows of at least {self.passkey.shortest() + longest_answer} "
+                                 f"tokens; --length {data.length} is too short")
         self.validation = self._validation_windows(seed) if evaluate else None
+        self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
 
     def _validation_windows(self, seed: int) -> torch.Tensor:
         """Fixed (N, length + 1) validation windows, the same on every process."""
@@ -80,10 +115,58 @@ class LanguageModelObjective(Objective):
         rng = np.random.default_rng([seed, VALIDATION_STREAM])
         return TokenArray(tokens).batch(rng, self.data.validation_windows, self.data.length)
 
+    def _passkey_prompts(self, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Fixed validation prompts, filler from the held-out text: {size: ((N, size + answer) tokens, targets)}."""
+        held_out = np.concatenate(validation_tokens(self.data.corpus, self.data.validation_fraction, self.tokenizer))
+        builder = PassKeyBuilder(self.tokenizer, held_out)
+        rng = np.random.default_rng([seed, PASSKEY_STREAM])
+        prompts = {}
+        for multiple in PASSKEY_VALIDATION_MULTIPLES:
+            size = self.data.length * multiple
+            rows = [self._passkey_row(builder, size + 1, depth, rng)
+                    for depth in np.linspace(0.0, 1.0, PASSKEY_VALIDATION_PROMPTS)]
+            prompts[size] = (torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows]))
+        return prompts
+
+    @staticmethod
+    def _passkey_row(builder: PassKeyBuilder, size: int, depth: float,
+                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass-key prompt and its answer, ``size`` tokens in all, as (size,) tokens and (size - 1,) targets: the
+        next token at the answer's positions, IGNORE_INDEX elsewhere."""
+        key = str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
+        answer = np.asarray(builder.tokenizer.encode(f" {key}."), dtype=np.int64)
+        prompt = builder.prompt(size - len(answer), depth, rng, key=key)
+        tokens = torch.from_numpy(np.concatenate([prompt.tokens, answer]))  # (size,)
+        targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
+        targets[-len(answer):] = tokens[-len(answer):]
+        return tokens, targets
+
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
-        windows = self.windows.batch(rng, self.batch_size, self.data.length)  # (B, L + 1)
-        lengths = torch.full((len(windows),), self.data.length, dtype=torch.long)
-        return Batch(windows[:, :-1], windows[:, 1:], lengths)
+        length = self.data.length
+        if self.data.state_passing:
+            windows = self._consecutive_windows(rng)  # (B, L + 1)
+        else:
+            windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
+        targets = windows[:, 1:].clone()  # (B, L)
+        if self.passkey is not None:
+            for row in np.flatnonzero(rng.random(self.batch_size) < self.data.passkey_fraction):
+                windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng)
+                if self.cursors is not None:  # the row's text goes on after the example
+                    self.cursors[row] -= length
+        lengths = torch.full((len(windows),), length, dtype=torch.long)
+        return Batch(windows[:, :-1], targets, lengths)
+
+    def _consecutive_windows(self, rng: np.random.Generator) -> torch.Tensor:
+        """(B, L + 1) windows, row i's starting where its last one's inputs ended (a random place at first and
+        when the text runs out)."""
+        tokens, length = self.windows.tokens, self.data.length
+        if self.cursors is None:
+            self.cursors = rng.integers(0, len(tokens) - length, size=self.batch_size)
+        ended = self.cursors + length + 1 > len(tokens)
+        self.cursors[ended] = rng.integers(0, len(tokens) - length, size=int(ended.sum()))
+        index = self.cursors[:, None] + np.arange(length + 1)[None, :]  # (B, L + 1)
+        self.cursors = self.cursors + length
+        return torch.from_numpy(tokens[index])
 
     @torch.no_grad()
     def evaluate(self, model: SequenceModel, dist: Distributed, batch_size: int = 16) -> Evaluation | None:
@@ -95,7 +178,16 @@ class LanguageModelObjective(Objective):
             logits = model(chunk[:, :-1])  # (b, L, V)
             total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
         loss = total / self.validation[:, 1:].numel()
-        return Evaluation({"validation_loss": loss, "validation_perplexity": math.exp(loss)}, score=-loss)
+        figures = {"validation_loss": loss, "validation_perplexity": math.exp(loss)}
+        for size, (tokens, targets) in (self.passkey_validation or {}).items():
+            right = 0
+            for start in range(0, len(tokens), batch_size):
+                logits = model(tokens[start:start + batch_size, :-1].to(dist.device))  # (b, size, V)
+                chunk = targets[start:start + batch_size].to(dist.device)  # (b, size)
+                scored = chunk != IGNORE_INDEX
+                right += int(((logits.argmax(dim=-1) == chunk) | ~scored).all(dim=1).sum())
+            figures[f"passkey_accuracy_{size}"] = right / len(tokens)
+        return Evaluation(figures, score=-loss)
 
     def checkpoint_config(self, architecture: str, model_config: BaseModelConfig,
                           metadata: dict[str, Any]) -> CheckpointConfig:
@@ -117,11 +209,15 @@ class LanguageModelObjective(Objective):
         return dataclasses.asdict(self.data)
 
     def data_state(self) -> Any:
-        return self.windows.state() if isinstance(self.windows, StreamedWindows) else None
+        if isinstance(self.windows, StreamedWindows):
+            return self.windows.state()
+        return None if self.cursors is None else {"cursors": self.cursors.tolist()}
 
     def load_data_state(self, state: Any) -> None:
         if isinstance(self.windows, StreamedWindows):
             self.windows.load_state(state)
+        elif state is not None:
+            self.cursors = np.asarray(state["cursors"], dtype=np.int64)
 
 
 def checkpoint_tokenizer_name(ranks_file: Path | None, spec: str) -> str:

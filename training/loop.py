@@ -63,7 +63,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from model.base import SequenceModel
+from model.base import InferenceCache, SequenceModel
 from model.checkpoint import FILE_MODE, save_checkpoint
 from model.config import BaseModelConfig, CheckpointConfig
 from model.registry import build_model
@@ -147,6 +147,9 @@ class Objective(ABC):
 
     name: str
     keep_best: bool  # the checkpoint holds the best-scoring weights (else the latest)
+    # Row i of each batch continues row i of the last: the loop starts it from the state the model ended that row
+    # in (a recurrent model's cache, the gradient cut), and saves the states with a resumable run.
+    carries_state: bool = False
 
     @abstractmethod
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
@@ -230,9 +233,10 @@ def train(
     optimizer = _optimizer(model, settings)
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, dist.rank])
     run, best_state = RunState(), None
+    carried = _new_carried_state(model, settings.batch_size) if objective.carries_state else None
     out = Path(out)
     if resume is not None:
-        run, best_state = _load_resume(out, model, optimizer, rng, objective, dist)
+        run, best_state = _load_resume(out, model, optimizer, rng, objective, dist, carried)
         run.stopped = None
     trained = dist.wrap(torch.compile(model, dynamic=True) if settings.compile else model)  # lengths vary
     use_bfloat16 = settings.dtype == "bfloat16" or (settings.dtype == "auto" and dist.device.type == "cuda")
@@ -262,7 +266,8 @@ def train(
             if settings.extra_levels:
                 model.extra_levels = extra_levels(settings, run.step)
             batch = objective.batch(rng, run.step)
-            grad_norm, step_tokens = _train_step(trained, optimizer, batch, settings, run, dist, use_bfloat16)
+            grad_norm, step_tokens, carried = _train_step(trained, optimizer, batch, settings, run, dist, use_bfloat16,
+                                                          carried)
             window_tokens += step_tokens
             if options.time_budget_s is not None:
                 now = time.perf_counter()
@@ -294,7 +299,7 @@ def train(
                 run.stopped = "steps" if last else "signal" if cut else "time" if out_of_time else None
             if run.stopped is not None or run.step % settings.save_every == 0:
                 _save_resume(out, model, optimizer, rng, objective, run, best_state, settings, model_config,
-                             command, log, dist)
+                             command, log, dist, carried)
     bar.close()
 
     metadata = _metadata(settings, objective, command, dist, run)
@@ -315,19 +320,32 @@ def progress_total(steps: int, step: int, seconds_per_step: float, seconds_left:
 
 def _train_step(
     trained: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, settings: TrainSettings,
-    run: RunState, dist: Distributed, use_bfloat16: bool,
-) -> tuple[float, int]:
+    run: RunState, dist: Distributed, use_bfloat16: bool, carried: InferenceCache | None = None,
+) -> tuple[float, int, InferenceCache | None]:
     """One optimizer step over ``batch`` in ``grad_accumulation`` micro-batches: the loss is the mean over the
-    whole batch's real positions, whatever the split. Returns the gradient norm before clipping and the number of
-    real positions (this process)."""
+    whole batch's real positions, whatever the split. With ``carried`` (the rows' states, state passing) each row
+    starts from its state and the states it ends in are returned, detached. Returns the gradient norm before
+    clipping, the number of real positions (this process) and the states carried on."""
     positions = int((batch.targets != IGNORE_INDEX).sum())
+    selects_positions = getattr(trained, "module", trained).selects_positions  # under DDP: the model's
     weight = determinism_weight(settings, run.step)
     optimizer.zero_grad(set_to_none=True)
-    for part in batch.split(settings.grad_accumulation):
+    parts = batch.split(settings.grad_accumulation)
+    row_groups = torch.arange(len(batch.lengths)).tensor_split(settings.grad_accumulation)
+    ended = []
+    for part, rows in zip(parts, row_groups):
         part = part.to(dist.device)
+        cache = None if carried is None else carried.select(rows.tolist())
+        scored = part.targets != IGNORE_INDEX  # (b, T)
+        targets = part.targets
         with torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=use_bfloat16):
-            logits = trained(part.tokens)  # (b, T, V)
-        loss_sum, correct = masked_loss(logits.float(), part.targets)
+            if selects_positions and not bool(scored.all()):  # the head on the scored positions only
+                logits, targets = trained(part.tokens, cache, positions=scored), part.targets[scored]  # (N, V), (N,)
+            else:
+                logits = trained(part.tokens, cache)  # (b, T, V)
+        if cache is not None:
+            ended.append(cache)
+        loss_sum, correct = masked_loss(logits.float(), targets)
         penalised = loss_sum
         if weight:  # the impurity counted once per real position, like the loss
             penalised = loss_sum + weight * int((part.targets != IGNORE_INDEX).sum()) * _impurity(trained)
@@ -338,7 +356,21 @@ def _train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(trained.parameters(), settings.grad_clip or math.inf)
     optimizer.step()
     run.tokens += positions * dist.world_size
-    return float(grad_norm), positions
+    if carried is not None:
+        with torch.no_grad():  # the gradient is cut between steps
+            carried = type(carried).stack(ended)
+    return float(grad_norm), positions, carried
+
+
+def _new_carried_state(model: SequenceModel, rows: int) -> InferenceCache:
+    """The states a state-passing run starts its rows from: the model's own initial ones. A model whose cache grows
+    with the context (attention) cannot carry its state: a ValueError."""
+    with torch.no_grad():
+        cache = model.new_cache(rows)
+    if cache.step_state() is None:
+        raise ValueError(f"a {type(model).__name__}'s cache grows with the context: state passing needs a model "
+                         "with a fixed-size recurrent state")
+    return cache
 
 
 def _set_soft_transitions(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:
@@ -375,8 +407,9 @@ def _impurity(model: torch.nn.Module) -> torch.Tensor | float:
 
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """logits (B, T, V), targets (B, T) -> summed cross-entropy over the real positions, correct argmaxes."""
-    loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    """logits (B, T, V), targets (B, T) (or (N, V), (N,)) -> summed cross-entropy over the real positions, correct
+    argmaxes."""
+    loss_sum = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     correct = int(((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum())
     return loss_sum, correct
 
@@ -492,12 +525,14 @@ def _save_resume(
     out: Path, model: SequenceModel, optimizer: torch.optim.Optimizer, rng: np.random.Generator,
     objective: Objective, run: RunState, best_state: dict[str, torch.Tensor] | None, settings: TrainSettings,
     model_config: BaseModelConfig, command: str, log: TextIO | None, dist: Distributed,
+    carried: InferenceCache | None = None,
 ) -> None:
-    """Write ``resume.safetensors`` (rank 0; every process's random streams, data position and log figures since
-    the last record gathered to it)."""
+    """Write ``resume.safetensors`` (rank 0; every process's random streams, data position, carried states and log
+    figures since the last record gathered to it)."""
     own = {"window": run.window, "numpy": rng.bit_generator.state, "torch": torch.get_rng_state().tolist(),
            "cuda": [state.tolist() for state in torch.cuda.get_rng_state_all()] if dist.device.type == "cuda" else [],
-           "data": objective.data_state()}
+           "data": objective.data_state(),
+           "carried": None if carried is None else [state.cpu().tolist() for state in carried.step_state()]}
     processes = [json.loads(text) for text in dist.gather(json.dumps(own))]
     if not dist.is_main:
         return
@@ -554,8 +589,9 @@ def read_resume_state(out: Path, with_tensors: bool = True) -> tuple[dict[str, A
 
 def _load_resume(
     out: Path, model: SequenceModel, optimizer: torch.optim.Optimizer, rng: np.random.Generator,
-    objective: Objective, dist: Distributed,
+    objective: Objective, dist: Distributed, carried: InferenceCache | None = None,
 ) -> tuple[RunState, dict[str, torch.Tensor] | None]:
+    """Restore the run in ``out`` into the model, optimizer, random stream, objective and ``carried`` (in place)."""
     state, tensors = read_resume_state(out)
     if state["world_size"] != dist.world_size:
         raise ResumeError(f"{out} was trained by {state['world_size']} process(es); resume it with as many "
@@ -578,6 +614,9 @@ def _load_resume(
     if own["cuda"]:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in own["cuda"]])
     objective.load_data_state(own["data"])
+    if carried is not None:  # float32 values are exact through JSON's doubles
+        for tensor, values in zip(carried.step_state(), own["carried"]):
+            tensor.copy_(torch.tensor(values, dtype=tensor.dtype))
     return RunState(**{**state["run"], "window": own["window"]}), best or None
 
 

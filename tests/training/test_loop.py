@@ -25,7 +25,9 @@ from training.cli import main
 from training.distributed import setup_distributed
 from training.language_model import LanguageModelObjective, TextData
 from training import loop
+from training.data import IGNORE_INDEX
 from training.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
+from training.passkey import QUESTION, PassKeyBuilder, first_number
 from training.text_data import TokenArray
 from training.transduction import TaskData, TransductionObjective
 
@@ -233,23 +235,36 @@ def _constant_run(out: Path, steps: int, resume: bool = False) -> dict:
     return train(settings, objective, config, out, "test", dist, resume="resume" if resume else None)
 
 
-def text_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, accumulation: int = 1) -> dict:
-    """A language model on a made token array (in memory, no tokenizer file needed for the loop)."""
+def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = False,
+                   passkey_fraction: float = 0.0) -> LanguageModelObjective:
+    """A language model's objective on a made token array (in memory, no tokenizer file needed for the loop)."""
     from model.tokenizer import load_tokenizer
 
+    objective = LanguageModelObjective.__new__(LanguageModelObjective)
+    objective.data = TextData(corpus="made", tokenizer="bytes", length=length, validation_windows=4,
+                              passkey_fraction=passkey_fraction, state_passing=state_passing)
+    objective.tokenizer, objective.ranks_file, objective.batch_size = load_tokenizer("bytes", "."), None, batch_size
+    tokens = np.random.default_rng(5).integers(0, 257, size=2000)
+    if passkey_fraction:  # text the byte tokenizer decodes (token 256 is its end of text)
+        tokens = np.asarray(objective.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 50))
+    objective.windows, objective.train_tokens = TokenArray(tokens), len(tokens)
+    objective.validation = TokenArray(tokens).batch(np.random.default_rng(1), 4, length)
+    objective.carries_state, objective.cursors = state_passing, None
+    objective.passkey = PassKeyBuilder(objective.tokenizer, tokens) if passkey_fraction else None
+    objective.passkey_validation = None
+    return objective
+
+
+def text_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, accumulation: int = 1,
+             state_passing: bool = False, transition_norm: str = "column") -> dict:
     settings = TrainSettings(architecture="lrnn", steps=steps, batch_size=4, lr=1e-3, optimizer="adamw",
                              beta2=0.95, weight_decay=0.1, schedule="cosine", warmup_steps=2, min_lr_fraction=0.1,
                              eval_every=3, save_every=4, log_every=2, grad_accumulation=accumulation)
-    config = LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16)
+    config = LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16,
+                        transition_norm=transition_norm)
     dist = setup_distributed("cpu")
-    objective = LanguageModelObjective.__new__(LanguageModelObjective)
-    objective.data = TextData(corpus="made", tokenizer="bytes", length=12, validation_windows=4)
-    objective.tokenizer, objective.ranks_file, objective.batch_size = load_tokenizer("bytes", "."), None, 4
-    tokens = np.random.default_rng(5).integers(0, 257, size=2000)
-    objective.windows, objective.train_tokens = TokenArray(tokens), len(tokens)
-    objective.validation = TokenArray(tokens).batch(np.random.default_rng(1), 4, 12)
-    return train(settings, objective, config, out, "test", dist, resume="resume" if resume else None,
-                 stop_requested=stop_after(stop_at))
+    return train(settings, text_objective(state_passing=state_passing), config, out, "test", dist,
+                 resume="resume" if resume else None, stop_requested=stop_after(stop_at))
 
 
 def test_a_resumed_language_model_run_is_bitwise_equal_too(tmp_path: Path) -> None:
@@ -257,6 +272,64 @@ def test_a_resumed_language_model_run_is_bitwise_equal_too(tmp_path: Path) -> No
     text_run(tmp_path / "cut", steps=9, stop_at=5)
     text_run(tmp_path / "cut", steps=9, resume=True)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+@pytest.mark.parametrize("transition_norm", ["column", "stochastic"])
+def test_a_resumed_state_passing_run_is_bitwise_equal_and_carries_its_states(tmp_path: Path, transition_norm) -> None:
+    """The carried states and the rows' text positions are saved with the run: cut and resumed, it ends where the
+    whole one does; and carrying the states changes the run (they reach the model)."""
+    text_run(tmp_path / "whole", steps=9, state_passing=True, transition_norm=transition_norm)
+    text_run(tmp_path / "cut", steps=9, stop_at=5, state_passing=True, transition_norm=transition_norm)
+    text_run(tmp_path / "cut", steps=9, resume=True, state_passing=True, transition_norm=transition_norm)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    text_run(tmp_path / "plain", steps=9, transition_norm=transition_norm)
+    plain, passed = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("plain", "whole"))
+    assert any(not torch.equal(plain[name], passed[name]) for name in plain)
+
+
+def test_state_passing_starts_each_row_from_the_state_its_last_window_ended_in() -> None:
+    """One step with the carried states: each row's loss is the model's on its window read after its last one,
+    and the states returned are those the model ends the window in, detached; the same in 1 or 2 micro-batches."""
+    objective = text_objective(state_passing=True)
+    rng = np.random.default_rng(3)
+    first, second = objective.batch(rng, 1), objective.batch(rng, 2)
+    assert torch.equal(second.tokens[:, 0], first.targets[:, -1])  # row i reads on where its last window ended
+    torch.manual_seed(0)
+    model = build_model("lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2,
+                                           d_ff=16)).train()
+    carried = loop._new_carried_state(model, 4)
+    with torch.no_grad():
+        model(first.tokens, carried)  # the states row i ends its first window in
+    expected = carried.select(range(4))
+    with torch.no_grad():
+        logits = model(second.tokens, expected)
+    loss, _ = loop.masked_loss(logits, second.targets)
+    for parts in (1, 2):
+        settings = TrainSettings(architecture="lrnn", steps=1, batch_size=4, lr=0.0, grad_accumulation=parts)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        run = loop.RunState(step=1)
+        _, _, ended = loop._train_step(model, optimizer, second, settings, run, setup_distributed("cpu"), False,
+                                       carried.select(range(4)))
+        assert run.window[0] == pytest.approx(float(loss), rel=1e-5)
+        for got, want in zip(ended.step_state(), expected.step_state()):
+            torch.testing.assert_close(got, want)
+            assert not got.requires_grad
+
+
+def test_passkey_rows_are_prompts_of_the_window_length_scored_on_their_answer() -> None:
+    objective = text_objective(length=320, batch_size=64, passkey_fraction=0.5)
+    batch = objective.batch(np.random.default_rng(0), 1)
+    scored = batch.targets != IGNORE_INDEX
+    passkey_rows = [row for row in range(64) if not scored[row].all()]
+    assert 16 < len(passkey_rows) < 48
+    decode = objective.tokenizer.decode
+    for row in passkey_rows:
+        answer = decode(batch.targets[row][scored[row]].tolist())
+        key = first_number(answer)
+        assert answer == f" {key}." and len(key) == 5
+        prompt = decode(batch.tokens[row][~scored[row]].tolist() + [int(batch.tokens[row][scored[row]][0])])
+        assert prompt.startswith("There is an important info") and prompt.endswith(QUESTION)
+        assert f"The pass key is {key}. Remember it. {key} is the pass key." in prompt
 
 
 def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
@@ -428,3 +501,16 @@ def test_torchrun_resume_continues_every_process_where_it_stopped(tmp_path: Path
     torchrun("train", "--resume", "--out", str(tmp_path / "cut"), "--device", "cpu", "--threads", "1")
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
     assert log_records(tmp_path / "cut")[-1]["param_sha256"][0] == log_records(tmp_path / "cut")[-1]["param_sha256"][1]
+
+
+@pytest.mark.parametrize("transition_norm", ["column", "stochastic"])
+def test_the_head_at_scored_positions_only_gives_the_full_passes_logits_there(transition_norm) -> None:
+    """What the loop asks of an LRNN when a batch scores few positions (pass-key rows, padding)."""
+    torch.manual_seed(0)
+    model = build_model("lrnn", LRNNConfig(vocab_size=50, num_labels=0, d_model=8, block_size=2, num_blocks=2,
+                                           d_ff=16, transition_norm=transition_norm))
+    tokens = torch.randint(0, 50, (3, 11))
+    positions = torch.rand(3, 11) < 0.3
+    selected = model(tokens, positions=positions)  # (N, V)
+    assert selected.shape == (int(positions.sum()), 50)
+    torch.testing.assert_close(selected, model(tokens)[positions])

@@ -1,0 +1,92 @@
+"""Pass-key prompts (../shared/SPEC.md section 5; Mohtashami & Jaggi's landmark-attention probe), built in tokens.
+
+    There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz
+    you about the important information there. {filler} The pass key is {key}. Remember it. {key} is the pass
+    key. {filler} What is the pass key? The pass key is
+
+A prompt of ``size`` tokens of the model's own tokenizer: the fixed parts are encoded once each and the two
+fillers are cut from a filler's token stream so that the whole is exactly ``size`` tokens, the needle at
+``depth`` (0: right after the introduction, 1: right before the question) of the filler tokens. The key is a
+5-digit number; the answer is right when the first number in the model's greedy completion is the key
+(:func:`first_number`).
+
+Used by ``text-eval --probe passkey`` (the probe, training/passkey_probe.py) and by ``text-train --passkey-fraction``
+(training examples, training/language_model.py): both build prompts here, from different fillers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from model.tokenizer import Tokenizer
+
+INTRODUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+                "I will quiz you about the important information there.")
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+GRASS = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+KEY_DIGITS = 5
+
+
+@dataclass(frozen=True)
+class PassKeyPrompt:
+    tokens: np.ndarray  # (size,) int64: the prompt, ending with the question
+    answer: np.ndarray  # (n,) int64: " {key}." in the tokenizer's tokens, what a right greedy answer starts with
+    key: str
+    depth: float  # where the needle is, as a fraction of the filler tokens before it
+
+
+class PassKeyBuilder:
+    """Pass-key prompts in one tokenizer over one filler (a token stream, cycled when a prompt needs more)."""
+
+    def __init__(self, tokenizer: Tokenizer, filler: np.ndarray) -> None:
+        if len(filler) == 0:
+            raise ValueError("the pass-key filler holds no tokens")
+        self.tokenizer, self.filler = tokenizer, np.asarray(filler, dtype=np.int64)
+        self.introduction = self._encode(INTRODUCTION)
+        self.question = self._encode(QUESTION)
+
+    @property
+    def fixed_tokens(self) -> int:
+        """The tokens of a prompt that are not filler, but for the needle (a few more)."""
+        return len(self.introduction) + len(self.question)
+
+    def shortest(self) -> int:
+        """The fewest tokens a prompt can have (no filler at all), with any key."""
+        return self.fixed_tokens + len(self._encode(NEEDLE.format(key="0" * KEY_DIGITS)))
+
+    def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None) -> PassKeyPrompt:
+        """A prompt of exactly ``size`` tokens with the needle at ``depth`` in [0, 1] of the filler; the key drawn
+        from ``rng`` unless given; the filler starts at a random place of the stream."""
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"a pass-key depth is a fraction in [0, 1], not {depth}")
+        key = key if key is not None else str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
+        needle = self._encode(NEEDLE.format(key=key))
+        filler_tokens = size - self.fixed_tokens - len(needle)
+        if filler_tokens < 0:
+            raise ValueError(f"a pass-key prompt needs at least {self.fixed_tokens + len(needle)} tokens, not {size}")
+        before = int(round(depth * filler_tokens))
+        filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
+        tokens = np.concatenate([self.introduction, filler[:before], needle, filler[before:], self.question])
+        return PassKeyPrompt(tokens, self._encode(f" {key}."), key, depth)
+
+    def _filler(self, count: int, start: int) -> np.ndarray:
+        """``count`` tokens of the filler stream from ``start``, cycling."""
+        return np.take(self.filler, np.arange(start, start + count), mode="wrap")
+
+    def _encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+
+
+def grass_filler(tokenizer: Tokenizer, repeats: int = 64) -> np.ndarray:
+    """The classic filler, "The grass is green. ...", repeated: a token stream for :class:`PassKeyBuilder`."""
+    return np.asarray(tokenizer.encode(GRASS * repeats), dtype=np.int64)
+
+
+def first_number(text: str) -> str | None:
+    """The first run of digits in ``text`` (the answer a greedy completion gives), or None."""
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
