@@ -96,6 +96,28 @@ def multiples(text: str) -> tuple[float, ...]:
     return values
 
 
+def token_counts(text: str) -> tuple[int, ...]:
+    """"1k,8k,64k,1M": positive token counts, k = 1024 and M = 1048576 (plain integers too), increasing."""
+    units = {"k": 2**10, "M": 2**20}
+    values = []
+    for part in text.split(","):
+        digits, unit = (part[:-1], units[part[-1]]) if part[-1:] in units else (part, 1)
+        if not digits.isdigit() or int(digits) < 1:
+            raise argparse.ArgumentTypeError(f"expected token counts like 1k,8k,64k,1M or 1000, got {part!r}")
+        values.append(int(digits) * unit)
+    if values != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"token counts must increase, got {text!r}")
+    return tuple(values)
+
+
+def fractions(text: str) -> tuple[float, ...]:
+    """"0,0.5,1": distinct numbers in [0, 1]."""
+    values = tuple(probability(part) for part in text.split(","))
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"fractions must differ, got {text!r}")
+    return values
+
+
 def add_threads(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument("--threads", type=positive_int,
                         help="torch intra-op threads (default: max(1, (cores - 1) // processes), model/threads.py)")

@@ -1,7 +1,8 @@
 """The language-model subcommands of ``python -m training``: ``bpe``, ``text-train`` and ``text-eval``.
 
 Argument parsing and validation only; the work is in training/bpe.py, training/loop.py with
-training/language_model.py's objective, and training/text_eval.py. Bad input (an unknown corpus, tokenizer or
+training/language_model.py's objective, training/text_eval.py (perplexity) and training/passkey_probe.py
+(``text-eval --probe passkey``). Bad input (an unknown corpus, tokenizer or
 architecture, a flag that does not fit the architecture, a checkpoint that does not load) exits with status 2
 and one line on stderr.
 """
@@ -20,13 +21,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import LoadedCheckpoint, load_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig
-from training.arguments import UsageError, add_threads, multiples, positive_float, positive_int, probability
+from training.arguments import (
+    UsageError,
+    add_threads,
+    fractions,
+    multiples,
+    positive_float,
+    positive_int,
+    probability,
+    token_counts,
+)
 from training.model_flags import CONFIG_FIELDS, TRAINABLE_ARCHITECTURES, given_model_flags
+from training.passkey import PassKeyBuilder
+from training.passkey_probe import (
+    FILLER_KINDS,
+    GRASS_FILLER,
+    PassKeyProbe,
+    filler_tokens,
+    format_passkey_table,
+    is_filler_name,
+    probe_checkpoint,
+)
 from training.text_corpus import DEFAULT_CORPUS
-from training.train_cli import NewRun, add_training_flags, check_new_run, launch
-from training.train_cli import settings_from_args
+from training.train_cli import NewRun, add_training_flags, check_new_run, launch, settings_from_args
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -37,7 +56,7 @@ Runner = Callable[[argparse.Namespace, list[str]], int]
 TEXT_COMMANDS = {  # name: one-line summary
     "bpe": "train a byte-level BPE and write a .tiktoken ranks file",
     "text-train": "train a language model on text and write a checkpoint folder",
-    "text-eval": "last-token perplexity of language models against context length",
+    "text-eval": "last-token perplexity of language models against context length, or the pass-key probe",
 }
 
 
@@ -193,30 +212,66 @@ def _with_attention_impl(model: torch.nn.Module, attention_impl: str) -> torch.n
 
 
 REPORT_FILE, PERPLEXITY_PLOT, RECEPTIVE_PLOT = "eval.json", "perplexity.png", "receptive_field.png"  # in --out
+PASSKEY_REPORT, PASSKEY_PLOT = "passkey.json", "passkey.png"  # in --out, with --probe passkey
+PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is refused with the other
+    "perplexity": {"corpus": None, "train_length": None, "multiples": (1, 2, 4, 8, 16), "targets": 256,
+                   "batch_size": 8, "receptive_field": 0, "receptive_multiple": 4.0},
+    "passkey": {"sizes": (2**10, 2**13, 2**16, 2**20), "depths": (0.0, 0.25, 0.5, 0.75, 1.0),
+                "filler": [DEFAULT_CORPUS, GRASS_FILLER], "trials": 2, "seed": 0, "max_new_tokens": 8,
+                "batch_size": 16, "max_memory": 4.0},
+}
+
+
+def filler_names(text: str) -> list[str]:
+    """"austen,grass": filler names (a corpus spec or ``grass``)."""
+    names = text.split(",")
+    unknown = [name for name in names if not is_filler_name(name)]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown filler {unknown[0]!r}: use {FILLER_KINDS}")
+    return names
 
 
 def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_guarded(_run_eval))
     parser.add_argument("--checkpoint", required=True, action="append", type=Path, help="repeat to compare")
-    parser.add_argument("--corpus", help="held-out text (default: the corpus each checkpoint was trained on, "
-                                         "its validation tails)")
-    parser.add_argument("--train-length", type=positive_int,
-                        help="L_tr (default: the checkpoint's metadata.train_length)")
-    parser.add_argument("--multiples", type=multiples, default=(1, 2, 4, 8, 16),
-                        help="context lengths as multiples of L_tr (default 1,2,4,8,16)")
-    parser.add_argument("--targets", type=positive_int, default=256, help="target tokens, the same at every length")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--receptive-field", type=int, default=0, metavar="N",
-                        help="also the cumulative gradient-norm curve over N windows (0: skip)")
-    parser.add_argument("--receptive-multiple", type=positive_float, default=4.0,
-                        help="length of the receptive-field windows in multiples of L_tr")
+    parser.add_argument("--probe", choices=tuple(PROBE_DEFAULTS), default="perplexity",
+                        help="perplexity (default): last-token perplexity against context length; passkey: "
+                             "pass-key retrieval by prompt size and key depth")
+    parser.add_argument("--batch-size", type=positive_int,
+                        help="rows per forward pass (default: perplexity 8, passkey 16)")
+    perplexity = parser.add_argument_group("--probe perplexity")
+    perplexity.add_argument("--corpus", help="held-out text (default: the corpus each checkpoint was trained on, "
+                                             "its validation tails)")
+    perplexity.add_argument("--train-length", type=positive_int,
+                            help="L_tr (default: the checkpoint's metadata.train_length)")
+    perplexity.add_argument("--multiples", type=multiples,
+                            help="context lengths as multiples of L_tr (default 1,2,4,8,16)")
+    perplexity.add_argument("--targets", type=positive_int, help="target tokens, the same at every length (256)")
+    perplexity.add_argument("--receptive-field", type=int, metavar="N",
+                            help="also the cumulative gradient-norm curve over N windows (default 0: skip)")
+    perplexity.add_argument("--receptive-multiple", type=positive_float,
+                            help="length of the receptive-field windows in multiples of L_tr (default 4)")
+    passkey = parser.add_argument_group("--probe passkey (training/passkey_probe.py)")
+    passkey.add_argument("--sizes", type=token_counts,
+                         help="prompt sizes in tokens, k = 1024, M = 1048576 (default 1k,8k,64k,1M)")
+    passkey.add_argument("--depths", type=fractions,
+                         help="where the key sits in the filler, 0: first, 1: last (default 0,0.25,0.5,0.75,1)")
+    passkey.add_argument("--filler", type=filler_names, action="append",
+                         help="repeat or comma-separate: austen (its held-out tails), grass (the classic "
+                              "'The grass is green. ...'), text:PATH or owt2:PATH (default austen,grass)")
+    passkey.add_argument("--trials", type=positive_int, help="keys per size, depth and filler (default 2)")
+    passkey.add_argument("--seed", type=int, help="draws the keys and filler offsets (default 0)")
+    passkey.add_argument("--max-new-tokens", type=positive_int, help="greedy tokens decoded (default 8)")
+    passkey.add_argument("--max-memory", type=positive_float, metavar="GIB",
+                         help="for a batch's caches and one prefill call's peak, as the model estimates them; "
+                              "a size at which one row does not fit is skipped (default 4)")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--out", type=Path,
-                        help=f"folder for {REPORT_FILE} (the reports, a list) and the plots (default: "
-                             "runs/text-eval/<checkpoint names joined by '+'>)")
+                        help=f"folder for {REPORT_FILE} ({PASSKEY_REPORT} with --probe passkey: the reports, a "
+                             "list) and the plots (default: runs/text-eval/<checkpoint names joined by '+'>)")
     parser.add_argument("--plots", action="store_true",
                         help=f"also write {PERPLEXITY_PLOT} and, with --receptive-field, {RECEPTIVE_PLOT} "
-                             "(matplotlib: the plots extra)")
+                             f"({PASSKEY_PLOT} with --probe passkey; matplotlib: the plots extra)")
     parser.add_argument("--attention-impl", choices=("auto", "reference", "fast"),
                         help="RegularGPT: evaluate through this attention implementation instead of the "
                              "checkpoint's (exact either way; reference is O(T^2), fast O(T*C))")
@@ -225,41 +280,104 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    _fill_probe_defaults(args)
+    checkpoints = [_text_checkpoint(path, args) for path in args.checkpoint]
+    out = args.out or Path("runs", "text-eval", "+".join(path.resolve().name for path in args.checkpoint))
+    written = (_run_passkey if args.probe == "passkey" else _run_perplexity)(args, checkpoints, out)
+    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
+    return 0
+
+
+def _fill_probe_defaults(args: argparse.Namespace) -> None:
+    """Refuse the flags of the probe not run; give those of the probe run that were not given their defaults."""
+    own = PROBE_DEFAULTS[args.probe]
+    foreign = [dest for probe, defaults in PROBE_DEFAULTS.items() if probe != args.probe for dest in defaults
+               if dest not in own and getattr(args, dest) is not None]
+    if foreign:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in foreign)
+        raise UsageError(f"{flags} {'does' if len(foreign) == 1 else 'do'} not apply to --probe {args.probe}")
+    for dest, default in own.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+
+
+def _text_checkpoint(path: Path, args: argparse.Namespace) -> tuple[LoadedCheckpoint, Tokenizer]:
+    """A language model checkpoint (with ``--attention-impl``) and its tokenizer; a transducer is refused."""
     from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
-    from training.text_eval import evaluate_text_checkpoint, format_text_table
+
+    loaded = load_checkpoint(path, device=args.device)
+    if loaded.config.kind != "generate":
+        raise ValueError(f"{path} is a transducer (kind {loaded.config.kind!r}); text-eval measures text models")
+    if args.attention_impl and loaded.config.architecture == "regulargpt":
+        loaded.model = _with_attention_impl(loaded.model, args.attention_impl)
+    return loaded, load_tokenizer(loaded.config.tokenizer or BYTES_TOKENIZER, path)
+
+
+def _validation_fraction(loaded: LoadedCheckpoint) -> float:
+    return loaded.config.metadata.get("settings", {}).get("validation_fraction", 0.1)
+
+
+def _run_perplexity(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpoint, Tokenizer]],
+                    out: Path) -> list[Path]:
     from training.language_model import validation_tokens
+    from training.text_eval import evaluate_text_checkpoint, format_text_table
 
     reports = []
-    for path in args.checkpoint:
-        loaded = load_checkpoint(path, device=args.device)
-        if args.attention_impl and loaded.config.architecture == "regulargpt":
-            loaded.model = _with_attention_impl(loaded.model, args.attention_impl)
-        if loaded.config.kind != "generate":
-            raise ValueError(f"{path} is a transducer (kind {loaded.config.kind!r}); text-eval measures text models")
-        settings = loaded.config.metadata.get("settings", {})
-        corpus = args.corpus or settings.get("corpus", DEFAULT_CORPUS)
+    for loaded, tokenizer in checkpoints:
+        corpus = args.corpus or loaded.config.metadata.get("settings", {}).get("corpus", DEFAULT_CORPUS)
         train_length = args.train_length or loaded.config.metadata.get("train_length")
         if train_length is None:
-            raise ValueError(f"{path}: no train_length in its metadata; give --train-length")
-        tokenizer = load_tokenizer(loaded.config.tokenizer or BYTES_TOKENIZER, path)
-        documents = validation_tokens(corpus, settings.get("validation_fraction", 0.1), tokenizer)
+            raise ValueError(f"{loaded.path}: no train_length in its metadata; give --train-length")
+        documents = validation_tokens(corpus, _validation_fraction(loaded), tokenizer)
         reports.append(evaluate_text_checkpoint(
             loaded, documents, corpus, train_length, args.multiples, args.targets, args.batch_size,
             args.receptive_field, args.receptive_multiple, progress=args.progress))
-        print(f"{path}: " + ", ".join(f"{row['length']}: {row['perplexity']:.2f}" for row in reports[-1]["perplexity"]),
-              file=sys.stderr)
+        print(f"{loaded.path}: " + ", ".join(f"{row['length']}: {row['perplexity']:.2f}"
+                                             for row in reports[-1]["perplexity"]), file=sys.stderr)
     print(format_text_table(reports))
-    out = args.out or Path("runs", "text-eval", "+".join(path.resolve().name for path in args.checkpoint))
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / REPORT_FILE]
-    written[0].write_text(json.dumps(reports, indent=2) + "\n")
+    plots = []
     if args.plots:
         from training.text_plots import plot_perplexity, plot_receptive_field
 
-        written.append(out / PERPLEXITY_PLOT)
-        plot_perplexity(reports, written[-1])
+        plots.append((PERPLEXITY_PLOT, plot_perplexity))
         if args.receptive_field:
-            written.append(out / RECEPTIVE_PLOT)
-            plot_receptive_field(reports, written[-1])
-    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
-    return 0
+            plots.append((RECEPTIVE_PLOT, plot_receptive_field))
+    return _write_reports(out, REPORT_FILE, reports, plots)
+
+
+def _run_passkey(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpoint, Tokenizer]],
+                 out: Path) -> list[Path]:
+    probe = PassKeyProbe(sizes=args.sizes, depths=args.depths, fillers=tuple(dict.fromkeys(
+        name for names in args.filler for name in names)), trials=args.trials, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_memory=int(args.max_memory * 2**30))
+    fillers = []  # every checkpoint's filler token streams, all read (and the sizes checked) before any runs
+    for loaded, tokenizer in checkpoints:
+        streams = {name: filler_tokens(name, tokenizer, _validation_fraction(loaded)) for name in probe.fillers}
+        empty = [name for name, stream in streams.items() if len(stream) == 0]
+        if empty:
+            raise UsageError(f"--filler {empty[0]}: no held-out text")
+        shortest = PassKeyBuilder(tokenizer, streams[probe.fillers[0]]).shortest()
+        if probe.sizes[0] < shortest:
+            raise UsageError(f"--sizes {probe.sizes[0]}: a pass-key prompt takes at least {shortest} tokens of "
+                             f"{loaded.path}'s tokenizer")
+        fillers.append(streams)
+    reports = []
+    for (loaded, tokenizer), streams in zip(checkpoints, fillers):
+        reports.append(probe_checkpoint(loaded, tokenizer, streams, probe, progress=args.progress))
+    print(format_passkey_table(reports))
+    plots = []
+    if args.plots:
+        from training.text_plots import plot_passkey
+
+        plots.append((PASSKEY_PLOT, plot_passkey))
+    return _write_reports(out, PASSKEY_REPORT, reports, plots)
+
+
+def _write_reports(out: Path, name: str, reports: list[dict], plots: list[tuple[str, Callable[[list, Path], None]]]
+                   ) -> list[Path]:
+    """``reports`` as JSON in ``out/name`` and each plot of them in ``out/plot name``; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(reports, indent=2) + "\n")
+    for plot_name, plot in plots:
+        plot(reports, out / plot_name)
+    return [out / name, *(out / plot_name for plot_name, _ in plots)]

@@ -128,7 +128,7 @@ def evaluate_text_checkpoint(
     first = next((index for index, row in enumerate(rows) if row["multiple"] == 1), None)
     return {
         "checkpoint": str(loaded.path),
-        "architecture": _describe(loaded),
+        "architecture": describe_architecture(loaded),
         "train_length": train_length,
         "corpus": corpus,
         "targets": targets,
@@ -145,7 +145,7 @@ def _stderr(values: np.ndarray) -> float:
     return float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else float("nan")
 
 
-def _describe(loaded: LoadedCheckpoint) -> str:
+def describe_architecture(loaded: LoadedCheckpoint) -> str:
     """"regulargpt C=64 K=4", "transformer alibi", "lrnn" ..."""
     config = loaded.model.config
     if loaded.config.architecture == "regulargpt":

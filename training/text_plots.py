@@ -1,5 +1,6 @@
 """``text-eval --plots``: PNGs of last-token perplexity against context length and of the
-receptive field (cumulative gradient-norm share against position, as regulargpt.txt Fig. 4)."""
+receptive field (cumulative gradient-norm share against position, as regulargpt.txt Fig. 4); with ``--probe
+passkey`` the needle heat map (accuracy by prompt size and key depth)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 
 from training.plots import save_figure  # its import selects the file-only Agg backend before any figure
 
@@ -49,3 +51,39 @@ def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathL
     axes.set_ylim(0, 1.02)
     axes.set_title("receptive field (cumulative gradient analysis, Chi et al. 2022b)")
     save_figure(figure, axes, path)
+
+
+def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+    """The needle heat map: one panel per checkpoint and filler, rows = key depth, columns = prompt size, colour =
+    pass-key accuracy (red 0 .. green 1), each cell marked right/total; skipped sizes grey."""
+    from training.passkey_probe import size_label
+
+    panels = [(report, filler) for report in reports for filler in report["fillers"]]
+    columns = min(len(panels), 2)
+    rows = -(-len(panels) // columns)
+    figure, axes_grid = plt.subplots(rows, columns, figsize=(6 * columns, 3.6 * rows), squeeze=False)
+    for axes, (report, filler) in zip(axes_grid.flat, panels):
+        sizes = filler["sizes"]
+        depths = [row["depth"] for row in sizes[0]["depths"]]
+        accuracy = np.ma.masked_invalid([[row["depths"][d]["right"] / row["depths"][d]["total"]
+                                          if row["depths"][d]["total"] else np.nan for row in sizes]
+                                         for d in range(len(depths))])  # (depths, sizes)
+        colours = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
+        image = axes.imshow(accuracy, cmap=colours, vmin=0, vmax=1, aspect="auto")
+        for d in range(len(depths)):
+            for s, row in enumerate(sizes):
+                cell = row["depths"][d]
+                axes.text(s, d, f"{cell['right']}/{cell['total']}" if cell["total"] else "skipped",
+                          ha="center", va="center", fontsize="small")
+        axes.set_xticks(range(len(sizes)), [size_label(row["size"]) for row in sizes])
+        axes.set_yticks(range(len(depths)), [f"{depth:g}" for depth in depths])
+        axes.set_xlabel("prompt size (tokens)")
+        axes.set_ylabel("key depth")
+        axes.set_title(f"{_label(report)}, filler {filler['filler']}", fontsize="medium")
+        figure.colorbar(image, ax=axes, label="accuracy")
+    for axes in list(axes_grid.flat)[len(panels):]:
+        axes.set_visible(False)
+    figure.suptitle(f"pass key: greedy answers, {reports[0]['trials']} per size, depth and filler")
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    plt.close(figure)

@@ -1,0 +1,241 @@
+"""``text-eval --probe passkey`` (training/passkey_probe.py) on tiny models with the bytes tokenizer: the prompts'
+size and needle depth, the report's shape and plot, exact scoring with hand-made models that always or never
+answer the key, the cached chunked prefill against the parallel pass, and bad flags. No network."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, lengths_tensor
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, CheckpointConfig
+from model.registry import build_model
+from model.tokenizer import Tokenizer, load_tokenizer
+from training.cli import main
+from training.passkey import INTRODUCTION, NEEDLE, PassKeyBuilder, grass_filler
+from training.passkey_probe import PassKeyProbe, cell_prompts, greedy_completions, probe_checkpoint
+
+pytestmark = pytest.mark.usefixtures("no_network")
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {
+    "lrnn": {"d_model": 16, "n_layers": 1, "block_size": 4, "num_blocks": 4, "d_ff": 32},
+    "regulargpt": {"d_model": 16, "n_heads": 2, "d_ff": 32, "chunk_size": 4, "thickness": 2},
+}
+BYTES = load_tokenizer("bytes", ".")
+
+
+def tiny_model(architecture: str) -> SequenceModel:
+    torch.manual_seed(0)
+    config = ARCHITECTURE_CONFIGS[architecture](vocab_size=BYTES.vocab_size, num_labels=0, **TINY[architecture])
+    return build_model(architecture, config).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny untrained LRNN language model with the bytes tokenizer, as text-train would write it."""
+    folder = tmp_path_factory.mktemp("tiny-lrnn")
+    model = tiny_model("lrnn")
+    save_checkpoint(model, CheckpointConfig(architecture="lrnn", model=model.config, kind="generate",
+                                            tokenizer="bytes", metadata={"train_length": 16}), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "novel.txt").write_text("\n\n".join(f"Chapter {n}. It was a fine day in the village." for n in range(60)))
+    return folder
+
+
+@pytest.mark.parametrize("tokenizer", [BYTES, load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")],
+                         ids=["bytes", "austen-8k"])
+def test_a_prompt_is_size_tokens_with_the_needle_at_its_depth(tokenizer: Tokenizer) -> None:
+    builder = PassKeyBuilder(tokenizer, grass_filler(tokenizer))
+    introduction = len(tokenizer.encode(INTRODUCTION))
+    probe = PassKeyProbe(sizes=(), depths=(0.0, 0.3, 0.5, 1.0), fillers=("grass",), trials=3, seed=4)
+    for size in (builder.shortest() + 40, 1000):
+        prompts = cell_prompts(builder, probe, "grass", size)
+        assert [prompt.depth for prompt in prompts] == [depth for depth in probe.depths for _ in range(3)]
+        assert len({prompt.key for prompt in prompts}) > 1  # a key per trial
+        for prompt in prompts:
+            assert prompt.tokens.shape == (size,)
+            needle = tokenizer.encode(NEEDLE.format(key=prompt.key))
+            starts = [i for i in range(size - len(needle) + 1) if prompt.tokens[i:i + len(needle)].tolist() == needle]
+            filler = size - builder.fixed_tokens - len(needle)
+            assert starts == [introduction + round(prompt.depth * filler)]
+        again = cell_prompts(builder, probe, "grass", size)  # the same seed, filler and size: the same prompts
+        assert all((a.tokens == b.tokens).all() for a, b in zip(prompts, again))
+
+
+@pytest.mark.parametrize("architecture", sorted(TINY))
+def test_cached_chunked_prefill_decodes_as_the_parallel_pass(architecture: str) -> None:
+    model = tiny_model(architecture)
+    prompts = torch.randint(0, BYTES.vocab_size, (3, 61), generator=torch.Generator().manual_seed(1))
+    cached = greedy_completions(model, prompts, max_new_tokens=6, chunk_tokens=7)  # 8 chunks, the last of 5
+    tokens = prompts
+    with torch.no_grad():
+        for _ in range(6):  # the whole sequence again for every new token
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, tokens[:, 61:])
+    assert len(set(cached.flatten().tolist())) > 1  # not one token over and over
+
+
+def test_passkey_report_plot_and_table(checkpoint: Path, corpus: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "probe"
+    assert main(["text-eval", "--checkpoint", str(checkpoint), "--checkpoint", str(checkpoint), "--probe", "passkey",
+                 "--sizes", "300,400", "--depths", "0,0.5,1", "--filler", "grass", "--filler", f"text:{corpus}",
+                 "--trials", "2", "--max-new-tokens", "4", "--out", str(out), "--plots", "--no-progress"]) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["passkey.json", "passkey.png"]
+    assert (out / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    reports = json.loads((out / "passkey.json").read_text())
+    assert len(reports) == 2 and reports[0]["fillers"] == reports[1]["fillers"]  # same prompts, same model
+    report = reports[0]
+    assert set(report) == {"checkpoint", "architecture", "probe", "trials", "seed", "max_new_tokens", "fillers",
+                           "wall_time_s"}
+    assert (report["architecture"], report["probe"], report["trials"], report["seed"]) == ("lrnn", "passkey", 2, 0)
+    assert [filler["filler"] for filler in report["fillers"]] == ["grass", f"text:{corpus}"]
+    for filler in report["fillers"]:
+        assert set(filler) == {"filler", "filler_tokens", "sizes"} and filler["filler_tokens"] > 0
+        assert [row["size"] for row in filler["sizes"]] == [300, 400]
+        for row in filler["sizes"]:
+            assert set(row) == {"size", "skipped", "right", "total", "accuracy", "depths"}
+            assert row["skipped"] is None and row["total"] == 6 and row["accuracy"] == row["right"] / 6
+            assert [cell["depth"] for cell in row["depths"]] == [0, 0.5, 1]
+            for cell in row["depths"]:
+                assert set(cell) == {"depth", "right", "total", "trials"} and cell["total"] == 2
+                for trial in cell["trials"]:
+                    assert set(trial) == {"key", "completion", "right"} and len(trial["key"]) == 5
+                    assert trial["right"] is False  # an untrained model does not find the key
+    table = capsys.readouterr().out
+    assert "| model | filler | 300 | 400 |" in table and "| lrnn (" in table and "| 0/6 | 0/6 |" in table
+
+
+@dataclass
+class TranscriptCache(InferenceCache):
+    """Every token each row has read, and what it still has to say."""
+
+    tokens: list[list[int]]
+    answers: list[list[int]]
+
+    @classmethod
+    def stack(cls, caches):
+        return cls(torch.cat([cache.lengths for cache in caches]), [row for cache in caches for row in cache.tokens],
+                   [row for cache in caches for row in cache.answers])
+
+    def select(self, rows):
+        rows = list(rows)
+        return TranscriptCache(self.lengths[rows], [list(self.tokens[row]) for row in rows],
+                               [list(self.answers[row]) for row in rows])
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * sum(map(len, self.tokens))
+
+
+class Answerer(SequenceModel):
+    """A hand-made language model: after a prompt it reads the key from the needle and says ``answer(key)``, one
+    token at a time; a perfect retriever when ``answer`` is the key."""
+
+    def __init__(self, config: BaseModelConfig, tokenizer: Tokenizer, answer, cache_bytes_per_token: int = 8) -> None:
+        super().__init__()
+        self.config = config
+        self.tokenizer, self.answer, self.cache_bytes_per_token = tokenizer, answer, cache_bytes_per_token
+        self.anchor = nn.Parameter(torch.zeros(1))  # the model's device and dtype
+        self.chunks: list[int] = []
+
+    def new_cache(self, batch_size: int) -> TranscriptCache:
+        return TranscriptCache(lengths_tensor(0, batch_size), [[] for _ in range(batch_size)],
+                               [[] for _ in range(batch_size)])
+
+    def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
+        assert isinstance(cache, TranscriptCache)
+        self.chunks.append(tokens.shape[1])
+        for row, new in enumerate(tokens.tolist()):
+            cache.tokens[row] += new
+            needle = re.search(r"The pass key is (\d+)\.", self.tokenizer.decode(cache.tokens[row]))
+            cache.answers[row] = self.tokenizer.encode(self.answer(needle.group(1))) if needle else []
+        cache.lengths = cache.lengths + tokens.shape[1]
+        logits = torch.zeros(*tokens.shape, self.tokenizer.vocab_size)  # (B, T, V)
+        logits[:, -1] = self._say(cache)
+        return logits
+
+    def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        assert isinstance(cache, TranscriptCache)
+        cache.lengths = cache.lengths + 1
+        return self._say(cache)
+
+    def _say(self, cache: TranscriptCache) -> torch.Tensor:
+        """(B, V): one-hot of each row's next answer token (a space once it has said everything)."""
+        space = self.tokenizer.encode(" ")[0]
+        said = [answer.pop(0) if answer else space for answer in cache.answers]
+        return nn.functional.one_hot(torch.tensor(said), self.tokenizer.vocab_size).float()
+
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        return Cost(flops=0.0, nbytes=rows * length * self.tokenizer.vocab_size * 4)
+
+    def cache_nbytes(self, length: int) -> int:
+        return self.cache_bytes_per_token * length
+
+
+@pytest.mark.parametrize("answer, right", [(lambda key: f" {key}.", True),
+                                           (lambda key: f" {int(key) + 1}.", False),
+                                           (lambda key: f" {key}0", False),
+                                           (lambda key: " It is", False)])
+def test_the_key_scores_right_and_any_other_answer_wrong(checkpoint: Path, answer, right: bool) -> None:
+    loaded = load_checkpoint(checkpoint)
+    loaded.model = Answerer(loaded.config.model, BYTES, answer)
+    probe = PassKeyProbe(sizes=(300, 500), depths=(0.0, 0.5, 1.0), fillers=("grass",), trials=2,
+                         max_memory=2**20)  # the logits of 168 tokens of 6 rows and their caches
+    report = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)
+    sizes = report["fillers"][0]["sizes"]
+    assert [(row["right"], row["total"]) for row in sizes] == [(6 if right else 0, 6)] * 2
+    assert all(trial["completion"].startswith(answer(trial["key"]))
+               for row in sizes for cell in row["depths"] for trial in cell["trials"])
+    assert max(loaded.model.chunks) < 300 and sum(loaded.model.chunks) == 300 + 500
+
+
+def test_a_size_whose_cache_does_not_fit_is_skipped(checkpoint: Path) -> None:
+    loaded = load_checkpoint(checkpoint)
+    loaded.model = Answerer(loaded.config.model, BYTES, lambda key: f" {key}.", cache_bytes_per_token=2**12)
+    probe = PassKeyProbe(sizes=(300, 600), depths=(0.5,), fillers=("grass",), trials=2, max_memory=2**21)
+    sizes = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)["fillers"][0]["sizes"]
+    assert (sizes[0]["right"], sizes[0]["total"], sizes[0]["skipped"]) == (2, 2, None)  # 1.2 MB a row: one at a time
+    assert (sizes[1]["total"], sizes[1]["accuracy"]) == (0, None)
+    assert sizes[1]["skipped"] == ("one row at 600 tokens needs 0.00229 GiB (its cache and a one-token prefill), over "
+                                  "--max-memory 0.00195 GiB")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sizes", "100"], "--sizes 100: a pass-key prompt takes at least"),
+    (["--sizes", "8x"], "argument --sizes: expected token counts like 1k,8k,64k,1M"),
+    (["--sizes", "8k,1k"], "token counts must increase"),
+    (["--depths", "0,1.5"], "argument --depths: must be a probability in [0, 1], got 1.5"),
+    (["--trials", "0"], "argument --trials: must be a positive integer, got 0"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer"),
+    (["--filler", "grass,web"], "unknown filler 'web': use 'austen', 'grass', 'text:PATH' or 'owt2:PATH'"),
+    (["--filler", "text:missing-folder"], "missing-folder"),
+    (["--multiples", "1,2"], "--multiples does not apply to --probe passkey"),
+])
+def test_bad_probe_flags_exit_2_with_one_line(checkpoint: Path, flags, message, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["text-eval", "--checkpoint", str(checkpoint), "--probe", "passkey", "--filler", "grass", "--no-progress",
+                 *flags]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+    assert not (tmp_path / "runs").exists()
+
+
+def test_probe_flags_without_the_probe_and_the_probe_of_a_transducer_exit_2(checkpoint: Path, capsys) -> None:
+    assert main(["text-eval", "--checkpoint", str(checkpoint), "--sizes", "1k", "--trials", "3"]) == 2
+    assert "--sizes, --trials do not apply to --probe perplexity" in capsys.readouterr().err
+    transducer = REPO / "checkpoints" / "parity_check-lrnn"
+    assert main(["text-eval", "--checkpoint", str(transducer), "--probe", "passkey", "--sizes", "1k"]) == 2
+    assert "is a transducer (kind 'transduce'); text-eval measures text models" in capsys.readouterr().err
