@@ -56,14 +56,18 @@ class TextData:
 PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
 PASSKEY_VALIDATION_MULTIPLES = (1, 16)  # evaluated prompt sizes, in training lengths
 PASSKEY_STREAM = 2  # key of the validation prompts' random stream (with the seed)
+PASSKEY_ANSWER_TOKENS = 8  # room for " {key}." in any tokenizer this project uses (the bytes one: 7)
 
 
 class LanguageModelObjective(Objective):
     """Next-token prediction on text windows, with two options (``TextData``):
 
-    - ``passkey_fraction``: each training row is, with this probability, a pass-key prompt (training/passkey.py)
-      of the window's length, its filler cut from the training text at a random place, the needle at a uniform
-      depth, scored on the answer " {key}." only. Evaluation then also reports the pass-key accuracy (every
+    - ``passkey_fraction``: each training row is, with this probability, its own text followed by a pass-key
+      prompt (training/passkey.py) of a uniform length up to the window's, its filler cut from the training text at a
+      random place, the needle at a uniform depth, scored on the needle and the answer " {key}." only (the
+      needle's second key is a copy of its first a few tokens back: learned first, it is what teaches the model to
+      keep a key at all; scored on the answer alone, two runs learned nothing in 300 steps). Evaluation then also
+      reports the pass-key accuracy (every
       answer token the argmax, teacher-forced) of fixed prompts whose filler is held-out text, at 1x and 16x the
       training length (``passkey_accuracy_<size>``).
     - ``state_passing`` (Buitrago Ruiz & Gu 2025): row i of every batch reads the window after the one it read
@@ -98,10 +102,10 @@ class LanguageModelObjective(Objective):
         self.passkey = None
         if data.passkey_fraction:
             self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens)
-            longest_answer = len(tokenizer.encode(" 99999."))
-            if self.passkey.shortest() + longest_answer > data.length + 1:
-                raise ValueError(f"pass-key examples need windows of at least {self.passkey.shortest() + longest_answer} "
-                                 f"tokens; --length {data.length} is too short")
+            if self.passkey.shortest() + PASSKEY_ANSWER_TOKENS > data.length + 1:
+                raise ValueError(f"pass-key examples need windows of at least "
+                                 f"{self.passkey.shortest() + PASSKEY_ANSWER_TOKENS} tokens; --length {data.length} "
+                                 "is too short")
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
 
@@ -129,16 +133,23 @@ class LanguageModelObjective(Objective):
         return prompts
 
     @staticmethod
-    def _passkey_row(builder: PassKeyBuilder, size: int, depth: float,
-                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pass-key prompt and its answer, ``size`` tokens in all, as (size,) tokens and (size - 1,) targets: the
-        next token at the answer's positions, IGNORE_INDEX elsewhere."""
+    def _passkey_row(builder: PassKeyBuilder, size: int, depth: float, rng: np.random.Generator,
+                     prompt_size: int | None = None, text: np.ndarray | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``size`` tokens: ``text`` (the row's own), then a pass-key prompt of ``prompt_size`` tokens with its
+        answer (the whole row when None), as (size,) tokens and (size - 1,) targets. Scored (the next token, else
+        IGNORE_INDEX): the answer, and with ``text`` the needle too, whose second key a model learns to copy from
+        its first a few tokens back: the short path by which it learns to hold a key at all."""
         key = str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
         answer = np.asarray(builder.tokenizer.encode(f" {key}."), dtype=np.int64)
-        prompt = builder.prompt(size - len(answer), depth, rng, key=key)
-        tokens = torch.from_numpy(np.concatenate([prompt.tokens, answer]))  # (size,)
+        head = size - (prompt_size or size)
+        prompt = builder.prompt(size - head - len(answer), depth, rng, key=key)
+        tokens = torch.from_numpy(np.concatenate([text[:head] if head else [], prompt.tokens, answer]).astype(np.int64))
         targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
         targets[-len(answer):] = tokens[-len(answer):]
+        if text is not None:  # target j is token j + 1
+            needle = slice(head + prompt.needle.start, head + prompt.needle.stop)
+            targets[needle.start:needle.stop - 1] = tokens[needle.start + 1:needle.stop]
         return tokens, targets
 
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
@@ -150,7 +161,10 @@ class LanguageModelObjective(Objective):
         targets = windows[:, 1:].clone()  # (B, L)
         if self.passkey is not None:
             for row in np.flatnonzero(rng.random(self.batch_size) < self.data.passkey_fraction):
-                windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng)
+                shortest = self.passkey.shortest() + PASSKEY_ANSWER_TOKENS
+                prompt_size = int(rng.integers(shortest, length + 2))  # a uniform length, the row's text before it
+                windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng,
+                                                               prompt_size, windows[row].numpy())
                 if self.cursors is not None:  # the row's text goes on after the example
                     self.cursors[row] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)

@@ -16,6 +16,7 @@ Used by ``text-eval --probe passkey`` (the probe, training/passkey_probe.py) and
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class PassKeyPrompt:
     answer: np.ndarray  # (n,) int64: " {key}." in the tokenizer's tokens, what a right greedy answer starts with
     key: str
     depth: float  # where the needle is, as a fraction of the filler tokens before it
+    needle: slice = dataclasses.field(default_factory=lambda: slice(0, 0))  # the needle's tokens in ``tokens``
 
 
 class PassKeyBuilder:
@@ -71,7 +73,8 @@ class PassKeyBuilder:
         before = int(round(depth * filler_tokens))
         filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
         tokens = np.concatenate([self.introduction, filler[:before], needle, filler[before:], self.question])
-        return PassKeyPrompt(tokens, self._encode(f" {key}."), key, depth)
+        start = len(self.introduction) + before
+        return PassKeyPrompt(tokens, self._encode(f" {key}."), key, depth, slice(start, start + len(needle)))
 
     def _filler(self, count: int, start: int) -> np.ndarray:
         """``count`` tokens of the filler stream from ``start``, cycling."""

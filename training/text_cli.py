@@ -128,6 +128,8 @@ def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
 # ---------------------------------------------------------------- text-train
 
 
+RECURRENT_ARCHITECTURES = ("lrnn", "diagonal_lrnn", "lstm")  # a fixed-size state: what --state-passing carries
+
 TEXT_DEFAULTS = {"batch_size": 16, "lr": 1e-3, "optimizer": "adamw", "beta2": 0.95, "weight_decay": 0.1,
                  "schedule": "cosine", "warmup_steps": 100, "min_lr_fraction": 0.1, "eval_every": 200, "dtype": "auto"}
 
@@ -140,6 +142,12 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--tokenizer",
                       help="a .tiktoken ranks file (copied into the checkpoint), 'bytes', or an offline tiktoken name")
     what.add_argument("--length", type=positive_int, default=128, help="training context length L_tr")
+    what.add_argument("--passkey-fraction", type=probability, default=0.0,
+                      help="each training row ends, with this probability, in a pass-key prompt (filler: the "
+                           "training text) scored on its needle and answer only (training/language_model.py)")
+    what.add_argument("--state-passing", action="store_true",
+                      help="recurrent models: each row reads consecutive windows, starting from the state its last "
+                           "one ended in (the gradient cut between steps)")
     checks = parser.add_argument_group("validation")
     checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
@@ -190,10 +198,14 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     check_new_run(args)
     tokenizer, ranks_file = training_tokenizer(args.tokenizer)
     config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))
+    if args.state_passing and args.arch not in RECURRENT_ARCHITECTURES:
+        raise UsageError(f"--state-passing needs a recurrent model ({', '.join(RECURRENT_ARCHITECTURES)}); "
+                         f"{args.arch}'s cache grows with the context")
     settings = settings_from_args(args, args.arch)
     data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
                     length=args.length, validation_fraction=args.validation_fraction,
-                    validation_corpus=args.validation_corpus, validation_windows=args.validation_windows)
+                    validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
+                    passkey_fraction=args.passkey_fraction, state_passing=args.state_passing)
     return settings, config, lambda settings, dist: LanguageModelObjective(
         data, tokenizer, ranks_file, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 

@@ -316,20 +316,26 @@ def test_state_passing_starts_each_row_from_the_state_its_last_window_ended_in()
             assert not got.requires_grad
 
 
-def test_passkey_rows_are_prompts_of_the_window_length_scored_on_their_answer() -> None:
+def test_passkey_rows_are_prompts_scored_on_their_needle_and_answer() -> None:
+    """A pass-key row: the row's own text, then a prompt of its own length ending the window; the scored targets
+    are the needle's tokens after its first and the answer " {key}."."""
     objective = text_objective(length=320, batch_size=64, passkey_fraction=0.5)
     batch = objective.batch(np.random.default_rng(0), 1)
     scored = batch.targets != IGNORE_INDEX
     passkey_rows = [row for row in range(64) if not scored[row].all()]
     assert 16 < len(passkey_rows) < 48
     decode = objective.tokenizer.decode
+    starts = set()
     for row in passkey_rows:
-        answer = decode(batch.targets[row][scored[row]].tolist())
-        key = first_number(answer)
-        assert answer == f" {key}." and len(key) == 5
-        prompt = decode(batch.tokens[row][~scored[row]].tolist() + [int(batch.tokens[row][scored[row]][0])])
-        assert prompt.startswith("There is an important info") and prompt.endswith(QUESTION)
-        assert f"The pass key is {key}. Remember it. {key} is the pass key." in prompt
+        text = decode(batch.tokens[row].tolist() + [int(batch.targets[row, -1])])  # the whole row
+        key = first_number(text[text.index("The pass key is"):])
+        assert text.endswith(f"{QUESTION} {key}.") and len(key) == 5
+        start = text.index("There is an important info")
+        starts.add(start)
+        needle = f" The pass key is {key}. Remember it. {key} is the pass key."
+        after_first = decode(objective.tokenizer.encode(needle)[1:])
+        assert decode(batch.targets[row][scored[row]].tolist()) == after_first + f" {key}."
+    assert len(starts) > 5 and min(starts) < 10  # prompts of many lengths, up to the whole window
 
 
 def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:

@@ -199,6 +199,12 @@ def test_token_windows(ranks) -> None:
     (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--corpus", "web", "--out", "X", "--steps", "1"],
      "unknown corpus"),
     (["text-eval", "--checkpoint", "missing-folder"], "missing"),
+    (["text-train", "--arch", "regulargpt", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing"],
+     "--state-passing needs a recurrent model"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "64",
+      "--passkey-fraction", "0.5"], "pass-key examples need windows of at least"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--passkey-fraction",
+      "1.5"], "--passkey-fraction"),
 ])
 def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
