@@ -107,7 +107,12 @@ def greedy_completions(
     cache = model.new_cache(rows)
     for start in range(0, length, chunk_tokens):
         chunk = prompts[:, start:start + chunk_tokens]  # (B, c)
-        last = model(chunk, cache)[:, -1]  # (B, V)
+        if model.selects_positions:  # the head on the prompt's last position only (none before the last chunk)
+            positions = torch.zeros_like(chunk, dtype=torch.bool)
+            positions[:, -1] = start + chunk_tokens >= length
+            last = model(chunk, cache, positions=positions)  # (B, V) at the last chunk, else (0, V)
+        else:
+            last = model(chunk, cache)[:, -1]  # (B, V)
         if on_prefill is not None:
             on_prefill(chunk.numel())
     tokens = [last.argmax(-1)]  # each (B,)
