@@ -142,7 +142,7 @@ class LanguageModelObjective(Objective):
         its first a few tokens back: the short path by which it learns to hold a key at all."""
         key = str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
         answer = np.asarray(builder.tokenizer.encode(f" {key}."), dtype=np.int64)
-        head = size - (prompt_size or size)
+        head = min(size - (prompt_size or size), size - len(answer) - builder.shortest(key))
         prompt = builder.prompt(size - head - len(answer), depth, rng, key=key)
         tokens = torch.from_numpy(np.concatenate([text[:head] if head else [], prompt.tokens, answer]).astype(np.int64))
         targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)

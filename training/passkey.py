@@ -56,9 +56,12 @@ class PassKeyBuilder:
         """The tokens of a prompt that are not filler, but for the needle (a few more)."""
         return len(self.introduction) + len(self.question)
 
-    def shortest(self) -> int:
-        """The fewest tokens a prompt can have (no filler at all), with any key."""
-        return self.fixed_tokens + len(self._encode(NEEDLE.format(key="0" * KEY_DIGITS)))
+    def shortest(self, key: str | None = None) -> int:
+        """The fewest tokens a prompt with ``key`` can have (no filler at all); without a key, a bound for any key
+        (a key's BPE tokens merge with their neighbours differently: allow every digit a token of its own, twice)."""
+        if key is not None:
+            return self.fixed_tokens + len(self._encode(NEEDLE.format(key=key)))
+        return self.shortest("0" * KEY_DIGITS) + 2 * KEY_DIGITS
 
     def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None) -> PassKeyPrompt:
         """A prompt of exactly ``size`` tokens with the needle at ``depth`` in [0, 1] of the filler; the key drawn

@@ -520,3 +520,19 @@ def test_the_head_at_scored_positions_only_gives_the_full_passes_logits_there(tr
     selected = model(tokens, positions=positions)  # (N, V)
     assert selected.shape == (int(positions.sum()), 50)
     torch.testing.assert_close(selected, model(tokens)[positions])
+
+
+def test_passkey_rows_fit_every_key_in_the_shipped_bpe() -> None:
+    """A key's BPE tokens differ with its digits: the bound ``shortest()`` holds for every key drawn, and rows with
+    the shortest prompt length the objective draws are built for any key."""
+    from model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints" / "text-lrnn")
+    builder = PassKeyBuilder(tokenizer, np.asarray(tokenizer.encode("It was a fine day in the country. " * 40)))
+    rng = np.random.default_rng(0)
+    keys = [str(key) for key in rng.integers(10_000, 100_000, size=3000)]
+    assert max(builder.shortest(key) for key in keys) <= builder.shortest()
+    for _ in range(200):
+        tokens, targets = LanguageModelObjective._passkey_row(
+            builder, 129, float(rng.random()), rng, builder.shortest() + 8, np.zeros(129, dtype=np.int64))
+        assert tokens.shape == (129,) and targets.shape == (128,)
