@@ -84,10 +84,11 @@ class CompletionServing:
         constraint = await self.serving.constraint(served, body)
         requests, choices, max_tokens = [], [], self.serving.max_tokens(body)
         for prompt in body.prompts:
+            tokens = await self.serving.prompt_tokens(served, prompt)
             for sample in range(body.n):
                 request = self.serving.generation_request(
                     served,
-                    prompt,
+                    tokens,
                     body,
                     max_tokens,
                     seed_offset=sample,

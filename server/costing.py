@@ -11,10 +11,13 @@ one long input and the next one then looked short and ran whole, issue 30). From
 - a **slice** is about ``settings.slice_ms`` of one model's work: transduce batches are planned to fit one, a
   longer input runs through ``model.run_in_slices`` with ``slice_flops`` per slice, and prefill chunks are cut
   to fit one;
-- a model's **limits** are the largest inputs whose path fits the memory budget and ``settings.max_job_seconds``
-  (transduce: one input with outputs "final" and with "all"; generate: prompt + max_tokens, the context whose
-  cache must fit). They are computed at load and listed in /v1/models; they depend on this machine's measured
-  speed and memory.
+- a model's **limits** are the largest inputs whose path fits the memory budget and its time limit (transduce:
+  one input with outputs "final" and with "all"; generate: prompt + max_tokens, the context whose cache must
+  fit). They are computed at load and listed in /v1/models; they depend on this machine's measured speed and
+  memory. The time limit is ``settings.max_job_seconds``, or ``settings.max_constant_state_job_seconds`` for a
+  model whose state has one size at every length (:func:`has_constant_state`: the LRNNs, the LSTM): a long input
+  to it holds O(1) memory and runs in slices that yield to every other client, so only its time bounds it, and
+  a million-token prompt (SPEC section 5) must fit on a loaded CPU.
 
 The memory budget (``settings.memory_budget_bytes``, by default ``DEFAULT_MEMORY_FRACTION`` of the memory
 available once the models are loaded, less the state cache's budget) bounds what running work holds at once:
@@ -40,6 +43,7 @@ CALIBRATION_MAX_LENGTH = 4096
 RATE_SMOOTHING = 0.2  # weight of a new observation in the average seconds per multiply-add
 DEFAULT_MEMORY_FRACTION = 0.5
 COST_CACHE_SIZE = 4096  # call shapes whose cost each model remembers
+STATE_PROBE_LENGTH = 2**20  # the length at which has_constant_state compares a row's cache with its first token's
 
 
 class ModelSpeed:
@@ -105,6 +109,10 @@ class ModelBudget:
         # (tens of microseconds a call: the formulas read the model's modules): remembered per shape.
         self.cost: Callable[..., Cost] = functools.lru_cache(maxsize=COST_CACHE_SIZE)(self.model.cost)
 
+    @functools.cached_property
+    def constant_state(self) -> bool:
+        return has_constant_state(self.model)
+
     @property
     def slice_flops(self) -> float:
         return self.speed.flops(self.slice_seconds)
@@ -129,10 +137,16 @@ class ModelBudget:
         through its cache): the multiply-adds of the whole, and the bytes of its cache padded to the longest row
         of its decode batch (``context_class``: at most ``class_length``) plus one chunk's activations. Padded
         layouts (the transformer's KV, RegularGPT's windows) give every row of a stacked cache the longest row's
-        room, which is why decode batches are formed per context class."""
+        room, which is why decode batches are formed per context class. A cache of one size at every length
+        (``constant_state``) is never padded: its multiply-adds are its own length's (those of ``slices_cost``, one
+        cached pass over it), its bytes its class's (the same but for short contexts, where the chunk may be longer),
+        so that the bisection below stays in the memo."""
         # Through the memo of the cost formulas: asked once per generated sequence, and its bisection over chunk
         # lengths took ~0.75 ms through the formulas themselves.
-        return self.model.slices_cost(class_length(context_class(length)), False, self.slice_flops, self.cost)
+        padded = self.model.slices_cost(class_length(context_class(length)), False, self.slice_flops, self.cost)
+        if self.constant_state:
+            return Cost(flops=self.cost("cached", 1, length).flops, nbytes=padded.nbytes)
+        return padded
 
     def limits(self, kind: str, max_input_symbols: int, max_tokens: int) -> ModelLimits:
         """The largest inputs, searched up to the server-wide limits."""
@@ -147,6 +161,12 @@ class ModelBudget:
             return ModelLimits(max_input_symbols=final, max_all_outputs_symbols=every)
         context = largest(lambda n: self.fits_ever(self.context_cost(n)), max_input_symbols + max_tokens)
         return ModelLimits(max_input_symbols=min(max_input_symbols, context), max_context_tokens=context)
+
+
+def has_constant_state(model: SequenceModel) -> bool:
+    """Whether one row's cache (``cache_nbytes``) has the same size after one token and after
+    ``STATE_PROBE_LENGTH``: an O(1)-state model (LRNN, LSTM), whose long inputs hold no memory that grows."""
+    return model.cache_nbytes(1) == model.cache_nbytes(STATE_PROBE_LENGTH)
 
 
 def context_class(length: int) -> int:

@@ -27,7 +27,7 @@ from model.cuda_graphs import Decoder, capture_sizes, decoder_for
 from model.ops import cpu_decode
 from model.threads import set_threads
 from server.batching import TransduceJob, TransduceOutput
-from server.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate
+from server.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate, has_constant_state
 from server.errors import APIError, Conflict, InputTooLarge, Overloaded, Unavailable, UnknownModel
 from server.generation import Finished, GenerationRequest, Sequence
 from server.mailbox import Mailbox, Postman
@@ -93,7 +93,10 @@ class Engine:
         self.load_failures: list[str] = []
         self.memory_budget = 0  # bytes running work may hold (server/costing.py)
         self.state_cache = StateCache(
-            settings.state_cache_entries, settings.state_cache_bytes, settings.state_cache_min_tokens
+            settings.state_cache_entries,
+            settings.state_cache_bytes,
+            settings.state_cache_min_tokens,
+            settings.state_cache_tail_tokens,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._postman = Postman()
@@ -285,9 +288,10 @@ class Engine:
 
     def _set_limits(self, served: ServedModel, speed: float) -> None:
         settings = self.settings
-        served.budget = ModelBudget(
-            served.model, speed, settings.slice_ms / 1000, self.memory_budget, settings.max_job_seconds
-        )
+        max_job_seconds = settings.max_job_seconds
+        if has_constant_state(served.model):
+            max_job_seconds = settings.max_constant_state_job_seconds
+        served.budget = ModelBudget(served.model, speed, settings.slice_ms / 1000, self.memory_budget, max_job_seconds)
         served.limits = served.budget.limits(served.kind, settings.max_input_symbols, settings.max_tokens)
 
     def _measure(self) -> None:

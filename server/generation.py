@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 # logits sampled at temperature 1 took 101-154 us through the CPU against 176-264 us on the GPU (each op a launch), 8 rows
 # 285-463 against 169-289 us, 64 rows 1.8-2.3 ms against 0.35-0.67 ms.
 HOST_SAMPLING_ELEMENTS = 16_384
+# A prefill chunk that stops short of its prompt's end (cut by the slice or the iteration's token budget) is a multiple
+# of this many tokens, or below it a power of two, so that a long prompt runs a few input shapes: each new one costs
+# memory that stays (~0.8 MiB a shape for text-lrnn: oneDNN's primitive cache, allocator retention), and a 2^20-token
+# prompt in chunks sized by the moving speed estimate took the server from 458 to 1,294 MiB (docs/benchmarks.md).
+PREFILL_QUANTUM = 64
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class Sequence:
         self.next_logits: torch.Tensor | None = None  # (V,) predicting the next token
         self.prefilled = 0
         self.cached_tokens = 0
+        self.snapshot_at: int | None = None  # a prompt position where its prefill stops to snapshot its state
         self.prompt_scores: list[TokenLogprob | None] = []
         self.generated: list[int] = []
         self.cancelled = False  # set by the request's side when the client goes away
@@ -159,22 +165,29 @@ def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -
         metrics.prefix_cache_queries.labels(sequence.served.id).inc(len(prompt))
     if snapshot is None:
         sequence.cache = model.new_cache(1)
-        return
-    metrics.prefix_cache_hits.labels(sequence.served.id).inc(snapshot.length)
-    sequence.cache, sequence.next_logits = snapshot.cache, snapshot.logits
-    sequence.prefilled = sequence.cached_tokens = snapshot.length
+    else:
+        metrics.prefix_cache_hits.labels(sequence.served.id).inc(snapshot.length)
+        sequence.cache, sequence.next_logits = snapshot.cache, snapshot.logits
+        sequence.prefilled = sequence.cached_tokens = snapshot.length
+    position = state_cache.tail_position(len(prompt))
+    if position is not None and position > sequence.prefilled:
+        sequence.snapshot_at = position
 
 
 def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
     """Consume the next ``length`` prompt tokens of each sequence (one model) in one forward pass over their
-    stacked caches. A sequence whose prompt is then done is snapshotted, scored if asked, and gets its first
-    token. ``length`` 0 only completes prompts taken whole from the state cache. Where batch invariance is asked
-    for (``cpu_decode.row_invariant``), each sequence's chunk is a pass of its own, as it runs alone: stacked, a
-    prompt's first logits came out other in the last bits (shipped text models: prompts of 2-3 tokens, RegularGPT's
-    of 40)."""
+    stacked caches. A sequence then at its ``snapshot_at`` is snapshotted there; one whose prompt is then done is
+    snapshotted, scored if asked, and gets its first token. ``length`` 0 only completes prompts taken whole from
+    the state cache. Where batch invariance is asked for (``cpu_decode.row_invariant``), each sequence's chunk is a
+    pass of its own, as it runs alone: stacked, a prompt's first logits came out other in the last bits (shipped
+    text models: prompts of 2-3 tokens, RegularGPT's of 40)."""
     if length:
         for group in [[sequence] for sequence in sequences] if cpu_decode.row_invariant() else [sequences]:
             _prefill_chunk(group, length)
+    for sequence in sequences:
+        if sequence.prefilled == sequence.snapshot_at:
+            prefix = sequence.request.prompt[: sequence.prefilled]
+            state_cache.store(sequence.served.id, prefix, sequence.cache, sequence.next_logits)
     done = [sequence for sequence in sequences if not sequence.prefilling]
     for sequence in done:
         state_cache.store(sequence.served.id, sequence.request.prompt, sequence.cache, sequence.next_logits)
@@ -208,13 +221,19 @@ def _prefill_chunk(sequences: list[Sequence], length: int) -> None:
 
 
 def prefill_length(sequence: Sequence, budget: int) -> int:
-    """How many prompt tokens the sequence prefills next: what remains, within ``budget`` tokens and one slice
-    of its model's work."""
-    remaining = min(len(sequence.request.prompt) - sequence.prefilled, budget)
+    """How many prompt tokens the sequence prefills next: what remains (up to its ``snapshot_at`` first), within
+    ``budget`` tokens and one slice of its model's work; short of that end, rounded down (``PREFILL_QUANTUM``)."""
+    end = len(sequence.request.prompt)
+    if sequence.snapshot_at is not None and sequence.prefilled < sequence.snapshot_at:
+        end = sequence.snapshot_at
+    remaining = min(end - sequence.prefilled, budget)
     if remaining <= 0:
         return max(remaining, 0)
     budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
-    return sequence.served.model.chunk_length(budget.slice_flops, sequence.prefilled, remaining, budget.cost)
+    length = sequence.served.model.chunk_length(budget.slice_flops, sequence.prefilled, remaining, budget.cost)
+    if sequence.prefilled + length == end:
+        return length
+    return length - length % PREFILL_QUANTUM if length >= PREFILL_QUANTUM else 1 << (length.bit_length() - 1)
 
 
 def _score_prompt_chunk(sequence: Sequence, chunk: torch.Tensor, logits: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ completions endpoint is ``server/completions.py``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -38,6 +39,9 @@ from server.settings import Settings
 from server.structured import CompiledConstraint, ConstraintCompiler, MaskBudget
 
 SSE_DONE = "data: [DONE]\n\n"
+# Text prompts of at least this many characters are tokenized on a thread (shorter: inline, ~1 us a character: a hop
+# to a thread would cost more than it frees the event loop).
+THREADED_TOKENIZE_CHARS = 65_536
 TOKEN_ID = re.compile(TOKEN_ID_PATTERN)
 
 
@@ -148,7 +152,7 @@ class Serving:
                 raise InputTooLarge(
                     f'inputs[{i}] has {len(text)} symbols; model {served.id!r} admits at most {model_limit} with '
                     f'outputs "{"all" if all_outputs else "final"}" on this server (limits.{name} in /v1/models: '
-                    f"the path it runs must fit the memory budget and {self.settings.max_job_seconds:g} s){hint}"
+                    f"the path it runs must fit the memory budget and {served.budget.max_job_seconds:g} s){hint}"
                 )
         total = sum(map(len, inputs))
         if total > limits.max_request_symbols:
@@ -169,10 +173,25 @@ class Serving:
             return None
         return await self.constraints.compile(fields.structured_outputs, served.tokenizer)
 
+    async def prompt_tokens(self, served: ServedModel, prompt: str | list[int]) -> list[int]:
+        """A text prompt's token ids (a long one tokenized on a thread: a million tokens took 0.3-1.2 s, during which
+        the event loop would answer nobody), or token ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if len(prompt) < THREADED_TOKENIZE_CHARS:
+                return served.tokenizer.encode(prompt)
+            return await asyncio.to_thread(served.tokenizer.encode, prompt)
+        vocabulary = served.tokenizer.vocab_size
+        for position, token in enumerate(prompt):
+            if not 0 <= token < vocabulary:
+                raise InvalidInput(
+                    f"prompt token {position} is id {token}; model {served.id!r} has token ids 0..{vocabulary - 1}"
+                )
+        return prompt
+
     def generation_request(
         self,
         served: ServedModel,
-        prompt: str | list[int],
+        tokens: list[int],
         fields: GenerateRequest | CompletionRequest,
         max_tokens: int,
         seed_offset: int = 0,
@@ -180,20 +199,11 @@ class Serving:
         prompt_logprobs: bool = False,
         constraint: CompiledConstraint | None = None,
     ) -> GenerationRequest:
-        """Validate one prompt (a text, or token ids checked against the vocabulary) and the sampling fields
-        against the limits; a request that does not stream gets its tokens' events at the end."""
+        """Validate one prompt's tokens (``prompt_tokens``) and the sampling fields against the limits; a request
+        that does not stream gets its tokens' events at the end."""
         if max_tokens > self.settings.max_tokens:
             raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
         vocabulary = served.tokenizer.vocab_size
-        if isinstance(prompt, str):
-            tokens = served.tokenizer.encode(prompt)
-        else:  # token ids: the tokenizer's own output needs no check
-            tokens = prompt
-            for position, token in enumerate(tokens):
-                if not 0 <= token < vocabulary:
-                    raise InvalidInput(
-                        f"prompt token {position} is id {token}; model {served.id!r} has token ids 0..{vocabulary - 1}"
-                    )
         if not tokens:
             raise InvalidInput("the prompt is empty; it needs at least one token")
         if len(tokens) > self.settings.max_input_symbols:
@@ -203,7 +213,7 @@ class Serving:
             raise InputTooLarge(
                 f"the prompt has {len(tokens)} tokens and max_tokens is {max_tokens}; model {served.id!r} holds at "
                 f"most {context_limit} tokens of context on this server (limits.max_context_tokens in /v1/models: "
-                "its cache must fit the memory budget)"
+                f"its cache must fit the memory budget and its computation {served.budget.max_job_seconds:g} s)"
             )
         seed = None if fields.seed is None else (fields.seed + seed_offset) % 2**63
         sampling = SamplingParams(
@@ -233,7 +243,8 @@ class Serving:
         """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts."""
         served = self.generation_model(body)
         constraint = await self.constraint(served, body)
-        request = self.generation_request(served, body.prompt, body, self.max_tokens(body), constraint=constraint)
+        tokens = await self.prompt_tokens(served, body.prompt)
+        request = self.generation_request(served, tokens, body, self.max_tokens(body), constraint=constraint)
         handle = self.engine.submit_generation(served, [request], flow)
         if body.stream:
             return coalesced(self._generate_events(body.model, handle), handle)

@@ -74,7 +74,14 @@ class Settings(BaseSettings):
         "prefill chunk), in milliseconds of the model's measured speed: how long other work may wait behind it"
     )
     max_job_seconds: float = Field(
-        300.0, gt=0, description="the longest estimated computation one input may need; longer ones are refused (413)"
+        300.0, gt=0, description="the longest estimated computation one input may need on a model whose state grows "
+        "with its length (RegularGPT, transformers, the exact encoders); longer ones are refused (413)"
+    )
+    max_constant_state_job_seconds: float = Field(
+        3600.0, gt=0, description="the same on a model whose state has one size at every length (LRNN, LSTM): a long "
+        "input to it holds O(1) memory and runs in slices that yield to every other client, so only this bounds it. "
+        "The default admits 2^20 tokens of the shipped text-lrnn (estimated 600-900 s, 160-480 s to run) on a "
+        "loaded 2-core CPU, with room for a larger or stochastic LRNN"
     )
     memory_budget_bytes: int | None = Field(
         None, ge=0, description="bytes running work may hold at once (caches, activations); default half the "
@@ -114,6 +121,11 @@ class Settings(BaseSettings):
     state_cache_entries: int = Field(64, ge=0, description="prompt-state snapshots kept (LRU); 0 turns it off")
     state_cache_bytes: int = Field(256 * 2**20, ge=0, description="bytes the snapshots may hold together")
     state_cache_min_tokens: int = Field(32, gt=0, description="prompts shorter than this are not snapshotted")
+    state_cache_tail_tokens: int = Field(
+        256, ge=0, description="a prompt is also snapshotted this many tokens before its end (when that leaves at "
+        "least this many and state_cache_min_tokens), so that a prompt that differs only in its last tokens (another "
+        "question on the same document) skips the shared part; 0: whole prompts only"
+    )
 
     torch_threads: int | None = Field(
         None,

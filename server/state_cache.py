@@ -1,10 +1,13 @@
 """Prompt-state cache: token prefix -> a snapshot of the model's decoding state after that prefix.
 
 A snapshot is ``cache.clone()`` taken when a prompt's prefill ends, with the logits that predict the next
-token. A later prompt that starts with a stored prefix (the longest one wins) starts from a clone of the
-snapshot and prefills only its new suffix. For the LRNNs and the LSTM a snapshot is O(1) in the prefix
-length; for KV caches it grows with it, which the byte budget bounds. Entries are evicted least recently
-used first, by count and by bytes. Only the engine's worker thread touches it.
+token; a prompt that leaves at least ``min_tokens`` and ``tail_tokens`` before its last ``tail_tokens`` is also
+snapshotted there (:meth:`StateCache.tail_position`), so that another prompt that shares all but its last tokens
+(another question on the same document) finds a prefix too. A later prompt that starts with a stored prefix (the
+longest one wins) starts from a clone of the snapshot and prefills only its new suffix. For the LRNNs and the LSTM a
+snapshot is O(1) in the prefix length; for KV caches it grows with it; its key, the prefix's token ids, grows
+with it for every model (8 bytes a token: a million-token prefix 8 MiB). The byte budget counts both. Entries
+are evicted least recently used first, by count and by bytes. Only the engine's worker thread touches it.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ class Snapshot:
     cache: InferenceCache
     logits: torch.Tensor  # (V,) predicting the token after the prefix
     length: int  # prefix tokens
+    key_nbytes: int = 0  # its key's bytes, where it is stored
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes + self.logits.numel() * self.logits.element_size()
+        return self.cache.nbytes + self.logits.numel() * self.logits.element_size() + self.key_nbytes
 
 
 @dataclass
@@ -38,8 +42,9 @@ class CacheStats:
 
 
 class StateCache:
-    def __init__(self, max_entries: int, max_bytes: int, min_tokens: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int, min_tokens: int, tail_tokens: int = 0) -> None:
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
+        self.tail_tokens = tail_tokens
         self._entries: OrderedDict[tuple[str, bytes], Snapshot] = OrderedDict()
         self._bytes = 0
         self.stats = CacheStats()
@@ -65,6 +70,14 @@ class StateCache:
         self.stats.hit_tokens += snapshot.length
         return Snapshot(snapshot.cache.clone(), snapshot.logits, snapshot.length)
 
+    def tail_position(self, prompt_tokens: int) -> int | None:
+        """Where a prompt of ``prompt_tokens`` tokens is also snapshotted on its way: ``tail_tokens`` before its end,
+        or None (off, or a prompt too short for the snapshot to save more than its tail)."""
+        position = prompt_tokens - self.tail_tokens
+        if self.tail_tokens == 0 or self.max_entries == 0 or position < max(self.min_tokens, self.tail_tokens):
+            return None
+        return position
+
     def store(self, model_id: str, tokens: list[int], cache: InferenceCache, logits: torch.Tensor) -> None:
         """Keep a snapshot of ``cache`` after ``tokens`` (nothing for short prompts or when it cannot fit)."""
         if len(tokens) < self.min_tokens or self.max_entries == 0:
@@ -73,9 +86,9 @@ class StateCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        if cache.nbytes + logits.numel() * logits.element_size() > self.max_bytes:
+        if cache.nbytes + logits.numel() * logits.element_size() + len(key[1]) > self.max_bytes:
             return
-        snapshot = Snapshot(cache.clone(), logits.detach().clone(), len(tokens))
+        snapshot = Snapshot(cache.clone(), logits.detach().clone(), len(tokens), len(key[1]))
         self._entries[key] = snapshot
         self._bytes += snapshot.nbytes
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:

@@ -50,7 +50,7 @@ def test_eviction_by_count_and_bytes_and_short_prompts_skipped() -> None:
     for first in (1, 2, 3):
         store.store("m", [first, 0, 0], cache, logits)
     assert len(store) == 2 and store.lookup("m", [1, 0, 0]) is None  # least recently used went first
-    by_bytes = StateCache(max_entries=10, max_bytes=2 * size, min_tokens=1)
+    by_bytes = StateCache(max_entries=10, max_bytes=2 * (size + 8), min_tokens=1)  # each key: 8 bytes a token
     for first in (1, 2, 3):
         by_bytes.store("m", [first], cache, logits)
     assert len(by_bytes) == 2
