@@ -101,11 +101,8 @@ class LanguageModelObjective(Objective):
         self.cursors: np.ndarray | None = None  # with state passing: where each row reads next
         self.passkey = None
         if data.passkey_fraction:
+            check_passkey_length(tokenizer, data.length)
             self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens)
-            if self.passkey.shortest() + PASSKEY_ANSWER_TOKENS > data.length + 1:
-                raise ValueError(f"pass-key examples need windows of at least "
-                                 f"{self.passkey.shortest() + PASSKEY_ANSWER_TOKENS} tokens; --length {data.length} "
-                                 "is too short")
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
 
@@ -232,6 +229,13 @@ class LanguageModelObjective(Objective):
             self.windows.load_state(state)
         elif state is not None:
             self.cursors = np.asarray(state["cursors"], dtype=np.int64)
+
+
+def check_passkey_length(tokenizer: Tokenizer, length: int) -> None:
+    """A ValueError unless training windows of ``length`` tokens hold the shortest pass-key row."""
+    shortest = PassKeyBuilder(tokenizer, np.zeros(1, dtype=np.int64)).shortest() + PASSKEY_ANSWER_TOKENS
+    if shortest > length + 1:
+        raise ValueError(f"pass-key examples need windows of at least {shortest} tokens; --length {length} is too short")
 
 
 def checkpoint_tokenizer_name(ranks_file: Path | None, spec: str) -> str:

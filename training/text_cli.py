@@ -191,13 +191,20 @@ def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _new_text_run(args: argparse.Namespace) -> NewRun:
     """The settings, model config and objective of a new ``text-train`` run, all input checked."""
-    from training.language_model import LanguageModelObjective, TextData, checkpoint_tokenizer_name
+    from training.language_model import (
+        LanguageModelObjective,
+        TextData,
+        check_passkey_length,
+        checkpoint_tokenizer_name,
+    )
 
     if args.arch is None or args.tokenizer is None:
         raise UsageError("--arch and --tokenizer are required (except with --resume)")
     check_new_run(args)
     tokenizer, ranks_file = training_tokenizer(args.tokenizer)
     config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))
+    if args.passkey_fraction:  # before the corpus is read
+        check_passkey_length(tokenizer, args.length)
     if args.state_passing and args.arch not in RECURRENT_ARCHITECTURES:
         raise UsageError(f"--state-passing needs a recurrent model ({', '.join(RECURRENT_ARCHITECTURES)}); "
                          f"{args.arch}'s cache grows with the context")
