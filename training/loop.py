@@ -220,16 +220,19 @@ def train(
     options: RunOptions = RunOptions(),
     resume: str | None = None,
     stop_requested: Callable[[], bool] | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Run training, or continue the run in ``out`` (``resume``: the command line that continues it; ``command``
     stays the one that started it); rank 0 writes the folder. Returns the checkpoint's metadata.
 
     ``stop_requested``: a callable polled after every step, like the signals and the time budget (tests use it to
-    cut a run at a given step).
+    cut a run at a given step). ``initial``: a new run's first weights (``--init-from``) instead of the seed's.
     """
     started = time.perf_counter()
     torch.manual_seed(settings.seed)  # the same initial weights on every process
     model = build_model(settings.architecture, model_config).to(dist.device).train()
+    if initial is not None and resume is None:
+        model.load_state_dict(initial)
     optimizer = _optimizer(model, settings)
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, dist.rank])
     run, best_state = RunState(), None

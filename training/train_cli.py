@@ -19,7 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import CONFIG_FILE
+import torch
+
+from model.checkpoint import CONFIG_FILE, load_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, dataclass_from_dict
 from model.threads import set_threads
 from training.arguments import (
@@ -54,6 +56,9 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     what.add_argument("--resume", action="store_true",
                       help="continue the run in --out from its resume.safetensors, with the settings it started with")
     what.add_argument("--steps", type=positive_int, help="optimizer steps (at most)")
+    what.add_argument("--init-from", type=Path, metavar="DIR",
+                      help="start from the weights of the checkpoint in DIR (same architecture and model flags), e.g. "
+                           "a curriculum's next stage; the optimizer and data start afresh")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--batch-size", type=positive_int, help="sequences per step and process")
     optim.add_argument("--grad-accumulation", type=positive_int, default=1,
@@ -191,8 +196,9 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
         options = RunOptions(time_budget_s=args.time_budget, progress=args.progress, threads=threads)
         if new_run is not None:
             settings, model_config, make_objective = new_run
+            initial = None if args.init_from is None else initial_weights(args.init_from, settings, model_config)
             objective = _built(lambda: make_objective(settings, dist))
-            return train(settings, objective, model_config, args.out, command, dist, options)
+            return train(settings, objective, model_config, args.out, command, dist, options, initial=initial)
         state, _ = read_resume_state(args.out, with_tensors=False)
         for option in ("soft_transition_steps", "determinism_weight", "extra_levels"):  # saved before the options
             state["settings"].setdefault(option, 0)
@@ -211,6 +217,22 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
         raise UsageError(str(error)) from None
     finally:
         dist.close()
+
+
+def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseModelConfig) -> dict[str, torch.Tensor]:
+    """The weights of the checkpoint in ``folder`` for a new run of this architecture and config; a UsageError
+    naming what differs when they are another model's."""
+    try:
+        loaded = load_checkpoint(folder, device="cpu")
+    except ValueError as error:  # CheckpointError, ConfigError: missing, unreadable
+        raise UsageError(f"--init-from {folder}: {error}") from None
+    if loaded.config.architecture != settings.architecture:
+        raise UsageError(f"--init-from {folder} is a {loaded.config.architecture} checkpoint, not {settings.architecture}")
+    theirs, ours = dataclasses.asdict(loaded.config.model), dataclasses.asdict(model_config)
+    differing = [f"{name} {theirs[name]} there, {ours[name]} here" for name in ours if theirs.get(name) != ours[name]]
+    if differing:
+        raise UsageError(f"--init-from {folder} holds another model: {'; '.join(differing)}")
+    return loaded.model.state_dict()
 
 
 def _built(build: Callable[[], Objective]) -> Objective:

@@ -210,3 +210,24 @@ def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, corpus, ranks, capsys) -> None:
+    """--init-from: the new run's first weights are the checkpoint's (a learning rate of ~0 leaves them there), not
+    the seed's; another model's checkpoint is refused, naming what differs."""
+    first = tmp_path / "first"
+    assert train(first, f"text:{corpus}", ranks, "lrnn") == 0
+    weights = load_checkpoint(first).model.state_dict()
+    for name, init in (("from-first", ["--init-from", str(first)]), ("from-seed", [])):
+        assert train(tmp_path / name, f"text:{corpus}", ranks, "lrnn", "--steps", "1", "--lr", "1e-30",
+                     "--seed", "7", *init) == 0
+    started = load_checkpoint(tmp_path / "from-first").model.state_dict()
+    seeded = load_checkpoint(tmp_path / "from-seed").model.state_dict()
+    assert all(torch.allclose(started[name], weights[name]) for name in weights)
+    assert not all(torch.allclose(seeded[name], weights[name]) for name in weights)
+    capsys.readouterr()
+    assert train(tmp_path / "wider", f"text:{corpus}", ranks, "lrnn", "--init-from", str(first), "--d-model",
+                 "24") == 2
+    assert "holds another model: d_model 16 there, 24 here" in capsys.readouterr().err
+    assert train(tmp_path / "other", f"text:{corpus}", ranks, "transformer", "--init-from", str(first)) == 2
+    assert "is a lrnn checkpoint, not transformer" in capsys.readouterr().err
