@@ -32,7 +32,7 @@ from training.data import IGNORE_INDEX, Batch
 from training.distributed import Distributed
 from training.loop import Evaluation, Objective, RunState
 from training.text_corpus import corpus_documents, is_streamed, split_document
-from training.passkey import KEY_DIGITS, PassKeyBuilder
+from training.passkey import PassKeyBuilder, draw_key
 from training.text_data import StreamedWindows, TokenArray, tokenize_documents
 
 RANKS_FILE = "tokenizer.tiktoken"
@@ -67,9 +67,8 @@ class LanguageModelObjective(Objective):
       random place, the needle at a uniform depth, scored on the needle and the answer " {key}." only (the
       needle's second key is a copy of its first a few tokens back: learned first, it is what teaches the model to
       keep a key at all; scored on the answer alone, two runs learned nothing in 300 steps). Evaluation then also
-      reports the pass-key accuracy (every
-      answer token the argmax, teacher-forced) of fixed prompts whose filler is held-out text, at 1x and 16x the
-      training length (``passkey_accuracy_<size>``).
+      reports the pass-key accuracy (every answer token the argmax, teacher-forced) of fixed prompts whose filler
+      is held-out text, at 1x and 16x the training length (``passkey_accuracy_<size>``).
     - ``state_passing`` (Buitrago Ruiz & Gu 2025): row i of every batch reads the window after the one it read
       last (a random place when the text runs out), and the loop starts it from the state row i ended the last
       step in, the gradient cut there (``carries_state``): the model trains on the states long inputs reach,
@@ -101,7 +100,7 @@ class LanguageModelObjective(Objective):
         self.cursors: np.ndarray | None = None  # with state passing: where each row reads next
         self.passkey = None
         if data.passkey_fraction:
-            check_passkey_length(tokenizer, data.length)
+            self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
             self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens)
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
@@ -137,8 +136,8 @@ class LanguageModelObjective(Objective):
         answer (the whole row when None), as (size,) tokens and (size - 1,) targets. Scored (the next token, else
         IGNORE_INDEX): the answer, and with ``text`` the needle too, whose second key a model learns to copy from
         its first a few tokens back: the short path by which it learns to hold a key at all."""
-        key = str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
-        answer = np.asarray(builder.tokenizer.encode(f" {key}."), dtype=np.int64)
+        key = draw_key(rng)
+        answer = builder.answer(key)
         head = min(size - (prompt_size or size), size - len(answer) - builder.shortest(key))
         prompt = builder.prompt(size - head - len(answer), depth, rng, key=key)
         tokens = torch.from_numpy(np.concatenate([text[:head] if head else [], prompt.tokens, answer]).astype(np.int64))
@@ -158,8 +157,8 @@ class LanguageModelObjective(Objective):
         targets = windows[:, 1:].clone()  # (B, L)
         if self.passkey is not None:
             for row in np.flatnonzero(rng.random(self.batch_size) < self.data.passkey_fraction):
-                shortest = self.passkey.shortest() + PASSKEY_ANSWER_TOKENS
-                prompt_size = int(rng.integers(shortest, length + 2))  # a uniform length, the row's text before it
+                # a uniform length, the row's text before it
+                prompt_size = int(rng.integers(self.shortest_passkey_row, length + 2))
                 windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng,
                                                                prompt_size, windows[row].numpy())
                 if self.cursors is not None:  # the row's text goes on after the example
@@ -231,11 +230,13 @@ class LanguageModelObjective(Objective):
             self.cursors = np.asarray(state["cursors"], dtype=np.int64)
 
 
-def check_passkey_length(tokenizer: Tokenizer, length: int) -> None:
-    """A ValueError unless training windows of ``length`` tokens hold the shortest pass-key row."""
+def check_passkey_length(tokenizer: Tokenizer, length: int) -> int:
+    """The fewest tokens a pass-key row (prompt and answer) takes, for any key; a ValueError unless training windows
+    of ``length`` tokens hold it. The prompt's length does not depend on the filler: none is given."""
     shortest = PassKeyBuilder(tokenizer, np.zeros(1, dtype=np.int64)).shortest() + PASSKEY_ANSWER_TOKENS
     if shortest > length + 1:
         raise ValueError(f"pass-key examples need windows of at least {shortest} tokens; --length {length} is too short")
+    return shortest
 
 
 def checkpoint_tokenizer_name(ranks_file: Path | None, spec: str) -> str:

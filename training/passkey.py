@@ -16,7 +16,6 @@ Used by ``text-eval --probe passkey`` (the probe, training/passkey_probe.py) and
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ class PassKeyPrompt:
     answer: np.ndarray  # (n,) int64: " {key}." in the tokenizer's tokens, what a right greedy answer starts with
     key: str
     depth: float  # where the needle is, as a fraction of the filler tokens before it
-    needle: slice = dataclasses.field(default_factory=lambda: slice(0, 0))  # the needle's tokens in ``tokens``
+    needle: slice  # the needle's tokens in ``tokens``
 
 
 class PassKeyBuilder:
@@ -68,7 +67,7 @@ class PassKeyBuilder:
         from ``rng`` unless given; the filler starts at a random place of the stream."""
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"a pass-key depth is a fraction in [0, 1], not {depth}")
-        key = key if key is not None else str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
+        key = key if key is not None else draw_key(rng)
         needle = self._encode(NEEDLE.format(key=key))
         filler_tokens = size - self.fixed_tokens - len(needle)
         if filler_tokens < 0:
@@ -77,7 +76,11 @@ class PassKeyBuilder:
         filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
         tokens = np.concatenate([self.introduction, filler[:before], needle, filler[before:], self.question])
         start = len(self.introduction) + before
-        return PassKeyPrompt(tokens, self._encode(f" {key}."), key, depth, slice(start, start + len(needle)))
+        return PassKeyPrompt(tokens, self.answer(key), key, depth, slice(start, start + len(needle)))
+
+    def answer(self, key: str) -> np.ndarray:
+        """``" {key}."`` in the tokenizer's tokens: what a right greedy answer starts with."""
+        return self._encode(f" {key}.")
 
     def _filler(self, count: int, start: int) -> np.ndarray:
         """``count`` tokens of the filler stream from ``start``, cycling."""
@@ -85,6 +88,11 @@ class PassKeyBuilder:
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+
+
+def draw_key(rng: np.random.Generator) -> str:
+    """A random ``KEY_DIGITS``-digit key (no leading zero)."""
+    return str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS)))
 
 
 def grass_filler(tokenizer: Tokenizer, repeats: int = 64) -> np.ndarray:

@@ -23,7 +23,7 @@ from model.registry import build_model
 from model.regulargpt import RegularGPT
 from training.cli import main
 from training.distributed import setup_distributed
-from training.language_model import LanguageModelObjective, TextData
+from training.language_model import LanguageModelObjective, TextData, check_passkey_length
 from training import loop
 from training.data import IGNORE_INDEX
 from training.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
@@ -251,6 +251,8 @@ def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = 
     objective.validation = TokenArray(tokens).batch(np.random.default_rng(1), 4, length)
     objective.carries_state, objective.cursors = state_passing, None
     objective.passkey = PassKeyBuilder(objective.tokenizer, tokens) if passkey_fraction else None
+    if passkey_fraction:
+        objective.shortest_passkey_row = check_passkey_length(objective.tokenizer, length)
     objective.passkey_validation = None
     return objective
 
