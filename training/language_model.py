@@ -50,6 +50,9 @@ class TextData:
     validation_corpus: str | None = None  # for a streamed corpus: where validation windows come from
     validation_windows: int = 64
     passkey_fraction: float = 0.0  # of the training rows: pass-key examples (training/passkey.py)
+    passkey_fraction_final: float | None = None  # the fraction at step ``passkey_steps``, linear from the first
+    passkey_steps: int = 0  # the steps over which the fraction moves (the run's --steps)
+    passkey_distractors: int = 2  # a pass-key row's filler holds 0 .. this many other numbers
     state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
 
 
@@ -68,7 +71,11 @@ class LanguageModelObjective(Objective):
       needle's second key is a copy of its first a few tokens back: learned first, it is what teaches the model to
       keep a key at all; scored on the answer alone, two runs learned nothing in 300 steps). Evaluation then also
       reports the pass-key accuracy (every answer token the argmax, teacher-forced) of fixed prompts whose filler
-      is held-out text, at 1x and 16x the training length (``passkey_accuracy_<size>``).
+      is held-out text, at 1x and 16x the training length (``passkey_accuracy_<size>``). With
+      ``passkey_fraction_final`` the fraction moves linearly to it over ``passkey_steps``: a model that has learned
+      the key from pass-key rows alone keeps it while text is mixed in gradually (half the rows as text at once
+      lost it within 100 steps, docs/text_results.md). Each example's filler holds up to ``passkey_distractors``
+      other numbers, before and after the needle, so that the key is told from numbers by the needle's words.
     - ``state_passing`` (Buitrago Ruiz & Gu 2025): row i of every batch reads the window after the one it read
       last (a random place when the text runs out), and the loop starts it from the state row i ended the last
       step in, the gradient cut there (``carries_state``): the model trains on the states long inputs reach,
@@ -130,7 +137,7 @@ class LanguageModelObjective(Objective):
 
     @staticmethod
     def _passkey_row(builder: PassKeyBuilder, size: int, depth: float, rng: np.random.Generator,
-                     prompt_size: int | None = None, text: np.ndarray | None = None,
+                     prompt_size: int | None = None, text: np.ndarray | None = None, distractors: int = 0,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``size`` tokens: ``text`` (the row's own), then a pass-key prompt of ``prompt_size`` tokens with its
         answer (the whole row when None), as (size,) tokens and (size - 1,) targets. Scored (the next token, else
@@ -139,7 +146,7 @@ class LanguageModelObjective(Objective):
         key = draw_key(rng)
         answer = builder.answer(key)
         head = min(size - (prompt_size or size), size - len(answer) - builder.shortest(key))
-        prompt = builder.prompt(size - head - len(answer), depth, rng, key=key)
+        prompt = builder.prompt(size - head - len(answer), depth, rng, key=key, distractors=distractors)
         tokens = torch.from_numpy(np.concatenate([text[:head] if head else [], prompt.tokens, answer]).astype(np.int64))
         targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
         targets[-len(answer):] = tokens[-len(answer):]
@@ -156,15 +163,24 @@ class LanguageModelObjective(Objective):
             windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
         targets = windows[:, 1:].clone()  # (B, L)
         if self.passkey is not None:
-            for row in np.flatnonzero(rng.random(self.batch_size) < self.data.passkey_fraction):
+            for row in np.flatnonzero(rng.random(self.batch_size) < self.passkey_fraction(step)):
                 # a uniform length, the row's text before it
                 prompt_size = int(rng.integers(self.shortest_passkey_row, length + 2))
+                distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
                 windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng,
-                                                               prompt_size, windows[row].numpy())
+                                                               prompt_size, windows[row].numpy(), distractors)
                 if self.cursors is not None:  # the row's text goes on after the example
                     self.cursors[row] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         return Batch(windows[:, :-1], targets, lengths)
+
+    def passkey_fraction(self, step: int) -> float:
+        """The chance that a row of step ``step`` (from 1) is a pass-key example."""
+        first, final = self.data.passkey_fraction, self.data.passkey_fraction_final
+        if final is None or self.data.passkey_steps <= 1:
+            return first
+        progress = min(max(step - 1, 0) / (self.data.passkey_steps - 1), 1.0)
+        return first + (final - first) * progress
 
     def _consecutive_windows(self, rng: np.random.Generator) -> torch.Tensor:
         """(B, L + 1) windows, row i's starting where its last one's inputs ended (a random place at first and

@@ -62,9 +62,13 @@ class PassKeyBuilder:
             return self.fixed_tokens + len(self._encode(NEEDLE.format(key=key)))
         return self.shortest("0" * KEY_DIGITS) + 2 * KEY_DIGITS
 
-    def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None) -> PassKeyPrompt:
+    def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None,
+               distractors: int = 0) -> PassKeyPrompt:
         """A prompt of exactly ``size`` tokens with the needle at ``depth`` in [0, 1] of the filler; the key drawn
-        from ``rng`` unless given; the filler starts at a random place of the stream."""
+        from ``rng`` unless given; the filler starts at a random place of the stream. ``distractors`` other numbers
+        (of 1 to ``KEY_DIGITS`` digits, never the key) replace filler tokens at random places before and after the
+        needle, as many as the filler has room for: a model must keep the number the needle names, not the first or
+        the last one it read (Austen's chapter numbers and years follow the needle in a long prompt)."""
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"a pass-key depth is a fraction in [0, 1], not {depth}")
         key = key if key is not None else draw_key(rng)
@@ -74,13 +78,39 @@ class PassKeyBuilder:
             raise ValueError(f"a pass-key prompt needs at least {self.fixed_tokens + len(needle)} tokens, not {size}")
         before = int(round(depth * filler_tokens))
         filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
-        tokens = np.concatenate([self.introduction, filler[:before], needle, filler[before:], self.question])
+        head, tail = filler[:before], filler[before:]
+        if distractors:
+            after = int(rng.binomial(distractors, 0.5))
+            head = self._with_numbers(head, distractors - after, key, rng)
+            tail = self._with_numbers(tail, after, key, rng)
+        tokens = np.concatenate([self.introduction, head, needle, tail, self.question])
         start = len(self.introduction) + before
         return PassKeyPrompt(tokens, self.answer(key), key, depth, slice(start, start + len(needle)))
 
     def answer(self, key: str) -> np.ndarray:
         """``" {key}."`` in the tokenizer's tokens: what a right greedy answer starts with."""
         return self._encode(f" {key}.")
+
+    def _with_numbers(self, filler: np.ndarray, count: int, key: str, rng: np.random.Generator) -> np.ndarray:
+        """``filler`` with up to ``count`` numbers other than ``key`` put in at random places, as long as before
+        (the filler's last tokens make room); fewer when it is too short to hold them."""
+        numbers = []
+        for _ in range(count):
+            digits = int(rng.integers(1, KEY_DIGITS + 1))
+            number = str(int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10**digits)))
+            encoded = self._encode(f" {number}") if number != key else self._encode(f" {int(key) // 10}")
+            if sum(map(len, numbers)) + len(encoded) > len(filler):
+                break
+            numbers.append(encoded)
+        if not numbers:
+            return filler
+        kept = filler[:len(filler) - sum(map(len, numbers))]
+        places = np.sort(rng.integers(0, len(kept) + 1, size=len(numbers)))
+        pieces, start = [], 0
+        for place, number in zip(places, numbers):
+            pieces += [kept[start:place], number]
+            start = place
+        return np.concatenate(pieces + [kept[start:]])
 
     def _filler(self, count: int, start: int) -> np.ndarray:
         """``count`` tokens of the filler stream from ``start``, cycling."""

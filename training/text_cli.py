@@ -28,6 +28,7 @@ from training.arguments import (
     add_threads,
     fractions,
     multiples,
+    non_negative_int,
     positive_float,
     positive_int,
     probability,
@@ -145,6 +146,11 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--passkey-fraction", type=probability, default=0.0,
                       help="each training row ends, with this probability, in a pass-key prompt (filler: the "
                            "training text) scored on its needle and answer only (training/language_model.py)")
+    what.add_argument("--passkey-fraction-final", type=probability,
+                      help="the pass-key fraction at the last step (--steps), moving linearly from --passkey-fraction: "
+                           "mix text in gradually into a model that learned the key from pass-key rows")
+    what.add_argument("--passkey-distractors", type=non_negative_int, default=2,
+                      help="a pass-key example's filler holds 0 to this many other numbers (default 2)")
     what.add_argument("--state-passing", action="store_true",
                       help="recurrent models: each row reads consecutive windows, starting from the state its last "
                            "one ended in (the gradient cut between steps)")
@@ -203,7 +209,9 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     check_new_run(args)
     tokenizer, ranks_file = training_tokenizer(args.tokenizer)
     config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))
-    if args.passkey_fraction:  # before the corpus is read
+    if args.passkey_fraction_final is not None and not args.passkey_fraction:
+        raise UsageError("--passkey-fraction-final needs --passkey-fraction (the fraction at the first step)")
+    if args.passkey_fraction or args.passkey_fraction_final:  # before the corpus is read
         check_passkey_length(tokenizer, args.length)
     if args.state_passing and args.arch not in RECURRENT_ARCHITECTURES:
         raise UsageError(f"--state-passing needs a recurrent model ({', '.join(RECURRENT_ARCHITECTURES)}); "
@@ -212,7 +220,9 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
                     length=args.length, validation_fraction=args.validation_fraction,
                     validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
-                    passkey_fraction=args.passkey_fraction, state_passing=args.state_passing)
+                    passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
+                    passkey_steps=args.steps, passkey_distractors=args.passkey_distractors,
+                    state_passing=args.state_passing)
     return settings, config, lambda settings, dist: LanguageModelObjective(
         data, tokenizer, ranks_file, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 

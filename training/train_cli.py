@@ -248,7 +248,8 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
     if saved["name"] == TransductionObjective.name:
         data = dataclass_from_dict(TaskData, fields, where="resume task data")
         return TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
-    fields = {"passkey_fraction": 0.0, "state_passing": False, **fields}  # runs saved before these options
+    fields = {"passkey_fraction": 0.0, "state_passing": False, "passkey_distractors": 0,
+              **fields}  # runs saved before these options
     data = dataclass_from_dict(TextData, fields, where="resume text data")
     tokenizer = load_tokenizer(data.tokenizer, out)  # a ranks file was copied into the run folder
     return LanguageModelObjective(data, tokenizer, None, settings.batch_size, settings.seed,

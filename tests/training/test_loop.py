@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -236,13 +238,13 @@ def _constant_run(out: Path, steps: int, resume: bool = False) -> dict:
 
 
 def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = False,
-                   passkey_fraction: float = 0.0) -> LanguageModelObjective:
+                   passkey_fraction: float = 0.0, **passkey: Any) -> LanguageModelObjective:
     """A language model's objective on a made token array (in memory, no tokenizer file needed for the loop)."""
     from model.tokenizer import load_tokenizer
 
     objective = LanguageModelObjective.__new__(LanguageModelObjective)
     objective.data = TextData(corpus="made", tokenizer="bytes", length=length, validation_windows=4,
-                              passkey_fraction=passkey_fraction, state_passing=state_passing)
+                              passkey_fraction=passkey_fraction, state_passing=state_passing, **passkey)
     objective.tokenizer, objective.ranks_file, objective.batch_size = load_tokenizer("bytes", "."), None, batch_size
     tokens = np.random.default_rng(5).integers(0, 257, size=2000)
     if passkey_fraction:  # text the byte tokenizer decodes (token 256 is its end of text)
@@ -338,6 +340,29 @@ def test_passkey_rows_are_prompts_scored_on_their_needle_and_answer() -> None:
         after_first = decode(objective.tokenizer.encode(needle)[1:])
         assert decode(batch.targets[row][scored[row]].tolist()) == after_first + f" {key}."
     assert len(starts) > 5 and min(starts) < 10  # prompts of many lengths, up to the whole window
+
+
+def test_the_passkey_fraction_falls_linearly_to_its_final_value_and_rows_hold_distractors() -> None:
+    """``passkey_fraction_final``: the share of pass-key rows moves from the first fraction at step 1 to the final
+    one at ``passkey_steps`` and stays there; the rows' filler holds other numbers than the key."""
+    objective = text_objective(length=320, batch_size=64, passkey_fraction=1.0, passkey_fraction_final=0.25,
+                               passkey_steps=101, passkey_distractors=3)
+    assert [objective.passkey_fraction(step) for step in (1, 51, 101, 500)] == [1.0, 0.625, 0.25, 0.25]
+    rng = np.random.default_rng(0)
+    shares = {}
+    for step in (1, 101):
+        batch = objective.batch(rng, step)
+        passkey_rows = [row for row in range(64) if not (batch.targets[row] != IGNORE_INDEX).all()]
+        shares[step] = len(passkey_rows) / 64
+    assert shares[1] == 1.0 and 0.05 < shares[101] < 0.5
+    counts = []
+    batch = objective.batch(rng, 1)
+    for row in range(64):  # the row's own text has no digits: every number but the key is a distractor
+        text = objective.tokenizer.decode(batch.tokens[row].tolist())
+        key = first_number(text[text.index("The pass key is"):])
+        counts.append(sum(number != key for number in re.findall(r"\d+", text)))
+    assert set(counts) == {0, 1, 2, 3}  # 0 to passkey_distractors a row
+    assert text_objective(length=320, passkey_fraction=0.5).passkey_fraction(1000) == 0.5  # no final: constant
 
 
 def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -73,6 +74,31 @@ def test_a_prompt_is_size_tokens_with_the_needle_at_its_depth(tokenizer: Tokeniz
             assert starts == [introduction + round(prompt.depth * filler)]
         again = cell_prompts(builder, probe, "grass", size)  # the same seed, filler and size: the same prompts
         assert all((a.tokens == b.tokens).all() for a, b in zip(prompts, again))
+
+
+@pytest.mark.parametrize("tokenizer", [BYTES, load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")],
+                         ids=["bytes", "austen-8k"])
+def test_distractors_are_other_numbers_in_the_filler_and_keep_the_size(tokenizer: Tokenizer) -> None:
+    """``distractors`` numbers other than the key, before and after the needle; the prompt keeps its size and
+    its needle; the grass filler has no digits of its own."""
+    builder = PassKeyBuilder(tokenizer, grass_filler(tokenizer))
+    rng = np.random.default_rng(0)
+    sides = set()
+    for trial in range(20):
+        prompt = builder.prompt(400, 0.5, rng, distractors=3)
+        assert prompt.tokens.shape == (400,)
+        needle = tokenizer.decode(prompt.tokens[prompt.needle].tolist())
+        assert needle == NEEDLE.format(key=prompt.key)
+        head = tokenizer.decode(prompt.tokens[:prompt.needle.start].tolist())
+        tail = tokenizer.decode(prompt.tokens[prompt.needle.stop:].tolist())
+        numbers = re.findall(r"\d+", head) + re.findall(r"\d+", tail)
+        assert len(numbers) == 3 and prompt.key not in numbers
+        sides.add((len(re.findall(r"\d+", head)), len(re.findall(r"\d+", tail))))
+    assert len(sides) > 1  # on either side of the needle
+    plain = builder.prompt(400, 0.5, np.random.default_rng(0))
+    assert not re.findall(r"\d+", tokenizer.decode(plain.tokens[plain.needle.stop:].tolist()))
+    tight = builder.prompt(builder.shortest(plain.key) + 2, 0.0, rng, key=plain.key, distractors=5)
+    assert tight.tokens.shape == (builder.shortest(plain.key) + 2,)  # fewer numbers when the filler is short
 
 
 @pytest.mark.parametrize("architecture", sorted(TINY))

@@ -205,6 +205,10 @@ def test_token_windows(ranks) -> None:
       "--passkey-fraction", "0.5"], "pass-key examples need windows of at least"),
     (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--passkey-fraction",
       "1.5"], "--passkey-fraction"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1",
+      "--passkey-fraction-final", "0.5"], "--passkey-fraction-final needs --passkey-fraction"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--passkey-fraction",
+      "1", "--passkey-distractors", "-1"], "--passkey-distractors"),
 ])
 def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
