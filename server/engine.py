@@ -22,7 +22,6 @@ from typing import Literal, TypeVar
 
 import torch
 
-from model.base import SequenceModel
 from model.cuda_graphs import Decoder, capture_sizes, decoder_for
 from model.ops import cpu_decode
 from model.threads import set_threads
@@ -98,6 +97,7 @@ class Engine:
             settings.state_cache_min_tokens,
             settings.state_cache_tail_tokens,
         )
+        self._warm_ups: list[Callable[[ServedModel], None]] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._postman = Postman()
         self._thread = threading.Thread(target=self._run, name="regularlm-engine", daemon=True)
@@ -107,6 +107,11 @@ class Engine:
     def start(self) -> None:
         """Load the models and start serving, on the worker thread (health says "loading" meanwhile)."""
         self._thread.start()
+
+    def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
+        """Call ``prepare(served)`` for each loaded language model on the worker thread, after its own warm-up and
+        before the server reports ready (e.g. the structured-output vocabulary of its tokenizer). Before ``start``."""
+        self._warm_ups.append(prepare)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until loading has ended (ready or failed)."""
@@ -305,7 +310,9 @@ class Engine:
                 speeds[served.id] = calibrate(served.model)
                 if served.kind == "generate":
                     served.decoder = self._decoder(served)
-                    _warm_up_decode(served.model)
+                    _warm_up(served)
+                    for prepare in self._warm_ups:
+                        prepare(served)
             except Exception as error:
                 self.load_failures.append(f"{served.path}: measuring its speed failed: {type(error).__name__}: {error}")
                 logger.error("skipped %s", self.load_failures[-1])
@@ -326,15 +333,19 @@ class Engine:
             self._set_limits(served, speeds[served.id])
 
 
-def _warm_up_decode(model: SequenceModel) -> None:
-    """Prefill one token and take one decode step, so that what compiles on its first call (model/ops/cpu_decode.py's
-    layer steps, numba: 8-19 s on a loaded 2-core machine) compiles before the server is ready, not inside the first
-    request while every other request waits."""
+def _warm_up(served: ServedModel) -> None:
+    """Prefill one token and take one decode step through the served decoder, and build the tokenizer's table of token
+    bytes, so that what is built on its first use is built before the server is ready, not inside the first request
+    while every other request waits: model/ops/cpu_decode.py's layer steps (numba: 2.6 s for text-lrnn, 6.0 s for
+    text-regulargpt on a loaded 2-core machine, 8-19 s seen), the table (4-7 ms for 8,192 tokens;
+    docs/benchmarks.md, "The first requests")."""
+    model = served.model
     with torch.inference_mode():
         cache = model.new_cache(batch_size=1)
         tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # (1, 1): id 0 exists in every model
         model(tokens, cache=cache)
-        model.step(tokens[:, 0], cache)
+        served.decoder.step(tokens[:, 0], cache)
+    served.tokenizer.token_bytes(0)
 
 
 # Language models whose decode step is row-wise through model/ops/cpu_decode.py's kernels where batch_invariant is

@@ -84,6 +84,9 @@ class Serving:
         self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
                                               MaskBudget.of(settings))  # fmt: skip
         self.runtime = RuntimeCompiler(settings)
+        # each language model's structured-output vocabulary is built while the engine loads, not by the first request
+        # that asks for structured_outputs (30 ms for 8,192 tokens: docs/benchmarks.md, "The first requests")
+        engine.add_warm_up(lambda served: self.constraints.vocabulary(served.tokenizer))
 
     def models(self) -> ModelList:
         self.engine.check_serving()
