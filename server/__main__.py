@@ -59,11 +59,11 @@ class DrainingServer(uvicorn.Server):
 
     def _exit_when_idle(self) -> None:
         self._wait_idle(self.drain_timeout_s)
-        if self.engine.metrics.in_flight:
+        if self.engine.in_flight:
             logging.getLogger(__name__).warning(
                 "drain_timeout_s (%g s) ran out with %d requests in flight: answering them 503",
                 self.drain_timeout_s,
-                self.engine.metrics.in_flight,
+                self.engine.in_flight,
             )
             self.engine.abort_in_flight(
                 f"the server is shutting down: its drain timeout ({self.drain_timeout_s:g} s) ran out"
@@ -73,7 +73,7 @@ class DrainingServer(uvicorn.Server):
 
     def _wait_idle(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while self.engine.metrics.in_flight and time.monotonic() < deadline:
+        while self.engine.in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
 
 

@@ -23,15 +23,15 @@ from __future__ import annotations
 from array import array
 from collections import defaultdict
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from model.base import Cost, gather_last
-from server.errors import APIError
 from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
+from server.work import Work
 
 
 @dataclass
@@ -41,22 +41,23 @@ class TransduceOutput:
     labels: list[int] | None  # the label id at every position, when asked for
 
 
-@dataclass
-class TransduceJob:
+class TransduceJob(Work):
     """One /v1/transduce request: its inputs as token ids (``ServedModel.encode_symbols``), answered once all of
     them are computed."""
 
-    served: ServedModel
-    inputs: list[array[int]]
-    all_outputs: bool
-    times: RequestTimes
-    mailbox: Mailbox
-    flow: str = ""  # who asked (the scheduler's fairness key)
-    service: float = 0.0  # model seconds spent on it so far
-    outputs: list[TransduceOutput | None] = field(default_factory=list)
-    missing: int = 0  # outputs not computed yet
-    cancelled: bool = False
-    done: bool = False
+    def __init__(
+        self,
+        served: ServedModel,
+        inputs: list[array[int]],
+        all_outputs: bool,
+        times: RequestTimes,
+        mailbox: Mailbox,
+        flow: str = "",
+    ) -> None:
+        super().__init__(times, flow)
+        self.served, self.inputs, self.all_outputs, self.mailbox = served, inputs, all_outputs, mailbox
+        self.outputs: list[TransduceOutput | None] = []
+        self.missing = 0  # outputs not computed yet
 
     def items(self) -> list[TransduceItem]:
         self.outputs, self.missing = [None] * len(self.inputs), len(self.inputs)
@@ -69,25 +70,15 @@ class TransduceJob:
         return items
 
     def complete(self, index: int, output: TransduceOutput, metrics: ServerMetrics) -> None:
+        """One input's output; the last one answers the request."""
         self.outputs[index] = output
         self.missing -= 1
-        if not self.done and not self.missing:
-            self.done = True
+        if not self.missing and self.end("stop", metrics):
             metrics.child(metrics.transduced_symbols, self.served.id).inc(sum(map(len, self.inputs)))
-            metrics.finished(self.times, "stop")
-            self.mailbox.put(self.outputs)
+            self.deliver(self.outputs)
 
-    def fail(self, error: APIError, metrics: ServerMetrics) -> None:
-        if not self.done:
-            self.done = True
-            metrics.finished(self.times, "error")
-            self.mailbox.put(error)
-
-    def abort(self, metrics: ServerMetrics) -> None:
-        """The client went away: no answer."""
-        if not self.done:
-            self.done = True
-            metrics.finished(self.times, "abort")
+    def deliver(self, answer: object) -> None:
+        self.mailbox.put(answer)
 
 
 @dataclass

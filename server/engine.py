@@ -36,6 +36,7 @@ from server.runtime_models import check_new_id
 from server.scheduler import STOP, AbortAll, OnWorker, Scheduler
 from server.settings import Settings
 from server.state_cache import StateCache
+from server.work import RequestQueue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,6 +98,7 @@ class Engine:
             settings.state_cache_min_tokens,
             settings.state_cache_tail_tokens,
         )
+        self.queue = RequestQueue(settings.max_waiting)  # the scheduler's: what admission counts
         self._warm_ups: list[Callable[[ServedModel], None]] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._postman = Postman()
@@ -123,6 +125,11 @@ class Engine:
         """Refuse new requests (503); requests in flight go on."""
         if self.state == "ready":
             self.state, self.detail = "draining", "shutting down"
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished."""
+        return self.queue.in_flight
 
     def abort_in_flight(self, message: str) -> None:
         """End every request in flight with a 503 carrying ``message``; running work stops at its next slice."""
@@ -203,11 +210,12 @@ class Engine:
                 f"the request needs {len(requests)} sequences; the queue holds at most {self.settings.max_waiting} "
                 "(REGULARLM_MAX_WAITING), so it could never be scheduled"
             )
-        if not self.metrics.admit(requests, self.settings.max_waiting):
+        if not self.queue.admit(len(requests)):
             raise Overloaded(
                 f"the queue is full ({self.settings.max_waiting} requests waiting); retry later",
                 retry_after_s=self.settings.retry_after_s,
             )
+        self.metrics.queued(requests)
 
     # --- worker thread ------------------------------------------------------------------------------------
 
@@ -239,7 +247,8 @@ class Engine:
             logger.info("serving %s", ", ".join(sorted(self.models)))
             with torch.inference_mode():
                 scheduler = Scheduler(
-                    self.settings, self.metrics, self.state_cache, self._inbox, self._postman, self.memory_budget
+                    self.settings, self.metrics, self.state_cache, self._inbox, self._postman, self.memory_budget,
+                    self.queue,
                 )
                 scheduler.loop()
         except Exception as error:  # measuring the machine failed: nothing can be served safely

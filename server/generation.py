@@ -28,6 +28,7 @@ from server.model_store import ServedModel
 from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs, unusable_rows
 from server.state_cache import StateCache
 from server.structured import CompiledConstraint, Masks, token_bias, token_bias_later
+from server.work import FinishReason, Work
 
 logger = logging.getLogger(__name__)
 # Logits of at most this many elements are sampled on the CPU, more where the model runs. On an H100 machine
@@ -78,19 +79,17 @@ class Finished:
     cached_tokens: int  # prompt tokens taken from the state cache
 
 
-class Sequence:
+class Sequence(Work):
     """A sequence's state. Its events go to ``mailbox`` as (index, event): the sequences of one HTTP request
     (several prompts, n choices) share a mailbox."""
 
     def __init__(
         self, served: ServedModel, request: GenerationRequest, mailbox: Mailbox, index: int = 0, flow: str = ""
     ) -> None:
+        super().__init__(RequestTimes(served.id), flow)
         self.served, self.request, self.mailbox, self.index = served, request, mailbox, index
-        self.flow = flow  # who asked (the scheduler's fairness key)
         self.reserved_bytes = 0  # memory held for its cache while it runs (the scheduler's ledger)
-        self.service = 0.0  # model seconds spent on it so far (the scheduler's fairness)
         self.prefill_resumes_at = 0.0  # the scheduler's clock: until then its prefill yields to less-served sequences
-        self.times = RequestTimes(served.id)
         self.generator = request.sampling.generator()
         self.assembler = TextAssembler(served.tokenizer, request.stop)
         self.constraint = None if request.constraint is None else request.constraint.start()  # its own matcher
@@ -101,8 +100,6 @@ class Sequence:
         self.snapshot_at: int | None = None  # a prompt position where its prefill stops to snapshot its state
         self.prompt_scores: list[TokenLogprob | None] = []
         self.generated: list[int] = []
-        self.cancelled = False  # set by the request's side when the client goes away
-        self.done = False
         self.held: list[TokenGenerated] = []  # a request that does not stream: its tokens' events until the end
         # A whole answer that needs nothing per token (not streamed; no stop strings, no log-probabilities) has no token
         # events at all: its text is decoded once, into the Finished event.
@@ -124,9 +121,9 @@ class Sequence:
         return self.prefilled < len(self.request.prompt)
 
     def finish(self, reason: Literal["stop", "length"], metrics: ServerMetrics) -> None:
-        self.done = True
-        self.cache = None
-        metrics.finished(self.times, reason)
+        """Answered: its last text and the Finished event."""
+        if not self.end(reason, metrics):
+            return
         text = ""
         if self.plain:  # its tokens' text, but for the end-of-text token
             eot = self.served.tokenizer.eot_token
@@ -134,13 +131,14 @@ class Sequence:
         text += self.assembler.finish()
         self.send(Finished(reason, text, len(self.request.prompt), len(self.generated), self.cached_tokens))
 
-    def abort(self, metrics: ServerMetrics, error: APIError | None = None) -> None:
-        """End without an answer: the client left (no error) or the model call failed (error)."""
-        self.done = True
-        self.cache = None
-        metrics.finished(self.times, "abort" if error is None else "error")
-        if error is not None:
-            self.send(error)
+    def end(self, reason: FinishReason, metrics: ServerMetrics) -> bool:
+        ended = super().end(reason, metrics)
+        if ended:
+            self.cache = None
+        return ended
+
+    def deliver(self, answer: object) -> None:
+        self.send(answer)
 
     def send(self, event: PromptScored | TokenGenerated | Finished | APIError) -> None:
         if not self.request.stream:
@@ -155,8 +153,8 @@ class Sequence:
 
 
 def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -> None:
-    """Schedule a waiting sequence: an empty cache, or a clone of the longest cached prefix of its prompt."""
-    metrics.scheduled(sequence.times)
+    """Begin a sequence the scheduler admitted: an empty cache, or a clone of the longest cached prefix of its
+    prompt."""
     model, prompt = sequence.served.model, sequence.request.prompt
     metrics.prompt_tokens.labels(sequence.served.id).inc(len(prompt))
     snapshot = None
@@ -301,9 +299,9 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
         if sequences[row].done:
             continue
         sequence, value = sequences[row], float(logits[row, tokens[row]])
-        sequence.abort(metrics, ModelFailure(
+        sequence.fail(ModelFailure(
             f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
-        ))  # fmt: skip
+        ), metrics)  # fmt: skip
     metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences if not sequence.done])
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
         if sequence.done:
@@ -312,8 +310,7 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
             _append(sequence, token, logits, row, metrics)
         except Exception as error:  # its text, log-probability or constraint: this row alone fails
             logger.exception("a sequence failed on its output token %d", len(sequence.generated))
-            if not sequence.done:
-                sequence.abort(metrics, ModelFailure(f"the model failed: {error}"))
+            sequence.fail(ModelFailure(f"the model failed: {error}"), metrics)
 
 
 def _end_outside_the_vocabulary(sequences: list[Sequence], tokens: list[int], metrics: ServerMetrics) -> None:
@@ -323,10 +320,10 @@ def _end_outside_the_vocabulary(sequences: list[Sequence], tokens: list[int], me
     vocabulary = sequences[0].served.config.model.vocab_size
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
         if not 0 <= token < vocabulary:
-            sequence.abort(metrics, ModelFailure(
+            sequence.fail(ModelFailure(
                 f"the model failed: output token {len(sequence.generated) + 1} was drawn as id {token}, outside its "
                 f"vocabulary of {vocabulary}"
-            ))  # fmt: skip
+            ), metrics)  # fmt: skip
             tokens[row] = 0
 
 
@@ -352,7 +349,7 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
     for row, allowed in zip(rows, any_allowed):
         sequence = sequences[row]
         if sequence.constraint.error is not None:
-            sequence.abort(metrics, sequence.constraint.failure())
+            sequence.fail(sequence.constraint.failure(), metrics)
         elif not allowed:
             sequence.finish("stop", metrics)
     live = [row for row, sequence in enumerate(sequences) if not sequence.done]
@@ -377,7 +374,7 @@ def _append(sequence: Sequence, token: int, logits: torch.Tensor, row: int, metr
     Its metrics are counted in :func:`accept`, for all rows at once."""
     sequence.generated.append(token)
     if sequence.constraint is not None and not sequence.constraint.consume(token):
-        sequence.abort(metrics, sequence.constraint.failure(token))
+        sequence.fail(sequence.constraint.failure(token), metrics)
         return
     if token == sequence.served.tokenizer.eot_token:
         sequence.finish("stop", metrics)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,9 +51,6 @@ class RequestTimes:
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._lock = threading.Lock()
-        self._waiting = 0  # the waiting gauge summed over models: the engine's queue length
-        self._in_flight = 0  # admitted and not finished
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
         # the collectors labelled by model alone: those whose series exist from load, and the histograms
@@ -137,35 +133,16 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    @property
-    def waiting(self) -> int:
-        return self._waiting
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def admit(self, requests: list[RequestTimes], max_waiting: int) -> bool:
-        """Count the requests as waiting if the queue has room for all of them; False if it has not."""
-        with self._lock:
-            if self._waiting + len(requests) > max_waiting:
-                return False
-            self._waiting += len(requests)
-            self._in_flight += len(requests)
+    def queued(self, requests: list[RequestTimes]) -> None:
+        """The requests were admitted (the scheduler's queue counts them: ``server/work.py``)."""
         for times in requests:
             self.child(self.requests_waiting, times.model).inc()
-        return True
 
     def scheduled(self, times: RequestTimes) -> None:
         times.scheduled = time.monotonic()
         self.child(self.queue_time, times.model).observe(times.scheduled - times.arrival)
-        self._leave_queue(times)
-        self.child(self.requests_running, times.model).inc()
-
-    def _leave_queue(self, times: RequestTimes) -> None:
-        with self._lock:
-            self._waiting -= 1
         self.child(self.requests_waiting, times.model).dec()
+        self.child(self.requests_running, times.model).inc()
 
     def tokens(self, model: str, requests: list[RequestTimes]) -> None:
         """One generated token for each of the requests, all of ``model`` and at one time (a decode step or the first
@@ -193,11 +170,9 @@ class ServerMetrics:
     def finished(self, times: RequestTimes, reason: str) -> None:
         """Called once per request that was admitted, however it ended (``reason``: stop, length, abort, error)."""
         if times.scheduled is None:
-            self._leave_queue(times)
+            self.child(self.requests_waiting, times.model).dec()
         else:
             self.child(self.requests_running, times.model).dec()
-        with self._lock:
-            self._in_flight -= 1
         end = time.monotonic()
         self.child(self.e2e_latency, times.model).observe(end - times.arrival)
         if times.generated > 1:

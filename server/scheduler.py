@@ -62,6 +62,7 @@ from server.metrics import ServerMetrics
 from server.model_store import ServedModel
 from server.settings import Settings
 from server.state_cache import StateCache
+from server.work import RequestQueue, Status, Work
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +139,11 @@ class Scheduler:
         inbox: queue.SimpleQueue,
         postman: Postman,
         memory_budget: int,
+        queue: RequestQueue | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``clock``: seconds, what model calls and slices are timed with (a test drives a fake one)."""
+        """``queue``: what admission counts (the engine's; a new one by default). ``clock``: seconds, what model calls
+        and slices are timed with (a test drives a fake one)."""
         self.settings, self.metrics, self.state_cache, self.inbox, self.postman = (
             settings,
             metrics,
@@ -148,6 +151,7 @@ class Scheduler:
             inbox,
             postman,
         )
+        self.queue = queue or RequestQueue(settings.max_waiting)
         self.clock = clock
         self.fair = FairShare()
         self.memory = MemoryLedger(memory_budget)
@@ -169,12 +173,15 @@ class Scheduler:
 
     def iteration(self) -> None:
         """Steps 2-7 of the module docstring, on the work already received."""
-        self._drop_cancelled()
+        self._sweep()
         self._run_transduce()
+        self._sweep()
         self._schedule()
         self._prefill()
+        self._sweep()
+        self._join_decode_batches()
         self._decode()
-        self.fair.keep_only(self._active_flows())
+        self._sweep()
         self.postman.flush()
 
     # --- intake -------------------------------------------------------------------------------------------
@@ -233,19 +240,46 @@ class Scheduler:
             or time.monotonic() >= self.first_short_at + self.gather_window()
         )
 
-    def _drop_cancelled(self) -> None:
-        for item in self.short:
-            if item.job.cancelled:
-                item.job.abort(self.metrics)
-        self.short = [item for item in self.short if not item.job.done]
+    def _sweep(self) -> None:
+        """The one pass over all work: ends the work whose client went away, takes finished work out (its memory
+        released, counted out of the queue), and forgets the flows that have nothing left."""
+        flows: set[str] = set()
+        finished: dict[int, Work] = {}
+
+        def keep(work: Work) -> bool:
+            if work.cancelled and not work.done:
+                work.abort(self.metrics)
+            if work.done:
+                finished[id(work)] = work
+                return False
+            flows.add(work.flow)
+            return True
+
+        self.short = [item for item in self.short if keep(item.job) and item.job.outputs[item.index] is None]
+        kept = []
         for long in self.long:
-            if long.item.job.cancelled:
-                long.item.job.abort(self.metrics)
-        self._drop_finished_long()
-        for sequence in [*self.waiting, *self.prefilling, *self._decoding_sequences()]:
-            if sequence.cancelled and not sequence.done:
-                sequence.abort(self.metrics)
-        self._drop_finished_sequences()
+            if keep(long.item.job) and long.output is None:
+                kept.append(long)
+                continue
+            if long.started:
+                self.memory.release(long.item.cost.nbytes)
+            long.close()
+        self.long = kept
+        self.waiting = deque(sequence for sequence in self.waiting if keep(sequence))
+        self.prefilling = [sequence for sequence in self.prefilling if keep(sequence)]
+        for key, batch in list(self.decoding.items()):
+            if not all([keep(sequence) for sequence in batch.sequences]):
+                batch.drop_finished()
+            if not batch.sequences:
+                del self.decoding[key]
+        for work in finished.values():
+            if isinstance(work, Sequence) and work.reserved_bytes:
+                self.memory.release(work.reserved_bytes)
+                work.reserved_bytes = 0
+            self.queue.finished(was_scheduled=work.times.scheduled is not None)
+        self.fair.keep_only(flows)
+        if not self.short:
+            self.jobs_waiting = 0
 
     # --- transduce ----------------------------------------------------------------------------------------
 
@@ -272,12 +306,10 @@ class Scheduler:
             if index and self.clock() - started >= self.settings.slice_ms / 1000:
                 break  # one unit at least: a slice shorter than the loop's own time would otherwise run nothing
             run()
-        self._drop_finished_long()
-        if not self.short:
-            self.jobs_waiting = 0
 
     def _run_batch(self, batch: list[TransduceItem]) -> None:
-        """Run one batch now if its call fits in memory now; else it waits (its items stay in ``short``)."""
+        """Run one batch now if its call fits in memory now; else it waits (its items stay in ``short``; the sweep
+        takes out those computed)."""
         batch = [item for item in batch if not item.job.done]
         if not batch:
             return
@@ -285,11 +317,13 @@ class Scheduler:
         if not self.memory.fits(cost.nbytes):
             return
         for item in batch:
-            if item.job.times.scheduled is None:
-                self.metrics.scheduled(item.job.times)
-        running = {id(item) for item in batch}
-        self.short = [item for item in self.short if id(item) not in running]
+            self._start_transduce(item.job)
         self._compute_batch(batch, cost)
+
+    def _start_transduce(self, job: TransduceJob) -> None:
+        if job.status is Status.WAITING:
+            job.schedule(Status.SLICING, self.metrics)
+            self.queue.scheduled()
 
     def _compute_batch(self, batch: list[TransduceItem], cost: Cost) -> None:
         """Run one batch's call (``cost``) and answer its items; if it raises, each item runs alone, and only those
@@ -325,8 +359,7 @@ class Scheduler:
             if not self.memory.fits(long.item.cost.nbytes):
                 return
             self.memory.hold(long.item.cost.nbytes)
-            if job.times.scheduled is None:
-                self.metrics.scheduled(job.times)
+            self._start_transduce(job)
         try:
             seconds, flops = self._clocked(long.advance)
         except Exception as error:
@@ -338,18 +371,6 @@ class Scheduler:
         job.service += seconds
         if long.output is not None:
             job.complete(long.item.index, long.output, self.metrics)
-
-    def _drop_finished_long(self) -> None:
-        """Release the memory of long inputs that are answered, failed or abandoned."""
-        keep = []
-        for long in self.long:
-            if long.item.job.done or long.output is not None:
-                if long.started:
-                    self.memory.release(long.item.cost.nbytes)
-                long.close()
-            else:
-                keep.append(long)
-        self.long = keep
 
     # --- generation -----------------------------------------------------------------------------------------
 
@@ -382,8 +403,10 @@ class Scheduler:
             self.memory.hold(sequence.cache_bytes)
             sequence.reserved_bytes = sequence.cache_bytes
             admitted.add(id(sequence))
+            sequence.schedule(Status.PREFILLING, self.metrics)
+            self.queue.scheduled()
             self._guarded([sequence], lambda sequence=sequence: start(sequence, self.state_cache, self.metrics))
-            self.prefilling.append(sequence)  # released by _drop_finished_sequences if start failed
+            self.prefilling.append(sequence)  # released by the sweep if start failed
         self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in admitted)
 
     def _prefill(self) -> None:
@@ -425,11 +448,14 @@ class Scheduler:
         ended = self.clock()
         for sequence in prefilled:
             sequence.prefill_resumes_at = ended + (ended - now)
-        self._drop_finished_sequences()
+
+    def _join_decode_batches(self) -> None:
+        """Sequences whose prompt is done join their decode batch (after a sweep: none of them has finished)."""
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for sequence in self.prefilling:
             if not sequence.prefilling:
                 joining.setdefault(_decode_key(sequence), []).append(sequence)
+                sequence.schedule(Status.DECODING, self.metrics)
         self.prefilling = [sequence for sequence in self.prefilling if sequence.prefilling]
         for key, sequences in joining.items():
             self.decoding.setdefault(key, DecodeBatch()).join(sequences)
@@ -440,20 +466,6 @@ class Scheduler:
             seconds = self._guarded(sequences, lambda batch=batch: batch.step(self.metrics))
             for sequence in sequences:
                 sequence.service += seconds / len(sequences)
-        self._drop_finished_sequences()
-
-    def _drop_finished_sequences(self) -> None:
-        """Release finished sequences' memory and rows."""
-        for sequence in [*self.prefilling, *self._decoding_sequences()]:
-            if sequence.done and sequence.reserved_bytes:
-                self.memory.release(sequence.reserved_bytes)
-                sequence.reserved_bytes = 0
-        self.prefilling = [sequence for sequence in self.prefilling if not sequence.done]
-        self.waiting = deque(sequence for sequence in self.waiting if not sequence.done)
-        for key, batch in list(self.decoding.items()):
-            batch.drop_finished()
-            if not batch.sequences:
-                del self.decoding[key]
 
     # --- helpers ------------------------------------------------------------------------------------------
 
@@ -500,25 +512,16 @@ class Scheduler:
                 logger.exception("a model call failed for %d sequence(s)", len(sequences))
             for sequence in sequences:
                 if not sequence.done and sequence not in retry:
-                    sequence.abort(self.metrics, ModelFailure(f"the model failed: {error}"))
+                    sequence.fail(ModelFailure(f"the model failed: {error}"), self.metrics)
         return sum(self._guarded([sequence], lambda sequence=sequence: alone(sequence)) for sequence in retry)
-
-    def _active_flows(self) -> set[str]:
-        flows = {item.job.flow for item in self.short} | {long.item.job.flow for long in self.long}
-        return flows | {s.flow for s in [*self.waiting, *self.prefilling, *self._decoding_sequences()]}
 
     def _fail_all(self, error: APIError) -> None:
         """End every request in flight with ``error``; running slices stop here."""
-        for item in self.short:
-            item.job.fail(error, self.metrics)
-        for long in self.long:
-            long.item.job.fail(error, self.metrics)
+        for job in [item.job for item in self.short] + [long.item.job for long in self.long]:
+            job.fail(error, self.metrics)
         for sequence in [*self.waiting, *self.prefilling, *self._decoding_sequences()]:
-            if not sequence.done:
-                sequence.abort(self.metrics, error)
-        self.short = []
-        self._drop_finished_long()
-        self._drop_finished_sequences()
+            sequence.fail(error, self.metrics)
+        self._sweep()
 
 
 def _decode_key(sequence: Sequence) -> tuple[str, int]:

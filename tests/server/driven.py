@@ -174,7 +174,7 @@ def finished_at(sequence: Sequence) -> float | None:
 def scheduler(clock: FakeClock, **settings) -> Scheduler:
     """A scheduler on ``clock``; transduce inputs are batched at once (no gathering window)."""
     settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, **settings})
-    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), 2**40, clock)
+    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), 2**40, clock=clock)
 
 
 def receive(worker: Scheduler, *work: object) -> None:

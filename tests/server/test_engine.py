@@ -123,7 +123,7 @@ def test_disconnect_mid_transduce_stops_its_slices(checkpoints_dir, monkeypatch)
         body = {"model": "parity-regulargpt", "inputs": ["01" * 5000]}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/v1/transduce", json=body, timeout=0.5)
-        wait_for(lambda: server.engine.metrics.in_flight == 0)
+        wait_for(lambda: server.engine.in_flight == 0)
         stopped_at = len(slices)
         threading.Event().wait(0.3)
         assert len(slices) == stopped_at  # no slice ran after the request was dropped

@@ -105,7 +105,7 @@ def test_lrnn_decoding_state_does_not_grow_with_the_context(client) -> None:
     for length in (10, 2000):
         sequence = Sequence(served, GenerationRequest(prompt=[65] * length, max_tokens=10), _Record())
         state_cache, metrics = StateCache(0, 0, 1), ServerMetrics()
-        metrics.admit([sequence.times], 1)
+        metrics.queued([sequence.times])
         start(sequence, state_cache, metrics)
         while sequence.prefilling:
             prefill([sequence], prefill_length(sequence, 512), state_cache, metrics)
@@ -127,7 +127,7 @@ def test_a_whole_answer_gets_its_tokens_at_the_end(stream: bool, client) -> None
     mailbox, metrics = _Record(), ServerMetrics()
     request = GenerationRequest(prompt=[65, 66], max_tokens=4, stream=stream, stop=["never in this text"])
     sequence = Sequence(served, request, mailbox)
-    metrics.admit([sequence.times], 1)
+    metrics.queued([sequence.times])
     start(sequence, StateCache(0, 0, 1), metrics)
     prefill([sequence], 2, StateCache(0, 0, 1), metrics)  # samples the first token
     batch = DecodeBatch()
@@ -150,7 +150,7 @@ def test_a_plain_whole_answer_has_its_text_in_the_finished_event(client, monkeyp
         mailbox, metrics = _Record(), ServerMetrics()
         request = GenerationRequest(prompt=[65, 66], max_tokens=12, sampling=sampling, stream=stream)
         sequence = Sequence(served, request, mailbox)
-        metrics.admit([sequence.times], 1)
+        metrics.queued([sequence.times])
         start(sequence, StateCache(0, 0, 1), metrics)
         prefill([sequence], 2, StateCache(0, 0, 1), metrics)
         batch = DecodeBatch()
@@ -183,7 +183,7 @@ def test_log_probabilities_come_from_each_rows_own_logits(client) -> None:
             mailboxes.append(_Record())
             request = GenerationRequest(prompt, max_tokens=5, sampling=SamplingParams(temperature=0.0), logprobs=1)
             sequences.append(Sequence(served, request, mailboxes[-1]))
-            metrics.admit([sequences[-1].times], 1)
+            metrics.queued([sequences[-1].times])
             start(sequences[-1], StateCache(0, 0, 1), metrics)
             prefill([sequences[-1]], len(prompt), StateCache(0, 0, 1), metrics)
         batch = DecodeBatch()

@@ -63,7 +63,7 @@ def test_disconnect_stops_generation(stream: bool, live, monkeypatch) -> None:
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{live.url}/v1/generate", json=body, timeout=0.5)
-    wait_for(lambda: live.engine.metrics.in_flight == 0)
+    wait_for(lambda: live.engine.in_flight == 0)
     assert (
         metric(live.url, "regularlm_request_success_total", model_name="text-transformer", finished_reason="abort")
         == aborted + 1
@@ -114,7 +114,7 @@ def test_full_queue_answers_429_with_retry_after(checkpoints_dir, monkeypatch) -
                 kwargs={"json": {**long, "stream": False, "max_tokens": 5}, "timeout": 60},
             )
             queued.start()
-            wait_for(lambda: server.engine.metrics.waiting == 1)  # the second waits
+            wait_for(lambda: server.engine.queue.waiting == 1)  # the second waits
             refused = httpx.post(f"{server.url}/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0"]})
             assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
             assert refused.json()["error"]["type"] == "overloaded_error"
@@ -135,5 +135,5 @@ def test_transduce_client_that_leaves_leaves_nothing_in_flight(live, monkeypatch
     for body in bodies:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{live.url}/v1/transduce", json=body, timeout=0.05)
-    wait_for(lambda: live.engine.metrics.in_flight == 0)
+    wait_for(lambda: live.engine.in_flight == 0)
     assert httpx.post(f"{live.url}/v1/transduce", json=bodies[0]).status_code == 200

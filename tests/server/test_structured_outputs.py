@@ -258,8 +258,9 @@ def test_a_limit_met_while_decoding_is_413_not_500(client, monkeypatch) -> None:
 
     monkeypatch.setattr(server.structured.Constraint, "consume", consume)
     monkeypatch.setattr(server.structured.Constraint, "error", property(lambda self: getattr(self, "limit_met", None)))
-    response = client.post("/v1/generate", json={"model": BPE, "prompt": "x", "max_tokens": 20,
-                                                 "structured_outputs": {"regex": "[a-z]{10}"}})  # fmt: skip
+    # 40 letters: no two tokens of the model complete it (with 10, a sample of two long tokens matched before the third)
+    response = client.post("/v1/generate", json={"model": BPE, "prompt": "x", "max_tokens": 60,
+                                                 "structured_outputs": {"regex": "[a-z]{40}"}})  # fmt: skip
     assert response.status_code == 413, response.text
     assert "too many expressions constructed (a limit of llguidance's)" in response.json()["error"]["message"]
 

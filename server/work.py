@@ -1,0 +1,104 @@
+"""What the scheduler schedules, one status and one set of lifecycle verbs for both kinds (vLLM's ``RequestStatus``):
+a /v1/transduce request (``server/batching.py``'s :class:`TransduceJob`) and a generated sequence
+(``server/generation.py``'s :class:`Sequence`).
+
+A request is admitted ``WAITING``. The scheduler moves it on: a sequence to ``PREFILLING`` when it is admitted
+(its memory held), then to ``DECODING`` when its prompt is done and it joins its model's decode batch; a transduce
+request to ``SLICING`` when its first batch or slice runs. It ends ``FINISHED`` with a reason: "stop" or "length"
+(answered), "abort" (the client went away: no answer) or "error" (the answer is the error). The request's side only
+sets ``cancelled``; the scheduler ends the work at its next pass.
+
+The queue that admission counts (:class:`RequestQueue`: 429 when full) belongs to the scheduler; the metrics only
+observe the same transitions (``ServerMetrics.queued``, ``scheduled``, ``finished``).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Literal
+
+from server.errors import APIError
+from server.metrics import RequestTimes, ServerMetrics
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # admitted, not scheduled yet
+    PREFILLING = "prefilling"  # a sequence whose prompt goes through the model, chunk by chunk
+    DECODING = "decoding"  # a sequence in its model's decode batch
+    SLICING = "slicing"  # a transduce request whose batches and slices run
+    FINISHED = "finished"  # ended: ``finish_reason`` says how
+
+
+class Work:
+    """A request's status, its fairness (flow, service) and its timestamps. Subclasses say how an answer or an error
+    reaches the request (``deliver``)."""
+
+    def __init__(self, times: RequestTimes, flow: str) -> None:
+        self.times = times
+        self.flow = flow  # who asked (the scheduler's fairness key)
+        self.service = 0.0  # model seconds spent on it so far (the scheduler's fairness)
+        self.status = Status.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.cancelled = False  # set by the request's side when the client goes away
+
+    @property
+    def done(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def schedule(self, status: Status, metrics: ServerMetrics) -> None:
+        """Move on to ``status``; leaving ``WAITING`` is its first scheduling."""
+        if self.status is Status.WAITING:
+            metrics.scheduled(self.times)
+        self.status = status
+
+    def end(self, reason: FinishReason, metrics: ServerMetrics) -> bool:
+        """Finish with ``reason``; False (and nothing) if it had finished already."""
+        if self.done:
+            return False
+        self.status, self.finish_reason = Status.FINISHED, reason
+        metrics.finished(self.times, reason)
+        return True
+
+    def abort(self, metrics: ServerMetrics) -> None:
+        """End without an answer: the client went away."""
+        self.end("abort", metrics)
+
+    def fail(self, error: APIError, metrics: ServerMetrics) -> None:
+        """End with ``error`` as the answer."""
+        if self.end("error", metrics):
+            self.deliver(error)
+
+    def deliver(self, answer: object) -> None:
+        raise NotImplementedError
+
+
+class RequestQueue:
+    """The requests admitted and not finished, and those of them not scheduled yet (``waiting``): the requests' side
+    admits into it (the event loop), the scheduler takes out of it (the worker thread)."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.in_flight = 0
+
+    def admit(self, count: int) -> bool:
+        """Count ``count`` new requests as waiting if the queue has room for all of them; False if it has not."""
+        with self._lock:
+            if self.waiting + count > self.max_waiting:
+                return False
+            self.waiting += count
+            self.in_flight += count
+            return True
+
+    def scheduled(self) -> None:
+        with self._lock:
+            self.waiting -= 1
+
+    def finished(self, was_scheduled: bool) -> None:
+        with self._lock:
+            self.waiting -= not was_scheduled
+            self.in_flight -= 1
