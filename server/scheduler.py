@@ -6,7 +6,7 @@ to fit one slice (``settings.slice_ms`` of the model's measured speed) and long 
 iteration, and one decode step per model per iteration (``server/generation.py``). Each iteration
 
 1. takes new work from the inbox (blocking only when idle, or until the transduce gathering window ends);
-2. drops work whose client went away (a long transduce stops before its next slice);
+2. sweeps: ends work whose client went away (a long transduce stops before its next slice), takes out what ended;
 3. runs transduce units for about one slice in all, in fair order;
 4. admits waiting sequences, in fair order, up to ``max_running`` and while their memory fits;
 5. prefills up to ``prefill_chunk_tokens`` prompt tokens for about one slice, in fair order, chunks of one model
@@ -16,6 +16,14 @@ iteration, and one decode step per model per iteration (``server/generation.py``
    architecture; a class holds the sequences whose prompt + max_tokens have one bit length, so that the
    padded caches of a batch hold at most 2x what their rows need, as ``ModelBudget.context_cost`` reserves);
 7. hands every event of the iteration to the event loop at once.
+
+Steps 3-6 each go plan, run, apply: the scheduler's ``plan_*`` decides what runs, in which order, from its state
+alone (no model call, no change); the executor (``server/executor.py``) runs the plan (the model calls, their
+timing, the sampling), stopping when about one slice has been spent; ``apply_*`` charges fairness and memory and
+moves the work's status (``server/work.py``: waiting, prefilling, decoding, slicing, finished with a reason). One
+sweep (step 2, and after each step that can end work) is the only place work leaves the scheduler: there its
+memory is released and a finished request leaves the queue that admission counts (``RequestQueue``: 429 when
+full), which the scheduler owns; the metrics only observe.
 
 **Fairness** (``FairShare``): every request belongs to a flow, its client (the peer address). Transduce work
 is taken least-served flow first, then, within a flow, least-served request first, then oldest: a flow's
@@ -32,42 +40,45 @@ iteration.
 **Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens,
 padded to its context class; a long transduce: what its slices keep) and the call in progress its activations,
 within the budget of ``server/costing.py``; work that does not fit now waits, and admission (the engine)
-refuses with 413 what could never fit.
+refuses with 413 what could never fit, or a request with more sequences than the queue can ever hold.
 
-**Failures**: a model call that raises fails only what fails alone. A transduce batch's inputs, and the
-sequences of a prefill chunk (whose stacked call works on a copy of their caches), run again one by one, and only
-those that raise by themselves fail. A decode step advances its batch's stacked cache in place, so a step that
-raises fails its batch; what one row could bring into it, a token outside the model's vocabulary, ends that
-sequence when it is sampled (``server/generation.py``).
+**Failures**: a model call that raises fails only what fails alone (``server/executor.py``). A transduce batch's
+inputs, and the sequences of a prefill chunk (whose stacked call works on a copy of their caches), run again one by
+one, and only those that raise by themselves fail. A decode step advances its batch's stacked cache in place, so a
+step that raises fails its batch; what one row could bring into it, a token outside the model's vocabulary, ends
+that sequence when it is sampled (``server/generation.py``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
 
-from model.base import Cost
-from server.batching import LongTransduce, TransduceItem, TransduceJob, batch_cost, plan_batches, run_batch
+from server.batching import LongTransduce, TransduceItem, TransduceJob, batch_cost, plan_batches
 from server.costing import context_class
-from server.errors import APIError, ModelFailure, Unavailable
-from server.generation import DecodeBatch, Sequence, prefill, prefill_length, start
+from server.errors import APIError, Unavailable
+from server.executor import (
+    DecodeResult,
+    DecodeWork,
+    Executor,
+    PrefillGroup,
+    PrefillResult,
+    TransducePlan,
+    TransduceResult,
+    TransduceUnit,
+)
+from server.generation import DecodeBatch, Sequence, prefill_length
 from server.mailbox import Postman
 from server.metrics import ServerMetrics
-from server.model_store import ServedModel
 from server.settings import Settings
 from server.state_cache import StateCache
 from server.work import RequestQueue, Status, Work
 
-logger = logging.getLogger(__name__)
-
 STOP = object()  # put into the inbox to end the loop
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -141,18 +152,15 @@ class Scheduler:
         memory_budget: int,
         queue: RequestQueue | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        executor: Executor | None = None,
     ) -> None:
         """``queue``: what admission counts (the engine's; a new one by default). ``clock``: seconds, what model calls
-        and slices are timed with (a test drives a fake one)."""
-        self.settings, self.metrics, self.state_cache, self.inbox, self.postman = (
-            settings,
-            metrics,
-            state_cache,
-            inbox,
-            postman,
-        )
+        and slices are timed with (a test drives a fake one). ``executor``: what runs the plans (by default the
+        models', on ``clock``; a test gives a fake one)."""
+        self.settings, self.metrics, self.inbox, self.postman = settings, metrics, inbox, postman
         self.queue = queue or RequestQueue(settings.max_waiting)
         self.clock = clock
+        self.executor = executor or Executor(metrics, state_cache, settings.slice_ms, clock)
         self.fair = FairShare()
         self.memory = MemoryLedger(memory_budget)
         self.short: list[TransduceItem] = []  # short transduce inputs being gathered
@@ -172,16 +180,21 @@ class Scheduler:
         self.postman.flush()
 
     def iteration(self) -> None:
-        """Steps 2-7 of the module docstring, on the work already received."""
-        self._sweep()
-        self._run_transduce()
-        self._sweep()
-        self._schedule()
-        self._prefill()
-        self._sweep()
-        self._join_decode_batches()
-        self._decode()
-        self._sweep()
+        """Steps 2-7 of the module docstring, on the work already received: each step planned, run by the
+        executor, and its result applied; the sweep between them takes out what ended."""
+        self.sweep()
+        plan = self.plan_transduce(time.monotonic())
+        self.apply_transduce(plan, self.executor.transduce(plan))
+        self.sweep()
+        admitted = self.plan_admissions()
+        self.executor.start(admitted)
+        self.apply_admissions(admitted)
+        groups = self.plan_prefill(self.clock())
+        self.apply_prefill(self.executor.prefill(groups))
+        self.sweep()
+        work = self.plan_decode()
+        self.apply_decode(self.executor.decode(work))
+        self.sweep()
         self.postman.flush()
 
     # --- intake -------------------------------------------------------------------------------------------
@@ -190,28 +203,37 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.decoding or self.long)
 
     def _receive(self) -> bool:
-        """Move new work from the inbox; False once asked to stop."""
+        """Move new work from the inbox (blocking only when idle, or until the gathering window ends); False once
+        asked to stop."""
         timeout: float | None = 0.0
         idle = not (self._busy() or self.short) and self.inbox.empty()  # new work will wake us
         if not self._busy():
             due = self.first_short_at + self.gather_window()
             timeout = None if not self.short else max(0.0, due - time.monotonic())
+        received = []
         try:
-            work = self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait()
+            received.append(self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait())
             while True:
-                if work is STOP:
-                    return False
-                if isinstance(work, AbortAll):
-                    self._fail_all(work.error)
-                elif isinstance(work, OnWorker):
-                    work.run()
-                elif isinstance(work, TransduceJob):
-                    self._take_job(work, idle)
-                else:
-                    self.waiting.append(work)
-                work = self.inbox.get_nowait()
+                received.append(self.inbox.get_nowait())
         except queue.Empty:
-            return True
+            pass
+        return self.take(received, idle)
+
+    def take(self, received: list[object], idle: bool = False) -> bool:
+        """New work, in order of arrival; ``idle``: it reached a worker with nothing else to do (blocked on the
+        inbox). False once asked to stop."""
+        for work in received:
+            if work is STOP:
+                return False
+            if isinstance(work, AbortAll):
+                self._fail_all(work.error)
+            elif isinstance(work, OnWorker):
+                work.run()
+            elif isinstance(work, TransduceJob):
+                self._take_job(work, idle)
+            else:
+                self.waiting.append(work)
+        return True
 
     def _take_job(self, job: TransduceJob, idle: bool) -> None:
         items = job.items()
@@ -233,16 +255,18 @@ class Scheduler:
             return 0.0
         return self.settings.batch_wait_ms / 1000
 
-    def _short_due(self) -> bool:
+    def _short_due(self, now: float) -> bool:
         symbols = sum(item.length for item in self.short)
         return bool(self.short) and (
-            symbols >= self.settings.max_batch_symbols
-            or time.monotonic() >= self.first_short_at + self.gather_window()
+            symbols >= self.settings.max_batch_symbols or now >= self.first_short_at + self.gather_window()
         )
 
-    def _sweep(self) -> None:
-        """The one pass over all work: ends the work whose client went away, takes finished work out (its memory
-        released, counted out of the queue), and forgets the flows that have nothing left."""
+    # --- the sweep ----------------------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """The one pass over all work: ends the work whose client went away, takes out what has ended or been
+        computed (its memory released, finished requests counted out of the queue), and forgets the flows that have
+        nothing left."""
         flows: set[str] = set()
         finished: dict[int, Work] = {}
 
@@ -268,7 +292,7 @@ class Scheduler:
         self.waiting = deque(sequence for sequence in self.waiting if keep(sequence))
         self.prefilling = [sequence for sequence in self.prefilling if keep(sequence)]
         for key, batch in list(self.decoding.items()):
-            if not all([keep(sequence) for sequence in batch.sequences]):
+            if not all([keep(sequence) for sequence in batch.sequences]):  # a list: every sequence is looked at
                 batch.drop_finished()
             if not batch.sequences:
                 del self.decoding[key]
@@ -281,104 +305,76 @@ class Scheduler:
         if not self.short:
             self.jobs_waiting = 0
 
+    def _fail_all(self, error: APIError) -> None:
+        """End every request in flight with ``error``; running slices stop here."""
+        for job in [item.job for item in self.short] + [long.item.job for long in self.long]:
+            job.fail(error, self.metrics)
+        for sequence in [*self.waiting, *self.prefilling, *self._decoding_sequences()]:
+            sequence.fail(error, self.metrics)
+        self.sweep()
+
     # --- transduce ----------------------------------------------------------------------------------------
 
-    def _run_transduce(self) -> None:
-        """Batches and long-input slices, least-served flow first, until about one slice has run."""
-        units: list[tuple[float, float, float, Callable[[], None]]] = []  # (flow's, job's service, arrival, run)
-        if self._short_due():
-            batches = plan_batches(self.short, self.settings.max_batch_size, self.settings.max_batch_symbols)
-            self.last_run_jobs, self.jobs_waiting = self.jobs_waiting, 0
-            for batch in batches:
+    def plan_transduce(self, now: float) -> TransducePlan:
+        """Batches (once the gathering window is over) and long-input slices, least-served flow first, then
+        least-served request, then oldest; a unit whose memory does not fit now waits (a long input holds its
+        memory from its first slice). ``now``: ``time.monotonic()``, what arrivals are stamped with."""
+        units: list[tuple[tuple[float, float, float], TransduceUnit]] = []  # (flow's, job's service, arrival), unit
+        batched_jobs = 0
+        if self._short_due(now):
+            batched_jobs = self.jobs_waiting
+            for batch in plan_batches(self.short, self.settings.max_batch_size, self.settings.max_batch_symbols):
                 jobs = [item.job for item in batch]
                 order = (
                     self.fair.priority({job.flow for job in jobs}),
                     min(job.service for job in jobs),
                     min(job.times.arrival for job in jobs),
                 )
-                units.append((*order, lambda batch=batch: self._run_batch(batch)))
+                cost = batch_cost(batch[0], len(batch), max(item.length for item in batch))
+                units.append((order, TransduceUnit(batch, cost)))
         for long in self.long:
             job = long.item.job
             order = (self.fair.priority([job.flow]), job.service, job.times.arrival)
-            units.append((*order, lambda long=long: self._run_slice(long)))
-        started = self.clock()
-        for index, (*_, run) in enumerate(sorted(units, key=lambda unit: unit[:3])):
-            if index and self.clock() - started >= self.settings.slice_ms / 1000:
-                break  # one unit at least: a slice shorter than the loop's own time would otherwise run nothing
-            run()
+            holds = 0 if long.started else long.item.cost.nbytes
+            units.append((order, TransduceUnit([long.item], long.item.cost, long, holds)))
+        planned, held = [], self.memory.held
+        for _, unit in sorted(units, key=lambda unit: unit[0]):
+            needs = unit.holds if unit.long is not None else unit.cost.nbytes  # a batch: its call's activations
+            if held + needs > self.memory.budget:
+                continue
+            held += unit.holds
+            planned.append(unit)
+        return TransducePlan(planned, batched_jobs)
 
-    def _run_batch(self, batch: list[TransduceItem]) -> None:
-        """Run one batch now if its call fits in memory now; else it waits (its items stay in ``short``; the sweep
-        takes out those computed)."""
-        batch = [item for item in batch if not item.job.done]
-        if not batch:
-            return
-        cost = batch_cost(batch[0], len(batch), max(item.length for item in batch))
-        if not self.memory.fits(cost.nbytes):
-            return
-        for item in batch:
-            self._start_transduce(item.job)
-        self._compute_batch(batch, cost)
-
-    def _start_transduce(self, job: TransduceJob) -> None:
-        if job.status is Status.WAITING:
-            job.schedule(Status.SLICING, self.metrics)
-            self.queue.scheduled()
-
-    def _compute_batch(self, batch: list[TransduceItem], cost: Cost) -> None:
-        """Run one batch's call (``cost``) and answer its items; if it raises, each item runs alone, and only those
-        that fail alone fail (a batch has no state to roll back)."""
-        served = batch[0].job.served
-        try:
-            seconds, outputs = self._timed(served, cost.flops, lambda: run_batch(batch))
-        except Exception as error:
-            if len(batch) > 1:
-                logger.warning("a transduce batch of %d inputs failed (%s: %s); each runs alone", len(batch),
-                               type(error).__name__, error)  # fmt: skip
-                for item in batch:
-                    if not item.job.done:  # not failed meanwhile through another of its inputs
-                        self._compute_batch([item], batch_cost(item, 1, item.length))
-                return
-            logger.exception("a transduce input of %d symbols failed", batch[0].length)
-            batch[0].job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
-            return
-        flows: dict[str, float] = {}
-        symbols = sum(item.length for item in batch)
-        for item, output in zip(batch, outputs):
-            flows[item.job.flow] = flows.get(item.job.flow, 0.0) + item.length
-            item.job.service += seconds * item.length / symbols
-            item.job.complete(item.index, output, self.metrics)
-        self.fair.charge(flows, seconds)
-
-    def _run_slice(self, long: LongTransduce) -> None:
-        """One slice of a long input; its memory is held from the first slice, which waits until it fits."""
-        job = long.item.job
-        if job.done:
-            return
-        if not long.started:
-            if not self.memory.fits(long.item.cost.nbytes):
-                return
-            self.memory.hold(long.item.cost.nbytes)
-            self._start_transduce(job)
-        try:
-            seconds, flops = self._clocked(long.advance)
-        except Exception as error:
-            logger.exception("a slice of a %d-symbol transduce input failed", long.item.length)
-            job.fail(ModelFailure(f"the model failed on this input: {error}"), self.metrics)
-            return
-        self._record(job.served, flops, seconds)  # the work this slice did: the slice's size was fixed at its start
-        self.fair.charge({job.flow: 1.0}, seconds)
-        job.service += seconds
-        if long.output is not None:
-            job.complete(long.item.index, long.output, self.metrics)
+    def apply_transduce(self, plan: TransducePlan, result: TransduceResult) -> None:
+        """Hold the memory of the long inputs that started, charge each call's flows and requests (in proportion to
+        their symbols), and answer the inputs computed or fail their requests."""
+        if plan.batched_jobs:
+            self.last_run_jobs, self.jobs_waiting = plan.batched_jobs, 0
+        for unit, calls in result.ran:
+            self.memory.hold(unit.holds)
+            for call in calls:
+                for item in call.items:
+                    if item.job.status is Status.WAITING:
+                        item.job.schedule(Status.SLICING, self.metrics)
+                        self.queue.scheduled()
+                if call.error is not None:
+                    for item in call.items:
+                        item.job.fail(call.error, self.metrics)
+                    continue
+                flows: dict[str, float] = {}
+                symbols = sum(item.length for item in call.items)
+                for item, output in zip(call.items, call.outputs):
+                    flows[item.job.flow] = flows.get(item.job.flow, 0.0) + item.length
+                    item.job.service += call.seconds * item.length / symbols
+                    if output is not None:
+                        item.job.complete(item.index, output, self.metrics)
+                self.fair.charge(flows, call.seconds)
 
     # --- generation -----------------------------------------------------------------------------------------
 
     def _decoding_sequences(self) -> list[Sequence]:
         return [sequence for batch in self.decoding.values() for sequence in batch.sequences]
-
-    def _sequences_running(self) -> list[Sequence]:
-        return [*self.prefilling, *self._decoding_sequences()]
 
     def _running(self) -> int:
         return len(self.prefilling) + sum(map(len, self.decoding.values()))
@@ -390,34 +386,45 @@ class Scheduler:
             key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.service, sequence.times.arrival),
         )
 
-    def _schedule(self) -> None:
-        """Admit waiting sequences, least-served flow first, while there is room and memory."""
-        if self._running() >= self.settings.max_running:
-            return  # nothing to order while no sequence can start
-        admitted = set()
+    def plan_admissions(self) -> list[Sequence]:
+        """The waiting sequences to start, least-served flow first, while there is room (``max_running``) and
+        their memory fits."""
+        room = self.settings.max_running - self._running()
+        if room <= 0:
+            return []  # nothing to order while no sequence can start
+        admitted, held = [], self.memory.held
         for sequence in self._fair_order(self.waiting):
-            if self._running() >= self.settings.max_running:
+            if len(admitted) >= room:
                 break
-            if not self.memory.fits(sequence.cache_bytes):
+            if held + sequence.cache_bytes > self.memory.budget:
                 continue
-            self.memory.hold(sequence.cache_bytes)
-            sequence.reserved_bytes = sequence.cache_bytes
-            admitted.add(id(sequence))
-            sequence.schedule(Status.PREFILLING, self.metrics)
-            self.queue.scheduled()
-            self._guarded([sequence], lambda sequence=sequence: start(sequence, self.state_cache, self.metrics))
-            self.prefilling.append(sequence)  # released by the sweep if start failed
-        self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in admitted)
+            held += sequence.cache_bytes
+            admitted.append(sequence)
+        return admitted
 
-    def _prefill(self) -> None:
-        """Chunks for the prefilling sequences in fair order, within the token budget and about one slice of time,
-        batched by model, context class and chunk length. A sequence served more than a slice beyond the
+    def apply_admissions(self, admitted: list[Sequence]) -> None:
+        """The admitted sequences that started hold their memory and prefill (one that failed to start has ended:
+        the sweep takes it out)."""
+        started = {id(sequence) for sequence in admitted if not sequence.done}
+        for sequence in admitted:
+            if id(sequence) in started:
+                self.memory.hold(sequence.cache_bytes)
+                sequence.reserved_bytes = sequence.cache_bytes
+                sequence.schedule(Status.PREFILLING, self.metrics)
+                self.queue.scheduled()
+                self.prefilling.append(sequence)
+        self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in started)
+
+    def plan_prefill(self, now: float) -> list[PrefillGroup]:
+        """Chunks for the prefilling sequences in fair order, within the token budget (``prefill_chunk_tokens``),
+        grouped by model, context class and chunk length. A sequence served more than a slice beyond the
         least-served running one (prefilling or decoding) yields to it, so that a short request is prefilled and
         decoded beside a long prompt as if alone, once the slice in progress ends; but it waits no longer than its
-        last round took, so that a long prompt keeps half the engine however many short requests come."""
+        last round took (``prefill_resumes_at``), so that a long prompt keeps half the engine however many short
+        requests come. The executor runs the groups for about one slice."""
         slice_seconds = self.settings.slice_ms / 1000
-        now = self.clock()
-        least_served = min((sequence.service for sequence in self._sequences_running()), default=0.0)
+        running = [*self.prefilling, *self._decoding_sequences()]
+        least_served = min((sequence.service for sequence in running), default=0.0)
         budget = self.settings.prefill_chunk_tokens
         groups: dict[tuple[str, int, int], list[Sequence]] = {}  # (model, context class, chunk length)
         for sequence in self._fair_order(self.prefilling):
@@ -428,100 +435,38 @@ class Scheduler:
             length = prefill_length(sequence, budget)
             budget -= length
             groups.setdefault((*_decode_key(sequence), length), []).append(sequence)
-        prefilled = []
-        for (*_, length), group in groups.items():
-            if prefilled and self.clock() - now >= slice_seconds:
-                break  # the rest next iteration (one group at least: a slice shorter than the loop's own time would
-                # otherwise never prefill anything)
-            model = group[0].served.model
-            flops = model.cost("cached", len(group), length, context=min(s.prefilled for s in group)).flops
-            seconds = self._guarded(
-                group,
-                lambda group=group, length=length: prefill(group, length, self.state_cache, self.metrics),
-                flops,
-                alone=lambda sequence, length=length: prefill([sequence], length, self.state_cache, self.metrics),
-            )
-            self.fair.charge({sequence.flow: 1.0 for sequence in group}, seconds)
-            for sequence in group:
-                sequence.service += seconds / len(group)
-            prefilled += group
-        ended = self.clock()
-        for sequence in prefilled:
-            sequence.prefill_resumes_at = ended + (ended - now)
+        return [PrefillGroup(sequences, length) for (*_, length), sequences in groups.items()]
 
-    def _join_decode_batches(self) -> None:
-        """Sequences whose prompt is done join their decode batch (after a sweep: none of them has finished)."""
+    def apply_prefill(self, result: PrefillResult) -> None:
+        """Charge each group's flows and sequences; a sequence prefilled now waits, if it must yield, no longer than
+        this round took."""
+        for group, seconds in result.ran:
+            self.fair.charge({sequence.flow: 1.0 for sequence in group.sequences}, seconds)
+            for sequence in group.sequences:
+                sequence.service += seconds / len(group.sequences)
+                sequence.prefill_resumes_at = result.ended + (result.ended - result.started)
+
+    def plan_decode(self) -> list[DecodeWork]:
+        """One step per decode batch, the sequences whose prompt is done joining theirs (after a sweep: none of them
+        has ended)."""
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for sequence in self.prefilling:
             if not sequence.prefilling:
                 joining.setdefault(_decode_key(sequence), []).append(sequence)
-                sequence.schedule(Status.DECODING, self.metrics)
-        self.prefilling = [sequence for sequence in self.prefilling if sequence.prefilling]
-        for key, sequences in joining.items():
-            self.decoding.setdefault(key, DecodeBatch()).join(sequences)
+        keys = [*self.decoding, *(key for key in joining if key not in self.decoding)]
+        return [DecodeWork(key, self.decoding.get(key), joining.get(key, [])) for key in keys]
 
-    def _decode(self) -> None:
-        for batch in self.decoding.values():
-            sequences = list(batch.sequences)
-            seconds = self._guarded(sequences, lambda batch=batch: batch.step(self.metrics))
+    def apply_decode(self, result: DecodeResult) -> None:
+        """The joined sequences decode; each stepped sequence is charged its share of its step."""
+        joined = set()
+        for work, batch, sequences, seconds in result.ran:
+            self.decoding[work.key] = batch
+            for sequence in work.joining:
+                sequence.schedule(Status.DECODING, self.metrics)
+                joined.add(id(sequence))
             for sequence in sequences:
                 sequence.service += seconds / len(sequences)
-
-    # --- helpers ------------------------------------------------------------------------------------------
-
-    def _timed(self, served: ServedModel, flops: float, call: Callable[[], T]) -> tuple[float, T]:
-        """Run a model call of about ``flops`` multiply-adds; record its time (metrics and the model's measured
-        speed). Returns (seconds, its result)."""
-        seconds, result = self._clocked(call)
-        self._record(served, flops, seconds)
-        return seconds, result
-
-    def _clocked(self, call: Callable[[], T]) -> tuple[float, T]:
-        started = self.clock()
-        result = call()
-        return self.clock() - started, result
-
-    def _record(self, served: ServedModel, flops: float, seconds: float) -> None:
-        """A model call of ``flops`` multiply-adds took ``seconds``: metrics and the model's measured speed."""
-        self.metrics.model_executed(served.id, seconds)
-        served.budget.speed.observe(flops, seconds)
-
-    def _guarded(
-        self,
-        sequences: list[Sequence],
-        call: Callable[[], object],
-        flops: float = 0.0,
-        alone: Callable[[Sequence], object] | None = None,
-    ) -> float:
-        """Run a model call for ``sequences``; if it raises, only they fail, and given ``alone`` (the call for one
-        of them) only those that fail alone: a sequence the failed call left as it found it (same cache, same
-        position: e.g. a prefill whose stacked call raised works on a copy of the rows) runs again by itself.
-        Returns the seconds spent."""
-        state = [(sequence.cache, sequence.prefilled) for sequence in sequences]
-        try:
-            return self._timed(sequences[0].served, flops, call)[0]
-        except Exception as error:
-            retry = [] if alone is None or len(sequences) == 1 else [
-                sequence for sequence, (cache, prefilled) in zip(sequences, state)
-                if not sequence.done and sequence.cache is cache and sequence.prefilled == prefilled
-            ]  # fmt: skip
-            if retry:
-                logger.warning("a model call for %d sequences failed (%s: %s); %d run again alone", len(sequences),
-                               type(error).__name__, error, len(retry))  # fmt: skip
-            else:
-                logger.exception("a model call failed for %d sequence(s)", len(sequences))
-            for sequence in sequences:
-                if not sequence.done and sequence not in retry:
-                    sequence.fail(ModelFailure(f"the model failed: {error}"), self.metrics)
-        return sum(self._guarded([sequence], lambda sequence=sequence: alone(sequence)) for sequence in retry)
-
-    def _fail_all(self, error: APIError) -> None:
-        """End every request in flight with ``error``; running slices stop here."""
-        for job in [item.job for item in self.short] + [long.item.job for long in self.long]:
-            job.fail(error, self.metrics)
-        for sequence in [*self.waiting, *self.prefilling, *self._decoding_sequences()]:
-            sequence.fail(error, self.metrics)
-        self._sweep()
+        self.prefilling = [sequence for sequence in self.prefilling if id(sequence) not in joined]
 
 
 def _decode_key(sequence: Sequence) -> tuple[str, int]:

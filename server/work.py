@@ -49,7 +49,10 @@ class Work:
         return self.status is Status.FINISHED
 
     def schedule(self, status: Status, metrics: ServerMetrics) -> None:
-        """Move on to ``status``; leaving ``WAITING`` is its first scheduling."""
+        """Move on to ``status``; leaving ``WAITING`` is its first scheduling. Work that has finished stays finished
+        (a sequence can end in the very call that its new status names: its first decode step)."""
+        if self.done:
+            return
         if self.status is Status.WAITING:
             metrics.scheduled(self.times)
         self.status = status

@@ -178,7 +178,5 @@ def scheduler(clock: FakeClock, **settings) -> Scheduler:
 
 
 def receive(worker: Scheduler, *work: object) -> None:
-    """Hand ``work`` to the worker as if it had just arrived (the worker does not run)."""
-    for each in work:
-        worker.inbox.put(each)
-    worker._receive()
+    """Hand ``work`` to the worker as if it had just arrived while it was busy (the worker does not run)."""
+    worker.take(list(work))

@@ -65,7 +65,7 @@ def test_another_question_on_a_long_prefix_starts_from_its_snapshot(checkpoints_
         clock = FakeClock()
         served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
         worker = driven_scheduler(clock)
-        worker.state_cache = cache
+        worker.executor.state_cache = cache
         sequence = generation(served, prompt, 4, clock)
         receive(worker, sequence)
         run_until_done(worker, [sequence])

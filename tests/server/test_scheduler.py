@@ -1,0 +1,371 @@
+"""The scheduler's policy against a fake executor (as vLLM's tests/v1/core/test_scheduler.py): no model, no thread,
+no HTTP, a fake clock. Its plans are read directly; the executor runs them as the real one would, each call taking a
+fixed time on the clock, so that what runs when is decided by the scheduler's rules alone."""
+
+from __future__ import annotations
+
+import queue
+import time
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from model.base import Cost
+from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
+from server.batching import TransduceJob, TransduceOutput
+from server.costing import ModelBudget, ModelSpeed
+from server.engine import Engine
+from server.errors import InputTooLarge, Overloaded, Unavailable
+from server.executor import Call, DecodeResult, PrefillResult, TransduceResult
+from server.generation import DecodeBatch, GenerationRequest, Sequence
+from server.mailbox import Postman
+from server.metrics import RequestTimes, ServerMetrics
+from server.sampling import SamplingParams
+from server.scheduler import STOP, AbortAll, Scheduler
+from server.settings import Settings
+from server.state_cache import StateCache
+from server.work import RequestQueue, Status
+from tests.server.driven import FakeClock, FakeTransducer, Recorder, transducer
+
+SLICE_S = 0.05  # the default slice_ms
+CALL_S = 0.01  # what each fake model call takes
+
+
+class FakeLanguageModel:
+    """Costs: a token one multiply-add, a cached token one byte (a cache that grows with its context); a prefill chunk
+    is at most ``tokens_per_slice`` tokens."""
+
+    def __init__(self, tokens_per_slice: int = 1000) -> None:
+        self.tokens_per_slice = tokens_per_slice
+
+    def cost(self, path: str, rows: int, length: int, context: int = 0) -> Cost:
+        return Cost(flops=rows * length, nbytes=rows * (context + length))
+
+    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float, cost=None) -> Cost:
+        return Cost(flops=length, nbytes=length)
+
+    def cache_nbytes(self, length: int) -> int:
+        return length
+
+    def chunk_length(self, slice_flops: float, prefilled: int, remaining: int, cost=None) -> int:
+        return min(remaining, self.tokens_per_slice)
+
+
+class FakeCache:
+    """Rows of a stacked cache, and nothing in them."""
+
+    def __init__(self, rows: int = 1) -> None:
+        self.rows = rows
+
+    @classmethod
+    def stack(cls, caches: list[FakeCache]) -> FakeCache:
+        return cls(sum(cache.rows for cache in caches))
+
+    def select(self, rows: list[int]) -> FakeCache:
+        return FakeCache(len(rows))
+
+
+class FakeExecutor:
+    """Runs a plan as ``server/executor.py`` does, in order until a slice has been spent (one unit at least), each
+    call taking ``CALL_S``; logs what ran. A prefill chunk samples token 1 at a prompt's end, a decode step token 1
+    for each row; a sequence ends at its max_tokens."""
+
+    def __init__(self, clock: FakeClock, metrics: ServerMetrics, slice_s: float) -> None:
+        self.clock, self.metrics, self.slice_s = clock, metrics, slice_s
+        self.log: list[tuple[str, object]] = []  # ("batch", job ids) | ("slice", job) | ("prefill", ...) | ...
+
+    def _call(self) -> float:
+        self.clock.advance(CALL_S)
+        return CALL_S
+
+    def _within_a_slice(self, units: list) -> list:
+        started, ran = self.clock.now, []
+        for unit in units:
+            if ran and self.clock.now - started >= self.slice_s:
+                break
+            ran.append(unit)
+            yield unit
+
+    def transduce(self, plan) -> TransduceResult:
+        ran = []
+        for unit in self._within_a_slice(plan.units):
+            if unit.long is not None:
+                unit.long.advance()  # the fake transducer's slices: no model
+                self.log.append(("slice", unit.long.item.job))
+                ran.append((unit, [Call(unit.items, self._call(), [unit.long.output])]))
+            else:
+                self.log.append(("batch", [item.job for item in unit.items]))
+                outputs = [TransduceOutput(0, 1.0, None) for _ in unit.items]
+                ran.append((unit, [Call(unit.items, self._call(), outputs)]))
+        return TransduceResult(ran)
+
+    def start(self, admitted: list[Sequence]) -> None:
+        for sequence in admitted:
+            sequence.cache = FakeCache()
+            self.log.append(("start", sequence))
+
+    def prefill(self, groups) -> PrefillResult:
+        started, ran = self.clock.now, []
+        for group in self._within_a_slice(groups):
+            self.log.append(("prefill", [(sequence, group.length) for sequence in group.sequences]))
+            for sequence in group.sequences:
+                sequence.prefilled += group.length
+                if not sequence.prefilling:
+                    self._sample(sequence)
+            ran.append((group, self._call()))
+        return PrefillResult(ran, started, self.clock.now)
+
+    def decode(self, work) -> DecodeResult:
+        ran = []
+        for each in work:
+            batch = each.batch or DecodeBatch()
+            batch.join(each.joining)
+            self.log.append(("decode", list(batch.sequences)))
+            for sequence in batch.sequences:
+                self._sample(sequence)
+            ran.append((each, batch, list(batch.sequences), self._call()))
+        return DecodeResult(ran)
+
+    def _sample(self, sequence: Sequence) -> None:
+        sequence.generated.append(1)
+        if len(sequence.generated) >= sequence.request.max_tokens:
+            sequence.finish("length", self.metrics)
+
+
+@pytest.fixture()
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_scheduler(clock: FakeClock, memory_budget: int = 2**40, **settings) -> Scheduler:
+    metrics = ServerMetrics()
+    settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, **settings})
+    executor = FakeExecutor(clock, metrics, settings.slice_ms / 1000)
+    return Scheduler(settings, metrics, StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), memory_budget,
+                     RequestQueue(settings.max_waiting), clock, executor)  # fmt: skip
+
+
+def language_model(model_id: str = "lm", tokens_per_slice: int = 1000) -> SimpleNamespace:
+    model = FakeLanguageModel(tokens_per_slice)
+    budget = ModelBudget(model, ModelSpeed(1e-6), SLICE_S, memory_budget=2**40, max_job_seconds=1e9)
+    return SimpleNamespace(id=model_id, model=model, budget=budget, tokenizer=load_tokenizer(BYTES_TOKENIZER, "."))
+
+
+def sequence(served, prompt_tokens: int, max_tokens: int, clock: FakeClock, flow: str = "client") -> Sequence:
+    request = GenerationRequest([65] * prompt_tokens, max_tokens, SamplingParams(temperature=0.0))
+    return Sequence(served, request, Recorder(clock), flow=flow)
+
+
+def admitted(worker: Scheduler, *work) -> None:
+    """``work`` admitted by the engine (the queue counts it) and received by the worker."""
+    assert worker.queue.admit(len(work))
+    worker.take(list(work))
+
+
+def transducer_of(clock: FakeClock) -> SimpleNamespace:
+    """A transducer whose slice is 1,000 symbols (1 ms): inputs of 10,000 run in ten slices."""
+    return transducer("t", FakeTransducer(clock, seconds_per_flop=1e-9), measured_seconds_per_flop=1e-9, slice_s=1e-3)
+
+
+def job(served, length: int, clock: FakeClock, flow: str = "client") -> TransduceJob:
+    inputs = [array("i", [position % 2 for position in range(length)])]
+    return TransduceJob(served, inputs, False, RequestTimes(served.id), Recorder(clock), flow)
+
+
+def ran(worker: Scheduler, kind: str) -> list[object]:
+    return [what for logged, what in worker.executor.log if logged == kind]
+
+
+# --- fairness ------------------------------------------------------------------------------------------------
+
+
+def test_transduce_takes_the_least_served_flow_first_and_two_heavy_flows_alternate(clock) -> None:
+    """Two long inputs from two clients, then a short request from a third: each iteration plans the least-served
+    flow first, so the slices alternate and the newcomer goes first."""
+    served = transducer_of(clock)
+    worker = make_scheduler(clock, slice_ms=1.0)
+    first, second = job(served, 10_000, clock, "a"), job(served, 10_000, clock, "b")
+    admitted(worker, first, second)
+    for _ in range(4):
+        worker.iteration()  # a call takes longer than a slice: one unit an iteration
+    assert ran(worker, "slice") == [first, second, first, second]
+    newcomer = job(served, 4, clock, "c")
+    admitted(worker, newcomer)
+    plan = worker.plan_transduce(time.monotonic())  # what arrivals are stamped with
+    assert [unit.items[0].job for unit in plan.units] == [newcomer, first, second]
+    worker.iteration()
+    assert newcomer.done and newcomer.finish_reason == "stop"
+
+
+def test_a_short_request_to_another_model_is_answered_while_a_long_input_runs(clock) -> None:
+    """A long input does not hold the engine: a short request sent while it runs is answered at the next iteration,
+    and the long one goes on in slices. (Was a live-server test with 0.01 ms slices and pauses between them.)"""
+    long_model, short_model = transducer_of(clock), transducer_of(clock)
+    short_model.id = "other"
+    worker = make_scheduler(clock, slice_ms=1.0)
+    long = job(long_model, 10_000, clock)
+    admitted(worker, long)
+    for _ in range(3):
+        worker.iteration()
+    short = job(short_model, 4, clock)
+    admitted(worker, short)
+    worker.iteration()
+    assert short.done and short.finish_reason == "stop" and not long.done
+    assert ran(worker, "batch") == [[short]] and ran(worker, "slice") == [long] * 3  # it went first
+    while not long.done:
+        worker.iteration()
+    assert len(ran(worker, "slice")) == 11 and long.finish_reason == "stop"  # ten slices and the call that ends it
+
+
+def test_admission_and_prefill_take_the_least_served_flow_first(clock) -> None:
+    served = language_model()
+    worker = make_scheduler(clock, max_running=1)
+    heavy, light = sequence(served, 10, 4, clock, "heavy"), sequence(served, 10, 4, clock, "light")
+    admitted(worker, heavy, light)
+    worker.fair.charge({"heavy": 1.0}, 1.0)  # the heavy client has been served a second already
+    assert worker.plan_admissions() == [light]
+
+
+# --- memory, and the 413 / 429 rules ---------------------------------------------------------------------------
+
+
+def test_a_sequence_whose_cache_does_not_fit_now_waits_until_memory_is_released(clock) -> None:
+    served = language_model()
+    one, two = sequence(served, 100, 4, clock), sequence(served, 100, 4, clock)
+    worker = make_scheduler(clock, memory_budget=one.cache_bytes + one.cache_bytes // 2)  # room for one
+    admitted(worker, one, two)
+    worker.iteration()
+    assert one.status is Status.DECODING and two.status is Status.WAITING
+    assert worker.memory.held == one.cache_bytes
+    while not one.done:
+        worker.iteration()
+    assert two.status is Status.WAITING and worker.memory.held == 0  # released by the sweep that took one out
+    worker.iteration()
+    assert two.status is Status.DECODING and worker.memory.held == two.cache_bytes
+    while not two.done:
+        worker.iteration()
+    assert worker.memory.held == 0 and worker.queue.in_flight == 0 and worker.queue.waiting == 0
+
+
+def test_a_long_input_holds_its_memory_from_its_first_slice_and_waits_while_it_does_not_fit(clock) -> None:
+    served = transducer_of(clock)
+    worker = make_scheduler(clock, memory_budget=15_000, slice_ms=1.0)  # a long input's bytes: its symbols
+    first, second = job(served, 10_000, clock), job(served, 10_000, clock)
+    admitted(worker, first, second)
+    worker.iteration()
+    assert ran(worker, "slice") == [first] and worker.memory.held == 10_000  # the second does not fit beside it
+    assert first.status is Status.SLICING and second.status is Status.WAITING
+    while not first.done:
+        worker.iteration()
+    assert second not in ran(worker, "slice")
+    worker.iteration()
+    assert ran(worker, "slice")[-1] is second and worker.memory.held == 10_000
+
+
+def test_the_queue_refuses_with_429_when_full_and_413_what_it_could_never_hold(tmp_path) -> None:
+    engine = Engine(Settings(models=tmp_path, max_waiting=2), ServerMetrics())  # not started: admission alone
+    engine.state = "ready"
+    times = [RequestTimes("m") for _ in range(3)]
+    with pytest.raises(InputTooLarge, match="holds at most 2"):
+        engine._admit(times)  # three sequences: never
+    engine._admit(times[:2])
+    with pytest.raises(Overloaded, match="the queue is full"):
+        engine._admit(times[2:])  # one more: not now
+    engine.queue.scheduled()  # one leaves the queue for the engine
+    engine._admit(times[2:])
+    assert (engine.queue.waiting, engine.in_flight) == (2, 3)
+
+
+# --- prefill ---------------------------------------------------------------------------------------------------
+
+
+def test_the_prefill_token_budget_is_split_in_fair_order_and_a_cut_chunk_is_rounded_down(clock) -> None:
+    """100 tokens an iteration for two 80-token prompts: the first takes its whole prompt, the second what is left,
+    20, rounded down to a power of two (a chunk cut short of its prompt's end: ``PREFILL_QUANTUM``)."""
+    served = language_model()
+    worker = make_scheduler(clock, prefill_chunk_tokens=100)
+    first, second = sequence(served, 80, 4, clock), sequence(served, 80, 4, clock)
+    admitted(worker, first, second)
+    worker.apply_admissions(worker.plan_admissions())
+    groups = worker.plan_prefill(clock.now)
+    assert [(group.sequences, group.length) for group in groups] == [([first], 80), ([second], 16)]
+
+
+def test_a_long_prompt_yields_to_a_short_one_for_no_longer_than_its_last_round(clock) -> None:
+    served = language_model(tokens_per_slice=64)
+    worker = make_scheduler(clock)
+    long = sequence(served, 2000, 1, clock)
+    admitted(worker, long)
+    for _ in range(8):
+        worker.iteration()
+    short = sequence(served, 8, 4, clock)
+    admitted(worker, short)
+    worker.apply_admissions(worker.plan_admissions())
+    groups = worker.plan_prefill(clock.now)
+    assert [group.sequences for group in groups] == [[short]]  # served 8 rounds more than the short one: it yields
+    clock.advance(long.prefill_resumes_at - clock.now)
+    assert [group.sequences for group in worker.plan_prefill(clock.now)] == [[short], [long]]
+
+
+# --- cancellation and drain -------------------------------------------------------------------------------------
+
+
+def test_a_request_cancelled_mid_slice_runs_no_further_slice_and_releases_its_memory(clock) -> None:
+    served = transducer_of(clock)
+    worker = make_scheduler(clock, slice_ms=1.0)
+    long = job(served, 10_000, clock)
+    admitted(worker, long)
+    worker.iteration()
+    assert ran(worker, "slice") == [long] and worker.memory.held == 10_000
+    long.cancelled = True  # the client went away during that slice
+    worker.iteration()
+    assert ran(worker, "slice") == [long] and long.finish_reason == "abort" and long.mailbox.items == []
+    assert worker.memory.held == 0 and not worker.long and worker.queue.in_flight == 0 and worker.fair.service == {}
+
+
+def test_a_cancelled_sequence_leaves_its_decode_batch(clock) -> None:
+    served = language_model()
+    worker = make_scheduler(clock)
+    leaving, staying = sequence(served, 10, 100, clock), sequence(served, 10, 100, clock)
+    admitted(worker, leaving, staying)
+    worker.iteration()
+    assert ran(worker, "decode")[-1] == [leaving, staying]
+    leaving.cancelled = True
+    worker.iteration()
+    assert ran(worker, "decode")[-1] == [staying] and leaving.finish_reason == "abort"
+    assert worker.memory.held == staying.cache_bytes and worker.queue.in_flight == 1
+
+
+def test_drain_fails_everything_in_flight_and_stop_ends_the_loop(clock) -> None:
+    """Past the drain timeout the engine posts AbortAll: every request, waiting or running, of either kind, ends with
+    its error; the memory and the queue are empty after."""
+    lm = language_model()
+    transduce = transducer_of(clock)
+    worker = make_scheduler(clock, max_running=1, slice_ms=1.0)
+    running, waiting, long = sequence(lm, 10, 100, clock), sequence(lm, 10, 100, clock), job(transduce, 10_000, clock)
+    admitted(worker, running, waiting, long)
+    worker.iteration()
+    assert (running.status, waiting.status, long.status) == (Status.DECODING, Status.WAITING, Status.SLICING)
+    error = Unavailable("draining took too long")
+    assert worker.take([AbortAll(error)])
+    for work in (running, waiting, long):
+        assert work.finish_reason == "error"
+    assert running.mailbox.items[-1][1] == (0, error) and long.mailbox.items[-1][1] is error
+    assert worker.memory.held == 0 and worker.queue.in_flight == 0 and worker.queue.waiting == 0
+    assert not worker.take([STOP])
+
+
+def test_a_sequence_that_ends_at_its_first_decode_step_stays_finished(clock) -> None:
+    """It joins its decode batch and ends in the same step: joining must not bring it back (it was stepped again and
+    finished twice, and its request stopped reading before its other sequences' answers)."""
+    served = language_model()
+    worker = make_scheduler(clock)
+    short, other = sequence(served, 10, 2, clock), sequence(served, 10, 5, clock)
+    admitted(worker, short, other)
+    worker.iteration()
+    assert short.status is Status.FINISHED and short.finish_reason == "length"
+    worker.iteration()
+    assert ran(worker, "decode") == [[short, other], [other]]
+    assert [type(event).__name__ for _, (_, event) in short.mailbox.items] == ["Finished"]
