@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from array import array
 from pathlib import Path
@@ -126,36 +125,45 @@ def test_a_long_input_reports_the_work_of_each_slice(model_id: str, checkpoints_
     assert long.output.final == whole.final and long.output.confidence == pytest.approx(whole.confidence, abs=1e-5)
 
 
-def scheduler(batch_wait_ms: float = 50.0) -> Scheduler:
-    settings = Settings(models=Path("unused"), batch_wait_ms=batch_wait_ms)
-    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), 2**30)
+class ArrivingWhileBlocked(queue.SimpleQueue):
+    """An inbox that is empty when the worker looks at it and gets ``jobs``, together, as the worker blocks on it:
+    requests that reach an idle server (no thread, no timer)."""
+
+    def __init__(self, *jobs: TransduceJob) -> None:
+        super().__init__()
+        self.arriving = list(jobs)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> object:
+        for arriving in self.arriving:
+            self.put(arriving)
+        self.arriving = []
+        return super().get(block, timeout)
 
 
-def receive_later(worker: Scheduler, *jobs: TransduceJob) -> None:
-    """Put ``jobs`` into the inbox while the worker blocks on it, as requests reach an idle server."""
-    timer = threading.Timer(0.05, lambda: [worker.inbox.put(j) for j in jobs])
-    timer.start()
-    worker._receive()
-    timer.join()
+def scheduler(*arriving: TransduceJob) -> Scheduler:
+    """A scheduler with a 50 ms gathering window, idle, to which ``arriving`` will come."""
+    settings = Settings(models=Path("unused"), batch_wait_ms=50.0)
+    inbox = ArrivingWhileBlocked(*arriving)
+    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), inbox, Postman(), 2**30)
 
 
 def test_a_lone_request_at_an_idle_server_runs_without_waiting() -> None:
-    worker = scheduler()
-    receive_later(worker, job("m", [5]))
+    worker = scheduler(job("m", [5]))
+    assert worker._receive() and worker.jobs_waiting == 1
     assert worker.gather_window() == 0.0
 
 
 def test_the_window_is_kept_under_concurrent_load() -> None:
-    together = scheduler()
-    receive_later(together, job("m", [5]), job("m", [6]))  # two requests at once
+    together = scheduler(job("m", [5]), job("m", [6]))  # two requests at once
+    together._receive()
     assert together.gather_window() == 0.05
     while_busy = scheduler()
     while_busy.inbox.put(job("m", [5]))  # it arrived while the previous batch ran
     while_busy._receive()
     assert while_busy.gather_window() == 0.05
-    after_a_shared_run = scheduler()
+    after_a_shared_run = scheduler(job("m", [5]))
     after_a_shared_run.last_run_jobs = 3  # their clients are about to send their next requests
-    receive_later(after_a_shared_run, job("m", [5]))
+    after_a_shared_run._receive()
     assert after_a_shared_run.gather_window() == 0.05
 
 

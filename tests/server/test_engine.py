@@ -1,10 +1,10 @@
-"""The engine under many clients, against a live server: mixed-length decode batches for every architecture,
-long transduce inputs in slices beside short requests, disconnects mid-transduce, limits and admission."""
+"""The engine under many clients, against a live server: mixed-length decode batches for every architecture, limits
+and admission; and the generation policy on the driven scheduler (real tiny models, a fake clock). Long transduce
+inputs in slices beside short requests and disconnects mid-slice are tests/server/test_scheduler.py's."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 import pytest
@@ -16,7 +16,7 @@ from server.scheduler import FairShare
 from tests.server.checkpoints import LANGUAGE_MODELS
 from tests.server.driven import FakeClock, finished_at, generation, language_model, receive
 from tests.server.driven import scheduler as driven_scheduler
-from tests.server.helpers import make_settings, wait_for
+from tests.server.helpers import make_settings
 from tests.server.live import serve
 
 
@@ -31,26 +31,6 @@ def record_step_batches(monkeypatch, engine, model_id: str) -> list[int]:
 
     monkeypatch.setattr(model, "step", recording_step)
     return sizes
-
-
-def count_slices(monkeypatch, engine, model_id: str, pause_s: float = 0.02) -> list[int]:
-    """Make ``model_id``'s long inputs pause ``pause_s`` after each slice, and count the slices (one entry each)."""
-    model = engine.models[model_id].model
-    run_in_slices, slices = model.run_in_slices, []
-
-    def slow_slices(*args, **kwargs):
-        inner = run_in_slices(*args, **kwargs)
-        while True:
-            try:
-                flops = next(inner)
-            except StopIteration as finished:
-                return finished.value
-            slices.append(1)
-            threading.Event().wait(pause_s)
-            yield flops
-
-    monkeypatch.setattr(model, "run_in_slices", slow_slices)
-    return slices
 
 
 @pytest.mark.parametrize("model_id", sorted(LANGUAGE_MODELS))
@@ -89,46 +69,6 @@ def test_prompts_prefilled_in_many_chunks_score_and_continue_as_in_one(checkpoin
         assert chunked["choices"][0]["text"] == whole["choices"][0]["text"]
         expected = whole["choices"][0]["logprobs"]["token_logprobs"]
         assert chunked["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(expected[1:], abs=1e-4)
-
-
-def test_long_transduce_runs_in_slices_beside_short_requests(checkpoints_dir, monkeypatch) -> None:
-    """A long input (sliced: its call would outgrow one slice) does not hold the engine: a short request to
-    another model sent meanwhile is answered while the long one still runs, and the long one's answer equals
-    the batched path's."""
-    text = "0110" * 60
-    with serve(make_settings(checkpoints_dir, slice_ms=0.01)) as server:
-        slices = count_slices(monkeypatch, server.engine, "parity-regulargpt")
-
-        async def run() -> tuple[dict, bool, dict]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-                long = asyncio.ensure_future(
-                    client.post("/v1/transduce", json={"model": "parity-regulargpt", "inputs": [text]})
-                )
-                await asyncio.to_thread(wait_for, lambda: len(slices) >= 3, 120)  # 1-token chunks: numba compiles
-                short = await client.post("/v1/transduce", json={"model": "parity-lrnn", "inputs": ["0110"]})
-                long_running = not long.done()
-                return short.json(), long_running, (await long).json()
-
-        short, long_running, long = asyncio.run(run())
-    assert short["results"][0]["final"] in ("0", "1") and long_running
-    with serve(make_settings(checkpoints_dir)) as server:  # default slices: the input runs in one call
-        whole = httpx.post(f"{server.url}/v1/transduce", json={"model": "parity-regulargpt", "inputs": [text]})
-    assert long["results"][0]["final"] == whole.json()["results"][0]["final"]
-    assert long["results"][0]["confidence"] == pytest.approx(whole.json()["results"][0]["confidence"], abs=1e-5)
-
-
-def test_disconnect_mid_transduce_stops_its_slices(checkpoints_dir, monkeypatch) -> None:
-    with serve(make_settings(checkpoints_dir, slice_ms=0.01)) as server:
-        slices = count_slices(monkeypatch, server.engine, "parity-regulargpt", pause_s=0.05)
-        body = {"model": "parity-regulargpt", "inputs": ["01" * 5000]}
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/transduce", json=body, timeout=0.5)
-        wait_for(lambda: server.engine.in_flight == 0)
-        stopped_at = len(slices)
-        threading.Event().wait(0.3)
-        assert len(slices) == stopped_at  # no slice ran after the request was dropped
-        ok = httpx.post(f"{server.url}/v1/transduce", json={"model": "parity-lrnn", "inputs": ["01"]})
-        assert ok.status_code == 200
 
 
 def test_sequences_of_different_context_classes_decode_in_separate_batches(live, monkeypatch) -> None:
