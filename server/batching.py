@@ -54,8 +54,8 @@ class TransduceJob(Work):
         mailbox: Mailbox,
         flow: str = "",
     ) -> None:
-        super().__init__(times, flow)
-        self.served, self.inputs, self.all_outputs, self.mailbox = served, inputs, all_outputs, mailbox
+        super().__init__(times, flow, mailbox)
+        self.served, self.inputs, self.all_outputs = served, inputs, all_outputs
         self.outputs: list[TransduceOutput | None] = []
         self.missing = 0  # outputs not computed yet
 
@@ -76,9 +76,6 @@ class TransduceJob(Work):
         if not self.missing and self.end("stop", metrics):
             metrics.child(metrics.transduced_symbols, self.served.id).inc(sum(map(len, self.inputs)))
             self.deliver(self.outputs)
-
-    def deliver(self, answer: object) -> None:
-        self.mailbox.put(answer)
 
 
 @dataclass

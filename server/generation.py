@@ -80,14 +80,14 @@ class Finished:
 
 
 class Sequence(Work):
-    """A sequence's state. Its events go to ``mailbox`` as (index, event): the sequences of one HTTP request
-    (several prompts, n choices) share a mailbox."""
+    """A sequence's state. Its events go to ``mailbox`` as (index, event), through its outbox (``Work.emit``): the
+    sequences of one HTTP request (several prompts, n choices) share a mailbox."""
 
     def __init__(
         self, served: ServedModel, request: GenerationRequest, mailbox: Mailbox, index: int = 0, flow: str = ""
     ) -> None:
-        super().__init__(RequestTimes(served.id), flow)
-        self.served, self.request, self.mailbox, self.index = served, request, mailbox, index
+        super().__init__(RequestTimes(served.id), flow, mailbox)
+        self.served, self.request, self.index = served, request, index
         self.reserved_bytes = 0  # memory held for its cache while it runs (the scheduler's ledger)
         self.prefill_resumes_at = 0.0  # the scheduler's clock: until then its prefill yields to less-served sequences
         self.generator = request.sampling.generator()
@@ -141,15 +141,14 @@ class Sequence(Work):
         self.send(answer)
 
     def send(self, event: PromptScored | TokenGenerated | Finished | APIError) -> None:
-        if not self.request.stream:
-            if isinstance(event, TokenGenerated):
-                self.held.append(event)
-                return
-            if self.held:  # in order, before the event that ends the sequence (or a prompt's scores)
-                self.mailbox.put_many([(self.index, held) for held in self.held] + [(self.index, event)])
-                self.held = []
-                return
-        self.mailbox.put((self.index, event))
+        """Into its outbox; a request that does not stream gets its tokens' events with the next other event."""
+        if not self.request.stream and isinstance(event, TokenGenerated):
+            self.held.append(event)
+            return
+        if self.held:  # in order, before the event that ends the sequence (or a prompt's scores)
+            self.outbox += [(self.index, held) for held in self.held]
+            self.held = []
+        self.outbox.append((self.index, event))
 
 
 def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -> None:

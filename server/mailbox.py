@@ -1,7 +1,8 @@
 """Delivery from the engine's worker thread to requests waiting on the event loop.
 
-The worker posts into mailboxes as it computes; ``Postman.flush`` hands everything posted since the last
-flush to the event loop in one call, once per scheduler iteration, instead of one wake-up per token.
+The scheduler's sweep posts what each request was answered into its mailbox (``server/work.py``: a request's
+outbox); ``Postman.flush`` hands everything posted since the last flush to the event loop in one call, once per
+scheduler iteration, instead of one wake-up per token.
 """
 
 from __future__ import annotations
@@ -16,12 +17,8 @@ class Postman:
         self._lock = threading.Lock()
         self._pending: list[tuple[Mailbox, Any]] = []
 
-    def post(self, mailbox: Mailbox, item: Any) -> None:
-        with self._lock:
-            self._pending.append((mailbox, item))
-
     def post_many(self, mailbox: Mailbox, items: list[Any]) -> None:
-        """``post`` for each item, in order, under one lock (a whole answer's events at its end)."""
+        """Post the items, in order, under one lock (what the scheduler's sweep hands a request at once)."""
         with self._lock:
             self._pending.extend((mailbox, item) for item in items)
 
@@ -52,12 +49,8 @@ class Mailbox:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self._postman = postman
 
-    def put(self, item: Any) -> None:
-        """Thread-safe; delivered at the postman's next flush."""
-        self._postman.post(self, item)
-
     def put_many(self, items: list[Any]) -> None:
-        """``put`` for each item, in order."""
+        """Thread-safe; delivered, in order, at the postman's next flush."""
         self._postman.post_many(self, items)
 
     async def get(self) -> Any:

@@ -21,9 +21,9 @@ Steps 3-6 each go plan, run, apply: the scheduler's ``plan_*`` decides what runs
 alone (no model call, no change); the executor (``server/executor.py``) runs the plan (the model calls, their
 timing, the sampling), stopping when about one slice has been spent; ``apply_*`` charges fairness and memory and
 moves the work's status (``server/work.py``: waiting, prefilling, decoding, slicing, finished with a reason). One
-sweep (step 2, and after each step that can end work) is the only place work leaves the scheduler: there its
-memory is released and a finished request leaves the queue that admission counts (``RequestQueue``: 429 when
-full), which the scheduler owns; the metrics only observe.
+sweep (step 2, and after each step) is the only place work leaves the scheduler and answers leave the work: there
+each request is handed what it was answered (its outbox), memory is released, and a finished request leaves the
+queue that admission counts (``RequestQueue``: 429 when full), which the scheduler owns; the metrics only observe.
 
 **Fairness** (``FairShare``): every request belongs to a flow, its client (the peer address). Transduce work
 is taken least-served flow first, then, within a flow, least-served request first, then oldest: a flow's
@@ -264,15 +264,16 @@ class Scheduler:
     # --- the sweep ----------------------------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """The one pass over all work: ends the work whose client went away, takes out what has ended or been
-        computed (its memory released, finished requests counted out of the queue), and forgets the flows that have
-        nothing left."""
+        """The one pass over all work: ends the work whose client went away, hands each request what it was answered
+        (``Work.emit``), takes out what has ended or been computed (its memory released, finished requests counted
+        out of the queue), and forgets the flows that have nothing left."""
         flows: set[str] = set()
         finished: dict[int, Work] = {}
 
         def keep(work: Work) -> bool:
             if work.cancelled and not work.done:
                 work.abort(self.metrics)
+            work.emit()
             if work.done:
                 finished[id(work)] = work
                 return False

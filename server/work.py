@@ -6,7 +6,9 @@ A request is admitted ``WAITING``. The scheduler moves it on: a sequence to ``PR
 (its memory held), then to ``DECODING`` when its prompt is done and it joins its model's decode batch; a transduce
 request to ``SLICING`` when its first batch or slice runs. It ends ``FINISHED`` with a reason: "stop" or "length"
 (answered), "abort" (the client went away: no answer) or "error" (the answer is the error). The request's side only
-sets ``cancelled``; the scheduler ends the work at its next pass.
+sets ``cancelled``; the scheduler ends the work at its next pass. What a request is answered (a transduce request's
+outputs or error, a sequence's events) waits in its ``outbox`` until the scheduler's sweep hands it over
+(``emit``), once per step: the work never posts to its mailbox itself.
 
 The queue that admission counts (:class:`RequestQueue`: 429 when full) belongs to the scheduler; the metrics only
 observe the same transitions (``ServerMetrics.queued``, ``scheduled``, ``finished``).
@@ -19,6 +21,7 @@ import threading
 from typing import Literal
 
 from server.errors import APIError
+from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -36,13 +39,14 @@ class Work:
     """A request's status, its fairness (flow, service) and its timestamps. Subclasses say how an answer or an error
     reaches the request (``deliver``)."""
 
-    def __init__(self, times: RequestTimes, flow: str) -> None:
-        self.times = times
+    def __init__(self, times: RequestTimes, flow: str, mailbox: Mailbox) -> None:
+        self.times, self.mailbox = times, mailbox
         self.flow = flow  # who asked (the scheduler's fairness key)
         self.service = 0.0  # model seconds spent on it so far (the scheduler's fairness)
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.cancelled = False  # set by the request's side when the client goes away
+        self.outbox: list[object] = []  # the mailbox's next items, in order, until ``emit``
 
     @property
     def done(self) -> bool:
@@ -75,7 +79,14 @@ class Work:
             self.deliver(error)
 
     def deliver(self, answer: object) -> None:
-        raise NotImplementedError
+        """Answer the request (at the next ``emit``)."""
+        self.outbox.append(answer)
+
+    def emit(self) -> None:
+        """Hand the request what it was answered since the last call, in one delivery."""
+        if self.outbox:
+            self.mailbox.put_many(self.outbox)
+            self.outbox = []
 
 
 class RequestQueue:

@@ -133,9 +133,11 @@ def test_a_whole_answer_gets_its_tokens_at_the_end(stream: bool, client) -> None
     batch = DecodeBatch()
     batch.join([sequence])
     batch.step(metrics)
+    sequence.emit()  # what the scheduler's sweep does after each step
     assert len(mailbox.items) == (2 if stream else 0)
     batch.step(metrics)
     batch.step(metrics)  # the fourth token: finished
+    sequence.emit()
     events = [event for _, event in mailbox.items]
     assert [type(event).__name__ for event in events] == ["TokenGenerated"] * 4 + ["Finished"]
     assert [event.token for event in events[:4]] == sequence.generated
@@ -157,6 +159,7 @@ def test_a_plain_whole_answer_has_its_text_in_the_finished_event(client, monkeyp
         batch.join([sequence])
         while not sequence.done:
             batch.step(metrics)
+        sequence.emit()
         events = [event for _, event in mailbox.items]
         return "".join(event.text for event in events), events[-1].completion_tokens, len(events), sequence.generated
 
@@ -191,6 +194,8 @@ def test_log_probabilities_come_from_each_rows_own_logits(client) -> None:
         while not all(sequence.done for sequence in sequences):
             batch.step(metrics)
             batch.drop_finished()
+        for sequence in sequences:
+            sequence.emit()
         return [[event.logprob.logprob for _, event in mailbox.items[:-1]] for mailbox in mailboxes]  # then Finished
 
     together = logprobs([[65, 66], [70, 71, 72]])
