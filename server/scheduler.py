@@ -21,9 +21,10 @@ Steps 3-6 each go plan, run, apply: the scheduler's ``plan_*`` decides what runs
 alone (no model call, no change); the executor (``server/executor.py``) runs the plan (the model calls, their
 timing, the sampling), stopping when about one slice has been spent; ``apply_*`` charges fairness and memory and
 moves the work's status (``server/work.py``: waiting, prefilling, decoding, slicing, finished with a reason). One
-sweep (step 2, and after each step) is the only place work leaves the scheduler and answers leave the work: there
-each request is handed what it was answered (its outbox), memory is released, and a finished request leaves the
-queue that admission counts (``RequestQueue``: 429 when full), which the scheduler owns; the metrics only observe.
+sweep (step 2, after the transduce step, and last) is the only place work leaves the scheduler and answers leave
+the work: there each request is handed what it was answered (its outbox), memory is released, and a finished
+request leaves the queue that admission counts (``RequestQueue``: 429 when full), which the scheduler owns; the
+metrics only observe.
 
 **Fairness** (``FairShare``): every request belongs to a flow, its client (the peer address). Transduce work
 is taken least-served flow first, then, within a flow, least-served request first, then oldest: a flow's
@@ -181,17 +182,16 @@ class Scheduler:
 
     def iteration(self) -> None:
         """Steps 2-7 of the module docstring, on the work already received: each step planned, run by the
-        executor, and its result applied; the sweep between them takes out what ended."""
+        executor, and its result applied; the sweep takes out what ended (the transduce work's after its step too)."""
         self.sweep()
         plan = self.plan_transduce(time.monotonic())
         self.apply_transduce(plan, self.executor.transduce(plan))
-        self.sweep()
+        self.sweep(sequences=False)
         admitted = self.plan_admissions()
         self.executor.start(admitted)
         self.apply_admissions(admitted)
         groups = self.plan_prefill(self.clock())
         self.apply_prefill(self.executor.prefill(groups))
-        self.sweep()
         work = self.plan_decode()
         self.apply_decode(self.executor.decode(work))
         self.sweep()
@@ -263,22 +263,16 @@ class Scheduler:
 
     # --- the sweep ----------------------------------------------------------------------------------------
 
-    def sweep(self) -> None:
-        """The one pass over all work: ends the work whose client went away, hands each request what it was answered
+    def sweep(self, sequences: bool = True) -> None:
+        """The one pass over the work: ends the work whose client went away, hands each request what it was answered
         (``Work.emit``), takes out what has ended or been computed (its memory released, finished requests counted
-        out of the queue), and forgets the flows that have nothing left."""
+        out of the queue), and forgets the flows that have nothing left. ``sequences`` False: the transduce work
+        only, the flows kept (after the transduce step: the memory of what ended is back before admissions)."""
         flows: set[str] = set()
         finished: dict[int, Work] = {}
 
-        def keep(work: Work) -> bool:
-            if work.cancelled and not work.done:
-                work.abort(self.metrics)
-            work.emit()
-            if work.done:
-                finished[id(work)] = work
-                return False
-            flows.add(work.flow)
-            return True
+        def keep(job: TransduceJob) -> bool:
+            return bool(_settle([job], self.metrics, flows, finished))
 
         self.short = [item for item in self.short if keep(item.job) and item.job.outputs[item.index] is None]
         kept = []
@@ -290,19 +284,20 @@ class Scheduler:
                 self.memory.release(long.item.cost.nbytes)
             long.close()
         self.long = kept
-        self.waiting = deque(sequence for sequence in self.waiting if keep(sequence))
-        self.prefilling = [sequence for sequence in self.prefilling if keep(sequence)]
-        for key, batch in list(self.decoding.items()):
-            if not all([keep(sequence) for sequence in batch.sequences]):  # a list: every sequence is looked at
-                batch.drop_finished()
-            if not batch.sequences:
-                del self.decoding[key]
+        if sequences:
+            self.waiting = deque(_settle(self.waiting, self.metrics, flows, finished))
+            self.prefilling = _settle(self.prefilling, self.metrics, flows, finished)
+            for key, batch in list(self.decoding.items()):
+                if len(_settle(batch.sequences, self.metrics, flows, finished)) < len(batch.sequences):
+                    batch.drop_finished()
+                if not batch.sequences:
+                    del self.decoding[key]
+            self.fair.keep_only(flows)
         for work in finished.values():
             if isinstance(work, Sequence) and work.reserved_bytes:
                 self.memory.release(work.reserved_bytes)
                 work.reserved_bytes = 0
             self.queue.finished(was_scheduled=work.times.scheduled is not None)
-        self.fair.keep_only(flows)
         if not self.short:
             self.jobs_waiting = 0
 
@@ -448,11 +443,11 @@ class Scheduler:
                 sequence.prefill_resumes_at = result.ended + (result.ended - result.started)
 
     def plan_decode(self) -> list[DecodeWork]:
-        """One step per decode batch, the sequences whose prompt is done joining theirs (after a sweep: none of them
-        has ended)."""
+        """One step per decode batch, the sequences whose prompt is done joining theirs (those that ended meanwhile
+        wait for the sweep)."""
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for sequence in self.prefilling:
-            if not sequence.prefilling:
+            if not sequence.prefilling and not sequence.done:
                 joining.setdefault(_decode_key(sequence), []).append(sequence)
         keys = [*self.decoding, *(key for key in joining if key not in self.decoding)]
         return [DecodeWork(key, self.decoding.get(key), joining.get(key, [])) for key in keys]
@@ -468,6 +463,24 @@ class Scheduler:
             for sequence in sequences:
                 sequence.service += seconds / len(sequences)
         self.prefilling = [sequence for sequence in self.prefilling if id(sequence) not in joined]
+
+
+def _settle(works: Iterable[Work], metrics: ServerMetrics, flows: set[str], finished: dict[int, Work]) -> list[Work]:
+    """The sweep on each of ``works``, in one loop (it runs over every running sequence twice an iteration): end it if
+    its client went away, emit its answers; those that ended go into ``finished``; returns the others, whose flows go
+    into ``flows``."""
+    kept = []
+    for work in works:
+        if work.cancelled and not work.done:
+            work.abort(metrics)
+        if work.outbox:
+            work.emit()
+        if work.done:
+            finished[id(work)] = work
+        else:
+            kept.append(work)
+            flows.add(work.flow)
+    return kept
 
 
 def _decode_key(sequence: Sequence) -> tuple[str, int]:
