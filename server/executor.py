@@ -43,7 +43,8 @@ class TransduceUnit:
 @dataclass(frozen=True)
 class TransducePlan:
     units: list[TransduceUnit]  # in fair order
-    batched_jobs: int = 0  # the requests whose short inputs were planned into batches (the gathering window's)
+    batched_jobs: int | None = None  # the requests whose short inputs were planned into batches, if any were (the
+    # gathering window's bookkeeping)
 
 
 @dataclass(frozen=True)

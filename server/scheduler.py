@@ -151,15 +151,15 @@ class Scheduler:
         inbox: queue.SimpleQueue,
         postman: Postman,
         memory_budget: int,
-        queue: RequestQueue | None = None,
+        request_queue: RequestQueue | None = None,
         clock: Callable[[], float] = time.perf_counter,
         executor: Executor | None = None,
     ) -> None:
-        """``queue``: what admission counts (the engine's; a new one by default). ``clock``: seconds, what model calls
+        """``request_queue``: what admission counts (the engine's; a new one by default). ``clock``: seconds, what model calls
         and slices are timed with (a test drives a fake one). ``executor``: what runs the plans (by default the
         models', on ``clock``; a test gives a fake one)."""
         self.settings, self.metrics, self.inbox, self.postman = settings, metrics, inbox, postman
-        self.queue = queue or RequestQueue(settings.max_waiting)
+        self.queue = request_queue or RequestQueue(settings.max_waiting)
         self.clock = clock
         self.executor = executor or Executor(metrics, state_cache, settings.slice_ms, clock)
         self.fair = FairShare()
@@ -316,7 +316,7 @@ class Scheduler:
         least-served request, then oldest; a unit whose memory does not fit now waits (a long input holds its
         memory from its first slice). ``now``: ``time.monotonic()``, what arrivals are stamped with."""
         units: list[tuple[tuple[float, float, float], TransduceUnit]] = []  # (flow's, job's service, arrival), unit
-        batched_jobs = 0
+        batched_jobs = None
         if self._short_due(now):
             batched_jobs = self.jobs_waiting
             for batch in plan_batches(self.short, self.settings.max_batch_size, self.settings.max_batch_symbols):
@@ -345,7 +345,7 @@ class Scheduler:
     def apply_transduce(self, plan: TransducePlan, result: TransduceResult) -> None:
         """Hold the memory of the long inputs that started, charge each call's flows and requests (in proportion to
         their symbols), and answer the inputs computed or fail their requests."""
-        if plan.batched_jobs:
+        if plan.batched_jobs is not None:
             self.last_run_jobs, self.jobs_waiting = plan.batched_jobs, 0
         for unit, calls in result.ran:
             self.memory.hold(unit.holds)
