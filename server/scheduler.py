@@ -155,8 +155,8 @@ class Scheduler:
         clock: Callable[[], float] = time.perf_counter,
         executor: Executor | None = None,
     ) -> None:
-        """``request_queue``: what admission counts (the engine's; a new one by default). ``clock``: seconds, what model calls
-        and slices are timed with (a test drives a fake one). ``executor``: what runs the plans (by default the
+        """``request_queue``: what admission counts (the engine's; a new one by default). ``clock``: seconds, what model
+        calls and slices are timed with (a test drives a fake one). ``executor``: what runs the plans (by default the
         models', on ``clock``; a test gives a fake one)."""
         self.settings, self.metrics, self.inbox, self.postman = settings, metrics, inbox, postman
         self.queue = request_queue or RequestQueue(settings.max_waiting)
