@@ -369,3 +369,37 @@ def test_a_sequence_that_ends_at_its_first_decode_step_stays_finished(clock) -> 
     worker.iteration()
     assert ran(worker, "decode") == [[short, other], [other]]
     assert [type(event).__name__ for _, (_, event) in short.mailbox.items] == ["Finished"]
+
+
+def test_planning_changes_nothing(clock) -> None:
+    """``plan_*`` decide from the scheduler's state alone: asked twice, they answer the same, and nothing moved."""
+    lm, transduce = language_model(), transducer_of(clock)
+    worker = make_scheduler(clock, max_running=2, slice_ms=1.0)
+    work = [sequence(lm, 10, 100, clock), sequence(lm, 3000, 4, clock), sequence(lm, 10, 4, clock, "other")]
+    admitted(worker, *work, job(transduce, 10_000, clock), job(transduce, 4, clock))
+    worker.iteration()
+
+    def state() -> tuple:
+        return (worker.memory.held, dict(worker.fair.service), worker.queue.waiting, worker.jobs_waiting,
+                worker.last_run_jobs, len(worker.short),
+                len(worker.long), list(worker.waiting), list(worker.prefilling), dict(worker.decoding),
+                [(each.status, each.service, each.prefilled) for each in work])  # fmt: skip
+
+    before = state()
+    plans = [
+        (
+            [(unit.items, unit.holds) for unit in worker.plan_transduce(time.monotonic()).units],
+            worker.plan_admissions(),
+            [(group.sequences, group.length) for group in worker.plan_prefill(clock.now)],
+            [(each.key, each.batch, each.joining) for each in worker.plan_decode()],
+        )
+        for _ in range(2)
+    ]
+    assert plans[0] == plans[1] and state() == before
+    # After one iteration of 1 ms slices (each fake call takes 10): the long input had a slice, and the short one comes
+    # first now; "other" was admitted first (the transduce work had charged "client"), its prompt prefilled and it
+    # decodes; there is no room for a third sequence, and the second's prompt is next.
+    transduce_units, admissions, prefill_groups, decode_work = plans[0]
+    assert [len(items[0].tokens) for items, _ in transduce_units] == [4, 10_000]
+    assert admissions == [] and prefill_groups == [([work[0]], 10)] and [each[2] for each in decode_work] == [[]]
+    assert [each.status for each in work] == [Status.PREFILLING, Status.WAITING, Status.DECODING]
