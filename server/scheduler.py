@@ -301,6 +301,12 @@ class Scheduler:
         if not self.short:
             self.jobs_waiting = 0
 
+    def _schedule(self, work: Work, status: Status) -> None:
+        """Move ``work`` on to ``status``; leaving ``WAITING``, it leaves the queue's waiting count."""
+        if work.status is Status.WAITING:
+            self.queue.scheduled()
+        work.schedule(status, self.metrics)
+
     def _fail_all(self, error: APIError) -> None:
         """End every request in flight with ``error``; running slices stop here."""
         for job in [item.job for item in self.short] + [long.item.job for long in self.long]:
@@ -351,9 +357,7 @@ class Scheduler:
             self.memory.hold(unit.holds)
             for call in calls:
                 for item in call.items:
-                    if item.job.status is Status.WAITING:
-                        item.job.schedule(Status.SLICING, self.metrics)
-                        self.queue.scheduled()
+                    self._schedule(item.job, Status.SLICING)
                 if call.error is not None:
                     for item in call.items:
                         item.job.fail(call.error, self.metrics)
@@ -406,8 +410,7 @@ class Scheduler:
             if id(sequence) in started:
                 self.memory.hold(sequence.cache_bytes)
                 sequence.reserved_bytes = sequence.cache_bytes
-                sequence.schedule(Status.PREFILLING, self.metrics)
-                self.queue.scheduled()
+                self._schedule(sequence, Status.PREFILLING)
                 self.prefilling.append(sequence)
         self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in started)
 
@@ -458,7 +461,7 @@ class Scheduler:
         for work, batch, sequences, seconds in result.ran:
             self.decoding[work.key] = batch
             for sequence in work.joining:
-                sequence.schedule(Status.DECODING, self.metrics)
+                self._schedule(sequence, Status.DECODING)
                 joined.add(id(sequence))
             for sequence in sequences:
                 sequence.service += seconds / len(sequences)

@@ -50,8 +50,7 @@ class TextData:
     validation_corpus: str | None = None  # for a streamed corpus: where validation windows come from
     validation_windows: int = 64
     passkey_fraction: float = 0.0  # of the training rows: pass-key examples (training/passkey.py)
-    passkey_fraction_final: float | None = None  # the fraction at step ``passkey_steps``, linear from the first
-    passkey_steps: int = 0  # the steps over which the fraction moves (the run's --steps)
+    passkey_fraction_final: float | None = None  # the fraction at the run's last step, linear from the first
     passkey_distractors: int = 2  # a pass-key row's filler holds 0 .. this many other numbers
     state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
 
@@ -72,7 +71,7 @@ class LanguageModelObjective(Objective):
       keep a key at all; scored on the answer alone, two runs learned nothing in 300 steps). Evaluation then also
       reports the pass-key accuracy (every answer token the argmax, teacher-forced) of fixed prompts whose filler
       is held-out text, at 1x and 16x the training length (``passkey_accuracy_<size>``). With
-      ``passkey_fraction_final`` the fraction moves linearly to it over ``passkey_steps``: a model that has learned
+      ``passkey_fraction_final`` the fraction moves linearly to it over the run's ``steps``: a model that has learned
       the key from pass-key rows alone keeps it while text is mixed in gradually (half the rows as text at once
       lost it within 100 steps, docs/text_results.md). Each example's filler holds up to ``passkey_distractors``
       other numbers, before and after the needle, so that the key is told from numbers by the needle's words.
@@ -87,10 +86,12 @@ class LanguageModelObjective(Objective):
     keep_best = False
 
     def __init__(
-        self, data: TextData, tokenizer: Tokenizer, ranks_file: Path | None, batch_size: int, seed: int,
+        self, data: TextData, tokenizer: Tokenizer, ranks_file: Path | None, steps: int, batch_size: int, seed: int,
         evaluate: bool, dist: Distributed,
     ) -> None:
+        """``steps``: the run's, over which the pass-key fraction moves (as a task's curriculum ramps over them)."""
         self.data, self.tokenizer, self.ranks_file, self.batch_size = data, tokenizer, ranks_file, batch_size
+        self.steps = steps
         if is_streamed(data.corpus):
             self.windows: TokenArray | StreamedWindows = StreamedWindows(
                 lambda: corpus_documents(data.corpus, dist.rank, dist.world_size), tokenizer)
@@ -177,9 +178,9 @@ class LanguageModelObjective(Objective):
     def passkey_fraction(self, step: int) -> float:
         """The chance that a row of step ``step`` (from 1) is a pass-key example."""
         first, final = self.data.passkey_fraction, self.data.passkey_fraction_final
-        if final is None or self.data.passkey_steps <= 1:
+        if final is None or self.steps <= 1:
             return first
-        progress = min(max(step - 1, 0) / (self.data.passkey_steps - 1), 1.0)
+        progress = min(max(step - 1, 0) / (self.steps - 1), 1.0)
         return first + (final - first) * progress
 
     def _consecutive_windows(self, rng: np.random.Generator) -> torch.Tensor:

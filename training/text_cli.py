@@ -211,7 +211,7 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))
     if args.passkey_fraction_final is not None and not args.passkey_fraction:
         raise UsageError("--passkey-fraction-final needs --passkey-fraction (the fraction at the first step)")
-    if args.passkey_fraction or args.passkey_fraction_final:  # before the corpus is read
+    if args.passkey_fraction:  # before the corpus is read
         check_passkey_length(tokenizer, args.length)
     if args.state_passing and args.arch not in RECURRENT_ARCHITECTURES:
         raise UsageError(f"--state-passing needs a recurrent model ({', '.join(RECURRENT_ARCHITECTURES)}); "
@@ -221,10 +221,10 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
                     length=args.length, validation_fraction=args.validation_fraction,
                     validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
                     passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
-                    passkey_steps=args.steps, passkey_distractors=args.passkey_distractors,
+                    passkey_distractors=args.passkey_distractors,
                     state_passing=args.state_passing)
     return settings, config, lambda settings, dist: LanguageModelObjective(
-        data, tokenizer, ranks_file, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
+        data, tokenizer, ranks_file, settings.steps, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 
 
 # ---------------------------------------------------------------- text-eval

@@ -252,7 +252,7 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
               **fields}  # runs saved before these options
     data = dataclass_from_dict(TextData, fields, where="resume text data")
     tokenizer = load_tokenizer(data.tokenizer, out)  # a ranks file was copied into the run folder
-    return LanguageModelObjective(data, tokenizer, None, settings.batch_size, settings.seed,
+    return LanguageModelObjective(data, tokenizer, None, settings.steps, settings.batch_size, settings.seed,
                                   evaluate=settings.eval_every > 0, dist=dist)
 
 

@@ -238,7 +238,7 @@ def _constant_run(out: Path, steps: int, resume: bool = False) -> dict:
 
 
 def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = False,
-                   passkey_fraction: float = 0.0, **passkey: Any) -> LanguageModelObjective:
+                   passkey_fraction: float = 0.0, steps: int = 9, **passkey: Any) -> LanguageModelObjective:
     """A language model's objective on a made token array (in memory, no tokenizer file needed for the loop)."""
     from model.tokenizer import load_tokenizer
 
@@ -246,6 +246,7 @@ def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = 
     objective.data = TextData(corpus="made", tokenizer="bytes", length=length, validation_windows=4,
                               passkey_fraction=passkey_fraction, state_passing=state_passing, **passkey)
     objective.tokenizer, objective.ranks_file, objective.batch_size = load_tokenizer("bytes", "."), None, batch_size
+    objective.steps = steps
     tokens = np.random.default_rng(5).integers(0, 257, size=2000)
     if passkey_fraction:  # text the byte tokenizer decodes (token 256 is its end of text)
         tokens = np.asarray(objective.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 50))
@@ -344,9 +345,9 @@ def test_passkey_rows_are_prompts_scored_on_their_needle_and_answer() -> None:
 
 def test_the_passkey_fraction_falls_linearly_to_its_final_value_and_rows_hold_distractors() -> None:
     """``passkey_fraction_final``: the share of pass-key rows moves from the first fraction at step 1 to the final
-    one at ``passkey_steps`` and stays there; the rows' filler holds other numbers than the key."""
+    one at the run's last step and stays there; the rows' filler holds other numbers than the key."""
     objective = text_objective(length=320, batch_size=64, passkey_fraction=1.0, passkey_fraction_final=0.25,
-                               passkey_steps=101, passkey_distractors=3)
+                               steps=101, passkey_distractors=3)
     assert [objective.passkey_fraction(step) for step in (1, 51, 101, 500)] == [1.0, 0.625, 0.25, 0.25]
     rng = np.random.default_rng(0)
     shares = {}
