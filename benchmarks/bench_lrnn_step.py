@@ -20,6 +20,9 @@ time (100% = at the floor). In each of ``--repeats`` rounds the floors and every
 rounds and the spread. A model's prefill of 256 tokens (one parallel pass) is timed too, to show what
 ``for_serving``'s weight layout does to the parallel pass.
 
+``--stochastic`` adds the full generator with stochastic transitions (``transition_norm`` "stochastic": column
+sparsemax, no B u), served (its layer step compiled: ``lrnn_layer_step``) and with MKL's products (the torch step).
+
 ``--layouts`` measures instead how fast a one-token product (a (1, in) row) reads each weight shape of the size-L
 step: MKL's (``F.linear``) with the weight stored (out, in), as ``nn.Linear`` stores it, and (in, out), as
 ``for_serving`` stores the wide ones for MKL, and the streaming kernel's (``model.ops.cpu_decode.linear``, (out, in)),
@@ -31,7 +34,7 @@ against the weight's oneDNN pack (model/ops/prepacked.py, what served models use
 at 1-4 rows, the streaming kernel.
 
     python -m benchmarks.bench_lrnn_step [--ranks 32,64,128] [--batches 1,32] [--threads 1] [--repeats 5]
-        [--steps 10] [--layouts | --packing]
+        [--steps 10] [--stochastic] [--layouts | --packing]
 
 On a CPU that other processes share, use --threads 1 (benchmarks/bench_decode.py says why).
 """
@@ -95,17 +98,23 @@ def floors_once() -> dict[str, float]:
 MKL = "served, MKL products"  # the suffix of the variant built and run inside cpu_decode.torch_products()
 
 
-def models(ranks: list[int]) -> dict[str, BlockDiagonalLRNN]:
+def models(ranks: list[int], stochastic: bool) -> dict[str, BlockDiagonalLRNN]:
     """Size L with each generator, as built ("name") and after ``for_serving`` ("name, served"); the full one also
-    served with MKL's products ("full, served, MKL products")."""
+    served with MKL's products ("full, served, MKL products"). With ``stochastic``, the full generator with
+    stochastic transitions too ("stochastic", served and with MKL's products: the torch step)."""
     built = {}
-    for rank in [None, *ranks]:
+    for rank in [None, *ranks, *(["stochastic"] if stochastic else [])]:
         torch.manual_seed(0)
-        name = "full" if rank is None else f"rank {rank}"
+        name = "full" if rank is None else rank if rank == "stochastic" else f"rank {rank}"
         # the full generator without naming the field, so that --ranks "" also runs on a checkout from before it
-        config = LRNNConfig(**SIZE_L) if rank is None else LRNNConfig(**SIZE_L, transition_rank=rank)
+        if rank is None:
+            config = LRNNConfig(**SIZE_L)
+        elif rank == "stochastic":
+            config = LRNNConfig(**SIZE_L, transition_norm="stochastic")
+        else:
+            config = LRNNConfig(**SIZE_L, transition_rank=rank)
         built[name] = BlockDiagonalLRNN(config).eval()
-        for variant in ("served", MKL) if rank is None else ("served",):
+        for variant in ("served", MKL) if rank in (None, "stochastic") else ("served",):
             served = copy.deepcopy(built[name])
             with products(variant):
                 served.for_serving()
@@ -202,6 +211,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layouts", action="store_true", help="one-token product read rates by weight layout")
     parser.add_argument("--packing", action="store_true", help="products by rows: F.linear, oneDNN pack, kernel")
+    parser.add_argument("--stochastic", action="store_true", help="also the full generator, stochastic transitions")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.layouts or args.packing:
@@ -211,7 +221,7 @@ def main() -> None:
         return
     ranks = [int(rank) for rank in args.ranks.split(",") if rank]
     batches = [int(batch) for batch in args.batches.split(",")]
-    built = models(ranks)
+    built = models(ranks, args.stochastic)
     rounds: list[dict] = []
     with torch.no_grad():
         for _ in range(args.repeats):

@@ -122,8 +122,8 @@ class Recurrence(nn.Module):
         raise NotImplementedError
 
     def fused_step_weights(self) -> list[torch.Tensor] | None:
-        """The tensors :func:`model.ops.cpu_decode.lrnn_column_layer_step` takes from the recurrence, where it can run
-        this recurrence's step; None (the default) where it cannot."""
+        """The tensors :func:`model.ops.cpu_decode.lrnn_layer_step` takes from the recurrence, where it can run this
+        recurrence's step; None (the default) where it cannot."""
         return None
 
     def joint_weight(self) -> torch.Tensor | None:
@@ -249,12 +249,18 @@ class BlockDiagonalRecurrence(Recurrence):
         return True
 
     def fused_step_weights(self) -> list[torch.Tensor] | None:
-        """With the column constraint, after :meth:`for_serving` stacked g and B for the streaming kernel (float32,
-        (out, in) in memory): the stacked matrix, g's and B's biases, the readout's weight and bias."""
-        joint = self.joint_weight() if self.transition_norm == "column" else None
-        if joint is None or not joint.is_contiguous() or joint.dtype != torch.float32:
+        """With the full generator, float32 and (out, in) in memory: the generator's weight, g's and B's biases, the
+        readout's weight and bias. "column": after :meth:`for_serving` stacked g and B (the stacked matrix);
+        "stochastic": g's own weight, and B's bias empty (there is no B u). None under the other norms."""
+        if self.rank is not None or self.transition_norm not in ("column", "stochastic"):
             return None
-        return [joint, self.transition.bias, self.input_proj.bias, self.out_proj.weight, self.out_proj.bias]
+        if self.stochastic:
+            weight, inputs_bias = self.transition.weight, self.transition.bias.new_empty(0)  # (H b^2, d), (0,)
+        else:
+            weight, inputs_bias = self.joint_weight(), self.input_proj.bias  # (H b^2 + H b, d) or None, (H b,)
+        if weight is None or not weight.is_contiguous() or weight.dtype != torch.float32:
+            return None
+        return [weight, self.transition.bias, inputs_bias, self.out_proj.weight, self.out_proj.bias]
 
     def joint_weight(self) -> torch.Tensor | None:
         """The (H b^2 + H b, d_model) matrix that :meth:`for_serving` made g's and B's weights views of, in its
@@ -349,18 +355,19 @@ class RecurrentBlock(nn.Module):
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b). Served on the CPU with few rows,
         a recurrence that supports it runs the whole layer as one compiled call
-        (:func:`model.ops.cpu_decode.lrnn_column_layer_step`, equal up to float rounding)."""
+        (:func:`model.ops.cpu_decode.lrnn_layer_step`, equal up to float rounding)."""
         if not self.training and cpu_decode.compiles_step(x):
             weights = self.recurrence.fused_step_weights()
             if weights is not None and state.dtype == torch.float32:
-                mlp, ln_1, ln_2 = self.mlp, self.ln_1, self.ln_2
-                return cpu_decode.lrnn_column_layer_step(
+                recurrence, mlp, ln_1, ln_2 = self.recurrence, self.mlp, self.ln_1, self.ln_2
+                return cpu_decode.lrnn_layer_step(
                     x,
                     state,
                     [ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
                      mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias],
                     ln_1.eps,
-                    self.recurrence.p_norm,
+                    recurrence.transition_norm,
+                    recurrence.p_norm,
                 )
         u = self.ln_1(x)  # (B, d_model)
         state = self.recurrence.step(u, state)  # (B, H, b)

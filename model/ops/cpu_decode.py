@@ -36,9 +36,9 @@ model or device this does not cover (the engine refuses to start with them).
 Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
 slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
 and data the weights streamed before it have evicted (oneDNN's GELU of 2,048 values: 8 us with hot caches, 40 us
-inside a size-L LRNN step). :func:`lrnn_column_layer_step` and :func:`regulargpt_layer_step` run a whole served LRNN
-layer or RegularGPT thick layer (its K blocks), products included, as one compiled call (figures:
-docs/benchmarks.md, "CPU decode kernels").
+inside a size-L LRNN step). :func:`lrnn_layer_step` and :func:`regulargpt_layer_step` run a whole served LRNN
+layer (column-constrained or stochastic transitions) or RegularGPT thick layer (its K blocks), products included, as
+one compiled call (figures: docs/benchmarks.md, "CPU decode kernels").
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ from model.ops import prepacked
 
 logger = logging.getLogger(__name__)
 
+LayerTransitions = Literal["column", "stochastic"]  # the LRNN transitions lrnn_layer_step runs
 MAX_ROWS = 4  # the kernel's rows per call; from 8 rows MKL's blocked products were faster (docs/benchmarks.md)
 # Smaller weights stay F.linear: such a weight is likely in a cache between steps, where MKL reads it about as fast,
 # and the kernel's call costs ~8 us of Python against F.linear's ~5 (a hot 128 x 128: 11 against 5 us; 512 x 512:
@@ -132,7 +134,7 @@ def rows_note() -> str:
 
 
 def compiles_step(x: torch.Tensor) -> bool:
-    """Whether a decode step over ``x`` (rows first) may run as one compiled call (:func:`lrnn_column_layer_step`,
+    """Whether a decode step over ``x`` (rows first) may run as one compiled call (:func:`lrnn_layer_step`,
     :func:`regulargpt_layer_step`): on the CPU, no gradients, and :func:`streams` for its rows and dtype."""
     return x.is_cpu and not torch.is_grad_enabled() and streams(x.shape[0], x.dtype)
 
@@ -148,21 +150,28 @@ def torch_products() -> Iterator[None]:
         _state.off -= 1
 
 
-def lrnn_column_layer_step(
-    x: torch.Tensor, state: torch.Tensor, weights: Sequence[torch.Tensor], eps: float, p: float
+def lrnn_layer_step(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    eps: float,
+    transitions: LayerTransitions,
+    p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One served LRNN layer (model/lrnn.py, ``RecurrentBlock.step`` with the column p-norm constraint and the full
-    generator) as one compiled call: x + readout(A(u) state + B u) with u = LN_1(x), then + MLP(LN_2(.)), where
-    A(u)'s column j is divided by max(1, ||column j||_p) (applied to the state entry it multiplies, as the torch
-    step does). Every product streams its weight as :func:`linear` does, and the ~20 small ops between them (layer
-    norms, the constraint, the block products, GELU, the residual adds), each a dispatch that finds its code and
-    data evicted by the weights streamed before it, run in the same call. Equal to the torch step up to float
-    rounding (tests/model/test_cpu_decode.py).
+    """One served LRNN layer (model/lrnn.py, ``RecurrentBlock.step`` with the full generator) as one compiled call:
+    x + readout(A(u) state + B u) with u = LN_1(x), then + MLP(LN_2(.)). ``transitions`` "column": A(u) = g(u) with
+    column j divided by max(1, ||column j||_p) (applied to the state entry it multiplies, as the torch step does);
+    "stochastic": column j of A(u) is the sparsemax of g(u)'s column j (``column_sparsemax`` in
+    model/ops/linear_scan.py, here sort-free), and there is no B u. Every product streams its weight as
+    :func:`linear` does, and the ~20 small ops between them (layer norms, the constraint, the block products, GELU,
+    the residual adds), each a dispatch that finds its code and data evicted by the weights streamed before it, run
+    in the same call. Equal to the torch step up to float rounding (tests/model/test_cpu_decode.py).
 
-    x: (R, d_model), state: (R, H, b), R <= MAX_ROWS; ``weights``: ln_1 weight and bias, the stacked (H b^2 + H b,
-    d_model) generator and input matrix, g's bias, B's bias, out_proj weight and bias, ln_2 weight and bias, the
-    MLP's c_fc weight and bias and c_proj weight and bias, all float32 on the CPU. Returns (R, d_model), (R, H, b).
-    Call it only where :func:`streams` holds for R rows (which builds it)."""
+    x: (R, d_model), state: (R, H, b), R <= MAX_ROWS; ``weights``: ln_1 weight and bias, the generator's weight
+    ("column": g's and B's stacked, (H b^2 + H b, d_model); "stochastic": g's, (H b^2, d_model)), g's bias, B's bias
+    ((0,) for "stochastic"), out_proj weight and bias, ln_2 weight and bias, the MLP's c_fc weight and bias and
+    c_proj weight and bias, all float32 on the CPU; ``p``: the column norm's (unused by "stochastic"). Returns
+    (R, d_model), (R, H, b). Call it only where :func:`streams` holds for R rows (which builds it)."""
     arrays = [tensor.numpy(force=True) for tensor in weights]
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
@@ -170,7 +179,7 @@ def lrnn_column_layer_step(
     _layer_step(
         rows, state.contiguous().numpy(force=True), (arrays[0], arrays[1]), arrays[2], arrays[3], arrays[4],
         (arrays[5], arrays[6]), (arrays[7], arrays[8]), (arrays[9], arrays[10]), (arrays[11], arrays[12]),
-        np.float32(eps), np.float32(p), x_out, state_out,
+        np.float32(eps), np.float32(p), transitions == "stochastic", x_out, state_out,
     )
     return torch.from_numpy(x_out), torch.from_numpy(state_out)
 
@@ -267,7 +276,7 @@ def _build() -> Callable[..., None] | None:
 
 
 def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
-    """The product kernel, the LRNN layer step (:func:`lrnn_column_layer_step`) and the RegularGPT thick layer step
+    """The product kernel, the LRNN layer step (:func:`lrnn_layer_step`) and the RegularGPT thick layer step
     (:func:`regulargpt_layer_step`), compiled with numba (the two steps on first call)."""
     # reassoc only: sums may run in any order (what vectorises the dot products); NaN and inf keep their meaning
     # (full fastmath would assume neither occurs).
@@ -328,13 +337,37 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
             for i in range(width):
                 out[r, i] += normed[r, i]
 
+    @jit(inline="always")
+    def sparsemax_column(blocks, start, size):
+        """blocks[start + i size] for i < size (a column of a row-major b x b block), in place -> its sparsemax
+        max(v - tau, 0), as ``column_sparsemax`` (model/ops/linear_scan.py) without the sort: entry i is in the
+        support where 1 + k_i v_i > s_i, with k_i and s_i the count and sum of the entries >= v_i (the sorted
+        test at rank k_i; ties pass or fail together), and tau = (s - 1) / k over the support's k entries."""
+        support, total = 0, np.float32(0.0)
+        for i in range(size):
+            value = blocks[start + i * size]
+            count, partial = 0, np.float32(0.0)
+            for m in range(size):
+                other = blocks[start + m * size]
+                if other >= value:
+                    count += 1
+                    partial += other
+            if np.float32(count) * value > partial - np.float32(1.0):  # in float32, as column_sparsemax
+                support += 1
+                total += value
+        tau = (total - np.float32(1.0)) / np.float32(support) if support else np.float32(np.nan)  # NaN column: NaN
+        for i in range(size):
+            blocks[start + i * size] = max(blocks[start + i * size] - tau, np.float32(0.0))
+
     @jit
-    def layer_step(x, state, ln_1, joint, g_bias, b_bias, out_proj, ln_2, c_fc, c_proj, eps, p, x_out, state_out):
+    def layer_step(
+        x, state, ln_1, joint, g_bias, b_bias, out_proj, ln_2, c_fc, c_proj, eps, p, stochastic, x_out, state_out
+    ):
         rows = x.shape[0]
         heads, size = state.shape[1], state.shape[2]
         u = np.empty_like(x)
         layer_norm(x, ln_1[0], ln_1[1], eps, u)
-        products = np.empty((rows, joint.shape[0]), dtype=np.float32)  # g(u) (H b^2) then B u (H b)
+        products = np.empty((rows, joint.shape[0]), dtype=np.float32)  # g(u) (H b^2) then B u (H b; none if stochastic)
         product(u, joint, g_bias, False, products)
         generated = g_bias.shape[0]
         for r in range(rows):
@@ -347,8 +380,12 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
         for r in range(rows):
             for h in range(heads):
                 block = h * size * size  # g(u)'s (H, b, b) blocks, row-major: entry (i, j) at block + i b + j
-                for j in range(size):  # the state entry of column j, divided by max(1, ||column j||_p)
-                    total = np.float32(0.0)
+                for j in range(size):
+                    if stochastic:  # column j becomes its sparsemax; the state entry stays
+                        sparsemax_column(products[r], block + j, size)
+                        scaled[j] = state[r, h, j]
+                        continue
+                    total = np.float32(0.0)  # the state entry of column j, divided by max(1, ||column j||_p)
                     for i in range(size):
                         total += abs(products[r, block + i * size + j]) ** p
                     scaled[j] = state[r, h, j] / max(np.float32(1.0), total) ** inverse
@@ -356,7 +393,7 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
                     total = np.float32(0.0)
                     for j in range(size):
                         total += products[r, block + i * size + j] * scaled[j]
-                    state_out[r, h, i] = total + products[r, generated + h * size + i]
+                    state_out[r, h, i] = total if stochastic else total + products[r, generated + h * size + i]
         residual_tail(x, state_out.reshape(rows, heads * size), out_proj, ln_2, c_fc, c_proj, eps, x_out)
 
     @jit(inline="always")

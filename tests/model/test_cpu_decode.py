@@ -110,13 +110,15 @@ def test_the_gradient_path_is_untouched() -> None:
     torch.testing.assert_close(weight.grad, x.expand(8, 6))
 
 
-@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-spectral-b2", "lrnn-rank3", "lrnn-stochastic"])
+@pytest.mark.parametrize(
+    "model_id", ["lrnn", "lrnn-spectral-b2", "lrnn-rank3", "lrnn-stochastic", "lrnn-stochastic-rank2"]
+)
 def test_a_served_lrnn_streams_its_one_token_products_and_steps_as_its_parallel_pass(
     kernel_calls, layer_calls, model_id: str
 ) -> None:
     """One thread, float32: for_serving keeps every weight (out, in) (the full generator stacks g and B into one
-    matrix); at batch 1-4 a column-constrained layer with the full generator steps as one compiled call, the other
-    layers' products and the head go through the kernel, and the steps equal the parallel pass."""
+    matrix); at batch 1-4 a column-constrained or stochastic layer with the full generator steps as one compiled
+    call, the other layers' products and the head go through the kernel, and the steps equal the parallel pass."""
     config = dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)
     model = BlockDiagonalLRNN(config).eval()
     tokens = torch.randint(0, 40, (3, 17))
@@ -129,11 +131,11 @@ def test_a_served_lrnn_streams_its_one_token_products_and_steps_as_its_parallel_
         kernel_calls.clear()
         cache = model.new_cache(batch_size=3)
         stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(17)], dim=1)
-    fused = model_id == "lrnn"
+    fused = model_id in ("lrnn", "lrnn-stochastic")
     assert ("2 layers step as one compiled call each at 1-4 rows (CPU)" in notes) == fused
     assert layer_calls == ([(3, 16)] * 2 * 17 if fused else [])
-    per_layer = {"lrnn": 0, "lrnn-spectral-b2": 4, "lrnn-rank3": 5, "lrnn-stochastic": 4}[model_id]
-    products_per_step = 2 * per_layer + 1  # per layer g and B (stacked: 1 product; rank: 2), readout, MLP (2); the head
+    per_layer = {"lrnn-spectral-b2": 4, "lrnn-rank3": 5, "lrnn-stochastic-rank2": 5}.get(model_id, 0)
+    products_per_step = 2 * per_layer + 1  # per layer g and B (1 or 2; rank: [U; B] and V), readout, MLP (2); the head
     assert len(kernel_calls) == 17 * products_per_step and {rows for rows, _ in kernel_calls} == {3}
     torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
 
@@ -158,6 +160,67 @@ def test_the_compiled_layer_step_equals_the_torch_step(layer_calls, p: float, ro
     assert layer_calls == [(rows, 24)]
     torch.testing.assert_close(state_out, state_expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x_out, x_expected, rtol=1e-5, atol=1e-5)
+
+
+def stochastic_layer(spread: float) -> BlockDiagonalLRNN:
+    """One stochastic layer, 5 blocks of 4, d_model 24, d_ff 40, its weights N(0, 0.7) but g's, whose entries
+    spread by about ``spread`` (0.05: flat columns, every entry in the sparsemax's support; 5: sharp, one or two);
+    block 0's generator rows all 0.3, so that its columns are exact ties."""
+    config = LRNNConfig(
+        vocab_size=10, d_model=24, n_layers=1, num_blocks=5, block_size=4, d_ff=40, transition_norm="stochastic"
+    )
+    model = BlockDiagonalLRNN(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.7)
+        generator = model.blocks[0].recurrence.transition
+        generator.weight.normal_(0, spread / 24**0.5 / 0.7)  # u = LN(x) has entries of spread ~0.7
+        generator.bias.normal_(0, spread)
+        generator.weight[:16] = 0
+        generator.bias[:16] = 0.3
+        model.for_serving()
+    return model
+
+
+@pytest.mark.parametrize(("spread", "zeros"), [(0.05, (0.0, 0.05)), (0.7, (0.3, 0.65)), (5.0, (0.68, 0.75))])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_the_compiled_stochastic_layer_step_equals_the_torch_step(
+    layer_calls, spread: float, zeros: tuple[float, float], rows: int
+) -> None:
+    """Each column of A(u) the sparsemax of g(u)'s (no B u): flat, mixed and sharp columns (``zeros``: the range
+    the share of A(u)'s zero entries must fall in, to show the case is what it says), and tied ones."""
+    block = stochastic_layer(spread).blocks[0]
+    x, state = 2 * torch.randn(rows, 24), torch.randn(rows, 5, 4).softmax(dim=-1)
+    with torch.no_grad():
+        x_out, state_out = block.step(x, state)
+        with cpu_decode.torch_products():
+            x_expected, state_expected = block.step(x, state)
+            transitions = block.recurrence.transitions(block.ln_1(x))  # (rows, 5, 4, 4)
+    assert layer_calls == [(rows, 24)]
+    share = (transitions[:, 1:] == 0).float().mean().item()
+    assert zeros[0] <= share <= zeros[1], share
+    assert torch.equal(transitions[:, 0], torch.full_like(transitions[:, 0], 0.25))  # tied columns: uniform
+    torch.testing.assert_close(state_out, state_expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_out, x_expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stochastic_model_decoded_through_the_compiled_step_gives_its_parallel_pass(layer_calls) -> None:
+    """Two stochastic layers with mixed columns (random weights, not the near-identity of a new model): three rows
+    decoded from the learned h_0 one token at a time, every layer step compiled, give the parallel pass's logits."""
+    config = dataclasses.replace(tiny_configs(40, 0)["lrnn-stochastic"], vocab_size=40, block_size=4)
+    model = BlockDiagonalLRNN(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.5)
+    tokens = torch.randint(0, 40, (3, 23))
+    with torch.no_grad():
+        with cpu_decode.torch_products():
+            expected = model(tokens)
+        model.for_serving()
+        cache = model.new_cache(batch_size=3)
+        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(23)], dim=1)
+    assert layer_calls == [(3, 16)] * 2 * 23
+    torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture
@@ -273,7 +336,9 @@ def test_replaced_parameters_fall_back_to_the_torch_step_and_in_place_changes_ar
         assert not torch.allclose(replaced, compiled)
 
 
-@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-spectral-b2", "regulargpt-c2-null", "regulargpt-c5"])
+@pytest.mark.parametrize(
+    "model_id", ["lrnn", "lrnn-spectral-b2", "lrnn-stochastic", "regulargpt-c2-null", "regulargpt-c5"]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_invariant_steps_give_a_row_the_same_bits_in_any_batch(model_id: str, threads: int) -> None:
     """set_row_invariant (the server's batch_invariant): a row decoded alone and beside six rows, two as long as it
