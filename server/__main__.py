@@ -7,8 +7,14 @@ for at most ``drain_timeout_s``; then every request still in flight gets a JSON 
 event, then ``data: [DONE]``), running work stops at its next slice, and the process exits 0 within
 ``drain_timeout_s`` + 5 s (``ANSWER_WAIT_S`` + ``CLOSE_WAIT_S`` + the engine's ``STOP_TIMEOUT_S``, plus
 polling). Exit codes: 0 after a shutdown, 2 on bad options or when no model could be loaded (each failure is
-printed with its path and reason). A connection that has not sent a request's headers ``header_timeout_s`` after it
-opened or after its previous response is closed (``server/http_guard.py``).
+printed with its path and reason), 3 when the engine process died while serving (its requests in flight were answered
+503 first), so that Docker or Kubernetes restarts the server.
+
+The engine core runs in a child process (``server/engine_client.py``, ``server/engine_core.py``) unless
+``--engine-in-process`` (or ``REGULARLM_ENGINE_PROCESS=false``) keeps it on a thread of this one.
+
+A connection that has not sent a request's headers ``header_timeout_s`` after it opened or after its previous response
+is closed (``server/http_guard.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ from pydantic import ValidationError
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from server.app import create_app
-from server.engine import Engine
+from server.engine import Engine, EngineFront
+from server.engine_client import EngineClient
 from server.http_guard import with_header_timeout
 from server.metrics import ServerMetrics
 from server.settings import Settings
 
 EXIT_NO_MODEL = 2
+EXIT_ENGINE_DIED = 3
 ANSWER_WAIT_S = 1.0  # past the drain timeout: how long the 503 answers get to reach their clients
 CLOSE_WAIT_S = 2  # then: uvicorn's graceful shutdown of open connections (whole seconds)
 GC_THRESHOLDS = (50_000, 20, 20)  # the collector's generations 0, 1, 2 (tune_garbage_collector)
@@ -43,7 +51,7 @@ class DrainingServer(uvicorn.Server):
     new requests 503) while the socket stays open, until the requests in flight are done or ``drain_timeout_s``
     has passed; then uvicorn shuts down as usual. A second signal skips the wait, a third forces the exit."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineFront, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine, self.drain_timeout_s = engine, drain_timeout_s
         self.draining = False
@@ -87,10 +95,17 @@ def parse_settings(argv: list[str] | None) -> Settings:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="decode without CUDA graphs (REGULARLM_CUDA_GRAPHS=false)"
     )
+    parser.add_argument(
+        "--engine-in-process", action="store_true",
+        help="run the engine core on a thread of this process, not in a child (REGULARLM_ENGINE_PROCESS=false)",
+    )
     args = parser.parse_args(argv)
-    overrides = {name: value for name, value in vars(args).items() if value is not None and name != "enforce_eager"}
+    flags = ("enforce_eager", "engine_in_process")
+    overrides = {name: value for name, value in vars(args).items() if value is not None and name not in flags}
     if args.enforce_eager:
         overrides["cuda_graphs"] = False
+    if args.engine_in_process:
+        overrides["engine_process"] = False
     try:
         return Settings(**overrides)
     except ValidationError as error:
@@ -118,12 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     tune_garbage_collector()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server: DrainingServer | None = None
+    died: list[str] = []
 
     def stop_serving(message: str) -> None:
         if server is not None:
             server.should_exit = True
 
-    engine = Engine(settings, ServerMetrics(), on_load_failed=stop_serving, on_ready=freeze_startup_heap)
+    def engine_died(message: str) -> None:
+        died.append(message)
+        threading.Timer(ANSWER_WAIT_S, stop_serving, (message,)).start()  # the 503 answers leave first
+
+    engine: EngineFront
+    if settings.engine_process is False:
+        engine = Engine(settings, ServerMetrics(), on_load_failed=stop_serving, on_ready=freeze_startup_heap)
+    else:
+        engine = EngineClient(settings, ServerMetrics(), on_load_failed=stop_serving, on_ready=freeze_startup_heap,
+                              on_engine_died=engine_died)  # fmt: skip
     config = uvicorn.Config(
         create_app(settings, engine),
         host=settings.host,
@@ -134,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     server = DrainingServer(config, engine, settings.drain_timeout_s)
     server.run()
+    if died:
+        engine.stop()
+        print(f"error: {died[0]}", file=sys.stderr)
+        return EXIT_ENGINE_DIED
     if engine.state == "failed":
         print(f"error: {engine.detail}", file=sys.stderr)
         return EXIT_NO_MODEL

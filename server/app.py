@@ -24,7 +24,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from server.completions import CompletionServing
-from server.engine import Engine
+from server.engine import Engine, EngineFront
+from server.engine_client import EngineClient
 from server.errors import APIError, BadRequest, Unauthorized
 from server.http_guard import RequestGuard
 from server.json_body import BodyRefused, JSONBodyRoute
@@ -56,14 +57,14 @@ HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "
 T = TypeVar("T")
 
 
-def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine: EngineFront | None = None) -> FastAPI:
     """The ASGI app. ``engine`` (not started) lets ``python -m server`` keep a handle on it; by default the
-    lifespan builds one from ``settings``."""
+    lifespan builds one from ``settings``: in this process, or in a child where ``engine_process`` is true."""
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        running = engine or Engine(settings, ServerMetrics())
+        running = engine or (EngineClient if settings.engine_process else Engine)(settings, ServerMetrics())
         app.state.engine = running
         app.state.serving = Serving(running, settings)
         app.state.completions = CompletionServing(app.state.serving)
@@ -124,7 +125,7 @@ def _paths_that_need_the_key(app: FastAPI, settings: Settings) -> Callable[[str]
 # than the rest of a small request (docs/benchmarks.md, "HTTP path per request").
 
 
-async def get_engine(request: Request) -> Engine:
+async def get_engine(request: Request) -> EngineFront:
     return request.app.state.engine
 
 
@@ -136,7 +137,7 @@ async def get_completions(request: Request) -> CompletionServing:
     return request.app.state.completions
 
 
-EngineDep = Annotated[Engine, Depends(get_engine)]
+EngineDep = Annotated[EngineFront, Depends(get_engine)]
 ServingDep = Annotated[Serving, Depends(get_serving)]
 CompletionsDep = Annotated[CompletionServing, Depends(get_completions)]
 

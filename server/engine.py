@@ -36,7 +36,7 @@ from server.runtime_models import check_new_id
 from server.scheduler import STOP, AbortAll, OnWorker, Scheduler
 from server.settings import Settings
 from server.state_cache import StateCache
-from server.work import RequestQueue
+from server.work import RequestQueue, Work
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,11 +47,12 @@ EngineState = Literal["loading", "ready", "draining", "failed", "stopped"]
 
 
 class GenerationHandle:
-    """The sequences of one request; ``events`` yields (sequence index, event) until all have finished."""
+    """The sequences of one request; ``events`` yields (sequence index, event) until all have finished. ``cancel``
+    stops them (in process: their ``cancelled`` flags; the engine process's client sends a cancellation)."""
 
-    def __init__(self, sequences: list[Sequence], mailbox: Mailbox) -> None:
-        self.sequences, self._mailbox = sequences, mailbox
-        self._unfinished = len(sequences)
+    def __init__(self, count: int, mailbox: Mailbox, cancel: Callable[[], None]) -> None:
+        self._mailbox, self._cancel = mailbox, cancel
+        self._unfinished = count
 
     async def events(self) -> AsyncIterator[tuple[int, object]]:
         try:
@@ -71,49 +72,30 @@ class GenerationHandle:
 
     def cancel(self) -> None:
         """Stop generating (the client went away, or the answer is complete)."""
-        for sequence in self.sequences:
+        self._cancel()
+
+
+def _cancel_all(sequences: list[Sequence]) -> Callable[[], None]:
+    def cancel() -> None:
+        for sequence in sequences:
             sequence.cancelled = True
 
+    return cancel
 
-class Engine:
-    def __init__(
-        self,
-        settings: Settings,
-        metrics: ServerMetrics,
-        on_load_failed: Callable[[str], None] | None = None,
-        on_ready: Callable[[], None] | None = None,
-    ) -> None:
-        """``on_load_failed(message)`` is called on the worker thread if no model loads; ``on_ready()`` on it once the
-        models are loaded and measured, before the first request is scheduled."""
-        self.settings, self.metrics, self._on_load_failed, self._on_ready = settings, metrics, on_load_failed, on_ready
+
+class EngineFront:
+    """What the API side asks of an engine, whether it runs in this process (:class:`Engine`) or in a child
+    (``server/engine_client.py``'s ``EngineClient``): its state for /health, the served models, admission into the
+    queue (413 / 429 / 503), drain."""
+
+    def __init__(self, settings: Settings, metrics: ServerMetrics) -> None:
+        self.settings, self.metrics = settings, metrics
         self.state: EngineState = "loading"
         self.detail: str | None = None  # why the state is not "ok", for /health
         self.models: dict[str, ServedModel] = {}  # replaced, never changed in place: readers need no lock
         self.runtime_ids: set[str] = set()  # the models added by POST /v1/models
         self.load_failures: list[str] = []
-        self.memory_budget = 0  # bytes running work may hold (server/costing.py)
-        self.state_cache = StateCache(
-            settings.state_cache_entries,
-            settings.state_cache_bytes,
-            settings.state_cache_min_tokens,
-            settings.state_cache_tail_tokens,
-        )
         self.queue = RequestQueue(settings.max_waiting)  # the scheduler's: what admission counts
-        self._warm_ups: list[Callable[[ServedModel], None]] = []
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._postman = Postman()
-        self._thread = threading.Thread(target=self._run, name="regularlm-engine", daemon=True)
-
-    # --- lifecycle ----------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Load the models and start serving, on the worker thread (health says "loading" meanwhile)."""
-        self._thread.start()
-
-    def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
-        """Call ``prepare(served)`` for each loaded language model on the worker thread, after its own warm-up and
-        before the server reports ready (e.g. the structured-output vocabulary of its tokenizer). Before ``start``."""
-        self._warm_ups.append(prepare)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until loading has ended (ready or failed)."""
@@ -131,6 +113,71 @@ class Engine:
         """Requests admitted and not finished."""
         return self.queue.in_flight
 
+    def model(self, model_id: str) -> ServedModel:
+        self.check_serving()
+        try:
+            return self.models[model_id]
+        except KeyError:
+            raise UnknownModel(model_id, sorted(self.models)) from None
+
+    def check_serving(self) -> None:
+        if self.state != "ready":
+            why = f": {self.detail}" if self.detail else ""  # none while loading
+            raise Unavailable(f"the server is {self.state}{why}", retry_after_s=self.settings.retry_after_s)
+
+    def _admit(self, requests: list[RequestTimes]) -> None:
+        self.check_serving()
+        if len(requests) > self.settings.max_waiting:
+            raise InputTooLarge(
+                f"the request needs {len(requests)} sequences; the queue holds at most {self.settings.max_waiting} "
+                "(REGULARLM_MAX_WAITING), so it could never be scheduled"
+            )
+        if not self.queue.admit(len(requests)):
+            raise Overloaded(
+                f"the queue is full ({self.settings.max_waiting} requests waiting); retry later",
+                retry_after_s=self.settings.retry_after_s,
+            )
+        self.metrics.queued(requests)
+
+
+class Engine(EngineFront):
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: ServerMetrics,
+        on_load_failed: Callable[[str], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
+        postman: Postman | None = None,
+    ) -> None:
+        """``on_load_failed(message)`` is called on the worker thread if no model loads; ``on_ready()`` on it once the
+        models are loaded and measured, before the first request is scheduled. ``postman``: what hands the answers
+        over once per iteration (by default to the requests' event loops; the engine process's writes its step
+        message, ``server/engine_core.py``)."""
+        super().__init__(settings, metrics)
+        self._on_load_failed, self._on_ready = on_load_failed, on_ready
+        self.memory_budget = 0  # bytes running work may hold (server/costing.py)
+        self.state_cache = StateCache(
+            settings.state_cache_entries,
+            settings.state_cache_bytes,
+            settings.state_cache_min_tokens,
+            settings.state_cache_tail_tokens,
+        )
+        self._warm_ups: list[Callable[[ServedModel], None]] = []
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._postman = postman or Postman()
+        self._thread = threading.Thread(target=self._run, name="regularlm-engine", daemon=True)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the models and start serving, on the worker thread (health says "loading" meanwhile)."""
+        self._thread.start()
+
+    def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
+        """Call ``prepare(served)`` for each loaded language model on the worker thread, after its own warm-up and
+        before the server reports ready (e.g. the structured-output vocabulary of its tokenizer). Before ``start``."""
+        self._warm_ups.append(prepare)
+
     def abort_in_flight(self, message: str) -> None:
         """End every request in flight with a 503 carrying ``message``; running work stops at its next slice."""
         self._inbox.put(AbortAll(Unavailable(message, retry_after_s=self.settings.retry_after_s)))
@@ -147,13 +194,6 @@ class Engine:
         return not self._thread.is_alive()
 
     # --- requests (event loop) ----------------------------------------------------------------------------
-
-    def model(self, model_id: str) -> ServedModel:
-        self.check_serving()
-        try:
-            return self.models[model_id]
-        except KeyError:
-            raise UnknownModel(model_id, sorted(self.models)) from None
 
     async def transduce(
         self, served: ServedModel, inputs: list[list[int]], all_outputs: bool, flow: str = ""
@@ -179,43 +219,32 @@ class Engine:
         self._admit([sequence.times for sequence in sequences])
         for sequence in sequences:
             self._inbox.put(sequence)
-        return GenerationHandle(sequences, mailbox)
+        return GenerationHandle(len(sequences), mailbox, _cancel_all(sequences))
 
     async def add_model(self, served: ServedModel) -> ServedModel:
         """Serve a model compiled while serving (``server/runtime_models.py``): the worker thread measures it
         between two iterations and adds it, unless the id is taken (409) or ``runtime_models_max`` are served
         (413)."""
         self.check_serving()
-        return await self._on_worker(lambda: self._install(served))
+        return await self._on_worker(lambda: self.install(served))
 
     async def remove_model(self, model_id: str) -> None:
         """Stop serving a runtime model (404 unknown, 409 shipped); requests already running on it finish."""
         self.check_serving()
-        await self._on_worker(lambda: self._uninstall(model_id))
+        await self._on_worker(lambda: self.uninstall(model_id))
 
     async def _on_worker(self, work: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call_on_worker(work))
+
+    def call_on_worker(self, work: Callable[[], T]) -> concurrent.futures.Future:
+        """Run ``work`` on the worker thread between two iterations; its result or exception goes to the future."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(OnWorker(work, done))
-        return await asyncio.wrap_future(done)
+        return done
 
-    def check_serving(self) -> None:
-        if self.state != "ready":
-            why = f": {self.detail}" if self.detail else ""  # none while loading
-            raise Unavailable(f"the server is {self.state}{why}", retry_after_s=self.settings.retry_after_s)
-
-    def _admit(self, requests: list[RequestTimes]) -> None:
-        self.check_serving()
-        if len(requests) > self.settings.max_waiting:
-            raise InputTooLarge(
-                f"the request needs {len(requests)} sequences; the queue holds at most {self.settings.max_waiting} "
-                "(REGULARLM_MAX_WAITING), so it could never be scheduled"
-            )
-        if not self.queue.admit(len(requests)):
-            raise Overloaded(
-                f"the queue is full ({self.settings.max_waiting} requests waiting); retry later",
-                retry_after_s=self.settings.retry_after_s,
-            )
-        self.metrics.queued(requests)
+    def put(self, work: Work) -> None:
+        """Hand admitted work to the scheduler (the engine process: work the API process admitted)."""
+        self._inbox.put(work)
 
     # --- worker thread ------------------------------------------------------------------------------------
 
@@ -262,7 +291,8 @@ class Engine:
         if self._on_load_failed is not None:
             self._on_load_failed(detail)
 
-    def _install(self, served: ServedModel) -> ServedModel:
+    def install(self, served: ServedModel) -> ServedModel:
+        """Measure and serve a runtime model (on the worker thread: ``add_model``)."""
         check_new_id(served.id, self.models)
         if len(self.runtime_ids) >= self.settings.runtime_models_max:
             raise InputTooLarge(
@@ -277,7 +307,8 @@ class Engine:
         logger.info("serving runtime model %s (%s)", served.id, served.config.architecture)
         return served
 
-    def _uninstall(self, model_id: str) -> None:
+    def uninstall(self, model_id: str) -> None:
+        """Stop serving a runtime model (on the worker thread: ``remove_model``)."""
         if model_id not in self.models:
             raise UnknownModel(model_id, sorted(self.models))
         if model_id not in self.runtime_ids:

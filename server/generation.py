@@ -155,15 +155,15 @@ def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -
     """Begin a sequence the scheduler admitted: an empty cache, or a clone of the longest cached prefix of its
     prompt."""
     model, prompt = sequence.served.model, sequence.request.prompt
-    metrics.prompt_tokens.labels(sequence.served.id).inc(len(prompt))
+    metrics.child(metrics.prompt_tokens, sequence.served.id).inc(len(prompt))
     snapshot = None
     if not sequence.request.prompt_logprobs:
         snapshot = state_cache.lookup(sequence.served.id, prompt)
-        metrics.prefix_cache_queries.labels(sequence.served.id).inc(len(prompt))
+        metrics.child(metrics.prefix_cache_queries, sequence.served.id).inc(len(prompt))
     if snapshot is None:
         sequence.cache = model.new_cache(1)
     else:
-        metrics.prefix_cache_hits.labels(sequence.served.id).inc(snapshot.length)
+        metrics.child(metrics.prefix_cache_hits, sequence.served.id).inc(snapshot.length)
         sequence.cache, sequence.next_logits = snapshot.cache, snapshot.logits
         sequence.prefilled = sequence.cached_tokens = snapshot.length
     position = state_cache.tail_position(len(prompt))

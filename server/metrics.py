@@ -12,7 +12,11 @@ inter-token latency (ITL) = the gap between consecutive generated tokens; time p
 time = one engine call of a model (vLLM's model_execute_time, in seconds here). The TPOT/ITL buckets start
 lower than vLLM's (1 ms) because small models on a CPU decode in about a millisecond.
 
-Each app has its own registry: nothing is registered at import time.
+Each app has its own registry: nothing is registered at import time. With the engine core in a process of its own
+(``server/engine_core.py``), the engine observes into a :class:`RecordingMetrics`, whose figures (a few per step: the
+step's inter-token gap, its token count, its model call's time, each request's queue time, TTFT, E2E and TPOT when
+they happen) leave with the step's message and are replayed into the API process's registry
+(``ServerMetrics.replay``): one registry, the same names, labels and buckets.
 """
 
 from __future__ import annotations
@@ -99,6 +103,10 @@ class ServerMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the state cache.")
         self.requests_running = gauge("num_requests_running", "Requests being computed.")
         self.requests_waiting = gauge("num_requests_waiting", "Requests queued, not yet scheduled.")
+        # attribute name -> collector: what a recorded figure names (``RecordingMetrics``, ``replay``)
+        self.collectors = {
+            name: value for name, value in vars(self).items() if isinstance(value, (Counter, Gauge, Histogram))
+        }
 
     def child(self, collector: Histogram | Counter | Gauge, *labels: str) -> Any:
         """``collector.labels(*labels)``, remembered: prometheus_client checks the labels on every call (a few us,
@@ -161,7 +169,7 @@ class ServerMetrics:
             times.generated += 1
         latency = self.child(self.inter_token_latency, model)
         for gap, count in gaps.items():
-            observe_many(latency, gap, count)
+            self.observe_many(latency, gap, count)
         self.child(self.generation_tokens, model).inc(len(requests))
 
     def model_executed(self, model: str, seconds: float) -> None:
@@ -179,6 +187,73 @@ class ServerMetrics:
             tpot = (times.last_token - times.first_token) / (times.generated - 1)
             self.child(self.time_per_output_token, times.model).observe(tpot)
         self.child(self.request_success, times.model, reason).inc()
+
+    def observe_many(self, histogram: Any, value: float, count: int) -> None:
+        """``count`` observations of ``value`` in a child of a histogram (:func:`observe_many`)."""
+        observe_many(histogram, value, count)
+
+    def replay(self, figures: list[Figure]) -> None:
+        """Apply what a :class:`RecordingMetrics` recorded (the engine process's step figures)."""
+        for name, labels, operation, value, count in figures:
+            child = self.child(self.collectors[name], *labels)
+            if operation == "observe":
+                observe_many(child, value, count)
+            elif operation == "inc":
+                child.inc(value)
+            else:
+                child.dec(value)
+
+
+# One recorded metric update: (collector attribute, labels, "inc" | "dec" | "observe", value, count of observations)
+Figure = tuple[str, tuple[str, ...], str, float, int]
+
+
+class RecordingMetrics(ServerMetrics):
+    """The engine process's metrics: the same computations as :class:`ServerMetrics` (queue time, TTFT, gaps, TPOT,
+    E2E, counters), each update recorded as a :data:`Figure` instead of applied, until ``take`` hands them to the
+    step's message. Models are registered where the registry is (the API process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = {id(collector): name for name, collector in self.collectors.items()}
+        self.figures: list[Figure] = []
+
+    def child(self, collector: Histogram | Counter | Gauge, *labels: str) -> Any:
+        key = (id(collector), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = _RecordedChild(self.figures, self.names[id(collector)], labels)
+        return found
+
+    def observe_many(self, histogram: Any, value: float, count: int) -> None:
+        histogram.observe(value, count)
+
+    def register_models(self, model_ids: list[str]) -> None:
+        pass
+
+    def unregister_model(self, model_id: str) -> None:
+        pass
+
+    def take(self) -> list[Figure]:
+        """The figures recorded since the last call (on the engine's worker thread, which records them)."""
+        figures, self.figures[:] = list(self.figures), []
+        return figures
+
+
+class _RecordedChild:
+    """A labelled child of a collector whose updates are recorded (:class:`RecordingMetrics`)."""
+
+    def __init__(self, figures: list[Figure], name: str, labels: tuple[str, ...]) -> None:
+        self.figures, self.name, self.labels = figures, name, labels
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.figures.append((self.name, self.labels, "inc", amount, 1))
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.figures.append((self.name, self.labels, "dec", amount, 1))
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.figures.append((self.name, self.labels, "observe", value, count))
 
 
 def observe_many(histogram: Any, value: float, count: int) -> None:

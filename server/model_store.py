@@ -41,12 +41,16 @@ class ServedModel:
     budget: ModelBudget | None = None  # set by the engine once the model's speed is measured
     limits: ModelLimits | None = None
     decoder: Decoder | None = None  # a generation model's decode step, set by the engine (CUDA graphs or eager)
+    engine_card: ModelCard | None = None  # its card as the engine process describes it (the API process's copy of a
+    # model served there holds no weights: ``server/engine_client.py``)
 
     @property
     def kind(self) -> str:
         return self.config.kind
 
     def card(self) -> ModelCard:
+        if self.engine_card is not None:
+            return self.engine_card
         return ModelCard(
             id=self.id,
             kind=self.config.kind,

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from pydantic import BaseModel
 
-from server.engine import Engine, GenerationHandle
+from server.engine import EngineFront, GenerationHandle
 from server.errors import APIError, BadRequest, InputTooLarge, InvalidInput
 from server.generation import Finished, GenerationRequest, TokenGenerated
 from server.model_store import ServedModel
@@ -79,7 +79,7 @@ async def coalesced(chunks: AsyncGenerator[str, None], handle: GenerationHandle)
 
 
 class Serving:
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+    def __init__(self, engine: EngineFront, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
         self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
                                               MaskBudget.of(settings))  # fmt: skip

@@ -138,4 +138,10 @@ class Settings(BaseSettings):
         30.0, ge=0, description="how long SIGTERM waits for requests in flight; then they get 503 and the process "
         "exits within drain_timeout_s + 5 s"
     )
+    engine_process: bool | None = Field(
+        None, description="run the engine core (models, scheduler, sampling) in a child process of its own, which "
+        "sends each step's tokens to this one, where HTTP, tokenizing, detokenizing and streaming run "
+        "(server/engine_client.py); false: on a thread of this process. Default: a process under python -m server, "
+        "a thread in an app built by server.app.create_app (tests, embedding)"
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -150,8 +150,10 @@ class Constraint:
 class CompiledConstraint:
     """A compiled ``structured_outputs`` for one vocabulary, in its initial state."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocabulary: ConstraintVocabulary, budget: MaskBudget) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocabulary: ConstraintVocabulary, budget: MaskBudget,
+                 spec: StructuredOutputs | None = None) -> None:  # fmt: skip
         self.matcher, self.vocabulary, self.budget = matcher, vocabulary, budget
+        self.spec = spec  # what it was compiled from (the engine process compiles it again: a matcher is not sent)
         self.too_slow: str | None = None  # set when one of its sequences' masks ran past the budget per token
 
     def start(self) -> Constraint:
@@ -394,6 +396,22 @@ class ConstraintCompiler:
                 compiled.vocabulary.compiled.popitem(last=False)
         return compiled
 
+    def compile_checked(self, spec: StructuredOutputs, tokenizer: Tokenizer) -> CompiledConstraint:
+        """A constraint the API process compiled already, within its limits, compiled again here (the engine process:
+        llguidance's matchers do not cross processes); kept as ``compile`` keeps them. Blocks while it compiles."""
+        key = json.dumps(spec.model_dump(by_alias=True), sort_keys=True)
+        vocabulary = self.vocabulary(tokenizer)
+        with self._lock:
+            cached = vocabulary.compiled.get(key)
+        if cached is None:
+            kind = "regex" if spec.regex is not None else "choice" if spec.choice is not None else "json"
+            cached = self._compile_now(spec, kind, tokenizer, time.monotonic() + self.timeout_s)
+            with self._lock:
+                vocabulary.compiled[key] = cached
+                while len(vocabulary.compiled) > CACHED_CONSTRAINTS:
+                    vocabulary.compiled.popitem(last=False)
+        return cached
+
     def _too_slow(self, kind: str) -> InputTooLarge:
         return InputTooLarge(
             f"structured_outputs.{kind} did not compile within {self.timeout_s:g} s "
@@ -423,7 +441,7 @@ class ConstraintCompiler:
             raise InvalidInput(f"structured_outputs.{kind}: {error}") from None
         matcher = llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0, limits=_LIMITS)
         _check(matcher, kind)
-        compiled = CompiledConstraint(matcher, vocabulary, self.mask_budget)
+        compiled = CompiledConstraint(matcher, vocabulary, self.mask_budget, spec)
         bitmask = np.empty(vocabulary.words, dtype=np.int32)
         Constraint(matcher, compiled).fill(bitmask)  # the first mask: builds the start state, finds a dead one
         if not bitmask.any() or (matcher.is_stopped() and not matcher.is_accepting()):

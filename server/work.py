@@ -116,3 +116,14 @@ class RequestQueue:
         with self._lock:
             self.waiting -= not was_scheduled
             self.in_flight -= 1
+
+    def moved(self, scheduled: int, finished_waiting: int, finished_running: int) -> None:
+        """The movements of the engine process's queue, on this copy (``server/engine_client.py``)."""
+        with self._lock:
+            self.waiting -= scheduled + finished_waiting
+            self.in_flight -= finished_waiting + finished_running
+
+    def clear(self) -> None:
+        """Nothing is in flight any more (the engine process has gone)."""
+        with self._lock:
+            self.waiting = self.in_flight = 0

@@ -92,10 +92,10 @@ def peak_rss_bytes(pid: int) -> int:
 
 @contextmanager
 def server_process(
-    models: Path, threads: int, device: str = "cpu", module: str = "server", **settings: object
+    models: Path, threads: int, device: str = "cpu", module: str = "server", cwd: Path = ROOT, **settings: object
 ) -> Iterator[ServerURL]:
-    """``python -m server`` (or ``module``, which takes its arguments) on a free port with REGULARLM_* settings;
-    yields its URL (with ``.pid``); SIGTERM at the end."""
+    """``python -m server`` (or ``module``, which takes its arguments) on a free port with REGULARLM_* settings, run
+    from ``cwd`` (another checkout serves its own code); yields its URL (with ``.pid``); SIGTERM at the end."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -103,7 +103,7 @@ def server_process(
     env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
     env["REGULARLM_TORCH_THREADS"] = str(threads)
     command = [sys.executable, "-m", module, "--models", str(models), "--port", str(port), "--device", device]
-    process = subprocess.Popen([*command, "--log-level", "warning"], cwd=ROOT, env=env)
+    process = subprocess.Popen([*command, "--log-level", "warning"], cwd=cwd, env=env)
     url = ServerURL(f"http://127.0.0.1:{port}")
     url.pid = process.pid
     try:

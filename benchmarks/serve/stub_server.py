@@ -45,6 +45,9 @@ def zero_step(vocabulary: int):
     return step
 
 
+# At import, not under __main__: the engine process (server/engine_core.py, started with spawn) imports this module as
+# its main module too, and must load the stubs as well.
+model_store.load_served_model = load_stubbed
+
 if __name__ == "__main__":
-    model_store.load_served_model = load_stubbed
     sys.exit(server_main.main())

@@ -120,6 +120,36 @@ def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir)
     assert plain["response"].json()["error"]["type"] == "service_unavailable"
 
 
+def engine_process_of(pid: int) -> int:
+    """The engine core's process among the server's children (multiprocessing's resource tracker is one too)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError(f"process {pid} has no engine process")
+
+
+def test_the_engine_process_dying_exits_3(checkpoints_dir) -> None:
+    """``python -m server`` runs its engine core in a child process; if that dies, the server exits 3, so that Docker
+    or Kubernetes restarts it (the 503 answers and /health: tests/server/test_engine_process.py)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_server("--models", str(checkpoints_dir), "--port", str(port))
+    try:
+        wait_healthy(url, timeout=120)
+        os.kill(engine_process_of(process.pid), signal.SIGKILL)
+        assert process.wait(timeout=30) == 3
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _, stderr = process.communicate()
+    assert "error: the engine process exited (exit code -9)" in stderr
+
+
+def test_engine_in_process_keeps_the_engine_on_a_thread() -> None:
+    assert parse_settings([]).engine_process is None and parse_settings(["--engine-in-process"]).engine_process is False
+
+
 def closed_by_server(sock: socket.socket) -> bytes:
     """What the server sends until it closes the connection (a socket timeout, if it does not, fails the test)."""
     received = b""
