@@ -1,0 +1,113 @@
+"""The engine core on a thread of the API process against the engine core in a process of its own (issue 32 point 2),
+alternating in one run: ``python -m server`` serving a tiny text LRNN whose step is nearly free (d_model 16, one layer,
+text-lrnn's tokenizer, random weights), so that what is measured is the server's own cost per token. Per mode and
+round: output tokens/s at ``--concurrency`` whole answers and streams, TPOT of one stream (median over its requests),
+and the idle server's resident memory (the API process, plus the engine process where there is one).
+
+    python -m benchmarks.serve.bench_engine_process [--rounds 2] [--concurrency 64] [--requests 128]
+        [--max-tokens 256] [--baseline PATH] [--model FOLDER] [--device cpu|cuda] [--setting NAME=VALUE ...]
+
+``--model FOLDER``: serve that checkpoint folder instead (e.g. checkpoints/text-lrnn). ``--baseline PATH``: a checkout of another commit (e.g. a ``git worktree`` of 3c7e707), whose ``python -m server``
+serves the same model as a third mode, "baseline", in each round. ``--setting batch_invariant=false``: a server setting
+(REGULARLM_*) of the thread and process modes (not the baseline's, which may not know it): batch invariance (on by
+default for LRNNs on the CPU since 9500182, after 3c7e707) decodes rows one by one through the row-wise kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.serve.harness import ROOT, machine, run_load, server_process
+from model.checkpoint import save_checkpoint
+from model.config import CheckpointConfig, LRNNConfig
+from model.registry import build_model
+
+MODEL_ID = "tiny-text-lrnn"
+
+
+def write_tiny_model(directory: Path) -> Path:
+    """A one-layer d16 LRNN with text-lrnn's tokenizer (8,192 tokens), random weights."""
+    torch.manual_seed(0)
+    config = LRNNConfig(vocab_size=8192, d_model=16, n_layers=1, block_size=8, num_blocks=2, d_ff=64)
+    tokenizer = "file:tokenizer.tiktoken"
+    checkpoint = CheckpointConfig(architecture="lrnn", model=config, kind="generate", tokenizer=tokenizer)
+    folder = save_checkpoint(build_model("lrnn", config), checkpoint, directory / MODEL_ID)
+    shutil.copy(ROOT / "checkpoints" / "text-lrnn" / "tokenizer.tiktoken", folder / "tokenizer.tiktoken")
+    return directory
+
+
+def bodies(model_id: str, count: int, max_tokens: int, stream: bool) -> list[dict]:
+    return [{"model": model_id, "prompt": f"Chapter {index}. It was", "max_tokens": max_tokens, "temperature": 0,
+             "stream": stream} for index in range(count)]  # fmt: skip
+
+
+def resident_mib(pid: int) -> float:
+    """VmRSS of the process and its children (the engine process), MiB."""
+    total = 0
+    for each in [pid, *_children(pid)]:
+        for line in Path(f"/proc/{each}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        found += [int(child) for child in children]
+    return found
+
+
+def measure(url: str, model_id: str, args: argparse.Namespace) -> dict[str, float]:
+    run_load(url, "/v1/generate", bodies(model_id, args.concurrency, 8, False), args.concurrency)  # warm-up
+    figures = {"rss_mib": resident_mib(url.pid)}
+    for stream in (False, True):
+        load = bodies(model_id, args.requests, args.max_tokens, stream)
+        records, wall = run_load(url, "/v1/generate", load, args.concurrency)
+        figures["streams" if stream else "whole"] = sum(record.output_tokens for record in records) / wall
+    records, _ = run_load(url, "/v1/generate", bodies(model_id, args.single, args.max_tokens, True), 1)
+    figures["tpot_ms"] = 1e3 * statistics.median(record.tpot for record in records if record.tpot is not None)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=128, help="requests of each concurrent run")
+    parser.add_argument("--single", type=int, default=8, help="requests sent one at a time for the TPOT")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--baseline", type=Path, help="a checkout whose python -m server is the 'baseline' mode")
+    parser.add_argument("--model", type=Path, help="a checkpoint folder to serve instead of the tiny LRNN")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--setting", action="append", default=[], help="NAME=VALUE, a setting of this code's modes")
+    args = parser.parse_args()
+    extra = dict(setting.split("=", 1) for setting in args.setting)
+    modes = {"thread": {"engine_process": "false", **extra}, "process": {"engine_process": "true", **extra}}
+    if args.baseline is not None:
+        modes = {"baseline": {}, **modes}
+    print(f"# {machine(args.device)}, load {os.getloadavg()[0]:.1f}")
+    print("| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | idle RSS (MiB) |")
+    print("|---|---|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as folder:
+        models = args.model.resolve() if args.model else write_tiny_model(Path(folder))
+        model_id = models.name if args.model else MODEL_ID
+        for round_ in range(1, args.rounds + 1):
+            for mode, settings in modes.items():
+                cwd = args.baseline if mode == "baseline" else ROOT
+                with server_process(models, 1, args.device, cwd=cwd, **settings) as url:
+                    figures = measure(url, model_id, args)
+                print(f"| {round_} | {mode} | {figures['whole']:,.0f} | {figures['streams']:,.0f} | "
+                      f"{figures['tpot_ms']:.3f} | {figures['rss_mib']:.0f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
