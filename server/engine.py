@@ -11,6 +11,7 @@ speed and computes its limits (``server/costing.py``), then runs the scheduler l
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import logging
@@ -83,10 +84,10 @@ def _cancel_all(sequences: list[Sequence]) -> Callable[[], None]:
     return cancel
 
 
-class EngineFront:
+class EngineFront(abc.ABC):
     """What the API side asks of an engine, whether it runs in this process (:class:`Engine`) or in a child
     (``server/engine_client.py``'s ``EngineClient``): its state for /health, the served models, admission into the
-    queue (413 / 429 / 503), drain."""
+    queue (413 / 429 / 503), drain; and the requests, each kind's own."""
 
     def __init__(self, settings: Settings, metrics: ServerMetrics) -> None:
         self.settings, self.metrics = settings, metrics
@@ -138,6 +139,42 @@ class EngineFront:
                 retry_after_s=self.settings.retry_after_s,
             )
         self.metrics.queued(requests)
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Load the models and start serving (health says "loading" meanwhile)."""
+
+    @abc.abstractmethod
+    def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
+        """Call ``prepare(served)`` for each loaded language model before the server reports ready. Before ``start``."""
+
+    @abc.abstractmethod
+    def abort_in_flight(self, message: str) -> None:
+        """End every request in flight with a 503 carrying ``message``."""
+
+    @abc.abstractmethod
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop serving; requests still queued are answered 503. Returns whether the engine ended within ``timeout``."""
+
+    @abc.abstractmethod
+    async def transduce(
+        self, served: ServedModel, inputs: list[list[int]], all_outputs: bool, flow: str = ""
+    ) -> list[TransduceOutput]:
+        """Token ids of each input -> its labels. ``flow``: who asks (the scheduler's fairness key)."""
+
+    @abc.abstractmethod
+    def submit_generation(
+        self, served: ServedModel, requests: list[GenerationRequest], flow: str = ""
+    ) -> GenerationHandle:
+        """Queue one sequence per request (all or none: a full queue raises :class:`Overloaded`)."""
+
+    @abc.abstractmethod
+    async def add_model(self, served: ServedModel) -> ServedModel:
+        """Serve a model compiled while serving (409 if the id is taken, 413 past ``runtime_models_max``)."""
+
+    @abc.abstractmethod
+    async def remove_model(self, model_id: str) -> None:
+        """Stop serving a runtime model (404 unknown, 409 shipped)."""
 
 
 class Engine(EngineFront):
