@@ -11,12 +11,14 @@ finishes "stop" between two iterations), a runtime model to install or remove, a
 the iteration, the finishes, errors and transduce answers, the metrics' figures and the queue's movements.
 
 Where things live: the structured-output matchers here (a mask is needed at every step, beside the model call; the
-API process compiles each constraint too, to refuse a bad one with 422/413 before admitting it); the prefix-state
+API process compiles each constraint too, to refuse a bad one with 422/413 before admitting it, and this process
+compiles it again on a thread of its compile pool, so that its main thread goes on reading meanwhile); the prefix-state
 cache here (it holds model states); the queue's admission in the API process (429 at once), mirrored from the steps.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ import pickle
 import signal
 import threading
 from array import array
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
@@ -41,7 +44,7 @@ from server.model_store import ServedModel, served_transducer
 from server.protocol import StructuredOutputs
 from server.runtime_models import RUNTIME_PATH
 from server.settings import Settings
-from server.structured import ConstraintCompiler, MaskBudget
+from server.structured import MAX_COMPILING, ConstraintCompiler, MaskBudget
 from server.wire import CONTROL, STEP, Finish, Step, StepColumns, encode_step, error_to_wire
 from server.work import RequestQueue, Work
 
@@ -174,6 +177,9 @@ class EngineCore:
                                               MaskBudget.of(settings))  # fmt: skip
         self.engine.add_warm_up(lambda served: self.constraints.vocabulary(served.tokenizer))
         self.requests: dict[int, list[Work]] = {}  # request id -> its work, until it ends or is cancelled
+        self._cancelled: set[int] = set()  # requests cancelled while their constraint compiled
+        self._lock = threading.Lock()  # ``requests`` and ``_cancelled``: this thread and the compile pool's
+        self._compiles = concurrent.futures.ThreadPoolExecutor(MAX_COMPILING, thread_name_prefix="regularlm-compile")
 
     def send(self, message: tuple) -> None:
         data = CONTROL + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -194,12 +200,7 @@ class EngineCore:
                 break
             if message[0] == "stop":
                 break
-            try:
-                self.handle(message)
-            except Exception as error:  # a message that cannot be handled fails its request, never the engine
-                logger.exception("the engine process could not handle a %r message", message[0])
-                if message[0] in ("generate", "transduce"):
-                    self._refuse(message, error)
+            self._guarded(message, lambda message=message: self.handle(message))
         self.engine.stop()
 
     def handle(self, message: tuple) -> None:
@@ -209,12 +210,11 @@ class EngineCore:
         elif kind == "transduce":
             self.transduce(*message[1:])
         elif kind == "cancel":
-            for work in self.requests.pop(message[1], []):
-                work.cancelled = True
+            self.cancel(message[1])
         elif kind == "stop_sequence":
             _, request, index = message
             works = self.requests.get(request)
-            if works is not None:
+            if works:
                 sequence = works[index]
                 self.engine.call_on_worker(lambda: sequence.finish("stop", self.metrics))
         elif kind == "add_model":
@@ -227,6 +227,36 @@ class EngineCore:
 
     def generate(self, request: int, model_id: str, requests: list[GenerationRequest], specs: list[str | None],
                  flow: str, arrival: float) -> None:  # fmt: skip
+        """A generation request's sequences; one with a structured-output constraint is compiled on a thread of the
+        compile pool first (``compile_checked`` may take as long as the API's compile did: seconds for some schemas),
+        so that this thread goes on reading the other requests and cancellations meanwhile."""
+        if all(spec is None for spec in specs):
+            self._generate(request, model_id, requests, specs, flow, arrival)
+            return
+        with self._lock:
+            self.requests[request] = []  # compiling: a cancellation meanwhile is remembered (``cancel``)
+        message = ("generate", request, model_id, requests, specs, flow, arrival)
+        self._compiles.submit(self._guarded, message, lambda: self._generate(*message[1:]))
+
+    def _guarded(self, message: tuple, call: Callable[[], None]) -> None:
+        """Handle ``message`` by ``call``: a request that cannot be handled fails (500), never the engine."""
+        try:
+            call()
+        except Exception as error:
+            logger.exception("the engine process could not handle a %r message", message[0])
+            if message[0] in ("generate", "transduce"):
+                self._refuse(message, error)
+
+    def cancel(self, request: int) -> None:
+        with self._lock:
+            works = self.requests.pop(request, None)
+            if works == []:  # still compiling: ``_admit`` cancels its work
+                self._cancelled.add(request)
+        for work in works or []:
+            work.cancelled = True
+
+    def _generate(self, request: int, model_id: str, requests: list[GenerationRequest], specs: list[str | None],
+                  flow: str, arrival: float) -> None:  # fmt: skip
         served = self.engine.models[model_id]
         mailbox = RemoteMailbox(request, self.writer)
         sequences = []
@@ -257,28 +287,41 @@ class EngineCore:
         """Answer a request that could not be turned into work with a 500, and count it in and out of the queue."""
         _, request, model_id, payload = message[:4]
         count = len(payload) if message[0] == "generate" else 1
-        self.queue.add(count)
-        for _ in range(count):
-            self.queue.finished(was_scheduled=False)
-            self.metrics.finished(RequestTimes(model_id, message[-1]), "error")
+        with self._lock:
+            self.requests.pop(request, None)
+            self._cancelled.discard(request)
         failure = ModelFailure(f"the engine failed: {type(error).__name__}: {error}")
-        self.writer.post_many(RemoteMailbox(request, self.writer), [(0, failure)] if count > 1 or message[0] ==
-                              "generate" else [failure])  # fmt: skip
-        self.writer.flush()
+
+        def refuse() -> None:  # on the worker thread, whose step carries it (the metrics are recorded there)
+            self.queue.add(count)
+            for _ in range(count):
+                self.queue.finished(was_scheduled=False)
+                self.metrics.finished(RequestTimes(model_id, message[-1]), "error")
+            self.writer.post_many(RemoteMailbox(request, self.writer),
+                                  [(0, failure)] if message[0] == "generate" else [failure])  # fmt: skip
+
+        self.engine.call_on_worker(refuse)
 
     def _admit(self, request: int, works: list[Work]) -> None:
         """Count the work into the queue (the API process admitted it against its copy, which counts at least as
         many) and hand it to the worker."""
         self.queue.add(len(works))
-        self.requests[request] = works
+        with self._lock:
+            if request in self._cancelled:  # cancelled while its constraint compiled: the sweep ends it
+                self._cancelled.discard(request)
+                for work in works:
+                    work.cancelled = True
+            else:
+                self.requests[request] = works
+            if len(self.requests) > 2 * self.settings.max_waiting + self.settings.max_running:
+                self._forget_finished()
         for work in works:
             self.engine.put(work)
-        self._forget_finished()
 
     def _forget_finished(self) -> None:
         """Drop the requests whose work has all ended (their cancellation or stop would change nothing)."""
-        if len(self.requests) > 2 * self.settings.max_waiting + self.settings.max_running:
-            self.requests = {key: works for key, works in self.requests.items() if not all(w.done for w in works)}
+        self.requests = {key: works for key, works in self.requests.items()
+                         if not works or not all(work.done for work in works)}  # fmt: skip
 
     def add_model(self, call: int, model_id: str, config_text: str, weights: bytes) -> None:
         config = CheckpointConfig.from_dict(json.loads(config_text))
