@@ -2,7 +2,9 @@
 alternating in one run: ``python -m server`` serving a tiny text LRNN whose step is nearly free (d_model 16, one layer,
 text-lrnn's tokenizer, random weights), so that what is measured is the server's own cost per token. Per mode and
 round: output tokens/s at ``--concurrency`` whole answers and streams, TPOT of one stream (median over its requests),
-and the idle server's resident memory (the API process, plus the engine process where there is one).
+the server's CPU time per generated token in each concurrent run (user + system, the engine process's included: less
+noisy than a rate where other jobs share the machine), and its resident memory after the warm-up (the API process,
+plus the engine process where there is one).
 
     python -m benchmarks.serve.bench_engine_process [--rounds 2] [--concurrency 64] [--requests 128]
         [--max-tokens 256] [--baseline PATH] [--model FOLDER] [--device cpu|cuda] [--setting NAME=VALUE ...]
@@ -58,6 +60,16 @@ def resident_mib(pid: int) -> float:
     return total / 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process and its children (the engine process) so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for each in [pid, *_children(pid)]:
+        fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / ticks
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -71,8 +83,11 @@ def measure(url: str, model_id: str, args: argparse.Namespace) -> dict[str, floa
     figures = {"rss_mib": resident_mib(url.pid)}
     for stream in (False, True):
         load = bodies(model_id, args.requests, args.max_tokens, stream)
+        used = cpu_seconds(url.pid)
         records, wall = run_load(url, "/v1/generate", load, args.concurrency)
-        figures["streams" if stream else "whole"] = sum(record.output_tokens for record in records) / wall
+        tokens = sum(record.output_tokens for record in records)
+        figures["streams" if stream else "whole"] = tokens / wall
+        figures["cpu_streams" if stream else "cpu_whole"] = 1e6 * (cpu_seconds(url.pid) - used) / tokens
     records, _ = run_load(url, "/v1/generate", bodies(model_id, args.single, args.max_tokens, True), 1)
     figures["tpot_ms"] = 1e3 * statistics.median(record.tpot for record in records if record.tpot is not None)
     return figures
@@ -95,8 +110,9 @@ def main() -> None:
     if args.baseline is not None:
         modes = {"baseline": {}, **modes}
     print(f"# {machine(args.device)}, load {os.getloadavg()[0]:.1f}")
-    print("| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | idle RSS (MiB) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | server CPU us/token, "
+          "whole / streams | RSS (MiB) |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         models = args.model.resolve() if args.model else write_tiny_model(Path(folder))
         model_id = models.name if args.model else MODEL_ID
@@ -106,7 +122,8 @@ def main() -> None:
                 with server_process(models, 1, args.device, cwd=cwd, **settings) as url:
                     figures = measure(url, model_id, args)
                 print(f"| {round_} | {mode} | {figures['whole']:,.0f} | {figures['streams']:,.0f} | "
-                      f"{figures['tpot_ms']:.3f} | {figures['rss_mib']:.0f} |", flush=True)  # fmt: skip
+                      f"{figures['tpot_ms']:.3f} | {figures['cpu_whole']:.0f} / {figures['cpu_streams']:.0f} | "
+                      f"{figures['rss_mib']:.0f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
