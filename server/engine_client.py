@@ -50,8 +50,6 @@ from server.wire import CONTROL, STEP, Step, decode_step, error_from_wire
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 600.0  # loading and measuring every model (numba compiles included) before the child reports
-
 
 @dataclass(frozen=True)
 class EngineBudget:
