@@ -297,7 +297,8 @@ class Engine(EngineFront):
             obstacle = _batch_invariance_obstacle(self.models)
             if self.settings.batch_invariant is True and obstacle:
                 raise ValueError(obstacle)
-            invariant = self.settings.batch_invariant is True or obstacle is None
+            # auto: on where it holds; true or false as asked (true where it cannot hold was refused above)
+            invariant = obstacle is None if self.settings.batch_invariant == "auto" else self.settings.batch_invariant
             if self.settings.batch_invariant == "auto":
                 logger.info("batch invariance: %s", "on" if invariant else f"off: {obstacle}")
             cpu_decode.set_row_invariant(invariant)  # before for_serving lays the weights out

@@ -377,6 +377,18 @@ def test_batch_invariant_auto_serves_models_it_does_not_hold_for_without_it(chec
     )
 
 
+def test_batch_invariant_false_serves_without_it_where_it_would_hold(checkpoints_dir, tmp_path) -> None:
+    """false turns it off even where auto would turn it on: the decode steps keep the kernels' default policy (their
+    compiled layer steps at 1-MAX_ROWS rows, MKL beyond). It was left on (on at 64 rows, a tiny LRNN's server gave
+    half the tokens/s: docs/benchmarks.md, "The engine's own cost per token")."""
+    folder = models_folder(checkpoints_dir, tmp_path, ["text-lrnn"])
+    with TestClient(create_app(make_settings(folder, batch_invariant=False))) as client:
+        engine = client.app.state.engine
+        engine.wait_loaded()
+        notes = engine.models["text-lrnn"].notes
+    assert any(f"at 1-{cpu_decode.MAX_ROWS} rows" in note for note in notes), notes
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_sampling_on_cuda_draws_what_the_cpu_draws() -> None:
     """The filters and the search where the logits are (a GPU) take the tokens the CPU takes with the same
