@@ -111,8 +111,10 @@ def wait_for(url: str, expression: str, accept, deadline: float) -> list[dict]:
 
 
 def grafana_to_promql(expression: str) -> str:
-    """What Grafana sends for the dashboard's variables: every model, a rate window of a few scrapes."""
-    return expression.replace("$__rate_interval", "10s").replace('"$model"', '".*"')
+    """What Grafana sends for the dashboard's variables: every model, and a rate window that spans the whole test
+    (DEADLINE_S), so that on a loaded machine, where the second round of requests and the panels' queries take
+    longer, the window cannot slide past the round's observations (a 10 s window gave a panel NaN once, at load 5)."""
+    return expression.replace("$__rate_interval", f"{DEADLINE_S:.0f}s").replace('"$model"', '".*"')
 
 
 def send_requests(server_url: str) -> None:

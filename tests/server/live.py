@@ -47,7 +47,7 @@ def serve(settings: Settings) -> Iterator[LiveServer]:
         sock.close()
 
 
-def wait_healthy(url: str, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, timeout: float = 300.0) -> None:
     """Until /health answers 200: loading includes compiling the CPU decode kernels (numba, once per process: up to
     ~20 s on a loaded 2-core machine), which the server does before it is ready rather than in a first request."""
     deadline = time.monotonic() + timeout
