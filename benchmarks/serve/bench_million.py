@@ -61,13 +61,23 @@ def pass_key_prompt(tokenizer, tokens: int, key: int, depth: float, question: st
 
 
 def memory(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of the process, in bytes."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0]) * 1024
+    """VmRSS and VmHWM of the server, in bytes: its process and its children (the engine process that
+    ``python -m server`` starts, docs/serving.md), summed."""
+    fields = {"VmRSS": 0, "VmHWM": 0}
+    for each in [pid, *children(pid)]:
+        for line in Path(f"/proc/{each}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in fields:
+                fields[name] += int(value.split()[0]) * 1024
     return fields
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (every thread's), from /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 async def prefix_cache_hits(client: httpx.AsyncClient, model_id: str) -> float:
