@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from model.checkpoint import load_checkpoint
 from model.tokenizer import load_tokenizer
@@ -235,3 +237,19 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, corpus,
     assert "holds another model: d_model 16 there, 24 here" in capsys.readouterr().err
     assert train(tmp_path / "other", f"text:{corpus}", ranks, "transformer", "--init-from", str(first)) == 2
     assert "is a lrnn checkpoint, not transformer" in capsys.readouterr().err
+
+
+def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None:
+    """Resume files written from 72ac6b1 to a9c80e3 hold ``passkey_steps`` (the pass-key schedule's length, now the
+    run's --steps): such a run resumes, on the schedule it started with."""
+    out = tmp_path / "older"
+    flags = ["--length", "320", "--batch-size", "2", "--passkey-fraction", "1.0", "--passkey-fraction-final", "0.5"]
+    assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--time-budget", "0.001") == 0
+    resume = out / "resume.safetensors"
+    with safe_open(str(resume), framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    state = json.loads(metadata["state"])
+    state["objective"]["passkey_steps"] = 6
+    save_file(tensors, str(resume), metadata={**metadata, "state": json.dumps(state)})
+    assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--resume") == 0
+    assert load_checkpoint(out).config.metadata["steps"] == 6
