@@ -15,6 +15,7 @@ class TextAssembler:
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self._decoder = tokenizer.stream_decoder()
         self._stop = stop
+        self._eot = tokenizer.eot_token
         self._pending = ""
 
     def push(self, token: int) -> tuple[str, bool]:
@@ -30,10 +31,11 @@ class TextAssembler:
         released, self._pending = self._pending[: len(self._pending) - held], self._pending[len(self._pending) - held :]
         return released, False
 
-    def push_many(self, tokens: list[int]) -> str:
-        """The text of many tokens at once, without stop strings (a whole answer's, decoded at its end)."""
+    def whole_answer(self, tokens: list[int]) -> str:
+        """A whole answer's text, decoded at its end (``GenerationRequest.whole_answer``: no stop strings): its
+        tokens' text, but for a final end-of-text token, then what :meth:`finish` releases."""
         assert not self._stop, "stop strings are looked for token by token"
-        return self._decoder.push_many(tokens)
+        return self._decoder.push_many(tokens[:-1] if tokens[-1:] == [self._eot] else tokens) + self.finish()
 
     def finish(self) -> str:
         """The rest of the text when generation ends without a stop string."""

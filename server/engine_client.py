@@ -63,9 +63,8 @@ class SequenceText:
 
     def __init__(self, request: GenerationRequest, served: ServedModel) -> None:
         self.assembler = TextAssembler(served.tokenizer, request.stop)
-        self.eot = served.tokenizer.eot_token
         self.prompt_tokens = len(request.prompt)
-        self.plain = not request.stream and not request.stop and request.logprobs is None  # as ``Sequence.plain``
+        self.plain = request.whole_answer
         self.generated = 0
         self.stopped = False  # a stop string was found here: what the engine still sends is dropped
 
@@ -80,10 +79,7 @@ class SequenceText:
         return event, Finished("stop", self.assembler.finish(), self.prompt_tokens, self.generated, 0)
 
     def finished(self, reason: str, completion_tokens: int, cached_tokens: int, tokens: list[int] | None) -> Finished:
-        text = ""
-        if self.plain and tokens:  # a whole answer's ids, but for the end-of-text token
-            text = self.assembler.push_many(tokens[:-1] if tokens[-1] == self.eot else tokens)
-        text += self.assembler.finish()
+        text = self.assembler.whole_answer(tokens) if self.plain and tokens else self.assembler.finish()
         return Finished(reason, text, self.prompt_tokens, completion_tokens, cached_tokens)
 
 

@@ -57,7 +57,7 @@ class IdsOnly:
     def push(self, token: int) -> tuple[str, bool]:
         return "", False
 
-    def push_many(self, tokens: list[int]) -> str:
+    def whole_answer(self, tokens: list[int]) -> str:
         return ""
 
     def finish(self) -> str:

@@ -57,6 +57,12 @@ class GenerationRequest:
     stream: bool = True  # False: its tokens' events are held and posted with the last one (a whole answer: no wake-up
     # of the request's coroutine per token, which at tens of thousands of tokens/s is the event loop's main work)
 
+    @property
+    def whole_answer(self) -> bool:
+        """Nothing is needed per token (not streamed; no stop strings, no log-probabilities): there are no token
+        events at all, and the text is decoded once, into the Finished event."""
+        return not self.stream and not self.stop and self.logprobs is None
+
 
 @dataclass
 class PromptScored:
@@ -101,9 +107,7 @@ class Sequence(Work):
         self.prompt_scores: list[TokenLogprob | None] = []
         self.generated: list[int] = []
         self.held: list[TokenGenerated] = []  # a request that does not stream: its tokens' events until the end
-        # A whole answer that needs nothing per token (not streamed; no stop strings, no log-probabilities) has no token
-        # events at all: its text is decoded once, into the Finished event.
-        self.plain = not request.stream and not request.stop and request.logprobs is None
+        self.plain = request.whole_answer
 
     @functools.cached_property
     def cache_bytes(self) -> int:
@@ -124,11 +128,7 @@ class Sequence(Work):
         """Answered: its last text and the Finished event."""
         if not self.end(reason, metrics):
             return
-        text = ""
-        if self.plain:  # its tokens' text, but for the end-of-text token
-            eot = self.served.tokenizer.eot_token
-            text = self.assembler.push_many(self.generated[:-1] if self.generated[-1:] == [eot] else self.generated)
-        text += self.assembler.finish()
+        text = self.assembler.whole_answer(self.generated) if self.plain else self.assembler.finish()
         self.send(Finished(reason, text, len(self.request.prompt), len(self.generated), self.cached_tokens))
 
     def end(self, reason: FinishReason, metrics: ServerMetrics) -> bool:

@@ -334,6 +334,16 @@ def spec_size(spec: StructuredOutputs) -> int:
     return len(spec.json_schema if isinstance(spec.json_schema, str) else json.dumps(spec.json_schema))
 
 
+def _kind(spec: StructuredOutputs) -> str:
+    """Which of ``structured_outputs``' fields ``spec`` sets (error messages name it)."""
+    return "regex" if spec.regex is not None else "choice" if spec.choice is not None else "json"
+
+
+def _key(spec: StructuredOutputs) -> str:
+    """``spec``'s key in a vocabulary's cache of compiled constraints (ASCII: lone surrogates escaped too)."""
+    return json.dumps(spec.model_dump(by_alias=True), sort_keys=True)
+
+
 class ConstraintCompiler:
     """Compiles ``structured_outputs`` off the engine thread, with size and time limits, and keeps the results;
     their sequences' masks get ``mask_budget``."""
@@ -345,14 +355,14 @@ class ConstraintCompiler:
         self._compiling = 0
 
     async def compile(self, spec: StructuredOutputs, tokenizer: Tokenizer) -> CompiledConstraint:
-        kind = "regex" if spec.regex is not None else "choice" if spec.choice is not None else "json"
+        kind = _kind(spec)
         size = spec_size(spec)
         if size > self.max_chars:
             raise InputTooLarge(
                 f"structured_outputs.{kind} has {size} characters; the limit is {self.max_chars} "
                 "(REGULARLM_STRUCTURED_MAX_CHARS)"
             )
-        key = json.dumps(spec.model_dump(by_alias=True), sort_keys=True)  # ASCII: lone surrogates escaped too
+        key = _key(spec)
         with self._lock:
             known = self._vocabularies.get(tokenizer)
             cached = None if known is None else known.compiled.get(key)
@@ -390,27 +400,28 @@ class ConstraintCompiler:
             compiled = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
             raise self._too_slow(kind) from None
-        with self._lock:
-            compiled.vocabulary.compiled[key] = compiled
-            while len(compiled.vocabulary.compiled) > CACHED_CONSTRAINTS:
-                compiled.vocabulary.compiled.popitem(last=False)
+        self._keep(key, compiled)
         return compiled
 
     def compile_checked(self, spec: StructuredOutputs, tokenizer: Tokenizer) -> CompiledConstraint:
         """A constraint the API process compiled already, within its limits, compiled again here (the engine process:
         llguidance's matchers do not cross processes); kept as ``compile`` keeps them. Blocks while it compiles."""
-        key = json.dumps(spec.model_dump(by_alias=True), sort_keys=True)
+        key = _key(spec)
         vocabulary = self.vocabulary(tokenizer)
         with self._lock:
             cached = vocabulary.compiled.get(key)
         if cached is None:
-            kind = "regex" if spec.regex is not None else "choice" if spec.choice is not None else "json"
-            cached = self._compile_now(spec, kind, tokenizer, time.monotonic() + self.timeout_s)
-            with self._lock:
-                vocabulary.compiled[key] = cached
-                while len(vocabulary.compiled) > CACHED_CONSTRAINTS:
-                    vocabulary.compiled.popitem(last=False)
+            cached = self._compile_now(spec, _kind(spec), tokenizer, time.monotonic() + self.timeout_s)
+            self._keep(key, cached)
         return cached
+
+    def _keep(self, key: str, compiled: CompiledConstraint) -> None:
+        """Keep ``compiled`` under ``key`` in its vocabulary's cache, the least recently used leaving past
+        ``CACHED_CONSTRAINTS``."""
+        with self._lock:
+            compiled.vocabulary.compiled[key] = compiled
+            while len(compiled.vocabulary.compiled) > CACHED_CONSTRAINTS:
+                compiled.vocabulary.compiled.popitem(last=False)
 
     def _too_slow(self, kind: str) -> InputTooLarge:
         return InputTooLarge(

@@ -48,10 +48,11 @@ def test_multibyte_stop_string() -> None:
 
 def test_many_tokens_at_once_decode_as_one_by_one() -> None:
     """A whole answer's text decoded at its end equals its deltas joined, a character split across tokens and a cut
-    one (U+FFFD at the end) included."""
+    one (U+FFFD at the end) included; a final end-of-text token adds nothing."""
     for token_bytes in ("héllo wörld 👋".encode(), "ab👋".encode()[:-1], b"\xff\xfeok"):
         tokens = list(token_bytes)  # the bytes tokenizer: id = byte
         one_by_one = TextAssembler(TOKENIZER, [])
         expected = "".join(one_by_one.push(token)[0] for token in tokens) + one_by_one.finish()
         at_once = TextAssembler(TOKENIZER, [])
-        assert at_once.push_many(tokens) + at_once.finish() == expected == token_bytes.decode(errors="replace")
+        assert at_once.whole_answer(tokens) == expected == token_bytes.decode(errors="replace")
+        assert TextAssembler(TOKENIZER, []).whole_answer([*tokens, TOKENIZER.eot_token]) == expected
