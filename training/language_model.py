@@ -53,6 +53,7 @@ class TextData:
     passkey_fraction_final: float | None = None  # the fraction at the run's last step, linear from the first
     passkey_distractors: int = 2  # a pass-key row's filler holds 0 .. this many other numbers
     state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
+    passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
 
 
 PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
@@ -80,6 +81,14 @@ class LanguageModelObjective(Objective):
       step in, the gradient cut there (``carries_state``): the model trains on the states long inputs reach,
       not only on states a window's length from the learned start. A pass-key row reads from the carried state
       too, and leaves the text position where it was.
+    - ``passkey_span`` (with ``state_passing``): an example started in a row stretches over 1 to this many of its
+      consecutive windows, the count drawn log-uniform (short spans the most common; 1 is the example above). The
+      first window is the row's text with the introduction and needle put in at a uniform place; the windows
+      between are the row's text; the last one's text ends in the question and the answer, with 0 to
+      ``passkey_distractors`` numbers in it. All of the row's text is scored, the needle as above, the answer, not
+      the introduction or the question. The question reads the key from a state carried across windows whose
+      gradient is cut, so what is learned is to keep a key through text from a state that long inputs reach, over
+      distances up to ``passkey_span`` windows: what the in-window examples (at most a window apart) never ask.
     """
 
     name = "text"
@@ -106,6 +115,7 @@ class LanguageModelObjective(Objective):
                              "corpus (austen or text:PATH)")
         self.carries_state = data.state_passing
         self.cursors: np.ndarray | None = None  # with state passing: where each row reads next
+        self.spans: list[tuple[str, int] | None] | None = None  # with passkey_span: each row's open example
         self.passkey = None
         if data.passkey_fraction:
             self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
@@ -164,16 +174,69 @@ class LanguageModelObjective(Objective):
             windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
         targets = windows[:, 1:].clone()  # (B, L)
         if self.passkey is not None:
-            for row in np.flatnonzero(rng.random(self.batch_size) < self.passkey_fraction(step)):
+            if self.data.passkey_span > 1 and self.spans is None:
+                self.spans = [None] * self.batch_size
+            chosen = rng.random(self.batch_size) < self.passkey_fraction(step)
+            for row in range(self.batch_size):
+                if self.spans is not None and self.spans[row] is not None:
+                    self._span_window(row, windows[row], targets[row], rng)
+                    continue
+                if not chosen[row]:
+                    continue
                 # a uniform length, the row's text before it
                 prompt_size = int(rng.integers(self.shortest_passkey_row, length + 2))
                 distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
+                if self.spans is not None and (span := self._span_windows(rng)) > 1:
+                    self._span_start(row, span, windows[row], targets[row], rng)
+                    continue
                 windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng,
                                                                prompt_size, windows[row].numpy(), distractors)
                 if self.cursors is not None:  # the row's text goes on after the example
                     self.cursors[row] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         return Batch(windows[:, :-1], targets, lengths)
+
+    def _span_windows(self, rng: np.random.Generator) -> int:
+        """How many windows an example spans: log-uniform over 1 .. ``passkey_span``."""
+        span = self.data.passkey_span
+        return min(int(math.exp(rng.uniform(0.0, math.log(span + 1)))), span)
+
+    def _span_start(self, row: int, span: int, window: torch.Tensor, targets: torch.Tensor,
+                    rng: np.random.Generator) -> None:
+        """Row ``row``'s window (in place) begins an example of ``span`` windows: the introduction and the needle
+        put in at a uniform place of its text, scored on the needle after its first token (and not on the first
+        text token after it, which follows the needle by no rule)."""
+        assert self.passkey is not None and self.spans is not None and self.cursors is not None
+        key = draw_key(rng)
+        inserted = np.concatenate([self.passkey.introduction, self.passkey.needle(key)])
+        room = len(window) - len(inserted)
+        place = int(rng.integers(0, room))  # a text token after the needle: the next window reads on from it
+        text = window.numpy()
+        window.copy_(torch.from_numpy(np.concatenate([text[:place], inserted, text[place:room]]).astype(np.int64)))
+        targets.copy_(window[1:])
+        needle, after = place + len(self.passkey.introduction), place + len(inserted)
+        targets[max(place - 1, 0):needle] = IGNORE_INDEX  # the introduction and the needle's first token
+        targets[after - 1] = IGNORE_INDEX  # the text token after the needle
+        self.cursors[row] -= len(inserted)  # the row's text goes on where the window's text stopped
+        self.spans[row] = (key, span - 1)
+
+    def _span_window(self, row: int, window: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator) -> None:
+        """Row ``row`` is inside an example: its text as it is, or (the example's last window) its text with up to
+        ``passkey_distractors`` numbers put in, ending in the question and the answer, the question unscored."""
+        assert self.passkey is not None and self.spans is not None and self.cursors is not None
+        key, left = self.spans[row]  # type: ignore[misc]
+        if left > 1:
+            self.spans[row] = (key, left - 1)
+            return
+        question, answer = self.passkey.question, self.passkey.answer(key)
+        room = len(window) - len(question) - len(answer)
+        distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
+        text = self.passkey.with_numbers(window.numpy()[:room], distractors, key, rng)
+        window.copy_(torch.from_numpy(np.concatenate([text, question, answer]).astype(np.int64)))
+        targets.copy_(window[1:])
+        targets[room - 1:room - 1 + len(question)] = IGNORE_INDEX
+        self.cursors[row] -= len(question) + len(answer)
+        self.spans[row] = None
 
     def passkey_fraction(self, step: int) -> float:
         """The chance that a row of step ``step`` (from 1) is a pass-key example."""
@@ -238,13 +301,20 @@ class LanguageModelObjective(Objective):
     def data_state(self) -> Any:
         if isinstance(self.windows, StreamedWindows):
             return self.windows.state()
-        return None if self.cursors is None else {"cursors": self.cursors.tolist()}
+        if self.cursors is None:
+            return None
+        state: dict[str, Any] = {"cursors": self.cursors.tolist()}
+        if self.spans is not None:
+            state["spans"] = [None if span is None else list(span) for span in self.spans]
+        return state
 
     def load_data_state(self, state: Any) -> None:
         if isinstance(self.windows, StreamedWindows):
             self.windows.load_state(state)
         elif state is not None:
             self.cursors = np.asarray(state["cursors"], dtype=np.int64)
+            if "spans" in state:
+                self.spans = [None if span is None else (str(span[0]), int(span[1])) for span in state["spans"]]
 
 
 def check_passkey_length(tokenizer: Tokenizer, length: int) -> int:

@@ -59,7 +59,7 @@ class PassKeyBuilder:
         """The fewest tokens a prompt with ``key`` can have (no filler at all); without a key, a bound for any key
         (a key's BPE tokens merge with their neighbours differently: allow every digit a token of its own, twice)."""
         if key is not None:
-            return self.fixed_tokens + len(self._encode(NEEDLE.format(key=key)))
+            return self.fixed_tokens + len(self.needle(key))
         return self.shortest("0" * KEY_DIGITS) + 2 * KEY_DIGITS
 
     def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None,
@@ -72,7 +72,7 @@ class PassKeyBuilder:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"a pass-key depth is a fraction in [0, 1], not {depth}")
         key = key if key is not None else draw_key(rng)
-        needle = self._encode(NEEDLE.format(key=key))
+        needle = self.needle(key)
         filler_tokens = size - self.fixed_tokens - len(needle)
         if filler_tokens < 0:
             raise ValueError(f"a pass-key prompt needs at least {self.fixed_tokens + len(needle)} tokens, not {size}")
@@ -81,17 +81,21 @@ class PassKeyBuilder:
         head, tail = filler[:before], filler[before:]
         if distractors:
             after = int(rng.binomial(distractors, 0.5))
-            head = self._with_numbers(head, distractors - after, key, rng)
-            tail = self._with_numbers(tail, after, key, rng)
+            head = self.with_numbers(head, distractors - after, key, rng)
+            tail = self.with_numbers(tail, after, key, rng)
         tokens = np.concatenate([self.introduction, head, needle, tail, self.question])
         start = len(self.introduction) + before
         return PassKeyPrompt(tokens, self.answer(key), key, depth, slice(start, start + len(needle)))
+
+    def needle(self, key: str) -> np.ndarray:
+        """The needle naming ``key`` in the tokenizer's tokens."""
+        return self._encode(NEEDLE.format(key=key))
 
     def answer(self, key: str) -> np.ndarray:
         """``" {key}."`` in the tokenizer's tokens: what a right greedy answer starts with."""
         return self._encode(f" {key}.")
 
-    def _with_numbers(self, filler: np.ndarray, count: int, key: str, rng: np.random.Generator) -> np.ndarray:
+    def with_numbers(self, filler: np.ndarray, count: int, key: str, rng: np.random.Generator) -> np.ndarray:
         """``filler`` with up to ``count`` numbers other than ``key`` put in at random places, as long as before
         (the filler's last tokens make room); fewer when it is too short to hold them."""
         numbers = []

@@ -154,6 +154,10 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--state-passing", action="store_true",
                       help="recurrent models: each row reads consecutive windows, starting from the state its last "
                            "one ended in (the gradient cut between steps)")
+    what.add_argument("--passkey-span", type=positive_int, default=1, metavar="WINDOWS",
+                      help="with --state-passing: a pass-key example stretches over 1 to this many consecutive "
+                           "windows of its row (log-uniform; default 1: within one window), the needle in the "
+                           "first, the question in the last")
     checks = parser.add_argument_group("validation")
     checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
@@ -216,13 +220,16 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     if args.state_passing and args.arch not in RECURRENT_ARCHITECTURES:
         raise UsageError(f"--state-passing needs a recurrent model ({', '.join(RECURRENT_ARCHITECTURES)}); "
                          f"{args.arch}'s cache grows with the context")
+    if args.passkey_span > 1 and not (args.state_passing and args.passkey_fraction):
+        raise UsageError("--passkey-span needs --state-passing and --passkey-fraction (an example across windows "
+                         "is read from carried states)")
     settings = settings_from_args(args, args.arch)
     data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
                     length=args.length, validation_fraction=args.validation_fraction,
                     validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
                     passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
                     passkey_distractors=args.passkey_distractors,
-                    state_passing=args.state_passing)
+                    state_passing=args.state_passing, passkey_span=args.passkey_span)
     return settings, config, lambda settings, dist: LanguageModelObjective(
         data, tokenizer, ranks_file, settings.steps, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 

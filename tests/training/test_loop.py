@@ -252,7 +252,7 @@ def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = 
         tokens = np.asarray(objective.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 50))
     objective.windows, objective.train_tokens = TokenArray(tokens), len(tokens)
     objective.validation = TokenArray(tokens).batch(np.random.default_rng(1), 4, length)
-    objective.carries_state, objective.cursors = state_passing, None
+    objective.carries_state, objective.cursors, objective.spans = state_passing, None, None
     objective.passkey = PassKeyBuilder(objective.tokenizer, tokens) if passkey_fraction else None
     if passkey_fraction:
         objective.shortest_passkey_row = check_passkey_length(objective.tokenizer, length)
@@ -364,6 +364,66 @@ def test_the_passkey_fraction_falls_linearly_to_its_final_value_and_rows_hold_di
         counts.append(sum(number != key for number in re.findall(r"\d+", text)))
     assert set(counts) == {0, 1, 2, 3}  # 0 to passkey_distractors a row
     assert text_objective(length=320, passkey_fraction=0.5).passkey_fraction(1000) == 0.5  # no final: constant
+
+
+def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_it_windows_later() -> None:
+    """``passkey_span``: an example opens in a row's window (the introduction and needle put into its text), the
+    row then reads on through its text, and a later window of the same row ends in the question and that key; the
+    spans cover 1 to passkey_span windows; the text is scored but for the introduction, the needle's first token,
+    the token after it and the question; the open examples are kept with the data state."""
+    span, rows = 6, 32
+    objective = text_objective(length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True,
+                               passkey_span=span)
+    text = objective.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 9000)
+    objective.windows = TokenArray(np.asarray(text))  # no row runs out of text (and starts anew elsewhere)
+    decode, rng = objective.tokenizer.decode, np.random.default_rng(0)
+    opened: dict[int, tuple[str, int]] = {}  # row: (key, step the needle was read)
+    lengths, answered, text_scored = set(), 0, 0
+    previous = None
+    for step in range(1, 40):
+        batch = objective.batch(rng, step)
+        scored = batch.targets != IGNORE_INDEX
+        for row in range(rows):
+            last = [int(batch.targets[row, -1])] if scored[row, -1] else []  # unscored: the text after a needle
+            text = decode(batch.tokens[row].tolist() + last)
+            needles = re.findall(r"The pass key is (\d+)\. Remember it\. (\d+) is the pass key\.", text)
+            ask = re.search(re.escape(QUESTION) + r" (\d+)\.$", text)
+            if row in opened:
+                assert not needles  # no other example opens in a row with one open
+                if ask:
+                    key, start = opened.pop(row)
+                    assert ask.group(1) == key
+                    lengths.add(step - start + 1)
+                    answered += 1
+                    question = len(objective.tokenizer.encode(f"{QUESTION} {key}."))
+                    answer = len(objective.passkey.answer(key))
+                    tail = scored[row, -question:]
+                    assert not tail[:question - answer].any() and tail[question - answer:].all()
+                    text_scored += int(scored[row, :-question].sum())
+                elif previous.targets[row, -1] != IGNORE_INDEX:  # inside the span: the row's text goes on
+                    assert int(batch.tokens[row, 0]) == int(previous.targets[row, -1])
+            elif needles and ask:  # within one window, as without a span
+                lengths.add(1)
+            elif needles:
+                assert len(needles) == 1 and needles[0][0] == needles[0][1] and not ask
+                opened[row] = (needles[0][0], step)
+                intro = text.index("There is an important info")
+                assert not scored[row, max(intro - 1, 0):intro + 100].any()
+                assert scored[row, text.index("Remember it"):text.index(" is the pass key")].all()
+            else:
+                assert not ask
+        previous = batch
+    assert answered > 10 and text_scored > 0
+    assert lengths >= {1, 2} and max(lengths) > 3 and max(lengths) <= span
+    state = objective.data_state()
+    assert sum(open_span is not None for open_span in state["spans"]) == len(opened)
+    resumed = text_objective(length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True,
+                             passkey_span=span)
+    resumed.windows = objective.windows
+    resumed.load_data_state(json.loads(json.dumps(state)))
+    assert resumed.spans == objective.spans
+    again = [np.random.default_rng(9) for _ in range(2)]
+    assert torch.equal(objective.batch(again[0], 40).tokens, resumed.batch(again[1], 40).tokens)
 
 
 def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:

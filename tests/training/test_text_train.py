@@ -211,6 +211,10 @@ def test_token_windows(ranks) -> None:
       "--passkey-fraction-final", "0.5"], "--passkey-fraction-final needs --passkey-fraction"),
     (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--passkey-fraction",
       "1", "--passkey-distractors", "-1"], "--passkey-distractors"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "320",
+      "--passkey-fraction", "0.5", "--passkey-span", "8"], "--passkey-span needs --state-passing"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing",
+      "--passkey-span", "0"], "--passkey-span"),
 ])
 def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
