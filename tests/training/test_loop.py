@@ -369,11 +369,12 @@ def test_the_passkey_fraction_falls_linearly_to_its_final_value_and_rows_hold_di
 def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_it_windows_later() -> None:
     """``passkey_span``: an example opens in a row's window (the introduction and needle put into its text), the
     row then reads on through its text, and a later window of the same row ends in the question and that key; the
-    spans cover 1 to passkey_span windows; the text is scored but for the introduction, the needle's first token,
+    spans cover 1 to passkey_span windows, the longest growing over the run; the text is scored but for the introduction, the needle's first token,
     the token after it and the question; the open examples are kept with the data state."""
     span, rows = 6, 32
     objective = text_objective(length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True,
-                               passkey_span=span)
+                               passkey_span=span, steps=21)
+    assert [objective.longest_span(step) for step in (1, 6, 11, 16, 21, 40)] == [1, 2, 2, 4, 6, 6]  # 6 ** progress
     text = objective.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 9000)
     objective.windows = TokenArray(np.asarray(text))  # no row runs out of text (and starts anew elsewhere)
     decode, rng = objective.tokenizer.decode, np.random.default_rng(0)
@@ -392,7 +393,7 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
                 assert not needles  # no other example opens in a row with one open
                 if ask:
                     key, start = opened.pop(row)
-                    assert ask.group(1) == key
+                    assert ask.group(1) == key and step - start + 1 <= objective.longest_span(start)
                     lengths.add(step - start + 1)
                     answered += 1
                     question = len(objective.tokenizer.encode(f"{QUESTION} {key}."))
@@ -418,7 +419,7 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
     state = objective.data_state()
     assert sum(open_span is not None for open_span in state["spans"]) == len(opened)
     resumed = text_objective(length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True,
-                             passkey_span=span)
+                             passkey_span=span, steps=21)
     resumed.windows = objective.windows
     resumed.load_data_state(json.loads(json.dumps(state)))
     assert resumed.spans == objective.spans
