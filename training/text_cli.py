@@ -156,8 +156,8 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
                            "one ended in (the gradient cut between steps)")
     what.add_argument("--passkey-span", type=positive_int, default=1, metavar="WINDOWS",
                       help="with --state-passing: a pass-key example stretches over 1 to this many consecutive "
-                           "windows of its row (log-uniform; default 1: within one window), the needle in the "
-                           "first, the question in the last")
+                           "windows of its row (log-uniform up to a longest span growing from 1 to this over --steps; "
+                           "default 1: within one window), the needle in the first, the question in the last")
     checks = parser.add_argument_group("validation")
     checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
