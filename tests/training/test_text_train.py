@@ -245,7 +245,8 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, corpus,
 
 def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None:
     """Resume files written from 72ac6b1 to a9c80e3 hold ``passkey_steps`` (the pass-key schedule's length, now the
-    run's --steps): such a run resumes, on the schedule it started with."""
+    run's --steps) and, like every one before abf47e5, no ``passkey_span``: such a run resumes, on the schedule it
+    started with, its examples within one window."""
     out = tmp_path / "older"
     flags = ["--length", "320", "--batch-size", "2", "--passkey-fraction", "1.0", "--passkey-fraction-final", "0.5"]
     assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--time-budget", "0.001") == 0
@@ -254,6 +255,7 @@ def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None
         metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
     state = json.loads(metadata["state"])
     state["objective"]["passkey_steps"] = 6
+    del state["objective"]["passkey_span"]
     save_file(tensors, str(resume), metadata={**metadata, "state": json.dumps(state)})
     assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--resume") == 0
     assert load_checkpoint(out).config.metadata["steps"] == 6
