@@ -77,6 +77,11 @@ class RegularGPTConfig(BaseModelConfig):
     partner" (the identity of the composition) from "a partner equal to me". "mask" drops the slot, so the query
     attends over fewer keys and those two cases look the same: trained on parity_check, a "mask" model did not
     get past chance in 1500 steps where a "null" one was at 100% on lengths 41-500 by step 250 (2026-11).
+
+    ``block_norm``: where each block's two LayerNorms sit. "pre" (default, GPT-2's): x + f(LN(x)), so the
+    residual stream sums one update per thick layer and is normalised only where it is read. "post" (the
+    authors' code, and the original Transformer's): LN(x + f(x)), so every thick layer maps a normalised state to
+    a normalised state, and the shared layer is one map iterated as often as the input's depth needs.
     """
 
     n_heads: int = 4
@@ -85,6 +90,7 @@ class RegularGPTConfig(BaseModelConfig):
     thickness: int = 1
     attention_impl: Literal["auto", "reference", "fast"] = "auto"
     out_of_range: Literal["mask", "null"] = "null"
+    block_norm: Literal["pre", "post"] = "pre"
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:

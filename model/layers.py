@@ -1,7 +1,8 @@
 """GPT-2 building blocks shared by RegularGPT and the transformer baselines.
 
-A :class:`Block` is pre-norm: ``x + attention(ln_1(x))`` then ``x + mlp(ln_2(x))``. The attention module
-is the only part that differs between architectures; it receives the normalised hidden states and any
+A :class:`Block` is pre-norm: ``x + attention(ln_1(x))`` then ``x + mlp(ln_2(x))``, or post-norm (RegularGPT's
+``block_norm="post"``): ``ln_1(x + attention(x))`` then ``ln_2(x + mlp(x))``. The attention module is the only part
+that differs between architectures; it receives the block's hidden states (normalised when pre-norm) and any
 keyword arguments the caller passes through (dilation, cache, ...).
 """
 
@@ -57,17 +58,24 @@ class HeadProjections(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block around an arbitrary attention module."""
+    """Transformer block around an arbitrary attention module: pre-norm, x + f(LN(x)) for the attention and then
+    the MLP, or with ``post_norm`` LN(x + f(x)) (the same two LayerNorms, after each residual sum)."""
 
-    def __init__(self, d_model: int, d_ff: int, attention: nn.Module, eps: float, dropout: float = 0.0) -> None:
+    def __init__(
+        self, d_model: int, d_ff: int, attention: nn.Module, eps: float, dropout: float = 0.0, post_norm: bool = False
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model, eps=eps)
         self.attention = attention
         self.ln_2 = nn.LayerNorm(d_model, eps=eps)
         self.mlp = MLP(d_model, d_ff, dropout)
+        self.post_norm = post_norm
 
     def forward(self, x: torch.Tensor, **attention_kwargs: object) -> torch.Tensor:
         """x: (B, T, d_model) -> (B, T, d_model)."""
+        if self.post_norm:
+            x = self.ln_1(x + self.attention(x, **attention_kwargs))
+            return self.ln_2(x + self.mlp(x))
         x = x + self.attention(self.ln_1(x), **attention_kwargs)
         return x + self.mlp(self.ln_2(x))
 

@@ -1,7 +1,8 @@
 """RegularGPT (regulargpt.txt section 3): GPT-2 blocks with Sliding-Dilated-Attention, adaptive depth and
 weight sharing.
 
-Thick layer l (0-indexed) applies the ``thickness`` (K) distinct pre-norm GPT-2 blocks in order, all with
+Thick layer l (0-indexed) applies the ``thickness`` (K) distinct GPT-2 blocks (pre-norm, or post-norm as the
+authors' code: ``config.block_norm``) in order, all with
 dilation C**l (C = chunk_size): position m attends to m - j * C**l for j in [C], plus a learnable scalar per
 head and j (eq. 1). The same K blocks serve every thick layer, so the depth can grow past the training length.
 There is no absolute position embedding; a final LayerNorm precedes the head.
@@ -83,7 +84,10 @@ class RegularGPT(SequenceModel):
         self.config = config
         self.embedding = TokenEmbedding(config)
         self.blocks = nn.ModuleList(
-            Block(config.d_model, config.d_ff, DilatedSelfAttention(config), config.layer_norm_eps, config.dropout)
+            Block(
+                config.d_model, config.d_ff, DilatedSelfAttention(config), config.layer_norm_eps, config.dropout,
+                post_norm=config.block_norm == "post",
+            )
             for _ in range(config.thickness)
         )
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
@@ -177,7 +181,7 @@ class RegularGPT(SequenceModel):
             )
         if self.device.type != "cpu":
             return notes
-        if cpu_decode.streams(dtype=self.dtype):
+        if cpu_decode.streams(dtype=self.dtype) and self.config.block_norm == "pre":  # the compiled layer's blocks
             self.packed = pack_blocks(self.blocks, self.packed)
             notes.append(f"thick layers step as one compiled call each at {cpu_decode.rows_note()} (CPU)")
             return [*notes, *super().for_serving()]

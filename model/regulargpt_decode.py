@@ -50,7 +50,8 @@ from model.regulargpt_cache import (
 class CachedBlock(NamedTuple):
     """A Block as the cached path runs it, its parameters read from the modules once per call.
 
-    The computation is the pre-norm Block's, x + attention(ln_1(x)) then x + mlp(ln_2(x)), written with those
+    The computation is the Block's, x + attention(ln_1(x)) then x + mlp(ln_2(x)) (or with ``post_norm``
+    ln_1(x + attention(x)) then ln_2(x + mlp(x))), written with those
     tensors: a decode step is a chain of small ops, and the modules' eleven __call__ and ~35 attribute lookups per
     block (an nn.Module attribute costs ~1 us here, six times a dict's) came to about a quarter of it. The
     tensors are read through the modules' own dicts (:func:`_children`), for the same reason.
@@ -69,6 +70,7 @@ class CachedBlock(NamedTuple):
     chunk_size: int
     eps: float
     dropout: float  # the residual branches' dropout probability when training, else 0
+    post_norm: bool
 
     @classmethod
     def of(cls, block: Block) -> CachedBlock:
@@ -92,6 +94,7 @@ class CachedBlock(NamedTuple):
             modules["attention"].chunk_size,
             ln_1.eps,
             mlp["dropout"].p if block.training else 0.0,
+            vars(block)["post_norm"],
         )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -103,6 +106,12 @@ class CachedBlock(NamedTuple):
     def forward(self, x: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
         """x: (B, n, d) new positions -> (B, n, d), attending through ``window``, which then stores them."""
         shape = x.shape[-1:]
+        if self.post_norm:
+            out = linear(self.attend(linear(x, *self.c_attn), dilation, window, plan), *self.c_proj)  # (B, n, d)
+            x = F.layer_norm(x + (F.dropout(out, self.dropout) if self.dropout else out), shape, *self.ln_1, self.eps)
+            out = linear(F.gelu(linear(x, *self.c_fc)), *self.mlp_proj)  # (B, n, d)
+            x = x + (F.dropout(out, self.dropout) if self.dropout else out)
+            return F.layer_norm(x, shape, *self.ln_2, self.eps)
         qkv = linear(F.layer_norm(x, shape, *self.ln_1, self.eps), *self.c_attn)  # (B, n, 3 d)
         out = linear(self.attend(qkv, dilation, window, plan), *self.c_proj)  # (B, n, d)
         x = x + (F.dropout(out, self.dropout) if self.dropout else out)
@@ -290,8 +299,12 @@ def _cached_thick_layer(
 
 def _compiles_step(x: torch.Tensor, blocks: list[CachedBlock], packed: PackedBlocks | None) -> bool:
     """Whether a decode step over x (B, 1, d) runs each thick layer as one compiled call: packed blocks
-    (``for_serving``) still in place, no dropout, and :func:`model.ops.cpu_decode.compiles_step`."""
-    return packed is not None and not blocks[0].dropout and cpu_decode.compiles_step(x) and packed.holds(blocks)
+    (``for_serving``) still in place, pre-norm blocks (the compiled kernel's), no dropout, and
+    :func:`model.ops.cpu_decode.compiles_step`."""
+    return (
+        packed is not None and not blocks[0].dropout and not blocks[0].post_norm and cpu_decode.compiles_step(x)
+        and packed.holds(blocks)
+    )
 
 
 def _compiled_thick_layer(

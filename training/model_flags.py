@@ -35,6 +35,8 @@ MODEL_FLAGS = (
     ModelFlag("out_of_range", str, "RegularGPT: a dilated key before position 0 is masked out, or is a learned null "
               "key/value (the paper's padding; lets a layer tell 'no partner' from 'equal partner')",
               ("mask", "null")),
+    ModelFlag("block_norm", str, "RegularGPT: LayerNorm before each block's attention and MLP (pre, GPT-2's) or after "
+              "each residual sum (post, the authors' code)", ("pre", "post")),
     ModelFlag("block_size", int, "LRNN block size b of the block-diagonal transition"),
     ModelFlag("num_blocks", int, "LRNN number of blocks H (state size H*b)"),
     ModelFlag("p_norm", float, "LRNN p of the column p-norm constraint"),
@@ -58,6 +60,7 @@ CONFIG_FIELDS: dict[str, dict[str, str]] = {
     "regulargpt": {
         **_COMMON_FIELDS, "heads": "n_heads", "d_ff": "d_ff", "chunk_size": "chunk_size",
         "thickness": "thickness", "attention_impl": "attention_impl", "out_of_range": "out_of_range",
+        "block_norm": "block_norm",
     },
     "lrnn": {
         **_COMMON_FIELDS, "layers": "n_layers", "block_size": "block_size", "num_blocks": "num_blocks",

@@ -1,8 +1,8 @@
 """RegularGPT in plain PyTorch, to read before model/regulargpt.py: the same outputs, none of the speed.
 
-Thick layer l applies the K shared pre-norm GPT-2 blocks in order, each with Sliding-Dilated-Attention at dilation
-C**l: position t attends to the keys t - j * C**l, j in [C], with a learned scalar r_j per head added to the score
-(regulargpt.txt eq. 1), written here as a T x T mask. Keys before position 0 are masked or, with
+Thick layer l applies the K shared GPT-2 blocks in order (pre-norm, or post-norm with ``post_norm``), each with
+Sliding-Dilated-Attention at dilation C**l: position t attends to the keys t - j * C**l, j in [C], with a learned
+scalar r_j per head added to the score (regulargpt.txt eq. 1), written here as a T x T mask. Keys before position 0 are masked or, with
 ``out_of_range="null"``, replaced by a learned null key and value, one column per such j. Position t is read after
 its own depth D(t) = max(1, ceil(log_C(t + 1))) thick layers (the paper's ceil(log_C T) for every prefix), so the
 output at t is the final output of the prefix s[0..t]. No position embedding; a final LayerNorm, then the head.
@@ -51,19 +51,31 @@ def dilated_attention(x: torch.Tensor, p: Params, n_heads: int, chunk_size: int,
     return F.linear(out, p["heads.c_proj.weight"], p["heads.c_proj.bias"])
 
 
-def block(x: torch.Tensor, p: Params, n_heads: int, chunk_size: int, dilation: int, eps: float) -> torch.Tensor:
-    """One pre-norm GPT-2 block. x: (B, T, d) -> (B, T, d). ``p``: names after ``blocks.k.``."""
+def block(
+    x: torch.Tensor, p: Params, n_heads: int, chunk_size: int, dilation: int, eps: float, post_norm: bool
+) -> torch.Tensor:
+    """One GPT-2 block: x + f(LN(x)) twice, or LN(x + f(x)) with ``post_norm``. x: (B, T, d) -> (B, T, d).
+    ``p``: names after ``blocks.k.``."""
     d = x.shape[-1]
     attention = {name.removeprefix("attention."): value for name, value in p.items()}
-    u = F.layer_norm(x, (d,), p["ln_1.weight"], p["ln_1.bias"], eps)
-    x = x + dilated_attention(u, attention, n_heads, chunk_size, dilation)
-    u = F.layer_norm(x, (d,), p["ln_2.weight"], p["ln_2.bias"], eps)
-    hidden = F.gelu(F.linear(u, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"]))  # (B, T, d_ff)
-    return x + F.linear(hidden, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
+
+    def mlp(u: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(F.linear(u, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"]))  # (B, T, d_ff)
+        return F.linear(hidden, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
+
+    def ln(x: torch.Tensor, k: int) -> torch.Tensor:
+        return F.layer_norm(x, (d,), p[f"ln_{k}.weight"], p[f"ln_{k}.bias"], eps)
+
+    if post_norm:
+        x = ln(x + dilated_attention(x, attention, n_heads, chunk_size, dilation), 1)
+        return ln(x + mlp(x), 2)
+    x = x + dilated_attention(ln(x, 1), attention, n_heads, chunk_size, dilation)
+    return x + mlp(ln(x, 2))
 
 
 def regulargpt(
-    tokens: torch.Tensor, params: Params, n_heads: int, chunk_size: int, thickness: int, eps: float = 1e-5
+    tokens: torch.Tensor, params: Params, n_heads: int, chunk_size: int, thickness: int, eps: float = 1e-5,
+    post_norm: bool = False,
 ) -> torch.Tensor:
     """tokens: (B, T) -> logits (B, T, output_size). ``params``: a RegularGPT's state_dict."""
     blocks = [
@@ -76,7 +88,7 @@ def regulargpt(
     out = torch.zeros_like(x)
     for layer in range(int(depths.max())):
         for p in blocks:  # the same K blocks at every thick layer
-            x = block(x, p, n_heads, chunk_size, chunk_size**layer, eps)
+            x = block(x, p, n_heads, chunk_size, chunk_size**layer, eps, post_norm)
         out[:, depths == layer + 1] = x[:, depths == layer + 1]  # the positions whose depth is layer + 1
     out = F.layer_norm(out, out.shape[-1:], params["ln_f.weight"], params["ln_f.bias"], eps)
     if "embedding.label_head.weight" in params:  # a transducer's labels

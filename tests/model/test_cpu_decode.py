@@ -275,6 +275,24 @@ def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_each_thick_layer
     torch.testing.assert_close(torch.stack(stepped, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_served_post_norm_regulargpt_steps_through_torch_and_equals_its_parallel_pass(
+    kernel_calls, thick_layer_calls
+) -> None:
+    """The compiled thick layer is pre-norm only: for_serving packs nothing for block_norm="post", and its decode
+    steps run the torch blocks (post-norm) and still give the parallel pass."""
+    model = sharp_regulargpt("regulargpt-c2-null")
+    model = RegularGPT(dataclasses.replace(model.config, block_norm="post")).eval()
+    tokens = torch.randint(0, 40, (2, 20))
+    with torch.no_grad():
+        with cpu_decode.torch_products():
+            expected = model(tokens)
+        assert COMPILED_LAYERS not in model.for_serving() and model.packed is None
+        cache = model.new_cache(2)
+        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(20)], dim=1)
+    assert thick_layer_calls == []
+    torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_id", ["regulargpt-c2", "regulargpt-c2-null", "regulargpt-c3-k2", "regulargpt-c5"])
 def test_compiled_steps_of_rows_at_different_lengths_equal_the_torch_steps(monkeypatch, model_id: str) -> None:
     """Two rows decoded together from 11 and 2 tokens: the short row's far slots are out of range (masked or null)

@@ -26,6 +26,7 @@ from model.regulargpt_cache import (
 
 VOCAB = 5
 OUT_OF_RANGE = pytest.mark.parametrize("out_of_range", ["mask", "null"])
+BLOCK_NORM = pytest.mark.parametrize("block_norm", ["pre", "post"])
 
 
 @pytest.fixture(params=["by policy", "all banded"])
@@ -45,6 +46,7 @@ def make(
     num_labels: int = 0,
     out_of_range: str = "mask",
     vocab_size: int = VOCAB,
+    block_norm: str = "pre",
 ) -> RegularGPT:
     config = RegularGPTConfig(
         vocab_size=vocab_size,
@@ -56,6 +58,7 @@ def make(
         thickness=thickness,
         attention_impl=impl,
         out_of_range=out_of_range,
+        block_norm=block_norm,
     )
     return RegularGPT(config).double().eval()
 
@@ -111,9 +114,12 @@ def boundary_lengths(chunk_size: int, up_to: int) -> list[int]:
 
 
 @OUT_OF_RANGE
+@BLOCK_NORM
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 1), (2, 2), (4, 2)])
-def test_shrinking_final_logits_equal_parallel(chunk_size: int, thickness: int, out_of_range: str) -> None:
-    model = make(chunk_size, thickness, num_labels=3, out_of_range=out_of_range)
+def test_shrinking_final_logits_equal_parallel(
+    chunk_size: int, thickness: int, out_of_range: str, block_norm: str
+) -> None:
+    model = make(chunk_size, thickness, num_labels=3, out_of_range=out_of_range, block_norm=block_norm)
     length = 70
     tokens = torch.randint(0, VOCAB, (3, length))
     with torch.no_grad():
@@ -161,12 +167,13 @@ def test_extra_levels_read_each_position_that_many_layers_higher_in_training_onl
 
 
 @OUT_OF_RANGE
+@BLOCK_NORM
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2), (5, 1)])  # C 5: the windows' runs grow
 @pytest.mark.parametrize("prefill", [0, 1, 2, 3, 4, 9, 10])
 def test_decoding_across_depth_growth_equals_parallel(
-    chunk_size: int, thickness: int, prefill: int, out_of_range: str, cached_attention: str
+    chunk_size: int, thickness: int, prefill: int, out_of_range: str, block_norm: str, cached_attention: str
 ) -> None:
-    model = make(chunk_size, thickness, out_of_range=out_of_range)
+    model = make(chunk_size, thickness, out_of_range=out_of_range, block_norm=block_norm)
     length = chunk_size**3 + 2
     tokens = torch.randint(0, VOCAB, (2, length))
     with torch.no_grad():
@@ -242,13 +249,14 @@ def prefill(model: RegularGPT, tokens: torch.Tensor, chunk: int = 3) -> RegularG
 
 
 @OUT_OF_RANGE
+@BLOCK_NORM
 @pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
 @pytest.mark.parametrize("chunks", [[5, 3, 1, 8, 13, 2], [7, 9, 11, 6], [1, 2, 3, 4, 5, 6, 7], [9, 18, 5], [32]])
 def test_chunked_cached_forward_equals_parallel(
-    chunk_size: int, thickness: int, chunks: list[int], out_of_range: str, cached_attention: str
+    chunk_size: int, thickness: int, chunks: list[int], out_of_range: str, block_norm: str, cached_attention: str
 ) -> None:
     """Chunks of odd lengths, several crossing C**L (4, 8, 16, 32 for C = 2; 3, 9, 27 for C = 3)."""
-    model = make(chunk_size, thickness, out_of_range=out_of_range)
+    model = make(chunk_size, thickness, out_of_range=out_of_range, block_norm=block_norm)
     tokens = torch.randint(0, VOCAB, (2, sum(chunks)))
     with torch.no_grad():
         parallel = model(tokens)
