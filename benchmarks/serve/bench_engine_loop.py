@@ -26,8 +26,7 @@ import pstats
 import time
 from pathlib import Path
 
-from benchmarks.serve.harness import ROOT, machine
-from benchmarks.serve.stub_server import zero_step
+from benchmarks.serve.harness import ROOT, machine, zero_step
 from model.cuda_graphs import Decoder
 from server.__main__ import freeze_startup_heap, tune_garbage_collector
 from server.engine import Engine

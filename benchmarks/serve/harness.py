@@ -62,6 +62,20 @@ def write_models(directory: Path) -> Path:
     return directory
 
 
+def zero_step(vocabulary: int):
+    """A decode step that advances the cache's lengths and returns zero logits (one tensor per batch size)."""
+    zeros: dict[int, torch.Tensor] = {}
+
+    def step(tokens: torch.Tensor, cache) -> torch.Tensor:
+        cache.lengths = cache.lengths + 1
+        rows = tokens.shape[0]
+        if rows not in zeros:
+            zeros[rows] = torch.zeros(rows, vocabulary)
+        return zeros[rows]
+
+    return step
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """--threads and --device of the server under test, the same in every serving benchmark."""
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.serve.harness import zero_step
 from server import __main__ as server_main
 from server import model_store
 from server.model_store import ServedModel
@@ -31,22 +32,9 @@ def load_stubbed(folder: Path, device: str) -> ServedModel:
     return served
 
 
-def zero_step(vocabulary: int):
-    """A decode step that advances the cache's lengths and returns zero logits (one tensor per batch size)."""
-    zeros: dict[int, torch.Tensor] = {}
-
-    def step(tokens: torch.Tensor, cache) -> torch.Tensor:
-        cache.lengths = cache.lengths + 1
-        rows = tokens.shape[0]
-        if rows not in zeros:
-            zeros[rows] = torch.zeros(rows, vocabulary)
-        return zeros[rows]
-
-    return step
-
-
 # At import, not under __main__: the engine process (server/engine_core.py, started with spawn) imports this module as
-# its main module too, and must load the stubs as well.
+# its main module too, and must load the stubs as well. So nothing else may import this module: every model it then
+# loaded would be stubbed (bench_engine_loop did, through zero_step, until 2026-11-26; its rates were the stub's).
 model_store.load_served_model = load_stubbed
 
 if __name__ == "__main__":

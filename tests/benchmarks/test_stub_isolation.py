@@ -1,0 +1,20 @@
+"""The stub server's patch (every model it loads answers zeros) must reach only the processes that run it: a
+benchmark that imports the harness (bench_engine_loop did import the stub module, until 2026-11-26, and measured
+the stub's rates for the real models) loads real models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_importing_the_engine_benchmark_leaves_model_loading_alone() -> None:
+    code = (
+        "from server import model_store; original = model_store.load_served_model; "
+        "import benchmarks.serve.bench_engine_loop; "
+        "assert model_store.load_served_model is original, model_store.load_served_model"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
