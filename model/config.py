@@ -5,13 +5,13 @@ Every architecture has one frozen dataclass of hyper-parameters. A checkpoint's 
 model reads and writes (task, alphabet, labels or tokenizer). Loading refuses unknown and missing keys and
 values of the wrong type, with a message that names them.
 
-Format versions: a file of the current ``FORMAT_VERSION`` (3) holds every key, and loading refuses one that lacks
+Format versions: a file of the current ``FORMAT_VERSION`` (4) holds every key, and loading refuses one that lacks
 any, defaults or not: a key a file leaves out would otherwise load as whatever this build's default is, which can
 change the model. Version 1 let a file leave out keys that had defaults; :func:`migrate_config` reads such a file
 as the build that wrote it did (the values in ``_V1_DEFAULTS``, spelled out so that a later change of a default
 cannot change what an old file means). A key added later gets, in a file older than it, the value that file meant
-(``_ADDED_KEYS``; version 3 added ``LRNNConfig.transition_rank``). ``python -m training upgrade DIR`` rewrites
-old files.
+(``_ADDED_KEYS``; version 3 added ``LRNNConfig.transition_rank``, version 4 ``RegularGPTConfig.block_norm``).
+``python -m training upgrade DIR`` rewrites old files.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 class ConfigError(ValueError):
@@ -390,6 +390,7 @@ _V1_DEFAULTS: dict[str, dict[str, Any]] = {
 # What a file older than the version that added a model key meant by it, by that version and architecture.
 _ADDED_KEYS: dict[int, dict[str, dict[str, Any]]] = {
     3: {"lrnn": {"transition_rank": None}},  # the full transition generator, the only one before
+    4: {"regulargpt": {"block_norm": "pre"}},  # pre-norm blocks, the only ones before
 }
 
 

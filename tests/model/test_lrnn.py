@@ -252,7 +252,7 @@ def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> N
             "task": None, "tokenizer": None, "metadata": {}, "model": model}
     assert CheckpointConfig.from_dict(data).model == tiny_configs(2, 2)["lrnn"]
     with pytest.raises(ConfigError, match="missing key"):
-        CheckpointConfig.from_dict({**data, "format_version": 3})  # the current format writes every key
+        CheckpointConfig.from_dict({**data, "format_version": 3})  # format 3 and later write every key
 
 
 @pytest.mark.parametrize("model_id", ["lrnn-stochastic", "lrnn-stochastic-rank2"])
