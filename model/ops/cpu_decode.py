@@ -26,10 +26,15 @@ other bits at 1-3 rows than at 4 or more; at two threads at most row counts belo
 changed by float rounding when its decode batch crossed :data:`MAX_ROWS` (issue 30: a seeded text-regulargpt sample
 diverged from its solo run beside ten others). Where it is on, a decode step's products and layer steps run through
 the kernels at any rows, weight size and thread count: a row's logits are then bit for bit the same in any batch
-(tests/model/test_cpu_decode.py, tests/server/test_sampling.py), at the kernels' speed, which past ~8 rows can be
-below MKL's blocked products'. Prefill chunks (many positions per row) keep MKL's and oneDNN's products, and
-what a model or the engine would run over several rows at once outside a decode step's kernels runs one row at a
-time (:func:`row_invariant`: a RegularGPT row's new thick layer, a prompt's prefill chunk), as it runs alone. Not
+(tests/model/test_cpu_decode.py, tests/server/test_sampling.py). The products of :func:`linear` (the head above
+all) then run across outputs instead (:func:`_compile_panel_kernel`): the weight copied once into panels of
+:data:`PANEL` outputs, each output's sum in a fixed order, the panel's outputs in vector registers, as MKL
+vectorises many rows. The dot-product kernel, which reduces each output's sum horizontally, took 9.6x MKL's time
+for a 64-row 8,192 x 16 head and 1.5x for 8,192 x 128; the panels take ~1.0-1.3x and ~1.1-1.3x
+(docs/benchmarks.md). The layer steps' products stay dot products, slower than MKL's blocked products past ~8
+rows. Prefill chunks (many positions per row) keep MKL's and oneDNN's products, and what a model or the engine
+would run over several rows at once outside a decode step's kernels runs one row at a time (:func:`row_invariant`:
+a RegularGPT row's new thick layer, a prompt's prefill chunk), as it runs alone. Not
 invariant even so: where a long prompt is cut into chunks (that depends on what else is prefilling), and any
 model or device this does not cover (the engine refuses to start with them).
 
@@ -65,9 +70,11 @@ MAX_ROWS = 4  # the kernel's rows per call; from 8 rows MKL's blocked products w
 # and the kernel's call costs ~8 us of Python against F.linear's ~5 (a hot 128 x 128: 11 against 5 us; 512 x 512:
 # 26 us either way; 2048 x 512: 67 against 80-95 us).
 MIN_ELEMENTS = 2**18  # 1 MiB of float32
+PANEL = 32  # outputs per panel of the row-invariant product (_compile_panel_kernel: four registers of eight)
 
 _state = threading.local()  # .off: torch_products() depth in this thread; .invariant: set_row_invariant's choice
 _kernel: Callable[..., None] | None = None
+_panel_kernel: Callable[..., None] | None = None
 _layer_step: Callable[..., None] | None = None
 _regulargpt_layer_step: Callable[..., None] | None = None
 _unavailable: str | None = None  # why the kernel cannot be built, once known
@@ -83,10 +90,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         packed = None if _off() else prepacked.product(x, weight, bias)
         return F.linear(x, weight, bias) if packed is None else packed
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (R, in)
-    out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)  # (R, out)
     offsets = _NO_BIAS if bias is None else bias.numpy(force=True)
-    kernel(rows.numpy(force=True), weight.numpy(force=True), offsets, bias is not None, out)
-    result = torch.from_numpy(out)
+    if _invariant() and (x.dim() == 2 or x.shape[-2] == 1):  # a decode step's product, row-invariant
+        panels = _panels(weight)  # (P, in, PANEL)
+        out = np.empty((rows.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # (R, P PANEL)
+        _panel_kernel(rows.numpy(force=True), panels, offsets, bias is not None, out)
+        result = torch.from_numpy(out)[:, : weight.shape[0]]  # (R, out)
+    else:
+        out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)  # (R, out)
+        kernel(rows.numpy(force=True), weight.numpy(force=True), offsets, bias is not None, out)
+        result = torch.from_numpy(out)
     return result if x.dim() == 2 else result.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -259,9 +272,28 @@ def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     )
 
 
+def _panels(weight: torch.Tensor) -> np.ndarray:
+    """``weight`` (out, in) as the row-invariant product reads it: (P, in, PANEL) float32, panel p holding outputs
+    p PANEL .. p PANEL + PANEL - 1 (zeros past ``out``), each output's weights down a column. Made once and kept on
+    the tensor; made again when the tensor's storage changes (``.data =``, ``load_state_dict(assign=True)``) or it is
+    changed in place (its version counter; an inference tensor has none, and there only its storage is checked)."""
+    version = None if weight.is_inference() else weight._version
+    key = (weight.data_ptr(), version)
+    held = getattr(weight, "_row_invariant_panels", None)
+    if held is not None and held[0] == key:
+        return held[1]
+    outputs, width = weight.shape
+    count = -(-outputs // PANEL)
+    panels = np.zeros((count * PANEL, width), dtype=np.float32)  # (P PANEL, in)
+    panels[:outputs] = weight.detach().numpy(force=True)
+    panels = np.ascontiguousarray(panels.reshape(count, PANEL, width).transpose(0, 2, 1))  # (P, in, PANEL)
+    weight._row_invariant_panels = (key, panels)
+    return panels
+
+
 def _build() -> Callable[..., None] | None:
     """Import numba and compile the kernels once per process; None (and one warning) if numba is missing."""
-    global _kernel, _layer_step, _regulargpt_layer_step, _unavailable
+    global _kernel, _panel_kernel, _layer_step, _regulargpt_layer_step, _unavailable
     with _build_lock:
         if _kernel is not None or _unavailable is not None:
             return _kernel
@@ -272,7 +304,57 @@ def _build() -> Callable[..., None] | None:
             logger.warning("few-row CPU products use F.linear: %s", _unavailable)
             return None
         _kernel, _layer_step, _regulargpt_layer_step = _compile(numba)
+        _panel_kernel = _compile_panel_kernel(numba)
         return _kernel
+
+
+def _compile_panel_kernel(numba) -> Callable[..., None]:
+    """The row-invariant product, compiled now: x (R, in) times panels (P, in, PANEL) (:func:`_panels`), plus the
+    bias (out,) where ``has_bias``, into out (R, P PANEL).
+
+    Each row, panel by panel, keeps one accumulator per output of the panel and adds x[r, i] * w[o, i] to it for
+    i = 0, 1, ..., in - 1 in that order, then the bias: the same operations in the same order whatever the other
+    rows, so a row's result is the same bits in any batch. No fastmath: the compiler may not reorder or fuse them.
+    The 32 accumulators are four tuples of eight scalars, values rather than memory, which LLVM's SLP vectoriser
+    packs into four AVX2 registers (independent chains that hide the adds' latency); an array of them stayed scalar
+    or went through memory (docs/benchmarks.md, "A row-invariant head product across outputs"). numba leaves SLP
+    off by default; the setting is read per compilation, so it is on for this one and put back after."""
+    jit = functools.partial(numba.njit, boundscheck=False, nogil=True)
+
+    @jit(inline="always")
+    def add8(acc, v, w, k):  # acc + v * w[k : k + 8], lane by lane
+        return (
+            acc[0] + v * w[k], acc[1] + v * w[k + 1], acc[2] + v * w[k + 2], acc[3] + v * w[k + 3],
+            acc[4] + v * w[k + 4], acc[5] + v * w[k + 5], acc[6] + v * w[k + 6], acc[7] + v * w[k + 7],
+        )
+
+    @jit(inline="always")
+    def store8(acc, out, r, k):
+        for j in range(8):
+            out[r, k + j] = acc[j]
+
+    def panel_product(x, panels, bias, has_bias, out):
+        rows, width = x.shape
+        zero = np.float32(0.0)
+        for p in range(panels.shape[0]):
+            base = p * PANEL
+            for r in range(rows):
+                a = b = c = d = (zero, zero, zero, zero, zero, zero, zero, zero)  # outputs base + 0-7, 8-15, ...
+                for i in range(width):
+                    v, w = x[r, i], panels[p, i]
+                    a, b, c, d = add8(a, v, w, 0), add8(b, v, w, 8), add8(c, v, w, 16), add8(d, v, w, 24)
+                store8(a, out, r, base), store8(b, out, r, base + 8)
+                store8(c, out, r, base + 16), store8(d, out, r, base + 24)
+                if has_bias:
+                    for k in range(min(PANEL, bias.shape[0] - base)):
+                        out[r, base + k] += bias[base + k]
+
+    before = numba.config.SLP_VECTORIZE
+    numba.config.SLP_VECTORIZE = 1
+    try:
+        return jit("void(float32[:, ::1], float32[:, :, ::1], float32[::1], boolean, float32[:, ::1])")(panel_product)
+    finally:
+        numba.config.SLP_VECTORIZE = before
 
 
 def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:

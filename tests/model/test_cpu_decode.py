@@ -77,6 +77,62 @@ def test_a_row_comes_out_the_same_whatever_rows_go_with_it(kernel_calls) -> None
     assert len(kernel_calls) == 5 and torch.equal(together, alone)
 
 
+@pytest.fixture
+def invariant():
+    cpu_decode.set_row_invariant(True)
+    yield
+    cpu_decode.set_row_invariant(False)
+
+
+@pytest.mark.parametrize(("out", "width"), [(1, 1), (31, 5), (32, 16), (33, 64), (300, 129)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_invariant_products_run_across_outputs_equal_f_linear_and_give_a_row_the_same_bits_in_any_batch(
+    monkeypatch, invariant, out: int, width: int, bias: bool
+) -> None:
+    """Under set_row_invariant a decode step's product goes through the panel kernel (outputs in panels of PANEL, the
+    last one padded): equal to F.linear up to rounding, at 1 to 70 rows, and each row the same bits as alone."""
+    calls = record_calls(monkeypatch, "_panel_kernel")
+    weight, offset = torch.randn(out, width), torch.randn(out) if bias else None
+    x = torch.randn(70, width)
+    with torch.no_grad():
+        together = cpu_decode.linear(x, weight, offset)
+        alone = torch.cat([cpu_decode.linear(x[i : i + 1], weight, offset) for i in range(70)])
+        some = cpu_decode.linear(x[3:7, None], weight, offset)  # (4, 1, out): one position per row
+    assert calls == [(70, width)] + [(1, width)] * 70 + [(4, width)]
+    assert together.shape == (70, out) and some.shape == (4, 1, out)
+    torch.testing.assert_close(together, F.linear(x, weight, offset), rtol=1e-5, atol=1e-5 * width**0.5)
+    assert torch.equal(together, alone) and torch.equal(some[:, 0], together[3:7])
+
+
+def test_row_invariant_panels_follow_the_weight_and_keep_nan_and_inf(monkeypatch, invariant) -> None:
+    """The panels are made once per weight and made again when it changes in place or gets new storage; NaN and
+    inf keep their meaning (no fastmath)."""
+    packs = []
+    make = cpu_decode._panels
+
+    def counted(weight):
+        held = getattr(weight, "_row_invariant_panels", None)
+        result = make(weight)
+        packs.append(held is None or held[1] is not result)
+        return result
+
+    monkeypatch.setattr(cpu_decode, "_panels", counted)
+    weight, x = torch.randn(40, 6), torch.randn(3, 6)
+    with torch.no_grad():
+        first = cpu_decode.linear(x, weight)
+        assert torch.equal(cpu_decode.linear(x, weight), first) and packs == [True, False]
+        weight.mul_(2)
+        torch.testing.assert_close(cpu_decode.linear(x, weight), 2 * first)
+        weight.data = torch.randn(40, 6)
+        torch.testing.assert_close(cpu_decode.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        assert packs == [True, False, True, True]
+        x[1, 2] = float("nan")
+        weight[4, 0] = float("inf")
+        result, expected = cpu_decode.linear(x, weight), F.linear(x, weight)
+    torch.testing.assert_close(result, expected, equal_nan=True)
+    assert result[1].isnan().all() and result[0, 4] == expected[0, 4]
+
+
 def test_where_it_does_not_apply_it_is_f_linear(kernel_calls, monkeypatch) -> None:
     weight, x = torch.randn(8, 6), torch.randn(5, 6)
     cases = {  # name: (x, weight, grad enabled, threads, inside torch_products)
