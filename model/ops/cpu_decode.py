@@ -316,8 +316,9 @@ def _compile_panel_kernel(numba) -> Callable[..., None]:
     i = 0, 1, ..., in - 1 in that order, then the bias: the same operations in the same order whatever the other
     rows, so a row's result is the same bits in any batch. No fastmath: the compiler may not reorder or fuse them.
     The 32 accumulators are four tuples of eight scalars, values rather than memory, which LLVM's SLP vectoriser
-    packs into four AVX2 registers (independent chains that hide the adds' latency); an array of them stayed scalar
-    or went through memory (docs/benchmarks.md, "A row-invariant head product across outputs"). numba leaves SLP
+    packs into four AVX2 registers; rows go two at a time (eight independent chains, enough to hide the adds'
+    latency, and each panel row loaded once for both), an odd last row alone by the same operations. An array of
+    accumulators stayed scalar or went through memory (docs/benchmarks.md, "A row-invariant head product across outputs"). numba leaves SLP
     off by default; the setting is read per compilation, so it is on for this one and put back after."""
     jit = functools.partial(numba.njit, boundscheck=False, nogil=True)
 
@@ -329,25 +330,34 @@ def _compile_panel_kernel(numba) -> Callable[..., None]:
         )
 
     @jit(inline="always")
-    def store8(acc, out, r, k):
+    def store(a, b, c, d, bias, has_bias, out, r, base):  # a row's 32 sums (bias added) -> out[r, base : base + 32]
         for j in range(8):
-            out[r, k + j] = acc[j]
+            out[r, base + j], out[r, base + 8 + j] = a[j], b[j]
+            out[r, base + 16 + j], out[r, base + 24 + j] = c[j], d[j]
+        if has_bias:
+            for k in range(min(PANEL, bias.shape[0] - base)):
+                out[r, base + k] += bias[base + k]
 
     def panel_product(x, panels, bias, has_bias, out):
         rows, width = x.shape
         zero = np.float32(0.0)
+        pairs = rows - rows % 2
         for p in range(panels.shape[0]):
             base = p * PANEL
-            for r in range(rows):
-                a = b = c = d = (zero, zero, zero, zero, zero, zero, zero, zero)  # outputs base + 0-7, 8-15, ...
+            for r in range(0, pairs, 2):  # two rows at once: eight independent chains, each panel row read once
+                a = b = c = d = e = f = g = h = (zero, zero, zero, zero, zero, zero, zero, zero)
+                for i in range(width):
+                    v, u, w = x[r, i], x[r + 1, i], panels[p, i]
+                    a, b, c, d = add8(a, v, w, 0), add8(b, v, w, 8), add8(c, v, w, 16), add8(d, v, w, 24)
+                    e, f, g, h = add8(e, u, w, 0), add8(f, u, w, 8), add8(g, u, w, 16), add8(h, u, w, 24)
+                store(a, b, c, d, bias, has_bias, out, r, base)
+                store(e, f, g, h, bias, has_bias, out, r + 1, base)
+            for r in range(pairs, rows):  # the same operations for an odd last row
+                a = b = c = d = (zero, zero, zero, zero, zero, zero, zero, zero)
                 for i in range(width):
                     v, w = x[r, i], panels[p, i]
                     a, b, c, d = add8(a, v, w, 0), add8(b, v, w, 8), add8(c, v, w, 16), add8(d, v, w, 24)
-                store8(a, out, r, base), store8(b, out, r, base + 8)
-                store8(c, out, r, base + 16), store8(d, out, r, base + 24)
-                if has_bias:
-                    for k in range(min(PANEL, bias.shape[0] - base)):
-                        out[r, base + k] += bias[base + k]
+                store(a, b, c, d, bias, has_bias, out, r, base)
 
     before = numba.config.SLP_VECTORIZE
     numba.config.SLP_VECTORIZE = 1
