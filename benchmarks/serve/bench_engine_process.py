@@ -18,7 +18,9 @@ default for LRNNs on the CPU since 9500182, after 3c7e707) decodes rows one by o
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -43,6 +45,21 @@ def write_tiny_model(directory: Path) -> Path:
     folder = save_checkpoint(build_model("lrnn", config), checkpoint, directory / MODEL_ID)
     shutil.copy(ROOT / "checkpoints" / "text-lrnn" / "tokenizer.tiktoken", folder / "tokenizer.tiktoken")
     return directory
+
+
+def for_baseline(models: Path, baseline: Path, folder: Path) -> Path:
+    """A copy of ``models`` (a checkpoint folder, or a folder of them) for the baseline checkout to serve: each
+    config.json labelled with the baseline's own ``FORMAT_VERSION`` (read from its model/config.py), which may be
+    older than this code's. The keys stay as written and the baseline's loader checks every one: a model with a key
+    the baseline does not know, or without one it needs, fails to start there rather than load as something else."""
+    found = re.search(r"^FORMAT_VERSION = (\d+)$", (baseline / "model" / "config.py").read_text(), re.MULTILINE)
+    if found is None:
+        raise SystemExit(f"{baseline}/model/config.py has no FORMAT_VERSION")
+    copy = shutil.copytree(models, folder / "baseline-models")
+    for config_file in [*copy.glob("config.json"), *copy.glob("*/config.json")]:
+        data = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**data, "format_version": int(found.group(1))}, indent=2))
+    return copy
 
 
 def bodies(model_id: str, count: int, max_tokens: int, stream: bool) -> list[dict]:
@@ -113,13 +130,14 @@ def main() -> None:
     print("| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | server CPU us/token, "
           "whole / streams | RSS (MiB) |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|")
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as baseline_folder:
         models = args.model.resolve() if args.model else write_tiny_model(Path(folder))
         model_id = models.name if args.model else MODEL_ID
+        baseline_models = None if args.baseline is None else for_baseline(models, args.baseline, Path(baseline_folder))
         for round_ in range(1, args.rounds + 1):
             for mode, settings in modes.items():
-                cwd = args.baseline if mode == "baseline" else ROOT
-                with server_process(models, 1, args.device, cwd=cwd, **settings) as url:
+                cwd, served = (args.baseline, baseline_models) if mode == "baseline" else (ROOT, models)
+                with server_process(served, 1, args.device, cwd=cwd, **settings) as url:
                     figures = measure(url, model_id, args)
                 print(f"| {round_} | {mode} | {figures['whole']:,.0f} | {figures['streams']:,.0f} | "
                       f"{figures['tpot_ms']:.3f} | {figures['cpu_whole']:.0f} / {figures['cpu_streams']:.0f} | "
