@@ -124,6 +124,10 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
                            "sharing the rest; A-B: each string draws its own P uniformly "
                            "from [A, B] (mixes dense and sparse strings, for skewed inputs at test time)")
     data.add_argument("--balanced", action="store_true", help="draw the final label uniformly, then the string")
+    data.add_argument("--power-offset-fraction", type=probability, default=0.0,
+                      help="the fraction of training strings whose decisive symbol lies a power of two before the "
+                           "last one, where dilated attention reads it in one hop (induction_heads: the '#'; such "
+                           "strings are rare when drawn uniformly); the evaluation keeps the task's own strings")
     checks = parser.add_argument_group("extrapolation evaluation")
     checks.add_argument("--eval-lengths", type=length_range, help="A-B (default: the papers protocol's range)")
     checks.add_argument("--eval-samples", type=positive_int, default=200)
@@ -199,6 +203,11 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         kind = "is built by hand, not trained" if args.arch in ARCHITECTURE_CONFIGS else "is unknown"
         raise UsageError(f"architecture {args.arch!r} {kind}; trainable: {', '.join(TRAINABLE_ARCHITECTURES)}")
     _check_sampling(task, args.p_one, args.balanced)
+    if args.power_offset_fraction and task.draw_power_offset is None:
+        raise UsageError(f"--power-offset-fraction: {task.name} has no such strings (only induction_heads has)")
+    if args.power_offset_fraction and (args.p_one is not None or args.balanced):
+        raise UsageError("--power-offset-fraction draws its strings uniformly; it cannot be combined with --p-one or "
+                         "--balanced")
     _check_lengths(task, [args.train_lengths or task.train_lengths, args.eval_lengths or papers_lengths(task)])
     check_new_run(args)
     try:
@@ -210,7 +219,8 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         task=task.name, train_lengths=args.train_lengths or task.train_lengths,
         eval_lengths=args.eval_lengths or papers_lengths(task), curriculum=args.curriculum,
         curriculum_start=args.curriculum_start, curriculum_fraction=args.curriculum_fraction, p_one=args.p_one,
-        balanced=args.balanced, eval_samples=args.eval_samples, eval_batch_size=args.eval_batch_size,
+        balanced=args.balanced, power_offset_fraction=args.power_offset_fraction, eval_samples=args.eval_samples,
+        eval_batch_size=args.eval_batch_size,
     )
     return settings, config, lambda settings, dist: TransductionObjective(
         data, settings.steps, settings.batch_size, settings.seed, dist)

@@ -99,10 +99,16 @@ class TrainingData:
     curriculum: LengthCurriculum
     p_one: float | tuple[float, float] | None = None  # one P(second symbol), or a per-string range
     balanced: bool = False
+    power_offset_fraction: float = 0.0  # each string's chance to be drawn by the task's draw_power_offset instead
 
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
         lengths = self.curriculum.length_range(step)
-        return label_batch(self.task, sample_batch(self.task, rng, self.batch_size, lengths, self.p_one, self.balanced))
+        strings = sample_batch(self.task, rng, self.batch_size, lengths, self.p_one, self.balanced)
+        if self.power_offset_fraction:  # no draw at 0: runs without it keep their random stream
+            chosen = rng.random(len(strings)) < self.power_offset_fraction
+            strings = [self.task.draw_power_offset(rng, len(string)) if pick else string
+                       for string, pick in zip(strings, chosen)]  # fmt: skip
+        return label_batch(self.task, strings)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,11 @@ class Task:
     string of the task's free distribution; ``draw_with_final_label(rng, length, label)`` one drawn uniformly
     among those of that length with that final label, or None if there is none. That field is None for a task
     without balanced sampling (modular_arithmetic).
+
+    ``draw_power_offset(rng, length)``, where not None, gives a string whose decisive position lies a power of two
+    before the last one, the one place where dilated attention (RegularGPT, C = 2) reads it in a single hop: drawn
+    uniformly, such strings are rare (about log2(T) / T of them), and a model can be right on the others and wrong
+    on those (``--power-offset-fraction`` trains on more of them). Only induction_heads has one.
     """
 
     name: str
@@ -62,6 +67,7 @@ class Task:
     draw_with_final_label: FinalLabelDrawer | None
     draw_skewed: SkewedDrawer  # (rng, length, p_one): the ``p_one`` sampling of ``sample``
     shortest_length: int = 1  # the shortest string the generator draws
+    draw_power_offset: Drawer | None = None
 
     def label(self, string: str) -> list[str]:
         """The reference label at every position of ``string``."""
@@ -168,6 +174,15 @@ def _induction_heads(rng: np.random.Generator, length: int, p_one: float | None 
     return "".join(letters) + INDUCTION_MARK
 
 
+def _induction_heads_power_offset(rng: np.random.Generator, length: int) -> str:
+    """As :func:`_induction_heads`, with the "#" 2**k positions before the final "#", k uniform over 1 ..
+    floor(log2(length - 1)) (so the key is 2**k - 1 positions before it)."""
+    letters = list(_uniform_symbols(INDUCTION_LETTERS)(rng, length - 1))
+    offset = 2 ** int(rng.integers(1, int(np.log2(length - 1)) + 1))
+    letters[length - 1 - offset] = INDUCTION_MARK
+    return "".join(letters) + INDUCTION_MARK
+
+
 def _palindrome_with_final_label(rng: np.random.Generator, length: int, label: str) -> str | None:
     """Positives mirror a uniform first half (exactly uniform); negatives are rejection-sampled, at most
     REJECTION_TRIES times (each try fails with probability at most 1/2 from length 2 on; length 1 has none)."""
@@ -221,7 +236,8 @@ def _build_tasks() -> dict[str, Task]:
              draw_skewed=partial(_skewed_symbols, "01")),
         Task("induction_heads", INDUCTION_LETTERS + INDUCTION_MARK, INDUCTION_LABELS, INDUCTION_TRAIN_LENGTHS,
              labelers.induction_heads, task_automata.induction_heads(), draw=_induction_heads,
-             draw_with_final_label=None, draw_skewed=_induction_heads, shortest_length=3),
+             draw_with_final_label=None, draw_skewed=_induction_heads, shortest_length=3,
+             draw_power_offset=_induction_heads_power_offset),
     ]
     return {task.name: task for task in tasks}
 

@@ -37,6 +37,7 @@ class TaskData:
     curriculum_fraction: float = 0.5
     p_one: float | tuple[float, float] | None = None  # one P(second symbol), or a per-string range
     balanced: bool = False
+    power_offset_fraction: float = 0.0  # training strings drawn by the task's draw_power_offset (training/tasks.py)
     eval_samples: int = 200
     eval_batch_size: int = 64
 
@@ -51,7 +52,9 @@ class TransductionObjective(Objective):
         ramp_steps = max(1, round(data.curriculum_fraction * steps))
         curriculum = LengthCurriculum(*data.train_lengths, kind=data.curriculum, start=data.curriculum_start,
                                       ramp_steps=ramp_steps)
-        self.training = TrainingData(self.task, batch_size, curriculum, data.p_one, data.balanced)
+        self.training = TrainingData(
+            self.task, batch_size, curriculum, data.p_one, data.balanced, data.power_offset_fraction
+        )
         eval_rng = np.random.default_rng([seed, EVAL_STREAM])
         self.eval_set = FinalLabelSet.draw(self.task, eval_rng, data.eval_samples, data.eval_lengths).shard(
             dist.rank, dist.world_size)

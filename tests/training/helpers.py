@@ -1,4 +1,4 @@
-"""Helpers shared by the tests of the training command line (test_train_cli.py, test_cuda.py)."""
+"""Helpers shared by the tests of the training command line (test_train_cli.py, test_text_train.py, test_cuda.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from training.loop import LOG_FILE
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from training.loop import LOG_FILE, RESUME_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]
@@ -25,3 +29,14 @@ def run_module(*arguments: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
+
+
+def edit_resume_state(run: Path, edit: Callable[[dict], None]) -> None:
+    """Rewrite the state a run's resume file holds (its JSON metadata) through ``edit``, tensors unchanged: to make
+    the file of a run saved by an older build."""
+    resume = run / RESUME_FILE
+    with safe_open(str(resume), framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    state = json.loads(metadata["state"])
+    edit(state)
+    save_file(tensors, str(resume), metadata={**metadata, "state": json.dumps(state)})

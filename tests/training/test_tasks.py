@@ -8,9 +8,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from automata.automaton import DFA
 from automata.task_automata import AUTOMATA_DIR, binary_task_dfas
+from training.data import LengthCurriculum, TrainingData
 from training.tasks import TASKS, Task, get_task, sample_batch
 
 SPEC_TASKS = [
@@ -306,6 +308,37 @@ def test_induction_heads_strings_are_mamba_s(p_one: float | None) -> None:
     else:
         assert keys.count("b") / len(keys) == pytest.approx(0.5, abs=0.05)
     assert task.sample(rng, 3) in {f"#{letter}#" for letter in "abcdefghijklmnop"}
+
+
+def test_induction_heads_power_offset_strings_put_the_mark_a_power_of_two_before_the_end() -> None:
+    """Mamba's strings but for the mark: 2**k positions before the final "#", k uniform over 1 .. log2(length - 1)."""
+    task, rng = TASKS["induction_heads"], np.random.default_rng(13)
+    offsets = []
+    for _ in range(3000):
+        string = task.draw_power_offset(rng, 40)
+        assert len(string) == 40 and string[-1] == "#" and string[:-1].count("#") == 1
+        mark = string.index("#")
+        offsets.append(39 - mark)
+        assert task.label(string)[-1] == string[mark + 1] == task.automaton.transduce(string)[-1]
+    assert sorted(set(offsets)) == [2, 4, 8, 16, 32]
+    assert [offsets.count(offset) for offset in (2, 4, 8, 16, 32)] == pytest.approx([600] * 5, abs=100)
+    assert {task.draw_power_offset(rng, 3) for _ in range(50)} <= {f"#{letter}#" for letter in "abcdefghijklmnop"}
+    assert all(task.draw_power_offset is None for name, task in TASKS.items() if name != "induction_heads")
+
+
+def test_training_batches_mix_in_power_offset_strings_and_keep_the_stream_without() -> None:
+    """--power-offset-fraction: that fraction of a batch's strings (in expectation) comes from draw_power_offset;
+    at 0 the batches are those drawn before the option."""
+    task = TASKS["induction_heads"]
+    curriculum = LengthCurriculum(64, 64)
+    plain = TrainingData(task, 200, curriculum).batch(np.random.default_rng(5), 1)
+    assert torch.equal(TrainingData(task, 200, curriculum, power_offset_fraction=0.0).batch(
+        np.random.default_rng(5), 1).tokens, plain.tokens)
+    mixed = TrainingData(task, 200, curriculum, power_offset_fraction=0.5).batch(np.random.default_rng(5), 1)
+    mark = task.alphabet.index("#")
+    offsets = [63 - row.tolist().index(mark) for row in mixed.tokens]
+    at_powers = sum(offset in (2, 4, 8, 16, 32) for offset in offsets)
+    assert 100 - 25 < at_powers < 100 + 25 + 200 * 5 / 62  # half the batch, plus uniform ones that land there
 
 
 def test_induction_heads_labeler_and_automaton_agree_on_long_strings() -> None:

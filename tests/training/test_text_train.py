@@ -11,12 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from model.checkpoint import load_checkpoint
 from model.tokenizer import load_tokenizer
 from server.model_store import load_served_model
+from tests.training.helpers import edit_resume_state
 from training.cli import main
 from training.text_corpus import Document
 from training.text_data import StreamedWindows, TokenArray, tokenize_documents
@@ -250,12 +249,11 @@ def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None
     out = tmp_path / "older"
     flags = ["--length", "320", "--batch-size", "2", "--passkey-fraction", "1.0", "--passkey-fraction-final", "0.5"]
     assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--time-budget", "0.001") == 0
-    resume = out / "resume.safetensors"
-    with safe_open(str(resume), framework="pt") as handle:
-        metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
-    state = json.loads(metadata["state"])
-    state["objective"]["passkey_steps"] = 6
-    del state["objective"]["passkey_span"]
-    save_file(tensors, str(resume), metadata={**metadata, "state": json.dumps(state)})
+
+    def older(state: dict) -> None:
+        state["objective"]["passkey_steps"] = 6
+        del state["objective"]["passkey_span"]
+
+    edit_resume_state(out, older)
     assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--resume") == 0
     assert load_checkpoint(out).config.metadata["steps"] == 6

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from model.checkpoint import load_checkpoint
-from tests.training.helpers import TINY_LRNN, TINY_RUN, read_log, run_module
+from tests.training.helpers import TINY_LRNN, TINY_RUN, edit_resume_state, read_log, run_module
 from training.cli import main
 from training.loop import LOG_FILE, RESUME_FILE, weights_digest
 
@@ -88,6 +88,11 @@ BAD_TRAIN = {
     "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
     "too short for the task": (["--task", "induction_heads", "--train-lengths", "1-256"],
                                "induction_heads strings have at least 3 symbols; length range 1-256 starts below"),
+    "power offsets elsewhere": (["--power-offset-fraction", "0.5"],
+                                "--power-offset-fraction: parity_check has no such strings"),
+    "power offsets and p_one": (["--task", "induction_heads", "--power-offset-fraction", "0.5", "--p-one", "0.2"],
+                                "it cannot be combined with --p-one or --balanced"),
+    "power offsets out of range": (["--power-offset-fraction", "1.5"], "must be a probability in [0, 1], got 1.5"),
 }
 
 
@@ -184,3 +189,25 @@ def test_closing_the_group_stops_its_threads_before_exit(tmp_path: Path) -> None
     result = run_module("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "gloo" not in result.stdout and "python" in result.stdout
+
+
+def test_power_offset_strings_change_the_run_and_a_run_saved_before_the_option_resumes(tmp_path: Path) -> None:
+    """--power-offset-fraction reaches the batches (another run than without it, the fraction saved for resume); a
+    resume file without the key (every run before it) resumes as a run without it."""
+    flags = ["train", "--task", "induction_heads", "--train-lengths", "3-40", "--eval-lengths", "50-60", "--steps",
+             "4", "--eval-every", "2", "--log-every", "2", "--threads", "1", *TINY_LRNN, *TINY_RUN]
+    digests = {}
+    for fraction in ("0", "1"):
+        out = tmp_path / f"run-{fraction}"
+        assert main([*flags, "--out", str(out), "--power-offset-fraction", fraction]) == 0
+        digests[fraction] = read_log(out)[-1]["param_sha256"]
+    assert digests["0"] != digests["1"]
+    out = tmp_path / "older"
+    assert main([*flags, "--out", str(out), "--time-budget", "0.001"]) == 0
+
+    def drop(state: dict) -> None:
+        assert state["objective"].pop("power_offset_fraction") == 0.0
+
+    edit_resume_state(out, drop)
+    assert main([*flags, "--out", str(out), "--resume"]) == 0
+    assert read_log(out)[-1]["param_sha256"] == digests["0"]
