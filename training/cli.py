@@ -128,6 +128,9 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
                       help="the fraction of training strings whose decisive symbol lies a power of two before the "
                            "last one, where dilated attention reads it in one hop (induction_heads: the '#'; such "
                            "strings are rare when drawn uniformly); the evaluation keeps the task's own strings")
+    data.add_argument("--final-only", action="store_true",
+                      help="the loss on each training string's last position only, as the RegularGPT authors' code "
+                           "trains (default: every position's label)")
     checks = parser.add_argument_group("extrapolation evaluation")
     checks.add_argument("--eval-lengths", type=length_range, help="A-B (default: the papers protocol's range)")
     checks.add_argument("--eval-samples", type=positive_int, default=200)
@@ -219,8 +222,8 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         task=task.name, train_lengths=args.train_lengths or task.train_lengths,
         eval_lengths=args.eval_lengths or papers_lengths(task), curriculum=args.curriculum,
         curriculum_start=args.curriculum_start, curriculum_fraction=args.curriculum_fraction, p_one=args.p_one,
-        balanced=args.balanced, power_offset_fraction=args.power_offset_fraction, eval_samples=args.eval_samples,
-        eval_batch_size=args.eval_batch_size,
+        balanced=args.balanced, power_offset_fraction=args.power_offset_fraction, final_only=args.final_only,
+        eval_samples=args.eval_samples, eval_batch_size=args.eval_batch_size,
     )
     return settings, config, lambda settings, dist: TransductionObjective(
         data, settings.steps, settings.batch_size, settings.seed, dist)

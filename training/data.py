@@ -100,6 +100,7 @@ class TrainingData:
     p_one: float | tuple[float, float] | None = None  # one P(second symbol), or a per-string range
     balanced: bool = False
     power_offset_fraction: float = 0.0  # each string's chance to be drawn by the task's draw_power_offset instead
+    final_only: bool = False  # the loss on each string's last position only (the others' targets IGNORE_INDEX)
 
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
         lengths = self.curriculum.length_range(step)
@@ -108,7 +109,12 @@ class TrainingData:
             chosen = rng.random(len(strings)) < self.power_offset_fraction
             strings = [self.task.draw_power_offset(rng, len(string)) if pick else string
                        for string, pick in zip(strings, chosen)]  # fmt: skip
-        return label_batch(self.task, strings)
+        batch = label_batch(self.task, strings)
+        if self.final_only:
+            last = batch.lengths - 1  # (B,)
+            final = batch.targets.gather(1, last[:, None])  # (B, 1)
+            batch.targets.fill_(IGNORE_INDEX).scatter_(1, last[:, None], final)
+        return batch
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,7 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
     """The objective of a run being resumed, from the settings its resume file holds."""
     fields = {key: value for key, value in saved.items() if key != "name"}
     if saved["name"] == TransductionObjective.name:
-        fields = {"power_offset_fraction": 0.0, **fields}  # runs saved before the option
+        fields = {"power_offset_fraction": 0.0, "final_only": False, **fields}  # runs saved before the options
         data = dataclass_from_dict(TaskData, fields, where="resume task data")
         return TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
     fields = {"passkey_fraction": 0.0, "state_passing": False, "passkey_distractors": 0, "passkey_span": 1,

@@ -38,6 +38,7 @@ class TaskData:
     p_one: float | tuple[float, float] | None = None  # one P(second symbol), or a per-string range
     balanced: bool = False
     power_offset_fraction: float = 0.0  # training strings drawn by the task's draw_power_offset (training/tasks.py)
+    final_only: bool = False  # the loss on each training string's last position only (the authors' code's)
     eval_samples: int = 200
     eval_batch_size: int = 64
 
@@ -53,7 +54,7 @@ class TransductionObjective(Objective):
         curriculum = LengthCurriculum(*data.train_lengths, kind=data.curriculum, start=data.curriculum_start,
                                       ramp_steps=ramp_steps)
         self.training = TrainingData(
-            self.task, batch_size, curriculum, data.p_one, data.balanced, data.power_offset_fraction
+            self.task, batch_size, curriculum, data.p_one, data.balanced, data.power_offset_fraction, data.final_only
         )
         eval_rng = np.random.default_rng([seed, EVAL_STREAM])
         self.eval_set = FinalLabelSet.draw(self.task, eval_rng, data.eval_samples, data.eval_lengths).shard(

@@ -341,6 +341,18 @@ def test_training_batches_mix_in_power_offset_strings_and_keep_the_stream_withou
     assert 100 - 25 < at_powers < 100 + 25 + 200 * 5 / 62  # half the batch, plus uniform ones that land there
 
 
+def test_final_only_batches_score_each_string_s_last_position_alone() -> None:
+    task = TASKS["parity_check"]
+    curriculum = LengthCurriculum(3, 30)
+    every = TrainingData(task, 50, curriculum).batch(np.random.default_rng(6), 1)
+    final = TrainingData(task, 50, curriculum, final_only=True).batch(np.random.default_rng(6), 1)
+    assert torch.equal(final.tokens, every.tokens) and torch.equal(final.lengths, every.lengths)
+    last = every.lengths - 1
+    scored = final.targets != -100
+    assert scored.sum(1).tolist() == [1] * 50 and scored[torch.arange(50), last].all()
+    assert torch.equal(final.targets[torch.arange(50), last], every.targets[torch.arange(50), last])
+
+
 def test_induction_heads_labeler_and_automaton_agree_on_long_strings() -> None:
     task, rng = TASKS["induction_heads"], np.random.default_rng(12)
     for string in [task.sample(rng, 5000), "".join(rng.choice(list(task.alphabet), size=5000))]:

@@ -191,23 +191,23 @@ def test_closing_the_group_stops_its_threads_before_exit(tmp_path: Path) -> None
     assert "gloo" not in result.stdout and "python" in result.stdout
 
 
-def test_power_offset_strings_change_the_run_and_a_run_saved_before_the_option_resumes(tmp_path: Path) -> None:
-    """--power-offset-fraction reaches the batches (another run than without it, the fraction saved for resume); a
-    resume file without the key (every run before it) resumes as a run without it."""
+def test_power_offsets_and_final_only_change_the_run_and_a_run_saved_before_them_resumes(tmp_path: Path) -> None:
+    """--power-offset-fraction and --final-only reach the batches (other runs than without them, saved for resume);
+    a resume file without their keys (every run before them) resumes as a run without them."""
     flags = ["train", "--task", "induction_heads", "--train-lengths", "3-40", "--eval-lengths", "50-60", "--steps",
              "4", "--eval-every", "2", "--log-every", "2", "--threads", "1", *TINY_LRNN, *TINY_RUN]
     digests = {}
-    for fraction in ("0", "1"):
-        out = tmp_path / f"run-{fraction}"
-        assert main([*flags, "--out", str(out), "--power-offset-fraction", fraction]) == 0
-        digests[fraction] = read_log(out)[-1]["param_sha256"]
-    assert digests["0"] != digests["1"]
+    for name, extra in {"plain": [], "powers": ["--power-offset-fraction", "1"], "final": ["--final-only"]}.items():
+        assert main([*flags, "--out", str(tmp_path / name), *extra]) == 0
+        digests[name] = read_log(tmp_path / name)[-1]["param_sha256"]
+    assert len({tuple(digest) for digest in digests.values()}) == 3
     out = tmp_path / "older"
     assert main([*flags, "--out", str(out), "--time-budget", "0.001"]) == 0
 
     def drop(state: dict) -> None:
         assert state["objective"].pop("power_offset_fraction") == 0.0
+        assert state["objective"].pop("final_only") is False
 
     edit_resume_state(out, drop)
     assert main([*flags, "--out", str(out), "--resume"]) == 0
-    assert read_log(out)[-1]["param_sha256"] == digests["0"]
+    assert read_log(out)[-1]["param_sha256"] == digests["plain"]
