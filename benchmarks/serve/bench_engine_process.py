@@ -55,7 +55,7 @@ def for_baseline(models: Path, baseline: Path, folder: Path) -> Path:
     found = re.search(r"^FORMAT_VERSION = (\d+)$", (baseline / "model" / "config.py").read_text(), re.MULTILINE)
     if found is None:
         raise SystemExit(f"{baseline}/model/config.py has no FORMAT_VERSION")
-    copy = shutil.copytree(models, folder / "baseline-models")
+    copy = shutil.copytree(models, folder / models.name)  # the same name: a checkpoint folder's is its model id
     for config_file in [*copy.glob("config.json"), *copy.glob("*/config.json")]:
         data = json.loads(config_file.read_text())
         config_file.write_text(json.dumps({**data, "format_version": int(found.group(1))}, indent=2))
