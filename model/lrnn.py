@@ -276,7 +276,14 @@ class BlockDiagonalRecurrence(Recurrence):
             and second.data_ptr() == first.data_ptr() + first.shape[0] * out_stride * first.element_size()
             and (first.dtype, first.device) == (second.dtype, second.device)
         )
-        return first.detach().as_strided((rows, first.shape[1]), (out_stride, in_stride)) if stacked else None
+        if not stacked:
+            return None
+        shape, strides = (rows, first.shape[1]), (out_stride, in_stride)
+        view = vars(self).get("_joint_view")  # the same tensor each step: what is cached on it (cpu_decode's panels)
+        if view is None or view.data_ptr() != first.data_ptr() or view.shape != shape or view.stride() != strides:
+            view = first.detach().as_strided(shape, strides)
+            vars(self)["_joint_view"] = view
+        return view
 
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""

@@ -133,6 +133,30 @@ def test_row_invariant_panels_follow_the_weight_and_keep_nan_and_inf(monkeypatch
     assert result[1].isnan().all() and result[0, 4] == expected[0, 4]
 
 
+def test_a_served_lrnn_makes_each_weight_s_panels_once(monkeypatch, invariant) -> None:
+    """Row-invariant steps of a layer that runs the torch step (spectral norm) multiply by the stacked generator, a
+    view for_serving set up: the same tensor every step, so its panels are made once, not once a step."""
+    made = []
+    make = cpu_decode._panels
+
+    def counted(weight):
+        held = getattr(weight, "_row_invariant_panels", None)
+        result = make(weight)
+        if held is None or held[1] is not result:
+            made.append(tuple(weight.shape))
+        return result
+
+    monkeypatch.setattr(cpu_decode, "_panels", counted)
+    model = BlockDiagonalLRNN(dataclasses.replace(tiny_configs(40, 0)["lrnn-spectral-b2"], vocab_size=40)).eval()
+    tokens = torch.randint(0, 40, (3, 9))
+    with torch.no_grad():
+        model.for_serving()
+        cache = model.new_cache(batch_size=3)
+        for t in range(9):
+            model.step(tokens[:, t], cache)
+    assert len(made) == 2 * 4 + 1  # per layer the stacked generator, readout and MLP (2); the head: each once
+
+
 def test_where_it_does_not_apply_it_is_f_linear(kernel_calls, monkeypatch) -> None:
     weight, x = torch.randn(8, 6), torch.randn(5, 6)
     cases = {  # name: (x, weight, grad enabled, threads, inside torch_products)
