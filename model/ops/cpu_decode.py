@@ -29,14 +29,14 @@ the kernels at any rows, weight size and thread count: a row's logits are then b
 (tests/model/test_cpu_decode.py, tests/server/test_sampling.py). The products of :func:`linear` (the head above
 all) then run across outputs instead (:func:`_compile_panel_kernel`): the weight copied once into panels of
 :data:`PANEL` outputs, each output's sum in a fixed order, the panel's outputs in vector registers, as MKL
-vectorises many rows. The dot-product kernel, which reduces each output's sum horizontally, took 9.6x MKL's time
-for a 64-row 8,192 x 16 head and 1.5x for 8,192 x 128; the panels take ~1.0-1.3x and ~1.1-1.3x
-(docs/benchmarks.md). The layer steps' products stay dot products, slower than MKL's blocked products past ~8
-rows. Prefill chunks (many positions per row) keep MKL's and oneDNN's products, and what a model or the engine
-would run over several rows at once outside a decode step's kernels runs one row at a time (:func:`row_invariant`:
-a RegularGPT row's new thick layer, a prompt's prefill chunk), as it runs alone. Not
-invariant even so: where a long prompt is cut into chunks (that depends on what else is prefilling), and any
-model or device this does not cover (the engine refuses to start with them).
+vectorises many rows. The dot-product kernel, which reduces each output's sum horizontally, took 10x MKL's time
+for a 64-row 8,192 x 16 head and 1.9x for 8,192 x 128; the panels take 0.98x and 0.92x (docs/benchmarks.md).
+The layer steps' products stay dot products, slower than MKL's blocked products past ~8 rows. Prefill chunks (many
+positions per row) keep MKL's and oneDNN's products, and what a model or the engine would run over several rows at
+once outside a decode step's kernels runs one row at a time (:func:`row_invariant`: a RegularGPT row's new thick
+layer, a prompt's prefill chunk), as it runs alone. Not invariant even so: where a long prompt is cut into chunks
+(that depends on what else is prefilling), and any model or device this does not cover (the engine refuses to
+start with them).
 
 Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
 slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
@@ -318,8 +318,9 @@ def _compile_panel_kernel(numba) -> Callable[..., None]:
     The 32 accumulators are four tuples of eight scalars, values rather than memory, which LLVM's SLP vectoriser
     packs into four AVX2 registers; rows go two at a time (eight independent chains, enough to hide the adds'
     latency, and each panel row loaded once for both), an odd last row alone by the same operations. An array of
-    accumulators stayed scalar or went through memory (docs/benchmarks.md, "A row-invariant head product across outputs"). numba leaves SLP
-    off by default; the setting is read per compilation, so it is on for this one and put back after."""
+    accumulators stayed scalar or went through memory (docs/benchmarks.md, "A row-invariant head product across
+    outputs"). numba leaves SLP off by default; the setting is read per compilation, so it is on for this one and
+    put back after."""
     jit = functools.partial(numba.njit, boundscheck=False, nogil=True)
 
     @jit(inline="always")
