@@ -31,7 +31,8 @@ all) then run across outputs instead (:func:`_compile_panel_kernel`): the weight
 :data:`PANEL` outputs, each output's sum in a fixed order, the panel's outputs in vector registers, as MKL
 vectorises many rows. The dot-product kernel, which reduces each output's sum horizontally, took 10x MKL's time
 for a 64-row 8,192 x 16 head and 1.9x for 8,192 x 128; the panels take 0.98x and 0.92x (docs/benchmarks.md).
-The layer steps' products stay dot products, slower than MKL's blocked products past ~8 rows. Prefill chunks (many
+The LRNN layer step's products take its weights as panels too (:func:`lrnn_layer_step`); the RegularGPT thick
+layer's stay dot products, slower than MKL's blocked products past ~8 rows. Prefill chunks (many
 positions per row) keep MKL's and oneDNN's products, and what a model or the engine would run over several rows at
 once outside a decode step's kernels runs one row at a time (:func:`row_invariant`: a RegularGPT row's new thick
 layer, a prompt's prefill chunk), as it runs alone. Not invariant even so: where a long prompt is cut into chunks
@@ -184,8 +185,14 @@ def lrnn_layer_step(
     ("column": g's and B's stacked, (H b^2 + H b, d_model); "stochastic": g's, (H b^2, d_model)), g's bias, B's bias
     ((0,) for "stochastic"), out_proj weight and bias, ln_2 weight and bias, the MLP's c_fc weight and bias and
     c_proj weight and bias, all float32 on the CPU; ``p``: the column norm's (unused by "stochastic"). Returns
-    (R, d_model), (R, H, b). Call it only where :func:`streams` holds for R rows (which builds it)."""
-    arrays = [tensor.numpy(force=True) for tensor in weights]
+    (R, d_model), (R, H, b). Call it only where :func:`streams` holds for R rows (which builds it). Under
+    :func:`set_row_invariant` its four matrices go in as panels (:func:`_panels`), multiplied as :func:`linear`
+    multiplies a decode step's: a row's bits then do not depend on the other rows, at about MKL's speed."""
+    panels = _invariant()
+    arrays = [
+        _panels(tensor) if panels and index in _LAYER_MATRICES else tensor.numpy(force=True)
+        for index, tensor in enumerate(weights)
+    ]
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
     state_out = np.empty(state.shape, dtype=np.float32)
@@ -303,14 +310,15 @@ def _build() -> Callable[..., None] | None:
             _unavailable = f"numba is not importable ({error})"
             logger.warning("few-row CPU products use F.linear: %s", _unavailable)
             return None
-        _kernel, _layer_step, _regulargpt_layer_step = _compile(numba)
         _panel_kernel = _compile_panel_kernel(numba)
+        _kernel, _layer_step, _regulargpt_layer_step = _compile(numba, _panel_kernel)
         return _kernel
 
 
 def _compile_panel_kernel(numba) -> Callable[..., None]:
     """The row-invariant product, compiled now: x (R, in) times panels (P, in, PANEL) (:func:`_panels`), plus the
-    bias (out,) where ``has_bias``, into out (R, P PANEL).
+    bias (out,) where ``has_bias``, into out (R, n): n = P PANEL (:func:`linear`), or the weight's own outputs (a
+    layer step's, which calls it where its weights are panels).
 
     Each row, panel by panel, keeps one accumulator per output of the panel and adds x[r, i] * w[o, i] to it for
     i = 0, 1, ..., in - 1 in that order, then the bias: the same operations in the same order whatever the other
@@ -332,11 +340,16 @@ def _compile_panel_kernel(numba) -> Callable[..., None]:
 
     @jit(inline="always")
     def store(a, b, c, d, bias, has_bias, out, r, base):  # a row's 32 sums (bias added) -> out[r, base : base + 32]
-        for j in range(8):
-            out[r, base + j], out[r, base + 8 + j] = a[j], b[j]
-            out[r, base + 16 + j], out[r, base + 24 + j] = c[j], d[j]
+        count = min(PANEL, out.shape[1] - base)  # out may end inside the last panel (a layer step's exact width)
+        if count == PANEL:
+            for j in range(8):
+                out[r, base + j], out[r, base + 8 + j] = a[j], b[j]
+                out[r, base + 16 + j], out[r, base + 24 + j] = c[j], d[j]
+        else:
+            for j in range(count):
+                out[r, base + j] = a[j] if j < 8 else b[j - 8] if j < 16 else c[j - 16] if j < 24 else d[j - 24]
         if has_bias:
-            for k in range(min(PANEL, bias.shape[0] - base)):
+            for k in range(min(count, bias.shape[0] - base)):
                 out[r, base + k] += bias[base + k]
 
     def panel_product(x, panels, bias, has_bias, out):
@@ -368,9 +381,14 @@ def _compile_panel_kernel(numba) -> Callable[..., None]:
         numba.config.SLP_VECTORIZE = before
 
 
-def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
+def _compile(numba, panel_product) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
     """The product kernel, the LRNN layer step (:func:`lrnn_layer_step`) and the RegularGPT thick layer step
-    (:func:`regulargpt_layer_step`), compiled with numba (the two steps on first call)."""
+    (:func:`regulargpt_layer_step`), compiled with numba (the two steps on first call). A step's products run
+    ``product`` on weights (out, in), or ``panel_product`` (:func:`_compile_panel_kernel`, compiled apart: its sums
+    keep their order, where this module's ``reassoc`` would let the compiler reorder them) on weights given as
+    panels (P, in, PANEL): ``matmul`` picks by the weight's number of dimensions, when the step compiles."""
+    from numba.extending import overload
+
     # reassoc only: sums may run in any order (what vectorises the dot products); NaN and inf keep their meaning
     # (full fastmath would assume neither occurs).
     jit = functools.partial(numba.njit, fastmath={"reassoc"}, boundscheck=False, nogil=True)
@@ -388,6 +406,15 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
     @jit("void(float32[:, ::1], float32[:, ::1], float32[::1], boolean, float32[:, ::1])")
     def kernel(x, weight, bias, has_bias, out):
         product(x, weight, bias, has_bias, out)
+
+    def matmul(x, weight, bias, has_bias, out):  # typed by the overload below, in compiled code only
+        raise NotImplementedError
+
+    @overload(matmul)
+    def matmul_by_layout(x, weight, bias, has_bias, out):
+        if weight.ndim == 3:  # panels: the row-invariant product
+            return lambda x, weight, bias, has_bias, out: panel_product(x, weight, bias, has_bias, out)
+        return lambda x, weight, bias, has_bias, out: product(x, weight, bias, has_bias, out)
 
     @jit(inline="always")
     def layer_norm(x, weight, bias, eps, out):  # (R, d) -> (R, d), as F.layer_norm (biased variance)
@@ -415,17 +442,17 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
     def residual_tail(x, mixed, mixer, ln_2, c_fc, c_proj, eps, out):
         """out = y + MLP(LN_2(y)) with y = x + mixer(mixed): a pre-norm block after its mixing (the recurrence's
         states or the attention's heads), (R, d_model)."""
-        product(mixed, mixer[0], mixer[1], True, out)
+        matmul(mixed, mixer[0], mixer[1], True, out)
         rows, width = x.shape
         for r in range(rows):
             for i in range(width):
                 out[r, i] += x[r, i]
         normed = np.empty_like(x)
         layer_norm(out, ln_2[0], ln_2[1], eps, normed)
-        hidden = np.empty((rows, c_fc[0].shape[0]), dtype=np.float32)
-        product(normed, c_fc[0], c_fc[1], True, hidden)
+        hidden = np.empty((rows, c_fc[1].shape[0]), dtype=np.float32)  # (R, d_ff): the bias's width, the weight's
+        matmul(normed, c_fc[0], c_fc[1], True, hidden)                 # rows or panels
         gelu(hidden)
-        product(hidden, c_proj[0], c_proj[1], True, normed)
+        matmul(hidden, c_proj[0], c_proj[1], True, normed)
         for r in range(rows):
             for i in range(width):
                 out[r, i] += normed[r, i]
@@ -460,8 +487,9 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
         heads, size = state.shape[1], state.shape[2]
         u = np.empty_like(x)
         layer_norm(x, ln_1[0], ln_1[1], eps, u)
-        products = np.empty((rows, joint.shape[0]), dtype=np.float32)  # g(u) (H b^2) then B u (H b; none if stochastic)
-        product(u, joint, g_bias, False, products)
+        outputs = g_bias.shape[0] + b_bias.shape[0]  # g(u) (H b^2) then B u (H b; none if stochastic)
+        products = np.empty((rows, outputs), dtype=np.float32)
+        matmul(u, joint, g_bias, False, products)
         generated = g_bias.shape[0]
         for r in range(rows):
             for k in range(generated):
@@ -599,4 +627,5 @@ def _compile(numba) -> tuple[Callable[..., None], Callable[..., None], Callable[
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
+_LAYER_MATRICES = (2, 5, 9, 11)  # lrnn_layer_step's weights that are matrices: generator, readout, MLP (2)
 _SQRT_HALF = np.float32(math.sqrt(0.5))

@@ -157,6 +157,34 @@ def test_a_served_lrnn_makes_each_weight_s_panels_once(monkeypatch, invariant) -
     assert len(made) == 2 * 4 + 1  # per layer the stacked generator, readout and MLP (2); the head: each once
 
 
+@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-stochastic"])
+def test_row_invariant_compiled_layer_steps_multiply_by_panels_and_step_as_the_parallel_pass(
+    monkeypatch, invariant, model_id: str
+) -> None:
+    """Under set_row_invariant the compiled LRNN layer step gets its four matrices as panels (3-d) and multiplies
+    them as linear does: the steps of 7 rows equal the parallel pass, and row 0 gets the same bits decoded alone."""
+    dimensions = []
+    step = cpu_decode._layer_step
+
+    def spy(x, state, ln_1, joint, *args):
+        dimensions.append(joint.ndim)
+        step(x, state, ln_1, joint, *args)
+
+    monkeypatch.setattr(cpu_decode, "_layer_step", spy)
+    model = BlockDiagonalLRNN(dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)).eval()
+    tokens = torch.randint(0, 40, (7, 20))
+    with torch.no_grad():
+        with cpu_decode.torch_products():
+            expected = model(tokens)
+        model.for_serving()
+        cache, alone = model.new_cache(7), model.new_cache(1)
+        stepped = torch.stack([model.step(tokens[:, t], cache) for t in range(20)], dim=1)
+        first = torch.stack([model.step(tokens[:1, t], alone) for t in range(20)], dim=1)
+    assert dimensions and set(dimensions) == {3}
+    torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(first[0], stepped[0])
+
+
 def test_where_it_does_not_apply_it_is_f_linear(kernel_calls, monkeypatch) -> None:
     weight, x = torch.randn(8, 6), torch.randn(5, 6)
     cases = {  # name: (x, weight, grad enabled, threads, inside torch_products)
