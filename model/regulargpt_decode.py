@@ -108,15 +108,16 @@ class CachedBlock(NamedTuple):
         shape = x.shape[-1:]
         if self.post_norm:
             out = linear(self.attend(linear(x, *self.c_attn), dilation, window, plan), *self.c_proj)  # (B, n, d)
-            x = F.layer_norm(x + (F.dropout(out, self.dropout) if self.dropout else out), shape, *self.ln_1, self.eps)
+            x = F.layer_norm(self._residual(x, out), shape, *self.ln_1, self.eps)
             out = linear(F.gelu(linear(x, *self.c_fc)), *self.mlp_proj)  # (B, n, d)
-            x = x + (F.dropout(out, self.dropout) if self.dropout else out)
-            return F.layer_norm(x, shape, *self.ln_2, self.eps)
+            return F.layer_norm(self._residual(x, out), shape, *self.ln_2, self.eps)
         qkv = linear(F.layer_norm(x, shape, *self.ln_1, self.eps), *self.c_attn)  # (B, n, 3 d)
-        out = linear(self.attend(qkv, dilation, window, plan), *self.c_proj)  # (B, n, d)
-        x = x + (F.dropout(out, self.dropout) if self.dropout else out)
+        x = self._residual(x, linear(self.attend(qkv, dilation, window, plan), *self.c_proj))  # (B, n, d)
         hidden = F.gelu(linear(F.layer_norm(x, shape, *self.ln_2, self.eps), *self.c_fc))  # (B, n, d_ff)
-        out = linear(hidden, *self.mlp_proj)  # (B, n, d)
+        return self._residual(x, linear(hidden, *self.mlp_proj))
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x + a branch's output, dropped out as the Block's residual dropout does when training."""
         return x + (F.dropout(out, self.dropout) if self.dropout else out)
 
     def attend(self, qkv: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:

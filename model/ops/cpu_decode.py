@@ -91,15 +91,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         packed = None if _off() else prepacked.product(x, weight, bias)
         return F.linear(x, weight, bias) if packed is None else packed
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (R, in)
-    offsets = _NO_BIAS if bias is None else bias.numpy(force=True)
-    if _invariant() and (x.dim() == 2 or x.shape[-2] == 1):  # a decode step's product, row-invariant
+    values, offsets = rows.numpy(force=True), _NO_BIAS if bias is None else bias.numpy(force=True)
+    if _invariant_step(x):
         panels = _panels(weight)  # (P, in, PANEL)
         out = np.empty((rows.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # (R, P PANEL)
-        _panel_kernel(rows.numpy(force=True), panels, offsets, bias is not None, out)
+        _panel_kernel(values, panels, offsets, bias is not None, out)
         result = torch.from_numpy(out)[:, : weight.shape[0]]  # (R, out)
     else:
         out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)  # (R, out)
-        kernel(rows.numpy(force=True), weight.numpy(force=True), offsets, bias is not None, out)
+        kernel(values, weight.numpy(force=True), offsets, bias is not None, out)
         result = torch.from_numpy(out)
     return result if x.dim() == 2 else result.view(*x.shape[:-1], weight.shape[0])
 
@@ -259,9 +259,14 @@ def _invariant() -> bool:
     return getattr(_state, "invariant", False)
 
 
+def _invariant_step(x: torch.Tensor) -> bool:
+    """Whether a product over ``x`` is a decode step's (one position per row) under :func:`set_row_invariant`."""
+    return _invariant() and (x.dim() == 2 or x.shape[-2] == 1)
+
+
 def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The module docstring's conditions, cheapest first (this runs on every product: ~1 us)."""
-    invariant = _invariant() and (x.dim() == 2 or x.shape[-2] == 1)  # one position per row: a decode step's
+    invariant = _invariant_step(x)
     return (
         x.dtype is torch.float32
         and not torch.is_grad_enabled()
@@ -449,8 +454,9 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], Callable[..., N
                 out[r, i] += x[r, i]
         normed = np.empty_like(x)
         layer_norm(out, ln_2[0], ln_2[1], eps, normed)
-        hidden = np.empty((rows, c_fc[1].shape[0]), dtype=np.float32)  # (R, d_ff): the bias's width, the weight's
-        matmul(normed, c_fc[0], c_fc[1], True, hidden)                 # rows or panels
+        # (R, d_ff), from the bias: the weight is (d_ff, d_model) or panels
+        hidden = np.empty((rows, c_fc[1].shape[0]), dtype=np.float32)
+        matmul(normed, c_fc[0], c_fc[1], True, hidden)
         gelu(hidden)
         matmul(hidden, c_proj[0], c_proj[1], True, normed)
         for r in range(rows):

@@ -104,28 +104,37 @@ def test_row_invariant_products_run_across_outputs_equal_f_linear_and_give_a_row
     assert torch.equal(together, alone) and torch.equal(some[:, 0], together[3:7])
 
 
-def test_row_invariant_panels_follow_the_weight_and_keep_nan_and_inf(monkeypatch, invariant) -> None:
-    """The panels are made once per weight and made again when it changes in place or gets new storage; NaN and
-    inf keep their meaning (no fastmath)."""
-    packs = []
+@pytest.fixture
+def panel_builds(monkeypatch) -> list[tuple[int, ...]]:
+    """The (out, in) shape of each weight whose panels cpu_decode._panels makes (not those it finds made), in order."""
+    builds: list[tuple[int, ...]] = []
     make = cpu_decode._panels
 
     def counted(weight):
         held = getattr(weight, "_row_invariant_panels", None)
         result = make(weight)
-        packs.append(held is None or held[1] is not result)
+        if held is None or held[1] is not result:
+            builds.append(tuple(weight.shape))
         return result
 
     monkeypatch.setattr(cpu_decode, "_panels", counted)
+    return builds
+
+
+def test_row_invariant_panels_follow_the_weight_and_keep_nan_and_inf(panel_builds, invariant) -> None:
+    """The panels are made once per weight and made again when it changes in place or gets new storage; NaN and
+    inf keep their meaning (no fastmath)."""
     weight, x = torch.randn(40, 6), torch.randn(3, 6)
     with torch.no_grad():
         first = cpu_decode.linear(x, weight)
-        assert torch.equal(cpu_decode.linear(x, weight), first) and packs == [True, False]
+        assert panel_builds == [(40, 6)]
+        assert torch.equal(cpu_decode.linear(x, weight), first) and panel_builds == [(40, 6)]  # not made again
         weight.mul_(2)
         torch.testing.assert_close(cpu_decode.linear(x, weight), 2 * first)
+        assert len(panel_builds) == 2
         weight.data = torch.randn(40, 6)
         torch.testing.assert_close(cpu_decode.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
-        assert packs == [True, False, True, True]
+        assert len(panel_builds) == 3
         x[1, 2] = float("nan")
         weight[4, 0] = float("inf")
         result, expected = cpu_decode.linear(x, weight), F.linear(x, weight)
@@ -133,20 +142,9 @@ def test_row_invariant_panels_follow_the_weight_and_keep_nan_and_inf(monkeypatch
     assert result[1].isnan().all() and result[0, 4] == expected[0, 4]
 
 
-def test_a_served_lrnn_makes_each_weight_s_panels_once(monkeypatch, invariant) -> None:
+def test_a_served_lrnn_makes_each_weight_s_panels_once(panel_builds, invariant) -> None:
     """Row-invariant steps of a layer that runs the torch step (spectral norm) multiply by the stacked generator, a
     view for_serving set up: the same tensor every step, so its panels are made once, not once a step."""
-    made = []
-    make = cpu_decode._panels
-
-    def counted(weight):
-        held = getattr(weight, "_row_invariant_panels", None)
-        result = make(weight)
-        if held is None or held[1] is not result:
-            made.append(tuple(weight.shape))
-        return result
-
-    monkeypatch.setattr(cpu_decode, "_panels", counted)
     model = BlockDiagonalLRNN(dataclasses.replace(tiny_configs(40, 0)["lrnn-spectral-b2"], vocab_size=40)).eval()
     tokens = torch.randint(0, 40, (3, 9))
     with torch.no_grad():
@@ -154,7 +152,7 @@ def test_a_served_lrnn_makes_each_weight_s_panels_once(monkeypatch, invariant) -
         cache = model.new_cache(batch_size=3)
         for t in range(9):
             model.step(tokens[:, t], cache)
-    assert len(made) == 2 * 4 + 1  # per layer the stacked generator, readout and MLP (2); the head: each once
+    assert len(panel_builds) == 2 * 4 + 1  # per layer the stacked generator, readout and MLP (2); the head: each once
 
 
 @pytest.mark.parametrize("model_id", ["lrnn", "lrnn-stochastic"])
