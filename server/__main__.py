@@ -13,8 +13,8 @@ printed with its path and reason), 3 when the engine process died while serving 
 The engine core runs in a child process (``server/engine_client.py``, ``server/engine_core.py``) unless
 ``--engine-in-process`` (or ``REGULARLM_ENGINE_PROCESS=false``) keeps it on a thread of this one.
 
-A connection that has not sent a request's headers ``header_timeout_s`` after it opened or after its previous response
-is closed (``server/http_guard.py``).
+A connection that has not sent a request's headers ``header_timeout_s`` after it opened or after the first byte of a
+later request is closed (``server/http_guard.py``); an idle one, ``keep_alive_s`` after its last response.
 """
 
 from __future__ import annotations
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=CLOSE_WAIT_S,
+        timeout_keep_alive=settings.keep_alive_s,  # longer than clients keep idle connections
         http=with_header_timeout(AutoHTTPProtocol, settings.header_timeout_s),  # httptools, or h11 without it
     )
     server = DrainingServer(config, engine, settings.drain_timeout_s)

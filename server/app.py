@@ -27,7 +27,7 @@ from server.completions import CompletionServing
 from server.engine import Engine, EngineFront
 from server.engine_client import EngineClient
 from server.errors import APIError, BadRequest, Unauthorized
-from server.http_guard import RequestGuard
+from server.http_guard import RequestGuard, closing
 from server.json_body import BodyRefused, JSONBodyRoute
 from server.metrics import ServerMetrics
 from server.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, errors, schema_for
@@ -308,8 +308,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return api_error_response(error)
 
     @app.exception_handler(BodyRefused)
-    async def body_refused(request: Request, error: BodyRefused) -> JSONResponse:
-        return api_error_response(error.error)
+    async def body_refused(request: Request, error: BodyRefused) -> Response:
+        response = api_error_response(error.error)
+        return closing(response) if error.body_unread else response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:

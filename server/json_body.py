@@ -20,11 +20,12 @@ from server.errors import APIError, InvalidInput, UnsupportedMediaType
 
 class BodyRefused(HTTPException):
     """An ``APIError`` met while FastAPI reads a body (too large, too slow, nested too deeply), raised as the one
-    kind of exception FastAPI passes on from there (it answers 400 to any other); the app answers ``error``."""
+    kind of exception FastAPI passes on from there (it answers 400 to any other); the app answers ``error``, and closes
+    the connection where ``body_unread`` (the rest of the body is still on it)."""
 
-    def __init__(self, error: APIError) -> None:
+    def __init__(self, error: APIError, body_unread: bool = False) -> None:
         super().__init__(error.status_code, error.message)
-        self.error = error
+        self.error, self.body_unread = error, body_unread
 
 
 class JSONBodyRequest(Request):

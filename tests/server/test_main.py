@@ -162,9 +162,9 @@ def closed_by_server(sock: socket.socket) -> bytes:
 
 
 def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
-    """A connection whose request headers are not complete header_timeout_s after it opened, or after its previous
-    response, is closed without a response; a body still arriving body_timeout_s after it was first read gets 408.
-    The sockets wait 3 s: several timeouts of 0.5 s, less than the defaults (10 s) or uvicorn's keep-alive (5 s)."""
+    """A connection whose request headers are not complete header_timeout_s after it opened is closed without a
+    response; a body still arriving body_timeout_s after it was first read gets 408.
+    The sockets wait 3 s: several timeouts of 0.5 s, less than the defaults (10 s) or the keep-alive (75 s)."""
     port = free_port()
     process = start_server(
         "--models", str(checkpoints_dir), "--port", str(port), header_timeout_s=0.5, body_timeout_s=0.5
@@ -179,12 +179,68 @@ def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
                 b"POST /v1/transduce HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b'Content-Length: 100\r\n\r\n{"model": '
             )
-            response = closed_by_server(slow_body)  # the 408, then no next request's headers: closed
+            response = closed_by_server(slow_body)  # the 408, then closed: the rest of the body is on the connection
         assert response.startswith(b"HTTP/1.1 408 ")
+        assert b"connection: close" in response.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
         assert json.loads(response.partition(b"\r\n\r\n")[2])["error"] == {
             "message": "the body took longer than 0.5 s to arrive (body_timeout_s)", "type": "request_timeout"
         }  # fmt: skip
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """The head of one HTTP response with a Content-Length, read from ``sock`` (ConnectionError if it closes first)."""
+
+    def more() -> bytes:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += more()
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")).split(b":")[1])
+    while len(body) < length:
+        body += more()
+    return head
+
+
+def test_idle_connections_are_kept_alive_for_their_next_request(checkpoints_dir) -> None:
+    """A kept-alive connection that idles longer than header_timeout_s after a response still gets its next request
+    answered (the header deadline runs from the request's first byte: counted from the response, it closed
+    connections that a late reader was reusing, and that request was reset); a request's headers that stop coming
+    are cut off header_timeout_s after its first byte; an idle connection is closed keep_alive_s after its response.
+    The default keep-alive outlasts the idle connections of httpx (and the openai client on it)."""
+    assert parse_settings([]).keep_alive_s > httpx.Limits().keepalive_expiry
+    port = free_port()
+    process = start_server(
+        "--models", str(checkpoints_dir), "--port", str(port), header_timeout_s=0.5, keep_alive_s=2
+    )  # fmt: skip
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(request)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            time.sleep(1.0)  # twice header_timeout_s, half keep_alive_s
+            sock.sendall(request)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            idle_from = time.monotonic()
+            assert closed_by_server(sock) == b""
+            assert 1.5 < time.monotonic() - idle_from < 4.5  # keep_alive_s, not header_timeout_s
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(request)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            time.sleep(1.0)
+            sock.sendall(b"GET /health HTTP/1.1\r\n")  # then nothing more
+            started = time.monotonic()
+            assert closed_by_server(sock) == b""
+            assert time.monotonic() - started < 1.5  # header_timeout_s from the first byte, not keep_alive_s
     finally:
         process.terminate()
         process.communicate(timeout=30)
