@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -359,22 +360,36 @@ class RecurrentBlock(nn.Module):
         )  # (B, T, H, b), (B, H, b)
         return u, states, final_state
 
+    def _step_arrays(self) -> list[np.ndarray] | None:
+        """What :func:`model.ops.cpu_decode.lrnn_layer_step` takes from this layer (``layer_step_arrays``), or None
+        where the recurrence cannot step so. Kept between steps and made again when a parameter of the layer changes
+        (``cpu_decode.stamp``: its storage, or its version in place) or row invariance turns on or off: gathering and
+        converting them every step took ~40 us, a fifth of a tiny model's one-row step (docs/benchmarks.md). As for
+        ``SequenceModel._reference_parameter``, replacing a parameter object itself would go unseen: nothing does."""
+        invariant = cpu_decode.row_invariant()
+        held = self.__dict__.get("_held_step_arrays")  # (parameters, their stamps and the invariance, arrays)
+        if held is not None and held[1] == (invariant, *map(cpu_decode.stamp, held[0])):
+            return held[2]
+        weights = self.recurrence.fused_step_weights()
+        arrays = None
+        if weights is not None:
+            ln_1, ln_2, mlp = self.ln_1, self.ln_2, self.mlp
+            arrays = cpu_decode.layer_step_arrays([ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
+                                                   mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias])
+        parameters = list(self.parameters())
+        self.__dict__["_held_step_arrays"] = (parameters, (invariant, *map(cpu_decode.stamp, parameters)), arrays)
+        return arrays
+
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b). Served on the CPU with few rows,
         a recurrence that supports it runs the whole layer as one compiled call
         (:func:`model.ops.cpu_decode.lrnn_layer_step`, equal up to float rounding)."""
         if not self.training and cpu_decode.compiles_step(x):
-            weights = self.recurrence.fused_step_weights()
-            if weights is not None and state.dtype == torch.float32:
-                recurrence, mlp, ln_1, ln_2 = self.recurrence, self.mlp, self.ln_1, self.ln_2
+            arrays = self._step_arrays()
+            if arrays is not None and state.dtype == torch.float32:
+                recurrence = self.recurrence
                 return cpu_decode.lrnn_layer_step(
-                    x,
-                    state,
-                    [ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
-                     mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias],
-                    ln_1.eps,
-                    recurrence.transition_norm,
-                    recurrence.p_norm,
+                    x, state, arrays, self.ln_1.eps, recurrence.transition_norm, recurrence.p_norm
                 )
         u = self.ln_1(x)  # (B, d_model)
         state = self.recurrence.step(u, state)  # (B, H, b)

@@ -167,7 +167,7 @@ def torch_products() -> Iterator[None]:
 def lrnn_layer_step(
     x: torch.Tensor,
     state: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    arrays: Sequence[np.ndarray],
     eps: float,
     transitions: LayerTransitions,
     p: float,
@@ -181,18 +181,9 @@ def lrnn_layer_step(
     the residual adds), each a dispatch that finds its code and data evicted by the weights streamed before it, run
     in the same call. Equal to the torch step up to float rounding (tests/model/test_cpu_decode.py).
 
-    x: (R, d_model), state: (R, H, b), R <= MAX_ROWS; ``weights``: ln_1 weight and bias, the generator's weight
-    ("column": g's and B's stacked, (H b^2 + H b, d_model); "stochastic": g's, (H b^2, d_model)), g's bias, B's bias
-    ((0,) for "stochastic"), out_proj weight and bias, ln_2 weight and bias, the MLP's c_fc weight and bias and
-    c_proj weight and bias, all float32 on the CPU; ``p``: the column norm's (unused by "stochastic"). Returns
-    (R, d_model), (R, H, b). Call it only where :func:`streams` holds for R rows (which builds it). Under
-    :func:`set_row_invariant` its four matrices go in as panels (:func:`_panels`), multiplied as :func:`linear`
-    multiplies a decode step's: a row's bits then do not depend on the other rows, at about MKL's speed."""
-    panels = _invariant()
-    arrays = [
-        _panels(tensor) if panels and index in _LAYER_MATRICES else tensor.numpy(force=True)
-        for index, tensor in enumerate(weights)
-    ]
+    x: (R, d_model), state: (R, H, b), R <= MAX_ROWS; ``arrays``: the layer's weights as :func:`layer_step_arrays`
+    made them; ``p``: the column norm's (unused by "stochastic"). Returns (R, d_model), (R, H, b). Call it only where
+    :func:`streams` holds for R rows (which builds it)."""
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
     state_out = np.empty(state.shape, dtype=np.float32)
@@ -202,6 +193,27 @@ def lrnn_layer_step(
         np.float32(eps), np.float32(p), transitions == "stochastic", x_out, state_out,
     )
     return torch.from_numpy(x_out), torch.from_numpy(state_out)
+
+
+def layer_step_arrays(weights: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """:func:`lrnn_layer_step`'s weights as it reads them. ``weights``: ln_1 weight and bias, the generator's weight
+    ("column": g's and B's stacked, (H b^2 + H b, d_model); "stochastic": g's, (H b^2, d_model)), g's bias, B's bias
+    ((0,) for "stochastic"), out_proj weight and bias, ln_2 weight and bias, the MLP's c_fc weight and bias and
+    c_proj weight and bias, all float32 on the CPU. Each becomes a numpy view of itself, but for the four matrices
+    under :func:`set_row_invariant`, which become panels (:func:`_panels`), multiplied as :func:`linear` multiplies
+    a decode step's: a row's bits then do not depend on the other rows, at about MKL's speed. A caller that keeps
+    the arrays makes them again when a weight's :func:`stamp` or :func:`row_invariant` changes."""
+    panels = _invariant()
+    return [
+        _panels(tensor) if panels and index in _LAYER_MATRICES else tensor.numpy(force=True)
+        for index, tensor in enumerate(weights)
+    ]
+
+
+def stamp(tensor: torch.Tensor) -> tuple[int, int | None]:
+    """What changes when ``tensor``'s values may have: its storage (``.data =``, ``.to``, ``load_state_dict(...,
+    assign=True)``) and its version counter (an in-place change; an inference tensor has none)."""
+    return tensor.data_ptr(), None if tensor.is_inference() else tensor._version
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
@@ -289,8 +301,7 @@ def _panels(weight: torch.Tensor) -> np.ndarray:
     p PANEL .. p PANEL + PANEL - 1 (zeros past ``out``), each output's weights down a column. Made once and kept on
     the tensor; made again when the tensor's storage changes (``.data =``, ``load_state_dict(assign=True)``) or it is
     changed in place (its version counter; an inference tensor has none, and there only its storage is checked)."""
-    version = None if weight.is_inference() else weight._version
-    key = (weight.data_ptr(), version)
+    key = stamp(weight)
     held = getattr(weight, "_row_invariant_panels", None)
     if held is not None and held[0] == key:
         return held[1]

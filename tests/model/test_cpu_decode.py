@@ -268,6 +268,49 @@ def test_the_compiled_layer_step_equals_the_torch_step(layer_calls, p: float, ro
     torch.testing.assert_close(x_out, x_expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("transitions", ["column", "stochastic"])
+def test_a_layer_keeps_its_step_arrays_until_a_parameter_or_the_invariance_changes(
+    layer_calls, monkeypatch, transitions: str
+) -> None:
+    """The compiled layer step's arrays are made once and kept between steps; an in-place change of any parameter,
+    new storage for one, or row invariance turned on makes them again, and every step still equals the torch step."""
+    made = []
+    monkeypatch.setattr(cpu_decode, "layer_step_arrays", lambda weights, make=cpu_decode.layer_step_arrays: made.append(
+        len(weights)) or make(weights))  # fmt: skip
+    config = LRNNConfig(vocab_size=10, d_model=24, n_layers=1, num_blocks=5, block_size=3, d_ff=40,
+                        transition_norm=transitions)  # fmt: skip
+    model = BlockDiagonalLRNN(config).eval()
+    block = model.blocks[0]
+    x, state = torch.randn(2, 24), torch.rand(2, 5, 3)
+
+    def equals_the_torch_step() -> None:
+        x_out, state_out = block.step(x, state)
+        with cpu_decode.torch_products():
+            x_expected, state_expected = block.step(x, state)
+        torch.testing.assert_close(x_out, x_expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state_out, state_expected, rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.7)
+        model.for_serving()
+        equals_the_torch_step()
+        equals_the_torch_step()
+        assert len(made) == 1
+        block.mlp.c_proj.weight.mul_(-2)  # in place
+        equals_the_torch_step()
+        assert len(made) == 2
+        block.ln_1.bias.data = torch.randn(24)  # new storage
+        equals_the_torch_step()
+        assert len(made) == 3
+        cpu_decode.set_row_invariant(True)
+        try:
+            equals_the_torch_step()
+        finally:
+            cpu_decode.set_row_invariant(False)
+        assert len(made) == 4 and len(layer_calls) == 5  # every step compiled
+
+
 def stochastic_layer(spread: float) -> BlockDiagonalLRNN:
     """One stochastic layer, 5 blocks of 4, d_model 24, d_ff 40, its weights N(0, 0.7) but g's, whose entries
     spread by about ``spread`` (0.05: flat columns, every entry in the sparsemax's support; 5: sharp, one or two);
