@@ -110,10 +110,10 @@ def language_model(folder: Path, clock: FakeClock, tokens_per_slice: int, slice_
     served.decoder = ClockedDecoder(decoder_for(model, [1], enabled=False), clock, seconds_per_flop)
     forward = model.forward
 
-    def clocked_forward(tokens: torch.Tensor, cache=None) -> torch.Tensor:
+    def clocked_forward(tokens: torch.Tensor, cache=None, **options) -> torch.Tensor:
         if not served.decoder.stepping:  # a step that runs as a chunk of one token is counted once, as a step
             clock.advance(_call_seconds(model, tokens.shape, cache, seconds_per_flop))
-        return forward(tokens, cache)
+        return forward(tokens, cache, **options)
 
     model.forward = clocked_forward
     return served

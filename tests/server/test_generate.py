@@ -17,7 +17,7 @@ from server.serving import coalesced
 from server.state_cache import StateCache
 from tests.server import reference
 from tests.server.checkpoints import LANGUAGE_MODELS
-from tests.server.driven import FakeClock, events, generation, language_model, receive, run_until_done
+from tests.server.driven import FakeClock, Recorder, events, generation, language_model, receive, run_until_done
 from tests.server.driven import scheduler as driven_scheduler
 
 
@@ -270,11 +270,11 @@ def test_a_prefill_call_that_fails_fails_only_the_sequence_that_fails_alone(chec
     served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
     forward, calls = served.model.forward, []
 
-    def refusing_byte_255(tokens, cache=None):
+    def refusing_byte_255(tokens, cache=None, **options):
         calls.append(tokens.shape[0])
         if tokens.shape[1] > 1 and bool((tokens == 255).any()):
             raise RuntimeError("byte 255 refused")
-        return forward(tokens, cache)
+        return forward(tokens, cache, **options)
 
     served.model.forward = refusing_byte_255
     alone = generation(served, [97, 98, 99, 100], 6, clock)
@@ -285,6 +285,30 @@ def test_a_prefill_call_that_fails_fails_only_the_sequence_that_fails_alone(chec
     assert calls[:3] == [2, 1, 1]  # the stacked call, then each alone
     assert finished(clean) and clean.generated == alone.generated
     assert failure(poisoned) == "the model failed: byte 255 refused"
+
+
+def test_a_prefill_runs_the_head_on_the_last_position_unless_the_prompt_is_scored(checkpoints_dir) -> None:
+    """An LRNN's prompt chunks run its head on each row's last position alone (logits (B, V)), unless a sequence of
+    the call scores its prompt (every position's logits); the tokens are the same either way."""
+    clock = FakeClock()
+    served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+    forward, shapes = served.model.forward, []
+
+    def recorded(tokens, cache=None, **options):
+        logits = forward(tokens, cache, **options)
+        shapes.append(tuple(logits.shape[:-1]))
+        return logits
+
+    served.model.forward = recorded
+    plain = generation(served, "It was a dark night", 5, clock)
+    run_until_done(receive_into(driven_scheduler(clock), plain), [plain])
+    assert shapes == [(1,)]
+    shapes.clear()
+    request = GenerationRequest(list(b"It was a dark night"), 5, SamplingParams(temperature=0.0), prompt_logprobs=True)
+    scored = Sequence(served, request, Recorder(clock), flow="client")
+    run_until_done(receive_into(driven_scheduler(clock), scored), [scored])
+    assert shapes == [(1, len(b"It was a dark night"))]
+    assert scored.generated == plain.generated
 
 
 def receive_into(worker, *sequences: Sequence):
