@@ -93,9 +93,8 @@ class LimitedBody:
         try:
             message = await asyncio.wait_for(self.receive(), self.deadline - loop.time())
         except asyncio.TimeoutError:
-            raise BodyRefused(
-                RequestTimeout(f"the body took longer than {self.timeout_s:g} s to arrive (body_timeout_s)"), body_unread=True
-            ) from None
+            late = RequestTimeout(f"the body took longer than {self.timeout_s:g} s to arrive (body_timeout_s)")
+            raise BodyRefused(late, body_unread=True) from None
         if message["type"] != "http.request" or not message.get("more_body", False):
             self.complete = True
         self.received += len(message.get("body", b""))

@@ -204,7 +204,8 @@ def read_response(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in received:
         received += more()
     head, _, body = received.partition(b"\r\n\r\n")
-    length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")).split(b":")[1])
+    declared = next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    length = int(declared.split(b":")[1])
     while len(body) < length:
         body += more()
     return head
