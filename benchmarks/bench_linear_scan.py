@@ -17,7 +17,7 @@ spent TIME_BUDGET_S (the slowest cases get a single timed run, or none: then the
 reported, marked "*"). The last column is what ``linear_scan(impl="auto")`` picks for that size.
 
     python -m benchmarks.bench_linear_scan [--lengths 500,8192,65536] [--batches 1,64] [--device cpu]
-        [--threads N] [--compile] [--quick]
+        [--threads N] [--compile] [--quick] [--impls parallel,triton,...]
 
 On a CPU that other processes share, use --threads 1: a multi-threaded op whose second thread waits for a busy
 core stalls for a scheduler time slice (~8 ms), which swamps the small per-step ops of the scans.
@@ -85,6 +85,7 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="also time the torch scans under torch.compile")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--impls", help="comma-separated: time only these (default: every one the device has)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -93,14 +94,20 @@ def main() -> None:
     lengths = [100, 300] if args.quick else [int(n) for n in args.lengths.split(",")]
     batches = [1, 4] if args.quick else [int(n) for n in args.batches.split(",")]
     device = resolve_device(args.device)
+    memory = "peak RSS (MiB)" if device.type == "cpu" else "peak CUDA (MiB)"
+    impls = IMPLS + (COMPILED if args.compile else ()) + (("triton",) if device.type == "cuda" and available() else ())
+    if args.impls:
+        chosen = args.impls.split(",")
+        unknown = sorted(set(chosen) - set(impls))
+        if unknown:
+            parser.error(f"--impls: {', '.join(unknown)} not among {', '.join(impls)} on {device} with these flags")
+        impls = tuple(chosen)
     print(banner(device, args.threads))
     print(
         f"linear scan forward, no grad, fp32, H={HEADS}, b={BLOCK}, chunk_size {args.chunk_size}; median of up to "
         f"{REPEATS} runs after a warm-up, fewer past {TIME_BUDGET_S:.0f} s (* = the warm-up run alone); "
         f"memory limit {MEMORY_LIMIT_BYTES / 2**30:.0f} GiB (CPU)\n"
     )
-    memory = "peak RSS (MiB)" if device.type == "cpu" else "peak CUDA (MiB)"
-    impls = IMPLS + (COMPILED if args.compile else ()) + (("triton",) if device.type == "cuda" and available() else ())
     print(f"| T | B | impl | median (ms) | timed runs | {memory} | auto picks |")
     print("|---:|---:|---|---:|---:|---:|---|")
     for length in lengths:

@@ -529,24 +529,26 @@ class LinearRNN(SequenceModel):
         return math.prod(self.blocks[0].recurrence.state_shape)
 
     def _scan_impl(self, rows: int, length: int) -> str:
-        """The scan that runs on ``rows`` x ``length``: the configured one, or the "auto" policy's choice."""
+        """The scan that runs on ``rows`` x ``length``: the configured one, or the "auto" policy's choice (the Triton
+        scan where no gradient is asked for and the dtype allows it)."""
         heads, block = self.blocks[0].recurrence.state_shape
         impl = self.config.scan_impl
         if impl == "auto":
-            impl = choose_scan_impl(rows, length, heads, block, self.device)
+            triton = not torch.is_grad_enabled() and self.dtype != torch.float64
+            impl = choose_scan_impl(rows, length, heads, block, self.device, triton)
         return impl
 
     def _scan_flops(self, rows: int, length: int) -> int:
         """Multiply-adds of one layer's scan over ``length`` positions of one row, H heads of b x b blocks: the loop
         does H b^2 per position; the parallel scan H (b^3 + 2 b^2) per position (it multiplies transitions
-        together); the chunked scan the loop's work plus, on all chunks but the last of n = length // chunk_size,
+        together); the chunked scan (and the Triton scan, the same algorithm) the loop's work plus, on all chunks but the last of n = length // chunk_size,
         the products of the transitions inside each chunk and the scan across chunks, ~H (b^3 + 2 b^2) per
         position there."""
         heads, block = self.blocks[0].recurrence.state_shape
         impl = self._scan_impl(rows, length)
         if impl == "parallel":
             return length * heads * (block**3 + 2 * block**2)
-        chunks = length // self.config.scan_chunk_size if impl == "chunked" else 0
+        chunks = length // self.config.scan_chunk_size if impl in ("chunked", "triton") else 0
         products = max(chunks - 1, 0) * self.config.scan_chunk_size
         return heads * (length * block**2 + products * (block**3 + 2 * block**2))
 

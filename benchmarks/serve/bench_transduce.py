@@ -52,16 +52,17 @@ def load_table(url: str, model_id: str, length: int, requests: int, label: str, 
     return throughputs
 
 
-def overhead(url: str, model_id: str, batch: list[str], repeats: int) -> tuple[float, float]:
-    """Mean E2EL of one request of ``batch`` at concurrency 1, and the mean time the server spent in the model
-    call for it (``regularlm_model_execute_time_seconds``), both in seconds, over the same requests."""
+def overhead(url: str, model_id: str, batch: list[str], repeats: int) -> tuple[float, float, float]:
+    """Mean E2EL of one request of ``batch`` at concurrency 1 and the mean time the server spent in model calls
+    for it (``regularlm_model_execute_time_seconds``), both in seconds, and the model calls per request: a long
+    input runs in slices of ``slice_ms`` of work, each a call, so one request may take several."""
     run_load(url, "/v1/transduce", [{"model": model_id, "inputs": batch}] * 2, 1)  # warm-up
     before = histogram_totals(url, EXECUTE_TIME, model_id)
     records, _ = run_load(url, "/v1/transduce", [{"model": model_id, "inputs": batch}] * repeats, 1)
     after = histogram_totals(url, EXECUTE_TIME, model_id)
     calls = after[1] - before[1]
-    assert calls == repeats, f"expected one model call per request, saw {calls} for {repeats}"
-    return sum(record.e2el for record in records) / repeats, (after[0] - before[0]) / calls
+    assert calls >= repeats, f"expected at least one model call per request, saw {calls} for {repeats}"
+    return sum(record.e2el for record in records) / repeats, (after[0] - before[0]) / repeats, calls / repeats
 
 
 def main() -> None:
@@ -96,10 +97,13 @@ def main() -> None:
         for (model_id, length), gain in gains.items():
             print(f"| {model_id} | {length} | {gain:.2f}x |")
         print(f"\nOne request of 8 inputs of T={lengths[0]}, concurrency 1, mean of {args.repeats}:\n")
-        print("| model | model call in the server (ms) | HTTP E2EL (ms) | HTTP + server overhead |")
-        print("|---|---:|---:|---:|")
-        for model_id, (e2el, model_s) in overheads.items():
-            print(f"| {model_id} | {1e3 * model_s:.1f} | {1e3 * e2el:.1f} | {100 * (e2el - model_s) / model_s:.1f}% |")
+        print("| model | model calls in the server (ms) | calls | HTTP E2EL (ms) | HTTP + server overhead |")
+        print("|---|---:|---:|---:|---:|")
+        for model_id, (e2el, model_s, calls) in overheads.items():
+            print(
+                f"| {model_id} | {1e3 * model_s:.1f} | {calls:.0f} | {1e3 * e2el:.1f} "
+                f"| {100 * (e2el - model_s) / model_s:.1f}% |"
+            )
 
 
 if __name__ == "__main__":

@@ -33,19 +33,23 @@ no grad, fp32, H = 8, b = 8; T = 500 .. 65536, B = 1 .. 64; one CPU thread, and 
 - on the CPU, with more rows: "sequential". The work-optimal loop (T b^2 against the scans' T b^3) won from
   B = 8 on (at B = 64: 4-8x faster than chunked, 8-10x than parallel, which ran out of 12 GiB at T = 65536)
   and holds the least memory.
-- on CUDA, with transitions of at most 512 MiB: "parallel". Kernel launches, not arithmetic, set the time
-  there, and the parallel scan has the fewest sequential steps: 1.7 / 4.4 / 5.8 ms at B = 1 and T = 500 /
-  8192 / 65536, against 14.8 / 13.8 / 15.0 ms for chunked and 26 ms to 3.5 s for the loop; 3.2 against
-  16.1 ms at B = 64, T = 500.
-- on CUDA, with larger transitions: "chunked". From 1 GiB of transitions on (B = 64 at T = 8192 and 65536)
-  the two scans took the same time (19.5 / 20.2 ms, 153 / 156 ms) and chunked half the memory.
+- on CUDA, where the Triton scan takes the problem (Triton installed, blocks of at most 16, at most 65,535 rows x
+  heads, no gradient asked for, not float64): "triton". On an H100 (2026-11-26) it was the fastest at every size
+  timed, 3-16x the torch scans: 0.2 / 0.2 / 1.4 ms at B = 1 and T = 500 / 8192 / 65536 against 1.6 / 3.3 / 3.3
+  ms for the parallel scan; 0.5 / 6.7 / 53.5 ms at B = 64 against 1.8 / 19.2 / 153 ms for the best torch scan;
+  with the least memory (10.4 against 11.5 GiB for chunked at B = 64, T = 65536). The parallel scan under
+  ``torch.compile`` took 1.6-2.9 ms at B = 1, T = 8192.
+- on CUDA otherwise (training, float64, larger blocks), with transitions of at most 512 MiB: "parallel". Kernel
+  launches, not arithmetic, set the time there, and the parallel scan has the fewest sequential steps: 1.7 / 4.4 /
+  5.8 ms at B = 1 and T = 500 / 8192 / 65536, against 14.8 / 13.8 / 15.0 ms for chunked and 26 ms to 3.5 s for
+  the loop; 3.2 against 16.1 ms at B = 64, T = 500.
+- on CUDA otherwise, with larger transitions: "chunked". From 1 GiB of transitions on (B = 64 at T = 8192 and
+  65536) the two scans took the same time (19.5 / 20.2 ms, 153 / 156 ms) and chunked half the memory.
 
 A T shorter than ``chunk_size`` makes "chunked" the plain loop, so the policy needs no rule for short T.
 
 - ``scan_triton`` (``model.ops.triton_scan``): the chunked scan as three Triton kernels, forward only, blocks of
-  at most 16, CUDA (or Triton's interpreter, for tests). Taken only when asked for by name: it has not yet been
-  timed on a GPU against the scans above, so "auto" does not pick it (benchmarks/bench_linear_scan.py times it
-  where CUDA and Triton are present).
+  at most 16, CUDA (or Triton's interpreter, for tests).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from typing import Literal
 
 import torch
 
-from model.ops.triton_scan import scan_triton
+from model.ops.triton_scan import MAX_BLOCK, MAX_ROWS_TIMES_HEADS, available, refusal, scan_triton
 
 ScanImpl = Literal["auto", "sequential", "parallel", "chunked", "triton"]
 ScanResult = tuple[torch.Tensor, torch.Tensor]
@@ -263,9 +267,14 @@ def _chunk_summaries(chunk_a: torch.Tensor, chunk_b: torch.Tensor) -> ScanResult
 CUDA_PARALLEL_MAX_BYTES = 512 * 2**20  # transitions up to this size take the parallel scan on CUDA
 
 
-def choose_scan_impl(batch: int, length: int, heads: int, block: int, device: torch.device) -> str:
-    """The "auto" policy of the module docstring: an implementation name for this problem size and device."""
+def choose_scan_impl(
+    batch: int, length: int, heads: int, block: int, device: torch.device, triton: bool = True
+) -> str:
+    """The "auto" policy of the module docstring: an implementation name for this problem size and device.
+    ``triton``: whether the Triton scan may run it as far as the shapes cannot say (no gradient, not float64)."""
     if device.type == "cuda":
+        if triton and available() and block <= MAX_BLOCK and batch * heads <= MAX_ROWS_TIMES_HEADS:
+            return "triton"
         transition_bytes = batch * length * heads * block * block * 4  # float32 inside
         return "parallel" if transition_bytes <= CUDA_PARALLEL_MAX_BYTES else "chunked"
     return "chunked" if batch * heads <= 32 else "sequential"
@@ -280,7 +289,8 @@ def linear_scan(
 ) -> ScanResult:
     """Dispatch to ``scan_<impl>``; "auto" follows the policy in the module docstring."""
     if impl == "auto":
-        impl = choose_scan_impl(*inputs.shape, inputs.device)  # type: ignore[assignment]
+        triton = refusal(transitions, inputs, initial_state, chunk_size) is None
+        impl = choose_scan_impl(*inputs.shape, inputs.device, triton)  # type: ignore[assignment]
     if impl == "sequential":
         return scan_sequential(transitions, inputs, initial_state)
     if impl == "parallel":

@@ -15,6 +15,7 @@ from model.ops.linear_scan import (
     scan_sequential,
     spectral_norm_constraint,
 )
+from model.ops.triton_scan import available as triton_available
 from tests.model.helpers import BATCH, BLOCK, HEADS, implementations, make_problem, outputs_and_gradients, step_loop
 
 TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}
@@ -84,8 +85,18 @@ def test_auto_dispatches_to_a_named_implementation() -> None:
         (1, 65536, "cuda", "parallel"),
     ],
 )
-def test_auto_policy(batch: int, length: int, device: str, expected: str) -> None:
-    assert choose_scan_impl(batch, length, 8, 8, torch.device(device)) == expected
+def test_auto_policy_without_triton(batch: int, length: int, device: str, expected: str) -> None:
+    assert choose_scan_impl(batch, length, 8, 8, torch.device(device), triton=False) == expected
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs the triton package")
+def test_auto_policy_takes_triton_on_cuda_where_it_runs() -> None:
+    cuda = torch.device("cuda")
+    assert choose_scan_impl(64, 65536, 8, 8, cuda) == "triton"
+    assert choose_scan_impl(1, 500, 8, 16, cuda) == "triton"
+    assert choose_scan_impl(1, 500, 8, 17, cuda) == "parallel"  # blocks of at most 16
+    assert choose_scan_impl(8192, 500, 8, 8, cuda) == "chunked"  # at most 65,535 rows x heads; 8 GiB
+    assert choose_scan_impl(1, 500, 8, 8, torch.device("cpu")) == "chunked"  # CUDA only, interpreter or not
 
 
 def test_shape_mismatch_is_refused() -> None:
