@@ -289,7 +289,8 @@ def linear_scan(
 ) -> ScanResult:
     """Dispatch to ``scan_<impl>``; "auto" follows the policy in the module docstring."""
     if impl == "auto":
-        triton = refusal(transitions, inputs, initial_state, chunk_size) is None
+        # only on CUDA: asking imports Triton, which a CPU process has no use for
+        triton = inputs.device.type == "cuda" and refusal(transitions, inputs, initial_state, chunk_size) is None
         impl = choose_scan_impl(*inputs.shape, inputs.device, triton)  # type: ignore[assignment]
     if impl == "sequential":
         return scan_sequential(transitions, inputs, initial_state)
