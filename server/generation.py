@@ -41,6 +41,11 @@ HOST_SAMPLING_ELEMENTS = 16_384
 # memory that stays (~0.8 MiB a shape for text-lrnn: oneDNN's primitive cache, allocator retention), and a 2^20-token
 # prompt in chunks sized by the moving speed estimate took the server from 458 to 1,294 MiB (docs/benchmarks.md).
 PREFILL_QUANTUM = 64
+# Under batch invariance, a prompt chunk of at most this many tokens that is not scored runs as decode steps, all such
+# rows of a call together: the steps' products are row-invariant at any row count, and a pass of its own per row (what
+# a longer chunk gets) cost text-lrnn 1.5-1.7 ms a prompt of 2-6 tokens, against 0.27-0.74 ms stepped 64 rows
+# together (alone 0.9-2.5 ms; docs/benchmarks.md, "Short prompts stepped").
+STEPPED_PREFILL_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -175,12 +180,22 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
     """Consume the next ``length`` prompt tokens of each sequence (one model) in one forward pass over their
     stacked caches. A sequence then at its ``snapshot_at`` is snapshotted there; one whose prompt is then done is
     snapshotted, scored if asked, and gets its first token. ``length`` 0 only completes prompts taken whole from
-    the state cache. Where batch invariance is asked for (``cpu_decode.row_invariant``), each sequence's chunk is a
-    pass of its own, as it runs alone: stacked, a prompt's first logits came out other in the last bits (shipped
-    text models: prompts of 2-3 tokens, RegularGPT's of 40)."""
-    if length:
-        for group in [[sequence] for sequence in sequences] if cpu_decode.row_invariant() else [sequences]:
-            _prefill_chunk(group, length)
+    the state cache. Where batch invariance is asked for (``cpu_decode.row_invariant``), a chunk runs as it would
+    alone: stacked in one pass, a prompt's first logits came out other in the last bits (shipped text models: prompts
+    of 2-3 tokens, RegularGPT's of 40), so each sequence's chunk is a pass of its own, except that chunks of at most
+    ``STEPPED_PREFILL_TOKENS`` that are not scored run together as decode steps, whose products are row-invariant
+    (which way a row goes depends on its chunk alone)."""
+    if length and not cpu_decode.row_invariant():
+        _prefill_chunk(sequences, length)
+    elif length:
+        stepped, alone = [], []
+        for sequence in sequences:
+            short = length <= STEPPED_PREFILL_TOKENS and not sequence.request.prompt_logprobs
+            (stepped if short else alone).append(sequence)
+        if stepped:
+            _prefill_steps(stepped, length)
+        for sequence in alone:
+            _prefill_chunk([sequence], length)
     for sequence in sequences:
         if sequence.prefilled == sequence.snapshot_at:
             prefix = sequence.request.prompt[: sequence.prefilled]
@@ -222,6 +237,25 @@ def _prefill_chunk(sequences: list[Sequence], length: int) -> None:
         if sequence.request.prompt_logprobs:
             _score_prompt_chunk(sequence, chunk, chunk_logits)
         sequence.next_logits = chunk_logits[-1]  # (V,)
+        sequence.prefilled += length
+
+
+def _prefill_steps(sequences: list[Sequence], length: int) -> None:
+    """The next ``length`` prompt tokens of each sequence (none scores its prompt) as ``length`` decode steps over
+    their stacked caches."""
+    model = sequences[0].served.model
+    chunks = torch.tensor(
+        [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences]
+    )  # (B, n), on the CPU: row invariance holds there only
+    caches = [sequence.cache for sequence in sequences]
+    cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
+    for position in range(length):
+        logits = model.step(chunks[:, position], cache)  # (B, V)
+    if len(caches) > 1:
+        for sequence, row in zip(sequences, cache.split()):
+            sequence.cache = row
+    for sequence, row_logits in zip(sequences, logits):
+        sequence.next_logits = row_logits  # (V,)
         sequence.prefilled += length
 
 

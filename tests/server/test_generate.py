@@ -7,7 +7,9 @@ import asyncio
 import json
 
 import pytest
+import torch
 
+from model.ops import cpu_decode
 from server import generation as generation_module
 from server.errors import ModelFailure
 from server.generation import DecodeBatch, Finished, GenerationRequest, Sequence, prefill, prefill_length, start
@@ -309,6 +311,54 @@ def test_a_prefill_runs_the_head_on_the_last_position_unless_the_prompt_is_score
     run_until_done(receive_into(driven_scheduler(clock), scored), [scored])
     assert shapes == [(1, len(b"It was a dark night"))]
     assert scored.generated == plain.generated
+
+
+def test_under_batch_invariance_short_prompts_prefill_together_as_decode_steps(checkpoints_dir) -> None:
+    """Under batch invariance a chunk of at most STEPPED_PREFILL_TOKENS unscored tokens runs as decode steps of every
+    such row together, with the bits it gets alone; a scored chunk or a longer one is a pass of its own per row.
+    Without invariance one pass takes them all."""
+    clock, metrics, calls = FakeClock(), ServerMetrics(), []
+
+    def prefilled(served, prompts: list[str], scored: tuple[int, ...] = ()) -> list[Sequence]:
+        sequences = []
+        for index, prompt in enumerate(prompts):
+            request = GenerationRequest(list(prompt.encode()), 3, SamplingParams(temperature=0.0),
+                                        prompt_logprobs=index in scored)  # fmt: skip
+            sequences.append(Sequence(served, request, Recorder(clock), flow="client"))
+            start(sequences[-1], StateCache(0, 0, 1), metrics)
+        calls.clear()
+        with torch.inference_mode():  # as the engine runs it
+            prefill(sequences, len(prompts[0].encode()), StateCache(0, 0, 1), metrics)
+        return sequences
+
+    def recording(served):
+        forward, step = served.model.forward, served.model.step
+        served.model.forward = lambda tokens, cache=None, **options: (
+            calls.append(("forward", tokens.shape[0])) or forward(tokens, cache, **options)
+        )
+        served.model.step = lambda tokens, cache: calls.append(("step", tokens.shape[0])) or step(tokens, cache)
+        return served
+
+    prompts = ["It was", "A dark", "Nights"]
+    cpu_decode.set_row_invariant(True)
+    try:
+        served = recording(language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64))
+        together = prefilled(served, prompts)
+        assert calls == [("step", 3)] * 6
+        for prompt, sequence in zip(prompts, together):
+            alone = prefilled(served, [prompt])[0]
+            assert calls == [("step", 1)] * 6
+            assert torch.equal(alone.next_logits, sequence.next_logits) and alone.generated == sequence.generated
+        prefilled(served, prompts[:2], scored=(1,))
+        assert calls == [("step", 1)] * 6 + [("forward", 1)]
+        assert generation_module.STEPPED_PREFILL_TOKENS == 8
+        prefilled(served, ["It was a ", "A dark ni"])  # 9 tokens
+        assert calls == [("forward", 1), ("forward", 1)]
+    finally:
+        cpu_decode.set_row_invariant(False)
+    served = recording(language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64))
+    prefilled(served, prompts)
+    assert calls == [("forward", 3)]
 
 
 def receive_into(worker, *sequences: Sequence):
