@@ -10,6 +10,7 @@ so a step that raises fails its batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import TypeVar
 from model.base import Cost
 from server.batching import LongTransduce, TransduceItem, TransduceOutput, batch_cost, run_batch
 from server.errors import APIError, ModelFailure
-from server.generation import DecodeBatch, Sequence, prefill, start
+from server.generation import DecodeBatch, Sequence, prefill, prefill_calls, start
 from server.metrics import ServerMetrics
 from server.model_store import ServedModel
 from server.state_cache import StateCache
@@ -165,17 +166,18 @@ class Executor:
             if ran and self.clock() - started >= self.slice_seconds:
                 break  # the rest next iteration (one group at least: a slice shorter than the loop's own time would
                 # otherwise never prefill anything)
-            sequences, length = group.sequences, group.length
-            model = sequences[0].served.model
-            flops = model.cost("cached", len(sequences), length, context=min(s.prefilled for s in sequences)).flops
-            seconds = self._guarded(
-                sequences,
-                lambda sequences=sequences, length=length: prefill(sequences, length, self.state_cache, self.metrics),
-                flops,
-                alone=lambda sequence, length=length: prefill([sequence], length, self.state_cache, self.metrics),
-            )
+            length, seconds = group.length, 0.0
+            model = group.sequences[0].served.model
+            for sequences in prefill_calls(group.sequences, length):  # one, but for batch invariance
+                flops = model.cost("cached", len(sequences), length, context=min(s.prefilled for s in sequences)).flops
+                run = functools.partial(prefill, sequences, length, self.state_cache, self.metrics)
+                alone = functools.partial(self._prefill_alone, length=length)
+                seconds += self._guarded(sequences, run, flops, alone=alone)
             ran.append((group, seconds))
         return PrefillResult(ran, started, self.clock())
+
+    def _prefill_alone(self, sequence: Sequence, length: int) -> None:
+        prefill([sequence], length, self.state_cache, self.metrics)
 
     def decode(self, work: list[DecodeWork]) -> DecodeResult:
         """Each batch takes in its joining sequences (their caches become its rows) and steps once."""

@@ -176,26 +176,35 @@ def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -
         sequence.snapshot_at = position
 
 
+def prefill_calls(sequences: list[Sequence], length: int) -> list[list[Sequence]]:
+    """The model calls in which a prefill of the next ``length`` tokens of ``sequences`` runs: one over them all,
+    unless batch invariance is asked for (``cpu_decode.row_invariant``). Then a chunk runs as it would alone: stacked
+    in one pass, a prompt's first logits came out other in the last bits (shipped text models: prompts of 2-3 tokens,
+    RegularGPT's of 40), so each sequence's chunk is a call of its own, except that chunks of at most
+    ``STEPPED_PREFILL_TOKENS`` that are not scored run in one call together, as decode steps, whose products are
+    row-invariant (which way a row goes depends on its chunk alone). A caller that guards each call apart (the
+    executor) keeps a failing call's harm to its own sequences."""
+    if not length or not cpu_decode.row_invariant():
+        return [sequences]
+    stepped = [sequence for sequence in sequences if _stepped(sequence, length)]
+    return ([stepped] if stepped else []) + [[sequence] for sequence in sequences if not _stepped(sequence, length)]
+
+
+def _stepped(sequence: Sequence, length: int) -> bool:
+    """Whether a chunk of ``length`` of the sequence runs as decode steps (:func:`prefill_calls`)."""
+    return length <= STEPPED_PREFILL_TOKENS and not sequence.request.prompt_logprobs and cpu_decode.row_invariant()
+
+
 def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
-    """Consume the next ``length`` prompt tokens of each sequence (one model) in one forward pass over their
-    stacked caches. A sequence then at its ``snapshot_at`` is snapshotted there; one whose prompt is then done is
-    snapshotted, scored if asked, and gets its first token. ``length`` 0 only completes prompts taken whole from
-    the state cache. Where batch invariance is asked for (``cpu_decode.row_invariant``), a chunk runs as it would
-    alone: stacked in one pass, a prompt's first logits came out other in the last bits (shipped text models: prompts
-    of 2-3 tokens, RegularGPT's of 40), so each sequence's chunk is a pass of its own, except that chunks of at most
-    ``STEPPED_PREFILL_TOKENS`` that are not scored run together as decode steps, whose products are row-invariant
-    (which way a row goes depends on its chunk alone)."""
-    if length and not cpu_decode.row_invariant():
-        _prefill_chunk(sequences, length)
-    elif length:
-        stepped, alone = [], []
-        for sequence in sequences:
-            short = length <= STEPPED_PREFILL_TOKENS and not sequence.request.prompt_logprobs
-            (stepped if short else alone).append(sequence)
-        if stepped:
-            _prefill_steps(stepped, length)
-        for sequence in alone:
-            _prefill_chunk([sequence], length)
+    """Consume the next ``length`` prompt tokens of each sequence (one model), in the calls of
+    :func:`prefill_calls`: a forward pass over their stacked caches, or decode steps. A sequence then at its
+    ``snapshot_at`` is snapshotted there; one whose prompt is then done is snapshotted, scored if asked, and gets its
+    first token. ``length`` 0 only completes prompts taken whole from the state cache."""
+    for call in prefill_calls(sequences, length) if length else []:
+        if _stepped(call[0], length):
+            _prefill_steps(call, length)
+        else:
+            _prefill_chunk(call, length)
     for sequence in sequences:
         if sequence.prefilled == sequence.snapshot_at:
             prefix = sequence.request.prompt[: sequence.prefilled]

@@ -289,6 +289,41 @@ def test_a_prefill_call_that_fails_fails_only_the_sequence_that_fails_alone(chec
     assert failure(poisoned) == "the model failed: byte 255 refused"
 
 
+def test_under_batch_invariance_a_failing_prefill_call_fails_only_its_own_sequences(checkpoints_dir) -> None:
+    """Under batch invariance a prefill group runs as several calls (short unscored chunks stepped together, every
+    other chunk alone); a call that raises fails its own sequences only. Before, the group was one guarded call: the
+    sequences whose calls had already run were failed with the one that raised."""
+    clock = FakeClock()
+    cpu_decode.set_row_invariant(True)
+    try:
+        served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+        forward = served.model.forward
+
+        def refusing_byte_255(tokens, cache=None, **options):
+            if bool((tokens == 255).any()):
+                raise RuntimeError("byte 255 refused")
+            return forward(tokens, cache, **options)
+
+        served.model.forward = refusing_byte_255
+
+        def scored(prompt: list[int]) -> Sequence:
+            request = GenerationRequest(prompt, 4, SamplingParams(temperature=0.0), prompt_logprobs=True)
+            return Sequence(served, request, Recorder(clock), flow="client")
+
+        alone = [generation(served, [97, 98, 99, 100], 4, clock), scored([97, 98, 99, 101])]
+        for sequence in alone:
+            run_until_done(receive_into(driven_scheduler(clock), sequence), [sequence])
+        stepped, first_scored = generation(served, [97, 98, 99, 100], 4, clock), scored([97, 98, 99, 101])
+        poisoned = scored([97, 98, 99, 255])  # prefilled after the other two, in a call of its own
+        together = [stepped, first_scored, poisoned]
+        run_until_done(receive_into(driven_scheduler(clock), *together), together)
+    finally:
+        cpu_decode.set_row_invariant(False)
+    assert finished(stepped) and stepped.generated == alone[0].generated
+    assert finished(first_scored) and first_scored.generated == alone[1].generated
+    assert failure(poisoned) == "the model failed: byte 255 refused"
+
+
 def test_a_prefill_runs_the_head_on_the_last_position_unless_the_prompt_is_scored(checkpoints_dir) -> None:
     """An LRNN's prompt chunks run its head on each row's last position alone (logits (B, V)), unless a sequence of
     the call scores its prompt (every position's logits); the tokens are the same either way."""
