@@ -1,8 +1,9 @@
 """Figure (b): the linear scan's implementations against length and batch.
 
-parallel, chunked and sequential everywhere; on CUDA also "triton" (model/ops/triton_scan.py, where Triton is
-installed) and, with --compile, "compiled-parallel" and "compiled-chunked": the torch scans under
-``torch.compile`` (compiled in the warm-up run, which is not timed), what the Triton kernels must beat.
+parallel, chunked and sequential everywhere; on the CPU also "compiled" (the loop compiled by numba, where numba is
+installed); on CUDA also "triton" (model/ops/triton_scan.py, where Triton is installed) and, with --compile,
+"compiled-parallel" and "compiled-chunked": the torch scans under ``torch.compile`` (compiled in the warm-up run,
+which is not timed), what the Triton kernels must beat.
 
 The op alone (model/ops/linear_scan.py), forward with no grad, H = 8 blocks of b = 8 as in the paper, fp32, at
 each length T and batch B. Transitions are random blocks inside the p = 1.2 norm constraint (a 1024-step
@@ -32,6 +33,7 @@ import torch
 
 from benchmarks.isolated import MEMORY_LIMIT_BYTES, banner, child_main, run_isolated, time_calls
 from model.device import resolve_device
+from model.ops import cpu_decode
 from model.ops.linear_scan import choose_scan_impl, column_norm_constraint, linear_scan
 from model.ops.triton_scan import available
 
@@ -96,6 +98,7 @@ def main() -> None:
     device = resolve_device(args.device)
     memory = "peak RSS (MiB)" if device.type == "cpu" else "peak CUDA (MiB)"
     impls = IMPLS + (COMPILED if args.compile else ()) + (("triton",) if device.type == "cuda" and available() else ())
+    impls += ("compiled",) if device.type == "cpu" and cpu_decode.kernel_available() else ()
     if args.impls:
         chosen = args.impls.split(",")
         unknown = sorted(set(chosen) - set(impls))

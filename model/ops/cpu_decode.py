@@ -45,6 +45,9 @@ and data the weights streamed before it have evicted (oneDNN's GELU of 2,048 val
 inside a size-L LRNN step). :func:`lrnn_layer_step` and :func:`regulargpt_layer_step` run a whole served LRNN
 layer (column-constrained or stochastic transitions) or RegularGPT thick layer (its K blocks), products included, as
 one compiled call (figures: docs/benchmarks.md, "CPU decode kernels").
+
+Two more serve a stochastic LRNN's parallel pass (prefill) without a gradient: :func:`column_sparsemax` and
+:func:`linear_scan` (the loop), which model/ops/linear_scan.py takes where they apply.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ _kernel: Callable[..., None] | None = None
 _panel_kernel: Callable[..., None] | None = None
 _layer_step: Callable[..., None] | None = None
 _regulargpt_layer_step: Callable[..., None] | None = None
+_sparsemax_columns: Callable[..., None] | None = None
+_scan_states: Callable[..., None] | None = None
 _unavailable: str | None = None  # why the kernel cannot be built, once known
 _build_lock = threading.Lock()
 
@@ -263,6 +268,64 @@ def regulargpt_layer_step(
     return torch.from_numpy(x_out)
 
 
+def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor | None:
+    """``column_sparsemax`` of model/ops/linear_scan.py (every column of every (b, b) block onto the simplex) as one
+    compiled loop, or None where it does not apply: a gradient asked for, not float32 on the CPU, numba missing, or
+    inside :func:`torch_products`. torch's sort of 8-entry columns and the ops around it were ~45% of a stochastic
+    LRNN's CPU prefill (docs/benchmarks.md, "Compiled CPU prefill"). Equal to the reference up to float
+    rounding (its sums run in index order, not sorted order). matrices: (..., b, b) -> a new tensor, the same shape."""
+    if (
+        matrices.dtype is not torch.float32
+        or not matrices.is_cpu
+        or (matrices.requires_grad and torch.is_grad_enabled())
+        or matrices.numel() == 0
+        or _off()
+        or _build() is None
+    ):
+        return None
+    flat = matrices.detach().reshape(-1).numpy(force=True).copy()  # (N b b,): a copy the kernel overwrites
+    _sparsemax_columns(flat, matrices.shape[-1])
+    return torch.from_numpy(flat).view(matrices.shape)
+
+
+def linear_scan(
+    transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``scan_sequential`` of model/ops/linear_scan.py (the work-optimal loop, T H b^2 per row) as one compiled loop,
+    or None where :func:`compiles_scan` does not hold. On one CPU thread the torch scans spend most of their time
+    dispatching small ops (the chunked scan's per-chunk copies and ``bmm``: ~40% of ``text-lrnn``'s prefill after
+    the compiled sparsemax; docs/benchmarks.md, "Compiled CPU prefill"). Equal to the loop up to float rounding.
+    Shapes: (B, T, H, b, b), (B, T, H, b), (B, H, b) or None (zeros) -> (B, T, H, b), (B, H, b), float32."""
+    if not compiles_scan(transitions, inputs, initial_state):
+        return None
+    batch, length, heads, size = inputs.shape
+    if initial_state is None:
+        initial_state = inputs.new_zeros((batch, heads, size))
+    states = np.empty((batch, length, heads, size), dtype=np.float32)
+    final = np.empty((batch, heads, size), dtype=np.float32)
+    arrays = [tensor.detach().contiguous().numpy(force=True) for tensor in (transitions, inputs, initial_state)]
+    _scan_states(*arrays, states, final)
+    return torch.from_numpy(states), torch.from_numpy(final)
+
+
+def compiles_scan(transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None) -> bool:
+    """Whether :func:`linear_scan` runs these: float32 CPU tensors of matching shapes, at least one step, no gradient
+    asked for, numba present, outside :func:`torch_products` (the reference path)."""
+    tensors = [transitions, inputs] + ([] if initial_state is None else [initial_state])
+    if inputs.dim() != 4:
+        return False
+    batch, length, heads, size = inputs.shape
+    return (
+        all(tensor.dtype is torch.float32 and tensor.is_cpu for tensor in tensors)
+        and transitions.shape == (batch, length, heads, size, size)
+        and (initial_state is None or initial_state.shape == (batch, heads, size))
+        and length > 0
+        and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors))
+        and not _off()
+        and _build() is not None
+    )
+
+
 def _off() -> int:
     return getattr(_state, "off", 0)
 
@@ -316,7 +379,8 @@ def _panels(weight: torch.Tensor) -> np.ndarray:
 
 def _build() -> Callable[..., None] | None:
     """Import numba and compile the kernels once per process; None (and one warning) if numba is missing."""
-    global _kernel, _panel_kernel, _layer_step, _regulargpt_layer_step, _unavailable
+    global _kernel, _panel_kernel, _layer_step, _regulargpt_layer_step, _sparsemax_columns, _scan_states
+    global _unavailable
     with _build_lock:
         if _kernel is not None or _unavailable is not None:
             return _kernel
@@ -327,7 +391,8 @@ def _build() -> Callable[..., None] | None:
             logger.warning("few-row CPU products use F.linear: %s", _unavailable)
             return None
         _panel_kernel = _compile_panel_kernel(numba)
-        _kernel, _layer_step, _regulargpt_layer_step = _compile(numba, _panel_kernel)
+        compiled = _compile(numba, _panel_kernel)
+        _kernel, _layer_step, _regulargpt_layer_step, _sparsemax_columns, _scan_states = compiled
         return _kernel
 
 
@@ -397,9 +462,10 @@ def _compile_panel_kernel(numba) -> Callable[..., None]:
         numba.config.SLP_VECTORIZE = before
 
 
-def _compile(numba, panel_product) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
-    """The product kernel, the LRNN layer step (:func:`lrnn_layer_step`) and the RegularGPT thick layer step
-    (:func:`regulargpt_layer_step`), compiled with numba (the two steps on first call). A step's products run
+def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
+    """The product kernel, the LRNN layer step (:func:`lrnn_layer_step`), the RegularGPT thick layer step
+    (:func:`regulargpt_layer_step`), the column sparsemax over many blocks (:func:`column_sparsemax`) and the
+    linear scan (:func:`linear_scan`), compiled with numba (all but the product on first call). A step's products run
     ``product`` on weights (out, in), or ``panel_product`` (:func:`_compile_panel_kernel`, compiled apart: its sums
     keep their order, where this module's ``reassoc`` would let the compiler reorder them) on weights given as
     panels (P, in, PANEL): ``matmul`` picks by the weight's number of dimensions, when the step compiles."""
@@ -640,7 +706,56 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], Callable[..., N
                        out)
             current = out
 
-    return kernel, layer_step, regulargpt_layer
+    @jit
+    def sparsemax_columns(flat, size):
+        """(N b b,): N row-major b x b blocks, every column in place -> its sparsemax, as ``sparsemax_column`` but
+        a block at a time with the b columns side by side (vector lanes) and no branch per entry (a comparison
+        with random data mispredicted half the time: 7 ns an entry against ~1)."""
+        count = np.empty(size, dtype=np.float32)
+        partial = np.empty(size, dtype=np.float32)
+        support = np.empty(size, dtype=np.float32)
+        total = np.empty(size, dtype=np.float32)
+        for start in range(0, flat.shape[0], size * size):
+            block = flat[start : start + size * size]
+            support[:] = 0.0
+            total[:] = 0.0
+            for i in range(size):
+                count[:] = 0.0
+                partial[:] = 0.0
+                for m in range(size):
+                    for j in range(size):
+                        taken = np.float32(block[m * size + j] >= block[i * size + j])
+                        count[j] += taken
+                        partial[j] += taken * block[m * size + j]
+                for j in range(size):
+                    value = block[i * size + j]
+                    inside = np.float32(count[j] * value > partial[j] - np.float32(1.0))
+                    support[j] += inside
+                    total[j] += inside * value
+            for j in range(size):  # a NaN column: support 0, tau NaN, as sparsemax_column
+                tau = (total[j] - np.float32(1.0)) / support[j] if support[j] > 0 else np.float32(np.nan)
+                for i in range(size):
+                    block[i * size + j] = max(block[i * size + j] - tau, np.float32(0.0))
+
+    @jit
+    def scan_states(transitions, inputs, initial, states, final):
+        """(B, T, H, b, b), (B, T, H, b), (B, H, b) -> states (B, T, H, b) and final (B, H, b): state_t = A_t
+        state_(t-1) + u_t, each block's product then the input, as ``scan_step``."""
+        batch, length, heads, size = inputs.shape
+        state = np.empty(size, dtype=np.float32)
+        for r in range(batch):
+            for h in range(heads):
+                state[:] = initial[r, h]
+                for t in range(length):
+                    for i in range(size):
+                        total = np.float32(0.0)
+                        for j in range(size):
+                            total += transitions[r, t, h, i, j] * state[j]
+                        states[r, t, h, i] = total + inputs[r, t, h, i]
+                    state[:] = states[r, t, h]
+                final[r, h] = state
+
+    return kernel, layer_step, regulargpt_layer, sparsemax_columns, scan_states
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)

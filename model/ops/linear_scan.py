@@ -26,11 +26,15 @@ float64), support autograd, and are pure PyTorch (CPU and CUDA).
 ``linear_scan(..., impl="auto")`` picks by this policy, set from benchmarks/bench_linear_scan.py (forward,
 no grad, fp32, H = 8, b = 8; T = 500 .. 65536, B = 1 .. 64; one CPU thread, and an H100; docs/benchmarks.md):
 
-- on the CPU, with batch * heads <= 32 rows per step (B <= 4 at H = 8): "chunked". Per-step work is too
-  small for the loop to pay its per-op overhead; chunked was fastest from T = 8192 on (1.6-5x faster than
+- on the CPU, for float32 without a gradient where numba is installed: "compiled", the loop as one compiled call
+  (``scan_compiled``, model/ops/cpu_decode.py). The torch scans spend most of a one-thread CPU's time
+  dispatching small ops; the compiled loop does the loop's work alone (text-lrnn's 4,096-token prefill: 42-45 ->
+  10-17 ms a layer for its scan; docs/benchmarks.md, "Compiled CPU prefill").
+- on the CPU otherwise (training, float64), with batch * heads <= 32 rows per step (B <= 4 at H = 8): "chunked".
+  Per-step work is too small for the loop to pay its per-op overhead; chunked was fastest from T = 8192 on (1.6-5x faster than
   the loop, 1.3-2.5x than the parallel scan) and 2 ms behind the parallel scan at T = 500, at a fraction of
   its memory.
-- on the CPU, with more rows: "sequential". The work-optimal loop (T b^2 against the scans' T b^3) won from
+- on the CPU otherwise, with more rows: "sequential". The work-optimal loop (T b^2 against the scans' T b^3) won from
   B = 8 on (at B = 64: 4-8x faster than chunked, 8-10x than parallel, which ran out of 12 GiB at T = 65536)
   and holds the least memory.
 - on CUDA, where the Triton scan takes the problem (Triton installed, blocks of at most 16, at most 65,535 rows x
@@ -60,9 +64,10 @@ from typing import Literal
 
 import torch
 
+from model.ops import cpu_decode
 from model.ops.triton_scan import MAX_BLOCK, MAX_ROWS_TIMES_HEADS, available, refusal, scan_triton
 
-ScanImpl = Literal["auto", "sequential", "parallel", "chunked", "triton"]
+ScanImpl = Literal["auto", "sequential", "parallel", "chunked", "triton", "compiled"]
 ScanResult = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -101,6 +106,9 @@ def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor:
     reached with finite logits and nothing leaks out of a state. Gradients flow through the column's support
     (autograd through the sort gives the sparsemax Jacobian). Computed in at least float32.
     """
+    compiled = cpu_decode.column_sparsemax(matrices)  # float32 on the CPU without a gradient, else None
+    if compiled is not None:
+        return compiled
     values = matrices.to(_compute_dtype(matrices.dtype))  # (..., b, b)
     ordered = values.sort(dim=-2, descending=True).values  # (..., b, b)
     ranks = torch.arange(1, values.shape[-2] + 1, device=values.device, dtype=values.dtype).unsqueeze(-1)  # (b, 1)
@@ -268,10 +276,13 @@ CUDA_PARALLEL_MAX_BYTES = 512 * 2**20  # transitions up to this size take the pa
 
 
 def choose_scan_impl(
-    batch: int, length: int, heads: int, block: int, device: torch.device, triton: bool = True
+    batch: int, length: int, heads: int, block: int, device: torch.device, triton: bool = True, compiled: bool = True
 ) -> str:
     """The "auto" policy of the module docstring: an implementation name for this problem size and device.
-    ``triton``: whether the Triton scan may run it as far as the shapes cannot say (no gradient, not float64)."""
+    ``triton`` / ``compiled``: whether the Triton scan (CUDA) / the compiled loop (CPU) may run it as far as the shapes
+    cannot say (no gradient; not float64; float32 for the compiled loop)."""
+    if device.type == "cpu" and compiled and cpu_decode.kernel_available():
+        return "compiled"
     if device.type == "cuda":
         if triton and available() and block <= MAX_BLOCK and batch * heads <= MAX_ROWS_TIMES_HEADS:
             return "triton"
@@ -291,7 +302,8 @@ def linear_scan(
     if impl == "auto":
         # only on CUDA: asking imports Triton, which a CPU process has no use for
         triton = inputs.device.type == "cuda" and refusal(transitions, inputs, initial_state, chunk_size) is None
-        impl = choose_scan_impl(*inputs.shape, inputs.device, triton)  # type: ignore[assignment]
+        compiled = inputs.device.type == "cpu" and cpu_decode.compiles_scan(transitions, inputs, initial_state)
+        impl = choose_scan_impl(*inputs.shape, inputs.device, triton, compiled)  # type: ignore[assignment]
     if impl == "sequential":
         return scan_sequential(transitions, inputs, initial_state)
     if impl == "parallel":
@@ -300,4 +312,18 @@ def linear_scan(
         return scan_chunked(transitions, inputs, initial_state, chunk_size=chunk_size)
     if impl == "triton":
         return scan_triton(transitions, inputs, initial_state, chunk_size=chunk_size)
-    raise ValueError(f"unknown scan impl {impl!r}; choose auto, sequential, parallel, chunked or triton")
+    if impl == "compiled":
+        return scan_compiled(transitions, inputs, initial_state)
+    raise ValueError(f"unknown scan impl {impl!r}; choose auto, sequential, parallel, chunked, triton or compiled")
+
+
+def scan_compiled(transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None
+                  ) -> ScanResult:  # fmt: skip
+    """The reference loop compiled (``cpu_decode.linear_scan``): float32 CPU tensors, no gradient, numba present."""
+    result = cpu_decode.linear_scan(transitions, inputs, initial_state)
+    if result is None:
+        raise ValueError(
+            "the compiled scan takes float32 CPU tensors of matching shapes, at least one step and no gradient, "
+            "with numba installed; use a torch scan"
+        )
+    return result

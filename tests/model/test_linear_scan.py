@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model.ops import cpu_decode
 from model.ops.linear_scan import (
     choose_scan_impl,
     column_divisors,
     column_norm_constraint,
     column_sparsemax,
     linear_scan,
+    scan_compiled,
     scan_parallel,
     scan_sequential,
     spectral_norm_constraint,
@@ -85,8 +87,8 @@ def test_auto_dispatches_to_a_named_implementation() -> None:
         (1, 65536, "cuda", "parallel"),
     ],
 )
-def test_auto_policy_without_triton(batch: int, length: int, device: str, expected: str) -> None:
-    assert choose_scan_impl(batch, length, 8, 8, torch.device(device), triton=False) == expected
+def test_auto_policy_without_triton_or_the_compiled_loop(batch: int, length: int, device: str, expected: str) -> None:
+    assert choose_scan_impl(batch, length, 8, 8, torch.device(device), triton=False, compiled=False) == expected
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs the triton package")
@@ -96,7 +98,7 @@ def test_auto_policy_takes_triton_on_cuda_where_it_runs() -> None:
     assert choose_scan_impl(1, 500, 8, 16, cuda) == "triton"
     assert choose_scan_impl(1, 500, 8, 17, cuda) == "parallel"  # blocks of at most 16
     assert choose_scan_impl(8192, 500, 8, 8, cuda) == "chunked"  # at most 65,535 rows x heads; 8 GiB
-    assert choose_scan_impl(1, 500, 8, 8, torch.device("cpu")) == "chunked"  # CUDA only, interpreter or not
+    assert choose_scan_impl(1, 500, 8, 8, torch.device("cpu"), compiled=False) == "chunked"  # CUDA only
 
 
 def test_shape_mismatch_is_refused() -> None:
@@ -209,3 +211,34 @@ def test_column_sparsemax_reaches_exact_zeros_and_has_the_sparsemax_jacobian() -
     support = (column_sparsemax(column.unsqueeze(-1)).squeeze(-1) > 0).double()  # (4,)
     expected = torch.diag(support) - torch.outer(support, support) / support.sum()  # diag(s) - s s^T / |S|
     torch.testing.assert_close(jacobian, expected)
+
+
+@pytest.mark.skipif(not cpu_decode.kernel_available(), reason="numba is not importable")
+@pytest.mark.parametrize(("batch", "length", "heads", "block"), [(1, 1, 1, 1), (2, 37, 3, 5), (3, 200, 2, 8), (1, 64, 4, 16)])
+def test_the_compiled_scan_equals_the_loop_and_auto_takes_it_on_the_cpu(monkeypatch, batch, length, heads, block) -> None:
+    """The compiled loop (``cpu_decode.linear_scan``) equals ``scan_sequential`` up to float rounding, from a given
+    initial state and from zeros, on contiguous and expanded (stride 0) transitions; "auto" takes it for float32 CPU
+    tensors without a gradient, and a torch scan with one (which then has its backward) or for float64."""
+    generator = torch.Generator().manual_seed(length)
+    transitions = column_norm_constraint(torch.randn(batch, length, heads, block, block, generator=generator))
+    inputs = torch.randn(batch, length, heads, block, generator=generator)
+    start = torch.randn(batch, heads, block, generator=generator)
+    calls = []
+    compiled = cpu_decode._scan_states
+    monkeypatch.setattr(cpu_decode, "_scan_states", lambda *arrays: calls.append(1) or compiled(*arrays))
+    for initial in (start, None):
+        expected = scan_sequential(transitions, inputs, initial)
+        for got, want in zip(linear_scan(transitions, inputs, initial), expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    shared = transitions[:1, :, :1].expand(batch, length, heads, block, block)  # stride 0 on B and H
+    for got, want in zip(scan_compiled(shared, inputs, start), scan_sequential(shared, inputs, start)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3
+    leaf = transitions.clone().requires_grad_()
+    states, _ = linear_scan(leaf, inputs, start)
+    states.sum().backward()
+    assert leaf.grad is not None and len(calls) == 3
+    linear_scan(transitions.double(), inputs.double(), start.double())
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="the compiled scan takes float32 CPU tensors"):
+        scan_compiled(transitions.double(), inputs.double(), start.double())
