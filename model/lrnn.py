@@ -542,9 +542,9 @@ class LinearRNN(SequenceModel):
     def _scan_flops(self, rows: int, length: int) -> int:
         """Multiply-adds of one layer's scan over ``length`` positions of one row, H heads of b x b blocks: the loop
         does H b^2 per position; the parallel scan H (b^3 + 2 b^2) per position (it multiplies transitions
-        together); the chunked scan (and the Triton scan, the same algorithm) the loop's work plus, on all chunks but the last of n = length // chunk_size,
-        the products of the transitions inside each chunk and the scan across chunks, ~H (b^3 + 2 b^2) per
-        position there."""
+        together); the chunked scan (and the Triton scan, the same algorithm) the loop's work plus, on all chunks but
+        the last of n = length // chunk_size, the products of the transitions inside each chunk and the scan across
+        chunks, ~H (b^3 + 2 b^2) per position there; the compiled loop the loop's."""
         heads, block = self.blocks[0].recurrence.state_shape
         impl = self._scan_impl(rows, length)
         if impl == "parallel":

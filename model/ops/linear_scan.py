@@ -31,9 +31,9 @@ no grad, fp32, H = 8, b = 8; T = 500 .. 65536, B = 1 .. 64; one CPU thread, and 
   dispatching small ops; the compiled loop does the loop's work alone (text-lrnn's 4,096-token prefill: 42-45 ->
   10-17 ms a layer for its scan; docs/benchmarks.md, "Compiled CPU prefill").
 - on the CPU otherwise (training, float64), with batch * heads <= 32 rows per step (B <= 4 at H = 8): "chunked".
-  Per-step work is too small for the loop to pay its per-op overhead; chunked was fastest from T = 8192 on (1.6-5x faster than
-  the loop, 1.3-2.5x than the parallel scan) and 2 ms behind the parallel scan at T = 500, at a fraction of
-  its memory.
+  Per-step work is too small for the loop to pay its per-op overhead; chunked was fastest from T = 8192 on (1.6-5x
+  faster than the loop, 1.3-2.5x than the parallel scan) and 2 ms behind the parallel scan at T = 500, at a
+  fraction of its memory.
 - on the CPU otherwise, with more rows: "sequential". The work-optimal loop (T b^2 against the scans' T b^3) won from
   B = 8 on (at B = 64: 4-8x faster than chunked, 8-10x than parallel, which ran out of 12 GiB at T = 65536)
   and holds the least memory.

@@ -214,8 +214,12 @@ def test_column_sparsemax_reaches_exact_zeros_and_has_the_sparsemax_jacobian() -
 
 
 @pytest.mark.skipif(not cpu_decode.kernel_available(), reason="numba is not importable")
-@pytest.mark.parametrize(("batch", "length", "heads", "block"), [(1, 1, 1, 1), (2, 37, 3, 5), (3, 200, 2, 8), (1, 64, 4, 16)])
-def test_the_compiled_scan_equals_the_loop_and_auto_takes_it_on_the_cpu(monkeypatch, batch, length, heads, block) -> None:
+@pytest.mark.parametrize(
+    ("batch", "length", "heads", "block"), [(1, 1, 1, 1), (2, 37, 3, 5), (3, 200, 2, 8), (1, 64, 4, 16)]
+)
+def test_the_compiled_scan_equals_the_loop_and_auto_takes_it_on_the_cpu(
+    monkeypatch, batch, length, heads, block
+) -> None:
     """The compiled loop (``cpu_decode.linear_scan``) equals ``scan_sequential`` up to float rounding, from a given
     initial state and from zeros, on contiguous and expanded (stride 0) transitions; "auto" takes it for float32 CPU
     tensors without a gradient, and a torch scan with one (which then has its backward) or for float64."""
