@@ -3,6 +3,11 @@ one row of ``--tokens`` random tokens, served layout (``for_serving``), the head
 prefills a prompt nobody scores), one torch thread, best of 5 after a warm-up, in rounds.
 
     python -m benchmarks.bench_cpu_prefill [--model checkpoints/text-lrnn] [--tokens 4096] [--rounds 2]
+    python -m benchmarks.bench_cpu_prefill --train [--block-size 8] [--rounds 2]
+
+``--train``: instead, one AdamW step of a fresh model of the text-lrnn recipe's shape (stochastic, 2 layers, d 128,
+16 blocks of ``--block-size``, vocabulary 8,192) on 16 rows of 128 tokens scored on their last 10 (a pass-key
+step's shape), mean of 5 after a warm-up.
 
 Rows: torch's column sparsemax and chunked scan (before 2026-11-26 20:00); the compiled sparsemax
 (``cpu_decode.column_sparsemax``); both it and the compiled scan (``cpu_decode.linear_scan``: what runs now), with the
@@ -16,9 +21,12 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from model.checkpoint import load_checkpoint
+from model.config import LRNNConfig
 from model.ops import cpu_decode
+from model.registry import build_model
 
 RUNS = 5
 
@@ -35,13 +43,52 @@ def timed(model, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[float, 
     return best, logits
 
 
+def train_step_seconds(block_size: int) -> float:
+    """Mean seconds of 5 optimizer steps after one, on the model and batch of ``--train``."""
+    config = LRNNConfig(vocab_size=8192, d_model=128, n_layers=2, block_size=block_size, num_blocks=16, d_ff=512,
+                        transition_norm="stochastic")  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model("lrnn", config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (16, 128))
+    scored = torch.zeros(16, 128, dtype=torch.bool)
+    scored[:, -10:] = True
+
+    def step() -> None:
+        loss = F.cross_entropy(model(tokens, positions=scored), tokens[scored])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    step()
+    start = time.perf_counter()
+    for _ in range(5):
+        step()
+    return (time.perf_counter() - start) / 5
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="checkpoints/text-lrnn")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--train", action="store_true", help="time a training step instead of a prefill")
+    parser.add_argument("--block-size", type=int, default=8, help="with --train")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    sparsemax, compiles_scan = cpu_decode.column_sparsemax, cpu_decode.compiles_scan
+    if args.train:
+        print(f"one training step, blocks of {args.block_size}, torch {torch.__version__}, one thread\n")
+        print("| round | parts | step (ms) |\n|---:|---|---:|")
+        try:
+            for round_ in range(1, args.rounds + 1):
+                for label, compiled in (("torch sparsemax, torch scan", False), ("compiled", True)):
+                    cpu_decode.column_sparsemax = sparsemax if compiled else (lambda matrices: None)
+                    cpu_decode.compiles_scan = compiles_scan if compiled else (lambda *tensors: False)
+                    print(f"| {round_} | {label} | {train_step_seconds(args.block_size) * 1e3:.0f} |", flush=True)
+        finally:
+            cpu_decode.column_sparsemax, cpu_decode.compiles_scan = sparsemax, compiles_scan
+        return
     model = load_checkpoint(args.model, device="cpu").model
     model.for_serving()
     if not model.selects_positions:
@@ -49,7 +96,6 @@ def main() -> None:
     tokens = torch.randint(0, model.config.vocab_size, (1, args.tokens))
     positions = torch.zeros(1, args.tokens, dtype=torch.bool)
     positions[:, -1] = True
-    sparsemax, compiles_scan = cpu_decode.column_sparsemax, cpu_decode.compiles_scan
     settings: dict[str, tuple[Callable, Callable]] = {
         "torch sparsemax, torch scan": (lambda matrices: None, lambda *tensors: False),
         "compiled sparsemax, torch scan": (sparsemax, lambda *tensors: False),

@@ -530,12 +530,12 @@ class LinearRNN(SequenceModel):
 
     def _scan_impl(self, rows: int, length: int) -> str:
         """The scan that runs on ``rows`` x ``length``: the configured one, or the "auto" policy's choice (the Triton
-        scan or the compiled loop where no gradient is asked for and the dtype allows it)."""
+        scan where no gradient is asked for and the dtype allows it, the compiled loop for float32 on the CPU)."""
         heads, block = self.blocks[0].recurrence.state_shape
         impl = self.config.scan_impl
         if impl == "auto":
             triton = not torch.is_grad_enabled() and self.dtype != torch.float64
-            compiled = not torch.is_grad_enabled() and self.dtype == torch.float32
+            compiled = self.dtype == torch.float32
             impl = choose_scan_impl(rows, length, heads, block, self.device, triton, compiled)
         return impl
 

@@ -46,8 +46,8 @@ inside a size-L LRNN step). :func:`lrnn_layer_step` and :func:`regulargpt_layer_
 layer (column-constrained or stochastic transitions) or RegularGPT thick layer (its K blocks), products included, as
 one compiled call (figures: docs/benchmarks.md, "CPU decode kernels").
 
-Two more serve a stochastic LRNN's parallel pass (prefill) without a gradient: :func:`column_sparsemax` and
-:func:`linear_scan` (the loop), which model/ops/linear_scan.py takes where they apply.
+Two more serve a stochastic LRNN's parallel pass (prefill, and training with their backward):
+:func:`column_sparsemax` and :func:`linear_scan` (the loop), which model/ops/linear_scan.py takes where they apply.
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ _layer_step: Callable[..., None] | None = None
 _regulargpt_layer_step: Callable[..., None] | None = None
 _sparsemax_columns: Callable[..., None] | None = None
 _scan_states: Callable[..., None] | None = None
+_sparsemax_columns_backward: Callable[..., None] | None = None
+_scan_backward: Callable[..., None] | None = None
 _unavailable: str | None = None  # why the kernel cannot be built, once known
 _build_lock = threading.Lock()
 
@@ -270,37 +272,65 @@ def regulargpt_layer_step(
 
 def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor | None:
     """``column_sparsemax`` of model/ops/linear_scan.py (every column of every (b, b) block onto the simplex) as one
-    compiled loop, or None where it does not apply: a gradient asked for, not float32 on the CPU, numba missing, or
-    inside :func:`torch_products`. torch's sort of 8-entry columns and the ops around it were ~45% of a stochastic
-    LRNN's CPU prefill (docs/benchmarks.md, "Compiled CPU prefill"). Equal to the reference up to float
-    rounding (its sums run in index order, not sorted order). matrices: (..., b, b) -> a new tensor, the same shape."""
-    if (
-        matrices.dtype is not torch.float32
-        or not matrices.is_cpu
-        or (matrices.requires_grad and torch.is_grad_enabled())
-        or matrices.numel() == 0
-        or _off()
-        or _build() is None
-    ):
+    compiled loop, with its backward where a gradient is asked for, or None where it does not apply: not float32 on
+    the CPU, numba missing, or inside :func:`torch_products`. torch's sort of 8-entry columns and the ops around it
+    were ~45% of a stochastic LRNN's CPU prefill, and with their backward ~35% of a pass-key training step
+    (docs/benchmarks.md, "Compiled CPU prefill"). Equal to the reference up to float rounding (its sums run in index
+    order, not sorted order). matrices: (..., b, b) -> a new tensor, the same shape."""
+    if matrices.dtype is not torch.float32 or not matrices.is_cpu or matrices.numel() == 0 or not _compiles():
         return None
+    if matrices.requires_grad and torch.is_grad_enabled():
+        return _CompiledSparsemax.apply(matrices)
+    return _sparsemax_forward(matrices)
+
+
+def _sparsemax_forward(matrices: torch.Tensor) -> torch.Tensor:
     flat = matrices.detach().reshape(-1).numpy(force=True).copy()  # (N b b,): a copy the kernel overwrites
     _sparsemax_columns(flat, matrices.shape[-1])
     return torch.from_numpy(flat).view(matrices.shape)
+
+
+class _CompiledSparsemax(torch.autograd.Function):
+    """The sparsemax's Jacobian: on a column's support S (its positive outputs) the gradient less its mean over S,
+    0 off it."""
+
+    @staticmethod
+    def forward(ctx, matrices: torch.Tensor) -> torch.Tensor:
+        output = _sparsemax_forward(matrices)
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (output,) = ctx.saved_tensors
+        flat = grad.reshape(-1).numpy(force=True).copy()
+        _sparsemax_columns_backward(output.reshape(-1).numpy(force=True), flat, output.shape[-1])
+        return torch.from_numpy(flat).view(output.shape)
 
 
 def linear_scan(
     transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``scan_sequential`` of model/ops/linear_scan.py (the work-optimal loop, T H b^2 per row) as one compiled loop,
-    or None where :func:`compiles_scan` does not hold. On one CPU thread the torch scans spend most of their time
-    dispatching small ops (the chunked scan's per-chunk copies and ``bmm``: ~40% of ``text-lrnn``'s prefill after
-    the compiled sparsemax; docs/benchmarks.md, "Compiled CPU prefill"). Equal to the loop up to float rounding.
-    Shapes: (B, T, H, b, b), (B, T, H, b), (B, H, b) or None (zeros) -> (B, T, H, b), (B, H, b), float32."""
+    with its backward (the loop in reverse) where a gradient is asked for, or None where :func:`compiles_scan` does
+    not hold. On one CPU thread the torch scans spend most of their time dispatching small ops (the chunked scan's
+    per-chunk copies and ``bmm``: ~40% of ``text-lrnn``'s prefill after the compiled sparsemax; docs/benchmarks.md,
+    "Compiled CPU prefill"). Equal to the loop up to float rounding. Shapes: (B, T, H, b, b), (B, T, H, b),
+    (B, H, b) or None (zeros) -> (B, T, H, b), (B, H, b), float32."""
     if not compiles_scan(transitions, inputs, initial_state):
         return None
-    batch, length, heads, size = inputs.shape
     if initial_state is None:
+        batch, _, heads, size = inputs.shape
         initial_state = inputs.new_zeros((batch, heads, size))
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (transitions, inputs, initial_state)):
+        return _CompiledScan.apply(transitions, inputs, initial_state)
+    return _scan_forward(transitions, inputs, initial_state)
+
+
+def _scan_forward(
+    transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, length, heads, size = inputs.shape
     states = np.empty((batch, length, heads, size), dtype=np.float32)
     final = np.empty((batch, heads, size), dtype=np.float32)
     arrays = [tensor.detach().contiguous().numpy(force=True) for tensor in (transitions, inputs, initial_state)]
@@ -308,9 +338,35 @@ def linear_scan(
     return torch.from_numpy(states), torch.from_numpy(final)
 
 
+class _CompiledScan(torch.autograd.Function):
+    """Backward through state_t = A_t state_(t-1) + u_t, from the last step: G_t (the gradient reaching state_t) =
+    its own gradient + A_(t+1)^T G_(t+1); then du_t = G_t, dA_t = G_t state_(t-1)^T, d initial = A_0^T G_0."""
+
+    @staticmethod
+    def forward(ctx, transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor):
+        states, final = _scan_forward(transitions, inputs, initial_state)
+        ctx.save_for_backward(transitions, initial_state, states)
+        return states, final
+
+    @staticmethod
+    def backward(ctx, grad_states: torch.Tensor | None, grad_final: torch.Tensor | None):
+        transitions, initial_state, states = ctx.saved_tensors
+        grad_states = torch.zeros_like(states) if grad_states is None else grad_states
+        grad_final = torch.zeros_like(initial_state) if grad_final is None else grad_final
+        grad_transitions = np.empty(transitions.shape, dtype=np.float32)
+        grad_inputs = np.empty(states.shape, dtype=np.float32)
+        grad_initial = np.empty(initial_state.shape, dtype=np.float32)
+        arrays = [
+            tensor.detach().contiguous().numpy(force=True)
+            for tensor in (transitions, initial_state, states, grad_states, grad_final)
+        ]
+        _scan_backward(*arrays, grad_transitions, grad_inputs, grad_initial)
+        return torch.from_numpy(grad_transitions), torch.from_numpy(grad_inputs), torch.from_numpy(grad_initial)
+
+
 def compiles_scan(transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None) -> bool:
-    """Whether :func:`linear_scan` runs these: float32 CPU tensors of matching shapes, at least one step, no gradient
-    asked for, numba present, outside :func:`torch_products` (the reference path)."""
+    """Whether :func:`linear_scan` runs these: float32 CPU tensors of matching shapes, at least one step, numba
+    present, outside :func:`torch_products` (the reference path)."""
     tensors = [transitions, inputs] + ([] if initial_state is None else [initial_state])
     if inputs.dim() != 4:
         return False
@@ -320,10 +376,13 @@ def compiles_scan(transitions: torch.Tensor, inputs: torch.Tensor, initial_state
         and transitions.shape == (batch, length, heads, size, size)
         and (initial_state is None or initial_state.shape == (batch, heads, size))
         and length > 0
-        and not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors))
-        and not _off()
-        and _build() is not None
+        and _compiles()
     )
+
+
+def _compiles() -> bool:
+    """The compiled ops' shared conditions: outside :func:`torch_products`, numba present (built on first use)."""
+    return not _off() and _build() is not None
 
 
 def _off() -> int:
@@ -380,7 +439,7 @@ def _panels(weight: torch.Tensor) -> np.ndarray:
 def _build() -> Callable[..., None] | None:
     """Import numba and compile the kernels once per process; None (and one warning) if numba is missing."""
     global _kernel, _panel_kernel, _layer_step, _regulargpt_layer_step, _sparsemax_columns, _scan_states
-    global _unavailable
+    global _sparsemax_columns_backward, _scan_backward, _unavailable
     with _build_lock:
         if _kernel is not None or _unavailable is not None:
             return _kernel
@@ -392,7 +451,8 @@ def _build() -> Callable[..., None] | None:
             return None
         _panel_kernel = _compile_panel_kernel(numba)
         compiled = _compile(numba, _panel_kernel)
-        _kernel, _layer_step, _regulargpt_layer_step, _sparsemax_columns, _scan_states = compiled
+        _kernel, _layer_step, _regulargpt_layer_step = compiled[:3]
+        _sparsemax_columns, _sparsemax_columns_backward, _scan_states, _scan_backward = compiled[3:]
         return _kernel
 
 
@@ -465,7 +525,8 @@ def _compile_panel_kernel(numba) -> Callable[..., None]:
 def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
     """The product kernel, the LRNN layer step (:func:`lrnn_layer_step`), the RegularGPT thick layer step
     (:func:`regulargpt_layer_step`), the column sparsemax over many blocks (:func:`column_sparsemax`) and the
-    linear scan (:func:`linear_scan`), compiled with numba (all but the product on first call). A step's products run
+    linear scan (:func:`linear_scan`) with their backward passes, compiled with numba (all but the product on first
+    call). A step's products run
     ``product`` on weights (out, in), or ``panel_product`` (:func:`_compile_panel_kernel`, compiled apart: its sums
     keep their order, where this module's ``reassoc`` would let the compiler reorder them) on weights given as
     panels (P, in, PANEL): ``matmul`` picks by the weight's number of dimensions, when the step compiles."""
@@ -755,7 +816,51 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
                     state[:] = states[r, t, h]
                 final[r, h] = state
 
-    return kernel, layer_step, regulargpt_layer, sparsemax_columns, scan_states
+    @jit
+    def sparsemax_columns_backward(output, grad, size):
+        """(N b b,) each: the sparsemax's outputs and the gradient reaching them, in place -> the gradient of its
+        inputs: on a column's support (positive outputs) the gradient less its mean there, 0 off it."""
+        for start in range(0, output.shape[0], size * size):
+            for j in range(size):
+                support, total = 0, np.float32(0.0)
+                for i in range(size):
+                    if output[start + i * size + j] > 0:
+                        support += 1
+                        total += grad[start + i * size + j]
+                mean = total / np.float32(support) if support else np.float32(0.0)
+                for i in range(size):
+                    index = start + i * size + j
+                    grad[index] = grad[index] - mean if output[index] > 0 else np.float32(0.0)
+
+    @jit
+    def scan_backward(transitions, initial, states, grad_states, grad_final, grad_transitions, grad_inputs,
+                      grad_initial):  # fmt: skip
+        """The scan's backward (``_CompiledScan``): shapes as ``scan_states``'s, the gradients of its outputs in."""
+        batch, length, heads, size = states.shape
+        carried = np.empty(size, dtype=np.float32)  # G_t, then A_t^T G_t
+        back = np.empty(size, dtype=np.float32)
+        for r in range(batch):
+            for h in range(heads):
+                carried[:] = grad_final[r, h]
+                for t in range(length - 1, -1, -1):
+                    for i in range(size):
+                        carried[i] += grad_states[r, t, h, i]
+                        grad_inputs[r, t, h, i] = carried[i]
+                    for i in range(size):
+                        for j in range(size):
+                            before = states[r, t - 1, h, j] if t > 0 else initial[r, h, j]
+                            grad_transitions[r, t, h, i, j] = carried[i] * before
+                    for j in range(size):
+                        total = np.float32(0.0)
+                        for i in range(size):
+                            total += transitions[r, t, h, i, j] * carried[i]
+                        back[j] = total
+                    carried[:] = back
+                grad_initial[r, h] = carried
+
+    return (
+        kernel, layer_step, regulargpt_layer, sparsemax_columns, sparsemax_columns_backward, scan_states, scan_backward
+    )
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)

@@ -26,11 +26,11 @@ float64), support autograd, and are pure PyTorch (CPU and CUDA).
 ``linear_scan(..., impl="auto")`` picks by this policy, set from benchmarks/bench_linear_scan.py (forward,
 no grad, fp32, H = 8, b = 8; T = 500 .. 65536, B = 1 .. 64; one CPU thread, and an H100; docs/benchmarks.md):
 
-- on the CPU, for float32 without a gradient where numba is installed: "compiled", the loop as one compiled call
-  (``scan_compiled``, model/ops/cpu_decode.py). The torch scans spend most of a one-thread CPU's time
-  dispatching small ops; the compiled loop does the loop's work alone (text-lrnn's 4,096-token prefill: 42-45 ->
-  10-17 ms a layer for its scan; docs/benchmarks.md, "Compiled CPU prefill").
-- on the CPU otherwise (training, float64), with batch * heads <= 32 rows per step (B <= 4 at H = 8): "chunked".
+- on the CPU, for float32 where numba is installed: "compiled", the loop as one compiled call, and its backward
+  the loop in reverse (``scan_compiled``, model/ops/cpu_decode.py). The torch scans spend most of a one-thread
+  CPU's time dispatching small ops; the compiled loop does the loop's work alone (text-lrnn's 4,096-token
+  prefill: 42-45 -> 10-17 ms a layer for its scan; docs/benchmarks.md, "Compiled CPU prefill").
+- on the CPU otherwise (float64, no numba), with batch * heads <= 32 rows per step (B <= 4 at H = 8): "chunked".
   Per-step work is too small for the loop to pay its per-op overhead; chunked was fastest from T = 8192 on (1.6-5x
   faster than the loop, 1.3-2.5x than the parallel scan) and 2 ms behind the parallel scan at T = 500, at a
   fraction of its memory.
@@ -106,7 +106,7 @@ def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor:
     reached with finite logits and nothing leaks out of a state. Gradients flow through the column's support
     (autograd through the sort gives the sparsemax Jacobian). Computed in at least float32.
     """
-    compiled = cpu_decode.column_sparsemax(matrices)  # float32 on the CPU without a gradient, else None
+    compiled = cpu_decode.column_sparsemax(matrices)  # float32 on the CPU with numba (its own backward), else None
     if compiled is not None:
         return compiled
     values = matrices.to(_compute_dtype(matrices.dtype))  # (..., b, b)
@@ -280,7 +280,7 @@ def choose_scan_impl(
 ) -> str:
     """The "auto" policy of the module docstring: an implementation name for this problem size and device.
     ``triton`` / ``compiled``: whether the Triton scan (CUDA) / the compiled loop (CPU) may run it as far as the shapes
-    cannot say (no gradient; not float64; float32 for the compiled loop)."""
+    cannot say (Triton: no gradient, not float64; the compiled loop: float32)."""
     if device.type == "cpu" and compiled and cpu_decode.kernel_available():
         return "compiled"
     if device.type == "cuda":
@@ -319,11 +319,11 @@ def linear_scan(
 
 def scan_compiled(transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None
                   ) -> ScanResult:  # fmt: skip
-    """The reference loop compiled (``cpu_decode.linear_scan``): float32 CPU tensors, no gradient, numba present."""
+    """The reference loop compiled (``cpu_decode.linear_scan``), with its backward: float32 CPU tensors, numba."""
     result = cpu_decode.linear_scan(transitions, inputs, initial_state)
     if result is None:
         raise ValueError(
-            "the compiled scan takes float32 CPU tensors of matching shapes, at least one step and no gradient, "
-            "with numba installed; use a torch scan"
+            "the compiled scan takes float32 CPU tensors of matching shapes and at least one step, with numba "
+            "installed; use a torch scan"
         )
     return result

@@ -539,16 +539,17 @@ def test_row_invariant_steps_give_a_row_the_same_bits_in_any_batch(model_id: str
 
 @pytest.mark.parametrize("block", [1, 2, 3, 8, 16])
 def test_the_compiled_column_sparsemax_equals_the_reference(monkeypatch, block: int) -> None:
-    """``column_sparsemax`` without a gradient on float32 CPU blocks runs the compiled loop (a block at a time, no
-    branch per entry), equal to the torch reference up to float rounding: random columns, tied entries, columns far
-    apart in scale and an all-equal block; with a gradient asked for, the reference."""
+    """``column_sparsemax`` on float32 CPU blocks runs the compiled loop (a block at a time, no branch per entry),
+    equal to the torch reference up to float rounding: random columns, tied entries, columns far apart in scale and an
+    all-equal block; with a gradient asked for, its compiled backward equals autograd through the reference's sort."""
     calls = record_calls(monkeypatch, "_sparsemax_columns")
     generator = torch.Generator().manual_seed(block)
     matrices = torch.randn(5, 7, block, block, generator=generator) * torch.tensor([0.1, 1.0, 10.0, 3.0, 0.5]).view(
         5, 1, 1, 1
     )  # (5, 7, b, b)
     matrices[0, 0] = 0.25  # every entry tied
-    matrices[1, 1, :, 0] = torch.arange(block).float().div(block).round()  # two tied groups in one column
+    # two tied groups in one column, the lower one off the support, not at its edge (where the Jacobian is not defined)
+    matrices[1, 1, :, 0] = torch.arange(block).float().div(block).round() * 3
     with cpu_decode.torch_products():
         reference = column_sparsemax(matrices)
     compiled = column_sparsemax(matrices)
@@ -556,9 +557,17 @@ def test_the_compiled_column_sparsemax_equals_the_reference(monkeypatch, block: 
     assert compiled.shape == matrices.shape and compiled.dtype == torch.float32
     torch.testing.assert_close(compiled, reference, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(compiled.sum(dim=-2), torch.ones(5, 7, block), rtol=1e-5, atol=1e-5)
-    trained = matrices.clone().requires_grad_()
-    column_sparsemax(trained).sum().backward()  # the reference: autograd through its sort
-    assert len(calls) == 1 and trained.grad is not None
+    weights = torch.randn(matrices.shape, generator=generator)  # a loss that weighs every output
+
+    def gradient() -> torch.Tensor:
+        trained = matrices.clone().requires_grad_()
+        (column_sparsemax(trained) * weights).sum().backward()
+        return trained.grad
+
+    compiled_gradient = gradient()
+    assert len(calls) == 2
+    with cpu_decode.torch_products():
+        torch.testing.assert_close(compiled_gradient, gradient(), rtol=1e-5, atol=1e-5)
 
 
 def test_the_compiled_column_sparsemax_keeps_a_nan_in_its_column() -> None:

@@ -221,8 +221,9 @@ def test_the_compiled_scan_equals_the_loop_and_auto_takes_it_on_the_cpu(
     monkeypatch, batch, length, heads, block
 ) -> None:
     """The compiled loop (``cpu_decode.linear_scan``) equals ``scan_sequential`` up to float rounding, from a given
-    initial state and from zeros, on contiguous and expanded (stride 0) transitions; "auto" takes it for float32 CPU
-    tensors without a gradient, and a torch scan with one (which then has its backward) or for float64."""
+    initial state and from zeros, on contiguous and expanded (stride 0) transitions, and so do its gradients (the
+    loop in reverse) of transitions, inputs and initial state; "auto" takes it for float32 CPU tensors, with a
+    gradient or without, and a torch scan for float64."""
     generator = torch.Generator().manual_seed(length)
     transitions = column_norm_constraint(torch.randn(batch, length, heads, block, block, generator=generator))
     inputs = torch.randn(batch, length, heads, block, generator=generator)
@@ -238,11 +239,18 @@ def test_the_compiled_scan_equals_the_loop_and_auto_takes_it_on_the_cpu(
     for got, want in zip(scan_compiled(shared, inputs, start), scan_sequential(shared, inputs, start)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert len(calls) == 3
-    leaf = transitions.clone().requires_grad_()
-    states, _ = linear_scan(leaf, inputs, start)
-    states.sum().backward()
-    assert leaf.grad is not None and len(calls) == 3
+    weights = torch.randn(batch, length, heads, block, generator=generator)  # a loss that weighs every state
+
+    def gradients(scan) -> list[torch.Tensor]:
+        leaves = [tensor.clone().requires_grad_() for tensor in (transitions, inputs, start)]
+        states, final = scan(*leaves)
+        ((states * weights).sum() + 3 * final.sum()).backward()
+        return [leaf.grad for leaf in leaves]
+
+    for got, want in zip(gradients(linear_scan), gradients(scan_sequential)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert len(calls) == 4
     linear_scan(transitions.double(), inputs.double(), start.double())
-    assert len(calls) == 3
+    assert len(calls) == 4
     with pytest.raises(ValueError, match="the compiled scan takes float32 CPU tensors"):
         scan_compiled(transitions.double(), inputs.double(), start.double())
