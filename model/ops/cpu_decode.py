@@ -602,26 +602,33 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
                 out[r, i] += normed[r, i]
 
     @jit(inline="always")
-    def sparsemax_column(blocks, start, size):
-        """blocks[start + i size] for i < size (a column of a row-major b x b block), in place -> its sparsemax
+    def sparsemax_block(block, size, scratch):
+        """block: (b b,), a row-major b x b block, in place -> every column j (block[j + i b] for i < b) its sparsemax
         max(v - tau, 0), as ``column_sparsemax`` (model/ops/linear_scan.py) without the sort: entry i is in the
-        support where 1 + k_i v_i > s_i, with k_i and s_i the count and sum of the entries >= v_i (the sorted
-        test at rank k_i; ties pass or fail together), and tau = (s - 1) / k over the support's k entries."""
-        support, total = 0, np.float32(0.0)
+        support where 1 + k_i v_i > s_i, with k_i and s_i the count and sum of the column's entries >= v_i (the
+        sorted test at rank k_i; ties pass or fail together), and tau = (s - 1) / k over the support's k entries; a
+        NaN column comes out NaN. The b columns run side by side (vector lanes), with no branch per entry: a
+        comparison on random data mispredicted half the time, 7 ns an entry against ~1. scratch: (4, b)."""
+        count, partial, support, total = scratch[0], scratch[1], scratch[2], scratch[3]
+        support[:] = 0.0
+        total[:] = 0.0
         for i in range(size):
-            value = blocks[start + i * size]
-            count, partial = 0, np.float32(0.0)
+            count[:] = 0.0
+            partial[:] = 0.0
             for m in range(size):
-                other = blocks[start + m * size]
-                if other >= value:
-                    count += 1
-                    partial += other
-            if np.float32(count) * value > partial - np.float32(1.0):  # in float32, as column_sparsemax
-                support += 1
-                total += value
-        tau = (total - np.float32(1.0)) / np.float32(support) if support else np.float32(np.nan)  # NaN column: NaN
-        for i in range(size):
-            blocks[start + i * size] = max(blocks[start + i * size] - tau, np.float32(0.0))
+                for j in range(size):
+                    taken = np.float32(block[m * size + j] >= block[i * size + j])
+                    count[j] += taken
+                    partial[j] += taken * block[m * size + j]
+            for j in range(size):
+                value = block[i * size + j]
+                inside = np.float32(count[j] * value > partial[j] - np.float32(1.0))  # in float32, as column_sparsemax
+                support[j] += inside
+                total[j] += inside * value
+        for j in range(size):
+            tau = (total[j] - np.float32(1.0)) / support[j] if support[j] > 0 else np.float32(np.nan)
+            for i in range(size):
+                block[i * size + j] = max(block[i * size + j] - tau, np.float32(0.0))
 
     @jit
     def layer_step(
@@ -641,19 +648,20 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
             for k in range(b_bias.shape[0]):
                 products[r, generated + k] += b_bias[k]
         scaled = np.empty(size, dtype=np.float32)
+        scratch = np.empty((4, size), dtype=np.float32)
         inverse = np.float32(1.0) / p
         for r in range(rows):
             for h in range(heads):
                 block = h * size * size  # g(u)'s (H, b, b) blocks, row-major: entry (i, j) at block + i b + j
-                for j in range(size):
-                    if stochastic:  # column j becomes its sparsemax; the state entry stays
-                        sparsemax_column(products[r], block + j, size)
-                        scaled[j] = state[r, h, j]
-                        continue
-                    total = np.float32(0.0)  # the state entry of column j, divided by max(1, ||column j||_p)
-                    for i in range(size):
-                        total += abs(products[r, block + i * size + j]) ** p
-                    scaled[j] = state[r, h, j] / max(np.float32(1.0), total) ** inverse
+                if stochastic:  # every column becomes its sparsemax; the state entries stay
+                    sparsemax_block(products[r, block : block + size * size], size, scratch)
+                    scaled[:] = state[r, h]
+                else:
+                    for j in range(size):
+                        total = np.float32(0.0)  # the state entry of column j, divided by max(1, ||column j||_p)
+                        for i in range(size):
+                            total += abs(products[r, block + i * size + j]) ** p
+                        scaled[j] = state[r, h, j] / max(np.float32(1.0), total) ** inverse
                 for i in range(size):
                     total = np.float32(0.0)
                     for j in range(size):
@@ -768,35 +776,10 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
             current = out
 
     @jit
-    def sparsemax_columns(flat, size):
-        """(N b b,): N row-major b x b blocks, every column in place -> its sparsemax, as ``sparsemax_column`` but
-        a block at a time with the b columns side by side (vector lanes) and no branch per entry (a comparison
-        with random data mispredicted half the time: 7 ns an entry against ~1)."""
-        count = np.empty(size, dtype=np.float32)
-        partial = np.empty(size, dtype=np.float32)
-        support = np.empty(size, dtype=np.float32)
-        total = np.empty(size, dtype=np.float32)
+    def sparsemax_columns(flat, size):  # (N b b,): N row-major b x b blocks, each in place -> sparsemax_block's
+        scratch = np.empty((4, size), dtype=np.float32)
         for start in range(0, flat.shape[0], size * size):
-            block = flat[start : start + size * size]
-            support[:] = 0.0
-            total[:] = 0.0
-            for i in range(size):
-                count[:] = 0.0
-                partial[:] = 0.0
-                for m in range(size):
-                    for j in range(size):
-                        taken = np.float32(block[m * size + j] >= block[i * size + j])
-                        count[j] += taken
-                        partial[j] += taken * block[m * size + j]
-                for j in range(size):
-                    value = block[i * size + j]
-                    inside = np.float32(count[j] * value > partial[j] - np.float32(1.0))
-                    support[j] += inside
-                    total[j] += inside * value
-            for j in range(size):  # a NaN column: support 0, tau NaN, as sparsemax_column
-                tau = (total[j] - np.float32(1.0)) / support[j] if support[j] > 0 else np.float32(np.nan)
-                for i in range(size):
-                    block[i * size + j] = max(block[i * size + j] - tau, np.float32(0.0))
+            sparsemax_block(flat[start : start + size * size], size, scratch)
 
     @jit
     def scan_states(transitions, inputs, initial, states, final):
