@@ -201,10 +201,7 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
     ``snapshot_at`` is snapshotted there; one whose prompt is then done is snapshotted, scored if asked, and gets its
     first token. ``length`` 0 only completes prompts taken whole from the state cache."""
     for call in prefill_calls(sequences, length) if length else []:
-        if _stepped(call[0], length):
-            _prefill_steps(call, length)
-        else:
-            _prefill_chunk(call, length)
+        _prefill_call(call, length, stepped=_stepped(call[0], length))
     for sequence in sequences:
         if sequence.prefilled == sequence.snapshot_at:
             prefix = sequence.request.prompt[: sequence.prefilled]
@@ -221,10 +218,11 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
         accept(sampling, torch.stack([sequence.next_logits for sequence in sampling]), metrics)
 
 
-def _prefill_chunk(sequences: list[Sequence], length: int) -> None:
-    """The next ``length`` prompt tokens of each sequence in one forward pass over their stacked caches. Unless a
-    sequence scores its prompt, a model that can (``selects_positions``) runs its head on each row's last position
-    only: the head over every position was ~45% of text-lrnn's prefill (6.3k against 11.8k tokens/s on 4,096)."""
+def _prefill_call(sequences: list[Sequence], length: int, stepped: bool) -> None:
+    """The next ``length`` prompt tokens of each sequence over their stacked caches: as ``length`` decode steps where
+    ``stepped`` (no sequence of the call scores its prompt), else in one forward pass. Unless a sequence scores its
+    prompt, a model that can (``selects_positions``) runs that pass's head on each row's last position only: the head
+    over every position was ~45% of text-lrnn's prefill (6.3k against 11.8k tokens/s on 4,096)."""
     model = sequences[0].served.model
     chunks = torch.tensor(
         [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
@@ -233,7 +231,10 @@ def _prefill_chunk(sequences: list[Sequence], length: int) -> None:
     caches = [sequence.cache for sequence in sequences]
     cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
     scoring = any(sequence.request.prompt_logprobs for sequence in sequences)
-    if model.selects_positions and not scoring:
+    if stepped:
+        for position in range(length):
+            logits = model.step(chunks[:, position], cache)[:, None]  # (B, 1, V)
+    elif model.selects_positions and not scoring:
         positions = torch.zeros(chunks.shape, dtype=torch.bool, device=model.device)  # (B, n)
         positions[:, -1] = True
         logits = model.forward(chunks, cache=cache, positions=positions)[:, None]  # (B, 1, V)
@@ -246,25 +247,6 @@ def _prefill_chunk(sequences: list[Sequence], length: int) -> None:
         if sequence.request.prompt_logprobs:
             _score_prompt_chunk(sequence, chunk, chunk_logits)
         sequence.next_logits = chunk_logits[-1]  # (V,)
-        sequence.prefilled += length
-
-
-def _prefill_steps(sequences: list[Sequence], length: int) -> None:
-    """The next ``length`` prompt tokens of each sequence (none scores its prompt) as ``length`` decode steps over
-    their stacked caches."""
-    model = sequences[0].served.model
-    chunks = torch.tensor(
-        [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences]
-    )  # (B, n), on the CPU: row invariance holds there only
-    caches = [sequence.cache for sequence in sequences]
-    cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
-    for position in range(length):
-        logits = model.step(chunks[:, position], cache)  # (B, V)
-    if len(caches) > 1:
-        for sequence, row in zip(sequences, cache.split()):
-            sequence.cache = row
-    for sequence, row_logits in zip(sequences, logits):
-        sequence.next_logits = row_logits  # (V,)
         sequence.prefilled += length
 
 
