@@ -17,12 +17,13 @@ largest logit difference from the first.
 from __future__ import annotations
 
 import argparse
-import time
+import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.isolated import time_calls
 from model.checkpoint import load_checkpoint
 from model.config import LRNNConfig
 from model.ops import cpu_decode
@@ -33,18 +34,18 @@ RUNS = 5
 
 def timed(model, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[float, torch.Tensor]:
     """Best seconds of RUNS forwards after a warm-up, and the logits."""
+    logits = []
+
+    def forward() -> None:
+        logits.append(model.forward(tokens, cache=model.new_cache(1), positions=positions))
+
     with torch.inference_mode():
-        logits = model.forward(tokens, cache=model.new_cache(1), positions=positions)
-        best = float("inf")
-        for _ in range(RUNS):
-            start = time.perf_counter()
-            model.forward(tokens, cache=model.new_cache(1), positions=positions)
-            best = min(best, time.perf_counter() - start)
-    return best, logits
+        times, _ = time_calls(forward, tokens.device, RUNS, float("inf"))
+    return min(times), logits[-1]
 
 
 def train_step_seconds(block_size: int) -> float:
-    """Mean seconds of 5 optimizer steps after one, on the model and batch of ``--train``."""
+    """Mean seconds of RUNS optimizer steps after one, on the model and batch of ``--train``."""
     config = LRNNConfig(vocab_size=8192, d_model=128, n_layers=2, block_size=block_size, num_blocks=16, d_ff=512,
                         transition_norm="stochastic")  # fmt: skip
     torch.manual_seed(0)
@@ -60,11 +61,8 @@ def train_step_seconds(block_size: int) -> float:
         loss.backward()
         optimizer.step()
 
-    step()
-    start = time.perf_counter()
-    for _ in range(5):
-        step()
-    return (time.perf_counter() - start) / 5
+    times, _ = time_calls(step, torch.device("cpu"), RUNS, float("inf"))
+    return statistics.mean(times)
 
 
 def main() -> None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from benchmarks.isolated import banner
+from benchmarks.isolated import banner, time_calls
 from model.checkpoint import load_checkpoint
 from model.device import resolve_device
 from model.lrnn import LinearRNN
@@ -24,21 +23,14 @@ RUNS = 5
 
 
 def timed_forward(model: LinearRNN, impl: str, tokens: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Seconds (median of RUNS after a warm-up) of ``model(tokens)`` with every layer's scan set to ``impl``."""
+    """Seconds (median of RUNS after a warm-up) of ``model(tokens)`` with every layer's scan set to ``impl``, and its
+    logits."""
     for block in model.blocks:
         block.scan_impl = impl
+    logits = []
     with torch.inference_mode():
-        logits = model(tokens)
-        times = []
-        for _ in range(RUNS):
-            if tokens.is_cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            logits = model(tokens)
-            if tokens.is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), logits
+        times, _ = time_calls(lambda: logits.append(model(tokens)), tokens.device, RUNS, float("inf"))
+    return statistics.median(times), logits[-1]
 
 
 def main() -> None:

@@ -5,28 +5,26 @@ together, per row; what ``server/generation.py``'s ``STEPPED_PREFILL_TOKENS`` is
     python -m benchmarks.bench_short_prefill [--models checkpoints/text-lrnn,checkpoints/text-regulargpt]
         [--lengths 2,6,16,40] [--rows 64]
 
-CPU, one torch thread, row invariance on (``cpu_decode.set_row_invariant``); best of 5 passes / 3 stepped runs.
+CPU, one torch thread, row invariance on (``cpu_decode.set_row_invariant``); best of 5 passes / 3 stepped runs after
+a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import time
+from collections.abc import Callable
 
 import torch
 
+from benchmarks.isolated import time_calls
 from model.checkpoint import load_checkpoint
 from model.ops import cpu_decode
 
 
-def best_seconds(run, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+def best_seconds(run: Callable[[], None], repeats: int) -> float:
+    """The fastest of ``repeats`` calls after a warm-up."""
+    return min(time_calls(run, torch.device("cpu"), repeats, float("inf"))[0])
 
 
 def pass_of_its_own(model, length: int) -> None:
