@@ -1,7 +1,7 @@
 #!/bin/sh
 # Recipe of checkpoints/text-lrnn: a language model that keeps a pass key (SPEC section 5). LRNN with stochastic
 # transitions (every block's state a distribution: it holds a symbol exactly and cannot overflow), 2 layers of 16
-# blocks of 8, d_model 128, d_ff 512, on the Austen corpus with the shipped 8k BPE, in eight stages, each started from
+# blocks of 8, d_model 128, d_ff 512, on the Austen corpus with the shipped 8k BPE, in ten stages, each started from
 # the last one's weights (--init-from):
 #
 #   1. pass-key rows only (--passkey-fraction 1.0), 4,000 steps, lr 3e-3 cosine, softmax columns for the first 2,000
@@ -15,23 +15,32 @@
 #   6. the same with two fifths of the rows pass-key examples, 1,000 steps (runs/pk/J2);
 #   7. back to windows of 128 (batch 16), two fifths pass-key rows, state passing, 1,000 steps at lr 3e-4 (runs/pk/J3):
 #      the better text of 5-6 and more of the key than 4;
-#   8. half the rows pass-key examples, 2,500 steps at lr 3e-4 (runs/pk/K: the shipped weights): more of the key
-#      (40 of 50 probe prompts to 64k tokens against 35), a little less of the text.
+#   8. half the rows pass-key examples, 2,500 steps at lr 3e-4 (runs/pk/K, shipped 12:30-22:50): more of the key
+#      (40 of 50 probe prompts to 64k tokens against 35), a little less of the text;
+#   9. windows of 2,048 tokens with the whole gradient through them (batch 16), half the rows pass-key prompts,
+#      state passing, lr 3e-4 constant, 1,000 steps, on a GPU (runs/gpuM: an H100 run of 6,992 steps that kept step
+#      1,000's weights, its best validation): the first stage whose model predicts better with more context;
+#  10. windows of 512 (batch 8), the same mix, 1,000 steps at lr 3e-4 cosine (runs/pk/Q: the shipped weights, its
+#      best validation at step 500): perplexity falls from 84 at 128 tokens of context to 75 at 2,048 and 8,192.
 #
 # Trained on one thread of the development CPU beside other jobs, 2026-11-26: 1,410 s + 2,912 s + 1,480 s + 862 s +
-# 2,984 s + 1,718 s + 755 s + 2,027 s. The commands recorded in each run's config.json (metadata.command) are these,
-# with --out runs/pk/G, H, H2, H3, J, J2, J3, K; checkpoints/text-lrnn/train.jsonl is stage 8's log.
+# 2,984 s + 1,718 s + 755 s + 2,027 s, then 407 s on an H100 (stage 9; 63 s to the kept weights) and 1,190 s on the
+# CPU. The commands recorded in each run's config.json (metadata.command) are these, with --out runs/pk/G, H, H2,
+# H3, J, J2, J3, K, /tmp/M (stage 9: --time-budget 407 --steps 100000 --eval-every 200), runs/pk/Q;
+# checkpoints/text-lrnn/train.jsonl is stage 10's log.
 #
 # Needs the `text` extra and the corpus (apt-get install r-cran-janeaustenr).
 # Figures: docs/text_results.md, "Shipped text models" and "Training for the pass key".
 #
 # Run from the repository root: recipes/text-lrnn.sh [more train flags for every stage].
-# OUT=folder prefix (default runs/text-lrnn: stages in runs/text-lrnn-1 .. -7 and runs/text-lrnn), PYTHON=interpreter.
+# OUT=folder prefix (default runs/text-lrnn: stages in runs/text-lrnn-1 .. -9 and runs/text-lrnn), PYTHON=interpreter,
+# DEVICE=where stage 9 runs (default auto: a GPU if there is one; about an hour and a half on one CPU thread instead).
 # Evaluate: EVAL_FLAGS="--train-length 128" recipes/evaluate-text.sh runs/text-lrnn, and
 #   python -m training text-eval --checkpoint runs/text-lrnn --probe passkey --sizes 1k,8k,64k --filler austen,grass
 set -eu
 OUT=${OUT:-runs/text-lrnn}
 PYTHON=${PYTHON:-python}
+DEVICE=${DEVICE:-auto}
 MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 8 --num-blocks 16 --d-model 128 --d-ff 512 \
     --tokenizer checkpoints/text-lrnn/tokenizer.tiktoken --corpus austen --length 128 --batch-size 16 \
     --eval-every 250 --log-every 10 --threads 1 --no-progress"
@@ -63,6 +72,15 @@ MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 8 --num-
     --passkey-fraction 0.4 --passkey-distractors 2 --state-passing --init-from "$OUT-6" \
     --out "$OUT-7" "$@"
 # shellcheck disable=SC2086
-exec "$PYTHON" -m training text-train $MODEL --lr 3e-4 --warmup-steps 50 --soft-transition-steps 0 --steps 2500 \
+"$PYTHON" -m training text-train $MODEL --lr 3e-4 --warmup-steps 50 --soft-transition-steps 0 --steps 2500 \
     --passkey-fraction 0.5 --passkey-distractors 2 --state-passing --init-from "$OUT-7" \
-    --out "$OUT" "$@"
+    --out "$OUT-8" "$@"
+# shellcheck disable=SC2086
+"$PYTHON" -m training text-train $MODEL --length 2048 --batch-size 16 --lr 3e-4 --schedule constant \
+    --warmup-steps 50 --soft-transition-steps 0 --steps 1000 --eval-every 200 --passkey-fraction 0.5 \
+    --passkey-distractors 2 --state-passing --device "$DEVICE" --dtype float32 --init-from "$OUT-8" \
+    --out "$OUT-9" "$@"
+# shellcheck disable=SC2086
+exec "$PYTHON" -m training text-train $MODEL --length 512 --batch-size 8 --lr 3e-4 --warmup-steps 50 \
+    --soft-transition-steps 0 --steps 1000 --passkey-fraction 0.5 --passkey-distractors 2 --state-passing \
+    --init-from "$OUT-9" --out "$OUT" "$@"
