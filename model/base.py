@@ -213,11 +213,31 @@ class SequenceModel(nn.Module, ABC):
             nbytes=self.cache_nbytes(length) + cost("cached", 1, chunk, context=length).nbytes,
         )
 
-    def chunk_length(self, flops: float, context: int, limit: int, cost: Callable[..., Cost] | None = None) -> int:
+    def chunk_length(
+        self, flops: float, context: int, limit: int, cost: Callable[..., Cost] | None = None, scored: bool = True
+    ) -> int:
         """The longest chunk (at most ``limit``, at least 1) whose cached forward after ``context`` tokens costs at
-        most ``flops`` (:meth:`cost` grows with the chunk length). ``cost``: :meth:`cost` or a memo of it."""
+        most ``flops`` (:meth:`cost` grows with the chunk length); ``scored`` False: a prompt chunk none of whose
+        positions is scored (:meth:`prefill_cost`). ``cost``: :meth:`cost` or a memo of it."""
         cost = cost or self.cost
-        return largest_fitting(lambda chunk: cost("cached", 1, chunk, context).flops <= flops, limit)
+        if scored:
+            return largest_fitting(lambda chunk: cost("cached", 1, chunk, context).flops <= flops, limit)
+        return largest_fitting(lambda chunk: self.prefill_cost(1, chunk, context, cost).flops <= flops, limit)
+
+    def prefill_cost(self, rows: int, length: int, context: int = 0, cost: Callable[..., Cost] | None = None) -> Cost:
+        """A prompt chunk of ``length`` tokens a row through a cache holding ``context``, none of its positions
+        scored: the "cached" call, less the head's work on all but each row's last position where the model
+        ``selects_positions`` (server/generation.py then runs the head there alone). ``cost``: :meth:`cost` or a
+        memo of it."""
+        cached = (cost or self.cost)("cached", rows, length, context)
+        if not self.selects_positions or length <= 1:
+            return cached
+        skipped = self.head_cost(rows * (length - 1))
+        return Cost(flops=cached.flops - skipped.flops, nbytes=cached.nbytes - skipped.nbytes)
+
+    def head_cost(self, positions: int) -> Cost:
+        """The head's multiply-adds and logits' bytes at ``positions`` positions: needed where ``selects_positions``."""
+        raise NotImplementedError(f"{type(self).__name__} selects positions but does not say what its head costs")
 
     @property
     def device(self) -> torch.device:

@@ -504,13 +504,18 @@ class LinearRNN(SequenceModel):
         flops = rows * (length * weights + len(self.blocks) * self._scan_flops(rows, length))
         if path == "final":
             flops -= rows * (length - 1) * tail
-        logit_positions = rows if path == "final" else rows * length
+        head = self.head_cost(rows if path == "final" else rows * length)
         activations = (6 * config.d_model + 3 * self._state_size + 2 * config.d_ff) * self.dtype.itemsize
         return Cost(
-            flops=float(flops + logit_positions * config.d_model * config.output_size),
-            nbytes=rows * length * (self._transition_bytes(rows, length) + activations)
-            + logit_positions * config.output_size * self.dtype.itemsize,
+            flops=float(flops + head.flops),
+            nbytes=rows * length * (self._transition_bytes(rows, length) + activations) + head.nbytes,
         )
+
+    def head_cost(self, positions: int) -> Cost:
+        """d x output_size multiply-adds and output_size logits a position."""
+        config = self.config
+        return Cost(flops=float(positions * config.d_model * config.output_size),
+                    nbytes=positions * config.output_size * self.dtype.itemsize)
 
     def cache_nbytes(self, length: int) -> int:
         """One (H, b) state per layer, whatever the length."""

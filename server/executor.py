@@ -19,7 +19,7 @@ from typing import TypeVar
 from model.base import Cost
 from server.batching import LongTransduce, TransduceItem, TransduceOutput, batch_cost, run_batch
 from server.errors import APIError, ModelFailure
-from server.generation import DecodeBatch, Sequence, prefill, prefill_calls, start
+from server.generation import DecodeBatch, Sequence, prefill, prefill_call_cost, prefill_calls, start
 from server.metrics import ServerMetrics
 from server.model_store import ServedModel
 from server.state_cache import StateCache
@@ -167,9 +167,8 @@ class Executor:
                 break  # the rest next iteration (one group at least: a slice shorter than the loop's own time would
                 # otherwise never prefill anything)
             length, seconds = group.length, 0.0
-            model = group.sequences[0].served.model
             for sequences in prefill_calls(group.sequences, length):  # one, but for batch invariance
-                flops = model.cost("cached", len(sequences), length, context=min(s.prefilled for s in sequences)).flops
+                flops = prefill_call_cost(sequences, length).flops
                 run = functools.partial(prefill, sequences, length, self.state_cache, self.metrics)
                 alone = functools.partial(self._prefill_alone, length=length)
                 seconds += self._guarded(sequences, run, flops, alone=alone)

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from model.base import InferenceCache
+from model.base import Cost, InferenceCache
 from model.ops import cpu_decode
 from server.detokenize import TextAssembler
 from server.errors import APIError, ModelFailure
@@ -201,7 +201,7 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
     ``snapshot_at`` is snapshotted there; one whose prompt is then done is snapshotted, scored if asked, and gets its
     first token. ``length`` 0 only completes prompts taken whole from the state cache."""
     for call in prefill_calls(sequences, length) if length else []:
-        _prefill_call(call, length, stepped=_stepped(call[0], length))
+        _prefill_call(call, length)
     for sequence in sequences:
         if sequence.prefilled == sequence.snapshot_at:
             prefix = sequence.request.prompt[: sequence.prefilled]
@@ -218,11 +218,27 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
         accept(sampling, torch.stack([sequence.next_logits for sequence in sampling]), metrics)
 
 
-def _prefill_call(sequences: list[Sequence], length: int, stepped: bool) -> None:
+def prefill_call_cost(sequences: list[Sequence], length: int) -> Cost:
+    """What one call of :func:`prefill_calls` costs (:func:`_prefill_call`): the head on each row's last position
+    only where the pass runs it so, else at every position (decode steps: one each)."""
+    model, context = sequences[0].served.model, min(sequence.prefilled for sequence in sequences)
+    if _head_on_last(sequences, length):
+        return model.prefill_cost(len(sequences), length, context)
+    return model.cost("cached", len(sequences), length, context)
+
+
+def _head_on_last(sequences: list[Sequence], length: int) -> bool:
+    """Whether a call's forward pass runs its head on each row's last position only: a model that can
+    (``selects_positions``), no sequence of the call scoring its prompt, and not run as decode steps."""
+    scoring = any(sequence.request.prompt_logprobs for sequence in sequences)
+    return sequences[0].served.model.selects_positions and not scoring and not _stepped(sequences[0], length)
+
+
+def _prefill_call(sequences: list[Sequence], length: int) -> None:
     """The next ``length`` prompt tokens of each sequence over their stacked caches: as ``length`` decode steps where
-    ``stepped`` (no sequence of the call scores its prompt), else in one forward pass. Unless a sequence scores its
-    prompt, a model that can (``selects_positions``) runs that pass's head on each row's last position only: the head
-    over every position was ~45% of text-lrnn's prefill (6.3k against 11.8k tokens/s on 4,096)."""
+    :func:`_stepped` (no sequence of the call scores its prompt), else in one forward pass. Unless a sequence scores
+    its prompt, a model that can (``selects_positions``) runs that pass's head on each row's last position only: the
+    head over every position was ~45% of text-lrnn's prefill (6.3k against 11.8k tokens/s on 4,096)."""
     model = sequences[0].served.model
     chunks = torch.tensor(
         [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
@@ -230,11 +246,10 @@ def _prefill_call(sequences: list[Sequence], length: int, stepped: bool) -> None
     )  # (B, n)
     caches = [sequence.cache for sequence in sequences]
     cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
-    scoring = any(sequence.request.prompt_logprobs for sequence in sequences)
-    if stepped:
+    if _stepped(sequences[0], length):
         for position in range(length):
             logits = model.step(chunks[:, position], cache)[:, None]  # (B, 1, V)
-    elif model.selects_positions and not scoring:
+    elif _head_on_last(sequences, length):
         positions = torch.zeros(chunks.shape, dtype=torch.bool, device=model.device)  # (B, n)
         positions[:, -1] = True
         logits = model.forward(chunks, cache=cache, positions=positions)[:, None]  # (B, 1, V)
@@ -260,7 +275,8 @@ def prefill_length(sequence: Sequence, budget: int) -> int:
     if remaining <= 0:
         return max(remaining, 0)
     budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
-    length = sequence.served.model.chunk_length(budget.slice_flops, sequence.prefilled, remaining, budget.cost)
+    scored = bool(sequence.request.prompt_logprobs)
+    length = sequence.served.model.chunk_length(budget.slice_flops, sequence.prefilled, remaining, budget.cost, scored)
     if sequence.prefilled + length == end:
         return length
     return length - length % PREFILL_QUANTUM if length >= PREFILL_QUANTUM else 1 << (length.bit_length() - 1)

@@ -182,6 +182,30 @@ def test_declared_flops_are_the_counted_matrix_products(model_id: str) -> None:
 
 
 @pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_an_unscored_prompt_chunk_costs_the_head_on_its_last_positions_only(model_id: str) -> None:
+    """``prefill_cost``: where a model selects positions, the pass the server runs for a prompt chunk no one scores
+    (its head on each row's last position), within [1, 1.3] of torch's count, and a slice takes a longer chunk of it;
+    elsewhere the "cached" call."""
+    model = make(model_id, num_labels=0)
+    cached, unscored = model.cost("cached", 2, 16, 200), model.prefill_cost(2, 16, 200)
+    budget = model.cost("cached", 1, 64).flops
+    if not model.selects_positions:
+        assert unscored == cached
+        assert model.chunk_length(budget, 0, 10_000, scored=False) == model.chunk_length(budget, 0, 10_000)
+        return
+    assert unscored.flops < cached.flops and unscored.nbytes < cached.nbytes
+    assert model.chunk_length(budget, 0, 10_000, scored=False) > model.chunk_length(budget, 0, 10_000) == 64
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    last = torch.zeros(2, 16, dtype=torch.bool)
+    last[:, -1] = True
+    with torch.no_grad():
+        cache = model.new_cache(batch_size=2)
+        model(torch.randint(0, VOCAB, (2, 200)), cache=cache)
+        ratio = unscored.flops / counted_flops(lambda: model(tokens, cache=cache, positions=last))
+    assert 1 <= ratio <= 1.3, ratio
+
+
+@pytest.mark.parametrize("model_id", MODEL_IDS)
 def test_cache_nbytes_bounds_what_a_row_holds(model_id: str) -> None:
     model = make(model_id, num_labels=0)
     cache = model.new_cache(batch_size=1)

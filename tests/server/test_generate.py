@@ -348,6 +348,26 @@ def test_a_prefill_runs_the_head_on_the_last_position_unless_the_prompt_is_score
     assert scored.generated == plain.generated
 
 
+def test_a_prefill_call_is_charged_for_the_head_where_it_runs(checkpoints_dir) -> None:
+    """What the executor records for a prefill call (the model's measured speed, the fairness charge): an unscored
+    LRNN chunk pays its head on the last positions (``prefill_cost``); a scored one and decode steps at every one."""
+    clock = FakeClock()
+    served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+    model, text = served.model, "It was a dark night"
+    plain = [generation(served, text, 5, clock), generation(served, text, 5, clock)]
+    request = GenerationRequest(list(text.encode()), 5, SamplingParams(temperature=0.0), prompt_logprobs=True)
+    scored = Sequence(served, request, Recorder(clock), flow="client")
+    assert generation_module.prefill_call_cost(plain, 16) == model.prefill_cost(2, 16)
+    assert generation_module.prefill_call_cost(plain + [scored], 16) == model.cost("cached", 3, 16)
+    assert model.prefill_cost(2, 16).flops < model.cost("cached", 2, 16).flops
+    cpu_decode.set_row_invariant(True)
+    try:
+        assert generation_module.prefill_call_cost(plain, 8) == model.cost("cached", 2, 8)  # decode steps
+        assert generation_module.prefill_call_cost(plain, 9) == model.prefill_cost(2, 9)
+    finally:
+        cpu_decode.set_row_invariant(False)
+
+
 def test_under_batch_invariance_short_prompts_prefill_together_as_decode_steps(checkpoints_dir) -> None:
     """Under batch invariance a chunk of at most STEPPED_PREFILL_TOKENS unscored tokens runs as decode steps of every
     such row together, with the bits it gets alone; a scored chunk or a longer one is a pass of its own per row.

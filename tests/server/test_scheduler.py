@@ -49,7 +49,7 @@ class FakeLanguageModel:
     def cache_nbytes(self, length: int) -> int:
         return length
 
-    def chunk_length(self, slice_flops: float, prefilled: int, remaining: int, cost=None) -> int:
+    def chunk_length(self, slice_flops: float, prefilled: int, remaining: int, cost=None, scored=True) -> int:
         return min(remaining, self.tokens_per_slice)
 
 
