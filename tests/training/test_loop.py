@@ -588,7 +588,7 @@ def test_torchrun_resume_continues_every_process_where_it_stopped(tmp_path: Path
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "training",
              *arguments], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
             timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.returncode == 0, result.stderr[-8000:]  # the ranks' own errors come before torchrun's summary
 
     torchrun(*cli_run(tmp_path / "whole", 12, "--device", "cpu"))
     torchrun(*cli_run(tmp_path / "cut", 12, "--device", "cpu", "--time-budget", "0.001"))
