@@ -75,44 +75,48 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     sparsemax, compiles_scan = cpu_decode.column_sparsemax, cpu_decode.compiles_scan
-    if args.train:
-        print(f"one training step, blocks of {args.block_size}, torch {torch.__version__}, one thread\n")
-        print("| round | parts | step (ms) |\n|---:|---|---:|")
-        try:
-            for round_ in range(1, args.rounds + 1):
-                for label, compiled in (("torch sparsemax, torch scan", False), ("compiled", True)):
-                    cpu_decode.column_sparsemax = sparsemax if compiled else (lambda matrices: None)
-                    cpu_decode.compiles_scan = compiles_scan if compiled else (lambda *tensors: False)
-                    print(f"| {round_} | {label} | {train_step_seconds(args.block_size) * 1e3:.0f} |", flush=True)
-        finally:
-            cpu_decode.column_sparsemax, cpu_decode.compiles_scan = sparsemax, compiles_scan
-        return
-    model = load_checkpoint(args.model, device="cpu").model
-    model.for_serving()
-    if not model.selects_positions:
-        parser.error(f"--model: {args.model} does not run its head on chosen positions (not an LRNN)")
-    tokens = torch.randint(0, model.config.vocab_size, (1, args.tokens))
-    positions = torch.zeros(1, args.tokens, dtype=torch.bool)
-    positions[:, -1] = True
-    settings: dict[str, tuple[Callable, Callable]] = {
+    settings: dict[str, tuple[Callable, Callable]] = {  # what cpu_decode's two switches are set to, by row
         "torch sparsemax, torch scan": (lambda matrices: None, lambda *tensors: False),
         "compiled sparsemax, torch scan": (sparsemax, lambda *tensors: False),
         "compiled sparsemax, compiled scan": (sparsemax, compiles_scan),
     }
-    print(f"{args.model}, {args.tokens} tokens, torch {torch.__version__}, one thread\n")
-    print("| round | parts | forward (ms) | tokens/s | largest logit difference from torch's |")
-    print("|---:|---|---:|---:|---:|")
     try:
-        for round_ in range(1, args.rounds + 1):
-            reference = None
-            for label, (cpu_decode.column_sparsemax, cpu_decode.compiles_scan) in settings.items():
-                seconds, logits = timed(model, tokens, positions)
-                reference = logits if reference is None else reference
-                difference = (logits - reference).abs().max().item()
-                print(f"| {round_} | {label} | {seconds * 1e3:.0f} | {args.tokens / seconds:,.0f} | {difference:.1e} |",
-                      flush=True)  # fmt: skip
+        if args.train:
+            del settings["compiled sparsemax, torch scan"]
+            train_table(settings, args.block_size, args.rounds)
+        else:
+            prefill_table(parser, settings, args.model, args.tokens, args.rounds)
     finally:
         cpu_decode.column_sparsemax, cpu_decode.compiles_scan = sparsemax, compiles_scan
+
+
+def train_table(settings: dict[str, tuple[Callable, Callable]], block_size: int, rounds: int) -> None:
+    print(f"one training step, blocks of {block_size}, torch {torch.__version__}, one thread\n")
+    print("| round | parts | step (ms) |\n|---:|---|---:|")
+    for round_ in range(1, rounds + 1):
+        for label, (cpu_decode.column_sparsemax, cpu_decode.compiles_scan) in settings.items():
+            print(f"| {round_} | {label} | {train_step_seconds(block_size) * 1e3:.0f} |", flush=True)
+
+
+def prefill_table(parser, settings: dict[str, tuple[Callable, Callable]], path: str, length: int, rounds: int) -> None:
+    model = load_checkpoint(path, device="cpu").model
+    model.for_serving()
+    if not model.selects_positions:
+        parser.error(f"--model: {path} does not run its head on chosen positions (not an LRNN)")
+    tokens = torch.randint(0, model.config.vocab_size, (1, length))
+    positions = torch.zeros(1, length, dtype=torch.bool)
+    positions[:, -1] = True
+    print(f"{path}, {length} tokens, torch {torch.__version__}, one thread\n")
+    print("| round | parts | forward (ms) | tokens/s | largest logit difference from torch's |")
+    print("|---:|---|---:|---:|---:|")
+    for round_ in range(1, rounds + 1):
+        reference = None
+        for label, (cpu_decode.column_sparsemax, cpu_decode.compiles_scan) in settings.items():
+            seconds, logits = timed(model, tokens, positions)
+            reference = logits if reference is None else reference
+            difference = (logits - reference).abs().max().item()
+            print(f"| {round_} | {label} | {seconds * 1e3:.0f} | {length / seconds:,.0f} | {difference:.1e} |",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
