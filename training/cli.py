@@ -153,6 +153,9 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p-one", type=probability, action="append",
                         help="with --lengths or a list of --bands: sample with P(second symbol) = P instead of the "
                              "task's generator (repeatable: one set of bands per value)")
+    parser.add_argument("--power-offsets", action="store_true",
+                        help="draw every string with its decisive symbol a power of two before the end (induction_heads:"
+                             " the mark 2^k before the final '#', what RegularGPT's last position reads in one hop)")
     parser.add_argument("--samples", type=positive_int, default=100, help="samples per band")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=positive_int, default=64)
@@ -266,6 +269,10 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     task = _task(task_names[0])
     for p_one in args.p_one or []:
         _check_sampling(task, p_one, balanced=False)
+    if args.power_offsets and task.draw_power_offset is None:
+        raise UsageError(f"--power-offsets: {task.name} has no such strings (only induction_heads has)")
+    if args.power_offsets and args.p_one:
+        raise UsageError("--power-offsets draws its strings uniformly; it cannot be combined with --p-one")
     if args.lengths or explicit_bands:
         ranges = args.bands if explicit_bands else split_lengths(args.lengths, args.bands)
         bands = [Band(lengths, p_one) for p_one in (args.p_one or [None]) for lengths in ranges]
@@ -274,9 +281,12 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         protocol = args.protocol or "papers"
         bands = protocol_bands(task, protocol, args.bands, args.samples)
     _check_lengths(task, [band.lengths for band in bands])
-    band_sets = draw_bands(task, bands, args.samples, args.seed)
-    reports = [evaluate_checkpoint(loaded, protocol, bands, band_sets, args.seed, args.batch_size, args.chunk_symbols)
-               for loaded in checkpoints]
+    band_sets = draw_bands(task, bands, args.samples, args.seed, args.power_offsets)
+    reports = [
+        evaluate_checkpoint(loaded, protocol, bands, band_sets, args.seed, args.batch_size, args.chunk_symbols,
+                            args.power_offsets)
+        for loaded in checkpoints
+    ]
     output = reports[0] if len(reports) == 1 else combine_reports(reports)
     print(json.dumps(output, indent=2) if args.json else format_table(reports))
     if args.plot:

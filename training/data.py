@@ -126,9 +126,16 @@ class FinalLabelSet:
 
     @classmethod
     def draw(
-        cls, task: Task, rng: np.random.Generator, n: int, length_range: tuple[int, int], p_one: float | None = None
+        cls, task: Task, rng: np.random.Generator, n: int, length_range: tuple[int, int], p_one: float | None = None,
+        power_offsets: bool = False,
     ) -> FinalLabelSet:
-        strings = sorted(sample_batch(task, rng, n, length_range, p_one), key=len)
+        """``n`` strings of lengths uniform in ``length_range``; ``power_offsets``: each drawn by the task's
+        ``draw_power_offset`` (its decisive symbol a power of two before the end) instead of its generator."""
+        strings = sample_batch(task, rng, n, length_range, p_one)
+        if power_offsets:
+            assert task.draw_power_offset is not None
+            strings = [task.draw_power_offset(rng, len(string)) for string in strings]
+        strings = sorted(strings, key=len)
         label_ids = {label: i for i, label in enumerate(task.labels)}
         return cls(tuple(strings), tuple(label_ids[task.label(string)[-1]] for string in strings))
 

@@ -19,10 +19,14 @@ Protocols:
   INDUCTION_MIN_SAMPLES (with 100: 100 strings up to 2^14 symbols, then 64, 32, 16, 8, 4 and 4 at 2^20);
 - ``custom``: ``--lengths A-B`` (or an explicit list of bands) with the ``--p-one`` values asked for.
 
+``--power-offsets`` (induction_heads) draws every string with its mark a power of two before the final "#" (the
+task's ``draw_power_offset``): the strings where RegularGPT's final position reads the mark in one dilated hop, rare
+among uniform draws (about log2(T) / T of them). The report then says ``"power_offsets": true``.
+
 JSON output (``--json``) for one checkpoint::
 
     {"checkpoint": "path", "task": "parity_check", "architecture": "lrnn", "protocol": "papers", "seed": 0,
-     "bands": [{"lengths": [41, 86], "p_one": null, "samples": 100, "accuracy": 1.0}, ...],
+     "power_offsets": false, "bands": [{"lengths": [41, 86], "p_one": null, "samples": 100, "accuracy": 1.0}, ...],
      "overall": 1.0}
 
 ``overall`` is the accuracy over all bands' samples together. For several checkpoints (``--checkpoint``
@@ -95,11 +99,14 @@ def protocol_bands(
     return [Band(band, p_one) for p_one in (None, *HARD_P_ONES) for band in lengths]
 
 
-def draw_bands(task: Task, bands: Sequence[Band], samples: int, seed: int) -> list[FinalLabelSet]:
-    """``samples`` fresh examples per band (``band.samples`` where set), band i from the random stream (seed, i)."""
+def draw_bands(
+    task: Task, bands: Sequence[Band], samples: int, seed: int, power_offsets: bool = False
+) -> list[FinalLabelSet]:
+    """``samples`` fresh examples per band (``band.samples`` where set), band i from the random stream (seed, i);
+    ``power_offsets``: the task's ``draw_power_offset`` strings (module docstring)."""
     return [
         FinalLabelSet.draw(task, np.random.default_rng([seed, index]), band.samples or samples, band.lengths,
-                           band.p_one)
+                           band.p_one, power_offsets)
         for index, band in enumerate(bands)
     ]
 
@@ -112,9 +119,10 @@ def evaluate_checkpoint(
     seed: int,
     batch_size: int,
     chunk_symbols: int | None = None,
+    power_offsets: bool = False,
 ) -> dict[str, Any]:
-    """The JSON report of one checkpoint (module docstring) on the drawn ``band_sets``; ``chunk_symbols``: see
-    :func:`training.data.count_correct_final`."""
+    """The JSON report of one checkpoint (module docstring) on the drawn ``band_sets`` (``power_offsets``: drawn
+    so); ``chunk_symbols``: see :func:`training.data.count_correct_final`."""
     alphabet = loaded.config.alphabet
     assert alphabet is not None
     results, correct_total, sample_total = [], 0, 0
@@ -124,7 +132,8 @@ def evaluate_checkpoint(
                         "accuracy": correct / len(examples)})
         correct_total, sample_total = correct_total + correct, sample_total + len(examples)
     return {"checkpoint": str(loaded.path), "task": loaded.config.task, "architecture": loaded.config.architecture,
-            "protocol": protocol, "seed": seed, "bands": results, "overall": correct_total / sample_total}
+            "protocol": protocol, "seed": seed, "power_offsets": power_offsets, "bands": results,
+            "overall": correct_total / sample_total}
 
 
 def combine_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -136,14 +145,16 @@ def combine_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         bands.append({"lengths": band["lengths"], "p_one": band["p_one"], "samples": band["samples"],
                       "max": max(accuracies), "mean": sum(accuracies) / len(accuracies)})
     overall = [report["overall"] for report in reports]
-    return {"task": first["task"], "protocol": first["protocol"], "seed": first["seed"], "checkpoints": list(reports),
+    return {"task": first["task"], "protocol": first["protocol"], "seed": first["seed"],
+            "power_offsets": first["power_offsets"], "checkpoints": list(reports),
             "bands": bands, "max": max(overall), "mean": sum(overall) / len(overall)}
 
 
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
     """The text output: one row per band, one accuracy column per checkpoint (and max/mean for several)."""
     first = reports[0]
-    lines = [f"task {first['task']}  protocol {first['protocol']}  seed {first['seed']}"]
+    strings = "  strings: the mark a power of two before the end" if first.get("power_offsets") else ""
+    lines = [f"task {first['task']}  protocol {first['protocol']}  seed {first['seed']}{strings}"]
     if len(reports) == 1:
         lines.append(f"checkpoint {first['checkpoint']} ({first['architecture']})")
         headers = ["accuracy"]

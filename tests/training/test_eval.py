@@ -15,12 +15,12 @@ from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig, LSTMConfig
 from model.registry import build_model
 from training.cli import main
-from training.evaluate import Band, protocol_bands, split_lengths
+from training.evaluate import Band, draw_bands, protocol_bands, split_lengths
 from training.tasks import get_task
 
 REPO = Path(__file__).resolve().parents[2]
 BAND_KEYS = {"lengths", "p_one", "samples", "accuracy"}
-REPORT_KEYS = {"checkpoint", "task", "architecture", "protocol", "seed", "bands", "overall"}
+REPORT_KEYS = {"checkpoint", "task", "architecture", "protocol", "seed", "power_offsets", "bands", "overall"}
 
 
 def write_transducer(folder: Path, task_name: str, seed: int = 0) -> Path:
@@ -91,6 +91,33 @@ def test_induction_protocol_evaluates_through_the_cache(tmp_path: Path, capsys: 
     assert status == 2 and "induction_heads strings have at least 3 symbols; length range 2-" in err
 
 
+def test_power_offsets_draw_the_mark_a_power_of_two_before_the_end(tmp_path: Path, capsys) -> None:
+    """``--power-offsets``: every string of every band has its "#" 2**k before the final one (k >= 1); the report
+    says so; other tasks, or --p-one beside it, exit 2."""
+    task = get_task("induction_heads")
+    bands = [Band((3, 40)), Band((64, 64)), Band((1000, 1000))]
+    for examples in draw_bands(task, bands, 30, seed=1, power_offsets=True):
+        offsets = {len(string) - 1 - string.index("#") for string in examples.strings}
+        assert all(offset >= 2 and offset & (offset - 1) == 0 for offset in offsets), offsets
+        assert all(string.count("#") == 2 and string.endswith("#") for string in examples.strings)
+    uniform = draw_bands(task, bands[1:2], 30, seed=1)[0].strings
+    assert any((offset := len(string) - 1 - string.index("#")) & (offset - 1) for string in uniform)
+    folder = write_transducer(tmp_path / "induction", "induction_heads")
+    status, out, _ = run_eval(capsys, "--checkpoint", str(folder), "--bands", "64-64", "--samples", "4", "--json",
+                              "--power-offsets")
+    assert status == 0 and json.loads(out)["power_offsets"] is True
+    status, out, _ = run_eval(capsys, "--checkpoint", str(folder), "--bands", "64-64", "--samples", "4",
+                              "--power-offsets")
+    assert status == 0 and out.splitlines()[0].endswith("strings: the mark a power of two before the end")
+    for arguments, message in [
+        (["--checkpoint", str(write_transducer(tmp_path / "parity", "parity_check"))],
+         "--power-offsets: parity_check has no such strings (only induction_heads has)"),
+        (["--checkpoint", str(folder), "--lengths", "64-80", "--p-one", "0.5"], "cannot be combined with --p-one"),
+    ]:
+        status, out, err = run_eval(capsys, *arguments, "--power-offsets")
+        assert status == 2 and message in err and out == "", err
+
+
 def test_json_report_schema(checkpoints: list[Path], capsys: pytest.CaptureFixture) -> None:
     status, out, _ = run_eval(capsys, "--checkpoint", str(checkpoints[0]), "--lengths", "41-60", "--bands", "2",
                               "--samples", "5", "--p-one", "0.9", "--json")
@@ -108,7 +135,7 @@ def test_several_checkpoints_give_max_and_mean(checkpoints: list[Path], capsys: 
     status, out, _ = run_eval(capsys, *arguments, "--bands", "41-45,46-50", "--samples", "4", "--json")
     assert status == 0
     combined = json.loads(out)
-    assert set(combined) == {"task", "protocol", "seed", "checkpoints", "bands", "max", "mean"}
+    assert set(combined) == {"task", "protocol", "seed", "power_offsets", "checkpoints", "bands", "max", "mean"}
     assert [set(report) for report in combined["checkpoints"]] == [REPORT_KEYS] * 2
     overall = [report["overall"] for report in combined["checkpoints"]]
     assert combined["max"] == max(overall) and combined["mean"] == pytest.approx(sum(overall) / 2)
