@@ -129,6 +129,13 @@ class Sequence(Work):
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt)
 
+    @property
+    def ready_to_decode(self) -> bool:
+        """Its first token is sampled (by its prompt's last chunk) and it has not ended: a decode step reads each row's
+        last token. A prompt taken whole from the state cache is no longer prefilling from its start, but has no token
+        until its empty chunk runs."""
+        return bool(self.generated) and not self.done
+
     def finish(self, reason: Literal["stop", "length"], metrics: ServerMetrics) -> None:
         """Answered: its last text and the Finished event."""
         if not self.end(reason, metrics):

@@ -446,11 +446,11 @@ class Scheduler:
                 sequence.prefill_resumes_at = result.ended + (result.ended - result.started)
 
     def plan_decode(self) -> list[DecodeWork]:
-        """One step per decode batch, the sequences whose prompt is done joining theirs (those that ended meanwhile
-        wait for the sweep)."""
+        """One step per decode batch, the sequences whose first token is sampled joining theirs (those that ended
+        meanwhile wait for the sweep)."""
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for sequence in self.prefilling:
-            if not sequence.prefilling and not sequence.done:
+            if sequence.ready_to_decode:
                 joining.setdefault(_decode_key(sequence), []).append(sequence)
         keys = [*self.decoding, *(key for key in joining if key not in self.decoding)]
         return [DecodeWork(key, self.decoding.get(key), joining.get(key, [])) for key in keys]

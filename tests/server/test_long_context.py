@@ -98,3 +98,27 @@ def test_a_long_prompts_chunks_take_few_lengths(checkpoints_dir) -> None:
     assert len(lengths) >= 4  # the speeds asked for chunks of several sizes
     served.budget.speed, sequence.prefilled = ModelSpeed(measured), 5000 - 37
     assert prefill_length(sequence, budget=2048) == 37
+
+
+def test_a_prompt_taken_whole_from_the_cache_joins_no_decode_step_before_its_first_token(checkpoints_dir) -> None:
+    """A prompt found whole in the state cache has nothing to prefill but its first token, sampled by its (empty)
+    prefill chunk. When that chunk does not run in the iteration (a long prompt's chunk took the slice first), the
+    sequence must not join its decode batch yet: a decode step reads each row's last token, and it has none (it joined
+    anyway, and the step raised for the whole batch, failing a sequence that was decoding beside it)."""
+    clock = FakeClock()
+    served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+    worker = driven_scheduler(clock)
+    worker.executor.state_cache = StateCache(max_entries=8, max_bytes=2**20, min_tokens=8)
+    prompt = "The same question, asked twice. "
+    first = generation(served, prompt, 4, clock)
+    receive(worker, first)
+    run_until_done(worker, [first])
+    decoding = generation(served, "Another text, decoding.", 40, clock, flow="c")
+    receive(worker, decoding)
+    worker.iteration()
+    long, again = generation(served, "x" * 600, 2, clock, flow="a"), generation(served, prompt, 4, clock, flow="b")
+    receive(worker, long, again)
+    run_until_done(worker, [decoding, long, again])
+    for sequence in (decoding, long, again):
+        assert sequence.finish_reason == "length", events(sequence)[-1]
+    assert again.cached_tokens == len(prompt) and again.generated == first.generated
