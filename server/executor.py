@@ -1,8 +1,10 @@
 """The engine's executor: it runs what the scheduler planned (``server/scheduler.py``), on the worker thread, and
 reports what ran: the model calls, their timing (the metrics' model execute time and each model's measured speed)
 and the sampling (``server/generation.py``, which ends the sequences that stop and sends their tokens). It decides
-nothing the scheduler's plan did not, but two things only running can tell: when about one slice of time has been
-spent (a phase runs its planned units in order until then, one at least), and what fails. A model call that raises
+nothing the scheduler's plan did not, but what only running can tell: when about one slice of time has been spent (a
+phase runs its planned units in order until then, one at least), what fails, and so which planned work can still run
+(:func:`live_groups`, :func:`ready_work`: a sequence that failed to start prefills nothing, one whose last chunk did
+not run joins no decode step). A model call that raises
 fails only what fails alone: a transduce batch's inputs, and the sequences of a prefill chunk (whose stacked call
 works on a copy of their caches), run again one by one; a decode step advances its batch's stacked cache in place,
 so a step that raises fails its batch.
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# --- plans (made by Scheduler.plan_*: what to run, in order) -------------------------------------------------
+# --- plans (made by Scheduler.plan: what to run, in order) ---------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,32 @@ class DecodeWork:
 
     key: tuple[str, int]
     batch: DecodeBatch | None
-    joining: list[Sequence]
+    joining: list[Sequence]  # planned: the sequences whose prompt the plan's chunks complete
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One iteration's work, decided before any of it runs: the phases in the order they run."""
+
+    transduce: TransducePlan
+    admitted: list[Sequence]  # the waiting sequences to start (their first chunks are among ``prefill``'s)
+    prefill: list[PrefillGroup]
+    decode: list[DecodeWork]
+
+
+def live_groups(groups: list[PrefillGroup]) -> list[PrefillGroup]:
+    """The planned chunks less the sequences that have ended since (an admitted sequence that failed to start)."""
+    live = [PrefillGroup([sequence for sequence in group.sequences if not sequence.done], group.length)
+            for group in groups]  # fmt: skip
+    return [group for group in live if group.sequences]
+
+
+def ready_work(work: list[DecodeWork]) -> list[DecodeWork]:
+    """The planned decode steps, each joined only by the sequences whose first token was sampled (their last chunk ran
+    within the slice, and they did not end); a new batch that none joins has no step."""
+    ready = [DecodeWork(each.key, each.batch, [sequence for sequence in each.joining if sequence.ready_to_decode])
+             for each in work]  # fmt: skip
+    return [each for each in ready if each.batch is not None or each.joining]
 
 
 # --- results -----------------------------------------------------------------------------------------------------
@@ -162,7 +189,7 @@ class Executor:
         """The groups in order until about one slice has run (one at least)."""
         ran: list[tuple[PrefillGroup, float]] = []
         started = self.clock()
-        for group in groups:
+        for group in live_groups(groups):
             if ran and self.clock() - started >= self.slice_seconds:
                 break  # the rest next iteration (one group at least: a slice shorter than the loop's own time would
                 # otherwise never prefill anything)
@@ -181,7 +208,7 @@ class Executor:
     def decode(self, work: list[DecodeWork]) -> DecodeResult:
         """Each batch takes in its joining sequences (their caches become its rows) and steps once."""
         ran = []
-        for each in work:
+        for each in ready_work(work):
             batch = each.batch or DecodeBatch()
             if each.joining:
                 batch.join(each.joining)

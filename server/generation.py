@@ -165,7 +165,7 @@ class Sequence(Work):
 
 def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -> None:
     """Begin a sequence the scheduler admitted: an empty cache, or a clone of the longest cached prefix of its
-    prompt."""
+    prompt (where :func:`start_point` said it would begin)."""
     model, prompt = sequence.served.model, sequence.request.prompt
     metrics.child(metrics.prompt_tokens, sequence.served.id).inc(len(prompt))
     snapshot = None
@@ -178,9 +178,22 @@ def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -
         metrics.child(metrics.prefix_cache_hits, sequence.served.id).inc(snapshot.length)
         sequence.cache, sequence.next_logits = snapshot.cache, snapshot.logits
         sequence.prefilled = sequence.cached_tokens = snapshot.length
-    position = state_cache.tail_position(len(prompt))
-    if position is not None and position > sequence.prefilled:
-        sequence.snapshot_at = position
+    sequence.snapshot_at = _snapshot_at(state_cache, len(prompt), sequence.prefilled)
+
+
+def start_point(sequence: Sequence, state_cache: StateCache) -> tuple[int, int | None]:
+    """(prefilled, snapshot_at) of a sequence once :func:`start` runs: the prompt tokens it will take from the state
+    cache, and where its prefill will stop to snapshot its state. Changes nothing: the scheduler plans an admitted
+    sequence's first chunk with it before it starts."""
+    prompt = sequence.request.prompt
+    cached = 0 if sequence.request.prompt_logprobs else state_cache.peek(sequence.served.id, prompt)
+    return cached, _snapshot_at(state_cache, len(prompt), cached)
+
+
+def _snapshot_at(state_cache: StateCache, prompt_tokens: int, prefilled: int) -> int | None:
+    """The prompt position past ``prefilled`` where the state is also snapshotted on the way, or None."""
+    position = state_cache.tail_position(prompt_tokens)
+    return position if position is not None and position > prefilled else None
 
 
 def prefill_calls(sequences: list[Sequence], length: int) -> list[list[Sequence]]:
@@ -272,19 +285,21 @@ def _prefill_call(sequences: list[Sequence], length: int) -> None:
         sequence.prefilled += length
 
 
-def prefill_length(sequence: Sequence, budget: int) -> int:
+def prefill_length(sequence: Sequence, budget: int, at: tuple[int, int | None] | None = None) -> int:
     """How many prompt tokens the sequence prefills next: what remains (up to its ``snapshot_at`` first), within
-    ``budget`` tokens and one slice of its model's work; short of that end, rounded down (``PREFILL_QUANTUM``)."""
+    ``budget`` tokens and one slice of its model's work; short of that end, rounded down (``PREFILL_QUANTUM``).
+    ``at``: (prefilled, snapshot_at) of a sequence not started yet (:func:`start_point`); by default its own."""
+    prefilled, snapshot_at = at or (sequence.prefilled, sequence.snapshot_at)
     end = len(sequence.request.prompt)
-    if sequence.snapshot_at is not None and sequence.prefilled < sequence.snapshot_at:
-        end = sequence.snapshot_at
-    remaining = min(end - sequence.prefilled, budget)
+    if snapshot_at is not None and prefilled < snapshot_at:
+        end = snapshot_at
+    remaining = min(end - prefilled, budget)
     if remaining <= 0:
         return max(remaining, 0)
     budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
     scored = bool(sequence.request.prompt_logprobs)
-    length = sequence.served.model.chunk_length(budget.slice_flops, sequence.prefilled, remaining, budget.cost, scored)
-    if sequence.prefilled + length == end:
+    length = sequence.served.model.chunk_length(budget.slice_flops, prefilled, remaining, budget.cost, scored)
+    if prefilled + length == end:
         return length
     return length - length % PREFILL_QUANTUM if length >= PREFILL_QUANTUM else 1 << (length.bit_length() - 1)
 

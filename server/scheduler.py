@@ -7,24 +7,28 @@ iteration, and one decode step per model per iteration (``server/generation.py``
 
 1. takes new work from the inbox (blocking only when idle, or until the transduce gathering window ends);
 2. sweeps: ends work whose client went away (a long transduce stops before its next slice), takes out what ended;
-3. runs transduce units for about one slice in all, in fair order;
-4. admits waiting sequences, in fair order, up to ``max_running`` and while their memory fits;
-5. prefills up to ``prefill_chunk_tokens`` prompt tokens for about one slice, in fair order, chunks of one model
-   and length batched;
-6. runs one decode step per model and context class over its decoding sequences (continuous batching: a
-   sequence joins the batch after its prefill and leaves it when it finishes, whatever its length and
-   architecture; a class holds the sequences whose prompt + max_tokens have one bit length, so that the
-   padded caches of a batch hold at most 2x what their rows need, as ``ModelBudget.context_cost`` reserves);
-7. hands every event of the iteration to the event loop at once.
+3. plans the whole iteration (``plan``), then runs and applies it phase by phase:
+4. transduce units for about one slice in all, in fair order;
+5. the waiting sequences admitted, in fair order, up to ``max_running`` and while their memory fits, start;
+6. up to ``prefill_chunk_tokens`` prompt tokens prefilled for about one slice, in fair order, chunks of one model
+   and length batched (the sequences just admitted among them, from where the state cache lets each begin);
+7. one decode step per model and context class over its decoding sequences (continuous batching: a
+   sequence joins the batch once its prefill has sampled its first token, and leaves it when it finishes, whatever
+   its length and architecture; a class holds the sequences whose prompt + max_tokens have one bit length, so that
+   the padded caches of a batch hold at most 2x what their rows need, as ``ModelBudget.context_cost`` reserves);
+8. sweeps again, and hands every event of the iteration to the event loop at once.
 
-Steps 3-6 each go plan, run, apply: the scheduler's ``plan_*`` decides what runs, in which order, from its state
-alone (no model call, no change); the executor (``server/executor.py``) runs the plan (the model calls, their
-timing, the sampling), stopping when about one slice has been spent; ``apply_*`` charges fairness and memory and
-moves the work's status (``server/work.py``: waiting, prefilling, decoding, slicing, finished with a reason). One
-sweep (step 2, after the transduce step, and last) is the only place work leaves the scheduler and answers leave
-the work: there each request is handed what it was answered (its outbox), memory is released, and a finished
-request leaves the queue that admission counts (``RequestQueue``: 429 when full), which the scheduler owns; the
-metrics only observe.
+``plan`` decides what runs, in which order, from the scheduler's state alone (no model call, no change): one
+:class:`server.executor.Plan` of every phase, before any of them runs. The executor (``server/executor.py``) runs each
+phase of it (the model calls, their timing, the sampling), stopping when about one slice has been spent, and drops
+only what running has made moot (a sequence that failed to start, one whose last chunk did not run yet); ``apply_*``
+charges fairness and memory and moves the work's status (``server/work.py``: waiting, prefilling, decoding, slicing,
+finished with a reason), each phase's before the next phase runs (so that a sequence has left the queue before its
+first chunk can end it). What the plan cannot know is left to the next iteration: memory that transduce work ending
+in this one releases, and the service this one charges. The sweep (step 2 and last) is the only place work leaves
+the scheduler and answers leave the work: there each request is handed what it was answered (its outbox), memory is
+released, and a finished request leaves the queue that admission counts (``RequestQueue``: 429 when full), which the
+scheduler owns; the metrics only observe.
 
 **Fairness** (``FairShare``): every request belongs to a flow, its client (the peer address). Transduce work
 is taken least-served flow first, then, within a flow, least-served request first, then oldest: a flow's
@@ -66,13 +70,14 @@ from server.executor import (
     DecodeResult,
     DecodeWork,
     Executor,
+    Plan,
     PrefillGroup,
     PrefillResult,
     TransducePlan,
     TransduceResult,
     TransduceUnit,
 )
-from server.generation import DecodeBatch, Sequence, prefill_length
+from server.generation import DecodeBatch, Sequence, prefill_length, start_point
 from server.mailbox import Postman
 from server.metrics import ServerMetrics
 from server.settings import Settings
@@ -174,6 +179,11 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         self.decoding: dict[tuple[str, int], DecodeBatch] = {}  # (model id, context class) -> its decode batch
 
+    @property
+    def state_cache(self) -> StateCache:
+        """The executor's prefix states (one cache: it takes from it what the plan found there)."""
+        return self.executor.state_cache
+
     def loop(self) -> None:
         while self._receive():
             self.iteration()
@@ -181,21 +191,29 @@ class Scheduler:
         self.postman.flush()
 
     def iteration(self) -> None:
-        """Steps 2-7 of the module docstring, on the work already received: each step planned, run by the
-        executor, and its result applied; the sweep takes out what ended (the transduce work's after its step too)."""
+        """Steps 2-8 of the module docstring, on the work already received: the sweep, one plan, each of its phases
+        run by the executor and its result applied, the sweep."""
         self.sweep()
-        plan = self.plan_transduce(time.monotonic())
-        self.apply_transduce(plan, self.executor.transduce(plan))
-        self.sweep(sequences=False)
-        admitted = self.plan_admissions()
-        self.executor.start(admitted)
-        self.apply_admissions(admitted)
-        groups = self.plan_prefill(self.clock())
-        self.apply_prefill(self.executor.prefill(groups))
-        work = self.plan_decode()
-        self.apply_decode(self.executor.decode(work))
+        plan = self.plan(time.monotonic(), self.clock())
+        self.apply_transduce(plan.transduce, self.executor.transduce(plan.transduce))
+        self.executor.start(plan.admitted)
+        self.apply_admissions(plan.admitted)
+        self.apply_prefill(self.executor.prefill(plan.prefill))
+        self.apply_decode(self.executor.decode(plan.decode))
         self.sweep()
         self.postman.flush()
+
+    def plan(self, now: float, clock_now: float) -> Plan:
+        """The iteration's work, from the scheduler's state alone (no model call, no change): transduce units, the
+        sequences to admit (within the memory the planned units leave), prefill chunks (the admitted sequences'
+        first ones from where :func:`server.generation.start_point` says each will begin), and one decode step per
+        batch, joined by the sequences whose prompt the planned chunks complete. ``now``: ``time.monotonic()``,
+        what arrivals are stamped with; ``clock_now``: the scheduler's clock."""
+        transduce = self._plan_transduce(now)
+        admitted = self._plan_admissions(self.memory.held + sum(unit.holds for unit in transduce.units))
+        starts = {id(sequence): start_point(sequence, self.state_cache) for sequence in admitted}
+        prefill = self._plan_prefill(clock_now, admitted, starts)
+        return Plan(transduce, admitted, prefill, self._plan_decode(prefill, starts))
 
     # --- intake -------------------------------------------------------------------------------------------
 
@@ -263,11 +281,10 @@ class Scheduler:
 
     # --- the sweep ----------------------------------------------------------------------------------------
 
-    def sweep(self, sequences: bool = True) -> None:
+    def sweep(self) -> None:
         """The one pass over the work: ends the work whose client went away, hands each request what it was answered
         (``Work.emit``), takes out what has ended or been computed (its memory released, finished requests counted
-        out of the queue), and forgets the flows that have nothing left. ``sequences`` False: the transduce work
-        only, the flows kept (after the transduce step: the memory of what ended is back before admissions)."""
+        out of the queue), and forgets the flows that have nothing left."""
         flows: set[str] = set()
         finished: dict[int, Work] = {}
 
@@ -284,15 +301,14 @@ class Scheduler:
                 self.memory.release(long.item.cost.nbytes)
             long.close()
         self.long = kept
-        if sequences:
-            self.waiting = deque(_settle(self.waiting, self.metrics, flows, finished))
-            self.prefilling = _settle(self.prefilling, self.metrics, flows, finished)
-            for key, batch in list(self.decoding.items()):
-                if len(_settle(batch.sequences, self.metrics, flows, finished)) < len(batch.sequences):
-                    batch.drop_finished()
-                if not batch.sequences:
-                    del self.decoding[key]
-            self.fair.keep_only(flows)
+        self.waiting = deque(_settle(self.waiting, self.metrics, flows, finished))
+        self.prefilling = _settle(self.prefilling, self.metrics, flows, finished)
+        for key, batch in list(self.decoding.items()):
+            if len(_settle(batch.sequences, self.metrics, flows, finished)) < len(batch.sequences):
+                batch.drop_finished()
+            if not batch.sequences:
+                del self.decoding[key]
+        self.fair.keep_only(flows)
         for work in finished.values():
             if isinstance(work, Sequence) and work.reserved_bytes:
                 self.memory.release(work.reserved_bytes)
@@ -317,7 +333,7 @@ class Scheduler:
 
     # --- transduce ----------------------------------------------------------------------------------------
 
-    def plan_transduce(self, now: float) -> TransducePlan:
+    def _plan_transduce(self, now: float) -> TransducePlan:
         """Batches (once the gathering window is over) and long-input slices, least-served flow first, then
         least-served request, then oldest; a unit whose memory does not fit now waits (a long input holds its
         memory from its first slice). ``now``: ``time.monotonic()``, what arrivals are stamped with."""
@@ -386,13 +402,13 @@ class Scheduler:
             key=lambda sequence: (self.fair.priority([sequence.flow]), sequence.service, sequence.times.arrival),
         )
 
-    def plan_admissions(self) -> list[Sequence]:
+    def _plan_admissions(self, held: int) -> list[Sequence]:
         """The waiting sequences to start, least-served flow first, while there is room (``max_running``) and
-        their memory fits."""
+        their memory fits beside ``held`` bytes."""
         room = self.settings.max_running - self._running()
         if room <= 0:
             return []  # nothing to order while no sequence can start
-        admitted, held = [], self.memory.held
+        admitted = []
         for sequence in self._fair_order(self.waiting):
             if len(admitted) >= room:
                 break
@@ -414,24 +430,28 @@ class Scheduler:
                 self.prefilling.append(sequence)
         self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in started)
 
-    def plan_prefill(self, now: float) -> list[PrefillGroup]:
-        """Chunks for the prefilling sequences in fair order, within the token budget (``prefill_chunk_tokens``),
-        grouped by model, context class and chunk length. A sequence served more than a slice beyond the
-        least-served running one (prefilling or decoding) yields to it, so that a short request is prefilled and
-        decoded beside a long prompt as if alone, once the slice in progress ends; but it waits no longer than its
-        last round took (``prefill_resumes_at``), so that a long prompt keeps half the engine however many short
-        requests come. The executor runs the groups for about one slice."""
+    def _plan_prefill(
+        self, now: float, admitted: list[Sequence], starts: dict[int, tuple[int, int | None]]
+    ) -> list[PrefillGroup]:
+        """Chunks for the prefilling sequences and the ``admitted`` ones (each from its ``starts`` entry) in fair
+        order, within the token budget (``prefill_chunk_tokens``), grouped by model, context class and chunk length.
+        A sequence served more than a slice beyond the least-served running one (prefilling or decoding) yields to
+        it, so that a short request is prefilled and decoded beside a long prompt as if alone, once the slice in
+        progress ends; but it waits no longer than its last round took (``prefill_resumes_at``), so that a long
+        prompt keeps half the engine however many short requests come. The executor runs the groups for about one
+        slice."""
         slice_seconds = self.settings.slice_ms / 1000
-        running = [*self.prefilling, *self._decoding_sequences()]
-        least_served = min((sequence.service for sequence in running), default=0.0)
+        prefilling = [*self.prefilling, *admitted]
+        least_served = min((sequence.service for sequence in [*prefilling, *self._decoding_sequences()]), default=0.0)
         budget = self.settings.prefill_chunk_tokens
         groups: dict[tuple[str, int, int], list[Sequence]] = {}  # (model, context class, chunk length)
-        for sequence in self._fair_order(self.prefilling):
-            if budget <= 0 and sequence.prefilling:
+        for sequence in self._fair_order(prefilling):
+            at = starts.get(id(sequence))
+            if budget <= 0 and (at[0] if at else sequence.prefilled) < len(sequence.request.prompt):
                 break
             if sequence.service > least_served + slice_seconds and now < sequence.prefill_resumes_at:
                 continue
-            length = prefill_length(sequence, budget)
+            length = prefill_length(sequence, budget, at)
             budget -= length
             groups.setdefault((*_decode_key(sequence), length), []).append(sequence)
         return [PrefillGroup(sequences, length) for (*_, length), sequences in groups.items()]
@@ -445,13 +465,17 @@ class Scheduler:
                 sequence.service += seconds / len(group.sequences)
                 sequence.prefill_resumes_at = result.ended + (result.ended - result.started)
 
-    def plan_decode(self) -> list[DecodeWork]:
-        """One step per decode batch, the sequences whose first token is sampled joining theirs (those that ended
-        meanwhile wait for the sweep)."""
+    def _plan_decode(
+        self, prefill: list[PrefillGroup], starts: dict[int, tuple[int, int | None]]
+    ) -> list[DecodeWork]:
+        """One step per decode batch, joined by the sequences whose prompt the ``prefill`` chunks complete (the
+        executor takes those whose first token it sampled: ``ready_work``)."""
         joining: dict[tuple[str, int], list[Sequence]] = {}
-        for sequence in self.prefilling:
-            if sequence.ready_to_decode:
-                joining.setdefault(_decode_key(sequence), []).append(sequence)
+        for group in prefill:
+            for sequence in group.sequences:
+                prefilled = starts[id(sequence)][0] if id(sequence) in starts else sequence.prefilled
+                if prefilled + group.length == len(sequence.request.prompt):
+                    joining.setdefault(_decode_key(sequence), []).append(sequence)
         keys = [*self.decoding, *(key for key in joining if key not in self.decoding)]
         return [DecodeWork(key, self.decoding.get(key), joining.get(key, [])) for key in keys]
 

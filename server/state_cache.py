@@ -56,12 +56,7 @@ class StateCache:
         """The snapshot of the longest stored prefix of ``tokens`` (a fresh clone of it), or None."""
         self.stats.queries += 1
         self.stats.query_tokens += len(tokens)
-        key = _key(tokens)
-        best = None
-        for entry_key in self._entries:
-            entry_model, prefix = entry_key
-            if entry_model == model_id and key.startswith(prefix) and (best is None or len(prefix) > len(best[1])):
-                best = entry_key
+        best = self._longest(model_id, tokens)
         if best is None:
             return None
         self._entries.move_to_end(best)
@@ -69,6 +64,22 @@ class StateCache:
         self.stats.hits += 1
         self.stats.hit_tokens += snapshot.length
         return Snapshot(snapshot.cache.clone(), snapshot.logits, snapshot.length)
+
+    def peek(self, model_id: str, tokens: list[int]) -> int:
+        """How many tokens :meth:`lookup` would take from the cache now (0: none); changes nothing (the scheduler plans
+        with it)."""
+        best = self._longest(model_id, tokens)
+        return 0 if best is None else self._entries[best].length
+
+    def _longest(self, model_id: str, tokens: list[int]) -> tuple[str, bytes] | None:
+        """The key of the longest stored prefix of ``tokens``, or None."""
+        key = _key(tokens)
+        best = None
+        for entry_key in self._entries:
+            entry_model, prefix = entry_key
+            if entry_model == model_id and key.startswith(prefix) and (best is None or len(prefix) > len(best[1])):
+                best = entry_key
+        return best
 
     def tail_position(self, prompt_tokens: int) -> int | None:
         """Where a prompt of ``prompt_tokens`` tokens is also snapshotted on its way: ``tail_tokens`` before its end,

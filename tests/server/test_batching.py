@@ -263,7 +263,7 @@ def test_a_request_that_came_during_a_slice_is_not_held_for_the_gathering_window
     short.times.arrival -= 0.05  # it came during that slice
     sent = clock.now
     receive(worker, short)
-    assert worker.plan_transduce(time.monotonic()).units[0].items[0].job is short
+    assert worker.plan(time.monotonic(), worker.clock()).transduce.units[0].items[0].job is short
     worker.iteration()
     assert short.done and clock.now - sent <= 0.05 + 1e-3
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from model.base import Cost
 from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
@@ -18,7 +19,7 @@ from server.batching import TransduceJob, TransduceOutput
 from server.costing import ModelBudget, ModelSpeed
 from server.engine import Engine
 from server.errors import InputTooLarge, Overloaded, Unavailable
-from server.executor import Call, DecodeResult, PrefillResult, TransduceResult
+from server.executor import Call, DecodeResult, PrefillResult, TransduceResult, live_groups, ready_work
 from server.generation import DecodeBatch, GenerationRequest, Sequence
 from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
@@ -66,6 +67,13 @@ class FakeCache:
     def select(self, rows: list[int]) -> FakeCache:
         return FakeCache(len(rows))
 
+    @property
+    def nbytes(self) -> int:
+        return self.rows
+
+    def clone(self) -> FakeCache:
+        return FakeCache(self.rows)
+
 
 class FakeExecutor:
     """Runs a plan as ``server/executor.py`` does, in order until a slice has been spent (one unit at least), each
@@ -74,6 +82,7 @@ class FakeExecutor:
 
     def __init__(self, clock: FakeClock, metrics: ServerMetrics, slice_s: float) -> None:
         self.clock, self.metrics, self.slice_s = clock, metrics, slice_s
+        self.state_cache = StateCache(0, 0, 0)  # what the scheduler plans admissions with (starts ignore it)
         self.log: list[tuple[str, object]] = []  # ("batch", job ids) | ("slice", job) | ("prefill", ...) | ...
 
     def _call(self) -> float:
@@ -108,7 +117,7 @@ class FakeExecutor:
 
     def prefill(self, groups) -> PrefillResult:
         started, ran = self.clock.now, []
-        for group in self._within_a_slice(groups):
+        for group in self._within_a_slice(live_groups(groups)):
             self.log.append(("prefill", [(sequence, group.length) for sequence in group.sequences]))
             for sequence in group.sequences:
                 sequence.prefilled += group.length
@@ -119,7 +128,7 @@ class FakeExecutor:
 
     def decode(self, work) -> DecodeResult:
         ran = []
-        for each in work:
+        for each in ready_work(work):
             batch = each.batch or DecodeBatch()
             batch.join(each.joining)
             self.log.append(("decode", list(batch.sequences)))
@@ -143,7 +152,7 @@ def make_scheduler(clock: FakeClock, memory_budget: int = 2**40, **settings) -> 
     metrics = ServerMetrics()
     settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, **settings})
     executor = FakeExecutor(clock, metrics, settings.slice_ms / 1000)
-    return Scheduler(settings, metrics, StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), memory_budget,
+    return Scheduler(settings, metrics, executor.state_cache, queue.SimpleQueue(), Postman(), memory_budget,
                      RequestQueue(settings.max_waiting), clock, executor)  # fmt: skip
 
 
@@ -193,8 +202,8 @@ def test_transduce_takes_the_least_served_flow_first_and_two_heavy_flows_alterna
     assert ran(worker, "slice") == [first, second, first, second]
     newcomer = job(served, 4, clock, "c")
     admitted(worker, newcomer)
-    plan = worker.plan_transduce(time.monotonic())  # what arrivals are stamped with
-    assert [unit.items[0].job for unit in plan.units] == [newcomer, first, second]
+    plan = worker.plan(time.monotonic(), clock.now)  # what arrivals are stamped with, the scheduler's clock
+    assert [unit.items[0].job for unit in plan.transduce.units] == [newcomer, first, second]
     worker.iteration()
     assert newcomer.done and newcomer.finish_reason == "stop"
 
@@ -225,7 +234,8 @@ def test_admission_and_prefill_take_the_least_served_flow_first(clock) -> None:
     heavy, light = sequence(served, 10, 4, clock, "heavy"), sequence(served, 10, 4, clock, "light")
     admitted(worker, heavy, light)
     worker.fair.charge({"heavy": 1.0}, 1.0)  # the heavy client has been served a second already
-    assert worker.plan_admissions() == [light]
+    plan = worker.plan(time.monotonic(), clock.now)
+    assert plan.admitted == [light] and [group.sequences for group in plan.prefill] == [[light]]
 
 
 # --- memory, and the 413 / 429 rules ---------------------------------------------------------------------------
@@ -288,9 +298,10 @@ def test_the_prefill_token_budget_is_split_in_fair_order_and_a_cut_chunk_is_roun
     worker = make_scheduler(clock, prefill_chunk_tokens=100)
     first, second = sequence(served, 80, 4, clock), sequence(served, 80, 4, clock)
     admitted(worker, first, second)
-    worker.apply_admissions(worker.plan_admissions())
-    groups = worker.plan_prefill(clock.now)
-    assert [(group.sequences, group.length) for group in groups] == [([first], 80), ([second], 16)]
+    plan = worker.plan(time.monotonic(), clock.now)  # they are admitted and prefilled in the same iteration
+    assert plan.admitted == [first, second]
+    assert [(group.sequences, group.length) for group in plan.prefill] == [([first], 80), ([second], 16)]
+    assert [each.joining for each in plan.decode] == [[first]]  # the chunk that completes its prompt
 
 
 def test_a_long_prompt_yields_to_a_short_one_for_no_longer_than_its_last_round(clock) -> None:
@@ -302,11 +313,10 @@ def test_a_long_prompt_yields_to_a_short_one_for_no_longer_than_its_last_round(c
         worker.iteration()
     short = sequence(served, 8, 4, clock)
     admitted(worker, short)
-    worker.apply_admissions(worker.plan_admissions())
-    groups = worker.plan_prefill(clock.now)
+    groups = worker.plan(time.monotonic(), clock.now).prefill
     assert [group.sequences for group in groups] == [[short]]  # served 8 rounds more than the short one: it yields
     clock.advance(long.prefill_resumes_at - clock.now)
-    assert [group.sequences for group in worker.plan_prefill(clock.now)] == [[short], [long]]
+    assert [group.sequences for group in worker.plan(time.monotonic(), clock.now).prefill] == [[short], [long]]
 
 
 # --- cancellation and drain -------------------------------------------------------------------------------------
@@ -372,7 +382,8 @@ def test_a_sequence_that_ends_at_its_first_decode_step_stays_finished(clock) -> 
 
 
 def test_planning_changes_nothing(clock) -> None:
-    """``plan_*`` decide from the scheduler's state alone: asked twice, they answer the same, and nothing moved."""
+    """``plan`` decides the whole iteration from the scheduler's state alone: asked twice, it answers the same, and
+    nothing moved (not the state cache's order either)."""
     lm, transduce = language_model(), transducer_of(clock)
     worker = make_scheduler(clock, max_running=2, slice_ms=1.0)
     work = [sequence(lm, 10, 100, clock), sequence(lm, 3000, 4, clock), sequence(lm, 10, 4, clock, "other")]
@@ -381,25 +392,43 @@ def test_planning_changes_nothing(clock) -> None:
 
     def state() -> tuple:
         return (worker.memory.held, dict(worker.fair.service), worker.queue.waiting, worker.jobs_waiting,
-                worker.last_run_jobs, len(worker.short),
-                len(worker.long), list(worker.waiting), list(worker.prefilling), dict(worker.decoding),
-                [(each.status, each.service, each.prefilled) for each in work])  # fmt: skip
+                worker.last_run_jobs, len(worker.short), len(worker.long), list(worker.waiting),
+                list(worker.prefilling), dict(worker.decoding),
+                [(each.status, each.service, each.prefilled, each.snapshot_at) for each in work])  # fmt: skip
+
+    def shape(plan) -> tuple:
+        return ([(unit.items, unit.holds) for unit in plan.transduce.units], plan.admitted,
+                [(group.sequences, group.length) for group in plan.prefill],
+                [(each.key, each.batch, each.joining) for each in plan.decode])  # fmt: skip
 
     before = state()
-    plans = [
-        (
-            [(unit.items, unit.holds) for unit in worker.plan_transduce(time.monotonic()).units],
-            worker.plan_admissions(),
-            [(group.sequences, group.length) for group in worker.plan_prefill(clock.now)],
-            [(each.key, each.batch, each.joining) for each in worker.plan_decode()],
-        )
-        for _ in range(2)
-    ]
+    plans = [shape(worker.plan(time.monotonic(), clock.now)) for _ in range(2)]
     assert plans[0] == plans[1] and state() == before
     # After one iteration of 1 ms slices (each fake call takes 10): the long input had a slice, and the short one comes
-    # first now; "other" was admitted first (the transduce work had charged "client"), its prompt prefilled and it
-    # decodes; there is no room for a third sequence, and the second's prompt is next.
+    # first now; the first two sequences were admitted (in arrival order: nothing had been charged yet), the first's
+    # prompt prefilled and it decodes; there is no room for the third, and the second's prompt is next (1,000 tokens
+    # a slice, rounded down to PREFILL_QUANTUM).
     transduce_units, admissions, prefill_groups, decode_work = plans[0]
     assert [len(items[0].tokens) for items, _ in transduce_units] == [4, 10_000]
-    assert admissions == [] and prefill_groups == [([work[0]], 10)] and [each[2] for each in decode_work] == [[]]
-    assert [each.status for each in work] == [Status.PREFILLING, Status.WAITING, Status.DECODING]
+    assert admissions == [] and prefill_groups == [([work[1]], 960)] and [each[2] for each in decode_work] == [[]]
+    assert [each.status for each in work] == [Status.DECODING, Status.PREFILLING, Status.WAITING]
+
+
+def test_an_admitted_sequence_is_planned_from_where_the_state_cache_lets_it_begin(clock) -> None:
+    """A prompt whose first 60 tokens are in the state cache: its first chunk, planned before it starts, is the 40
+    tokens after them (``start_point``), and that chunk completes its prompt, so it joins its decode step; the cache
+    is only looked at (its entries' order kept) until the sequence starts."""
+    served = language_model()
+    worker = make_scheduler(clock)
+    cache = StateCache(max_entries=4, max_bytes=2**20, min_tokens=8)
+    cache.store(served.id, [65] * 60, FakeCache(), torch.zeros(4))
+    cache.store(served.id, [66] * 60, FakeCache(), torch.zeros(4))
+    worker.executor.state_cache = cache
+    asked = sequence(served, 100, 4, clock)
+    admitted(worker, asked)
+    plan = worker.plan(time.monotonic(), clock.now)
+    assert plan.admitted == [asked] and [(group.sequences, group.length) for group in plan.prefill] == [([asked], 40)]
+    assert [each.joining for each in plan.decode] == [[asked]]
+    assert [key[1][:8] for key in cache._entries] == [bytes(array("q", [65])), bytes(array("q", [66]))]
+    assert cache.peek(served.id, [65] * 100) == 60 and cache.peek(served.id, [67] * 100) == 0
+    assert cache.stats.queries == 0
