@@ -36,12 +36,15 @@ every position read at its own D(t)), tested to give this one's logits on its we
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+
 import torch
 from torch import nn
 
 from model import regulargpt_cost
 from model.base import CallPath, Cost, SequenceModel, TokenEmbedding, check_lengths, lengths_tensor
 from model.config import RegularGPTConfig
+from model.exact import Pieces, in_slices
 from model.layers import Block, HeadProjections, init_gpt2
 from model.ops import cpu_decode
 from model.ops.dilated_attention import AUTO_REFERENCE_MAX_T, dilated_attention
@@ -200,6 +203,58 @@ class RegularGPT(SequenceModel):
     def cache_nbytes(self, length: int) -> int:
         """One row after ``length`` tokens, as allocated (:func:`model.regulargpt_cost.cache_nbytes`)."""
         return regulargpt_cost.cache_nbytes(self.config, self.dtype.itemsize, length)
+
+    def run_in_slices(
+        self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
+    ) -> Generator[float, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """tokens: (1, T), in slices of about ``slice_flops``. Outputs "final": :meth:`final_logits`'s shrinking path,
+        O(T), each thick layer over pieces of its positions (a piece also recomputes the K (C - 1) positions before
+        it, whose keys its first positions read through the K blocks), a slice ending between pieces;
+        ``all_outputs``: every position through the cache (:meth:`SequenceModel.run_in_slices`, O(T log T))."""
+        if all_outputs:
+            return (yield from super().run_in_slices(tokens, all_outputs, slice_flops))
+        return (yield from in_slices(self._final_pieces(tokens, slice_flops), slice_flops))
+
+    def _final_pieces(self, tokens: torch.Tensor, piece_flops: float) -> Pieces[tuple[torch.Tensor, None]]:
+        """tokens: (1, T) -> (final logits (output_size,), None), :meth:`final_logits` for one unpadded row."""
+        chunk_size, halo = self.config.chunk_size, self.config.thickness * (self.config.chunk_size - 1)
+        per_position = self._final_flops_per_position(tokens.shape[1])
+        piece = max(1, int(piece_flops // per_position) - halo)  # with its halo, within ``piece_flops``
+        x = self.embedding(tokens)  # (1, T, d)
+        for _ in range(adaptive_depth(tokens.shape[1] - 1, chunk_size)):
+            length = x.shape[1]
+            first = (length - 1) % chunk_size  # the last element of each chunk is kept, as final_logits keeps it
+            kept = torch.empty(1, (length - 1) // chunk_size + 1, x.shape[2], dtype=x.dtype, device=x.device)
+            for start in range(0, length, piece):
+                end, low = min(length, start + piece), max(0, start - halo)
+                yield per_position * (end - low)
+                y = self._thick_layer(x[:, low:end], dilation=1)  # (1, end - low, d); the halo's own keys are cut
+                own = start + (first - start) % chunk_size  # the first kept position of the piece
+                if own < end:
+                    kept[:, (own - first) // chunk_size : (end - 1 - first) // chunk_size + 1] = y[
+                        :, own - low : end - low : chunk_size]  # fmt: skip
+            x = kept
+        return self._logits(x[:, -1])[0], None  # (1, d) -> (output_size,)
+
+    def _final_flops_per_position(self, length: int) -> float:
+        """The "final" path's multiply-adds per position of its thick layers (all of its layers' positions)."""
+        positions, layer = 0, length
+        for _ in range(adaptive_depth(length - 1, self.config.chunk_size)):
+            positions, layer = positions + layer, (layer - 1) // self.config.chunk_size + 1
+        return self.cost("final", 1, length).flops / positions
+
+    def slices_cost(
+        self, length: int, all_outputs: bool, slice_flops: float, cost: Callable[..., Cost] | None = None
+    ) -> Cost:
+        """:meth:`run_in_slices`: with outputs "final", the shrinking path's multiply-adds (the pieces' recomputed
+        positions are few) and, at its peak, the first layer's input and kept output beside one piece's pass."""
+        if all_outputs:
+            return super().slices_cost(length, all_outputs, slice_flops, cost)
+        cost = cost or self.cost
+        final = cost("final", 1, length)
+        piece = max(1, int(slice_flops // self._final_flops_per_position(length)))  # with its halo: at most this
+        hidden = length * self.config.d_model * self.dtype.itemsize
+        return Cost(flops=final.flops, nbytes=2 * hidden + cost("final", 1, min(length, piece)).nbytes)
 
     @property
     def _impl(self) -> str:

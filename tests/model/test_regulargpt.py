@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from model import regulargpt, regulargpt_cache, regulargpt_cost
 from model.config import RegularGPTConfig
+from model.ops import cpu_decode
 from model.regulargpt import RegularGPT
 from model.regulargpt_cache import (
     BandedPlan,
@@ -526,3 +527,42 @@ def test_gpt2_initialisation() -> None:
 def test_config_rejects_chunk_size_one() -> None:
     with pytest.raises(ValueError, match="chunk_size"):
         dataclasses.replace(make().config, chunk_size=1)
+
+
+@pytest.mark.parametrize(("chunk_size", "thickness", "out_of_range", "invariant"),
+                         [(2, 1, "null", False), (2, 2, "null", True), (3, 2, "mask", False)])
+def test_run_in_slices_with_final_outputs_is_the_shrinking_path_in_pieces(
+    chunk_size, thickness, out_of_range, invariant, request
+) -> None:
+    """Outputs "final" run ``final_logits``'s O(T) path one thick layer at a time, in pieces down to one position
+    (each recomputing the K (C - 1) positions before it): the same logits, slices within their budget, and the
+    multiply-adds of the "final" path that ``slices_cost`` declares (the server's limits and job times read it).
+    ``invariant``: under the server's batch invariance (its CPU default), whose head product takes rows."""
+    cpu_decode.set_row_invariant(invariant)
+    request.addfinalizer(lambda: cpu_decode.set_row_invariant(False))
+    torch.manual_seed(0)
+    config = RegularGPTConfig(vocab_size=5, num_labels=3, d_model=16, n_heads=2, d_ff=32, chunk_size=chunk_size,
+                              thickness=thickness, out_of_range=out_of_range)  # fmt: skip
+    model = RegularGPT(config).eval()
+    for length in (1, 2, 7, 100, 513):
+        tokens = torch.randint(0, 5, (1, length))
+        with torch.no_grad():
+            expected = model.final_logits(tokens)[0]
+            whole = model.cost("final", 1, length).flops
+            for slice_flops in (1.0, whole / 10, 10 * whole):
+                slices = model.run_in_slices(tokens, False, slice_flops)
+                done = []
+                while True:
+                    try:
+                        done.append(next(slices))
+                    except StopIteration as stop:
+                        final, labels = stop.value
+                        break
+                assert labels is None and torch.allclose(final, expected, atol=1e-5), (length, slice_flops)
+                halo = thickness * (chunk_size - 1)  # positions a piece recomputes: all of them at one a piece
+                assert whole * (1 - 1e-9) <= sum(done) <= (1 + halo) * whole * (1 + 1e-9)
+                if slice_flops == 10 * whole:
+                    assert len(done) == 1
+        declared = model.slices_cost(length, False, whole / 10)
+        assert declared.flops == whole and declared.nbytes >= 2 * length * 16 * 4
+    assert model.slices_cost(513, True, 1e6) == super(RegularGPT, model).slices_cost(513, True, 1e6)
