@@ -29,6 +29,9 @@ Three exact paths:
   a chunk of n new positions per row runs every thick layer over them at once, each row read at its own D(t).
   Never T x T, never O(T) per position.
 
+A long input in the server runs in bounded slices (``run_in_slices``): its final output by the shrinking path, each
+thick layer in pieces of positions; every position's output through the cache.
+
 What each call costs, for the path and the attention it runs, is model/regulargpt_cost.py's. To read first:
 model/reference/regulargpt_minimal.py, the same model in plain PyTorch (a T x T mask, the K blocks at each depth,
 every position read at its own D(t)), tested to give this one's logits on its weights (tests/model/test_minimal.py).
