@@ -205,7 +205,12 @@ class SequenceModel(nn.Module, ABC):
     ) -> Cost:
         """What :meth:`run_in_slices` costs for one input of ``length`` symbols: all its slices' multiply-adds,
         and the peak bytes it holds (for causal models the cache at full length plus the largest chunk's
-        activations). ``cost``: :meth:`cost` or a memo of it."""
+        activations: :meth:`cached_slices_cost`). ``cost``: :meth:`cost` or a memo of it."""
+        return self.cached_slices_cost(length, slice_flops, cost)
+
+    def cached_slices_cost(self, length: int, slice_flops: float, cost: Callable[..., Cost] | None = None) -> Cost:
+        """``length`` tokens through the cache in chunks of about ``slice_flops``: a prompt's prefill (what a
+        language model's context costs), and the default :meth:`run_in_slices`."""
         cost = cost or self.cost
         chunk = self.chunk_length(slice_flops, context=length, limit=length, cost=cost)
         return Cost(

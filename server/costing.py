@@ -138,12 +138,12 @@ class ModelBudget:
         of its decode batch (``context_class``: at most ``class_length``) plus one chunk's activations. Padded
         layouts (the transformer's KV, RegularGPT's windows) give every row of a stacked cache the longest row's
         room, which is why decode batches are formed per context class. A cache of one size at every length
-        (``constant_state``) is never padded: its multiply-adds are its own length's (those of ``slices_cost``, one
-        cached pass over it), its bytes its class's (the same but for short contexts, where the chunk may be longer),
+        (``constant_state``) is never padded: its multiply-adds are its own length's (those of ``cached_slices_cost``,
+        one cached pass over it), its bytes its class's (the same but for short contexts, where the chunk may be longer),
         so that the bisection below stays in the memo."""
         # Through the memo of the cost formulas: asked once per generated sequence, and its bisection over chunk
         # lengths took ~0.75 ms through the formulas themselves.
-        padded = self.model.slices_cost(class_length(context_class(length)), False, self.slice_flops, self.cost)
+        padded = self.model.cached_slices_cost(class_length(context_class(length)), self.slice_flops, self.cost)
         if self.constant_state:
             return Cost(flops=self.cost("cached", 1, length).flops, nbytes=padded.nbytes)
         return padded

@@ -44,7 +44,7 @@ class FakeLanguageModel:
     def cost(self, path: str, rows: int, length: int, context: int = 0) -> Cost:
         return Cost(flops=rows * length, nbytes=rows * (context + length))
 
-    def slices_cost(self, length: int, all_outputs: bool, slice_flops: float, cost=None) -> Cost:
+    def cached_slices_cost(self, length: int, slice_flops: float, cost=None) -> Cost:
         return Cost(flops=length, nbytes=length)
 
     def cache_nbytes(self, length: int) -> int:
