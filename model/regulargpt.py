@@ -239,12 +239,11 @@ class RegularGPT(SequenceModel):
             x = kept
         return self._logits(x[:, -1])[0], None  # (1, d) -> (output_size,)
 
-    def _final_flops_per_position(self, length: int) -> float:
-        """The "final" path's multiply-adds per position of its thick layers (all of its layers' positions)."""
-        positions, layer = 0, length
-        for _ in range(adaptive_depth(length - 1, self.config.chunk_size)):
-            positions, layer = positions + layer, (layer - 1) // self.config.chunk_size + 1
-        return self.cost("final", 1, length).flops / positions
+    def _final_flops_per_position(self, length: int, cost: Callable[..., Cost] | None = None) -> float:
+        """The "final" path's multiply-adds per position of its thick layers (all of its layers' positions).
+        ``cost``: :meth:`cost` or a memo of it."""
+        final = (cost or self.cost)("final", 1, length)
+        return final.flops / sum(regulargpt_cost.final_layers(self.config, length))
 
     def slices_cost(
         self, length: int, all_outputs: bool, slice_flops: float, cost: Callable[..., Cost] | None = None
@@ -255,7 +254,7 @@ class RegularGPT(SequenceModel):
             return super().slices_cost(length, all_outputs, slice_flops, cost)
         cost = cost or self.cost
         final = cost("final", 1, length)
-        piece = max(1, int(slice_flops // self._final_flops_per_position(length)))  # with its halo: at most this
+        piece = max(1, int(slice_flops // self._final_flops_per_position(length, cost)))  # with its halo: at most
         hidden = length * self.config.d_model * self.dtype.itemsize
         return Cost(flops=final.flops, nbytes=2 * hidden + cost("final", 1, min(length, piece)).nbytes)
 

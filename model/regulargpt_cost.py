@@ -49,14 +49,21 @@ def cost(
         flops += rows * length * _head_flops(config)
         return Cost(flops, nbytes + _logits_nbytes(config, itemsize, rows, length))
     if path == "final":
-        layers = [length]
-        while len(layers) < adaptive_depth(length - 1, config.chunk_size):
-            layers.append((layers[-1] - 1) // config.chunk_size + 1)
+        layers = final_layers(config, length)
         flops, nbytes = _pass_cost(config, itemsize, rows, layers, [1] * len(layers), impl)
         return Cost(flops + rows * _head_flops(config), nbytes + _logits_nbytes(config, itemsize, rows, 1))
     if path != "cached":
         raise ValueError(f"unknown call path {path!r}")
     return _cached_cost(config, itemsize, rows, length, context)
+
+
+def final_layers(config: RegularGPTConfig, length: int) -> list[int]:
+    """The positions each thick layer of the "final" (shrinking) path runs over: n_0 = T, n_{l+1} = (n_l - 1) // C + 1,
+    D(T - 1) layers."""
+    layers = [length]
+    while len(layers) < adaptive_depth(length - 1, config.chunk_size):
+        layers.append((layers[-1] - 1) // config.chunk_size + 1)
+    return layers
 
 
 def cache_nbytes(config: RegularGPTConfig, itemsize: int, length: int) -> int:

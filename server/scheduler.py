@@ -211,7 +211,8 @@ class Scheduler:
         what arrivals are stamped with; ``clock_now``: the scheduler's clock."""
         transduce = self._plan_transduce(now)
         admitted = self._plan_admissions(self.memory.held + sum(unit.holds for unit in transduce.units))
-        starts = {id(sequence): start_point(sequence, self.state_cache) for sequence in admitted}
+        starts = {id(sequence): (sequence.prefilled, sequence.snapshot_at) for sequence in self.prefilling}
+        starts |= {id(sequence): start_point(sequence, self.state_cache) for sequence in admitted}
         prefill = self._plan_prefill(clock_now, admitted, starts)
         return Plan(transduce, admitted, prefill, self._plan_decode(prefill, starts))
 
@@ -433,21 +434,21 @@ class Scheduler:
     def _plan_prefill(
         self, now: float, admitted: list[Sequence], starts: dict[int, tuple[int, int | None]]
     ) -> list[PrefillGroup]:
-        """Chunks for the prefilling sequences and the ``admitted`` ones (each from its ``starts`` entry) in fair
-        order, within the token budget (``prefill_chunk_tokens``), grouped by model, context class and chunk length.
-        A sequence served more than a slice beyond the least-served running one (prefilling or decoding) yields to
-        it, so that a short request is prefilled and decoded beside a long prompt as if alone, once the slice in
-        progress ends; but it waits no longer than its last round took (``prefill_resumes_at``), so that a long
-        prompt keeps half the engine however many short requests come. The executor runs the groups for about one
-        slice."""
+        """Chunks for the prefilling sequences and the ``admitted`` ones, each from its ``starts`` entry (prefilled,
+        snapshot_at), in fair order, within the token budget (``prefill_chunk_tokens``), grouped by model, context
+        class and chunk length. A sequence served more than a slice beyond the least-served running one (prefilling
+        or decoding) yields to it, so that a short request is prefilled and decoded beside a long prompt as if alone,
+        once the slice in progress ends; but it waits no longer than its last round took (``prefill_resumes_at``), so
+        that a long prompt keeps half the engine however many short requests come. The executor runs the groups for
+        about one slice."""
         slice_seconds = self.settings.slice_ms / 1000
         prefilling = [*self.prefilling, *admitted]
         least_served = min((sequence.service for sequence in [*prefilling, *self._decoding_sequences()]), default=0.0)
         budget = self.settings.prefill_chunk_tokens
         groups: dict[tuple[str, int, int], list[Sequence]] = {}  # (model, context class, chunk length)
         for sequence in self._fair_order(prefilling):
-            at = starts.get(id(sequence))
-            if budget <= 0 and (at[0] if at else sequence.prefilled) < len(sequence.request.prompt):
+            at = starts[id(sequence)]
+            if budget <= 0 and at[0] < len(sequence.request.prompt):
                 break
             if sequence.service > least_served + slice_seconds and now < sequence.prefill_resumes_at:
                 continue
@@ -473,8 +474,7 @@ class Scheduler:
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for group in prefill:
             for sequence in group.sequences:
-                prefilled = starts[id(sequence)][0] if id(sequence) in starts else sequence.prefilled
-                if prefilled + group.length == len(sequence.request.prompt):
+                if starts[id(sequence)][0] + group.length == len(sequence.request.prompt):
                     joining.setdefault(_decode_key(sequence), []).append(sequence)
         keys = [*self.decoding, *(key for key in joining if key not in self.decoding)]
         return [DecodeWork(key, self.decoding.get(key), joining.get(key, [])) for key in keys]

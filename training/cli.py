@@ -209,11 +209,9 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         kind = "is built by hand, not trained" if args.arch in ARCHITECTURE_CONFIGS else "is unknown"
         raise UsageError(f"architecture {args.arch!r} {kind}; trainable: {', '.join(TRAINABLE_ARCHITECTURES)}")
     _check_sampling(task, args.p_one, args.balanced)
-    if args.power_offset_fraction and task.draw_power_offset is None:
-        raise UsageError(f"--power-offset-fraction: {task.name} has no such strings (only induction_heads has)")
-    if args.power_offset_fraction and (args.p_one is not None or args.balanced):
-        raise UsageError("--power-offset-fraction draws its strings uniformly; it cannot be combined with --p-one or "
-                         "--balanced")
+    if args.power_offset_fraction:
+        _check_power_offsets(task, "--power-offset-fraction", ["--p-one", "--balanced"],
+                             args.p_one is not None or args.balanced)  # fmt: skip
     _check_lengths(task, [args.train_lengths or task.train_lengths, args.eval_lengths or papers_lengths(task)])
     check_new_run(args)
     try:
@@ -246,6 +244,15 @@ def _check_lengths(task: Task, ranges: list[tuple[int, int]]) -> None:
                          f"length range {too_short[0][0]}-{too_short[0][1]} starts below")
 
 
+def _check_power_offsets(task: Task, flag: str, exclusive: list[str], excluded_given: bool) -> None:
+    """``flag`` draws strings by the task's ``draw_power_offset``: the task must have them, and none of the
+    ``exclusive`` sampling flags may be given (``excluded_given``)."""
+    if task.draw_power_offset is None:
+        raise UsageError(f"{flag}: {task.name} has no such strings (only induction_heads has)")
+    if excluded_given:
+        raise UsageError(f"{flag} draws its strings uniformly; it cannot be combined with {' or '.join(exclusive)}")
+
+
 def _check_sampling(task: Task, p_one: float | tuple[float, float] | None, balanced: bool) -> None:
     if balanced and p_one is not None:
         raise UsageError("--balanced and --p-one cannot be combined: balanced draws condition on the label")
@@ -269,10 +276,8 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     task = _task(task_names[0])
     for p_one in args.p_one or []:
         _check_sampling(task, p_one, balanced=False)
-    if args.power_offsets and task.draw_power_offset is None:
-        raise UsageError(f"--power-offsets: {task.name} has no such strings (only induction_heads has)")
-    if args.power_offsets and args.p_one:
-        raise UsageError("--power-offsets draws its strings uniformly; it cannot be combined with --p-one")
+    if args.power_offsets:
+        _check_power_offsets(task, "--power-offsets", ["--p-one"], bool(args.p_one))
     if args.lengths or explicit_bands:
         ranges = args.bands if explicit_bands else split_lengths(args.lengths, args.bands)
         bands = [Band(lengths, p_one) for p_one in (args.p_one or [None]) for lengths in ranges]
