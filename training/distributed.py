@@ -8,6 +8,7 @@ Collectives here are no-ops on one process, so the training loop reads the same 
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -63,15 +64,21 @@ class Distributed:
         return values
 
     def close(self) -> None:
-        """Destroy the process group, which stops gloo's threads there and then.
+        """Destroy the process group and collect what still holds it, which stops gloo's threads there and then.
 
-        torch.distributed.nn binds ``group.WORLD`` as a default argument of its functions when first imported, and
-        DistributedDataParallel imports it; imported after ``init_process_group`` it would keep the group (and its
-        gloo threads) alive to interpreter exit, where tearing them down aborted about one process exit in 20
-        ("terminate called without an active exception"). This module imports it first, while WORLD is None.
+        A gloo thread alive at interpreter exit aborts the process ("terminate called without an active
+        exception", about one exit in 25): it frees a finished collective's tensors, which needs the GIL, and a
+        thread that asks for the GIL while the interpreter finalizes is ended by pthread_exit inside a C++
+        destructor. So nothing may keep the group past here:
+        - DistributedDataParallel sits in reference cycles, freed only by a collection: without ``gc.collect()``
+          the wrapper of a finished run held the group (and its threads) to the collection at exit;
+        - torch.distributed.nn binds ``group.WORLD`` as a default argument of its functions when first imported,
+          and DistributedDataParallel imports it; imported after ``init_process_group`` it would keep the group for
+          good. This module imports it first, while WORLD is None.
         """
         if dist.is_initialized():
             dist.destroy_process_group()
+            gc.collect()
 
     @property
     def _collective_device(self) -> torch.device:
