@@ -18,13 +18,16 @@
 #   8. half the rows pass-key examples, 2,500 steps at lr 3e-4 (runs/pk/K, shipped 12:30-22:50): more of the key
 #      (40 of 50 probe prompts to 64k tokens against 35), a little less of the text;
 #   9. windows of 2,048 tokens with the whole gradient through them (batch 16), half the rows pass-key prompts,
-#      state passing, lr 3e-4 constant, 1,000 steps, on a GPU (runs/gpuM: an H100 run of 6,992 steps that kept step
-#      1,000's weights, its best validation): the first stage whose model predicts better with more context;
+#      state passing, lr 3e-4 constant, 1,000 steps, on a GPU (runs/gpuM: an H100 run of 6,992 steps whose best
+#      validation came at step 1,000): the first stage whose model predicts better with more context;
+#      (The shipped run went on to step 6,992 under --time-budget 407, and a language model's checkpoint holds its
+#      last weights, so stage 10 most likely started from step 6,992's; its folder is not kept to check.)
 #  10. windows of 512 (batch 8), the same mix, 1,000 steps at lr 3e-4 cosine (runs/pk/Q: the shipped weights, its
-#      best validation at step 500): perplexity falls from 84 at 128 tokens of context to 75 at 2,048 and 8,192.
+#      last step's; its best validation came at step 500): perplexity falls from 84 at 128 tokens of context to 75
+#      at 2,048 and 8,192.
 #
 # Trained on one thread of the development CPU beside other jobs, 2026-11-26: 1,410 s + 2,912 s + 1,480 s + 862 s +
-# 2,984 s + 1,718 s + 755 s + 2,027 s, then 407 s on an H100 (stage 9; 63 s to the kept weights) and 1,190 s on the
+# 2,984 s + 1,718 s + 755 s + 2,027 s, then 407 s on an H100 (stage 9; 63 s to step 1,000) and 1,190 s on the
 # CPU. The commands recorded in each run's config.json (metadata.command) are these, with --out runs/pk/G, H, H2,
 # H3, J, J2, J3, K, /tmp/M (stage 9: --time-budget 407 --steps 100000 --eval-every 200), runs/pk/Q;
 # checkpoints/text-lrnn/train.jsonl is stage 10's log.
