@@ -28,9 +28,11 @@ diverged from its solo run beside ten others). Where it is on, a decode step's p
 the kernels at any rows, weight size and thread count: a row's logits are then bit for bit the same in any batch
 (tests/model/test_cpu_decode.py, tests/server/test_sampling.py). The products of :func:`linear` (the head above
 all) then run across outputs instead (:func:`_compile_panel_kernel`): the weight copied once into panels of
-:data:`PANEL` outputs, each output's sum in a fixed order, the panel's outputs in vector registers, as MKL
-vectorises many rows. The dot-product kernel, which reduces each output's sum horizontally, took 10x MKL's time
-for a 64-row 8,192 x 16 head and 1.9x for 8,192 x 128; the panels take 0.98x and 0.92x (docs/benchmarks.md).
+:data:`PANEL` outputs, each output's sum in a fixed order of fused multiply-adds, a tile of rows by the panel's
+outputs in vector registers (:func:`_tile_product`), as MKL vectorises many rows. The dot-product kernel, which
+reduces each output's sum horizontally, took 10x MKL's time for a 64-row 8,192 x 16 head and 1.9x for 8,192 x 128;
+the panels take 0.9-1.2x at 64 rows on an AVX-512 machine, where numba's own vectorising of them took 3-4x
+(docs/benchmarks.md).
 The LRNN layer step's products take its weights as panels too (:func:`lrnn_layer_step`); the RegularGPT thick
 layer's stay dot products, slower than MKL's blocked products past ~8 rows. Prefill chunks (many
 positions per row) keep MKL's and oneDNN's products, and what a model or the engine would run over several rows at
@@ -74,7 +76,8 @@ MAX_ROWS = 4  # the kernel's rows per call; from 8 rows MKL's blocked products w
 # and the kernel's call costs ~8 us of Python against F.linear's ~5 (a hot 128 x 128: 11 against 5 us; 512 x 512:
 # 26 us either way; 2048 x 512: 67 against 80-95 us).
 MIN_ELEMENTS = 2**18  # 1 MiB of float32
-PANEL = 32  # outputs per panel of the row-invariant product (_compile_panel_kernel: four registers of eight)
+PANEL = 32  # outputs per panel of the row-invariant product (_tile_product: two vectors of 16 lanes per row)
+TILE_ROWS = 2  # rows of x per tile of the panel product: 4 where numba compiles for AVX-512 (_build: _tile_rows)
 
 _state = threading.local()  # .off: torch_products() depth in this thread; .invariant: set_row_invariant's choice
 _kernel: Callable[..., None] | None = None
@@ -449,6 +452,8 @@ def _build() -> Callable[..., None] | None:
             _unavailable = f"numba is not importable ({error})"
             logger.warning("few-row CPU products use F.linear: %s", _unavailable)
             return None
+        global TILE_ROWS
+        TILE_ROWS = _tile_rows(numba)
         _panel_kernel = _compile_panel_kernel(numba)
         compiled = _compile(numba, _panel_kernel)
         _kernel, _layer_step, _regulargpt_layer_step = compiled[:3]
@@ -456,70 +461,110 @@ def _build() -> Callable[..., None] | None:
         return _kernel
 
 
+def _tile_rows(numba) -> int:
+    """Rows per tile of the panel product: 4 where numba compiles for this machine and it has AVX-512 (32 vector
+    registers: four rows' eight 16-lane accumulators, the two weight vectors and a broadcast), else 2 (with 16
+    registers of 8 lanes, two rows' accumulators are eight of them)."""
+    import llvmlite.binding
+
+    if numba.config.CPU_NAME is not None:  # compiled for another target (NUMBA_CPU_NAME, e.g. a portable cache)
+        return 2
+    return 4 if llvmlite.binding.get_host_cpu_features().get("avx512f", False) else 2
+
+
 def _compile_panel_kernel(numba) -> Callable[..., None]:
     """The row-invariant product, compiled now: x (R, in) times panels (P, in, PANEL) (:func:`_panels`), plus the
     bias (out,) where ``has_bias``, into out (R, n): n = P PANEL (:func:`linear`), or the weight's own outputs (a
     layer step's, which calls it where its weights are panels).
 
-    Each row, panel by panel, keeps one accumulator per output of the panel and adds x[r, i] * w[o, i] to it for
-    i = 0, 1, ..., in - 1 in that order, then the bias: the same operations in the same order whatever the other
-    rows, so a row's result is the same bits in any batch. No fastmath: the compiler may not reorder or fuse them.
-    The 32 accumulators are four tuples of eight scalars, values rather than memory, which LLVM's SLP vectoriser
-    packs into four AVX2 registers; rows go two at a time (eight independent chains, enough to hide the adds'
-    latency, and each panel row loaded once for both), an odd last row alone by the same operations. An array of
-    accumulators stayed scalar or went through memory (docs/benchmarks.md, "A row-invariant head product across
-    outputs"). numba leaves SLP off by default; the setting is read per compilation, so it is on for this one and
-    put back after."""
+    Each row keeps one accumulator per output of a panel and adds x[r, i] * w[o, i] to it for i = 0, 1, ..., in - 1
+    in that order, each step one fused multiply-add, then the bias: the same operations in the same order whatever
+    the other rows, so a row's result is the same bits in any batch. The accumulators are vectors of 16 lanes
+    written out as such (:func:`_tile_product`), so that they stay in registers and the products are FMAs at the
+    machine's width; :data:`TILE_ROWS` rows at a time share each load of the panel's weights. (numba's own
+    vectorisers gave this loop unfused mul-adds in 256-bit registers, a third of MKL's rate on an AVX-512 machine:
+    docs/benchmarks.md, "A row-invariant head product across outputs".)"""
     jit = functools.partial(numba.njit, boundscheck=False, nogil=True)
-
-    @jit(inline="always")
-    def add8(acc, v, w, k):  # acc + v * w[k : k + 8], lane by lane
-        return (
-            acc[0] + v * w[k], acc[1] + v * w[k + 1], acc[2] + v * w[k + 2], acc[3] + v * w[k + 3],
-            acc[4] + v * w[k + 4], acc[5] + v * w[k + 5], acc[6] + v * w[k + 6], acc[7] + v * w[k + 7],
-        )
-
-    @jit(inline="always")
-    def store(a, b, c, d, bias, has_bias, out, r, base):  # a row's 32 sums (bias added) -> out[r, base : base + 32]
-        count = min(PANEL, out.shape[1] - base)  # out may end inside the last panel (a layer step's exact width)
-        if count == PANEL:
-            for j in range(8):
-                out[r, base + j], out[r, base + 8 + j] = a[j], b[j]
-                out[r, base + 16 + j], out[r, base + 24 + j] = c[j], d[j]
-        else:
-            for j in range(count):
-                out[r, base + j] = a[j] if j < 8 else b[j - 8] if j < 16 else c[j - 16] if j < 24 else d[j - 24]
-        if has_bias:
-            for k in range(min(count, bias.shape[0] - base)):
-                out[r, base + k] += bias[base + k]
+    one, two, three, four = (_tile_product(numba, height) for height in (1, 2, 3, 4))
 
     def panel_product(x, panels, bias, has_bias, out):
-        rows, width = x.shape
-        zero = np.float32(0.0)
-        pairs = rows - rows % 2
+        rows, n = x.shape[0], out.shape[1]
+        tile = np.empty((TILE_ROWS, PANEL), dtype=np.float32)
         for p in range(panels.shape[0]):
             base = p * PANEL
-            for r in range(0, pairs, 2):  # two rows at once: eight independent chains, each panel row read once
-                a = b = c = d = e = f = g = h = (zero, zero, zero, zero, zero, zero, zero, zero)
-                for i in range(width):
-                    v, u, w = x[r, i], x[r + 1, i], panels[p, i]
-                    a, b, c, d = add8(a, v, w, 0), add8(b, v, w, 8), add8(c, v, w, 16), add8(d, v, w, 24)
-                    e, f, g, h = add8(e, u, w, 0), add8(f, u, w, 8), add8(g, u, w, 16), add8(h, u, w, 24)
-                store(a, b, c, d, bias, has_bias, out, r, base)
-                store(e, f, g, h, bias, has_bias, out, r + 1, base)
-            for r in range(pairs, rows):  # the same operations for an odd last row
-                a = b = c = d = (zero, zero, zero, zero, zero, zero, zero, zero)
-                for i in range(width):
-                    v, w = x[r, i], panels[p, i]
-                    a, b, c, d = add8(a, v, w, 0), add8(b, v, w, 8), add8(c, v, w, 16), add8(d, v, w, 24)
-                store(a, b, c, d, bias, has_bias, out, r, base)
+            count = min(PANEL, n - base)  # out may end inside the last panel (a layer step's exact width)
+            biased = min(count, bias.shape[0] - base) if has_bias else 0
+            for r in range(0, rows, TILE_ROWS):
+                height = min(TILE_ROWS, rows - r)  # the last tile's rows alone: none computed twice
+                if height == 4:
+                    four(x, panels, p, r, tile)
+                elif height == 3:
+                    three(x, panels, p, r, tile)
+                elif height == 2:
+                    two(x, panels, p, r, tile)
+                else:
+                    one(x, panels, p, r, tile)
+                for k in range(height):
+                    for j in range(count):
+                        out[r + k, base + j] = tile[k, j]
+                    for j in range(biased):
+                        out[r + k, base + j] += bias[base + j]
 
-    before = numba.config.SLP_VECTORIZE
-    numba.config.SLP_VECTORIZE = 1
-    try:
-        return jit("void(float32[:, ::1], float32[:, :, ::1], float32[::1], boolean, float32[:, ::1])")(panel_product)
-    finally:
-        numba.config.SLP_VECTORIZE = before
+    return jit("void(float32[:, ::1], float32[:, :, ::1], float32[::1], boolean, float32[:, ::1])")(panel_product)
+
+
+def _tile_product(numba, height: int) -> Callable[..., None]:
+    """A numba intrinsic, ``tile_product(x, panels, p, r, tile)``: tile[k, :] = sum over i of x[r + k, i] *
+    panels[p, i, :] for k < ``height``. Written as LLVM vector code: two 16-lane accumulators per row, held in
+    registers through the loop over i, each step ``llvm.fma`` of the row's x[r + k, i] broadcast and the panel's row
+    i: a row's operations are the same at any height. x (R, in), panels (P, in, PANEL) and tile (>= height, PANEL) are
+    C-contiguous float32."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    lanes = PANEL // 2
+
+    @intrinsic
+    def tile_product(typingctx, x, panels, p, r, tile):
+        signature = types.void(x, panels, types.intp, types.intp, tile)
+
+        def codegen(context, builder, signature, args):
+            x_array, panel_array, tile_array = (context.make_array(signature.args[at])(context, builder, args[at])
+                                                for at in (0, 1, 4))  # fmt: skip
+            index = context.get_value_type(types.intp)
+            vector = ir.VectorType(ir.FloatType(), lanes)
+            width = builder.extract_value(x_array.shape, 1)
+            starts = [builder.gep(x_array.data, [builder.mul(builder.add(args[3], ir.Constant(index, k)), width)])
+                      for k in range(height)]  # each tile row's first element in x  # fmt: skip
+            panel = builder.gep(panel_array.data, [builder.mul(args[2], builder.mul(width, ir.Constant(index, PANEL)))])
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, None)) for _ in range(2 * height)]
+            undefined, first = ir.Constant(vector, ir.Undefined), ir.Constant(ir.IntType(32), 0)
+            broadcast = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)  # lane 0 into every lane
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                                 f"llvm.fma.v{lanes}f32")  # fmt: skip
+            with cgutils.for_range(builder, width) as loop:
+                weights_row = builder.gep(panel, [builder.mul(loop.index, ir.Constant(index, PANEL))])
+                halves = [builder.load(builder.bitcast(builder.gep(weights_row, [ir.Constant(index, lanes * half)]),
+                                                       vector.as_pointer()), align=4) for half in (0, 1)]  # fmt: skip
+                for k in range(height):
+                    value = builder.load(builder.gep(starts[k], [loop.index]))
+                    lane = builder.insert_element(undefined, value, first)
+                    spread = builder.shuffle_vector(lane, undefined, broadcast)
+                    for half in (0, 1):
+                        total = sums[2 * k + half]
+                        builder.store(builder.call(fma, [spread, halves[half], builder.load(total)]), total)
+            for k in range(height):
+                for half in (0, 1):
+                    target = builder.gep(tile_array.data, [ir.Constant(index, PANEL * k + lanes * half)])
+                    pointer = builder.bitcast(target, vector.as_pointer())
+                    builder.store(builder.load(sums[2 * k + half]), pointer, align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return tile_product
 
 
 def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -579,3 +580,22 @@ def test_the_compiled_column_sparsemax_keeps_a_nan_in_its_column() -> None:
     assert bool(compiled[1, :, 1].isnan().all()) and not bool(compiled[1, :, [0, 2, 3]].isnan().any())
     with cpu_decode.torch_products():
         torch.testing.assert_close(compiled[0], column_sparsemax(matrices[:1])[0], rtol=1e-6, atol=1e-6)
+
+
+def test_the_panel_products_tile_height_does_not_change_a_rows_bits(monkeypatch, invariant) -> None:
+    """The panel kernel takes TILE_ROWS rows at a time (4 with AVX-512, else 2): each row's sums are the same fused
+    multiply-adds in the same order either way, so both kernels give the same bits."""
+    import numba
+
+    weight, bias = torch.randn(70, 37), torch.randn(70)
+    x = torch.randn(7, 37)
+    panels = cpu_decode._panels(weight)
+    outs = []
+    for rows in (2, 4):
+        monkeypatch.setattr(cpu_decode, "TILE_ROWS", rows)
+        kernel = cpu_decode._compile_panel_kernel(numba)
+        out = np.empty((7, panels.shape[0] * cpu_decode.PANEL), dtype=np.float32)
+        kernel(x.numpy(), panels, bias.numpy(), True, out)
+        outs.append(out[:, :70])
+    assert np.array_equal(outs[0], outs[1])
+    torch.testing.assert_close(torch.from_numpy(outs[0]), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
