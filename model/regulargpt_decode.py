@@ -97,6 +97,10 @@ class CachedBlock(NamedTuple):
             vars(block)["post_norm"],
         )
 
+    def matrices(self) -> list[torch.Tensor]:
+        """The block's weights that are matrices, as :func:`model.ops.cpu_decode.block_panels` takes them."""
+        return [self.c_attn[0], self.c_proj[0], self.c_fc[0], self.mlp_proj[0]]
+
     def tensors(self) -> list[torch.Tensor]:
         """The block's parameters in the order :func:`model.ops.cpu_decode.regulargpt_layer_step` packs them."""
         nulls = [] if self.null_key is None else [self.null_key, self.null_value]
@@ -218,12 +222,13 @@ def forward_chunk(
     if compiled:  # each layer finds its ring entries itself (no plan)
         step_positions = start.numpy()
         latest = int(step_positions.max())
+        panels = cpu_decode.block_panels([matrix for block in blocks for matrix in block.matrices()])
     else:
         allocated = [windows[0].kv.shape[2] for windows in cache.windows]
         plans = plan_chunk(start, length, chunk_size, config.n_heads, allocated, x.device)
     for layer, windows in enumerate(cache.windows):
         if compiled:
-            x = _compiled_thick_layer(x, layer, windows, step_positions, latest, packed, config)  # (B, 1, d)
+            x = _compiled_thick_layer(x, layer, windows, step_positions, latest, packed, panels, config)  # (B, 1, d)
         else:
             x = _cached_thick_layer(x, chunk_size**layer, windows, plans[layer], blocks)  # (B, n, d)
         if mixed:
@@ -310,17 +315,18 @@ def _compiles_step(x: torch.Tensor, blocks: list[CachedBlock], packed: PackedBlo
 
 def _compiled_thick_layer(
     x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, latest: int, packed: PackedBlocks,
-    config: RegularGPTConfig,
+    panels: tuple[np.ndarray, ...], config: RegularGPTConfig,
 ) -> torch.Tensor:
     """Thick layer ``layer``'s K blocks over one new position per row (``positions``: (B,) int64, the largest
     ``latest``), as one compiled call (equal to :func:`_cached_thick_layer` with the step's plan up to float
-    rounding). x: (B, 1, d) -> (B, 1, d)."""
+    rounding); ``panels``: the blocks' matrices as :func:`model.ops.cpu_decode.block_panels` gives them for the
+    step. x: (B, 1, d) -> (B, 1, d)."""
     batch, _, width = x.shape
     chunk_size = config.chunk_size
     dilation = chunk_size**layer
     out = cpu_decode.regulargpt_layer_step(
         x.view(batch, width), tuple(window.entries for window in windows), positions, dilation, windows[0].ring,
-        reachable_slots(chunk_size, dilation, latest), packed.packed, packed.starts,
+        reachable_slots(chunk_size, dilation, latest), packed.packed, packed.starts, panels,
         packed.has_null, config.n_heads, config.layer_norm_eps,
     )
     return out.view(batch, 1, width)

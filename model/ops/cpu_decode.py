@@ -33,13 +33,13 @@ outputs in vector registers (:func:`_tile_product`), as MKL vectorises many rows
 reduces each output's sum horizontally, took 10x MKL's time for a 64-row 8,192 x 16 head and 1.9x for 8,192 x 128;
 the panels take 0.9-1.2x at 64 rows on an AVX-512 machine, where numba's own vectorising of them took 3-4x
 (docs/benchmarks.md).
-The LRNN layer step's products take its weights as panels too (:func:`lrnn_layer_step`); the RegularGPT thick
-layer's stay dot products, slower than MKL's blocked products past ~8 rows. Prefill chunks (many
-positions per row) keep MKL's and oneDNN's products, and what a model or the engine would run over several rows at
-once outside a decode step's kernels runs one row at a time (:func:`row_invariant`: a RegularGPT row's new thick
-layer, a prompt's prefill chunk), as it runs alone. Not invariant even so: where a long prompt is cut into chunks
-(that depends on what else is prefilling), and any model or device this does not cover (the engine refuses to
-start with them).
+The LRNN layer step's products take its weights as panels too (:func:`lrnn_layer_step`), and so do the RegularGPT
+thick layer's (:func:`block_panels`; without invariance, at most :data:`MAX_ROWS` rows, dot products). Prefill
+chunks (many positions per row) keep MKL's and oneDNN's products, and what a model or the engine would run over
+several rows at once outside a decode step's kernels runs one row at a time (:func:`row_invariant`: a RegularGPT
+row's new thick layer, a prompt's prefill chunk), as it runs alone. Not invariant even so: where a long prompt is
+cut into chunks (that depends on what else is prefilling), and any model or device this does not cover (the engine
+refuses to start with them).
 
 Between the products, a layer's ~20 small ops (layer norms, the transition constraint or the attention over J
 slots, GELU, residual adds) cost more than their arithmetic: each is a dispatch of a few microseconds, whose code
@@ -246,6 +246,7 @@ def regulargpt_layer_step(
     slots: int,
     packed: np.ndarray,
     starts: np.ndarray,
+    panels: tuple[np.ndarray, ...],
     has_null: bool,
     heads: int,
     eps: float,
@@ -263,14 +264,24 @@ def regulargpt_layer_step(
     one after another (:func:`pack`): per block ln_1 weight and bias, c_attn weight and bias, c_proj weight and
     bias, ln_2 weight and bias, the MLP's c_fc and c_proj weights and biases, the relative bias (H, C), then with
     ``has_null`` the null key and value (H, hd); ``starts``: (K, n + 1), each
-    block's tensors' starts in ``packed`` and its end. Returns (R, d_model). Call it only where :func:`streams`
-    holds for R rows (which builds it)."""
+    block's tensors' starts in ``packed`` and its end; ``panels``: :func:`block_panels` of the K blocks' matrices.
+    Returns (R, d_model). Call it only where :func:`streams` holds for R rows (which builds it)."""
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
     _regulargpt_layer_step(
-        rows, windows, positions, dilation, ring, slots, packed, starts, has_null, heads, np.float32(eps), x_out,
+        rows, windows, positions, dilation, ring, slots, packed, starts, panels, has_null, heads, np.float32(eps),
+        x_out,
     )
     return torch.from_numpy(x_out)
+
+
+def block_panels(matrices: Sequence[torch.Tensor]) -> tuple[np.ndarray, ...]:
+    """The matrices of a thick layer's blocks (per block: c_attn, c_proj, c_fc and the MLP's c_proj weights) as
+    :func:`regulargpt_layer_step` multiplies them: under :func:`set_row_invariant` their panels (:func:`_panels`,
+    made once per weight), multiplied as :func:`linear` multiplies a decode step's, at about MKL's speed where the
+    dot products took 3-5x at 64 rows; else ``()``, the dot products over the pack (at most :data:`MAX_ROWS` rows,
+    where they are as fast)."""
+    return tuple(_panels(matrix) for matrix in matrices) if _invariant() else ()
 
 
 def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor | None:
@@ -718,19 +729,33 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
     def matrix(packed, start, i, columns):  # tensor i of a block in the pack, as (rows, columns)
         return packed[start[i] : start[i + 1]].reshape(((start[i + 1] - start[i]) // columns, columns))
 
+    def weight_of(packed, start, i, columns, panels, slot):  # typed by the overload below, in compiled code only
+        raise NotImplementedError
+
+    @overload(weight_of)
+    def weight_by_kind(packed, start, i, columns, panels, slot):
+        """A block's matrix i for the products: its panels panels[slot] where the step got them (a tuple of arrays),
+        else the matrix in the pack (the step got ``()``)."""
+        if isinstance(panels, numba.types.UniTuple):
+            return lambda packed, start, i, columns, panels, slot: panels[slot]
+        return lambda packed, start, i, columns, panels, slot: matrix(packed, start, i, columns)
+
     @jit(inline="always")
-    def block_step(x, window, positions, dilation, where, slots, packed, start, has_null, heads, eps, x_out):
-        """One block (tensors of ``start`` in ``packed``: :func:`regulargpt_layer_step`) over x (R, d) -> x_out;
-        where[r, j]: the ring slot of row r's position positions[r] - j * dilation."""
+    def block_step(x, window, positions, dilation, where, slots, packed, start, panels, block, has_null, heads, eps,
+                   x_out):  # fmt: skip
+        """One block (tensors of ``start`` in ``packed``, its matrices' panels from panels[4 block] where the step
+        has them: :func:`regulargpt_layer_step`) over x (R, d) -> x_out; where[r, j]: the ring slot of row r's
+        position positions[r] - j * dilation."""
         width = x.shape[1]
         head_dim = width // heads
         ln_1 = (packed[start[0] : start[1]], packed[start[1] : start[2]])
-        c_attn = (matrix(packed, start, 2, width), packed[start[3] : start[4]])
-        c_proj = (matrix(packed, start, 4, width), packed[start[5] : start[6]])
+        c_attn = (weight_of(packed, start, 2, width, panels, 4 * block), packed[start[3] : start[4]])
+        c_proj = (weight_of(packed, start, 4, width, panels, 4 * block + 1), packed[start[5] : start[6]])
         ln_2 = (packed[start[6] : start[7]], packed[start[7] : start[8]])
-        c_fc = (matrix(packed, start, 8, width), packed[start[9] : start[10]])
-        hidden_size = c_fc[1].shape[0]
-        mlp_proj = (matrix(packed, start, 10, hidden_size), packed[start[11] : start[12]])
+        c_fc_bias = packed[start[9] : start[10]]
+        c_fc = (weight_of(packed, start, 8, width, panels, 4 * block + 2), c_fc_bias)
+        hidden_size = c_fc_bias.shape[0]
+        mlp_proj = (weight_of(packed, start, 10, hidden_size, panels, 4 * block + 3), packed[start[11] : start[12]])
         relative_bias = matrix(packed, start, 12, (start[13] - start[12]) // heads)
         null_key = matrix(packed, start, 13, head_dim) if has_null else relative_bias
         null_value = matrix(packed, start, 14, head_dim) if has_null else relative_bias
@@ -741,7 +766,7 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
         u = np.empty_like(x)
         layer_norm(x, ln_1[0], ln_1[1], eps, u)
         qkv = np.empty((rows, 3 * width), dtype=np.float32)  # q | k | v, heads in order
-        product(u, c_attn[0], c_attn[1], True, qkv)
+        matmul(u, c_attn[0], c_attn[1], True, qkv)
         attended = np.empty_like(x)
         scores = np.empty(chunk_size, dtype=np.float32)
         for r in range(rows):
@@ -804,7 +829,8 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
         residual_tail(x, attended, c_proj, ln_2, c_fc, mlp_proj, eps, x_out)
 
     @jit
-    def regulargpt_layer(x, windows, positions, dilation, ring, slots, packed, starts, has_null, heads, eps, x_out):
+    def regulargpt_layer(x, windows, positions, dilation, ring, slots, packed, starts, panels, has_null, heads, eps,
+                         x_out):  # fmt: skip
         blocks, rows = starts.shape[0], x.shape[0]
         columns = windows[0].shape[0] // (rows * 2 * heads) // dilation  # K of ring_slot
         period = ring // dilation  # C - 1
@@ -816,8 +842,8 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
         current = x
         for k in range(blocks):  # the last block writes x_out; the others alternate between two buffers
             out = x_out if (blocks - 1 - k) % 2 == 0 else np.empty_like(x)
-            block_step(current, windows[k], positions, dilation, where, slots, packed, starts[k], has_null, heads, eps,
-                       out)
+            block_step(current, windows[k], positions, dilation, where, slots, packed, starts[k], panels, k, has_null,
+                       heads, eps, out)  # fmt: skip
             current = out
 
     @jit

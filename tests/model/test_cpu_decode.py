@@ -505,6 +505,39 @@ def test_replaced_parameters_fall_back_to_the_torch_step_and_in_place_changes_ar
         assert not torch.allclose(replaced, compiled)
 
 
+@pytest.mark.parametrize("model_id", ["regulargpt-c2-null", "regulargpt-c3-k2"])
+def test_row_invariant_regulargpt_steps_multiply_panels_that_follow_in_place_changes(
+    monkeypatch, invariant, model_id: str
+) -> None:
+    """Under set_row_invariant the compiled thick layer takes its K blocks' four matrices as panels (block_panels),
+    equal to the torch steps up to rounding, and an in-place change to a weight after a step reaches the next one."""
+    given = []
+    layer_step = cpu_decode._regulargpt_layer_step
+
+    def spy(x, windows, positions, dilation, ring, slots, packed, starts, panels, *args):
+        given.append(len(panels))
+        layer_step(x, windows, positions, dilation, ring, slots, packed, starts, panels, *args)
+
+    monkeypatch.setattr(cpu_decode, "_regulargpt_layer_step", spy)
+    model = sharp_regulargpt(model_id)
+    tokens = torch.randint(0, 40, (5, 16))
+
+    def decode() -> torch.Tensor:
+        cache = model.new_cache(5)
+        model(tokens[:, :4], cache=cache)
+        return torch.stack([model.step(tokens[:, t], cache) for t in range(4, 16)], dim=1)
+
+    with torch.no_grad():
+        model.for_serving()
+        for _ in range(2):
+            stepped = decode()
+            with cpu_decode.torch_products():
+                expected = decode()
+            torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
+            model.blocks[0].mlp.c_fc.weight.mul_(1.5)  # after the panels were made
+    assert given and set(given) == {4 * len(model.blocks)}
+
+
 @pytest.mark.parametrize(
     "model_id", ["lrnn", "lrnn-spectral-b2", "lrnn-stochastic", "regulargpt-c2-null", "regulargpt-c5"]
 )
