@@ -199,9 +199,30 @@ class Scheduler:
         self.executor.start(plan.admitted)
         self.apply_admissions(plan.admitted)
         self.apply_prefill(self.executor.prefill(plan.prefill))
+        started = self.clock()
         self.apply_decode(self.executor.decode(plan.decode))
+        self._decode_on(started)
         self.sweep()
         self.postman.flush()
+
+    def _decode_on(self, started: float) -> None:
+        """More decode steps in this iteration (up to ``decode_steps`` in all, and about one slice of time since the
+        first ``started``), while decoding is all there is to do: nothing waits, prefills or transduces, and nothing
+        new has come into the inbox (which is looked at before each step: a new request, a cancellation from the
+        engine process's API side, a stop string found there, ends the run of steps at once). The per-iteration
+        work (planning every phase, the sweeps, the postman's flush: in the engine process, one message to the API
+        process) is then shared by several steps, as vLLM's multi-step scheduling shares it; a sweep between two
+        steps takes out what ended or was cancelled, and the tokens leave together at the flush."""
+        slice_seconds = self.settings.slice_ms / 1000
+        for _ in range(self.settings.decode_steps - 1):
+            if self.short or self.long or self.waiting or self.prefilling or not self.inbox.empty():
+                return
+            if self.clock() - started >= slice_seconds:
+                return
+            self.sweep()
+            if not self.decoding:
+                return
+            self.apply_decode(self.executor.decode(self._plan_decode([], {})))
 
     def plan(self, now: float, clock_now: float) -> Plan:
         """The iteration's work, from the scheduler's state alone (no model call, no change): transduce units, the

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         "for float32 LRNN and RegularGPT language models on the CPU, with numba. auto (default): on where it holds for "
         "every served language model, off otherwise (logged); true: the server does not start where it does not hold"
     )
+    decode_steps: int = Field(
+        8, gt=0, description="decode steps the scheduler may run in one iteration while decoding is all it has to do "
+        "and nothing new has arrived (vLLM's multi-step scheduling; at most one slice_ms of time): the planning, "
+        "sweeps and the message to the API process are shared by them, and streamed tokens leave together; 1: one "
+        "step per iteration"
+    )
     max_waiting: int = Field(256, gt=0, description="requests queued beyond those running; more get 429")
     prefill_chunk_tokens: int = Field(2048, gt=0, description="prompt tokens prefilled per scheduler iteration")
     slice_ms: float = Field(

@@ -20,7 +20,7 @@ from server.costing import ModelBudget, ModelSpeed
 from server.engine import Engine
 from server.errors import InputTooLarge, Overloaded, Unavailable
 from server.executor import Call, DecodeResult, PrefillResult, TransduceResult, live_groups, ready_work
-from server.generation import DecodeBatch, GenerationRequest, Sequence
+from server.generation import DecodeBatch, Finished, GenerationRequest, Sequence
 from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
 from server.sampling import SamplingParams
@@ -149,8 +149,10 @@ def clock() -> FakeClock:
 
 
 def make_scheduler(clock: FakeClock, memory_budget: int = 2**40, **settings) -> Scheduler:
+    """One decode step per iteration unless ``decode_steps`` says otherwise (what most tests here follow step by
+    step; the runs of several steps have their own tests, below)."""
     metrics = ServerMetrics()
-    settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, **settings})
+    settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, "decode_steps": 1, **settings})
     executor = FakeExecutor(clock, metrics, settings.slice_ms / 1000)
     return Scheduler(settings, metrics, executor.state_cache, queue.SimpleQueue(), Postman(), memory_budget,
                      RequestQueue(settings.max_waiting), clock, executor)  # fmt: skip
@@ -432,3 +434,86 @@ def test_an_admitted_sequence_is_planned_from_where_the_state_cache_lets_it_begi
     assert [key[1][:8] for key in cache._entries] == [bytes(array("q", [65])), bytes(array("q", [66]))]
     assert cache.peek(served.id, [65] * 100) == 60 and cache.peek(served.id, [67] * 100) == 0
     assert cache.stats.queries == 0
+
+
+# --- several decode steps an iteration ----------------------------------------------------------------------------
+
+
+def decode_steps_by_iteration(worker: Scheduler, sequences: list[Sequence]) -> list[int]:
+    """Iterate until ``sequences`` are done; the decode steps each iteration ran."""
+    counts = []
+    while not all(each.done for each in sequences):
+        before = len(ran(worker, "decode"))
+        worker.iteration()
+        counts.append(len(ran(worker, "decode")) - before)
+    return counts
+
+
+def test_decoding_alone_runs_up_to_decode_steps_an_iteration_within_a_slice(clock) -> None:
+    """While decoding is all there is to do, an iteration runs several steps: up to ``decode_steps``, and no more than
+    about one slice of time (the fake steps take 10 ms; a slice is 50 ms)."""
+    served = language_model()
+    one = sequence(served, 10, 21, clock)
+    worker = make_scheduler(clock, decode_steps=3)
+    admitted(worker, one)
+    assert decode_steps_by_iteration(worker, [one]) == [3] * 6 + [2]  # the prefill samples the first token
+    two = sequence(served, 10, 21, clock)
+    worker = make_scheduler(clock, decode_steps=100)
+    admitted(worker, two)
+    assert decode_steps_by_iteration(worker, [two]) == [5] * 4
+    assert two.generated == [1] * 21 and [type(event) for _, (_, event) in two.mailbox.items] == [Finished]
+
+
+def test_a_run_of_decode_steps_ends_when_anything_else_is_to_do(clock) -> None:
+    """Work that arrives (in the inbox: a request, a cancellation, a stop string from the API process), or that
+    waits or prefills, ends the run of steps at once: the next iteration admits and prefills it, as with one step an
+    iteration."""
+    served = language_model()
+    decoding = sequence(served, 10, 40, clock)
+    worker = make_scheduler(clock, decode_steps=8)
+    admitted(worker, decoding)
+    worker.iteration()
+    late = sequence(served, 10, 40, clock)
+    worker.queue.admit(1)
+    step, calls = worker.executor.decode, []
+
+    def arriving_during_the_second_step(work):
+        calls.append(work)
+        if len(calls) == 2:
+            worker.inbox.put(late)
+        return step(work)
+
+    worker.executor.decode = arriving_during_the_second_step
+    before = len(ran(worker, "decode"))
+    assert worker._receive()
+    worker.iteration()
+    assert len(ran(worker, "decode")) - before == 2  # the step during which it came, then no more
+    assert worker._receive()
+    worker.iteration()
+    assert ran(worker, "start")[-1] is late
+    assert late.status is Status.DECODING  # prefilled (one chunk) and joined the batch in that iteration
+
+
+def test_a_sequence_that_ends_or_is_cancelled_leaves_the_batch_between_two_steps_of_a_run(clock) -> None:
+    """Between two steps of a run the sweep takes out what finished or whose client went away: the next step has
+    one row fewer, its memory is released and it leaves the queue, before the iteration ends."""
+    served = language_model()
+    short, cancelled, long = (sequence(served, 30, tokens, clock) for tokens in (3, 30, 30))  # one context class
+    worker = make_scheduler(clock, decode_steps=5)
+    admitted(worker, short, cancelled, long)
+    worker.iteration()  # prefill: each has its first token; then a run of steps
+    rows = [len(batch) for _, batch in worker.executor.log if _ == "decode"]
+    assert rows == [3, 3, 2, 2, 2]  # short ends at its third token, at the second step
+    assert short.done and worker.queue.in_flight == 2 and worker.memory.held == 2 * short.cache_bytes
+    step = worker.executor.decode
+
+    def cancelling_after_one_step(work):
+        result = step(work)
+        cancelled.cancelled = True
+        return result
+
+    worker.executor.decode = cancelling_after_one_step
+    worker.iteration()
+    rows = [len(batch) for _, batch in worker.executor.log if _ == "decode"]
+    assert rows[5:] == [2, 1, 1, 1, 1]
+    assert cancelled.done and cancelled.status is Status.FINISHED and worker.queue.in_flight == 1
