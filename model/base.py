@@ -28,7 +28,7 @@ from torch import nn
 
 from model.config import BaseModelConfig
 from model.ops import prepacked
-from model.ops.cpu_decode import linear
+from model.ops.cpu_decode import linear, linear_argmax, rows_argmax
 
 
 @dataclass
@@ -134,6 +134,12 @@ class SequenceModel(nn.Module, ABC):
     @abstractmethod
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """Consume one token per sequence. tokens: (B,) int64. Returns (B, output_size); advances cache."""
+
+    def step_greedy(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step``, then each row's largest logit (``cpu_decode.rows_argmax``: the first of ties, a NaN before any
+        number): (ids (B,) int64, their logits (B,)). A model whose step ends in its head overrides it to take the
+        picks without the logits where the head can (``TokenEmbedding.greedy``); the picks are the same."""
+        return rows_argmax(self.step(tokens, cache))
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Logits at each sequence's last real position.
@@ -317,3 +323,10 @@ class TokenEmbedding(nn.Module):
         if self.label_head is None:
             return linear(hidden, self.embed.weight)  # tied: hidden @ embed.weight^T
         return linear(hidden, self.label_head.weight, self.label_head.bias)
+
+    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: (B, d_model) -> each row's largest logit of ``logits(hidden)`` and where it is, (ids (B,) int64,
+        values (B,)), without writing the logits where ``cpu_decode.linear_argmax`` can."""
+        if self.label_head is None:
+            return linear_argmax(hidden, self.embed.weight)
+        return linear_argmax(hidden, self.label_head.weight, self.label_head.bias)

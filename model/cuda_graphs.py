@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from model.base import InferenceCache, SequenceModel
+from model.ops.cpu_decode import rows_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,11 @@ class Decoder:
         """tokens: (B,) on any device -> logits (B, output_size); advances ``cache`` by one token
         (``SequenceModel.step``). The logits may be a view that the next step overwrites: read them before."""
         return self.model.step(tokens.to(self.model.device, non_blocking=True), cache)
+
+    def greedy_step(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step``, then each row's largest logit: (ids (B,) int64, their logits (B,)), where the model runs
+        (``SequenceModel.step_greedy``: on the CPU, without the logits where it can)."""
+        return self.model.step_greedy(tokens.to(self.model.device, non_blocking=True), cache)
 
 
 @dataclass
@@ -97,6 +103,9 @@ class GraphedDecoder(Decoder):
             torch._foreach_copy_(state, [buffer[:rows] for buffer in captured.outputs])
         cache.lengths = cache.lengths + 1
         return captured.logits[:rows]  # a view of the graph's buffer, valid until the next replay
+
+    def greedy_step(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows_argmax(self.step(tokens, cache))  # the replayed logits' picks, on the GPU
 
 
 def decoder_for(model: SequenceModel, batch_sizes: Sequence[int], enabled: bool = True) -> Decoder:

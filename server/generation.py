@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,7 +26,7 @@ from server.errors import APIError, ModelFailure
 from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
-from server.sampling import SamplingParams, TokenLogprob, penalize, sample, token_logprobs, unusable_rows
+from server.sampling import SamplingParams, TokenLogprob, drawn_logits, penalize, sample, token_logprobs
 from server.state_cache import StateCache
 from server.structured import CompiledConstraint, Masks, token_bias, token_bias_later
 from server.work import FinishReason, Work
@@ -124,6 +125,14 @@ class Sequence(Work):
     def prompt_ids(self) -> torch.Tensor:
         """The prompt as an int64 tensor, (P,) on the CPU: built once, for the repetition penalty's every step."""
         return torch.tensor(self.request.prompt, dtype=torch.long)
+
+    @functools.cached_property
+    def picks_greedily(self) -> bool:
+        """Its next token is always its logits' first largest (temperature 0, no penalty or bias, no structured
+        output), and nothing else of them is read (no log-probabilities)."""
+        request = self.request
+        return (request.sampling.temperature <= 0.0 and not request.sampling.penalizes and request.constraint is None
+                and request.logprobs is None)  # fmt: skip
 
     @property
     def prefilling(self) -> bool:
@@ -340,9 +349,16 @@ class DecodeBatch:
         self.cache = self.cache.select(keep) if keep else None
 
     def step(self, metrics: ServerMetrics) -> None:
-        """One token for every sequence: one call of the model (through its decoder: CUDA graphs where captured)."""
+        """One token for every sequence: one call of the model (through its decoder: CUDA graphs where captured). Where
+        every row picks greedily and reads nothing else of its logits (:attr:`Sequence.picks_greedily`), the model
+        gives the picks alone (``Decoder.greedy_step``: on the CPU under batch invariance the head never writes the
+        logits), the same tokens as sampling its logits."""
         served = self.sequences[0].served
         tokens = torch.tensor([sequence.generated[-1] for sequence in self.sequences])  # (B,): the decoder moves them
+        if all(sequence.picks_greedily for sequence in self.sequences):
+            picks, values = served.decoder.greedy_step(tokens, self.cache)  # (B,), (B,)
+            take(self.sequences, picks.tolist(), values.tolist(), metrics)
+            return
         constrained = [sequence.constraint for sequence in self.sequences if sequence.constraint is not None]
         vocabulary = served.config.model.vocab_size
         masks = token_bias_later(constrained, vocabulary) if constrained else None  # while the model runs
@@ -365,13 +381,21 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     _end_outside_the_vocabulary(sequences, tokens, metrics)
     if masked is not logits:
         _keep_to_the_masks(sequences, adjusted, tokens)
-    for row in unusable_rows(logits, tokens):  # NaN or infinite logits (e.g. an overflowed state): that row alone fails
-        if sequences[row].done:
-            continue
-        sequence, value = sequences[row], float(logits[row, tokens[row]])
-        sequence.fail(ModelFailure(
-            f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
-        ), metrics)  # fmt: skip
+    take(sequences, tokens, drawn_logits(logits, tokens), metrics, logits)
+
+
+def take(sequences: list[Sequence], tokens: list[int], drawn: list[float], metrics: ServerMetrics,
+         logits: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Hand each sequence its next token (``drawn``: the token's logit as the model gave it; ``logits``: (B, V), where
+    a sequence reads them for its log-probabilities), and finish the sequences that end. A row whose token was drawn
+    at a NaN or infinite logit (e.g. an overflowed state) fails alone: the model gave no distribution there."""
+    unusable = [] if math.isfinite(sum(drawn)) else [row for row, value in enumerate(drawn) if not math.isfinite(value)]
+    for row in unusable:  # (the sum: one check where all are finite, or a large one overflows it)
+        sequence, value = sequences[row], drawn[row]
+        if not sequence.done:
+            sequence.fail(ModelFailure(
+                f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
+            ), metrics)  # fmt: skip
     metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences if not sequence.done])
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
         if sequence.done:
@@ -439,8 +463,9 @@ def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens
             tokens[row] = int(adjusted[row].argmax())
 
 
-def _append(sequence: Sequence, token: int, logits: torch.Tensor, row: int, metrics: ServerMetrics) -> None:
-    """``token`` was sampled from ``logits[row]`` (logits: (B, V); a row's view is taken only for log-probabilities).
+def _append(sequence: Sequence, token: int, logits: torch.Tensor | None, row: int, metrics: ServerMetrics) -> None:
+    """``token`` was sampled from ``logits[row]`` (logits: (B, V), None where the sequence does not read them:
+    :attr:`Sequence.picks_greedily`; a row's view is taken only for log-probabilities).
     Its metrics are counted in :func:`accept`, for all rows at once."""
     sequence.generated.append(token)
     if sequence.constraint is not None and not sequence.constraint.consume(token):

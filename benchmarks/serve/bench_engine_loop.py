@@ -26,7 +26,7 @@ import pstats
 import time
 from pathlib import Path
 
-from benchmarks.serve.harness import ROOT, machine, zero_step
+from benchmarks.serve.harness import ROOT, machine, stub_decode_steps
 from model.cuda_graphs import Decoder
 from server.__main__ import freeze_startup_heap, tune_garbage_collector
 from server.engine import Engine
@@ -100,7 +100,7 @@ def main() -> None:
     engine.wait_loaded()
     served = engine.models[args.model.name]
     if args.stub:
-        served.model.step = zero_step(served.config.model.vocab_size)
+        stub_decode_steps(served.model, served.config.model.vocab_size)
         served.decoder = Decoder(served.model, "stub: zero logits at once")
     print(f"machine: {machine(args.device)}; torch threads: {args.threads}; {args.model.name}, {args.max_tokens} "
           f"tokens per request, temperature {args.temperature:g}, {'whole' if args.whole else 'streamed'}; decode: "

@@ -30,6 +30,7 @@ import torch
 
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
+from model.ops.cpu_decode import rows_argmax
 from model.registry import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,8 +64,9 @@ def write_models(directory: Path) -> Path:
     return directory
 
 
-def zero_step(vocabulary: int):
-    """A decode step that advances the cache's lengths and returns zero logits (one tensor per batch size)."""
+def stub_decode_steps(model, vocabulary: int) -> None:
+    """Make ``model``'s decode steps (``step``, and ``step_greedy``, which the engine calls where every row is greedy)
+    advance the cache's lengths and return zero logits (one tensor per batch size), or their picks."""
     zeros: dict[int, torch.Tensor] = {}
 
     def step(tokens: torch.Tensor, cache) -> torch.Tensor:
@@ -74,7 +76,8 @@ def zero_step(vocabulary: int):
             zeros[rows] = torch.zeros(rows, vocabulary)
         return zeros[rows]
 
-    return step
+    model.step = step
+    model.step_greedy = lambda tokens, cache: rows_argmax(step(tokens, cache))
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.serve.harness import zero_step
+from benchmarks.serve.harness import stub_decode_steps
 from server import __main__ as server_main
 from server import model_store
 from server.model_store import ServedModel
@@ -24,7 +24,7 @@ load_served_model = model_store.load_served_model
 def load_stubbed(folder: Path, device: str) -> ServedModel:
     served = load_served_model(folder, device)
     if served.kind == "generate":
-        served.model.step = zero_step(served.config.model.vocab_size)
+        stub_decode_steps(served.model, served.config.model.vocab_size)
         return served
     labels = served.config.model.num_labels
     served.model.final_logits = lambda tokens, lengths=None: torch.zeros(len(tokens), labels)  # (B, L)
@@ -34,7 +34,7 @@ def load_stubbed(folder: Path, device: str) -> ServedModel:
 
 # At import, not under __main__: the engine process (server/engine_core.py, started with spawn) imports this module as
 # its main module too, and must load the stubs as well. So nothing else may import this module: every model it then
-# loaded would be stubbed (bench_engine_loop did, through zero_step, until 2026-11-26; its rates were the stub's).
+# loaded would be stubbed (bench_engine_loop did, through its stubbed step, until 2026-11-26; its rates were the stub's).
 model_store.load_served_model = load_stubbed
 
 if __name__ == "__main__":

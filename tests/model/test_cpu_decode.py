@@ -623,12 +623,64 @@ def test_the_panel_products_tile_height_does_not_change_a_rows_bits(monkeypatch,
     weight, bias = torch.randn(70, 37), torch.randn(70)
     x = torch.randn(7, 37)
     panels = cpu_decode._panels(weight)
-    outs = []
+    outs, picks = [], []
     for rows in (2, 4):
         monkeypatch.setattr(cpu_decode, "TILE_ROWS", rows)
-        kernel = cpu_decode._compile_panel_kernel(numba)
+        kernel, argmax = cpu_decode._compile_panel_kernel(numba)
         out = np.empty((7, panels.shape[0] * cpu_decode.PANEL), dtype=np.float32)
         kernel(x.numpy(), panels, bias.numpy(), True, out)
         outs.append(out[:, :70])
+        index, value = np.empty(7, dtype=np.int64), np.empty(7, dtype=np.float32)
+        argmax(x.numpy(), panels, bias.numpy(), True, 70, index, value)
+        picks.append((index, value))
     assert np.array_equal(outs[0], outs[1])
+    for index, value in picks:
+        assert np.array_equal(index, outs[0].argmax(-1)) and np.array_equal(value, outs[0].max(-1))
     torch.testing.assert_close(torch.from_numpy(outs[0]), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
+@pytest.mark.parametrize(("out", "width"), [(1, 1), (31, 5), (32, 16), (70, 37), (8192, 16)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_greedy_picks_without_the_logits_are_the_logits_argmax_and_value(invariant, rows, out, width, bias) -> None:
+    """``linear_argmax`` under invariance compares the panel product's sums in registers and never writes the logits:
+    its picks and their values are the logits' (``rows_argmax`` of ``linear``) bit for bit, whatever the rows, the
+    panel count (the last one partial) and the bias; a row's pick is the same alone."""
+    torch.manual_seed(rows * 1000 + out)
+    weight, x = torch.randn(out, width), torch.randn(rows, width)
+    offsets = torch.randn(out) if bias else None
+    with torch.inference_mode():
+        index, value = cpu_decode.linear_argmax(x, weight, offsets)
+        expected_index, expected_value = cpu_decode.rows_argmax(cpu_decode.linear(x, weight, offsets))
+        alone = cpu_decode.linear_argmax(x[-1:], weight, offsets)
+    assert index.dtype == torch.int64 and torch.equal(index, expected_index) and torch.equal(value, expected_value)
+    assert alone[0].item() == index[-1].item() and alone[1].item() == value[-1].item()
+
+
+def test_greedy_picks_take_the_first_of_ties_and_the_first_nan_as_numpy_does(invariant) -> None:
+    """With one input per row the logits are x[r] * w[o] exactly: ties (the first), infinities, NaN (the first NaN
+    wins over any number: numpy's and torch's argmax), and a row of -inf (the first output), across panels and
+    within one, each the same pick and value as ``rows_argmax`` of the logits."""
+    w = torch.linspace(-1.0, 1.0, 100)
+    w[[3, 45, 90]] = 5.0  # the largest, tied: across panels (3, 45) and within the last (90)
+    w[60] = -7.0  # the smallest
+    w[70] = 0.0
+    w[[20, 80]] = float("nan")
+    x = torch.tensor([[1.0], [-1.0], [0.0], [float("inf")], [float("-inf")], [float("nan")]])
+    weight = w[:, None].clone()
+    for rows in (x, x[:, :], torch.cat([x[:1], x[:1]])):
+        with torch.inference_mode():
+            index, value = cpu_decode.linear_argmax(rows, weight)
+            expected = cpu_decode.rows_argmax(cpu_decode.linear(rows, weight))
+        assert torch.equal(index, expected[0]) and torch.equal(value.isnan(), expected[1].isnan())
+        assert torch.equal(value.nan_to_num(), expected[1].nan_to_num())
+    clean = weight.clone()
+    clean[[20, 80]] = 1.0
+    with torch.inference_mode():
+        index, value = cpu_decode.linear_argmax(x, clean)
+    logits = x * clean[:, 0]  # (6, 100): exact, one product each
+    assert index.tolist() == logits.numpy().argmax(-1).tolist() == [3, 60, 0, 70, 70, 0]  # inf x 0 is NaN
+    assert value[:3].tolist() == [5.0, 7.0, 0.0] and value[3:].isnan().all()
+    with torch.inference_mode():
+        minus = cpu_decode.linear_argmax(torch.full((1, 1), float("-inf")), torch.ones(40, 1))
+    assert minus[0].item() == 0 and minus[1].item() == float("-inf")

@@ -131,10 +131,16 @@ class ClockedDecoder:
         return self.decoder.path
 
     def step(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        return self._clocked(self.decoder.step, tokens, cache)
+
+    def greedy_step(self, tokens: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._clocked(self.decoder.greedy_step, tokens, cache)
+
+    def _clocked(self, step, tokens: torch.Tensor, cache):
         self.clock.advance(_call_seconds(self.decoder.model, (tokens.shape[0], 1), cache, self.seconds_per_flop))
         self.stepping = True
         try:
-            return self.decoder.step(tokens, cache)
+            return step(tokens, cache)
         finally:
             self.stepping = False
 

@@ -5,7 +5,11 @@ checkpoints checkpoints.py's."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+import torch
 
 from server.settings import Settings
 
@@ -20,3 +24,16 @@ def wait_for(condition, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         time.sleep(0.02)
+
+
+def before_each_decode_step(monkeypatch: pytest.MonkeyPatch, model, before: Callable[[torch.Tensor], None]) -> None:
+    """Call ``before(tokens)`` at the start of each decode step of ``model`` from now on: ``step`` (the logits) and
+    ``step_greedy`` (the picks alone, which the engine calls where every row of a step is greedy)."""
+    for name in ("step", "step_greedy"):
+        original = getattr(model, name)
+
+        def wrapped(tokens, cache, original=original):
+            before(tokens)
+            return original(tokens, cache)
+
+        monkeypatch.setattr(model, name, wrapped)

@@ -16,20 +16,14 @@ from server.scheduler import FairShare
 from tests.server.checkpoints import LANGUAGE_MODELS
 from tests.server.driven import FakeClock, finished_at, generation, language_model, receive
 from tests.server.driven import scheduler as driven_scheduler
-from tests.server.helpers import make_settings
+from tests.server.helpers import before_each_decode_step, make_settings
 from tests.server.live import serve
 
 
 def record_step_batches(monkeypatch, engine, model_id: str) -> list[int]:
     """The batch size of every decode step of ``model_id`` from now on."""
-    model = engine.models[model_id].model
-    step, sizes = model.step, []
-
-    def recording_step(tokens, cache):
-        sizes.append(tokens.shape[0])
-        return step(tokens, cache)
-
-    monkeypatch.setattr(model, "step", recording_step)
+    sizes: list[int] = []
+    before_each_decode_step(monkeypatch, engine.models[model_id].model, lambda tokens: sizes.append(tokens.shape[0]))
     return sizes
 
 

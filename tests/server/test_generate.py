@@ -438,7 +438,7 @@ def test_a_token_outside_the_vocabulary_ends_only_its_sequence(checkpoints_dir, 
     monkeypatch.setattr(generation_module, "sample", drawing_the_vocabulary_size_for_seed_13)
     clock = FakeClock()
     served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
-    sequences = [generation(served, f"prompt {row}", 8, clock, seed=10 + row) for row in range(5)]
+    sequences = [generation(served, f"prompt {row}", 8, clock, seed=10 + row, temperature=1.0) for row in range(5)]
     worker = receive_into(driven_scheduler(clock), *sequences)
     run_until_done(worker, sequences)
     culprit = sequences[3]

@@ -11,20 +11,13 @@ import time
 import httpx
 import pytest
 
-from tests.server.helpers import make_settings, wait_for
+from tests.server.helpers import before_each_decode_step, make_settings, wait_for
 from tests.server.live import serve
 
 
 def slow_down(monkeypatch, engine, model_id: str, seconds: float = 0.01) -> None:
     """Make each decode step of ``model_id`` take at least ``seconds``, so that a request stays in flight."""
-    model = engine.models[model_id].model
-    step = model.step
-
-    def slow_step(*args, **kwargs):
-        time.sleep(seconds)
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(model, "step", slow_step)
+    before_each_decode_step(monkeypatch, engine.models[model_id].model, lambda tokens: time.sleep(seconds))
 
 
 def metric(url: str, name: str, **labels: str) -> float:

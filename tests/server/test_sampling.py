@@ -29,7 +29,7 @@ from server.sampling import (
     token_logprobs,
     unusable_rows,
 )
-from tests.server.helpers import make_settings
+from tests.server.helpers import before_each_decode_step, make_settings
 from tests.server.live import LiveServer, serve
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
@@ -337,14 +337,9 @@ def test_a_seeded_request_samples_beside_others_what_it_samples_alone(
     ]  # fmt: skip
     with httpx.Client(base_url=invariant.url, timeout=60) as client:
         alone = client.post("/v1/completions", json=seeded).json()["choices"]
-    model = invariant.engine.models[model_id].model
-    step, sizes = model.step, []
-
-    def recording_step(tokens, cache):
-        sizes.append(tokens.shape[0])
-        return step(tokens, cache)
-
-    monkeypatch.setattr(model, "step", recording_step)
+    sizes: list[int] = []
+    before_each_decode_step(monkeypatch, invariant.engine.models[model_id].model,
+                            lambda tokens: sizes.append(tokens.shape[0]))  # fmt: skip
 
     async def together() -> list[dict]:
         async with httpx.AsyncClient(base_url=invariant.url, timeout=60) as client:
