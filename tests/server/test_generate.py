@@ -459,3 +459,38 @@ def test_a_row_whose_text_fails_ends_alone(checkpoints_dir) -> None:
     run_until_done(receive_into(driven_scheduler(clock), *sequences), sequences)
     assert failure(sequences[1]) == "the model failed: cannot decode"
     assert finished(sequences[0]) and finished(sequences[2])
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_greedy_rows_take_the_picks_alone_and_get_the_tokens_the_logits_give(checkpoints_dir, invariant) -> None:
+    """A decode step whose rows are all greedy and read nothing else of the logits asks the model for its picks
+    alone (``step_greedy``: under batch invariance the head never writes the logits); the same prompts with
+    log-probabilities (which read the logits) get the same tokens. A pick whose logit is not finite ends its row
+    alone, with the message the sampled path gives."""
+    clock = FakeClock()
+    cpu_decode.set_row_invariant(invariant)
+    try:
+        served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+        step_greedy, calls = served.model.step_greedy, []
+
+        def counted(tokens, cache):
+            calls.append(tokens.shape[0])
+            picks, values = step_greedy(tokens, cache)
+            if len(calls) == 3:
+                values[1] = float("nan")
+            return picks, values
+
+        served.model.step_greedy = counted
+        prompts = [list(f"prompt {row}".encode()) for row in range(4)]
+        plain = [generation(served, prompt, 8, clock) for prompt in prompts]
+        run_until_done(receive_into(driven_scheduler(clock), *plain), plain)
+        assert calls[:3] == [4, 4, 4]
+        scored = [Sequence(served, GenerationRequest(prompt, 8, SamplingParams(temperature=0.0), logprobs=0),
+                           Recorder(clock)) for prompt in prompts]  # fmt: skip
+        run_until_done(receive_into(driven_scheduler(clock), *scored), scored)
+    finally:
+        cpu_decode.set_row_invariant(False)
+    assert failure(plain[1]) == "the model failed: its logits for output token 4 are not finite (nan)"
+    assert [sequence.generated for sequence in plain if sequence is not plain[1]] == [
+        sequence.generated for sequence in scored if sequence is not scored[1]]
+    assert plain[1].generated == scored[1].generated[:3] and len(calls) == 7  # 7 decode steps; the scored rows: none
