@@ -135,6 +135,12 @@ class SequenceModel(nn.Module, ABC):
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """Consume one token per sequence. tokens: (B,) int64. Returns (B, output_size); advances cache."""
 
+    def advance(self, tokens: torch.Tensor, cache: InferenceCache) -> None:
+        """``step`` without the logits: the cache consumes one token per sequence (tokens: (B,) int64), as ``step``
+        advances it. A model whose step ends in its head overrides it to skip the head (a prompt's tokens before its
+        last, stepped: server/generation.py)."""
+        self.step(tokens, cache)
+
     def step_greedy(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
         """``step``, then each row's largest logit (``cpu_decode.rows_argmax``: the first of ties, a NaN before any
         number): (ids (B,) int64, their logits (B,)). A model whose step ends in its head overrides it to take the

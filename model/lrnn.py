@@ -486,20 +486,24 @@ class LinearRNN(SequenceModel):
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """tokens: (B,) -> logits (B, output_size); advances ``cache`` by one token."""
-        return self.embedding.logits(self._step_hidden(tokens, cache))  # (B, V)
+        return self.embedding.logits(self.ln_f(self._blocks_step(tokens, cache)))  # (B, V)
 
     def step_greedy(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The picks of ``step``'s logits, taken by the head without them where it can (``TokenEmbedding.greedy``)."""
-        return self.embedding.greedy(self._step_hidden(tokens, cache))  # (B,), (B,)
+        return self.embedding.greedy(self.ln_f(self._blocks_step(tokens, cache)))  # (B,), (B,)
 
-    def _step_hidden(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
-        """tokens: (B,) -> what the head reads, (B, d_model); advances ``cache`` by one token."""
+    def advance(self, tokens: torch.Tensor, cache: InferenceCache) -> None:
+        """``step`` without the final layer norm and the head."""
+        self._blocks_step(tokens, cache)
+
+    def _blocks_step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """tokens: (B,) -> the last block's output, (B, d_model); advances ``cache`` by one token."""
         assert isinstance(cache, LRNNCache)
         x = self.embedding(tokens)  # (B, d_model)
         for i, block in enumerate(self.blocks):
             x, cache.states[i] = block.step(x, cache.states[i])  # (B, d_model), (B, H, b)
         cache.lengths = cache.lengths + 1
-        return self.ln_f(x)
+        return x
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
         """flops: per position the blocks' weights (projections, readout, MLP: one multiply-add each; "final" runs

@@ -276,8 +276,9 @@ def _prefill_call(sequences: list[Sequence], length: int) -> None:
     caches = [sequence.cache for sequence in sequences]
     cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
     if _stepped(sequences[0], length):
-        for position in range(length):
-            logits = model.step(chunks[:, position], cache)[:, None]  # (B, 1, V)
+        for position in range(length - 1):  # no logits but the last position's: nothing scores this chunk
+            model.advance(chunks[:, position], cache)
+        logits = model.step(chunks[:, -1], cache)[:, None]  # (B, 1, V)
     elif _head_on_last(sequences, length):
         positions = torch.zeros(chunks.shape, dtype=torch.bool, device=model.device)  # (B, n)
         positions[:, -1] = True

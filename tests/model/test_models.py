@@ -46,6 +46,24 @@ def test_step_by_step_equals_parallel(model_id: str, length: int) -> None:
     torch.testing.assert_close(stepped, parallel, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_advance_and_step_greedy_are_the_step_without_its_logits(model_id: str) -> None:
+    """``advance`` leaves the cache where ``step`` does (the logits after it are the same), and ``step_greedy`` gives
+    the first largest of ``step``'s logits and their values (a model that overrides them skips the head's output)."""
+    model = make(model_id, num_labels=0)
+    tokens = torch.randint(0, VOCAB, (3, 7))
+    with torch.no_grad():
+        stepped, advanced, greedy = (model.new_cache(batch_size=3) for _ in range(3))
+        for t in range(6):
+            logits = model.step(tokens[:, t], stepped)
+            model.advance(tokens[:, t], advanced)
+            picks, values = model.step_greedy(tokens[:, t], greedy)
+            assert torch.equal(picks, logits.argmax(-1)) and torch.equal(values, logits.amax(-1))
+        last = [model.step(tokens[:, 6], cache) for cache in (stepped, advanced, greedy)]
+    assert stepped.length == advanced.length == greedy.length == 7
+    assert torch.equal(last[0], last[1]) and torch.equal(last[0], last[2])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model_id", MODEL_IDS)
 def test_prefill_then_step_equals_parallel(model_id: str, device: str) -> None:
