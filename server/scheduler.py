@@ -208,11 +208,12 @@ class Scheduler:
     def _decode_on(self, started: float) -> None:
         """More decode steps in this iteration (up to ``decode_steps`` in all, and about one slice of time since the
         first ``started``), while decoding is all there is to do: nothing waits, prefills or transduces, and nothing
-        new has come into the inbox (which is looked at before each step: a new request, a cancellation from the
-        engine process's API side, a stop string found there, ends the run of steps at once). The per-iteration
-        work (planning every phase, the sweeps, the postman's flush: in the engine process, one message to the API
-        process) is then shared by several steps, as vLLM's multi-step scheduling shares it; a sweep between two
-        steps takes out what ended or was cancelled, and the tokens leave together at the flush."""
+        new has come into the inbox (which is looked at before each step: a new request, or a stop string the engine
+        process's API side found, ends the run of steps at once). The per-iteration work (planning every phase, the
+        sweeps, the postman's flush: in the engine process, one message to the API process) is then shared by
+        several steps, as vLLM's multi-step scheduling shares it; a sweep between two steps takes out what ended or
+        whose client went away (a cancellation sets a flag, not an inbox entry), and the tokens leave together at the
+        flush."""
         slice_seconds = self.settings.slice_ms / 1000
         for _ in range(self.settings.decode_steps - 1):
             if self.short or self.long or self.waiting or self.prefilling or not self.inbox.empty():
