@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,7 +25,7 @@ from server.errors import APIError, ModelFailure
 from server.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.model_store import ServedModel
-from server.sampling import SamplingParams, TokenLogprob, drawn_logits, penalize, sample, token_logprobs
+from server.sampling import SamplingParams, TokenLogprob, drawn_logits, penalize, sample, token_logprobs, unusable
 from server.state_cache import StateCache
 from server.structured import CompiledConstraint, Masks, token_bias, token_bias_later
 from server.work import FinishReason, Work
@@ -390,8 +389,7 @@ def take(sequences: list[Sequence], tokens: list[int], drawn: list[float], metri
     """Hand each sequence its next token (``drawn``: the token's logit as the model gave it; ``logits``: (B, V), where
     a sequence reads them for its log-probabilities), and finish the sequences that end. A row whose token was drawn
     at a NaN or infinite logit (e.g. an overflowed state) fails alone: the model gave no distribution there."""
-    unusable = [] if math.isfinite(sum(drawn)) else [row for row, value in enumerate(drawn) if not math.isfinite(value)]
-    for row in unusable:  # (the sum: one check where all are finite, or a large one overflows it)
+    for row in unusable(drawn):
         sequence, value = sequences[row], drawn[row]
         if not sequence.done:
             sequence.fail(ModelFailure(

@@ -87,7 +87,15 @@ def unusable_rows(logits: torch.Tensor, tokens: list[int]) -> list[int]:
     (B,) sampled from them (with any masks and penalties). :func:`sample` draws such a token only where the row had
     no finite logit to draw (all NaN or -inf; a greedy row: any NaN, which wins as in torch's argmax) or had +inf
     ones (an overflow): the model gave no distribution there."""
-    return [row for row, value in enumerate(drawn_logits(logits, tokens)) if not math.isfinite(value)]
+    return unusable(drawn_logits(logits, tokens))
+
+
+def unusable(drawn: list[float]) -> list[int]:
+    """The rows whose drawn logit (:func:`drawn_logits`, or a greedy pick's value) is NaN or infinite. One sum where
+    all are finite (it is not finite where any is not, or where large ones overflow it: then row by row)."""
+    if math.isfinite(sum(drawn)):
+        return []
+    return [row for row, value in enumerate(drawn) if not math.isfinite(value)]
 
 
 def drawn_logits(logits: torch.Tensor, tokens: list[int]) -> list[float]:

@@ -207,7 +207,8 @@ class Scheduler:
 
     def _decode_on(self, started: float) -> None:
         """More decode steps in this iteration (up to ``decode_steps`` in all, and about one slice of time since the
-        first ``started``), while decoding is all there is to do: nothing waits, prefills or transduces, and nothing
+        first ``started``), while decoding is all there is to do: nothing prefills or transduces, nothing waits that
+        ``max_running`` would let start (a row that ends makes room: the run stops there), and nothing
         new has come into the inbox (which is looked at before each step: a new request, or a stop string the engine
         process's API side found, ends the run of steps at once). The per-iteration work (planning every phase, the
         sweeps, the postman's flush: in the engine process, one message to the API process) is then shared by
@@ -216,12 +217,11 @@ class Scheduler:
         flush."""
         slice_seconds = self.settings.slice_ms / 1000
         for _ in range(self.settings.decode_steps - 1):
-            if self.short or self.long or self.waiting or self.prefilling or not self.inbox.empty():
-                return
             if self.clock() - started >= slice_seconds:
                 return
             self.sweep()
-            if not self.decoding:
+            admissible = self.waiting and self._running() < self.settings.max_running  # one may start now
+            if self.short or self.long or admissible or self.prefilling or not self.inbox.empty() or not self.decoding:
                 return
             self.apply_decode(self.executor.decode(self._plan_decode([], {})))
 

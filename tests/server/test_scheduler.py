@@ -517,3 +517,16 @@ def test_a_sequence_that_ends_or_is_cancelled_leaves_the_batch_between_two_steps
     rows = [len(batch) for _, batch in worker.executor.log if _ == "decode"]
     assert rows[5:] == [2, 1, 1, 1, 1]
     assert cancelled.done and cancelled.status is Status.FINISHED and worker.queue.in_flight == 1
+
+
+def test_a_sequence_waiting_for_room_does_not_end_a_run_until_a_row_ends(clock) -> None:
+    """Waiting work that ``max_running`` keeps from starting leaves the run of steps going; a row that ends makes
+    room, and the run stops there so that the next iteration admits it."""
+    served = language_model()
+    running, waiting = sequence(served, 10, 12, clock), sequence(served, 10, 4, clock)
+    worker = make_scheduler(clock, decode_steps=8, max_running=1, slice_ms=1000.0)
+    admitted(worker, running, waiting)
+    steps = decode_steps_by_iteration(worker, [running])
+    assert steps == [8, 3] and waiting.status is Status.WAITING  # 11 steps after the prefill's token, then room
+    worker.iteration()
+    assert waiting.status in (Status.DECODING, Status.FINISHED) and ran(worker, "start")[-1] is waiting
