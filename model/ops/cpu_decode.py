@@ -121,8 +121,8 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     as :func:`rows_argmax` takes it: (ids (R,) int64, their values (R,)). A decode step's product under
     :func:`set_row_invariant` (the panels) never writes its logits: each tile's sums are compared in the registers
     they are in (:func:`_tile_best`), the same sums, so the same pick and value as the logits', bit for bit (at 64
-    rows of an 8,192 x 16 head this took ~1/4 of the product and argmax's time: docs/benchmarks.md, "Greedy picks
-    without logits"). Elsewhere: the logits, then :func:`rows_argmax`."""
+    rows of an 8,192 x 16 head this took about half the product and argmax's time: docs/benchmarks.md, "Several
+    decode steps an iteration; greedy picks without logits"). Elsewhere: the logits, then :func:`rows_argmax`."""
     if x.dim() == 2 and _invariant_step(x) and _applies(x, weight, bias) and (_kernel or _build()) is not None:
         rows = x.contiguous().numpy(force=True)
         index, value = np.empty(rows.shape[0], dtype=np.int64), np.empty(rows.shape[0], dtype=np.float32)
@@ -550,7 +550,7 @@ def _compile_panel_kernel(numba) -> tuple[Callable[..., None], Callable[..., Non
             biased = min(count, bias.shape[0] - base) if has_bias else 0
             for r in range(0, rows, TILE_ROWS):
                 height = min(TILE_ROWS, rows - r)  # the last tile's rows alone: none computed twice
-                if count == PANEL and not biased:  # straight into out (a head's 64 x 8,192: 20% of its time)
+                if count == PANEL and not biased:  # straight into out: no scratch tile, no scalar copy
                     tile_of(x, panels, p, r, height, out, r, base)
                     continue
                 tile_of(x, panels, p, r, height, tile, 0, 0)
@@ -631,7 +631,8 @@ def _tile_product(numba, height: int) -> Callable[..., None]:
             for k, halves in enumerate(sums):
                 start = builder.add(builder.mul(builder.add(args[5], ir.Constant(index, k)), stride), args[6])
                 for half, total in enumerate(halves):
-                    target = builder.gep(out_array.data, [builder.add(start, ir.Constant(index, total.type.count * half))])
+                    offset = builder.add(start, ir.Constant(index, total.type.count * half))
+                    target = builder.gep(out_array.data, [offset])
                     builder.store(total, builder.bitcast(target, total.type.as_pointer()), align=4)
             return context.get_dummy_value()
 
@@ -644,9 +645,10 @@ def _tile_best(numba, height: int) -> Callable[..., None]:
     """A numba intrinsic, ``tile_best(x, panels, p, r, bias, has_bias, best, where)``: the sums of
     :func:`_tile_product` for rows r .. r + ``height`` - 1 and a whole panel p, plus bias[p PANEL + j] where
     ``has_bias`` (as :func:`linear` adds it; bias has P PANEL entries, read either way), each compared in its lane
-    with best[row, j] (float32) and where[row, j] (int32, the output it came from), all (R, PANEL): it takes the lane where it is larger, or NaN where the lane
-    holds none (numpy's argmax: the first NaN wins, then the first of the largest; a lane sees its outputs in
-    order). Vector compares and selects on the registers the sums are in: no logit is written to memory."""
+    with best[row, j] (float32) and where[row, j] (int32, the output it came from), all (R, PANEL): it takes the
+    lane where it is larger, or NaN where the lane holds none (numpy's argmax: the first NaN wins, then the first of
+    the largest; a lane sees its outputs in order). Vector compares and selects on the registers the sums are in: no
+    logit is written to memory."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic

@@ -392,7 +392,9 @@ def test_under_batch_invariance_short_prompts_prefill_together_as_decode_steps(c
             calls.append(("forward", tokens.shape[0])) or forward(tokens, cache, **options)
         )
         served.model.step = lambda tokens, cache: calls.append(("step", tokens.shape[0])) or step(tokens, cache)
-        served.model.advance = lambda tokens, cache: calls.append(("advance", tokens.shape[0])) or advance(tokens, cache)
+        served.model.advance = lambda tokens, cache: (
+            calls.append(("advance", tokens.shape[0])) or advance(tokens, cache)
+        )
         return served
 
     prompts = ["It was", "A dark", "Nights"]
