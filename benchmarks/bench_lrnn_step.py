@@ -3,13 +3,16 @@
 Size L: d_model 512, 8 layers of 64 blocks of 8 (state 512), d_ff 2048, vocabulary 8192 (a language model, its
 head tied to the embedding). For the full transition generator and each ``--ranks`` r, one decode step of the
 whole model (``model.step``, no grad, fp32, random weights) is timed at each batch size, as built and after
-``model.for_serving()`` (what the server runs), and for the full generator also served with MKL's products instead
-of the streaming kernel (model/ops/cpu_decode.py; built and run inside ``torch_products()``: what the server ran before
-the kernel, and runs with more than one thread), and set against two floors measured in the same run:
+``model.for_serving()``, and for the full generator also served under batch invariance (built and run under
+``cpu_decode.set_row_invariant(True)``, as the server's engine thread runs it: every product on panels) and served
+with MKL's products instead of the streaming kernel (model/ops/cpu_decode.py; built and run inside
+``torch_products()``: what the server ran before the kernel), and set against two floors measured in the same run:
 
 - bandwidth floor (batch 1): the weight bytes (every parameter once, fp32) / the copy bandwidth, the bytes per
   second that ``copy_`` of a 256 MiB tensor moves, read and write (as STREAM and benchmarks/peers.py count; counted
-  as bytes read, the floor doubles);
+  as bytes read, the floor doubles); at batch 1 also the read floor, the weight bytes at the rate ``sum`` reads a
+  256 MiB tensor (a decode step only reads its weights; on some hosts a read stream is slower than the copy's
+  rate counted both ways, 2026-11-28: 8.5 against 10 GB/s);
 - FLOP floor (batch 32): 2 x parameters x batch FLOPs / the rate of one 2048 x 2048 x 2048 fp32 matmul.
 
 Times are the CPU time of the calling thread (``time.thread_time``; torch runs on that one thread), not wall time:
@@ -47,7 +50,7 @@ import copy
 import itertools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -85,23 +88,27 @@ def seconds(call: Callable[[], object], runs: int) -> float:
 
 
 def floors_once() -> dict[str, float]:
-    """The copy bandwidth (bytes moved per second, read and write) and the matmul rate (FLOP/s), one each."""
+    """The copy bandwidth (bytes moved per second, read and write), the read rate (a sum's bytes per second) and the
+    matmul rate (FLOP/s), one each."""
     source = torch.randn(COPY_ELEMENTS)
     target = torch.empty_like(source)
     a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
     return {
         "copy_bytes_per_s": 2 * source.numel() * source.element_size() / seconds(lambda: target.copy_(source), 5),
+        "read_bytes_per_s": source.numel() * source.element_size() / seconds(source.sum, 5),
         "matmul_flops_per_s": 2 * MATMUL_SIZE**3 / seconds(lambda: a @ b, 3),
     }
 
 
 MKL = "served, MKL products"  # the suffix of the variant built and run inside cpu_decode.torch_products()
+INVARIANT = "served, batch-invariant"  # built and run under cpu_decode.set_row_invariant(True): the server's path
 
 
 def models(ranks: list[int], stochastic: bool) -> dict[str, BlockDiagonalLRNN]:
     """Size L with each generator, as built ("name") and after ``for_serving`` ("name, served"); the full one also
-    served with MKL's products ("full, served, MKL products"). With ``stochastic``, the full generator with
-    stochastic transitions too ("stochastic", served and with MKL's products: the torch step)."""
+    served under batch invariance ("full, served, batch-invariant") and with MKL's products ("full, served, MKL
+    products"). With ``stochastic``, the full generator with stochastic transitions too ("stochastic", served,
+    batch-invariant and with MKL's products: the torch step)."""
     built = {}
     for rank in [None, *ranks, *(["stochastic"] if stochastic else [])]:
         torch.manual_seed(0)
@@ -114,7 +121,7 @@ def models(ranks: list[int], stochastic: bool) -> dict[str, BlockDiagonalLRNN]:
         else:
             config = LRNNConfig(**SIZE_L, transition_rank=rank)
         built[name] = BlockDiagonalLRNN(config).eval()
-        for variant in ("served", MKL) if rank in (None, "stochastic") else ("served",):
+        for variant in ("served", INVARIANT, MKL) if rank in (None, "stochastic") else ("served",):
             served = copy.deepcopy(built[name])
             with products(variant):
                 served.for_serving()
@@ -123,8 +130,20 @@ def models(ranks: list[int], stochastic: bool) -> dict[str, BlockDiagonalLRNN]:
 
 
 def products(name: str) -> contextlib.AbstractContextManager:
-    """Where ``name``'s model runs: inside ``torch_products()`` for the MKL variant, else as the server would."""
-    return cpu_decode.torch_products() if name.endswith(MKL) else contextlib.nullcontext()
+    """Where ``name``'s model runs: inside ``torch_products()`` for the MKL variant, under batch invariance (panels
+    at every row count, as the server's engine thread sets it) for the invariant one, else the default policy."""
+    if name.endswith(MKL):
+        return cpu_decode.torch_products()
+    return row_invariant() if name.endswith(INVARIANT) else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def row_invariant() -> Iterator[None]:
+    cpu_decode.set_row_invariant(True)
+    try:
+        yield
+    finally:
+        cpu_decode.set_row_invariant(False)
 
 
 def step_seconds(model: BlockDiagonalLRNN, batch: int, steps: int) -> float:
@@ -252,16 +271,20 @@ def report(built: dict[str, BlockDiagonalLRNN], batches: list[int], rounds: list
         return f"{statistics.median(scaled):.{digits}f}", f"{min(scaled):.{digits}f}-{max(scaled):.{digits}f}"
 
     bandwidth = summary([cells["copy_bytes_per_s"] for cells in rounds], 1e-9, 1)
+    read = summary([cells["read_bytes_per_s"] for cells in rounds], 1e-9, 1)
     rate = summary([cells["matmul_flops_per_s"] for cells in rounds], 1e-9, 1)
     heading = (
         f"size L {SIZE_L}; {len(rounds)} rounds of {steps} steps; thread CPU time; copy bandwidth {bandwidth[0]} GB/s "
-        f"read + write ({bandwidth[1]}), matmul {rate[0]} GFLOP/s ({rate[1]})"
+        f"read + write ({bandwidth[1]}), read (a sum) {read[0]} GB/s ({read[1]}), matmul {rate[0]} GFLOP/s ({rate[1]})"
     )
     lines = [
         heading,
         "",
-        "| generator | parameters | batch | step (ms) | spread (ms) | floor (ms) | of the floor (spread) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        (
+            "| generator | parameters | batch | step (ms) | spread (ms) | floor (ms) | of the floor (spread) "
+            "| of the read floor (spread) |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, model in built.items():
         parameters = parameter_count(model)
@@ -270,9 +293,14 @@ def report(built: dict[str, BlockDiagonalLRNN], batches: list[int], rounds: list
             floors = [floor_seconds(parameters, batch, cells) for cells in rounds]
             share = summary([floor / cells[name, batch] for floor, cells in zip(floors, rounds, strict=True)], 100, 0)
             kind = "bandwidth" if batch == 1 else "FLOP"
+            read_share = "-"
+            if batch == 1:  # the weights' bytes at the rate a sum reads them
+                shares = summary([parameters * 4 / cells["read_bytes_per_s"] / cells[name, 1] for cells in rounds],
+                                 100, 0)  # fmt: skip
+                read_share = f"{shares[0]}% ({shares[1]})"
             lines.append(
                 f"| {name} | {parameters / 1e6:.1f} M | {batch} | {step[0]} | {step[1]} "
-                f"| {statistics.median(floors) * 1e3:.2f} ({kind}) | {share[0]}% ({share[1]}) |"
+                f"| {statistics.median(floors) * 1e3:.2f} ({kind}) | {share[0]}% ({share[1]}) | {read_share} |"
             )
     lines += ["", f"| generator | prefill of {PREFILL} tokens (ms) | spread (ms) |", "|---|---:|---:|"]
     for name in built:
