@@ -24,14 +24,16 @@ Curriculum = Literal["uniform", "growing"]
 @dataclass(frozen=True)
 class Batch:
     """tokens: (B, T) int64 right-padded with 0; targets: (B, T) int64 label ids, IGNORE_INDEX on padding;
-    lengths: (B,) int64, each in [1, T]."""
+    lengths: (B,) int64, each in [1, T]; fresh: with state passing, (B,) bool, the rows that start from the model's
+    initial state instead of the state they carry (``TextData.state_reset``), or None: none does."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     lengths: torch.Tensor
+    fresh: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.tokens.to(device), self.targets.to(device), self.lengths.to(device))
+        return Batch(self.tokens.to(device), self.targets.to(device), self.lengths.to(device), self.fresh)
 
     def split(self, parts: int) -> list[Batch]:
         """The rows in ``parts`` consecutive groups of nearly equal size (no empty one), each cut to its own

@@ -54,6 +54,7 @@ class TextData:
     passkey_distractors: int = 2  # a pass-key row's filler holds 0 .. this many other numbers
     state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
     passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
+    state_reset: float = 0.0  # with state passing: the chance that a row starts a step from the initial state
 
 
 PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
@@ -90,6 +91,10 @@ class LanguageModelObjective(Objective):
       the introduction or the question. The question reads the key from a state carried across windows whose
       gradient is cut, so what is learned is to keep a key through text from a state that long inputs reach, over
       distances up to ``passkey_span`` windows: what the in-window examples (at most a window apart) never ask.
+    - ``state_reset`` (with ``state_passing``): each row starts each step, with this chance, from the model's initial
+      state instead of the one it carries (its text reads on as before: ``Batch.fresh``), so that the model keeps
+      reading windows from the start a served prompt starts from. With every row carried, a stochastic LRNN with
+      blocks of 16 lost the text and the key measured from that start (docs/text_results.md).
     """
 
     name = "text"
@@ -195,7 +200,10 @@ class LanguageModelObjective(Objective):
                 if self.cursors is not None:  # the row's text goes on after the example
                     self.cursors[row] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)
-        return Batch(windows[:, :-1], targets, lengths)
+        fresh = None
+        if self.data.state_passing and self.data.state_reset:
+            fresh = torch.from_numpy(rng.random(len(windows)) < self.data.state_reset)  # (B,)
+        return Batch(windows[:, :-1], targets, lengths, fresh)
 
     def longest_span(self, step: int) -> int:
         """The most windows an example started at step ``step`` (from 1) may span: growing geometrically from 1 at

@@ -335,6 +335,8 @@ def _train_step(
     optimizer.zero_grad(set_to_none=True)
     parts = batch.split(settings.grad_accumulation)
     row_groups = torch.arange(len(batch.lengths)).tensor_split(settings.grad_accumulation)
+    if carried is not None and batch.fresh is not None and bool(batch.fresh.any()):
+        carried = _reset_rows(getattr(trained, "module", trained), carried, batch.fresh)
     ended = []
     for part, rows in zip(parts, row_groups):
         part = part.to(dist.device)
@@ -363,6 +365,14 @@ def _train_step(
         with torch.no_grad():  # the gradient is cut between steps
             carried = type(carried).stack(ended)
     return float(grad_norm), positions, carried
+
+
+def _reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tensor) -> InferenceCache:
+    """``carried`` with the rows where ``fresh`` (B,) holds back at the model's initial state."""
+    with torch.no_grad():
+        initial = model.new_cache(len(fresh))
+    return type(carried).stack([(initial if reset else carried).select([row])
+                                for row, reset in enumerate(fresh.tolist())])  # fmt: skip
 
 
 def _new_carried_state(model: SequenceModel, rows: int) -> InferenceCache:

@@ -158,6 +158,9 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
                       help="with --state-passing: a pass-key example stretches over 1 to this many consecutive "
                            "windows of its row (log-uniform up to a longest span growing from 1 to this over --steps; "
                            "default 1: within one window), the needle in the first, the question in the last")
+    what.add_argument("--state-reset", type=probability, default=0.0, metavar="P",
+                      help="with --state-passing: each row starts each step, with this chance, from the model's "
+                           "initial state instead of the one it carries (its text reads on); default 0")
     checks = parser.add_argument_group("validation")
     checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
@@ -223,13 +226,15 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     if args.passkey_span > 1 and not (args.state_passing and args.passkey_fraction):
         raise UsageError("--passkey-span needs --state-passing and --passkey-fraction (an example across windows "
                          "is read from carried states)")
+    if args.state_reset and not args.state_passing:
+        raise UsageError("--state-reset needs --state-passing (it resets carried states)")
     settings = settings_from_args(args, args.arch)
     data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
                     length=args.length, validation_fraction=args.validation_fraction,
                     validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
                     passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
                     passkey_distractors=args.passkey_distractors,
-                    state_passing=args.state_passing, passkey_span=args.passkey_span)
+                    state_passing=args.state_passing, passkey_span=args.passkey_span, state_reset=args.state_reset)
     return settings, config, lambda settings, dist: LanguageModelObjective(
         data, tokenizer, ranks_file, settings.steps, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 

@@ -27,7 +27,7 @@ from training.cli import main
 from training.distributed import setup_distributed
 from training.language_model import LanguageModelObjective, TextData, check_passkey_length
 from training import loop
-from training.data import IGNORE_INDEX
+from training.data import IGNORE_INDEX, Batch
 from training.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
 from training.passkey import QUESTION, PassKeyBuilder, first_number
 from training.text_data import TokenArray
@@ -261,15 +261,16 @@ def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = 
 
 
 def text_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, accumulation: int = 1,
-             state_passing: bool = False, transition_norm: str = "column") -> dict:
+             state_passing: bool = False, transition_norm: str = "column", state_reset: float = 0.0) -> dict:
     settings = TrainSettings(architecture="lrnn", steps=steps, batch_size=4, lr=1e-3, optimizer="adamw",
                              beta2=0.95, weight_decay=0.1, schedule="cosine", warmup_steps=2, min_lr_fraction=0.1,
                              eval_every=3, save_every=4, log_every=2, grad_accumulation=accumulation)
     config = LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16,
                         transition_norm=transition_norm)
     dist = setup_distributed("cpu")
-    return train(settings, text_objective(state_passing=state_passing), config, out, "test", dist,
-                 resume="resume" if resume else None, stop_requested=stop_after(stop_at))
+    objective = text_objective(state_passing=state_passing, state_reset=state_reset)
+    return train(settings, objective, config, out, "test", dist, resume="resume" if resume else None,
+                 stop_requested=stop_after(stop_at))
 
 
 def test_a_resumed_language_model_run_is_bitwise_equal_too(tmp_path: Path) -> None:
@@ -292,6 +293,43 @@ def test_a_resumed_state_passing_run_is_bitwise_equal_and_carries_its_states(tmp
     assert any(not torch.equal(plain[name], passed[name]) for name in plain)
 
 
+def test_a_resumed_run_with_state_resets_is_bitwise_equal_and_the_resets_change_it(tmp_path: Path) -> None:
+    """--state-reset draws its rows from the run's random stream (saved with the run): cut and resumed, the run ends
+    where the whole one does; and the resets reach the model."""
+    text_run(tmp_path / "whole", steps=9, state_passing=True, state_reset=0.5)
+    text_run(tmp_path / "cut", steps=9, stop_at=5, state_passing=True, state_reset=0.5)
+    text_run(tmp_path / "cut", steps=9, resume=True, state_passing=True, state_reset=0.5)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    text_run(tmp_path / "carried", steps=9, state_passing=True)
+    carried, reset = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("carried", "whole"))
+    assert any(not torch.equal(carried[name], reset[name]) for name in carried)
+
+
+def test_state_reset_starts_the_drawn_rows_from_the_initial_state() -> None:
+    """With --state-reset a batch names its fresh rows (about that share of them; none drawn without the option, and
+    the batches are then the same as before it existed); a step starts those from the model's initial state and the
+    others from their carried one, in 1 or 2 micro-batches."""
+    plain, reset = text_objective(state_passing=True), text_objective(state_passing=True, state_reset=0.5)
+    plain_batch = plain.batch(np.random.default_rng(3), 1)
+    assert plain_batch.fresh is None
+    rng = np.random.default_rng(3)
+    first = reset.batch(rng, 1)
+    assert torch.equal(first.tokens, plain_batch.tokens)
+    draws = torch.cat([reset.batch(rng, step).fresh for step in range(2, 60)])
+    assert draws.dtype == torch.bool and 0.35 < float(draws.float().mean()) < 0.65
+    second = reset.batch(rng, 60)
+    second = Batch(second.tokens, second.targets, second.lengths, torch.tensor([True, False, True, False]))
+    torch.manual_seed(0)
+    model = build_model("lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2,
+                                           d_ff=16)).train()
+    carried = loop._new_carried_state(model, 4)
+    with torch.no_grad():
+        model(first.tokens, carried)  # the states the rows end their first window in
+        initial = model.new_cache(4)
+    start = type(carried).stack([initial.select([0]), carried.select([1]), initial.select([2]), carried.select([3])])
+    assert_step_from(model, second, carried, start)
+
+
 def test_state_passing_starts_each_row_from_the_state_its_last_window_ended_in() -> None:
     """One step with the carried states: each row's loss is the model's on its window read after its last one,
     and the states returned are those the model ends the window in, detached; the same in 1 or 2 micro-batches."""
@@ -305,15 +343,21 @@ def test_state_passing_starts_each_row_from_the_state_its_last_window_ended_in()
     carried = loop._new_carried_state(model, 4)
     with torch.no_grad():
         model(first.tokens, carried)  # the states row i ends its first window in
-    expected = carried.select(range(4))
+    assert_step_from(model, second, carried, carried)
+
+
+def assert_step_from(model: torch.nn.Module, batch: Batch, carried: Any, start: Any) -> None:
+    """A step over ``batch`` given the carried states ``carried`` (4 rows) has the model's loss from the states
+    ``start`` and returns the states it ends its windows in from there, detached; in 1 or 2 micro-batches."""
+    expected = start.select(range(4))
     with torch.no_grad():
-        logits = model(second.tokens, expected)
-    loss, _ = loop.masked_loss(logits, second.targets)
+        logits = model(batch.tokens, expected)  # expected: the states the rows end in
+    loss, _ = loop.masked_loss(logits, batch.targets)
     for parts in (1, 2):
         settings = TrainSettings(architecture="lrnn", steps=1, batch_size=4, lr=0.0, grad_accumulation=parts)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         run = loop.RunState(step=1)
-        _, _, ended = loop._train_step(model, optimizer, second, settings, run, setup_distributed("cpu"), False,
+        _, _, ended = loop._train_step(model, optimizer, batch, settings, run, setup_distributed("cpu"), False,
                                        carried.select(range(4)))
         assert run.window[0] == pytest.approx(float(loss), rel=1e-5)
         for got, want in zip(ended.step_state(), expected.step_state()):

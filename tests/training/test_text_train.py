@@ -214,6 +214,10 @@ def test_token_windows(ranks) -> None:
       "--passkey-fraction", "0.5", "--passkey-span", "8"], "--passkey-span needs --state-passing"),
     (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing",
       "--passkey-span", "0"], "--passkey-span"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-reset", "0.5"],
+     "--state-reset needs --state-passing"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing",
+      "--state-reset", "2"], "--state-reset"),
 ])
 def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
