@@ -228,6 +228,9 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
                          "is read from carried states)")
     if args.state_reset and not args.state_passing:
         raise UsageError("--state-reset needs --state-passing (it resets carried states)")
+    if args.state_reset and args.passkey_span > 1:
+        raise UsageError("--state-reset with --passkey-span over 1 would cut examples across windows in their middle "
+                         "(a reset row forgets its key): use one of them")
     settings = settings_from_args(args, args.arch)
     data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
                     length=args.length, validation_fraction=args.validation_fraction,
