@@ -41,11 +41,8 @@ def best_times(x: torch.Tensor, weight: torch.Tensor, rounds: int, calls: int) -
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
 
     def panels() -> None:
-        cpu_decode.set_row_invariant(True)
-        try:
+        with cpu_decode.row_invariance():
             cpu_decode.linear(x, weight)
-        finally:
-            cpu_decode.set_row_invariant(False)
 
     def dots() -> None:
         cpu_decode._kernel(x.numpy(), weight.numpy(), np.zeros(0, dtype=np.float32), False, out)

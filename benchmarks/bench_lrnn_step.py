@@ -50,7 +50,7 @@ import copy
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -134,16 +134,7 @@ def products(name: str) -> contextlib.AbstractContextManager:
     at every row count, as the server's engine thread sets it) for the invariant one, else the default policy."""
     if name.endswith(MKL):
         return cpu_decode.torch_products()
-    return row_invariant() if name.endswith(INVARIANT) else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def row_invariant() -> Iterator[None]:
-    cpu_decode.set_row_invariant(True)
-    try:
-        yield
-    finally:
-        cpu_decode.set_row_invariant(False)
+    return cpu_decode.row_invariance() if name.endswith(INVARIANT) else contextlib.nullcontext()
 
 
 def step_seconds(model: BlockDiagonalLRNN, batch: int, steps: int) -> float:

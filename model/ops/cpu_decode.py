@@ -194,6 +194,18 @@ def compiles_step(x: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
+def row_invariance() -> Iterator[None]:
+    """Within the block (this thread), :func:`set_row_invariant` is on, as the server's engine thread sets it; then
+    as it was before."""
+    before = _invariant()
+    set_row_invariant(True)
+    try:
+        yield
+    finally:
+        set_row_invariant(before)
+
+
+@contextlib.contextmanager
 def torch_products() -> Iterator[None]:
     """Within the block (this thread), :func:`linear` is ``F.linear`` everywhere (no kernel, no packs): the reference
     path."""

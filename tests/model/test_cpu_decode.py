@@ -81,9 +81,8 @@ def test_a_row_comes_out_the_same_whatever_rows_go_with_it(kernel_calls) -> None
 
 @pytest.fixture
 def invariant():
-    cpu_decode.set_row_invariant(True)
-    yield
-    cpu_decode.set_row_invariant(False)
+    with cpu_decode.row_invariance():
+        yield
 
 
 @pytest.mark.parametrize(("out", "width"), [(1, 1), (31, 5), (32, 16), (33, 64), (300, 129)])
@@ -305,11 +304,8 @@ def test_a_layer_keeps_its_step_arrays_until_a_parameter_or_the_invariance_chang
         block.ln_1.bias.data = torch.randn(24)  # new storage
         equals_the_torch_step()
         assert len(made) == 3
-        cpu_decode.set_row_invariant(True)
-        try:
+        with cpu_decode.row_invariance():
             equals_the_torch_step()
-        finally:
-            cpu_decode.set_row_invariant(False)
         assert len(made) == 4 and len(layer_calls) == 5  # every step compiled
 
 
