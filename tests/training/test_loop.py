@@ -319,12 +319,8 @@ def test_state_reset_starts_the_drawn_rows_from_the_initial_state() -> None:
     assert draws.dtype == torch.bool and 0.35 < float(draws.float().mean()) < 0.65
     second = reset.batch(rng, 60)
     second = Batch(second.tokens, second.targets, second.lengths, torch.tensor([True, False, True, False]))
-    torch.manual_seed(0)
-    model = build_model("lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2,
-                                           d_ff=16)).train()
-    carried = loop._new_carried_state(model, 4)
+    model, carried = carried_after(first)
     with torch.no_grad():
-        model(first.tokens, carried)  # the states the rows end their first window in
         initial = model.new_cache(4)
     start = type(carried).stack([initial.select([0]), carried.select([1]), initial.select([2]), carried.select([3])])
     assert_step_from(model, second, carried, start)
@@ -337,13 +333,19 @@ def test_state_passing_starts_each_row_from_the_state_its_last_window_ended_in()
     rng = np.random.default_rng(3)
     first, second = objective.batch(rng, 1), objective.batch(rng, 2)
     assert torch.equal(second.tokens[:, 0], first.targets[:, -1])  # row i reads on where its last window ended
+    model, carried = carried_after(first)
+    assert_step_from(model, second, carried, carried)
+
+
+def carried_after(first: Batch) -> tuple[torch.nn.Module, Any]:
+    """A tiny LRNN (training mode) and the states its 4 rows end ``first``'s windows in, from the initial ones."""
     torch.manual_seed(0)
     model = build_model("lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2,
                                            d_ff=16)).train()
     carried = loop._new_carried_state(model, 4)
     with torch.no_grad():
-        model(first.tokens, carried)  # the states row i ends its first window in
-    assert_step_from(model, second, carried, carried)
+        model(first.tokens, carried)
+    return model, carried
 
 
 def assert_step_from(model: torch.nn.Module, batch: Batch, carried: Any, start: Any) -> None:
