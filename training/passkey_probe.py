@@ -4,7 +4,9 @@ For every size (tokens of the model's own tokenizer), depth and filler, ``trials
 tokens with a 5-digit key at that depth of the filler (training/passkey.py builds them); the model reads each
 prompt through its cache in chunks (so that an LRNN holds one state per row whatever the size) and then decodes
 ``max_new_tokens`` tokens greedily, one step at a time. A trial is right when the first number of the decoded
-text is the key (:func:`training.passkey.first_number`).
+text is the key (:func:`training.passkey.first_number`). With ``distractors`` each prompt's filler also holds that many
+other numbers (1 to 5 digits, never the key) on either side of the needle, as long text has chapter numbers and
+years: a model must answer the number the needle names, not the last one it read.
 
 The prompts of one size and filler are run together as rows of one batch (``batch_size`` rows at most). Memory,
 from the model's own estimates: the rows' caches at the full size (``model.cache_nbytes(size)`` per row: a
@@ -20,7 +22,7 @@ a list of these):
 .. code-block:: text
 
     {"checkpoint": str, "architecture": str, "probe": "passkey", "trials": int, "seed": int,
-     "max_new_tokens": int,
+     "max_new_tokens": int, "distractors": int,
      "fillers": [{"filler": str, "filler_tokens": int,     # "austen", "grass", "text:PATH" ...
                   "sizes": [{"size": int, "skipped": str | null, "right": int, "total": int,
                              "accuracy": float | null,
@@ -67,6 +69,7 @@ class PassKeyProbe:
     max_new_tokens: int = 8
     batch_size: int = 16  # rows run together
     max_memory: int = 4 * 2**30  # bytes: a batch's caches and one prefill call's peak
+    distractors: int = 0  # other numbers put in each prompt's filler, before and after the needle
 
 
 def is_filler_name(name: str) -> bool:
@@ -90,7 +93,8 @@ def cell_prompts(builder: PassKeyBuilder, probe: PassKeyProbe, filler: str, size
     """The prompts of one (filler, size) cell: ``probe.trials`` per depth, depth by depth, each with its own key
     and filler offset drawn from a stream keyed by the seed, the filler's name and the size."""
     rng = np.random.default_rng([probe.seed, zlib.crc32(filler.encode()), size])
-    return [builder.prompt(size, depth, rng) for depth in probe.depths for _ in range(probe.trials)]
+    return [builder.prompt(size, depth, rng, distractors=probe.distractors)
+            for depth in probe.depths for _ in range(probe.trials)]
 
 
 @torch.no_grad()
@@ -164,7 +168,8 @@ def probe_checkpoint(
     return {
         "checkpoint": str(loaded.path), "architecture": describe_architecture(loaded), "probe": "passkey",
         "trials": probe.trials, "seed": probe.seed, "max_new_tokens": probe.max_new_tokens,
-        "fillers": report_fillers, "wall_time_s": round(time.perf_counter() - started, 3),
+        "distractors": probe.distractors, "fillers": report_fillers,
+        "wall_time_s": round(time.perf_counter() - started, 3),
     }
 
 
@@ -206,12 +211,14 @@ def size_label(size: int) -> str:
 
 
 def format_passkey_table(reports: list[dict[str, Any]]) -> str:
-    """Markdown table: one row per checkpoint and filler, one column per size, right/total (skipped: "-")."""
+    """Markdown table: one row per checkpoint and filler (with its distractor numbers), one column per size,
+    right/total (skipped: "-")."""
     sizes = [row["size"] for row in reports[0]["fillers"][0]["sizes"]]
     lines = ["| model | filler | " + " | ".join(map(size_label, sizes)) + " |", "|---" * (len(sizes) + 2) + "|"]
     for report in reports:
         name = f"{report['architecture']} ({report['checkpoint'].rstrip('/').split('/')[-1]})"
+        numbers = f" + {report['distractors']} numbers" if report.get("distractors") else ""
         for filler in report["fillers"]:
             cells = ["-" if row["skipped"] else f"{row['right']}/{row['total']}" for row in filler["sizes"]]
-            lines.append(f"| {name} | {filler['filler']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | {filler['filler']}{numbers} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

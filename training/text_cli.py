@@ -262,7 +262,7 @@ PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is 
                    "batch_size": 8, "receptive_field": 0, "receptive_multiple": 4.0},
     "passkey": {"sizes": (2**10, 2**13, 2**16, 2**20), "depths": (0.0, 0.25, 0.5, 0.75, 1.0),
                 "filler": [DEFAULT_CORPUS, GRASS_FILLER], "trials": 2, "seed": 0, "max_new_tokens": 8,
-                "batch_size": 16, "max_memory": 4.0},
+                "batch_size": 16, "max_memory": 4.0, "distractors": 0},
 }
 
 
@@ -306,6 +306,9 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     passkey.add_argument("--trials", type=positive_int, help="keys per size, depth and filler (default 2)")
     passkey.add_argument("--seed", type=int, help="draws the keys and filler offsets (default 0)")
     passkey.add_argument("--max-new-tokens", type=positive_int, help="greedy tokens decoded (default 8)")
+    passkey.add_argument("--distractors", type=non_negative_int, metavar="N",
+                         help="other numbers (never the key) put in each prompt's filler, on either side of the "
+                              "needle (default 0)")
     passkey.add_argument("--max-memory", type=positive_float, metavar="GIB",
                          help="for a batch's caches and one prefill call's peak, as the model estimates them; "
                               "a size at which one row does not fit is skipped (default 4)")
@@ -393,7 +396,8 @@ def _run_passkey(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpo
                  out: Path) -> list[Path]:
     probe = PassKeyProbe(sizes=args.sizes, depths=args.depths, fillers=tuple(dict.fromkeys(
         name for names in args.filler for name in names)), trials=args.trials, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_memory=int(args.max_memory * 2**30))
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_memory=int(args.max_memory * 2**30),
+        distractors=args.distractors)
     fillers = []  # every checkpoint's filler token streams, all read (and the sizes checked) before any runs
     for loaded, tokenizer in checkpoints:
         streams = {name: filler_tokens(name, tokenizer, _validation_fraction(loaded)) for name in probe.fillers}

@@ -21,7 +21,13 @@ from model.registry import build_model
 from model.tokenizer import Tokenizer, load_tokenizer
 from training.cli import main
 from training.passkey import INTRODUCTION, NEEDLE, PassKeyBuilder, grass_filler
-from training.passkey_probe import PassKeyProbe, cell_prompts, greedy_completions, probe_checkpoint
+from training.passkey_probe import (
+    PassKeyProbe,
+    cell_prompts,
+    format_passkey_table,
+    greedy_completions,
+    probe_checkpoint,
+)
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -124,8 +130,9 @@ def test_passkey_report_plot_and_table(checkpoint: Path, corpus: Path, tmp_path:
     reports = json.loads((out / "passkey.json").read_text())
     assert len(reports) == 2 and reports[0]["fillers"] == reports[1]["fillers"]  # same prompts, same model
     report = reports[0]
-    assert set(report) == {"checkpoint", "architecture", "probe", "trials", "seed", "max_new_tokens", "fillers",
-                           "wall_time_s"}
+    assert set(report) == {"checkpoint", "architecture", "probe", "trials", "seed", "max_new_tokens", "distractors",
+                           "fillers", "wall_time_s"}
+    assert report["distractors"] == 0
     assert (report["architecture"], report["probe"], report["trials"], report["seed"]) == ("lrnn", "passkey", 2, 0)
     assert [filler["filler"] for filler in report["fillers"]] == ["grass", f"text:{corpus}"]
     for filler in report["fillers"]:
@@ -170,10 +177,13 @@ class Answerer(SequenceModel):
     """A hand-made language model: after a prompt it reads the key from the needle and says ``answer(key)``, one
     token at a time; a perfect retriever when ``answer`` is the key."""
 
-    def __init__(self, config: BaseModelConfig, tokenizer: Tokenizer, answer, cache_bytes_per_token: int = 8) -> None:
+    def __init__(self, config: BaseModelConfig, tokenizer: Tokenizer, answer, cache_bytes_per_token: int = 8,
+                 read=lambda text: (re.findall(r"The pass key is (\d+)\.", text) or [None])[0]) -> None:
+        """``read``: the text read so far -> the key it answers (None: nothing yet)."""
         super().__init__()
         self.config = config
         self.tokenizer, self.answer, self.cache_bytes_per_token = tokenizer, answer, cache_bytes_per_token
+        self.read = read
         self.anchor = nn.Parameter(torch.zeros(1))  # the model's device and dtype
         self.chunks: list[int] = []
 
@@ -186,8 +196,8 @@ class Answerer(SequenceModel):
         self.chunks.append(tokens.shape[1])
         for row, new in enumerate(tokens.tolist()):
             cache.tokens[row] += new
-            needle = re.search(r"The pass key is (\d+)\.", self.tokenizer.decode(cache.tokens[row]))
-            cache.answers[row] = self.tokenizer.encode(self.answer(needle.group(1))) if needle else []
+            key = self.read(self.tokenizer.decode(cache.tokens[row]))
+            cache.answers[row] = self.tokenizer.encode(self.answer(key)) if key is not None else []
         cache.lengths = cache.lengths + tokens.shape[1]
         logits = torch.zeros(*tokens.shape, self.tokenizer.vocab_size)  # (B, T, V)
         logits[:, -1] = self._say(cache)
@@ -228,6 +238,31 @@ def test_the_key_scores_right_and_any_other_answer_wrong(checkpoint: Path, answe
     assert max(loaded.model.chunks) < 300 and sum(loaded.model.chunks) == 300 + 500
 
 
+def test_distractors_tell_the_key_from_the_last_number_read(checkpoint: Path) -> None:
+    """``distractors``: a model that answers the number the needle names stays right; one that answers the last
+    number it read is right exactly on the prompts where no distractor follows the needle."""
+    probe = PassKeyProbe(sizes=(300, 500), depths=(0.0, 0.5, 1.0), fillers=("grass",), trials=4, max_memory=2**20,
+                         distractors=3)
+    builder = PassKeyBuilder(BYTES, grass_filler(BYTES))
+    loaded = load_checkpoint(checkpoint)
+    loaded.model = Answerer(loaded.config.model, BYTES, lambda key: f" {key}.")
+    report = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)
+    assert report["distractors"] == 3 and "| grass + 3 numbers | 12/12 | 12/12 |" in format_passkey_table([report])
+    assert [(row["right"], row["total"]) for row in report["fillers"][0]["sizes"]] == [(12, 12)] * 2
+    last = Answerer(loaded.config.model, BYTES, lambda key: f" {key}.", read=lambda text: (re.findall(r"\d+", text)
+                                                                                           or [None])[-1])
+    loaded.model = last
+    for distractors in (0, 3):
+        probe = PassKeyProbe(**{**vars(probe), "distractors": distractors})
+        sizes = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)["fillers"][0]["sizes"]
+        for size, row in zip(probe.sizes, sizes):
+            prompts = cell_prompts(builder, probe, "grass", size)  # the probe's own prompts, drawn again
+            clear = [not re.search(r"\d", BYTES.decode(prompt.tokens[prompt.needle.stop:].tolist()))
+                     for prompt in prompts]
+            assert [trial["right"] for cell in row["depths"] for trial in cell["trials"]] == clear
+            assert all(clear) if distractors == 0 else 0 < sum(clear) < len(clear)
+
+
 def test_a_size_whose_cache_does_not_fit_is_skipped(checkpoint: Path) -> None:
     loaded = load_checkpoint(checkpoint)
     loaded.model = Answerer(loaded.config.model, BYTES, lambda key: f" {key}.", cache_bytes_per_token=2**12)
@@ -246,6 +281,7 @@ def test_a_size_whose_cache_does_not_fit_is_skipped(checkpoint: Path) -> None:
     (["--depths", "0,1.5"], "argument --depths: must be a probability in [0, 1], got 1.5"),
     (["--trials", "0"], "argument --trials: must be a positive integer, got 0"),
     (["--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer"),
+    (["--distractors", "-1"], "argument --distractors: must be 0 or more"),
     (["--filler", "grass,web"], "unknown filler 'web': use 'austen', 'grass', 'text:PATH' or 'owt2:PATH'"),
     (["--filler", "text:missing-folder"], "missing-folder"),
     (["--multiples", "1,2"], "--multiples does not apply to --probe passkey"),
