@@ -52,6 +52,7 @@ class TextData:
     passkey_fraction: float = 0.0  # of the training rows: pass-key examples (training/passkey.py)
     passkey_fraction_final: float | None = None  # the fraction at the run's last step, linear from the first
     passkey_distractors: int = 2  # a pass-key row's filler holds 0 .. this many other numbers
+    passkey_number_forms: bool = False  # the distractors take the forms of training.passkey.NUMBER_FORMS
     state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
     passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
     state_reset: float = 0.0  # with state passing: the chance that a row starts a step from the initial state
@@ -76,7 +77,9 @@ class LanguageModelObjective(Objective):
       ``passkey_fraction_final`` the fraction moves linearly to it over the run's ``steps``: a model that has learned
       the key from pass-key rows alone keeps it while text is mixed in gradually (half the rows as text at once
       lost it within 100 steps, docs/text_results.md). Each example's filler holds up to ``passkey_distractors``
-      other numbers, before and after the needle, so that the key is told from numbers by the needle's words.
+      other numbers, before and after the needle, so that the key is told from numbers by the needle's words; with
+      ``passkey_number_forms`` they take the forms numbers have in prose ("CHAPTER 31", "in 1797-98", "No. 97"):
+      a model taught with plain " 4521"s alone still lost keys to a range like "1797-98" (docs/text_results.md).
     - ``state_passing`` (Buitrago Ruiz & Gu 2025): row i of every batch reads the window after the one it read
       last (a random place when the text runs out), and the loop starts it from the state row i ended the last
       step in, the gradient cut there (``carries_state``): the model trains on the states long inputs reach,
@@ -125,7 +128,7 @@ class LanguageModelObjective(Objective):
         self.passkey = None
         if data.passkey_fraction:
             self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
-            self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens)
+            self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens, data.passkey_number_forms)
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
 

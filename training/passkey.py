@@ -29,6 +29,10 @@ NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 GRASS = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEY_DIGITS = 5
+# Forms a distractor number takes with ``number_forms`` (:meth:`PassKeyBuilder.with_numbers`): as numbers stand in
+# prose and in the notes around it (held-out Austen: "CHAPTER 31", "No. 97, Vol. II", "in 1797-98", "£20,000");
+# {a} has 1 to KEY_DIGITS digits, {b} two, {y} is a year.
+NUMBER_FORMS = (" {a}", " {a}-{b}", " in {y}", " in {y}-{b}", " No. {a}", " £{a}", " {a},{b}0", "\n\nCHAPTER {a}\n\n")
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,12 @@ class PassKeyPrompt:
 class PassKeyBuilder:
     """Pass-key prompts in one tokenizer over one filler (a token stream, cycled when a prompt needs more)."""
 
-    def __init__(self, tokenizer: Tokenizer, filler: np.ndarray) -> None:
+    def __init__(self, tokenizer: Tokenizer, filler: np.ndarray, number_forms: bool = False) -> None:
+        """``number_forms``: distractor numbers take the forms of ``NUMBER_FORMS`` (else each is " {a}")."""
         if len(filler) == 0:
             raise ValueError("the pass-key filler holds no tokens")
         self.tokenizer, self.filler = tokenizer, np.asarray(filler, dtype=np.int64)
+        self.number_forms = number_forms
         self.introduction = self._encode(INTRODUCTION)
         self.question = self._encode(QUESTION)
 
@@ -97,12 +103,12 @@ class PassKeyBuilder:
 
     def with_numbers(self, filler: np.ndarray, count: int, key: str, rng: np.random.Generator) -> np.ndarray:
         """``filler`` with up to ``count`` numbers other than ``key`` put in at random places, as long as before
-        (the filler's last tokens make room); fewer when it is too short to hold them."""
+        (the filler's last tokens make room); fewer when it is too short to hold them. A number whose digits would
+        hold the key is the key's first four digits instead."""
         numbers = []
         for _ in range(count):
-            digits = int(rng.integers(1, KEY_DIGITS + 1))
-            number = str(int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10**digits)))
-            encoded = self._encode(f" {number}") if number != key else self._encode(f" {int(key) // 10}")
+            text = self._number(rng)
+            encoded = self._encode(text if key not in re.findall(r"\d+", text) else f" {int(key) // 10}")
             if sum(map(len, numbers)) + len(encoded) > len(filler):
                 break
             numbers.append(encoded)
@@ -115,6 +121,15 @@ class PassKeyBuilder:
             pieces += [kept[start:place], number]
             start = place
         return np.concatenate(pieces + [kept[start:]])
+
+    def _number(self, rng: np.random.Generator) -> str:
+        """A distractor number as text: " {a}", or with ``number_forms`` one of ``NUMBER_FORMS``, drawn uniformly."""
+        digits = int(rng.integers(1, KEY_DIGITS + 1))
+        number = str(int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10**digits)))
+        if not self.number_forms:
+            return f" {number}"
+        form = NUMBER_FORMS[int(rng.integers(len(NUMBER_FORMS)))]
+        return form.format(a=number, b=f"{int(rng.integers(100)):02d}", y=int(rng.integers(1500, 2030)))
 
     def _filler(self, count: int, start: int) -> np.ndarray:
         """``count`` tokens of the filler stream from ``start``, cycling."""

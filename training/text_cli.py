@@ -151,6 +151,9 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
                            "mix text in gradually into a model that learned the key from pass-key rows")
     what.add_argument("--passkey-distractors", type=non_negative_int, default=2,
                       help="a pass-key example's filler holds 0 to this many other numbers (default 2)")
+    what.add_argument("--passkey-number-forms", action="store_true",
+                      help="the distractor numbers take the forms numbers have in prose ('CHAPTER 31', 'in 1797-98', "
+                           "'No. 97', '20,000', '£45'), not only ' 4521'")
     what.add_argument("--state-passing", action="store_true",
                       help="recurrent models: each row reads consecutive windows, starting from the state its last "
                            "one ended in (the gradient cut between steps)")
@@ -236,7 +239,7 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
                     length=args.length, validation_fraction=args.validation_fraction,
                     validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
                     passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
-                    passkey_distractors=args.passkey_distractors,
+                    passkey_distractors=args.passkey_distractors, passkey_number_forms=args.passkey_number_forms,
                     state_passing=args.state_passing, passkey_span=args.passkey_span, state_reset=args.state_reset)
     return settings, config, lambda settings, dist: LanguageModelObjective(
         data, tokenizer, ranks_file, settings.steps, settings.batch_size, settings.seed, settings.eval_every > 0, dist)

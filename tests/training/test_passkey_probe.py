@@ -107,6 +107,33 @@ def test_distractors_are_other_numbers_in_the_filler_and_keep_the_size(tokenizer
     assert tight.tokens.shape == (builder.shortest(plain.key) + 2,)  # fewer numbers when the filler is short
 
 
+def test_number_forms_put_numbers_as_prose_has_them_never_the_key() -> None:
+    """``number_forms``: the distractors take every form of ``NUMBER_FORMS`` ("CHAPTER 31", "in 1797-98", ...),
+    none holds the key's digits, the prompt keeps its size and needle; without it, plain numbers only."""
+    tokenizer = load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")
+    builder = PassKeyBuilder(tokenizer, grass_filler(tokenizer), number_forms=True)
+    rng = np.random.default_rng(0)
+    texts = []
+    for _ in range(60):
+        prompt = builder.prompt(300, 0.5, rng, key="12345" if not texts else None, distractors=4)
+        assert prompt.tokens.shape == (300,)
+        assert tokenizer.decode(prompt.tokens[prompt.needle].tolist()) == NEEDLE.format(key=prompt.key)
+        filler = np.concatenate([prompt.tokens[:prompt.needle.start], prompt.tokens[prompt.needle.stop:]])
+        text = tokenizer.decode(filler.tolist())
+        assert prompt.key not in re.findall(r"\d+", text)
+        texts.append(text)
+    joined = "".join(texts)
+    for pattern in [r"CHAPTER \d+\n", r" in 1[5-9]\d\d\b", r" in \d{4}-\d\d", r" No\. \d", r"£\d", r"\d,\d\d0\b",
+                    r" \d+-\d\d"]:
+        assert re.search(pattern, joined), pattern
+    builder._number = lambda rng: " No. 12345-98"  # a form that holds the key: the key's first four digits instead
+    text = tokenizer.decode(builder.with_numbers(grass_filler(tokenizer)[:100], 2, "12345", rng).tolist())
+    assert re.findall(r"\d+", text) == ["1234", "1234"]
+    plain = PassKeyBuilder(tokenizer, grass_filler(tokenizer))
+    numbers = tokenizer.decode(plain.prompt(300, 0.5, np.random.default_rng(0), distractors=30).tokens.tolist())
+    assert "CHAPTER" not in numbers and "No." not in numbers and "£" not in numbers and "-" not in numbers
+
+
 @pytest.mark.parametrize("architecture", sorted(TINY))
 def test_cached_chunked_prefill_decodes_as_the_parallel_pass(architecture: str) -> None:
     model = tiny_model(architecture)
