@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model.base import SequenceModel
+from model.base import SequenceModel, largest_fitting
 from model.config import BaseModelConfig, CheckpointConfig
 from model.tokenizer import FILE_PREFIX, Tokenizer
 from training.data import IGNORE_INDEX, Batch
@@ -61,6 +61,7 @@ class TextData:
 PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
 PASSKEY_VALIDATION_MULTIPLES = (1, 16)  # evaluated prompt sizes, in training lengths
 PASSKEY_STREAM = 2  # key of the validation prompts' random stream (with the seed)
+EVALUATION_MEMORY = 2 * 2**30  # bytes: the most one validation call may take, by the model's own estimate
 PASSKEY_ANSWER_TOKENS = 8  # room for " {key}." in any tokenizer this project uses (the bytes one: 7)
 
 
@@ -280,22 +281,35 @@ class LanguageModelObjective(Objective):
 
     @torch.no_grad()
     def evaluate(self, model: SequenceModel, dist: Distributed, batch_size: int = 16) -> Evaluation | None:
+        """Validation perplexity, and the pass-key accuracy of the fixed prompts. Each call takes at most
+        ``batch_size`` rows, fewer where the model's estimate of a parallel pass over them (``cost("forward")``)
+        passes ``EVALUATION_MEMORY``; a model that can (``selects_positions``) runs its head on the scored answer
+        positions only. At 16x windows of 2,048 (prompts of 32,768 tokens) 16 rows' logits alone were 16 GiB, and
+        the run was killed for memory at its first evaluation."""
         if self.validation is None:
             return None
         total = 0.0
-        for start in range(0, len(self.validation), batch_size):
-            chunk = self.validation[start:start + batch_size].to(dist.device)  # (b, L + 1)
+        rows = evaluation_rows(model, self.data.length, batch_size)
+        for start in range(0, len(self.validation), rows):
+            chunk = self.validation[start:start + rows].to(dist.device)  # (b, L + 1)
             logits = model(chunk[:, :-1])  # (b, L, V)
             total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
         loss = total / self.validation[:, 1:].numel()
         figures = {"validation_loss": loss, "validation_perplexity": math.exp(loss)}
         for size, (tokens, targets) in (self.passkey_validation or {}).items():
-            right = 0
-            for start in range(0, len(tokens), batch_size):
-                logits = model(tokens[start:start + batch_size, :-1].to(dist.device))  # (b, size, V)
-                chunk = targets[start:start + batch_size].to(dist.device)  # (b, size)
-                scored = chunk != IGNORE_INDEX
-                right += int(((logits.argmax(dim=-1) == chunk) | ~scored).all(dim=1).sum())
+            right, rows = 0, evaluation_rows(model, size, batch_size)
+            for start in range(0, len(tokens), rows):
+                prompts = tokens[start:start + rows, :-1].to(dist.device)  # (b, size)
+                chunk = targets[start:start + rows].to(dist.device)  # (b, size)
+                scored = chunk != IGNORE_INDEX  # (b, size)
+                if model.selects_positions:
+                    wrong = model(prompts, positions=scored).argmax(dim=-1) != chunk[scored]  # (N,) row-major
+                    misses = torch.zeros(len(chunk), dtype=torch.long, device=chunk.device)  # (b,)
+                    misses.index_add_(0, scored.nonzero()[:, 0], wrong.long())
+                    right += int((misses == 0).sum())
+                else:
+                    logits = model(prompts)  # (b, size, V)
+                    right += int(((logits.argmax(dim=-1) == chunk) | ~scored).all(dim=1).sum())
             figures[f"passkey_accuracy_{size}"] = right / len(tokens)
         return Evaluation(figures, score=-loss)
 
@@ -335,6 +349,12 @@ class LanguageModelObjective(Objective):
             self.cursors = np.asarray(state["cursors"], dtype=np.int64)
             if "spans" in state:
                 self.spans = [None if span is None else (str(span[0]), int(span[1])) for span in state["spans"]]
+
+
+def evaluation_rows(model: SequenceModel, length: int, limit: int) -> int:
+    """How many rows of ``length`` tokens one validation call takes: at most ``limit``, and as many as the model's
+    estimate of a parallel pass over them keeps within ``EVALUATION_MEMORY`` (one at least)."""
+    return largest_fitting(lambda rows: model.cost("forward", rows, length).nbytes <= EVALUATION_MEMORY, limit)
 
 
 def check_passkey_length(tokenizer: Tokenizer, length: int) -> int:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from model.base import Cost
 from model.checkpoint import load_checkpoint
 from model.config import LRNNConfig, RegularGPTConfig
 from model.registry import build_model
@@ -258,6 +259,56 @@ def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = 
         objective.shortest_passkey_row = check_passkey_length(objective.tokenizer, length)
     objective.passkey_validation = None
     return objective
+
+
+class Oracle(torch.nn.Module):
+    """A hand-made language model for the pass-key validation: at every position it predicts the row's next token
+    (it looks the row up among ``rows``, the prompts with their answers), except on the rows in ``wrong``, whose
+    predictions are all off by one. ``selects_positions`` as asked; ``calls``: each call's rows and logits rows."""
+
+    def __init__(self, rows: torch.Tensor, wrong: set[int], selects_positions: bool) -> None:
+        super().__init__()
+        self.rows, self.wrong, self.selects_positions, self.calls = rows, wrong, selects_positions, []
+
+    def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        assert cache is None and (positions is None or self.selects_positions)
+        index = [next((i for i, row in enumerate(self.rows) if torch.equal(row[:-1], prompt)), None)
+                 for prompt in tokens]  # None: a validation window of text
+        if None in index:
+            logits = torch.zeros(*tokens.shape, 257)  # (b, T, V)
+        else:
+            picks = self.rows[index, 1:] + torch.tensor([[int(i in self.wrong)] for i in index])  # (b, T)
+            logits = torch.nn.functional.one_hot(picks % 257, 257).float()  # (b, T, V)
+        logits = logits if positions is None else logits[positions]  # (N, V)
+        self.calls.append((len(tokens), logits.numel() // 257))
+        return logits
+
+    def cost(self, path: str, rows: int, length: int, context: int = 0):
+        return Cost(flops=0.0, nbytes=rows * length * 257 * 4)
+
+
+@pytest.mark.parametrize("selects_positions", [True, False])
+def test_passkey_validation_counts_a_row_right_only_when_its_whole_answer_is(selects_positions, monkeypatch) -> None:
+    """The pass-key accuracy through the scored positions alone (``selects_positions``: the head on the answer,
+    not on 32k-token prompts) or through every position's logits, in calls of as many rows as the memory bound
+    lets: the same figure, counting a row only when every answer token is right."""
+    objective = text_objective(length=300, passkey_fraction=1.0)
+    builder, rng = objective.passkey, np.random.default_rng(0)
+    rows = [objective._passkey_row(builder, 321, depth, rng) for depth in np.linspace(0, 1, 6)]
+    tokens, targets = torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows])
+    objective.passkey_validation = {320: (tokens, targets)}
+    for memory, per_call in [(2**30, 6), (2 * 320 * 257 * 4, 2)]:
+        monkeypatch.setattr("training.language_model.EVALUATION_MEMORY", memory)
+        model = Oracle(tokens, wrong={1, 4}, selects_positions=selects_positions)
+        figures = objective.evaluate(model, setup_distributed("cpu")).figures
+        assert figures["passkey_accuracy_320"] == 4 / 6
+        assert [rows for rows, _ in model.calls[-6 // per_call:]] == [per_call] * (6 // per_call)
+        answers = [int((target != IGNORE_INDEX).sum()) for target in targets]
+        logits_rows = [count for _, count in model.calls[-6 // per_call:]]
+        if selects_positions:  # the answer's positions only
+            assert logits_rows == [sum(answers[i:i + per_call]) for i in range(0, 6, per_call)]
+        else:
+            assert logits_rows == [per_call * 320] * (6 // per_call)
 
 
 def text_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, accumulation: int = 1,
