@@ -7,12 +7,13 @@ gradient accumulation, Adam or AdamW with weight decay on the matrices of linear
 then a constant or cosine learning rate (a function of the step alone), gradient clipping, bfloat16 autocast,
 optional ``torch.compile``, evaluation every ``eval_every`` steps with early stopping, and resumable runs.
 
-Resuming: every ``save_every`` steps, and whenever the run stops (steps done, early stop, ``time_budget_s``
-spent, SIGTERM or SIGINT), ``resume.safetensors`` in the output folder is replaced (atomically) by everything
-the run needs to go on as if it had not stopped: the weights, the optimizer's state, the best weights so far,
-every process's random streams and data position, the step, the log figures since the last record, the
-elapsed time and the log's length. ``train(..., resume=True)`` continues from it; the log is cut back to that
-length (records written after the save are written again, none twice) and continues. A resumed run ends
+Resuming: every ``save_every`` steps, before every evaluation (one that dies, out of memory, loses no steps), and
+whenever the run stops (steps done, early stop, ``time_budget_s`` spent, SIGTERM or SIGINT), ``resume.safetensors``
+in the output folder is replaced (atomically) by everything the run needs to go on as if it had not stopped: the
+weights, the optimizer's state, the best weights so far, every process's random streams and data position, the
+step (and whether its evaluation is still to run), the log figures since the last record, the elapsed time and the
+log's length. ``train(..., resume=True)`` continues from it; the log is cut back to that length (records written
+after the save are written again, none twice) and continues. A resumed run ends
 bitwise-equal to one never stopped (same device and thread count; tested on the CPU in float32).
 Signals: the first SIGTERM or SIGINT finishes the current step, saves and returns (the command exits 0 within
 a step and a save); under torchrun every process stops at the same step.
@@ -205,6 +206,7 @@ class RunState:
     tokens: int = 0  # positions trained on, all processes
     elapsed_s: float = 0.0  # over every part of the run
     log_bytes: int = 0
+    evaluation_pending: bool = False  # saved between a step and its evaluation: a resumed run evaluates first
 
 
 # ---------------------------------------------------------------- the loop
@@ -259,43 +261,54 @@ def train(
                disable=not (dist.is_main and options.progress))
     first_step, loop_started = run.step, time.perf_counter()
     with _stop_signals() as signalled:
-        while run.step < settings.steps and run.stopped is None:
-            run.step += 1
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr * lr_factor(settings, run.step)
-            if settings.soft_transition_steps:
-                _set_soft_transitions(model, run.step <= settings.soft_transition_steps,
-                                      track_impurity=settings.determinism_weight > 0)
-            if settings.extra_levels:
-                model.extra_levels = extra_levels(settings, run.step)
-            batch = objective.batch(rng, run.step)
-            grad_norm, step_tokens, carried = _train_step(trained, optimizer, batch, settings, run, dist, use_bfloat16,
-                                                          carried)
-            window_tokens += step_tokens
-            if options.time_budget_s is not None:
-                now = time.perf_counter()
-                bar.total = progress_total(settings.steps, run.step, (now - loop_started) / (run.step - first_step),
-                                           options.time_budget_s - (now - started))
-            bar.update(1)
-            run.elapsed_s = elapsed_before + time.perf_counter() - started
-            out_of_time = options.time_budget_s is not None and time.perf_counter() - started >= options.time_budget_s
-            cut = signalled() or bool(stop_requested and stop_requested())
-            # every process stops at the same step; a cut run logs and evaluates as if it went on (bitwise resume)
-            cut, out_of_time = (value > 0 for value in dist.sum([float(cut), float(out_of_time)]))
+        while (run.step < settings.steps or run.evaluation_pending) and run.stopped is None:
+            cut = out_of_time = False
+            if not run.evaluation_pending:  # else resumed from the save before this step's evaluation
+                run.step += 1
+                for group in optimizer.param_groups:
+                    group["lr"] = settings.lr * lr_factor(settings, run.step)
+                if settings.soft_transition_steps:
+                    _set_soft_transitions(model, run.step <= settings.soft_transition_steps,
+                                          track_impurity=settings.determinism_weight > 0)
+                if settings.extra_levels:
+                    model.extra_levels = extra_levels(settings, run.step)
+                batch = objective.batch(rng, run.step)
+                grad_norm, step_tokens, carried = _train_step(trained, optimizer, batch, settings, run, dist,
+                                                              use_bfloat16, carried)
+                window_tokens += step_tokens
+                if options.time_budget_s is not None:
+                    now = time.perf_counter()
+                    bar.total = progress_total(settings.steps, run.step,
+                                               (now - loop_started) / (run.step - first_step),
+                                               options.time_budget_s - (now - started))
+                bar.update(1)
+                run.elapsed_s = elapsed_before + time.perf_counter() - started
+                out_of_time = (options.time_budget_s is not None
+                               and time.perf_counter() - started >= options.time_budget_s)
+                cut = signalled() or bool(stop_requested and stop_requested())
+                # every process stops at the same step; a cut run logs and evaluates as if it went on (bitwise resume)
+                cut, out_of_time = (value > 0 for value in dist.sum([float(cut), float(out_of_time)]))
+                if run.step % settings.log_every == 0 or run.step == settings.steps:
+                    loss_sum, correct, positions = dist.sum(run.window)
+                    run.window = [0.0, 0.0, 0.0]
+                    now = time.perf_counter()
+                    speed = dist.sum([float(window_tokens)])[0] / max(now - window_started, 1e-9)
+                    _write(log, event="train", step=run.step, loss=loss_sum / positions,
+                           accuracy=correct / positions, tokens=run.tokens, tokens_per_s=speed,
+                           lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm, elapsed_s=run.elapsed_s,
+                           **objective.train_figures(run.step))
+                    bar.set_postfix({"loss": f"{loss_sum / positions:.4f}", "acc": f"{correct / positions:.3f}",
+                                     "tokens/s": f"{speed:,.0f}"})
+                    window_started, window_tokens = now, 0
+                if settings.eval_every and (run.step % settings.eval_every == 0 or run.step == settings.steps):
+                    # saved first, so that an evaluation that dies (out of memory) loses none of the steps
+                    run.evaluation_pending = True
+                    _save_resume(out, model, optimizer, rng, objective, run, best_state, settings, model_config,
+                                 command, log, dist, carried)
             last = run.step == settings.steps
-            if run.step % settings.log_every == 0 or last:
-                loss_sum, correct, positions = dist.sum(run.window)
-                run.window = [0.0, 0.0, 0.0]
-                now = time.perf_counter()
-                speed = dist.sum([float(window_tokens)])[0] / max(now - window_started, 1e-9)
-                _write(log, event="train", step=run.step, loss=loss_sum / positions, accuracy=correct / positions,
-                       tokens=run.tokens, tokens_per_s=speed, lr=optimizer.param_groups[0]["lr"],
-                       grad_norm=grad_norm, elapsed_s=run.elapsed_s, **objective.train_figures(run.step))
-                bar.set_postfix({"loss": f"{loss_sum / positions:.4f}", "acc": f"{correct / positions:.3f}",
-                                 "tokens/s": f"{speed:,.0f}"})
-                window_started, window_tokens = now, 0
-            if settings.eval_every and (run.step % settings.eval_every == 0 or last):
+            if run.evaluation_pending:
                 best_state = _evaluate(model, objective, settings, run, dist, log, best_state)
+                run.evaluation_pending = False
                 if dist.is_main:  # kept on disk as it goes, so a cut run leaves a loadable model
                     _save_checkpoint(model, best_state, objective, settings, model_config, out, command, dist, run)
             if run.stopped is None:

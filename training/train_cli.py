@@ -204,7 +204,8 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             state["settings"].setdefault(option, 0)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps
-        if state["run"]["step"] >= steps:
+        evaluation_left = state["run"].get("evaluation_pending", False) and state["run"]["step"] == steps
+        if state["run"]["step"] >= steps and not evaluation_left:
             raise UsageError(f"the run in {args.out} is at step {state['run']['step']} of {saved.steps} "
                              f"(stopped: {state['run']['stopped']}); give --steps above {state['run']['step']} "
                              "to go on")

@@ -127,6 +127,31 @@ def test_a_run_cut_twice_resumes_to_the_same_end(tmp_path: Path) -> None:
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
 
 
+@pytest.mark.parametrize("dies_at", [8, 12])  # between saves (5, 10), and the last step's evaluation
+def test_an_evaluation_that_dies_loses_no_steps_and_the_resumed_run_evaluates_first(
+    dies_at: int, tmp_path: Path, monkeypatch,
+) -> None:
+    task_run(tmp_path / "whole", steps=12)
+    evaluate, calls = TransductionObjective.evaluate, [0]
+
+    def dying(self, model, dist):
+        calls[0] += 1
+        if calls[0] == dies_at // 4:  # the evaluations are at steps 4, 8, 12
+            raise MemoryError("killed by the OOM killer")
+        return evaluate(self, model, dist)
+
+    monkeypatch.setattr(TransductionObjective, "evaluate", dying)
+    with pytest.raises(MemoryError):
+        task_run(tmp_path / "cut", steps=12)
+    monkeypatch.undo()
+    state, _ = loop.read_resume_state(tmp_path / "cut", with_tensors=False)
+    assert state["run"]["step"] == dies_at and state["run"]["evaluation_pending"]
+    task_run(tmp_path / "cut", steps=12, resume=True)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    evaluations = [record["step"] for record in log_records(tmp_path / "cut") if record["event"] == "eval"]
+    assert evaluations == [4, 8, 12]
+
+
 def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
     phases: list[bool] = []
     switch = loop._set_soft_transitions
@@ -668,6 +693,20 @@ def test_a_finished_run_needs_more_steps_to_resume(tmp_path: Path, capsys) -> No
     assert "is at step 3 of 3 (stopped: steps); give --steps above 3" in capsys.readouterr().err
     assert main(["train", "--resume", "--out", str(tmp_path / "run"), "--steps", "5", "--no-progress"]) == 0
     assert load_checkpoint(tmp_path / "run").config.metadata["steps"] == 5
+
+
+def test_a_run_whose_last_evaluation_died_resumes_without_more_steps(tmp_path: Path, monkeypatch) -> None:
+    def dying(self, model, dist):
+        raise MemoryError("killed by the OOM killer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TransductionObjective, "evaluate", dying)
+        with pytest.raises(MemoryError):
+            main(cli_run(tmp_path / "run", 3))
+    assert main(["train", "--resume", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    metadata = load_checkpoint(tmp_path / "run").config.metadata
+    assert metadata["steps"] == 3 and metadata["stopped"] == "steps"
+    assert [record["step"] for record in log_records(tmp_path / "run") if record["event"] == "eval"] == [3]
 
 
 def test_a_new_run_does_not_overwrite_a_resumable_one(tmp_path: Path, capsys) -> None:
