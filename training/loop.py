@@ -7,14 +7,14 @@ gradient accumulation, Adam or AdamW with weight decay on the matrices of linear
 then a constant or cosine learning rate (a function of the step alone), gradient clipping, bfloat16 autocast,
 optional ``torch.compile``, evaluation every ``eval_every`` steps with early stopping, and resumable runs.
 
-Resuming: every ``save_every`` steps, before every evaluation (one that dies, out of memory, loses no steps), and
-whenever the run stops (steps done, early stop, ``time_budget_s`` spent, SIGTERM or SIGINT), ``resume.safetensors``
-in the output folder is replaced (atomically) by everything the run needs to go on as if it had not stopped: the
-weights, the optimizer's state, the best weights so far, every process's random streams and data position, the
-step (and whether its evaluation is still to run), the log figures since the last record, the elapsed time and the
-log's length. ``train(..., resume=True)`` continues from it; the log is cut back to that length (records written
-after the save are written again, none twice) and continues. A resumed run ends
-bitwise-equal to one never stopped (same device and thread count; tested on the CPU in float32).
+Resuming: before every evaluation (one that dies, out of memory, loses no steps; a resume repeats it), at each
+``save_every``-th step that did not evaluate, and whenever the run stops (steps done, early stop, ``time_budget_s``
+spent, SIGTERM or SIGINT), ``resume.safetensors`` in the output folder is replaced (atomically) by everything the
+run needs to go on as if it had not stopped: the weights, the optimizer's state, the best weights so far, every
+process's random streams and data position, the step (and whether its evaluation is still to run), the log figures
+since the last record, the elapsed time and the log's length. ``train(..., resume=True)`` continues from it; the log
+is cut back to that length (records written after the save are written again, none twice) and continues. A resumed
+run ends bitwise-equal to one never stopped (same device and thread count; tested on the CPU in float32).
 Signals: the first SIGTERM or SIGINT finishes the current step, saves and returns (the command exits 0 within
 a step and a save); under torchrun every process stops at the same step.
 
@@ -305,15 +305,16 @@ def train(
                     run.evaluation_pending = True
                     _save_resume(out, model, optimizer, rng, objective, run, best_state, settings, model_config,
                                  command, log, dist, carried)
-            last = run.step == settings.steps
-            if run.evaluation_pending:
+            last, evaluated = run.step == settings.steps, run.evaluation_pending
+            if evaluated:
                 best_state = _evaluate(model, objective, settings, run, dist, log, best_state)
                 run.evaluation_pending = False
                 if dist.is_main:  # kept on disk as it goes, so a cut run leaves a loadable model
                     _save_checkpoint(model, best_state, objective, settings, model_config, out, command, dist, run)
             if run.stopped is None:
                 run.stopped = "steps" if last else "signal" if cut else "time" if out_of_time else None
-            if run.stopped is not None or run.step % settings.save_every == 0:
+            # a step that evaluated was saved just before (a resume repeats the evaluation): not a second time
+            if run.stopped is not None or (run.step % settings.save_every == 0 and not evaluated):
                 _save_resume(out, model, optimizer, rng, objective, run, best_state, settings, model_config,
                              command, log, dist, carried)
     bar.close()

@@ -3,6 +3,7 @@ time budget), gradient accumulation, weight decay on matrices only, the schedule
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -46,9 +47,9 @@ def task_run(
     """A parity_check run of a tiny LRNN (or ``regulargpt``) with dropout (so the torch random stream matters too)
     through the API; ``stop_at`` cuts it after that many steps of this invocation, as a signal would."""
     architecture = "regulargpt" if regulargpt else "lrnn"
-    settings = TrainSettings(architecture=architecture, steps=steps, batch_size=6, lr=3e-3, optimizer="adamw",
-                             weight_decay=0.1, schedule="cosine", warmup_steps=3, eval_every=4, save_every=5,
-                             log_every=3, **overrides)
+    settings = TrainSettings(**{"architecture": architecture, "steps": steps, "batch_size": 6, "lr": 3e-3,
+                                "optimizer": "adamw", "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 3,
+                                "eval_every": 4, "save_every": 5, "log_every": 3, **overrides})
     config = (
         RegularGPTConfig(vocab_size=2, num_labels=2, d_model=8, n_heads=2, d_ff=16, chunk_size=2, dropout=0.1)
         if regulargpt
@@ -150,6 +151,35 @@ def test_an_evaluation_that_dies_loses_no_steps_and_the_resumed_run_evaluates_fi
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
     evaluations = [record["step"] for record in log_records(tmp_path / "cut") if record["event"] == "eval"]
     assert evaluations == [4, 8, 12]
+
+
+def test_a_step_that_evaluates_is_saved_once_before_its_evaluation_which_a_resume_repeats(
+    tmp_path: Path, monkeypatch,
+) -> None:
+    task_run(tmp_path / "whole", steps=9, save_every=4)
+    monkeypatch.setattr(loop, "_stop_signals", lambda: contextlib.nullcontext(crash_at_step(6)))
+    with pytest.raises(RuntimeError):
+        task_run(tmp_path / "cut", steps=9, save_every=4)  # evaluation and save both due at step 4
+    monkeypatch.undo()
+    state, _ = loop.read_resume_state(tmp_path / "cut", with_tensors=False)
+    assert state["run"]["step"] == 4 and state["run"]["evaluation_pending"]  # the save before it, no second one
+    task_run(tmp_path / "cut", steps=9, save_every=4, resume=True)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    evaluations = [record["step"] for record in log_records(tmp_path / "cut") if record["event"] == "eval"]
+    assert evaluations == [4, 8, 9]
+
+
+def crash_at_step(step: int):
+    """A signal check that raises (the process dies) when polled after ``step`` steps."""
+    calls = [0]
+
+    def signalled() -> bool:
+        calls[0] += 1
+        if calls[0] == step:
+            raise RuntimeError("killed")
+        return False
+
+    return signalled
 
 
 def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
