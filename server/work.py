@@ -44,13 +44,11 @@ class Work:
         self.flow = flow  # who asked (the scheduler's fairness key)
         self.service = 0.0  # model seconds spent on it so far (the scheduler's fairness)
         self.status = Status.WAITING
+        self.done = False  # status is FINISHED (an attribute: read for every row of every step, ~6% of the engine's
+        # thread as a property in a profile of 64 whole answers)
         self.finish_reason: FinishReason | None = None
         self.cancelled = False  # set by the request's side when the client goes away
         self.outbox: list[object] = []  # the mailbox's next items, in order, until ``emit``
-
-    @property
-    def done(self) -> bool:
-        return self.status is Status.FINISHED
 
     def schedule(self, status: Status, metrics: ServerMetrics) -> None:
         """Move on to ``status``; leaving ``WAITING`` is its first scheduling. Work that has finished stays finished
@@ -65,7 +63,7 @@ class Work:
         """Finish with ``reason``; False (and nothing) if it had finished already."""
         if self.done:
             return False
-        self.status, self.finish_reason = Status.FINISHED, reason
+        self.status, self.finish_reason, self.done = Status.FINISHED, reason, True
         metrics.finished(self.times, reason)
         return True
 
