@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, check_lengths, lengths_tensor
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, check_lengths, long_tensor
 from model.config import ExactTransformerConfig, PositionFeature
 from model.ops.positions import query_positions
 
@@ -321,7 +321,7 @@ class ExactTransformer(SequenceModel):
         length together."""
         self._check_symbols(tokens)
         if cache is None:
-            starts, symbols = lengths_tensor(0, tokens.shape[0]), tokens
+            starts, symbols = long_tensor(0, tokens.shape[0]), tokens
         else:
             assert isinstance(cache, ExactCache)
             starts, symbols = cache.lengths, cache.append(tokens)  # (B,), (B, longest)
@@ -439,7 +439,7 @@ class ExactTransformer(SequenceModel):
 
     def new_cache(self, batch_size: int) -> ExactCache:
         symbols = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
-        return ExactCache(lengths_tensor(0, batch_size), symbols)
+        return ExactCache(long_tensor(0, batch_size), symbols)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, L)

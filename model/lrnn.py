@@ -40,7 +40,7 @@ from model.base import (
     SequenceModel,
     TokenEmbedding,
     gather_last,
-    lengths_tensor,
+    long_tensor,
     parameter_count,
 )
 from model.config import DiagonalLRNNConfig, LRNNConfig
@@ -71,7 +71,7 @@ class LRNNCache(InferenceCache):
         return LRNNCache(torch.cat([cache.lengths for cache in caches]), states)
 
     def select(self, rows: Sequence[int]) -> LRNNCache:
-        index = torch.tensor(list(rows), dtype=torch.long)  # (rows,)
+        index = long_tensor(rows)  # (rows,)
         return LRNNCache(self.lengths[index], [state[index.to(state.device)] for state in self.states])
 
     @property
@@ -482,7 +482,7 @@ class LinearRNN(SequenceModel):
             block.recurrence.initial_state(batch_size).to(device=self.device, dtype=self.dtype).contiguous()
             for block in self.blocks
         ]  # each (B, H, b)
-        return LRNNCache(lengths_tensor(0, batch_size), states)
+        return LRNNCache(long_tensor(0, batch_size), states)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """tokens: (B,) -> logits (B, output_size); advances ``cache`` by one token."""

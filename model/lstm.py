@@ -16,7 +16,7 @@ from model.base import (
     SequenceModel,
     TokenEmbedding,
     gather_last,
-    lengths_tensor,
+    long_tensor,
     parameter_count,
 )
 from model.config import LSTMConfig
@@ -82,7 +82,7 @@ class LSTMModel(SequenceModel):
     def new_cache(self, batch_size: int) -> LSTMCache:
         shape = (self.config.n_layers, batch_size, self.config.hidden_size)
         zeros = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        return LSTMCache(lengths_tensor(0, batch_size), hidden=zeros, cell=zeros.clone())
+        return LSTMCache(long_tensor(0, batch_size), hidden=zeros, cell=zeros.clone())
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, output_size)

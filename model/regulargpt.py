@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from model import regulargpt_cost
-from model.base import CallPath, Cost, SequenceModel, TokenEmbedding, check_lengths, lengths_tensor
+from model.base import CallPath, Cost, SequenceModel, TokenEmbedding, check_lengths, long_tensor
 from model.config import RegularGPTConfig
 from model.exact import Pieces, in_slices
 from model.layers import Block, HeadProjections, init_gpt2
@@ -146,7 +146,7 @@ class RegularGPT(SequenceModel):
 
     def new_cache(self, batch_size: int) -> RegularGPTCache:
         return RegularGPTCache(
-            lengths=lengths_tensor(0, batch_size),
+            lengths=long_tensor(0, batch_size),
             chunk_size=self.config.chunk_size,
             top_hidden=torch.zeros((batch_size, 0, self.config.d_model), device=self.device, dtype=self.dtype),
         )

@@ -33,7 +33,7 @@ from model.base import (
     SequenceModel,
     TokenEmbedding,
     gather_last,
-    lengths_tensor,
+    long_tensor,
     parameter_count,
 )
 from model.config import TransformerConfig
@@ -227,7 +227,7 @@ class Transformer(SequenceModel):
             )
             for _ in self.blocks
         ]
-        return TransformerCache(lengths_tensor(0, batch_size), layers)
+        return TransformerCache(long_tensor(0, batch_size), layers)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, output_size)

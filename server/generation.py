@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from model.base import Cost, InferenceCache
+from model.base import Cost, InferenceCache, long_tensor
 from model.ops import cpu_decode
 from server.detokenize import TextAssembler
 from server.errors import APIError, ModelFailure
@@ -354,7 +354,7 @@ class DecodeBatch:
         gives the picks alone (``Decoder.greedy_step``: on the CPU under batch invariance the head never writes the
         logits), the same tokens as sampling its logits."""
         served = self.sequences[0].served
-        tokens = torch.tensor([sequence.generated[-1] for sequence in self.sequences])  # (B,): the decoder moves them
+        tokens = long_tensor([sequence.generated[-1] for sequence in self.sequences])  # (B,): the decoder moves them
         if all(sequence.picks_greedily for sequence in self.sequences):
             picks, values = served.decoder.greedy_step(tokens, self.cache)  # (B,), (B,)
             take(self.sequences, picks.tolist(), values.tolist(), metrics)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.base import lengths_tensor
+from model.base import long_tensor
 from model.cuda_graphs import Decoder, GraphedDecoder, _Captured, capture_sizes, decoder_for
 from model.lrnn import LRNNCache
 from tests.model.tiny_models import MODEL_IDS, build_tiny
@@ -60,7 +60,7 @@ class ReplayEagerly:
     def replay(self) -> None:
         captured = self.captured
         size = captured.tokens.shape[0]
-        cache = LRNNCache(lengths_tensor(0, size), [buffer.clone() for buffer in captured.inputs])
+        cache = LRNNCache(long_tensor(0, size), [buffer.clone() for buffer in captured.inputs])
         captured.logits.copy_(self.model.step(captured.tokens, cache))
         for buffer, state in zip(captured.outputs, cache.states):
             buffer.copy_(state)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, lengths_tensor
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, long_tensor
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, CheckpointConfig
 from model.registry import build_model
@@ -215,7 +215,7 @@ class Answerer(SequenceModel):
         self.chunks: list[int] = []
 
     def new_cache(self, batch_size: int) -> TranscriptCache:
-        return TranscriptCache(lengths_tensor(0, batch_size), [[] for _ in range(batch_size)],
+        return TranscriptCache(long_tensor(0, batch_size), [[] for _ in range(batch_size)],
                                [[] for _ in range(batch_size)])
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
