@@ -89,8 +89,9 @@ class InferenceCache(ABC):
 
 
 def long_tensor(values: Sequence[int] | int, batch_size: int | None = None) -> torch.Tensor:
-    """(B,) int64 on the CPU (lengths, token ids, rows): ``values`` per row, or the one value ``values`` repeated ``batch_size`` times. Through
-    numpy: ``torch.tensor`` of a list of 64 ints took 17-31 us, this 6.6 (one per decode step and more)."""
+    """(B,) int64 on the CPU (lengths, token ids, rows): ``values`` per row, or the one value ``values`` repeated
+    ``batch_size`` times. Through numpy: ``torch.tensor`` of a list of 64 ints took 17-31 us, this 6.6 (a decode step
+    builds one or two)."""
     if isinstance(values, int):
         return torch.full((batch_size,), values, dtype=torch.long)
     return torch.from_numpy(np.array(list(values), dtype=np.int64))

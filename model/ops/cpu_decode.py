@@ -957,7 +957,8 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
                         total = np.float32(0.0)  # the state entry of column j, divided by max(1, ||column j||_p)
                         for i in range(size):
                             total += powered[block + i * size + j]
-                        total = np.float32(1.0) if total < np.float32(1.0) else total  # noqa: FURB136 (NaN stays, as in torch's clamp)
+                        # max(1, total) keeping a NaN, as torch's clamp does (Python's max(1, NaN) is 1)
+                        total = np.float32(1.0) if total < np.float32(1.0) else total  # noqa: FURB136
                         scaled[j] = state[r, h, j] / power(total, inverse)
                 for i in range(size):
                     total = np.float32(0.0)
