@@ -98,6 +98,9 @@ def main() -> None:
     engine = Engine(settings, ServerMetrics(), on_ready=None if args.default_gc else freeze_startup_heap)
     engine.start()
     engine.wait_loaded()
+    if args.model.name not in engine.models:
+        engine.stop()
+        parser.error(f"--model {args.model}: no model was loaded from it (the log above says why)")
     served = engine.models[args.model.name]
     if args.stub:
         stub_decode_steps(served.model, served.config.model.vocab_size)
