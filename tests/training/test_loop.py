@@ -170,12 +170,11 @@ def test_a_step_that_evaluates_is_saved_once_before_its_evaluation_which_a_resum
 
 
 def crash_at_step(step: int):
-    """A signal check that raises (the process dies) when polled after ``step`` steps."""
-    calls = [0]
+    """A signal check that raises (the process dies) where :func:`stop_after` would first ask to stop."""
+    stop = stop_after(step)
 
     def signalled() -> bool:
-        calls[0] += 1
-        if calls[0] == step:
+        if stop():
             raise RuntimeError("killed")
         return False
 
