@@ -56,6 +56,7 @@ class TextData:
     state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
     passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
     state_reset: float = 0.0  # with state passing: the chance that a row starts a step from the initial state
+    passkey_fresh: bool = False  # with state passing: a row given a pass-key example starts it from the initial state
 
 
 PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
@@ -99,6 +100,9 @@ class LanguageModelObjective(Objective):
       state instead of the one it carries (its text reads on as before: ``Batch.fresh``), so that the model keeps
       reading windows from the start a served prompt starts from. With every row carried, a stochastic LRNN with
       blocks of 16 lost the text and the key measured from that start (docs/text_results.md).
+    - ``passkey_fresh`` (with ``state_passing``): a row given a pass-key example this step starts it from the
+      initial state (``Batch.fresh``), while the text rows carry theirs: the example never begins in a state that
+      holds an earlier key or an answer, so that carrying states teaches text, not "the last number read wins".
     """
 
     name = "text"
@@ -183,6 +187,7 @@ class LanguageModelObjective(Objective):
         else:
             windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
         targets = windows[:, 1:].clone()  # (B, L)
+        examples = np.zeros(len(windows), dtype=bool)  # the rows given an in-window pass-key example
         if self.passkey is not None:
             if self.data.passkey_span > 1 and self.spans is None:
                 self.spans = [None] * self.batch_size
@@ -201,12 +206,15 @@ class LanguageModelObjective(Objective):
                     continue
                 windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng,
                                                                prompt_size, windows[row].numpy(), distractors)
+                examples[row] = True
                 if self.cursors is not None:  # the row's text goes on after the example
                     self.cursors[row] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         fresh = None
         if self.data.state_passing and self.data.state_reset:
             fresh = torch.from_numpy(rng.random(len(windows)) < self.data.state_reset)  # (B,)
+        if self.data.passkey_fresh:
+            fresh = torch.from_numpy(examples) if fresh is None else fresh | torch.from_numpy(examples)
         return Batch(windows[:, :-1], targets, lengths, fresh)
 
     def longest_span(self, step: int) -> int:

@@ -164,6 +164,9 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--state-reset", type=probability, default=0.0, metavar="P",
                       help="with --state-passing: each row starts each step, with this chance, from the model's "
                            "initial state instead of the one it carries (its text reads on); default 0")
+    what.add_argument("--passkey-fresh", action="store_true",
+                      help="with --state-passing: a row given a pass-key example starts it from the model's initial "
+                           "state, while text rows carry theirs (no example begins in a state holding an earlier key)")
     checks = parser.add_argument_group("validation")
     checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
@@ -234,13 +237,17 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     if args.state_reset and args.passkey_span > 1:
         raise UsageError("--state-reset with --passkey-span over 1 would cut examples across windows in their middle "
                          "(a reset row forgets its key): use one of them")
+    if args.passkey_fresh and not (args.state_passing and args.passkey_fraction):
+        raise UsageError("--passkey-fresh needs --state-passing and --passkey-fraction (it starts pass-key rows from "
+                         "the initial state instead of their carried one)")
     settings = settings_from_args(args, args.arch)
     data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
                     length=args.length, validation_fraction=args.validation_fraction,
                     validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
                     passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
                     passkey_distractors=args.passkey_distractors, passkey_number_forms=args.passkey_number_forms,
-                    state_passing=args.state_passing, passkey_span=args.passkey_span, state_reset=args.state_reset)
+                    state_passing=args.state_passing, passkey_span=args.passkey_span, state_reset=args.state_reset,
+                    passkey_fresh=args.passkey_fresh)
     return settings, config, lambda settings, dist: LanguageModelObjective(
         data, tokenizer, ranks_file, settings.steps, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 

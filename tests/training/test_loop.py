@@ -431,6 +431,28 @@ def test_state_reset_starts_the_drawn_rows_from_the_initial_state() -> None:
     assert_step_from(model, second, carried, start)
 
 
+def test_passkey_fresh_starts_exactly_the_rows_given_an_example_from_the_initial_state() -> None:
+    """With --passkey-fresh a batch's fresh rows are those given a pass-key example this step (the needle and the
+    question in their window), the text rows carry theirs; with --state-reset too, the drawn rows are added; the
+    windows are those drawn without the option."""
+    plain = text_objective(length=320, batch_size=16, passkey_fraction=0.3, state_passing=True)
+    fresh = text_objective(length=320, batch_size=16, passkey_fraction=0.3, state_passing=True, passkey_fresh=True)
+    both = text_objective(length=320, batch_size=16, passkey_fraction=0.3, state_passing=True, passkey_fresh=True,
+                          state_reset=0.5)
+    rngs = [np.random.default_rng(4) for _ in range(3)]
+    examples_seen = extra_resets = 0
+    for step in range(1, 13):
+        batches = [objective.batch(rng, step) for objective, rng in zip((plain, fresh, both), rngs)]
+        assert batches[0].fresh is None and torch.equal(batches[0].tokens, batches[1].tokens)
+        given, given_both = (torch.tensor([QUESTION in plain.tokenizer.decode(row.tolist()) for row in batch.tokens])
+                             for batch in batches[1:])
+        assert torch.equal(batches[1].fresh, given)
+        assert bool((batches[2].fresh | ~given_both).all())  # with --state-reset: the drawn rows are added
+        examples_seen += int(given.sum())
+        extra_resets += int((batches[2].fresh & ~given_both).sum())
+    assert examples_seen > 20 and extra_resets > 20
+
+
 def test_state_passing_starts_each_row_from_the_state_its_last_window_ended_in() -> None:
     """One step with the carried states: each row's loss is the model's on its window read after its last one,
     and the states returned are those the model ends the window in, detached; the same in 1 or 2 micro-batches."""

@@ -221,6 +221,10 @@ def test_token_windows(ranks) -> None:
     (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "320",
       "--passkey-fraction", "0.5", "--state-passing", "--passkey-span", "4", "--state-reset", "0.5"],
      "--state-reset with --passkey-span"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "320",
+      "--passkey-fraction", "0.5", "--passkey-fresh"], "--passkey-fresh needs --state-passing"),
+    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing",
+      "--passkey-fresh"], "--passkey-fresh needs --state-passing and --passkey-fraction"),
 ])
 def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
