@@ -812,3 +812,40 @@ def test_passkey_rows_fit_every_key_in_the_shipped_bpe() -> None:
         tokens, targets = LanguageModelObjective._passkey_row(
             builder, 129, float(rng.random()), rng, builder.shortest() + 8, np.zeros(129, dtype=np.int64))
         assert tokens.shape == (129,) and targets.shape == (128,)
+
+
+def test_the_training_loss_and_its_gradient_equal_torchs_cross_entropy() -> None:
+    """``masked_loss`` with a gradient to take (``SummedCrossEntropy``: the gradient made in the forward pass) gives
+    torch's summed cross-entropy and its gradient, ignored positions included: rows of every scale, a row whose
+    target's probability underflows float32 (its loss from logsumexp, ~300), and the same argmaxes counted."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 40, generator=generator) * torch.tensor([0.1, 1.0, 8.0]).view(3, 1, 1)
+    targets = torch.randint(0, 40, (3, 5), generator=generator)
+    targets[0, 1] = targets[2, 4] = IGNORE_INDEX
+    logits[1, 2] = 0.0
+    logits[1, 2, targets[1, 2]] = -300.0  # e^-300: 0 in float32
+    weights = torch.randn(3, 5, 40, generator=generator)  # what comes before the head, in a model
+
+    def loss_and_gradient(fused: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        leaf = logits.clone().requires_grad_()
+        scaled = leaf * weights.exp()
+        if fused:
+            loss, correct = loop.masked_loss(scaled, targets)
+        else:
+            loss = torch.nn.functional.cross_entropy(scaled.flatten(0, 1), targets.flatten(), reduction="sum")
+            correct = int(((scaled.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum())
+        (loss / 7).backward()
+        return loss.detach(), leaf.grad, correct
+
+    loss, gradient, correct = loss_and_gradient(True)
+    want_loss, want_gradient, want_correct = loss_and_gradient(False)
+    assert float(want_loss) > 300
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gradient, want_gradient, rtol=1e-5, atol=1e-6)
+    assert correct == want_correct
+    assert not bool(gradient[0, 1].any()) and not bool(gradient[2, 4].any())
+    leaf = logits.clone().requires_grad_()
+    loss, _ = loop.masked_loss(leaf * 2, targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # the gradient was scaled in place
+        loss.backward()
