@@ -747,7 +747,8 @@ def _block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[..
                                                               builder.fsub(partial, one)), vector)  # fmt: skip
                 support = builder.fadd(support, inside)
                 total = builder.fadd(total, builder.fmul(inside, rows[i]))
-            tau = builder.select(builder.fcmp_ordered(">", support, zero), builder.fdiv(builder.fsub(total, one), support),
+            found = builder.fdiv(builder.fsub(total, one), support)
+            tau = builder.select(builder.fcmp_ordered(">", support, zero), found,
                                  ir.Constant(vector, [float("nan")] * size))  # fmt: skip
             for i in range(size):  # max(v - tau, 0) as Python's max: NaN stays NaN
                 difference = builder.fsub(rows[i], tau)
