@@ -33,7 +33,8 @@
 # checkpoints/text-lrnn/train.jsonl is stage 10's log.
 #
 # Needs the `text` extra and the corpus (apt-get install r-cran-janeaustenr).
-# Figures: docs/text_results.md, "Shipped text models" and "Training for the pass key".
+# Figures: docs/text_results.md, "Shipped text models" and "Training for the pass key: where it stands"; every
+# stage's own: docs/log/text-results-2026-11.md, "Training for the pass key, stage by stage".
 #
 # Run from the repository root: recipes/text-lrnn.sh [more train flags for every stage].
 # OUT=folder prefix (default runs/text-lrnn: stages in runs/text-lrnn-1 .. -9 and runs/text-lrnn), PYTHON=interpreter,
