@@ -1,0 +1,71 @@
+#!/bin/sh
+# Recipe of the blocks-of-16 language-model lineage: the candidate to replace checkpoints/text-lrnn (not shipped).
+# The shipped text-lrnn (recipes/text-lrnn.sh, 16 blocks of 8) answers a pass-key prompt with the last number it
+# read, even inside one window; this lineage (16 blocks of 16 per layer, state 256) tells the key from later numbers,
+# but its text is worse than the shipped model's and its perplexity does not yet fall with context
+# (docs/text_results.md, "Training for the pass key: where it stands"; each stage's runs in
+# docs/log/text-results-2026-11.md, "Training for the pass key, stage by stage").
+# Stages, each started from the last one's weights (--init-from); the run names of the docs in brackets:
+#
+#   1. pass-key rows only, 4,000 steps at lr 1e-3 (3e-3 never learned the key on this shape), softmax columns for
+#      the first 2,000, then sparsemax [runs/pk16-lr1e-3];
+#   2. text mixed in: the pass-key share falling from 1.0 to 0.2 over 4,500 steps, lr 1e-3, no state passing (state
+#      passing from this stage lost the key at once) [A3];
+#   3. windows of 512, 30% pass-key rows with up to 8 distractor numbers, 1,000 steps at lr 3e-4 [W8];
+#   4. the same, 600 steps, up to 4 distractors in prose number forms (--passkey-number-forms) [W8F];
+#   5. state passing, a quarter of the rows restarted each step, and the rows given a pass-key example started from
+#      the initial state (--passkey-fresh), lr 1e-4 constant, 600 steps [W8FSF];
+#   6. the same with half the rows pass-key examples, 2,400 steps [run as W8FSF2, W8FSF3, W8FSF4: three stages of
+#      800, 800 and 777 steps, each with 20 warm-up steps and a fresh optimiser, so not bitwise this one stage];
+#   7. not run yet, the next step: windows of 2,048 with the whole gradient through them, batch 16, state passing
+#      with fresh pass-key rows, lr 1e-4 constant, 1,000 steps (16.8 M tokens, the scale of text-lrnn's stage 9, the
+#      stage after which its perplexity fell with context); a GPU job (~a minute on an H100), hours on one CPU thread.
+#
+# Wall times of stages 1-6 on the 2-core development CPU, one thread beside another job (2026-11-28/29): ~3,000 s,
+# ~3,500 s, 2,469 s, 1,586 s, 1,285 s, and 1,800 + 1,907 + 1,140 s.
+#
+# Needs the `text` extra and the corpus (apt-get install r-cran-janeaustenr).
+# Run from the repository root: recipes/text-lrnn-b16.sh [more train flags for every stage].
+# OUT=folder prefix (default runs/text-lrnn-b16: stages in runs/text-lrnn-b16-1 .. -7), PYTHON=interpreter,
+# DEVICE=where stage 7 runs (default auto: a GPU if there is one). FROM=first stage to run (default 1; a later one
+# starts from the folder of the stage before it).
+# Evaluate as recipes/text-lrnn.sh says (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
+# --trials 4, and --sizes 1k,8k --trials 4 --distractors 4).
+set -eu
+OUT=${OUT:-runs/text-lrnn-b16}
+PYTHON=${PYTHON:-python}
+DEVICE=${DEVICE:-auto}
+FROM=${FROM:-1}
+MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 16 --num-blocks 16 --d-model 128 \
+    --d-ff 512 --tokenizer checkpoints/text-lrnn/tokenizer.tiktoken --corpus austen --length 128 --batch-size 16 \
+    --eval-every 250 --log-every 10 --threads 1 --no-progress"
+LATER="--soft-transition-steps 0 --passkey-distractors 4 --passkey-number-forms"  # stages 4-7
+PASSING="--state-passing --state-reset 0.25 --passkey-fresh --lr 1e-4 --schedule constant"  # stages 5-7
+
+stage() {  # stage N FLAGS...: runs stage N (from stage N-1's folder) unless N < FROM
+    n=$1
+    shift
+    [ "$n" -lt "$FROM" ] && return 0
+    init=""
+    [ "$n" -gt 1 ] && init="--init-from $OUT-$((n - 1))"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m training text-train $MODEL "$@" $init --out "$OUT-$n" $EXTRA
+}
+EXTRA="$*"
+
+stage 1 --lr 1e-3 --steps 4000 --passkey-fraction 1.0 --passkey-distractors 0
+stage 2 --lr 1e-3 --warmup-steps 100 --soft-transition-steps 0 --steps 4500 --passkey-fraction 1.0 \
+    --passkey-fraction-final 0.2 --passkey-distractors 2
+stage 3 --length 512 --batch-size 8 --lr 3e-4 --warmup-steps 50 --soft-transition-steps 0 --steps 1000 \
+    --passkey-fraction 0.3 --passkey-distractors 8
+# shellcheck disable=SC2086
+stage 4 --length 512 --batch-size 8 --lr 3e-4 --warmup-steps 20 --steps 600 --eval-every 300 \
+    --passkey-fraction 0.3 $LATER
+# shellcheck disable=SC2086
+stage 5 --length 512 --batch-size 8 $PASSING --warmup-steps 50 --steps 600 --passkey-fraction 0.3 $LATER
+# shellcheck disable=SC2086
+stage 6 --length 512 --batch-size 8 $PASSING --warmup-steps 20 --steps 2400 --eval-every 800 --save-every 100 \
+    --passkey-fraction 0.5 $LATER
+# shellcheck disable=SC2086
+stage 7 --length 2048 --batch-size 16 $PASSING --warmup-steps 20 --steps 1000 --eval-every 200 \
+    --passkey-fraction 0.5 --device "$DEVICE" --dtype float32 $LATER
