@@ -29,6 +29,7 @@ NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 GRASS = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEY_DIGITS = 5
+DISTRACTOR_PLACES = ("either", "before", "after")  # where PassKeyBuilder.prompt puts its distractor numbers
 # Forms a distractor number takes with ``number_forms`` (:meth:`PassKeyBuilder.with_numbers`): as numbers stand in
 # prose and in the notes around it (held-out Austen: "CHAPTER 31", "No. 97, Vol. II", "in 1797-98", "£20,000");
 # {a} has 1 to KEY_DIGITS digits, {b} two, {y} is a year.
@@ -69,12 +70,13 @@ class PassKeyBuilder:
         return self.shortest("0" * KEY_DIGITS) + 2 * KEY_DIGITS
 
     def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None,
-               distractors: int = 0) -> PassKeyPrompt:
+               distractors: int = 0, distractors_at: str = "either") -> PassKeyPrompt:
         """A prompt of exactly ``size`` tokens with the needle at ``depth`` in [0, 1] of the filler; the key drawn
         from ``rng`` unless given; the filler starts at a random place of the stream. ``distractors`` other numbers
         (of 1 to ``KEY_DIGITS`` digits, never the key) replace filler tokens at random places before and after the
         needle, as many as the filler has room for: a model must keep the number the needle names, not the first or
-        the last one it read (Austen's chapter numbers and years follow the needle in a long prompt)."""
+        the last one it read (Austen's chapter numbers and years follow the needle in a long prompt).
+        ``distractors_at``: "either" (each side of the needle by a fair coin), "before" or "after" it alone."""
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"a pass-key depth is a fraction in [0, 1], not {depth}")
         key = key if key is not None else draw_key(rng)
@@ -85,8 +87,10 @@ class PassKeyBuilder:
         before = int(round(depth * filler_tokens))
         filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
         head, tail = filler[:before], filler[before:]
+        if distractors_at not in DISTRACTOR_PLACES:
+            raise ValueError(f"distractors go {' or '.join(DISTRACTOR_PLACES)} the needle, not {distractors_at!r}")
         if distractors:
-            after = int(rng.binomial(distractors, 0.5))
+            after = {"either": int(rng.binomial(distractors, 0.5)), "before": 0, "after": distractors}[distractors_at]
             head = self.with_numbers(head, distractors - after, key, rng)
             tail = self.with_numbers(tail, after, key, rng)
         tokens = np.concatenate([self.introduction, head, needle, tail, self.question])

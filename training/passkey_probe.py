@@ -70,6 +70,8 @@ class PassKeyProbe:
     batch_size: int = 16  # rows run together
     max_memory: int = 4 * 2**30  # bytes: a batch's caches and one prefill call's peak
     distractors: int = 0  # other numbers put in each prompt's filler, before and after the needle
+    distractors_at: str = "either"  # on either side of the needle, or only "before" or "after" it
+    number_forms: bool = False  # the distractors take the forms numbers have in prose (training.passkey.NUMBER_FORMS)
 
 
 def is_filler_name(name: str) -> bool:
@@ -93,7 +95,7 @@ def cell_prompts(builder: PassKeyBuilder, probe: PassKeyProbe, filler: str, size
     """The prompts of one (filler, size) cell: ``probe.trials`` per depth, depth by depth, each with its own key
     and filler offset drawn from a stream keyed by the seed, the filler's name and the size."""
     rng = np.random.default_rng([probe.seed, zlib.crc32(filler.encode()), size])
-    return [builder.prompt(size, depth, rng, distractors=probe.distractors)
+    return [builder.prompt(size, depth, rng, distractors=probe.distractors, distractors_at=probe.distractors_at)
             for depth in probe.depths for _ in range(probe.trials)]
 
 
@@ -151,7 +153,7 @@ def probe_checkpoint(
     bar = tqdm(total=total, desc=f"{loaded.path.name} pass key", unit="token", unit_scale=True, disable=not progress)
     report_fillers = []
     for name, stream in fillers.items():
-        builder = PassKeyBuilder(tokenizer, stream)
+        builder = PassKeyBuilder(tokenizer, stream, probe.number_forms)
         sizes = []
         for size in probe.sizes:
             bar.set_postfix(filler=name, size=size_label(size))
@@ -168,7 +170,8 @@ def probe_checkpoint(
     return {
         "checkpoint": str(loaded.path), "architecture": describe_architecture(loaded), "probe": "passkey",
         "trials": probe.trials, "seed": probe.seed, "max_new_tokens": probe.max_new_tokens,
-        "distractors": probe.distractors, "fillers": report_fillers,
+        "distractors": probe.distractors, "distractors_at": probe.distractors_at,
+        "number_forms": probe.number_forms, "fillers": report_fillers,
         "wall_time_s": round(time.perf_counter() - started, 3),
     }
 
@@ -217,7 +220,12 @@ def format_passkey_table(reports: list[dict[str, Any]]) -> str:
     lines = ["| model | filler | " + " | ".join(map(size_label, sizes)) + " |", "|---" * (len(sizes) + 2) + "|"]
     for report in reports:
         name = f"{report['architecture']} ({report['checkpoint'].rstrip('/').split('/')[-1]})"
-        numbers = f" + {report['distractors']} numbers" if report.get("distractors") else ""
+        numbers = ""
+        if report.get("distractors"):
+            forms = " in prose forms" if report.get("number_forms") else ""
+            place = report.get("distractors_at", "either")
+            where = "" if place == "either" else f" {place} the needle"
+            numbers = f" + {report['distractors']} numbers{forms}{where}"
         for filler in report["fillers"]:
             cells = ["-" if row["skipped"] else f"{row['right']}/{row['total']}" for row in filler["sizes"]]
             lines.append(f"| {name} | {filler['filler']}{numbers} | " + " | ".join(cells) + " |")

@@ -35,7 +35,7 @@ from training.arguments import (
     token_counts,
 )
 from training.model_flags import CONFIG_FIELDS, TRAINABLE_ARCHITECTURES, given_model_flags
-from training.passkey import PassKeyBuilder
+from training.passkey import DISTRACTOR_PLACES, PassKeyBuilder
 from training.passkey_probe import (
     FILLER_KINDS,
     GRASS_FILLER,
@@ -272,7 +272,8 @@ PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is 
                    "batch_size": 8, "receptive_field": 0, "receptive_multiple": 4.0},
     "passkey": {"sizes": (2**10, 2**13, 2**16, 2**20), "depths": (0.0, 0.25, 0.5, 0.75, 1.0),
                 "filler": [DEFAULT_CORPUS, GRASS_FILLER], "trials": 2, "seed": 0, "max_new_tokens": 8,
-                "batch_size": 16, "max_memory": 4.0, "distractors": 0},
+                "batch_size": 16, "max_memory": 4.0, "distractors": 0, "distractors_at": "either",
+                "number_forms": False},
 }
 
 
@@ -319,6 +320,12 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     passkey.add_argument("--distractors", type=non_negative_int, metavar="N",
                          help="other numbers (never the key) put in each prompt's filler, on either side of the "
                               "needle (default 0)")
+    passkey.add_argument("--distractors-at", choices=DISTRACTOR_PLACES,
+                         help="with --distractors: on either side of the needle (default), or all before or all after "
+                              "it (a model that answers the last number it read fails every prompt of 'after')")
+    passkey.add_argument("--number-forms", action="store_const", const=True,
+                         help="with --distractors: the numbers take the forms numbers have in prose ('CHAPTER 31', "
+                              "'in 1797-98', 'No. 97', ...), as text-train's --passkey-number-forms")
     passkey.add_argument("--max-memory", type=positive_float, metavar="GIB",
                          help="for a batch's caches and one prefill call's peak, as the model estimates them; "
                               "a size at which one row does not fit is skipped (default 4)")
@@ -407,7 +414,10 @@ def _run_passkey(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpo
     probe = PassKeyProbe(sizes=args.sizes, depths=args.depths, fillers=tuple(dict.fromkeys(
         name for names in args.filler for name in names)), trials=args.trials, seed=args.seed,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_memory=int(args.max_memory * 2**30),
-        distractors=args.distractors)
+        distractors=args.distractors, distractors_at=args.distractors_at, number_forms=args.number_forms)
+    if not probe.distractors and (probe.distractors_at != "either" or probe.number_forms):
+        raise UsageError("--distractors-at and --number-forms place or shape the --distractors numbers: give "
+                         "--distractors N (N > 0)")
     fillers = []  # every checkpoint's filler token streams, all read (and the sizes checked) before any runs
     for loaded, tokenizer in checkpoints:
         streams = {name: filler_tokens(name, tokenizer, _validation_fraction(loaded)) for name in probe.fillers}

@@ -158,8 +158,8 @@ def test_passkey_report_plot_and_table(checkpoint: Path, corpus: Path, tmp_path:
     assert len(reports) == 2 and reports[0]["fillers"] == reports[1]["fillers"]  # same prompts, same model
     report = reports[0]
     assert set(report) == {"checkpoint", "architecture", "probe", "trials", "seed", "max_new_tokens", "distractors",
-                           "fillers", "wall_time_s"}
-    assert report["distractors"] == 0
+                           "distractors_at", "number_forms", "fillers", "wall_time_s"}
+    assert (report["distractors"], report["distractors_at"], report["number_forms"]) == (0, "either", False)
     assert (report["architecture"], report["probe"], report["trials"], report["seed"]) == ("lrnn", "passkey", 2, 0)
     assert [filler["filler"] for filler in report["fillers"]] == ["grass", f"text:{corpus}"]
     for filler in report["fillers"]:
@@ -288,6 +288,16 @@ def test_distractors_tell_the_key_from_the_last_number_read(checkpoint: Path) ->
                      for prompt in prompts]
             assert [trial["right"] for cell in row["depths"] for trial in cell["trials"]] == clear
             assert all(clear) if distractors == 0 else 0 < sum(clear) < len(clear)
+    # all before the needle, the last number read is the key (right on every prompt); all after it, never (but at
+    # depth 1, where no filler follows the needle); in prose forms as well
+    for place, forms in (("before", False), ("after", False), ("after", True)):
+        probe = PassKeyProbe(**{**vars(probe), "distractors": 3, "distractors_at": place, "number_forms": forms})
+        report = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)
+        label = f"grass + 3 numbers{' in prose forms' if forms else ''} {place} the needle"
+        assert f"| {label} |" in format_passkey_table([report])
+        for row in report["fillers"][0]["sizes"]:
+            right = [trial["right"] for cell in row["depths"] for trial in cell["trials"]]
+            assert right == ([True] * 12 if place == "before" else [False] * 8 + [True] * 4), (place, forms)
 
 
 def test_a_size_whose_cache_does_not_fit_is_skipped(checkpoint: Path) -> None:
@@ -309,6 +319,9 @@ def test_a_size_whose_cache_does_not_fit_is_skipped(checkpoint: Path) -> None:
     (["--trials", "0"], "argument --trials: must be a positive integer, got 0"),
     (["--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer"),
     (["--distractors", "-1"], "argument --distractors: must be 0 or more"),
+    (["--distractors-at", "after"], "give --distractors N (N > 0)"),
+    (["--number-forms"], "give --distractors N (N > 0)"),
+    (["--distractors", "2", "--distractors-at", "middle"], "argument --distractors-at: invalid choice: 'middle'"),
     (["--filler", "grass,web"], "unknown filler 'web': use 'austen', 'grass', 'text:PATH' or 'owt2:PATH'"),
     (["--filler", "text:missing-folder"], "missing-folder"),
     (["--multiples", "1,2"], "--multiples does not apply to --probe passkey"),
