@@ -22,13 +22,16 @@
 #      stage after which its perplexity fell with context); a GPU job (~a minute on an H100), hours on one CPU thread.
 #
 # Wall times of stages 1-6 on the 2-core development CPU, one thread beside another job (2026-11-28/29): ~3,000 s,
-# ~3,500 s, 2,469 s, 1,586 s, 1,285 s, and 1,800 + 1,907 + 1,140 s.
+# ~3,500 s, 2,469 s, 1,586 s, 1,285 s, and 1,800 + 1,907 + 1,140 s. Stages 1-4 run again on 2026-11-29 with this
+# file (the machine of those runs was replaced): 2,452 s, 3,181 s, 1,435 s and 744 s.
 #
 # Needs the `text` extra and the corpus (apt-get install r-cran-janeaustenr).
 # Run from the repository root: recipes/text-lrnn-b16.sh [more train flags for every stage].
 # OUT=folder prefix (default runs/text-lrnn-b16: stages in runs/text-lrnn-b16-1 .. -7), PYTHON=interpreter,
 # DEVICE=where stage 7 runs (default auto: a GPU if there is one). FROM=first stage to run (default 1; a later one
-# starts from the folder of the stage before it).
+# starts from the folder of the stage before it, or from INIT=folder). The weights of the last stage run so far are
+# kept in recipes/stages/ (runs/ does not outlive a machine), so the chain goes on from there, e.g.
+#   FROM=4 INIT=recipes/stages/text-lrnn-b16-3 recipes/text-lrnn-b16.sh
 # Evaluate as recipes/text-lrnn.sh says (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
 # --trials 4, and --sizes 1k,8k --trials 4 --distractors 4).
 set -eu
@@ -36,6 +39,7 @@ OUT=${OUT:-runs/text-lrnn-b16}
 PYTHON=${PYTHON:-python}
 DEVICE=${DEVICE:-auto}
 FROM=${FROM:-1}
+INIT=${INIT:-}
 MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 16 --num-blocks 16 --d-model 128 \
     --d-ff 512 --tokenizer checkpoints/text-lrnn/tokenizer.tiktoken --corpus austen --length 128 --batch-size 16 \
     --eval-every 250 --log-every 10 --threads 1 --no-progress"
@@ -48,6 +52,7 @@ stage() {  # stage N FLAGS...: runs stage N (from stage N-1's folder) unless N <
     [ "$n" -lt "$FROM" ] && return 0
     init=""
     [ "$n" -gt 1 ] && init="--init-from $OUT-$((n - 1))"
+    [ "$n" -eq "$FROM" ] && [ -n "$INIT" ] && init="--init-from $INIT"
     # shellcheck disable=SC2086
     "$PYTHON" -m training text-train $MODEL "$@" $init --out "$OUT-$n" $EXTRA
 }
