@@ -451,9 +451,9 @@ class SummedCrossEntropy(torch.autograd.Function):
     autograd's log-softmax would keep, and scaled in the backward. torch's path writes a log-softmax, then in the
     backward a zeroed (N, V) gradient, a scatter and the log-softmax's backward (an exp per entry again): a step of
     4 windows of 2,048 tokens of a stochastic LRNN (vocabulary 8,192, blocks of 16), one CPU thread, went from
-    2.75-2.92 s to 2.21-2.49 s (docs/training.md). The loss
-    of a row is -log of its target's probability, or, where that probability is below 1e-30 (float32 would lose
-    it), logsumexp less the target's logit on those rows. logits (N, V) float, targets (N,) -> () summed loss."""
+    2.75-2.92 s to 2.21-2.49 s (docs/training.md). The loss of a row is -log of its target's probability, or, where
+    that probability is below 1e-30 (float32 would lose it), logsumexp less the target's logit on those rows.
+    logits (N, V) float, targets (N,) -> () summed loss."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

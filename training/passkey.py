@@ -79,6 +79,8 @@ class PassKeyBuilder:
         ``distractors_at``: "either" (each side of the needle by a fair coin), "before" or "after" it alone."""
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"a pass-key depth is a fraction in [0, 1], not {depth}")
+        if distractors_at not in DISTRACTOR_PLACES:
+            raise ValueError(f"distractors go {' or '.join(DISTRACTOR_PLACES)} the needle, not {distractors_at!r}")
         key = key if key is not None else draw_key(rng)
         needle = self.needle(key)
         filler_tokens = size - self.fixed_tokens - len(needle)
@@ -87,8 +89,6 @@ class PassKeyBuilder:
         before = int(round(depth * filler_tokens))
         filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
         head, tail = filler[:before], filler[before:]
-        if distractors_at not in DISTRACTOR_PLACES:
-            raise ValueError(f"distractors go {' or '.join(DISTRACTOR_PLACES)} the needle, not {distractors_at!r}")
         if distractors:
             after = {"either": int(rng.binomial(distractors, 0.5)), "before": 0, "after": distractors}[distractors_at]
             head = self.with_numbers(head, distractors - after, key, rng)
