@@ -1227,24 +1227,21 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
                       grad_initial):  # fmt: skip
         """The scan's backward (``_CompiledScan``): shapes as ``scan_states``'s, the gradients of its outputs in."""
         batch, length, heads, size = states.shape
-        carried = np.empty(size, dtype=np.float32)  # G_t, then A_t^T G_t
-        back = np.empty(size, dtype=np.float32)
+        carried = np.empty(size, dtype=np.float32)  # G_(t+1) carried back: A_(t+1)^T G_(t+1)
+        back = np.empty(size, dtype=np.float32)  # A_t^T G_t: each sum over i in order, row by row
         for r in range(batch):
             for h in range(heads):
                 carried[:] = grad_final[r, h]
                 for t in range(length - 1, -1, -1):
-                    for i in range(size):
-                        carried[i] += grad_states[r, t, h, i]
-                        grad_inputs[r, t, h, i] = carried[i]
-                    for i in range(size):
+                    before = states[r, t - 1, h] if t > 0 else initial[r, h]  # state_(t-1)
+                    transition, grad_transition = transitions[r, t, h], grad_transitions[r, t, h]
+                    back[:] = np.float32(0.0)
+                    for i in range(size):  # (vectors along j: the rows of A_t and dA_t are contiguous)
+                        g = carried[i] + grad_states[r, t, h, i]  # G_t[i]
+                        grad_inputs[r, t, h, i] = g
                         for j in range(size):
-                            before = states[r, t - 1, h, j] if t > 0 else initial[r, h, j]
-                            grad_transitions[r, t, h, i, j] = carried[i] * before
-                    for j in range(size):
-                        total = np.float32(0.0)
-                        for i in range(size):
-                            total += transitions[r, t, h, i, j] * carried[i]
-                        back[j] = total
+                            grad_transition[i, j] = g * before[j]
+                            back[j] += transition[i, j] * g
                     carried[:] = back
                 grad_initial[r, h] = carried
 
