@@ -17,9 +17,13 @@
 #      the initial state (--passkey-fresh), lr 1e-4 constant, 600 steps [W8FSF];
 #   6. the same with half the rows pass-key examples, 2,400 steps [run as W8FSF2, W8FSF3, W8FSF4: three stages of
 #      800, 800 and 777 steps, each with 20 warm-up steps and a fresh optimiser, so not bitwise this one stage];
-#   7. not run yet, the next step: windows of 2,048 with the whole gradient through them, batch 16, state passing
-#      with fresh pass-key rows, lr 1e-4 constant, 1,000 steps (16.8 M tokens, the scale of text-lrnn's stage 9, the
-#      stage after which its perplexity fell with context); a GPU job (~a minute on an H100), hours on one CPU thread.
+#   7. windows of 2,048 with the whole gradient through them, batch 16, state passing with fresh pass-key rows, lr
+#      1e-4 constant, 1,000 steps (16.8 M tokens, the scale of text-lrnn's stage 9, the stage after which its
+#      perplexity fell with context); a GPU job (~a minute on an H100), ~3 h on one quiet CPU thread (~10 s a step).
+#      Begun on 2026-11-29 from stage 5, not 6 (FROM=7 INIT=runs/b16-5): 420 steps on one thread beside a second
+#      run of the stage at lr 3e-4 (401 steps); their weights are in recipes/stages/text-lrnn-b16-7 and -7-lr3
+#      (docs/text_results.md, "Stage 7 begun on the CPU"). Go on with FROM=7 INIT=recipes/stages/text-lrnn-b16-7
+#      recipes/text-lrnn-b16.sh --steps 580 (Adam restarts: its state is not kept).
 #
 # Wall times of stages 1-6 on the 2-core development CPU, one thread beside another job (2026-11-28/29): ~3,000 s,
 # ~3,500 s, 2,469 s, 1,586 s, 1,285 s, and 1,800 + 1,907 + 1,140 s. Stages 1-4 run again on 2026-11-29 with this
