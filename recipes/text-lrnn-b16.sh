@@ -27,7 +27,7 @@
 #
 # Wall times of stages 1-6 on the 2-core development CPU, one thread beside another job (2026-11-28/29): ~3,000 s,
 # ~3,500 s, 2,469 s, 1,586 s, 1,285 s, and 1,800 + 1,907 + 1,140 s. Stages 1-4 run again on 2026-11-29 with this
-# file (the machine of those runs was replaced): 2,452 s, 3,181 s, 1,435 s and 744 s.
+# file (the machine of those runs was replaced): 2,452 s, 3,181 s, 1,435 s and 744 s; stage 5 663 s on two threads.
 #
 # Needs the `text` extra and the corpus (apt-get install r-cran-janeaustenr).
 # Run from the repository root: recipes/text-lrnn-b16.sh [more train flags for every stage].
