@@ -33,9 +33,10 @@
 # Run from the repository root: recipes/text-lrnn-b16.sh [more train flags for every stage].
 # OUT=folder prefix (default runs/text-lrnn-b16: stages in runs/text-lrnn-b16-1 .. -7), PYTHON=interpreter,
 # DEVICE=where stage 7 runs (default auto: a GPU if there is one). FROM=first stage to run (default 1; a later one
-# starts from the folder of the stage before it, or from INIT=folder). The weights of the last stage run so far are
-# kept in recipes/stages/ (runs/ does not outlive a machine), so the chain goes on from there, e.g.
-#   FROM=4 INIT=recipes/stages/text-lrnn-b16-3 recipes/text-lrnn-b16.sh
+# starts from the folder of the stage before it, or from INIT=folder). Weights of stages run so far are kept in
+# recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, text-lrnn-b16-7 and -7-lr3), so the chain
+# goes on from there, e.g.
+#   FROM=5 INIT=recipes/stages/text-lrnn-b16-4 recipes/text-lrnn-b16.sh
 # Evaluate as recipes/text-lrnn.sh says (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
 # --trials 4, and --sizes 1k,8k --trials 4 --distractors 4).
 set -eu
