@@ -18,25 +18,27 @@
 #   6. the same with half the rows pass-key examples, 2,400 steps [run as W8FSF2, W8FSF3, W8FSF4: three stages of
 #      800, 800 and 777 steps, each with 20 warm-up steps and a fresh optimiser, so not bitwise this one stage];
 #   7. windows of 2,048 with the whole gradient through them, batch 16, state passing with fresh pass-key rows, lr
-#      1e-4 constant, 1,000 steps (16.8 M tokens, the scale of text-lrnn's stage 9, the stage after which its
-#      perplexity fell with context); a GPU job (~a minute on an H100), ~3 h on one quiet CPU thread (~10 s a step).
-#      Begun on 2026-11-29 from stage 5, not 6 (FROM=7 INIT=runs/b16-5): 420 steps on one thread beside a second
-#      run of the stage at lr 3e-4 (401 steps); their weights are in recipes/stages/text-lrnn-b16-7 and -7-lr3
-#      (docs/text_results.md, "Stage 7 begun on the CPU"). Go on with FROM=7 INIT=recipes/stages/text-lrnn-b16-7
-#      recipes/text-lrnn-b16.sh --steps 580 (Adam restarts: its state is not kept).
+#      3e-4 constant, 1,000 steps (16.7 M scored tokens, the scale of text-lrnn's stage 9 at its step 1,000); a GPU
+#      job (~a minute on an H100), ~1 h 50 min on the development CPU's two threads (~6.3 s a step). Run on 2026-11-29
+#      from stage 5, not 6 (FROM=7 INIT=runs/b16-5, with --lr 3e-4 then; resumed several times): the text better at
+#      every context, still flat with it; a second run at 1e-4 was stopped at 420 steps
+#      (recipes/stages/text-lrnn-b16-7);
+#   8. windows of 512 (batch 8), the same mix, lr 3e-4 cosine, 1,000 steps (as text-lrnn's stage 10): keys back
+#      (85 of 120), text flat with context (docs/text_results.md, "Stages 7 and 8 on the CPU").
 #
 # Wall times of stages 1-6 on the 2-core development CPU, one thread beside another job (2026-11-28/29): ~3,000 s,
 # ~3,500 s, 2,469 s, 1,586 s, 1,285 s, and 1,800 + 1,907 + 1,140 s. Stages 1-4 run again on 2026-11-29 with this
-# file (the machine of those runs was replaced): 2,452 s, 3,181 s, 1,435 s and 744 s; stage 5 663 s on two threads.
+# file (the machine of those runs was replaced): 2,452 s, 3,181 s, 1,435 s and 744 s; stage 5 663 s on two threads;
+# stage 7 10,549 s (one and two threads, beside other jobs at times), stage 8 1,239 s on one thread.
 #
 # Needs the `text` extra and the corpus (apt-get install r-cran-janeaustenr).
 # Run from the repository root: recipes/text-lrnn-b16.sh [more train flags for every stage].
-# OUT=folder prefix (default runs/text-lrnn-b16: stages in runs/text-lrnn-b16-1 .. -7), PYTHON=interpreter,
+# OUT=folder prefix (default runs/text-lrnn-b16: stages in runs/text-lrnn-b16-1 .. -8), PYTHON=interpreter,
 # DEVICE=where stage 7 runs (default auto: a GPU if there is one). FROM=first stage to run (default 1; a later one
 # starts from the folder of the stage before it, or from INIT=folder). Weights of stages run so far are kept in
-# recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, text-lrnn-b16-7 and -7-lr3), so the chain
-# goes on from there, e.g.
-#   FROM=5 INIT=recipes/stages/text-lrnn-b16-4 recipes/text-lrnn-b16.sh
+# recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, -7 (lr 1e-4, 420 steps), -7-lr3 (stage 7 as
+# above) and -8), so the chain goes on from there, e.g.
+#   FROM=8 INIT=recipes/stages/text-lrnn-b16-7-lr3 recipes/text-lrnn-b16.sh
 # Evaluate as recipes/text-lrnn.sh says (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
 # --trials 4, and --sizes 1k,8k --trials 4 --distractors 4).
 set -eu
@@ -77,5 +79,8 @@ stage 5 --length 512 --batch-size 8 $PASSING --warmup-steps 50 --steps 600 --pas
 stage 6 --length 512 --batch-size 8 $PASSING --warmup-steps 20 --steps 2400 --eval-every 800 --save-every 100 \
     --passkey-fraction 0.5 $LATER
 # shellcheck disable=SC2086
-stage 7 --length 2048 --batch-size 16 $PASSING --warmup-steps 20 --steps 1000 --eval-every 200 \
+stage 7 --length 2048 --batch-size 16 $PASSING --lr 3e-4 --warmup-steps 20 --steps 1000 --eval-every 200 \
     --passkey-fraction 0.5 --device "$DEVICE" --dtype float32 $LATER
+# shellcheck disable=SC2086
+stage 8 --length 512 --batch-size 8 $PASSING --lr 3e-4 --schedule cosine --warmup-steps 50 --steps 1000 \
+    --passkey-fraction 0.5 $LATER
