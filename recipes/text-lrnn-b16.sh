@@ -35,10 +35,11 @@
 # Run from the repository root: recipes/text-lrnn-b16.sh [more train flags for every stage].
 # OUT=folder prefix (default runs/text-lrnn-b16: stages in runs/text-lrnn-b16-1 .. -8), PYTHON=interpreter,
 # DEVICE=where stage 7 runs (default auto: a GPU if there is one). FROM=first stage to run (default 1; a later one
-# starts from the folder of the stage before it, or from INIT=folder). Weights of stages run so far are kept in
-# recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, -7 (lr 1e-4, 420 steps), -7-lr3 (stage 7 as
-# above) and -8), so the chain goes on from there, e.g.
-#   FROM=8 INIT=recipes/stages/text-lrnn-b16-7-lr3 recipes/text-lrnn-b16.sh
+# starts from the folder of the stage before it, or from INIT=folder), TO=last stage to run (default 8). Weights of
+# stages run so far are kept in recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, -7 (lr 1e-4, 420
+# steps), -7-lr3 (stage 7 as above) and -8), so the chain goes on from there, e.g. stage 7 to ~7,000 steps in all
+# (docs/text_results.md, "Next"):
+#   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-lr3 recipes/text-lrnn-b16.sh --steps 6000
 # Evaluate as recipes/text-lrnn.sh says (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
 # --trials 4, and --sizes 1k,8k --trials 4 --distractors 4).
 set -eu
@@ -46,6 +47,7 @@ OUT=${OUT:-runs/text-lrnn-b16}
 PYTHON=${PYTHON:-python}
 DEVICE=${DEVICE:-auto}
 FROM=${FROM:-1}
+TO=${TO:-8}
 INIT=${INIT:-}
 MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 16 --num-blocks 16 --d-model 128 \
     --d-ff 512 --tokenizer checkpoints/text-lrnn/tokenizer.tiktoken --corpus austen --length 128 --batch-size 16 \
@@ -53,10 +55,10 @@ MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 16 --num
 LATER="--soft-transition-steps 0 --passkey-distractors 4 --passkey-number-forms"  # stages 4-7
 PASSING="--state-passing --state-reset 0.25 --passkey-fresh --lr 1e-4 --schedule constant"  # stages 5-7
 
-stage() {  # stage N FLAGS...: runs stage N (from stage N-1's folder) unless N < FROM
+stage() {  # stage N FLAGS...: runs stage N (from stage N-1's folder) unless N < FROM or N > TO
     n=$1
     shift
-    [ "$n" -lt "$FROM" ] && return 0
+    { [ "$n" -lt "$FROM" ] || [ "$n" -gt "$TO" ]; } && return 0
     init=""
     [ "$n" -gt 1 ] && init="--init-from $OUT-$((n - 1))"
     [ "$n" -eq "$FROM" ] && [ -n "$INIT" ] && init="--init-from $INIT"
