@@ -2,8 +2,8 @@
 # Recipe of the blocks-of-16 language-model lineage: the candidate to replace checkpoints/text-lrnn (not shipped).
 # The shipped text-lrnn (recipes/text-lrnn.sh, 16 blocks of 8) answers a pass-key prompt with the last number it
 # read, even inside one window; this lineage (16 blocks of 16 per layer, state 256) tells the key from later numbers,
-# but its text is worse than the shipped model's and its perplexity does not yet fall with context
-# (docs/text_results.md, "Training for the pass key: where it stands"; each stage's runs in
+# but its perplexity does not yet fall with context (stage 7's: as good as the shipped model's with 128 tokens, worse
+# with more; docs/text_results.md, "Training for the pass key: where it stands"; each stage's runs in
 # docs/log/text-results-2026-11.md, "Training for the pass key, stage by stage").
 # Stages, each started from the last one's weights (--init-from); the run names of the docs in brackets:
 #
