@@ -52,8 +52,8 @@ INIT=${INIT:-}
 MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 16 --num-blocks 16 --d-model 128 \
     --d-ff 512 --tokenizer checkpoints/text-lrnn/tokenizer.tiktoken --corpus austen --length 128 --batch-size 16 \
     --eval-every 250 --log-every 10 --threads 1 --no-progress"
-LATER="--soft-transition-steps 0 --passkey-distractors 4 --passkey-number-forms"  # stages 4-7
-PASSING="--state-passing --state-reset 0.25 --passkey-fresh --lr 1e-4 --schedule constant"  # stages 5-7
+LATER="--soft-transition-steps 0 --passkey-distractors 4 --passkey-number-forms"  # stages 4-8
+PASSING="--state-passing --state-reset 0.25 --passkey-fresh"  # stages 5-8
 
 stage() {  # stage N FLAGS...: runs stage N (from stage N-1's folder) unless N < FROM or N > TO
     n=$1
@@ -76,13 +76,14 @@ stage 3 --length 512 --batch-size 8 --lr 3e-4 --warmup-steps 50 --soft-transitio
 stage 4 --length 512 --batch-size 8 --lr 3e-4 --warmup-steps 20 --steps 600 --eval-every 300 \
     --passkey-fraction 0.3 $LATER
 # shellcheck disable=SC2086
-stage 5 --length 512 --batch-size 8 $PASSING --warmup-steps 50 --steps 600 --passkey-fraction 0.3 $LATER
+stage 5 --length 512 --batch-size 8 $PASSING --lr 1e-4 --schedule constant --warmup-steps 50 --steps 600 \
+    --passkey-fraction 0.3 $LATER
 # shellcheck disable=SC2086
-stage 6 --length 512 --batch-size 8 $PASSING --warmup-steps 20 --steps 2400 --eval-every 800 --save-every 100 \
-    --passkey-fraction 0.5 $LATER
+stage 6 --length 512 --batch-size 8 $PASSING --lr 1e-4 --schedule constant --warmup-steps 20 --steps 2400 \
+    --eval-every 800 --save-every 100 --passkey-fraction 0.5 $LATER
 # shellcheck disable=SC2086
-stage 7 --length 2048 --batch-size 16 $PASSING --lr 3e-4 --warmup-steps 20 --steps 1000 --eval-every 200 \
-    --passkey-fraction 0.5 --device "$DEVICE" --dtype float32 $LATER
+stage 7 --length 2048 --batch-size 16 $PASSING --lr 3e-4 --schedule constant --warmup-steps 20 --steps 1000 \
+    --eval-every 200 --passkey-fraction 0.5 --device "$DEVICE" --dtype float32 $LATER
 # shellcheck disable=SC2086
 stage 8 --length 512 --batch-size 8 $PASSING --lr 3e-4 --schedule cosine --warmup-steps 50 --steps 1000 \
     --passkey-fraction 0.5 $LATER
