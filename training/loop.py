@@ -247,6 +247,8 @@ def train(
     use_bfloat16 = settings.dtype == "bfloat16" or (settings.dtype == "auto" and dist.device.type == "cuda")
 
     log = _open_log(out, dist, run.log_bytes if resume is not None else None)
+    if dist.is_main and resume is None:  # what a resume reads besides resume.safetensors, before a run can be killed
+        objective.write_files(out)
     if resume is not None:
         _write(log, event="resume", command=resume, step=run.step, threads=options.threads)
     else:

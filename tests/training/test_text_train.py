@@ -113,6 +113,24 @@ def test_text_train_retried_with_resume_appended_goes_on(tmp_path, corpus, ranks
     assert load_checkpoint(out).config.metadata["steps"] == 6
 
 
+def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path, corpus, ranks, monkeypatch) -> None:
+    """A run killed after its first resume save and before any checkpoint (no config.json, no model.safetensors)
+    still holds the tokenizer that --resume reads: it is written when the run starts."""
+    out = tmp_path / "killed"
+
+    def killed(*args, **kwargs) -> None:
+        raise SystemExit("killed")
+
+    monkeypatch.setattr("training.loop._save_checkpoint", killed)
+    with pytest.raises(SystemExit, match="killed"):  # at step 3's evaluation, just after resume.safetensors
+        train(out, f"text:{corpus}", ranks, "lrnn")
+    assert not (out / "config.json").exists() and (out / "resume.safetensors").exists()
+    assert (out / "tokenizer.tiktoken").read_bytes() == ranks.read_bytes()
+    monkeypatch.undo()
+    assert main(["text-train", "--resume", "--out", str(out), "--no-progress"]) == 0
+    assert load_checkpoint(out).config.metadata["steps"] == 6
+
+
 def test_the_progress_bar_counts_to_the_time_budget_when_it_ends_first_and_shows_tokens_per_s(
     tmp_path, corpus, ranks, capsys
 ) -> None:
