@@ -64,6 +64,11 @@ class Decoder:
         (``SequenceModel.step_greedy``: on the CPU, without the logits where it can)."""
         return self.model.step_greedy(tokens.to(self.model.device, non_blocking=True), cache)
 
+    def advance(self, tokens: torch.Tensor, cache: InferenceCache) -> None:
+        """``step`` without the logits (``SequenceModel.advance``), eagerly on every path: prompt tokens run so in a
+        decode batch only under the CPU's batch invariance (server/generation.py)."""
+        self.model.advance(tokens.to(self.model.device, non_blocking=True), cache)
+
 
 @dataclass
 class _Captured:

@@ -60,11 +60,14 @@ class PrefillGroup:
 
 @dataclass(frozen=True)
 class DecodeWork:
-    """One decode step of a model's context class: its batch (None: a new one), after ``joining`` join it."""
+    """One decode step of a model's context class: its batch (None: a new one), after ``joining`` and ``prompting``
+    join it."""
 
     key: tuple[str, int]
     batch: DecodeBatch | None
     joining: list[Sequence]  # planned: the sequences whose prompt the plan's chunks complete
+    prompting: list[Sequence] = field(default_factory=list)  # admitted now, their prompts run in the batch
+    # (``server.generation.prompt_in_batch``)
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,12 @@ def live_groups(groups: list[PrefillGroup]) -> list[PrefillGroup]:
 
 def ready_work(work: list[DecodeWork]) -> list[DecodeWork]:
     """The planned decode steps, each joined only by the sequences whose first token was sampled (their last chunk ran
-    within the slice, and they did not end); a new batch that none joins has no step."""
-    ready = [DecodeWork(each.key, each.batch, [sequence for sequence in each.joining if sequence.ready_to_decode])
+    within the slice, and they did not end) and the prompting ones that started; a new batch that none joins has no
+    step."""
+    ready = [DecodeWork(each.key, each.batch, [sequence for sequence in each.joining if sequence.ready_to_decode],
+                        [sequence for sequence in each.prompting if not sequence.done])
              for each in work]  # fmt: skip
-    return [each for each in ready if each.batch is not None or each.joining]
+    return [each for each in ready if each.batch is not None or each.joining or each.prompting]
 
 
 # --- results -----------------------------------------------------------------------------------------------------
@@ -206,12 +211,12 @@ class Executor:
         prefill([sequence], length, self.state_cache, self.metrics)
 
     def decode(self, work: list[DecodeWork]) -> DecodeResult:
-        """Each batch takes in its joining sequences (their caches become its rows) and steps once."""
+        """Each batch takes in its joining and prompting sequences (their caches become its rows) and steps once."""
         ran = []
         for each in ready_work(work):
             batch = each.batch or DecodeBatch()
-            if each.joining:
-                batch.join(each.joining)
+            if each.joining or each.prompting:
+                batch.join(each.joining + each.prompting)
             sequences = list(batch.sequences)
             seconds = self._guarded(sequences, lambda batch=batch: batch.step(self.metrics))
             ran.append((each, batch, sequences, seconds))

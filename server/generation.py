@@ -223,6 +223,18 @@ def _stepped(sequence: Sequence, length: int) -> bool:
     return length <= STEPPED_PREFILL_TOKENS and not sequence.request.prompt_logprobs and cpu_decode.row_invariant()
 
 
+def prompt_in_batch(sequence: Sequence, at: tuple[int, int | None], state_cache: StateCache) -> bool:
+    """Whether an admitted sequence's whole prompt runs as its first steps in its model's decode batch, rows beside the
+    sequences decoding there, rather than as prefill calls: a prompt that would be stepped from its start
+    (:func:`_stepped`; ``at``: :func:`start_point`'s), that asks for a token, and that the state cache would not keep
+    (a decode step leaves neither the row's cache apart nor, for greedy rows, its logits to snapshot). Its rows get the
+    bits they would get stepped, as every decode step's do; what it saves is the calls of their own, ~10% of the
+    engine thread under 64 concurrent whole answers (docs/benchmarks.md, "Short prompts in the decode batch")."""
+    prompt = sequence.request.prompt
+    return (at == (0, None) and 0 < len(prompt) and _stepped(sequence, len(prompt)) and sequence.request.max_tokens > 0
+            and not state_cache.keeps(len(prompt)))  # fmt: skip
+
+
 def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
     """Consume the next ``length`` prompt tokens of each sequence (one model), in the calls of
     :func:`prefill_calls`: a forward pass over their stacked caches, or decode steps. A sequence then at its
@@ -329,17 +341,20 @@ class DecodeBatch:
     def __init__(self) -> None:
         self.sequences: list[Sequence] = []
         self.cache: InferenceCache | None = None
+        self.prompting = 0  # rows whose inputs are still their prompt's tokens (:func:`prompt_in_batch`)
 
     def __len__(self) -> int:
         return len(self.sequences)
 
     def join(self, joining: list[Sequence]) -> None:
-        """Add sequences whose prefill is done; their caches become rows of the batch's."""
+        """Add sequences whose prefill is done, or whose prompt is to run here (:func:`prompt_in_batch`); their caches
+        become rows of the batch's."""
         caches = ([] if self.cache is None else [self.cache]) + [sequence.cache for sequence in joining]
         self.cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
         self.sequences += joining
         for sequence in joining:
             sequence.cache = None
+            self.prompting += sequence.prefilling
 
     def drop_finished(self) -> None:
         keep = [row for row, sequence in enumerate(self.sequences) if not sequence.done]
@@ -347,22 +362,52 @@ class DecodeBatch:
             return
         self.sequences = [self.sequences[row] for row in keep]
         self.cache = self.cache.select(keep) if keep else None
+        if self.prompting:
+            self.prompting = sum(sequence.prefilling for sequence in self.sequences)
 
     def step(self, metrics: ServerMetrics) -> None:
         """One token for every sequence: one call of the model (through its decoder: CUDA graphs where captured). Where
         every row picks greedily and reads nothing else of its logits (:attr:`Sequence.picks_greedily`), the model
         gives the picks alone (``Decoder.greedy_step``: on the CPU under batch invariance the head never writes the
-        logits), the same tokens as sampling its logits."""
-        served = self.sequences[0].served
-        tokens = long_tensor([sequence.generated[-1] for sequence in self.sequences])  # (B,): the decoder moves them
-        if all(sequence.picks_greedily for sequence in self.sequences):
-            picks, values = served.decoder.greedy_step(tokens, self.cache)  # (B,), (B,)
-            take(self.sequences, picks.tolist(), values.tolist(), metrics)
+        logits), the same tokens as sampling its logits. A row still in its prompt takes its next prompt token and
+        samples nothing until that token is the prompt's last; while every row is, the head does not run."""
+        served, sampling, rows = self.sequences[0].served, self.sequences, None
+        if self.prompting:
+            inputs, rows = self._prompt_inputs()
+            sampling = [self.sequences[row] for row in rows]
+        else:
+            inputs = [sequence.generated[-1] for sequence in self.sequences]
+        tokens = long_tensor(inputs)  # (B,): the decoder moves them
+        if not sampling:
+            served.decoder.advance(tokens, self.cache)
             return
-        constrained = [sequence.constraint for sequence in self.sequences if sequence.constraint is not None]
+        if all(sequence.picks_greedily for sequence in sampling):
+            picks, values = served.decoder.greedy_step(tokens, self.cache)  # (B,), (B,)
+            picks, values = picks.tolist(), values.tolist()
+            if rows is not None:
+                picks, values = [picks[row] for row in rows], [values[row] for row in rows]
+            take(sampling, picks, values, metrics)
+            return
+        constrained = [sequence.constraint for sequence in sampling if sequence.constraint is not None]
         vocabulary = served.config.model.vocab_size
         masks = token_bias_later(constrained, vocabulary) if constrained else None  # while the model runs
-        accept(self.sequences, served.decoder.step(tokens, self.cache), metrics, masks)  # logits (B, V)
+        logits = served.decoder.step(tokens, self.cache)  # (B, V)
+        accept(sampling, logits if rows is None else logits[rows], metrics, masks)
+
+    def _prompt_inputs(self) -> tuple[list[int], list[int]]:
+        """(each row's input token: its prompt's next one while it has one, else its last token; the rows that sample
+        after this step: those past their prompt, or at its last token). Counts the prompt tokens as consumed."""
+        inputs, rows = [], []
+        for row, sequence in enumerate(self.sequences):
+            if sequence.prefilling:
+                inputs.append(sequence.request.prompt[sequence.prefilled])
+                sequence.prefilled += 1
+            else:
+                inputs.append(sequence.generated[-1])
+            if not sequence.prefilling:
+                rows.append(row)
+        self.prompting = len(self.sequences) - len(rows)
+        return inputs, rows
 
 
 def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None

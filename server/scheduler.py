@@ -13,9 +13,11 @@ iteration, and one decode step per model per iteration (``server/generation.py``
 6. up to ``prefill_chunk_tokens`` prompt tokens prefilled for about one slice, in fair order, chunks of one model
    and length batched (the sequences just admitted among them, from where the state cache lets each begin);
 7. one decode step per model and context class over its decoding sequences (continuous batching: a
-   sequence joins the batch once its prefill has sampled its first token, and leaves it when it finishes, whatever
-   its length and architecture; a class holds the sequences whose prompt + max_tokens have one bit length, so that
-   the padded caches of a batch hold at most 2x what their rows need, as ``ModelBudget.context_cost`` reserves);
+   sequence joins the batch once its prefill has sampled its first token, or at once where its whole prompt runs
+   there, a few tokens under batch invariance (``server.generation.prompt_in_batch``), and leaves it when it
+   finishes, whatever its length and architecture; a class holds the sequences whose prompt + max_tokens have one
+   bit length, so that the padded caches of a batch hold at most 2x what their rows need, as
+   ``ModelBudget.context_cost`` reserves);
 8. sweeps again, and hands every event of the iteration to the event loop at once.
 
 ``plan`` decides what runs, in which order, from the scheduler's state alone (no model call, no change): one
@@ -77,7 +79,7 @@ from server.executor import (
     TransduceResult,
     TransduceUnit,
 )
-from server.generation import DecodeBatch, Sequence, prefill_length, start_point
+from server.generation import DecodeBatch, Sequence, prefill_length, prompt_in_batch, start_point
 from server.mailbox import Postman
 from server.metrics import ServerMetrics
 from server.settings import Settings
@@ -229,14 +231,19 @@ class Scheduler:
         """The iteration's work, from the scheduler's state alone (no model call, no change): transduce units, the
         sequences to admit (within the memory the planned units leave), prefill chunks (the admitted sequences'
         first ones from where :func:`server.generation.start_point` says each will begin), and one decode step per
-        batch, joined by the sequences whose prompt the planned chunks complete. ``now``: ``time.monotonic()``,
-        what arrivals are stamped with; ``clock_now``: the scheduler's clock."""
+        batch, joined by the sequences whose prompt the planned chunks complete and by the admitted ones whose
+        prompt runs in the batch (:func:`server.generation.prompt_in_batch`). ``now``: ``time.monotonic()``, what
+        arrivals are stamped with; ``clock_now``: the scheduler's clock."""
         transduce = self._plan_transduce(now)
         admitted = self._plan_admissions(self.memory.held + sum(unit.holds for unit in transduce.units))
         starts = {id(sequence): (sequence.prefilled, sequence.snapshot_at) for sequence in self.prefilling}
         starts |= {id(sequence): start_point(sequence, self.state_cache) for sequence in admitted}
-        prefill = self._plan_prefill(clock_now, admitted, starts)
-        return Plan(transduce, admitted, prefill, self._plan_decode(prefill, starts))
+        prompting = [sequence for sequence in admitted if prompt_in_batch(sequence, starts[id(sequence)],
+                                                                          self.state_cache)]  # fmt: skip
+        in_batch = {id(sequence) for sequence in prompting}
+        prefill = self._plan_prefill(clock_now, [sequence for sequence in admitted if id(sequence) not in in_batch],
+                                     starts)  # fmt: skip
+        return Plan(transduce, admitted, prefill, self._plan_decode(prefill, starts, prompting))
 
     # --- intake -------------------------------------------------------------------------------------------
 
@@ -489,24 +496,29 @@ class Scheduler:
                 sequence.prefill_resumes_at = result.ended + (result.ended - result.started)
 
     def _plan_decode(
-        self, prefill: list[PrefillGroup], starts: dict[int, tuple[int, int | None]]
-    ) -> list[DecodeWork]:
+        self, prefill: list[PrefillGroup], starts: dict[int, tuple[int, int | None]],
+        prompting: list[Sequence] = (),
+    ) -> list[DecodeWork]:  # fmt: skip
         """One step per decode batch, joined by the sequences whose prompt the ``prefill`` chunks complete (the
-        executor takes those whose first token it sampled: ``ready_work``)."""
+        executor takes those whose first token it sampled: ``ready_work``) and by the ``prompting`` ones."""
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for group in prefill:
             for sequence in group.sequences:
                 if starts[id(sequence)][0] + group.length == len(sequence.request.prompt):
                     joining.setdefault(_decode_key(sequence), []).append(sequence)
-        keys = [*self.decoding, *(key for key in joining if key not in self.decoding)]
-        return [DecodeWork(key, self.decoding.get(key), joining.get(key, [])) for key in keys]
+        in_prompt: dict[tuple[str, int], list[Sequence]] = {}
+        for sequence in prompting:
+            in_prompt.setdefault(_decode_key(sequence), []).append(sequence)
+        keys = [*self.decoding, *(key for key in {**joining, **in_prompt} if key not in self.decoding)]
+        return [DecodeWork(key, self.decoding.get(key), joining.get(key, []), in_prompt.get(key, [])) for key in keys]
 
     def apply_decode(self, result: DecodeResult) -> None:
-        """The joined sequences decode; each stepped sequence is charged its share of its step."""
+        """The joined sequences decode (a prompting one from its prompt's first token); each stepped sequence is
+        charged its share of its step."""
         joined = set()
         for work, batch, sequences, seconds in result.ran:
             self.decoding[work.key] = batch
-            for sequence in work.joining:
+            for sequence in [*work.joining, *work.prompting]:
                 self._schedule(sequence, Status.DECODING)
                 joined.add(id(sequence))
             for sequence in sequences:

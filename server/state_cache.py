@@ -89,9 +89,13 @@ class StateCache:
             return None
         return position
 
+    def keeps(self, prompt_tokens: int) -> bool:
+        """Whether :meth:`store` may keep a prompt of ``prompt_tokens`` tokens: not a short one, and the cache is on."""
+        return prompt_tokens >= self.min_tokens and self.max_entries > 0
+
     def store(self, model_id: str, tokens: list[int], cache: InferenceCache, logits: torch.Tensor) -> None:
         """Keep a snapshot of ``cache`` after ``tokens`` (nothing for short prompts or when it cannot fit)."""
-        if len(tokens) < self.min_tokens or self.max_entries == 0:
+        if not self.keeps(len(tokens)):
             return
         key = (model_id, _key(tokens))
         if key in self._entries:

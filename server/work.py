@@ -3,12 +3,13 @@ a /v1/transduce request (``server/batching.py``'s :class:`TransduceJob`) and a g
 (``server/generation.py``'s :class:`Sequence`).
 
 A request is admitted ``WAITING``. The scheduler moves it on: a sequence to ``PREFILLING`` when it is admitted
-(its memory held), then to ``DECODING`` when its prompt is done and it joins its model's decode batch; a transduce
-request to ``SLICING`` when its first batch or slice runs. It ends ``FINISHED`` with a reason: "stop" or "length"
-(answered), "abort" (the client went away: no answer) or "error" (the answer is the error). The request's side only
-sets ``cancelled``; the scheduler ends the work at its next pass. What a request is answered (a transduce request's
-outputs or error, a sequence's events) waits in its ``outbox`` until the scheduler's sweep hands it over
-(``emit``), once per step: the work never posts to its mailbox itself.
+(its memory held), then to ``DECODING`` when its prompt is done and it joins its model's decode batch (a short
+prompt that runs in the batch, ``server.generation.prompt_in_batch``, joins it at once: its tokens are its first
+steps); a transduce request to ``SLICING`` when its first batch or slice runs. It ends ``FINISHED`` with a reason:
+"stop" or "length" (answered), "abort" (the client went away: no answer) or "error" (the answer is the error). The
+request's side only sets ``cancelled``; the scheduler ends the work at its next pass. What a request is answered (a
+transduce request's outputs or error, a sequence's events) waits in its ``outbox`` until the scheduler's sweep hands
+it over (``emit``), once per step: the work never posts to its mailbox itself.
 
 The queue that admission counts (:class:`RequestQueue`: 429 when full) belongs to the scheduler; the metrics only
 observe the same transitions (``ServerMetrics.queued``, ``scheduled``, ``finished``).

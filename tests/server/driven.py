@@ -136,6 +136,9 @@ class ClockedDecoder:
     def greedy_step(self, tokens: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         return self._clocked(self.decoder.greedy_step, tokens, cache)
 
+    def advance(self, tokens: torch.Tensor, cache) -> None:
+        self._clocked(self.decoder.advance, tokens, cache)
+
     def _clocked(self, step, tokens: torch.Tensor, cache):
         self.clock.advance(_call_seconds(self.decoder.model, (tokens.shape[0], 1), cache, self.seconds_per_flop))
         self.stepping = True
@@ -177,10 +180,12 @@ def finished_at(sequence: Sequence) -> float | None:
     return next((when for when, (_, event) in sequence.mailbox.items if isinstance(event, Finished)), None)
 
 
-def scheduler(clock: FakeClock, **settings) -> Scheduler:
-    """A scheduler on ``clock``; transduce inputs are batched at once (no gathering window)."""
+def scheduler(clock: FakeClock, state_cache: StateCache | None = None, **settings) -> Scheduler:
+    """A scheduler on ``clock`` (its state cache off unless given); transduce inputs are batched at once (no gathering
+    window)."""
     settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, **settings})
-    return Scheduler(settings, ServerMetrics(), StateCache(0, 0, 0), queue.SimpleQueue(), Postman(), 2**40, clock=clock)
+    state_cache = StateCache(0, 0, 0) if state_cache is None else state_cache
+    return Scheduler(settings, ServerMetrics(), state_cache, queue.SimpleQueue(), Postman(), 2**40, clock=clock)
 
 
 def receive(worker: Scheduler, *work: object) -> None:

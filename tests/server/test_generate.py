@@ -17,6 +17,7 @@ from server.metrics import ServerMetrics
 from server.sampling import SamplingParams
 from server.serving import coalesced
 from server.state_cache import StateCache
+from server.work import Status
 from tests.server import reference
 from tests.server.checkpoints import LANGUAGE_MODELS
 from tests.server.driven import FakeClock, Recorder, events, generation, language_model, receive, run_until_done
@@ -419,6 +420,75 @@ def test_under_batch_invariance_short_prompts_prefill_together_as_decode_steps(c
     assert calls == [("forward", 3)]
 
 
+def test_under_batch_invariance_short_prompts_run_as_rows_of_the_decode_batch(checkpoints_dir) -> None:
+    """Under batch invariance a prompt of at most STEPPED_PREFILL_TOKENS unscored tokens that the state cache would not
+    keep joins its model's decode batch when it is admitted, beside the sequences decoding there: its tokens are its
+    first steps, and no call is its own. Each row gets the tokens, seeded samples and log-probabilities it gets
+    alone through the stepped prefill (a state cache that keeps every prompt turns the rows off); a row cancelled
+    mid-prompt leaves the others as they were. In inference mode, as the engine runs (outside it torch's own ops
+    run, whose bits depend on the batch)."""
+    clock = FakeClock()
+    served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
+    calls: list[tuple[str, int]] = []
+
+    def recording(kind: str):
+        call = getattr(served.decoder, kind)
+
+        def recorded(tokens, cache):
+            calls.append((kind, tokens.shape[0]))
+            return call(tokens, cache)
+
+        return recorded
+
+    for kind in ("advance", "greedy_step", "step"):
+        setattr(served.decoder, kind, recording(kind))
+    forward = served.model.forward
+    served.model.forward = lambda tokens, cache=None, **options: (
+        calls.append(("forward", tokens.shape[0])) or forward(tokens, cache, **options)
+    )
+
+    def requests() -> list[Sequence]:
+        """A 19-token prompt, then 6-token ones (greedy; sampled; with log-probabilities; to be cancelled), each with
+        31 or 18 tokens of context: one context class, one decode batch."""
+        scored = GenerationRequest(list(b"It was"), 12, SamplingParams(temperature=0.0), logprobs=2)
+        return [generation(served, "It was a dark night", 12, clock), generation(served, "Nights", 12, clock),
+                generation(served, "A dark", 12, clock, temperature=1.0, seed=5),
+                Sequence(served, scored, Recorder(clock), flow="client"), generation(served, "Gone!!", 12, clock)]
+
+    running = requests()
+    long, *short = running
+    cpu_decode.set_row_invariant(True)
+    try:
+        with torch.inference_mode():
+            worker = driven_scheduler(clock, decode_steps=1)
+            receive(worker, long)
+            for _ in range(3):
+                worker.iteration()
+            assert long.status is Status.DECODING and calls[0] == ("forward", 1)  # its 19 tokens: prefilled
+            calls.clear()
+            receive(worker, *short)
+            worker.iteration()
+            (batch,) = worker.decoding.values()
+            assert batch.sequences == running and batch.prompting == 4 and not worker.prefilling
+            assert all(sequence.status is Status.DECODING and sequence.prefilled == 1 for sequence in short)
+            assert calls == [("greedy_step", 5)]  # only the long row samples: the others' logits are read from
+            # their prompts' last tokens on
+            short[3].cancelled = True
+            worker.iteration()
+            assert short[3].done and batch.prompting == 3 and batch.sequences == running[:4]
+            run_until_done(worker, running[:4])
+            assert all(kind != "forward" and rows >= 3 for kind, rows in calls)  # the long row ends first
+            calls.clear()
+            for index, together in enumerate(running[:4]):
+                alone = requests()[index]
+                run_until_done(receive_into(driven_scheduler(clock, StateCache(4, 2**30, 1)), alone), [alone])
+                assert finished(together) and together.generated == alone.generated and len(alone.generated) == 12
+                assert events(together) == events(alone)
+            assert ("advance", 1) not in calls  # alone, the prompts were prefilled (the model's own advance)
+    finally:
+        cpu_decode.set_row_invariant(False)
+
+
 def receive_into(worker, *sequences: Sequence):
     receive(worker, *sequences)
     return worker
@@ -469,8 +539,10 @@ def test_greedy_rows_take_the_picks_alone_and_get_the_tokens_the_logits_give(che
     """A decode step whose rows are all greedy and read nothing else of the logits asks the model for its picks
     alone (``step_greedy``: under batch invariance the head never writes the logits); the same prompts with
     log-probabilities (which read the logits) get the same tokens. A pick whose logit is not finite ends its row
-    alone, with the message the sampled path gives."""
+    alone, with the message the sampled path gives. Under batch invariance the 8-token prompts run in the decode
+    batch (``prompt_in_batch``), so the step of a prompt's last token picks its first output token too."""
     clock = FakeClock()
+    first = 1 if invariant else 2  # the output token the first step_greedy call picks
     cpu_decode.set_row_invariant(invariant)
     try:
         served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
@@ -493,7 +565,9 @@ def test_greedy_rows_take_the_picks_alone_and_get_the_tokens_the_logits_give(che
         run_until_done(receive_into(driven_scheduler(clock), *scored), scored)
     finally:
         cpu_decode.set_row_invariant(False)
-    assert failure(plain[1]) == "the model failed: its logits for output token 4 are not finite (nan)"
+    nan_at = first + 2  # the third call's
+    assert failure(plain[1]) == f"the model failed: its logits for output token {nan_at} are not finite (nan)"
     assert [sequence.generated for sequence in plain if sequence is not plain[1]] == [
         sequence.generated for sequence in scored if sequence is not scored[1]]
-    assert plain[1].generated == scored[1].generated[:3] and len(calls) == 7  # 7 decode steps; the scored rows: none
+    assert plain[1].generated == scored[1].generated[:nan_at - 1]
+    assert len(calls) == 9 - first  # a call for each token from the first'th; the scored rows: none

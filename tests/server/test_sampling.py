@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.ops import cpu_decode
+from server import generation
 from server.app import create_app
 from server.sampling import (
     SamplingParams,
@@ -29,6 +30,7 @@ from server.sampling import (
     token_logprobs,
     unusable_rows,
 )
+from tests.server import reference
 from tests.server.helpers import before_each_decode_step, make_settings
 from tests.server.live import LiveServer, serve
 
@@ -350,6 +352,19 @@ def test_a_seeded_request_samples_beside_others_what_it_samples_alone(
     beside = asyncio.run(together())[-1]["choices"]
     assert beside == alone
     assert max(sizes) > cpu_decode.MAX_ROWS
+
+
+@pytest.mark.parametrize("model_id", ROW_INVARIANT)
+def test_under_batch_invariance_greedy_from_a_short_prompt_equals_the_parallel_pass(
+    model_id: str, invariant, checkpoints_dir
+) -> None:
+    """A prompt of at most STEPPED_PREFILL_TOKENS runs in the decode batch under batch invariance
+    (``server.generation.prompt_in_batch``): the text of the parallel pass, for both architectures."""
+    body = {"model": model_id, "prompt": "Hi wörl", "max_tokens": 12, "temperature": 0}
+    with httpx.Client(base_url=invariant.url, timeout=60) as client:
+        answer = client.post("/v1/generate", json=body).json()
+    assert answer["usage"]["prompt_tokens"] <= generation.STEPPED_PREFILL_TOKENS
+    assert answer["text"] == reference.text(reference.greedy_tokens(checkpoints_dir / model_id, "Hi wörl", 12))
 
 
 @pytest.mark.parametrize("model_id", ["text-lstm", "text-transformer"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from model.base import Cost
+from model.ops import cpu_decode
 from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
 from server.batching import TransduceJob, TransduceOutput
 from server.costing import ModelBudget, ModelSpeed
@@ -78,7 +79,7 @@ class FakeCache:
 class FakeExecutor:
     """Runs a plan as ``server/executor.py`` does, in order until a slice has been spent (one unit at least), each
     call taking ``CALL_S``; logs what ran. A prefill chunk samples token 1 at a prompt's end, a decode step token 1
-    for each row; a sequence ends at its max_tokens."""
+    for each row past its prompt; a sequence ends at its max_tokens."""
 
     def __init__(self, clock: FakeClock, metrics: ServerMetrics, slice_s: float) -> None:
         self.clock, self.metrics, self.slice_s = clock, metrics, slice_s
@@ -130,9 +131,13 @@ class FakeExecutor:
         ran = []
         for each in ready_work(work):
             batch = each.batch or DecodeBatch()
-            batch.join(each.joining)
+            batch.join(each.joining + each.prompting)
             self.log.append(("decode", list(batch.sequences)))
             for sequence in batch.sequences:
+                if sequence.prefilling:  # a prompt in the batch: its next token
+                    sequence.prefilled += 1
+                    if sequence.prefilling:
+                        continue
                 self._sample(sequence)
             ran.append((each, batch, list(batch.sequences), self._call()))
         return DecodeResult(ran)
@@ -187,6 +192,44 @@ def job(served, length: int, clock: FakeClock, flow: str = "client") -> Transduc
 
 def ran(worker: Scheduler, kind: str) -> list[object]:
     return [what for logged, what in worker.executor.log if logged == kind]
+
+
+# --- short prompts in the decode batch ----------------------------------------------------------------------
+
+
+def test_under_batch_invariance_a_short_prompt_is_planned_into_its_decode_batch(clock) -> None:
+    """Admitted under batch invariance, a prompt of at most STEPPED_PREFILL_TOKENS unscored tokens joins its decode
+    batch in the plan (``DecodeWork.prompting``), not a prefill group, and decodes from the same iteration; a longer
+    one, a scored one, and any the state cache would keep are prefilled; without invariance every prompt is."""
+    served = language_model()
+    scored = GenerationRequest([65] * 3, 9, SamplingParams(temperature=0.0), prompt_logprobs=True)  # 12 tokens of
+    # context, as the others: one decode batch
+
+    def planned(worker: Scheduler) -> tuple[list[list[Sequence]], list[Sequence]]:
+        plan = worker.plan(time.monotonic(), clock.now)
+        return [group.sequences for group in plan.prefill], [row for each in plan.decode for row in each.prompting]
+
+    short, long, asks = sequence(served, 8, 4, clock), sequence(served, 9, 4, clock), Sequence(
+        served, scored, Recorder(clock))  # fmt: skip
+    worker = make_scheduler(clock)
+    admitted(worker, short, long, asks)
+    assert planned(worker) == ([[short], [long], [asks]], [])
+    cpu_decode.set_row_invariant(True)
+    try:
+        assert planned(worker) == ([[long], [asks]], [short])
+        worker.executor.state_cache = StateCache(4, 2**30, 8)  # keeps prompts of 8 tokens
+        assert planned(worker)[1] == []
+        worker.executor.state_cache = StateCache(4, 2**30, 9)
+        worker.iteration()
+    finally:
+        cpu_decode.set_row_invariant(False)
+    assert short.status is Status.DECODING and short.prefilled == 1 and not short.generated
+    assert long.status is Status.DECODING and len(long.generated) == 2  # its chunk's token and a step's
+    for _ in range(20):
+        worker.iteration()
+    assert [len(each.generated) for each in (short, long, asks)] == [4, 4, 9]
+    assert ran(worker, "decode")[0] == [long, asks, short]
+    assert all(sequence is not short for chunks in ran(worker, "prefill") for sequence, _ in chunks)
 
 
 # --- fairness ------------------------------------------------------------------------------------------------
