@@ -1,4 +1,4 @@
-"""``python -m training train|eval|compile|upgrade`` (SPEC section 3): argument parsing and validation only.
+"""``python -m training train|eval|compile|upgrade|export`` (SPEC section 3): argument parsing and validation only.
 
 Each subcommand turns its arguments into typed settings and hands them to the training loop (training/loop.py,
 through training/train_cli.py, with training/transduction.py's objective) or ``training.evaluate`` (``compile``:
@@ -25,6 +25,7 @@ from training.arguments import probability_or_range
 from training.compile_cli import add_compile_arguments, run_compile
 from training.evaluate import Band, combine_reports, draw_bands, evaluate_checkpoint, format_table, papers_lengths
 from training.evaluate import protocol_bands, split_lengths
+from training.loop import ResumeError, export_weights
 from training.model_flags import TRAINABLE_ARCHITECTURES, given_model_flags, model_config
 from training.tasks import Task, get_task
 from training.text_cli import TEXT_COMMANDS, add_text_commands
@@ -74,6 +75,7 @@ COMMANDS = {  # each command's one-line summary: ``python -m training --help`` l
     "eval": "final-label accuracy of transducer checkpoints per length band (of a text model: text-eval)",
     "compile": "compile a DFA JSON file into a checkpoint folder",
     "upgrade": "rewrite old checkpoints' config.json in the current format",
+    "export": "write a run's weights as of its last resume save (between evaluations) as a checkpoint folder",
     **TEXT_COMMANDS,
 }
 
@@ -98,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     compile_parser.set_defaults(run=lambda args, argv: run_compile(args))
     add_threads(compile_parser)
     _add_upgrade_parser(command("upgrade"))
+    _add_export_parser(command("export"))
     add_text_commands(command)  # bpe, text-train, text-eval: training/text_cli.py
     return parser
 
@@ -172,6 +175,25 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
 def _add_upgrade_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_upgrade, threads=None)
     parser.add_argument("checkpoint", nargs="+", type=Path, help="checkpoint folders")
+
+
+def _add_export_parser(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=_run_export, threads=None)
+    parser.add_argument("folder", metavar="RUN", type=Path, help="a training run's folder (train or text-train --out), once it has "
+                                               "evaluated: its config.json is the checkpoint's")
+    parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder to write")
+    parser.add_argument("--best", action="store_true",
+                        help="the best weights the run has kept so far, not the last saved step's")
+
+
+def _run_export(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        metadata = export_weights(args.folder, args.out, args.best)
+    except (ResumeError, CheckpointError) as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote {args.out}: the {'best' if args.best else 'current'} weights of {args.folder} at step "
+          f"{metadata['steps']}")
+    return 0
 
 
 def _run_upgrade(args: argparse.Namespace, argv: list[str]) -> int:

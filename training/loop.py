@@ -49,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from abc import ABC, abstractmethod
@@ -65,9 +66,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from model.base import InferenceCache, SequenceModel
-from model.checkpoint import FILE_MODE, save_checkpoint
+from model.checkpoint import CONFIG_FILE, FILE_MODE, read_config, save_checkpoint
 from model.config import BaseModelConfig, CheckpointConfig
 from model.registry import build_model
+from model.tokenizer import FILE_PREFIX
 from training.data import IGNORE_INDEX, Batch
 from training.distributed import Distributed
 
@@ -650,6 +652,36 @@ def read_resume_state(out: Path, with_tensors: bool = True) -> tuple[dict[str, A
     if state.get("format") != RESUME_FORMAT:
         raise ResumeError(f"{path}: resume format {state.get('format')!r}; this build reads {RESUME_FORMAT}")
     return state, tensors
+
+
+def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
+    """Write the weights of the run in ``run`` as its last resume save holds them (the step's, or with ``best`` the
+    best kept so far) as a checkpoint folder ``out``: the run's own checkpoint (written at its first evaluation, with the
+    best or current weights of that time) with these weights, its metadata's steps, tokens and time those of the save,
+    and the tokenizer file its config names. So weights between two evaluations, or of a run killed since its last
+    one, can be served and evaluated. Returns the metadata written; ResumeError or CheckpointError says what is
+    missing."""
+    run, out = Path(run), Path(out)
+    if out.resolve() == run.resolve():
+        raise ResumeError(f"--out {out} is the run's own folder; export into another one")
+    state, tensors = read_resume_state(run)
+    if not (run / CONFIG_FILE).is_file():
+        raise ResumeError(f"{run} has no {CONFIG_FILE} yet (a run writes it at its first evaluation): it says what the "
+                          f"checkpoint serves (its tokenizer or task)")
+    config = read_config(run)
+    prefix = "best." if best else "model."
+    weights = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+    if not weights:
+        raise ResumeError(f"{run / RESUME_FILE} holds no best weights (the run keeps none, or has not evaluated)")
+    model = build_model(state["architecture"], config.model)
+    model.load_state_dict(weights)
+    saved = state["run"]
+    metadata = {**config.metadata, "steps": saved["step"], "stopped": None, "tokens": saved["tokens"],
+                "wall_time_s": round(saved["elapsed_s"], 3), "exported": {"from": str(run), "best": best}}
+    save_checkpoint(model, dataclasses.replace(config, metadata=metadata), out)
+    if config.tokenizer is not None and config.tokenizer.startswith(FILE_PREFIX):
+        shutil.copyfile(run / config.tokenizer[len(FILE_PREFIX):], out / config.tokenizer[len(FILE_PREFIX):])
+    return metadata
 
 
 def _load_resume(

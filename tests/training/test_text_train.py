@@ -16,7 +16,9 @@ from model.checkpoint import load_checkpoint
 from model.tokenizer import load_tokenizer
 from server.model_store import load_served_model
 from tests.training.helpers import edit_resume_state
+from training import loop as loop_module
 from training.cli import main
+from training.loop import read_resume_state
 from training.text_corpus import Document
 from training.text_data import StreamedWindows, TokenArray, tokenize_documents
 
@@ -127,6 +129,48 @@ def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path, corpus, rank
     assert not (out / "config.json").exists() and (out / "resume.safetensors").exists()
     assert (out / "tokenizer.tiktoken").read_bytes() == ranks.read_bytes()
     monkeypatch.undo()
+    assert main(["text-train", "--resume", "--out", str(out), "--no-progress"]) == 0
+    assert load_checkpoint(out).config.metadata["steps"] == 6
+
+
+def test_export_writes_a_runs_weights_as_of_its_last_resume_save(tmp_path, corpus, ranks, monkeypatch, capsys) -> None:
+    """``export``: a run killed at its second evaluation (step 6) holds step 3's checkpoint and step 6's resume save;
+    the exported folder has step 6's weights, the run's config and tokenizer, and serves. Bad input exits 2 with what
+    is wrong, and the run still resumes."""
+    out, exported = tmp_path / "killed", tmp_path / "six"
+    saved, save = [], loop_module._save_checkpoint
+
+    def killed_at_the_second(*args, **kwargs) -> None:
+        saved.append(1)
+        if len(saved) == 2:
+            raise SystemExit("killed")
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "_save_checkpoint", killed_at_the_second)
+    with pytest.raises(SystemExit, match="killed"):
+        train(out, f"text:{corpus}", ranks, "lrnn")
+    monkeypatch.undo()
+    assert main(["export", str(out), "--out", str(exported)]) == 0
+    assert f"wrote {exported}: the current weights of {out} at step 6" in capsys.readouterr().out
+    at_three, at_six = load_checkpoint(out), load_checkpoint(exported)
+    assert at_three.config.metadata["steps"] == 3 and at_six.config.metadata["steps"] == 6
+    assert at_six.config.metadata["exported"] == {"from": str(out), "best": False}
+    _, tensors = read_resume_state(out)
+    six = at_six.model.state_dict()
+    assert all(torch.equal(tensor, tensors[f"model.{name}"]) for name, tensor in six.items())
+    assert not all(torch.equal(tensor, six[name]) for name, tensor in at_three.model.state_dict().items())
+    assert (exported / "tokenizer.tiktoken").read_bytes() == ranks.read_bytes()
+    assert load_served_model(exported, "cpu").config.kind == "generate"
+    for argv, message in [
+        (["export", str(out), "--out", str(tmp_path / "best"), "--best"], "holds no best weights"),
+        (["export", str(out), "--out", str(out)], "is the run's own folder"),
+        (["export", str(tmp_path / "none"), "--out", str(tmp_path / "x")], "missing; there is no run to resume"),
+    ]:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+    (out / "config.json").unlink()
+    assert main(["export", str(out), "--out", str(tmp_path / "y")]) == 2
+    assert "has no config.json yet (a run writes it at its first evaluation)" in capsys.readouterr().err
     assert main(["text-train", "--resume", "--out", str(out), "--no-progress"]) == 0
     assert load_checkpoint(out).config.metadata["steps"] == 6
 

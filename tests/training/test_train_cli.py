@@ -33,6 +33,18 @@ def test_tiny_run_writes_a_checkpoint_that_loads_beside_its_log(tiny_run: Path) 
     assert (config.model.d_model, config.model.block_size, config.model.num_blocks) == (8, 2, 2)
 
 
+def test_export_best_writes_the_weights_the_checkpoint_holds(tiny_run: Path, tmp_path: Path) -> None:
+    """A task run keeps its best weights: ``export --best`` writes those (its checkpoint's), ``export`` the last
+    saved step's, each a checkpoint that loads."""
+    assert main(["export", str(tiny_run), "--out", str(tmp_path / "best"), "--best"]) == 0
+    assert main(["export", str(tiny_run), "--out", str(tmp_path / "last")]) == 0
+    checkpoint, best, last = (load_checkpoint(folder, device="cpu") for folder in (tiny_run, tmp_path / "best",
+                                                                                   tmp_path / "last"))  # fmt: skip
+    assert weights_digest(best.model) == weights_digest(checkpoint.model)
+    assert best.config.metadata["steps"] == last.config.metadata["steps"] == 5
+    assert (best.config.task, last.config.metadata["exported"]["best"]) == ("parity_check", False)
+
+
 def test_metadata_records_the_command_and_the_run(tiny_run: Path) -> None:
     metadata = load_checkpoint(tiny_run, device="cpu").config.metadata
     assert metadata["command"].startswith("python -m training train --task parity_check --steps 5 --out ")
@@ -134,7 +146,7 @@ def test_top_level_help_has_a_summary_per_command_and_says_where_its_flags_are(c
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert "python -m training <command> --help lists a command's flags" in text
-    for name in ("train", "eval", "compile", "upgrade", "bpe", "text-train", "text-eval"):
+    for name in ("train", "eval", "compile", "upgrade", "export", "bpe", "text-train", "text-eval"):
         (line,) = [line for line in text.splitlines() if line.split()[:1] == [name]]
         assert len(line.split()) >= 5, line  # the name and its summary on one line
     with pytest.raises(SystemExit):
