@@ -179,8 +179,9 @@ def _add_upgrade_parser(parser: argparse.ArgumentParser) -> None:
 
 def _add_export_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_export, threads=None)
-    parser.add_argument("folder", metavar="RUN", type=Path, help="a training run's folder (train or text-train --out), once it has "
-                                               "evaluated: its config.json is the checkpoint's")
+    parser.add_argument("folder", metavar="RUN", type=Path,
+                        help="a training run's folder (train or text-train --out), once it has evaluated: its "
+                             "config.json is the checkpoint's")
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder to write")
     parser.add_argument("--best", action="store_true",
                         help="the best weights the run has kept so far, not the last saved step's")

@@ -656,9 +656,9 @@ def read_resume_state(out: Path, with_tensors: bool = True) -> tuple[dict[str, A
 
 def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
     """Write the weights of the run in ``run`` as its last resume save holds them (the step's, or with ``best`` the
-    best kept so far) as a checkpoint folder ``out``: the run's own checkpoint (written at its first evaluation, with the
-    best or current weights of that time) with these weights, its metadata's steps, tokens and time those of the save,
-    and the tokenizer file its config names. So weights between two evaluations, or of a run killed since its last
+    best kept so far) as a checkpoint folder ``out``: the run's own checkpoint (written at its first evaluation, with
+    the best or current weights of that time) with these weights, its metadata's steps, tokens and time those of the
+    save, and the tokenizer file its config names. So weights between two evaluations, or of a run killed since its last
     one, can be served and evaluated. Returns the metadata written; ResumeError or CheckpointError says what is
     missing."""
     run, out = Path(run), Path(out)
@@ -674,7 +674,10 @@ def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
     if not weights:
         raise ResumeError(f"{run / RESUME_FILE} holds no best weights (the run keeps none, or has not evaluated)")
     model = build_model(state["architecture"], config.model)
-    model.load_state_dict(weights)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:  # a resume file of another run than the checkpoint's
+        raise ResumeError(f"{run / RESUME_FILE}: its weights do not fit {run / CONFIG_FILE}: {error}") from None
     saved = state["run"]
     metadata = {**config.metadata, "steps": saved["step"], "stopped": None, "tokens": saved["tokens"],
                 "wall_time_s": round(saved["elapsed_s"], 3), "exported": {"from": str(run), "best": best}}

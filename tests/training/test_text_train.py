@@ -168,9 +168,16 @@ def test_export_writes_a_runs_weights_as_of_its_last_resume_save(tmp_path, corpu
     ]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+    config = (out / "config.json").read_text()
+    other = json.loads(config)
+    other["model"]["d_model"] = 24
+    (out / "config.json").write_text(json.dumps(other))
+    assert main(["export", str(out), "--out", str(tmp_path / "z")]) == 2
+    assert "resume.safetensors: its weights do not fit" in capsys.readouterr().err
     (out / "config.json").unlink()
     assert main(["export", str(out), "--out", str(tmp_path / "y")]) == 2
     assert "has no config.json yet (a run writes it at its first evaluation)" in capsys.readouterr().err
+    (out / "config.json").write_text(config)
     assert main(["text-train", "--resume", "--out", str(out), "--no-progress"]) == 0
     assert load_checkpoint(out).config.metadata["steps"] == 6
 
