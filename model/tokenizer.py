@@ -130,14 +130,21 @@ def byte_encoding() -> tiktoken.Encoding:
     )
 
 
-def _file_encoding(name: str, checkpoint_dir: Path) -> tiktoken.Encoding:
+def ranks_file(name: str, checkpoint_dir: str | os.PathLike) -> Path:
+    """The ranks file a ``file:`` tokenizer ``name`` names, resolved inside ``checkpoint_dir``; TokenizerError if it
+    lies outside the folder or is missing."""
     relative = Path(name.removeprefix(FILE_PREFIX))
-    folder = checkpoint_dir.resolve()
+    folder = Path(checkpoint_dir).resolve()
     path = (folder / relative).resolve()
     if relative.is_absolute() or not path.is_relative_to(folder):
         raise TokenizerError(f"tokenizer {name!r}: the ranks file must lie inside the checkpoint folder {folder}")
     if not path.is_file():
         raise TokenizerError(f"tokenizer {name!r}: {path} is missing")
+    return path
+
+
+def _file_encoding(name: str, checkpoint_dir: Path) -> tiktoken.Encoding:
+    path = ranks_file(name, checkpoint_dir)
     try:
         ranks = tiktoken.load.load_tiktoken_bpe(str(path))
     except (ValueError, OSError) as error:

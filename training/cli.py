@@ -20,6 +20,7 @@ from pathlib import Path
 from model.checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, read_config, upgrade_config
 from model.config import ARCHITECTURE_CONFIGS
 from model.threads import set_threads
+from model.tokenizer import TokenizerError
 from training.arguments import Parser, UsageError, add_threads, band_spec, length_range, positive_int, probability
 from training.arguments import probability_or_range
 from training.compile_cli import add_compile_arguments, run_compile
@@ -190,7 +191,7 @@ def _add_export_parser(parser: argparse.ArgumentParser) -> None:
 def _run_export(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         metadata = export_weights(args.folder, args.out, args.best)
-    except (ResumeError, CheckpointError) as error:
+    except (ResumeError, CheckpointError, TokenizerError) as error:
         raise UsageError(str(error)) from None
     print(f"wrote {args.out}: the {'best' if args.best else 'current'} weights of {args.folder} at step "
           f"{metadata['steps']}")

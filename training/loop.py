@@ -69,7 +69,7 @@ from model.base import InferenceCache, SequenceModel
 from model.checkpoint import CONFIG_FILE, FILE_MODE, read_config, save_checkpoint
 from model.config import BaseModelConfig, CheckpointConfig
 from model.registry import build_model
-from model.tokenizer import FILE_PREFIX
+from model.tokenizer import FILE_PREFIX, ranks_file
 from training.data import IGNORE_INDEX, Batch
 from training.distributed import Distributed
 
@@ -575,17 +575,19 @@ def _metadata(
     """The checkpoint's provenance; ``stopped`` is None in the copies saved while training goes on."""
     return {
         "command": command,
-        "steps": run.step,
-        "stopped": run.stopped,
-        "wall_time_s": round(run.elapsed_s, 3),
-        "tokens": run.tokens,
-        "tokens_per_s": round(run.tokens / max(run.elapsed_s, 1e-9), 1),
+        **_run_figures(run),
         "world_size": dist.world_size,
         "device": dist.device.type,
         "torch": torch.__version__,
         "settings": {**settings.to_dict(), **objective.settings()},
         **objective.metadata(run),
     }
+
+
+def _run_figures(run: RunState) -> dict[str, Any]:
+    """The checkpoint metadata's figures of where the run is."""
+    return {"steps": run.step, "stopped": run.stopped, "wall_time_s": round(run.elapsed_s, 3), "tokens": run.tokens,
+            "tokens_per_s": round(run.tokens / max(run.elapsed_s, 1e-9), 1)}
 
 
 def _save_resume(
@@ -658,9 +660,9 @@ def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
     """Write the weights of the run in ``run`` as its last resume save holds them (the step's, or with ``best`` the
     best kept so far) as a checkpoint folder ``out``: the run's own checkpoint (written at its first evaluation, with
     the best or current weights of that time) with these weights, its metadata's steps, tokens and time those of the
-    save, and the tokenizer file its config names. So weights between two evaluations, or of a run killed since its last
-    one, can be served and evaluated. Returns the metadata written; ResumeError or CheckpointError says what is
-    missing."""
+    save (the objective's figures, e.g. the validation loss, stay the checkpoint's), and the tokenizer file its config
+    names. So weights between two evaluations, or of a run killed since its last one, can be served and evaluated.
+    Returns the metadata written; ResumeError, CheckpointError or TokenizerError says what is missing."""
     run, out = Path(run), Path(out)
     if out.resolve() == run.resolve():
         raise ResumeError(f"--out {out} is the run's own folder; export into another one")
@@ -669,6 +671,9 @@ def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
         raise ResumeError(f"{run} has no {CONFIG_FILE} yet (a run writes it at its first evaluation): it says what the "
                           f"checkpoint serves (its tokenizer or task)")
     config = read_config(run)
+    tokenizer = None
+    if config.tokenizer is not None and config.tokenizer.startswith(FILE_PREFIX):
+        tokenizer = ranks_file(config.tokenizer, run)  # checked before anything is written
     prefix = "best." if best else "model."
     weights = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
     if not weights:
@@ -678,12 +683,13 @@ def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
         model.load_state_dict(weights)
     except RuntimeError as error:  # a resume file of another run than the checkpoint's
         raise ResumeError(f"{run / RESUME_FILE}: its weights do not fit {run / CONFIG_FILE}: {error}") from None
-    saved = state["run"]
-    metadata = {**config.metadata, "steps": saved["step"], "stopped": None, "tokens": saved["tokens"],
-                "wall_time_s": round(saved["elapsed_s"], 3), "exported": {"from": str(run), "best": best}}
+    saved = RunState(**{**state["run"], "stopped": None})  # a copy saved while training goes on
+    metadata = {**config.metadata, **_run_figures(saved), "exported": {"from": str(run), "best": best}}
     save_checkpoint(model, dataclasses.replace(config, metadata=metadata), out)
-    if config.tokenizer is not None and config.tokenizer.startswith(FILE_PREFIX):
-        shutil.copyfile(run / config.tokenizer[len(FILE_PREFIX):], out / config.tokenizer[len(FILE_PREFIX):])
+    if tokenizer is not None:
+        copy = out / tokenizer.relative_to(run.resolve())
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tokenizer, copy)
     return metadata
 
 

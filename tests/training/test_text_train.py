@@ -168,6 +168,11 @@ def test_export_writes_a_runs_weights_as_of_its_last_resume_save(tmp_path, corpu
     ]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+    ranks_copy = (out / "tokenizer.tiktoken").read_bytes()
+    (out / "tokenizer.tiktoken").unlink()
+    assert main(["export", str(out), "--out", str(tmp_path / "w")]) == 2
+    assert "tokenizer.tiktoken is missing" in capsys.readouterr().err and not (tmp_path / "w").exists()
+    (out / "tokenizer.tiktoken").write_bytes(ranks_copy)
     config = (out / "config.json").read_text()
     other = json.loads(config)
     other["model"]["d_model"] = 24
