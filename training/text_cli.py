@@ -271,7 +271,7 @@ PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is 
     "perplexity": {"corpus": None, "train_length": None, "multiples": (1, 2, 4, 8, 16), "targets": 256,
                    "batch_size": 8, "receptive_field": 0, "receptive_multiple": 4.0},
     "passkey": {"sizes": (2**10, 2**13, 2**16, 2**20), "depths": (0.0, 0.25, 0.5, 0.75, 1.0),
-                "filler": [DEFAULT_CORPUS, GRASS_FILLER], "trials": 2, "seed": 0, "max_new_tokens": 8,
+                "filler": [[DEFAULT_CORPUS, GRASS_FILLER]], "trials": 2, "seed": 0, "max_new_tokens": 8,
                 "batch_size": 16, "max_memory": 4.0, "distractors": 0, "distractors_at": "either",
                 "number_forms": False},
 }

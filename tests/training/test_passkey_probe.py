@@ -341,3 +341,16 @@ def test_probe_flags_without_the_probe_and_the_probe_of_a_transducer_exit_2(chec
     transducer = REPO / "checkpoints" / "parity_check-lrnn"
     assert main(["text-eval", "--checkpoint", str(transducer), "--probe", "passkey", "--sizes", "1k"]) == 2
     assert "is a transducer (kind 'transduce'); text-eval measures text models" in capsys.readouterr().err
+
+
+def test_without_filler_the_probe_reads_austen_and_grass(checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
+    """No --filler: the default fillers, Austen's held-out text and the grass text (the default was once read as
+    the letters of 'austen' and every such call exited 2). Austen's text is not installed here: its stream is
+    stood in for by the grass text."""
+    monkeypatch.setattr("training.text_cli.filler_tokens",
+                        lambda name, tokenizer, fraction: grass_filler(tokenizer))  # fmt: skip
+    out = tmp_path / "probe"
+    assert main(["text-eval", "--checkpoint", str(checkpoint), "--probe", "passkey", "--sizes", "300", "--depths",
+                 "0.5", "--trials", "1", "--max-new-tokens", "2", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "passkey.json").read_text())[0]
+    assert [filler["filler"] for filler in report["fillers"]] == ["austen", "grass"]
