@@ -24,6 +24,7 @@ as a sequential scan, tested to give this one's logits on its weights (tests/mod
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -595,3 +596,40 @@ class BlockDiagonalLRNN(LinearRNN):
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__(config, [BlockDiagonalRecurrence(config) for _ in range(config.n_layers)])
+
+    def grown_from(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict for this model from ``weights``, those of the same LRNN with fewer blocks per layer: a wider
+        state for a trained model to go on training with. Each layer's first blocks are the smaller model's (every
+        tensor that grew, g's and B's rows, h_0's blocks, the readout's columns, holds the old one as its leading
+        part); the new blocks keep this model's own initial weights, but the readout's columns from them are zero,
+        so the grown model computes what the smaller one did (tests/model/test_lrnn.py: the same logits). Under
+        "stochastic", a new block's transitions start with logits 0.5 on the diagonal (not ln(9 (b - 1))) and
+        g(u)'s entries spread by ~0.3 (not 0.02): every entry of each column is then inside its sparsemax's
+        support, whose gradient is zero outside it (and, with the support the diagonal alone, everywhere), and the
+        new states depend on their input from the start. A ValueError names what is not this LRNN with fewer
+        blocks."""
+        size, readout = self.config.block_size, weights.get("blocks.0.recurrence.out_proj.weight")
+        old_blocks = 0 if readout is None else readout.shape[-1] // size
+        if not 0 < old_blocks < self.config.num_blocks:
+            raise ValueError(f"not an LRNN of blocks of {size} with fewer than {self.config.num_blocks} blocks per "
+                             f"layer (its first layer's readout: {None if readout is None else tuple(readout.shape)})")
+        with torch.device("meta"):  # the smaller model's shapes, no weights drawn
+            expected = type(self)(dataclasses.replace(self.config, num_blocks=old_blocks)).state_dict()
+        wrong = [f"{name}: {None if name not in weights else tuple(weights[name].shape)} there, "
+                 f"{tuple(shape.shape)} expected" for name, shape in expected.items()
+                 if name not in weights or weights[name].shape != shape.shape]  # fmt: skip
+        if wrong or len(weights) != len(expected):
+            raise ValueError(f"not this LRNN with {old_blocks} blocks per layer: {'; '.join(wrong) or 'other tensors'}")
+        grown = {}
+        for name, fresh in self.state_dict().items():
+            grown[name] = tensor = fresh.clone()
+            tensor[tuple(slice(0, length) for length in weights[name].shape)] = weights[name]
+        old_state = old_blocks * size  # H b there
+        diagonal = (0.5 * torch.eye(size)).repeat(self.config.num_blocks - old_blocks, 1, 1)  # (new H, b, b)
+        for index, block in enumerate(self.blocks):
+            prefix = f"blocks.{index}.recurrence."
+            grown[prefix + "out_proj.weight"][:, old_state:] = 0
+            if block.recurrence.stochastic:
+                grown[prefix + "transition.bias"][old_state * size :] = diagonal.flatten()
+                grown[prefix + "transition.weight"][old_state * size :] *= 0.3 / 0.02
+        return grown

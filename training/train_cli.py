@@ -23,6 +23,7 @@ import torch
 
 from model.checkpoint import CONFIG_FILE, load_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, dataclass_from_dict
+from model.registry import build_model
 from model.threads import set_threads
 from training.arguments import (
     UsageError,
@@ -57,8 +58,9 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
                       help="continue the run in --out from its resume.safetensors, with the settings it started with")
     what.add_argument("--steps", type=positive_int, help="optimizer steps (at most)")
     what.add_argument("--init-from", type=Path, metavar="DIR",
-                      help="start from the weights of the checkpoint in DIR (same architecture and model flags), e.g. "
-                           "a curriculum's next stage; the optimizer and data start afresh")
+                      help="start from the weights of the checkpoint in DIR (same architecture and model flags, but an "
+                           "LRNN's --num-blocks may be larger: the new blocks start out of the output), e.g. a "
+                           "curriculum's next stage; the optimizer and data start afresh")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--batch-size", type=positive_int, help="sequences per step and process")
     optim.add_argument("--grad-accumulation", type=positive_int, default=1,
@@ -222,7 +224,9 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
 
 def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseModelConfig) -> dict[str, torch.Tensor]:
     """The weights of the checkpoint in ``folder`` for a new run of this architecture and config; a UsageError
-    naming what differs when they are another model's."""
+    naming what differs when they are another model's. An LRNN checkpoint with fewer blocks per layer than the
+    run's ``--num-blocks`` grows into the run's model (``BlockDiagonalLRNN.grown_from``: its blocks first, the new
+    ones out of the output until training brings them in)."""
     try:
         loaded = load_checkpoint(folder, device="cpu")
     except ValueError as error:  # CheckpointError, ConfigError: missing, unreadable
@@ -230,9 +234,13 @@ def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseMod
     if loaded.config.architecture != settings.architecture:
         raise UsageError(f"--init-from {folder} is a {loaded.config.architecture} checkpoint, not {settings.architecture}")
     theirs, ours = dataclasses.asdict(loaded.config.model), dataclasses.asdict(model_config)
-    differing = [f"{name} {theirs[name]} there, {ours[name]} here" for name in ours if theirs.get(name) != ours[name]]
+    differing = [name for name in ours if theirs.get(name) != ours[name]]
+    if differing == ["num_blocks"] and settings.architecture == "lrnn" and theirs["num_blocks"] < ours["num_blocks"]:
+        torch.manual_seed(settings.seed)  # the new blocks' weights are those the run's own model starts with
+        return build_model(settings.architecture, model_config).grown_from(loaded.model.state_dict())
     if differing:
-        raise UsageError(f"--init-from {folder} holds another model: {'; '.join(differing)}")
+        named = "; ".join(f"{name} {theirs[name]} there, {ours[name]} here" for name in differing)
+        raise UsageError(f"--init-from {folder} holds another model: {named}")
     return loaded.model.state_dict()
 
 

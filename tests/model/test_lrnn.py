@@ -298,3 +298,39 @@ def test_the_soft_phase_keeps_its_columns_impurity_only_when_asked() -> None:
     recurrence.impurity, recurrence.soft_transitions = None, False
     recurrence.coefficients(u)
     assert recurrence.impurity is None
+
+
+@pytest.mark.parametrize("model_id", ["lrnn", "lrnn-rank3", "lrnn-stochastic", "lrnn-stochastic-rank2"])
+def test_a_model_grown_to_more_blocks_computes_what_it_did_and_its_new_blocks_learn(model_id: str) -> None:
+    """``grown_from``: the smaller model's weights in the first blocks, the new blocks' readout zero: the same
+    logits in the parallel pass and step by step; every new parameter gets a gradient (a stochastic block's
+    whole columns, none outside a sparsemax's support); a model of another shape is refused, naming the tensor."""
+    small = make(model_id)
+    with torch.no_grad():
+        for parameter in small.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))  # trained-looking weights, not the initial ones
+    large = MODELS[model_id](dataclasses.replace(small.config, num_blocks=5)).double().eval()
+    large.load_state_dict(large.grown_from(small.state_dict()))
+    tokens = torch.randint(0, VOCAB, (3, 50))
+    with torch.no_grad():
+        assert torch.allclose(large(tokens), small(tokens), atol=1e-10)
+        caches = small.new_cache(3), large.new_cache(3)
+        for position in range(5):
+            assert torch.allclose(large.step(tokens[:, position], caches[1]), small.step(tokens[:, position],
+                                  caches[0]), atol=1e-10)  # fmt: skip
+    old_state = small.config.num_blocks * small.config.block_size
+    large.train()
+    large(tokens).logsumexp(-1).sum().backward()  # the readout's new columns first: zero, they pass no gradient
+    recurrence = large.blocks[0].recurrence
+    assert bool((recurrence.out_proj.weight.grad[:, old_state:] != 0).all())
+    with torch.no_grad():
+        recurrence.out_proj.weight[:, old_state:] = 0.1
+    large.zero_grad()
+    large(tokens).logsumexp(-1).sum().backward()
+    new_rows = recurrence.transition.weight.grad[old_state * small.config.block_size :]
+    assert bool((new_rows.abs().sum(-1) > 0).all())  # each generated entry of a new block moves
+    wider = dataclasses.replace(small.config, d_model=2 * small.config.d_model)
+    with pytest.raises(ValueError, match=r"embedding\.embed\.weight: \(5, 16\) there, \(5, 32\) expected"):
+        MODELS[model_id](dataclasses.replace(wider, num_blocks=5)).grown_from(small.state_dict())
+    with pytest.raises(ValueError, match="with fewer than 2 blocks per layer"):
+        small.grown_from(large.state_dict())

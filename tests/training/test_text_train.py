@@ -327,6 +327,24 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, corpus,
     assert "is a lrnn checkpoint, not transformer" in capsys.readouterr().err
 
 
+def test_init_from_an_lrnn_with_fewer_blocks_grows_it(tmp_path, corpus, ranks, capsys) -> None:
+    """--init-from an LRNN checkpoint with fewer blocks than --num-blocks: the run starts from the checkpoint's model
+    grown (the same logits), with the run's blocks; fewer blocks than the checkpoint's are refused."""
+    first = tmp_path / "first"
+    assert train(first, f"text:{corpus}", ranks, "lrnn") == 0  # 4 blocks
+    assert train(tmp_path / "grown", f"text:{corpus}", ranks, "lrnn", "--num-blocks", "6", "--steps", "1", "--lr",
+                 "1e-30", "--init-from", str(first)) == 0
+    small, grown = load_checkpoint(first).model, load_checkpoint(tmp_path / "grown").model
+    assert grown.config.num_blocks == 6
+    tokens = torch.randint(0, 301, (2, 40))
+    with torch.no_grad():
+        assert torch.allclose(grown(tokens), small(tokens), atol=1e-5)
+    capsys.readouterr()
+    assert train(tmp_path / "fewer", f"text:{corpus}", ranks, "lrnn", "--num-blocks", "2", "--init-from",
+                 str(tmp_path / "grown")) == 2
+    assert "holds another model: num_blocks 6 there, 2 here" in capsys.readouterr().err
+
+
 def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None:
     """Resume files written from 72ac6b1 to a9c80e3 hold ``passkey_steps`` (the pass-key schedule's length, now the
     run's --steps) and, like every one before abf47e5, no ``passkey_span``: such a run resumes, on the schedule it
