@@ -239,7 +239,7 @@ def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseMod
         torch.manual_seed(settings.seed)  # the new blocks' weights are those the run's own model starts with
         return build_model(settings.architecture, model_config).grown_from(loaded.model.state_dict())
     if differing:
-        named = "; ".join(f"{name} {theirs[name]} there, {ours[name]} here" for name in differing)
+        named = "; ".join(f"{name} {theirs.get(name)} there, {ours[name]} here" for name in differing)
         raise UsageError(f"--init-from {folder} holds another model: {named}")
     return loaded.model.state_dict()
 
