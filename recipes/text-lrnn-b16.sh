@@ -37,9 +37,9 @@
 # DEVICE=where stage 7 runs (default auto: a GPU if there is one). FROM=first stage to run (default 1; a later one
 # starts from the folder of the stage before it, or from INIT=folder), TO=last stage to run (default 8). Weights of
 # stages run so far are kept in recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, -7 (lr 1e-4, 420
-# steps), -7-lr3 (stage 7 as above), -7-long (stage 7 continued from -7-lr3 toward ~7,000 steps in all, 803
+# steps), -7-lr3 (stage 7 as above), -7-long (stage 7 continued from -7-lr3 toward ~7,000 steps in all, 1,288
 # steps so far: docs/text_results.md, "Stage 7 continued") and -8), so the chain goes on from there, e.g.
-#   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-long recipes/text-lrnn-b16.sh --steps 5197
+#   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-long recipes/text-lrnn-b16.sh --steps 4712
 # (Adam restarts; its state is not kept). That run's own folder, while it lasts, goes on with
 #   python -m training text-train --resume --out runs/b16x-7 --threads 2 --no-progress
 # Evaluate as recipes/text-lrnn.sh says (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
