@@ -58,6 +58,9 @@ from model.ops.linear_scan import (
     spectral_norm_constraint,
 )
 
+GENERATED_SPREAD = 0.02  # how far g(u)'s entries vary with the input at initialisation (BlockDiagonalRecurrence)
+GROWN_SPREAD = 0.3  # the same for a stochastic block added by BlockDiagonalLRNN.grown_from
+
 
 @dataclass
 class LRNNCache(InferenceCache):
@@ -201,7 +204,8 @@ class BlockDiagonalRecurrence(Recurrence):
         with torch.no_grad():
             self.transition.bias.copy_(diagonal * identity.flatten())
         self.code_scale = 1.0 if self.rank is None else config.d_model / self.rank
-        nn.init.normal_(self.transition.weight, std=0.02 / self.code_scale / self.transition.in_features**0.5)
+        spread = GENERATED_SPREAD / self.code_scale / self.transition.in_features**0.5
+        nn.init.normal_(self.transition.weight, std=spread)
         if self.rank is not None:
             nn.init.normal_(self.in_proj.weight[: self.rank], std=config.d_model**-0.5)
             nn.init.zeros_(self.in_proj.bias[: self.rank])
@@ -631,5 +635,5 @@ class BlockDiagonalLRNN(LinearRNN):
             grown[prefix + "out_proj.weight"][:, old_state:] = 0
             if block.recurrence.stochastic:
                 grown[prefix + "transition.bias"][old_state * size :] = diagonal.flatten()
-                grown[prefix + "transition.weight"][old_state * size :] *= 0.3 / 0.02
+                grown[prefix + "transition.weight"][old_state * size :] *= GROWN_SPREAD / GENERATED_SPREAD
         return grown

@@ -42,7 +42,7 @@
 #   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-long recipes/text-lrnn-b16.sh --steps 4712
 # (Adam restarts; its state is not kept). That run's own folder, while it lasts, goes on with
 #   python -m training text-train --resume --out runs/b16x-7 --threads 2 --no-progress
-# Evaluate as recipes/text-lrnn.sh says (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
+# Evaluate with recipes/probe-text.sh (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
 # --trials 4, and --sizes 1k,8k --trials 4 --distractors 4).
 set -eu
 OUT=${OUT:-runs/text-lrnn-b16}
