@@ -25,15 +25,18 @@ Curriculum = Literal["uniform", "growing"]
 class Batch:
     """tokens: (B, T) int64 right-padded with 0; targets: (B, T) int64 label ids, IGNORE_INDEX on padding;
     lengths: (B,) int64, each in [1, T]; fresh: with state passing, (B,) bool, the rows that start from the model's
-    initial state instead of the state they carry (``TextData.state_reset``), or None: none does."""
+    initial state instead of the state they carry (``TextData.state_reset``), or None: none does; distilled: with a
+    teacher (training/distill.py), (B,) bool, the rows that learn its distributions too, or None."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     lengths: torch.Tensor
     fresh: torch.Tensor | None = None
+    distilled: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.tokens.to(device), self.targets.to(device), self.lengths.to(device), self.fresh)
+        return Batch(self.tokens.to(device), self.targets.to(device), self.lengths.to(device), self.fresh,
+                     self.distilled)
 
     def split(self, parts: int) -> list[Batch]:
         """The rows in ``parts`` consecutive groups of nearly equal size (no empty one), each cut to its own

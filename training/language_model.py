@@ -29,10 +29,11 @@ from model.base import SequenceModel, largest_fitting
 from model.config import BaseModelConfig, CheckpointConfig
 from model.tokenizer import FILE_PREFIX, Tokenizer
 from training.data import IGNORE_INDEX, Batch
+from training.distill import Teacher
 from training.distributed import Distributed
 from training.loop import Evaluation, Objective, RunState
-from training.text_corpus import corpus_documents, is_streamed, split_document
 from training.passkey import PassKeyBuilder, draw_key
+from training.text_corpus import corpus_documents, is_streamed, split_document
 from training.text_data import StreamedWindows, TokenArray, tokenize_documents
 
 RANKS_FILE = "tokenizer.tiktoken"
@@ -57,6 +58,8 @@ class TextData:
     passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
     state_reset: float = 0.0  # with state passing: the chance that a row starts a step from the initial state
     passkey_fresh: bool = False  # with state passing: a row given a pass-key example starts it from the initial state
+    teacher: str | None = None  # a language model's folder whose distributions the text rows learn too
+    teacher_weight: float = 0.0  # with a teacher: the share of its cross-entropy in a text row's loss
 
 
 PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
@@ -104,6 +107,9 @@ class LanguageModelObjective(Objective):
       initial state (``Batch.fresh``), while the text rows carry theirs: the example never begins in a state that
       holds an earlier key or an answer. With it a stochastic LRNN with blocks of 16 kept about half of what state
       passing took from its key (greedy probe 56 of 120 against 32, 89 before; docs/text_results.md).
+    - ``teacher`` (a checkpoint folder) and ``teacher_weight`` w: the rows not given a pass-key example
+      (``Batch.distilled``) learn the teacher's next-token distributions with weight w beside their targets
+      (training/distill.py: knowledge distillation; with state passing the teacher carries its states too).
     """
 
     name = "text"
@@ -135,6 +141,9 @@ class LanguageModelObjective(Objective):
         if data.passkey_fraction:
             self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
             self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens, data.passkey_number_forms)
+        if data.teacher is not None:
+            self.teacher = Teacher.load(Path(data.teacher), data.teacher_weight, tokenizer, batch_size,
+                                        data.state_passing, dist.device)  # fmt: skip
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
 
@@ -189,6 +198,7 @@ class LanguageModelObjective(Objective):
             windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
         targets = windows[:, 1:].clone()  # (B, L)
         examples = np.zeros(len(windows), dtype=bool)  # the rows given an in-window pass-key example
+        in_examples = np.zeros(len(windows), dtype=bool)  # ... or a window of one across windows
         if self.passkey is not None:
             if self.data.passkey_span > 1 and self.spans is None:
                 self.spans = [None] * self.batch_size
@@ -196,12 +206,14 @@ class LanguageModelObjective(Objective):
             for row in range(self.batch_size):
                 if self.spans is not None and self.spans[row] is not None:
                     self._span_window(row, windows[row], targets[row], rng)
+                    in_examples[row] = True
                     continue
                 if not chosen[row]:
                     continue
                 # a uniform length, the row's text before it
                 prompt_size = int(rng.integers(self.shortest_passkey_row, length + 2))
                 distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
+                in_examples[row] = True
                 if self.spans is not None and (span := self._span_windows(rng, step)) > 1:
                     self._span_start(row, span, windows[row], targets[row], rng)
                     continue
@@ -216,7 +228,9 @@ class LanguageModelObjective(Objective):
             fresh = torch.from_numpy(rng.random(len(windows)) < self.data.state_reset)  # (B,)
         if self.data.passkey_fresh:
             fresh = torch.from_numpy(examples) if fresh is None else fresh | torch.from_numpy(examples)
-        return Batch(windows[:, :-1], targets, lengths, fresh)
+        # not the pass-key rows: the teacher may answer them wrong
+        distilled = None if self.teacher is None else torch.from_numpy(~in_examples)
+        return Batch(windows[:, :-1], targets, lengths, fresh, distilled)
 
     def longest_span(self, step: int) -> int:
         """The most windows an example started at step ``step`` (from 1) may span: growing geometrically from 1 at

@@ -56,7 +56,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import numpy as np
 import torch
@@ -72,6 +72,9 @@ from model.registry import build_model
 from model.tokenizer import FILE_PREFIX, ranks_file
 from training.data import IGNORE_INDEX, Batch
 from training.distributed import Distributed
+
+if TYPE_CHECKING:
+    from training.distill import Teacher
 
 LOG_FILE = "train.jsonl"
 RESUME_FILE = "resume.safetensors"
@@ -153,6 +156,9 @@ class Objective(ABC):
     # Row i of each batch continues row i of the last: the loop starts it from the state the model ended that row
     # in (a recurrent model's cache, the gradient cut), and saves the states with a resumable run.
     carries_state: bool = False
+    # A language model whose distributions the rows of ``Batch.distilled`` learn beside their targets
+    # (training/distill.py); its carried states are saved with a resumable run.
+    teacher: Teacher | None = None
 
     @abstractmethod
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
@@ -240,7 +246,7 @@ def train(
     optimizer = _optimizer(model, settings)
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, dist.rank])
     run, best_state = RunState(), None
-    carried = _new_carried_state(model, settings.batch_size) if objective.carries_state else None
+    carried = new_carried_state(model, settings.batch_size) if objective.carries_state else None
     out = Path(out)
     if resume is not None:
         run, best_state = _load_resume(out, model, optimizer, rng, objective, dist, carried)
@@ -278,7 +284,7 @@ def train(
                     model.extra_levels = extra_levels(settings, run.step)
                 batch = objective.batch(rng, run.step)
                 grad_norm, step_tokens, carried = _train_step(trained, optimizer, batch, settings, run, dist,
-                                                              use_bfloat16, carried)
+                                                              use_bfloat16, carried, objective.teacher)
                 window_tokens += step_tokens
                 if options.time_budget_s is not None:
                     now = time.perf_counter()
@@ -342,10 +348,12 @@ def progress_total(steps: int, step: int, seconds_per_step: float, seconds_left:
 def _train_step(
     trained: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, settings: TrainSettings,
     run: RunState, dist: Distributed, use_bfloat16: bool, carried: InferenceCache | None = None,
+    teacher: Teacher | None = None,
 ) -> tuple[float, int, InferenceCache | None]:
     """One optimizer step over ``batch`` in ``grad_accumulation`` micro-batches: the loss is the mean over the
     whole batch's real positions, whatever the split. With ``carried`` (the rows' states, state passing) each row
-    starts from its state and the states it ends in are returned, detached. Returns the gradient norm before
+    starts from its state and the states it ends in are returned, detached. With ``teacher``, the rows of
+    ``batch.distilled`` learn its distributions too (training/distill.py). Returns the gradient norm before
     clipping, the number of real positions (this process) and the states carried on."""
     positions = int((batch.targets != IGNORE_INDEX).sum())
     selects_positions = getattr(trained, "module", trained).selects_positions  # under DDP: the model's
@@ -354,26 +362,36 @@ def _train_step(
     parts = batch.split(settings.grad_accumulation)
     row_groups = torch.arange(len(batch.lengths)).tensor_split(settings.grad_accumulation)
     if carried is not None and batch.fresh is not None and bool(batch.fresh.any()):
-        carried = _reset_rows(getattr(trained, "module", trained), carried, batch.fresh)
+        carried = reset_rows(getattr(trained, "module", trained), carried, batch.fresh)
+    if teacher is not None:
+        teacher.begin(batch.fresh)
     ended = []
     for part, rows in zip(parts, row_groups):
         part = part.to(dist.device)
         cache = None if carried is None else carried.select(rows.tolist())
         scored = part.targets != IGNORE_INDEX  # (b, T)
         targets = part.targets
+        soft = soft_weights = None
+        if teacher is not None and batch.distilled is not None:
+            soft = teacher.probabilities(part.tokens, rows.tolist())  # (b, T, V)
+            taught = batch.distilled[rows].to(dist.device, torch.float32) * teacher.weight  # (b,)
+            soft_weights = taught[:, None].expand_as(targets)  # (b, T)
         with torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=use_bfloat16):
             if selects_positions and not bool(scored.all()):  # the head on the scored positions only
                 logits, targets = trained(part.tokens, cache, positions=scored), part.targets[scored]  # (N, V), (N,)
+                if soft is not None:
+                    soft, soft_weights = soft[scored], soft_weights[scored]  # (N, V), (N,)
             else:
                 logits = trained(part.tokens, cache)  # (b, T, V)
         if cache is not None:
             ended.append(cache)
-        loss_sum, correct = masked_loss(logits.float(), targets)
+        loss_sum, correct = masked_loss(logits.float(), targets, soft, soft_weights)
+        del soft
         penalised = loss_sum
         if weight:  # the impurity counted once per real position, like the loss
             penalised = loss_sum + weight * int((part.targets != IGNORE_INDEX).sum()) * _impurity(trained)
         (penalised / positions).backward()
-        run.window[0] += float(loss_sum.detach())
+        run.window[0] += float(target_loss(loss_sum))
         run.window[1] += correct
     run.window[2] += positions
     grad_norm = torch.nn.utils.clip_grad_norm_(trained.parameters(), settings.grad_clip or math.inf)
@@ -382,10 +400,12 @@ def _train_step(
     if carried is not None:
         with torch.no_grad():  # the gradient is cut between steps
             carried = type(carried).stack(ended)
+    if teacher is not None:
+        teacher.end()
     return float(grad_norm), positions, carried
 
 
-def _reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tensor) -> InferenceCache:
+def reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tensor) -> InferenceCache:
     """``carried`` with the rows where ``fresh`` (B,) holds back at the model's initial state."""
     with torch.no_grad():
         initial = model.new_cache(len(fresh))
@@ -393,7 +413,20 @@ def _reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tens
                                 for row, reset in enumerate(fresh.tolist())])  # fmt: skip
 
 
-def _new_carried_state(model: SequenceModel, rows: int) -> InferenceCache:
+def carried_values(carried: InferenceCache | None) -> list | None:
+    """Carried states as a resumable save keeps them: nested lists (float32 values are exact through JSON's
+    doubles); None for None."""
+    return None if carried is None else [state.cpu().tolist() for state in carried.step_state()]
+
+
+def restore_carried(carried: InferenceCache | None, values: list | None) -> None:
+    """Put :func:`carried_values`' ``values`` back into ``carried``, in place (nothing where either is None)."""
+    if carried is not None and values is not None:
+        for tensor, state in zip(carried.step_state(), values):
+            tensor.copy_(torch.tensor(state, dtype=tensor.dtype))
+
+
+def new_carried_state(model: SequenceModel, rows: int) -> InferenceCache:
     """The states a state-passing run starts its rows from: the model's own initial ones. A model whose cache grows
     with the context (attention) cannot carry its state: a ValueError."""
     with torch.no_grad():
@@ -437,16 +470,28 @@ def _impurity(model: torch.nn.Module) -> torch.Tensor | float:
     return sum(kept, 0.0)
 
 
-def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
+                soft_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """logits (B, T, V), targets (B, T) (or (N, V), (N,)) -> summed cross-entropy over the real positions, correct
-    argmaxes. With a gradient to take, through :class:`SummedCrossEntropy`."""
+    argmaxes. With a gradient to take, through :class:`SummedCrossEntropy`; there ``soft`` (B, T, V) (or (N, V)), a
+    teacher's distributions, and ``soft_weights`` (B, T) (or (N,)) make each position's loss (1 - w) times its
+    target's cross-entropy plus w times the teacher's (training/distill.py). The loss returned is then that mixture
+    (the one to take the gradient of); :func:`target_loss` reads the targets' own from it."""
     flat_logits, flat_targets = logits.flatten(0, -2), targets.flatten()
     if torch.is_grad_enabled() and logits.requires_grad:
-        loss_sum = SummedCrossEntropy.apply(flat_logits, flat_targets)
+        flat_soft = None if soft is None else soft.flatten(0, -2)
+        flat_weights = None if soft_weights is None else soft_weights.flatten()
+        loss_sum = SummedCrossEntropy.apply(flat_logits, flat_targets, flat_soft, flat_weights)
     else:
         loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
     correct = int(((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum())
     return loss_sum, correct
+
+
+def target_loss(loss_sum: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of the targets alone, detached, from :func:`masked_loss`'s loss (with soft targets,
+    :class:`SummedCrossEntropy` keeps it beside the mixture it returns)."""
+    return getattr(loss_sum, "target_loss", loss_sum).detach()
 
 
 class SummedCrossEntropy(torch.autograd.Function):
@@ -457,10 +502,16 @@ class SummedCrossEntropy(torch.autograd.Function):
     4 windows of 2,048 tokens of a stochastic LRNN (vocabulary 8,192, blocks of 16), one CPU thread, went from
     2.75-2.92 s to 2.21-2.49 s (docs/training.md). The loss of a row is -log of its target's probability, or, where
     that probability is below 1e-30 (float32 would lose it), logsumexp less the target's logit on those rows.
+
+    With ``soft`` (N, V) (a teacher's distributions, each summing to 1) and ``weights`` (N,): row n's loss is (1 -
+    w_n) times its target's plus w_n times the teacher's cross-entropy, logsumexp(logits) - sum_v soft_v logits_v,
+    and its gradient softmax(logits) - (1 - w_n) onehot(target) - w_n soft. The targets' own summed loss is kept
+    on the result as ``target_loss`` (:func:`target_loss`).
     logits (N, V) float, targets (N,) -> () summed loss."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         real = targets != IGNORE_INDEX  # (N,)
         index = targets.clamp(min=0).unsqueeze(1)  # (N, 1)
         gradient = torch.softmax(logits, dim=-1)  # (N, V): becomes the gradient in place
@@ -470,15 +521,24 @@ class SummedCrossEntropy(torch.autograd.Function):
         if len(tiny):
             rows = logits[tiny]
             losses[tiny] = torch.logsumexp(rows, dim=-1) - rows.gather(1, index[tiny]).squeeze(1)
-        gradient.scatter_add_(1, index, torch.full_like(picked, -1.0).unsqueeze(1))
+        target_sum = losses.masked_fill(~real, 0.0).sum()
+        hard = torch.ones_like(picked) if weights is None else 1.0 - weights  # (N,) the targets' share
+        gradient.scatter_add_(1, index, -hard.unsqueeze(1))
+        if soft is not None and weights is not None:
+            gradient.sub_(soft * weights.unsqueeze(1))
+            taught = torch.logsumexp(logits, dim=-1) - (soft * logits).sum(dim=-1)  # (N,) the teacher's cross-entropy
+            losses = hard * losses + weights * taught
         gradient[~real] = 0.0
         ctx.save_for_backward(gradient)
-        return losses.masked_fill(~real, 0.0).sum()
+        total = losses.masked_fill(~real, 0.0).sum()
+        if soft is not None:
+            total.target_loss = target_sum
+        return total
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (gradient,) = ctx.saved_tensors  # scaled in place (a new buffer took back most of the gain): a second
-        return gradient.mul_(grad_output), None  # backward through the graph meets autograd's in-place check
+        return gradient.mul_(grad_output), None, None, None  # backward through the graph meets autograd's check
 
 
 def _evaluate(
@@ -601,7 +661,9 @@ def _save_resume(
     own = {"window": run.window, "numpy": rng.bit_generator.state, "torch": torch.get_rng_state().tolist(),
            "cuda": [state.tolist() for state in torch.cuda.get_rng_state_all()] if dist.device.type == "cuda" else [],
            "data": objective.data_state(),
-           "carried": None if carried is None else [state.cpu().tolist() for state in carried.step_state()]}
+           "carried": carried_values(carried)}
+    if objective.teacher is not None:
+        own["teacher_carried"] = carried_values(objective.teacher.carried)
     processes = [json.loads(text) for text in dist.gather(json.dumps(own))]
     if not dist.is_main:
         return
@@ -720,9 +782,9 @@ def _load_resume(
     if own["cuda"]:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in own["cuda"]])
     objective.load_data_state(own["data"])
-    if carried is not None:  # float32 values are exact through JSON's doubles
-        for tensor, values in zip(carried.step_state(), own["carried"]):
-            tensor.copy_(torch.tensor(values, dtype=tensor.dtype))
+    restore_carried(carried, own["carried"])
+    if objective.teacher is not None:
+        restore_carried(objective.teacher.carried, own.get("teacher_carried"))
     return RunState(**{**state["run"], "window": own["window"]}), best or None
 
 

@@ -167,6 +167,13 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--passkey-fresh", action="store_true",
                       help="with --state-passing: a row given a pass-key example starts it from the model's initial "
                            "state, while text rows carry theirs (no example begins in a state holding an earlier key)")
+    what.add_argument("--teacher", type=Path, metavar="DIR",
+                      help="a trained language model (same tokenizer) whose next-token distributions the text rows "
+                           "learn beside their next tokens (knowledge distillation; with --state-passing it carries "
+                           "its states too); pass-key rows learn their targets alone")
+    what.add_argument("--teacher-weight", type=probability, metavar="W",
+                      help="with --teacher: a text row's loss is (1 - W) times its next token's cross-entropy plus W "
+                           "times the teacher's (default 0.5); the logged loss is the next token's")
     checks = parser.add_argument_group("validation")
     checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
@@ -240,6 +247,11 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     if args.passkey_fresh and not (args.state_passing and args.passkey_fraction):
         raise UsageError("--passkey-fresh needs --state-passing and --passkey-fraction (it starts pass-key rows from "
                          "the initial state instead of their carried one)")
+    if args.teacher_weight is not None and args.teacher is None:
+        raise UsageError("--teacher-weight needs --teacher (the model whose distributions are learned)")
+    teacher_weight = 0.0 if args.teacher is None else 0.5 if args.teacher_weight is None else args.teacher_weight
+    if args.teacher is not None and teacher_weight == 0.0:
+        raise UsageError("--teacher-weight 0 would learn nothing from --teacher: give a weight in (0, 1]")
     settings = settings_from_args(args, args.arch)
     data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
                     length=args.length, validation_fraction=args.validation_fraction,
@@ -247,7 +259,8 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
                     passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
                     passkey_distractors=args.passkey_distractors, passkey_number_forms=args.passkey_number_forms,
                     state_passing=args.state_passing, passkey_span=args.passkey_span, state_reset=args.state_reset,
-                    passkey_fresh=args.passkey_fresh)
+                    passkey_fresh=args.passkey_fresh, teacher=None if args.teacher is None else str(args.teacher),
+                    teacher_weight=teacher_weight)
     return settings, config, lambda settings, dist: LanguageModelObjective(
         data, tokenizer, ranks_file, settings.steps, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
 

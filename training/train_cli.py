@@ -259,8 +259,8 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
         data = dataclass_from_dict(TaskData, fields, where="resume task data")
         return TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
     fields = {"passkey_fraction": 0.0, "state_passing": False, "passkey_distractors": 0, "passkey_span": 1,
-              "state_reset": 0.0, "passkey_number_forms": False, "passkey_fresh": False,
-              **fields}  # runs saved before these options
+              "state_reset": 0.0, "passkey_number_forms": False, "passkey_fresh": False, "teacher": None,
+              "teacher_weight": 0.0, **fields}  # runs saved before these options
     fields.pop("passkey_steps", None)  # saved by 72ac6b1 .. a9c80e3: the schedule follows the run's --steps now
     data = dataclass_from_dict(TextData, fields, where="resume text data")
     tokenizer = load_tokenizer(data.tokenizer, out)  # a ranks file was copied into the run folder

@@ -469,7 +469,7 @@ def carried_after(first: Batch) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = build_model("lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2,
                                            d_ff=16)).train()
-    carried = loop._new_carried_state(model, 4)
+    carried = loop.new_carried_state(model, 4)
     with torch.no_grad():
         model(first.tokens, carried)
     return model, carried
@@ -849,3 +849,57 @@ def test_the_training_loss_and_its_gradient_equal_torchs_cross_entropy() -> None
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # the gradient was scaled in place
         loss.backward()
+
+
+def test_the_distilled_loss_and_its_gradient_are_the_mixture_of_two_cross_entropies() -> None:
+    """``masked_loss`` with a teacher's distributions and per-position weights w: the loss is (1 - w) times the
+    target's cross-entropy plus w times the teacher's, its gradient that of the same mixture written with torch (w 0:
+    the target alone, w 1: the teacher alone), ignored positions give nothing; ``target_loss`` reads the targets'
+    own loss off it, as without a teacher."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 40, generator=generator) * torch.tensor([0.1, 1.0, 8.0]).view(3, 1, 1)
+    targets = torch.randint(0, 40, (3, 5), generator=generator)
+    targets[0, 1] = targets[2, 4] = IGNORE_INDEX
+    soft = torch.softmax(torch.randn(3, 5, 40, generator=generator) * 3, dim=-1)
+    weights = torch.tensor([0.0, 0.3, 1.0]).view(3, 1).expand(3, 5)
+
+    def loss_and_gradient(fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        leaf = logits.clone().requires_grad_()
+        scaled = leaf * 1.5
+        if fused:
+            loss, _ = loop.masked_loss(scaled, targets, soft, weights)
+            target = loop.target_loss(loss)
+        else:
+            real = targets != IGNORE_INDEX
+            log_p = torch.log_softmax(scaled, dim=-1)
+            hard = -log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            taught = -(soft * log_p).sum(-1)
+            loss = (((1 - weights) * hard + weights * taught) * real).sum()
+            target = (hard * real).sum().detach()
+        (loss / 3).backward()
+        return loss.detach(), leaf.grad, target
+
+    loss, gradient, target = loss_and_gradient(True)
+    want_loss, want_gradient, want_target = loss_and_gradient(False)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gradient, want_gradient, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(target, want_target, rtol=1e-5, atol=1e-4)
+    assert not bool(gradient[0, 1].any()) and not bool(gradient[2, 4].any())
+    plain, _ = loop.masked_loss(logits.clone().requires_grad_(), targets)
+    torch.testing.assert_close(loop.target_loss(plain), torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), reduction="sum"), rtol=1e-5, atol=1e-4)
+
+
+def test_with_a_teacher_the_rows_given_a_pass_key_example_are_not_distilled() -> None:
+    """``Batch.distilled``: every text row, no row given a pass-key example (the teacher may answer it wrong); None
+    without a teacher."""
+    objective = text_objective(length=300, passkey_fraction=0.5)
+    assert objective.batch(np.random.default_rng(0), 1).distilled is None
+    objective.teacher = object()  # only whether there is one matters to the batch
+    seen = set()
+    for step in range(1, 6):
+        batch = objective.batch(np.random.default_rng(step), step)
+        examples = (batch.targets == IGNORE_INDEX).any(dim=1)  # a text row scores every position
+        assert torch.equal(batch.distilled, ~examples)
+        seen |= set(batch.distilled.tolist())
+    assert seen == {True, False}

@@ -360,3 +360,52 @@ def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None
     edit_resume_state(out, older)
     assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--resume") == 0
     assert load_checkpoint(out).config.metadata["steps"] == 6
+
+
+def train_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+
+
+def test_a_teacher_teaches_the_text_rows_and_a_run_with_one_resumes_bitwise(tmp_path, corpus, ranks) -> None:
+    """--teacher: a model that is its own teacher (--init-from it, weight 1) takes no gradient from its text rows
+    (softmax less the teacher's distribution: 0), where at weight 0.5 it does; and a state-passing run with a
+    teacher, cut after one step and resumed, ends with the weights of the run never cut (the teacher's carried
+    states are saved with the run's own)."""
+    teacher = tmp_path / "teacher"
+    assert train(teacher, f"text:{corpus}", ranks, "lrnn") == 0
+    norms = {}
+    for weight in ("1", "0.5"):
+        out = tmp_path / f"self-{weight}"
+        assert train(out, f"text:{corpus}", ranks, "lrnn", "--init-from", str(teacher), "--teacher", str(teacher),
+                     "--teacher-weight", weight, "--steps", "1", "--log-every", "1", "--state-passing") == 0
+        norms[weight] = next(r["grad_norm"] for r in train_records(out) if r["event"] == "train")
+    assert norms["1"] < 1e-4 and norms["0.5"] > 1e-2
+    taught = ["--teacher", str(teacher), "--state-passing", "--save-every", "1"]
+    assert train(tmp_path / "whole", f"text:{corpus}", ranks, "lrnn", *taught) == 0
+    assert train(tmp_path / "cut", f"text:{corpus}", ranks, "lrnn", *taught, "--time-budget", "0.001") == 0
+    assert load_checkpoint(tmp_path / "cut").config.metadata["steps"] == 1
+    assert main(["text-train", "--resume", "--out", str(tmp_path / "cut"), "--no-progress"]) == 0
+    whole, cut = (load_checkpoint(tmp_path / name).model.state_dict() for name in ("whole", "cut"))
+    assert all(torch.equal(whole[name], cut[name]) for name in whole)
+    untaught = tmp_path / "untaught"
+    assert train(untaught, f"text:{corpus}", ranks, "lrnn", "--state-passing") == 0
+    plain = load_checkpoint(untaught).model.state_dict()
+    assert not all(torch.equal(whole[name], plain[name]) for name in whole)  # the teacher reached the model
+
+
+def test_a_teacher_that_cannot_teach_the_run_exits_2(tmp_path, corpus, ranks, capsys) -> None:
+    """Refused with what is wrong: --teacher-weight without --teacher or at 0, a folder that holds no checkpoint, a
+    teacher of another tokenizer."""
+    other = tmp_path / "bytes-teacher"
+    assert main(["text-train", "--arch", "lrnn", "--corpus", f"text:{corpus}", "--tokenizer", "bytes", "--out",
+                 str(other), "--length", "16", "--batch-size", "2", "--steps", "1", "--eval-every", "0",
+                 "--no-progress", "--threads", "1", *TINY, *ARCHITECTURES["lrnn"]]) == 0
+    capsys.readouterr()
+    for extra, message in [
+        (["--teacher-weight", "0.5"], "--teacher-weight needs --teacher"),
+        (["--teacher", str(other), "--teacher-weight", "0"], "--teacher-weight 0 would learn nothing"),
+        (["--teacher", str(tmp_path / "nowhere")], f"--teacher {tmp_path / 'nowhere'}: "),
+        (["--teacher", str(other)], "uses another tokenizer (bytes, 256 tokens) than this run (file:tiny.tiktoken, 301)"),
+    ]:
+        assert train(tmp_path / "student", f"text:{corpus}", ranks, "lrnn", *extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
