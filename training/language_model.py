@@ -198,7 +198,7 @@ class LanguageModelObjective(Objective):
             windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
         targets = windows[:, 1:].clone()  # (B, L)
         examples = np.zeros(len(windows), dtype=bool)  # the rows given an in-window pass-key example
-        in_examples = np.zeros(len(windows), dtype=bool)  # ... or a window of one across windows
+        in_examples = np.zeros(len(windows), dtype=bool)  # ... or a window of an example spanning windows
         if self.passkey is not None:
             if self.data.passkey_span > 1 and self.spans is None:
                 self.spans = [None] * self.batch_size
