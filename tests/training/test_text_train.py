@@ -395,7 +395,12 @@ def test_a_teacher_teaches_the_text_rows_and_a_run_with_one_resumes_bitwise(tmp_
 
 def test_a_teacher_that_cannot_teach_the_run_exits_2(tmp_path, corpus, ranks, capsys) -> None:
     """Refused with what is wrong: --teacher-weight without --teacher or at 0, a folder that holds no checkpoint, a
-    teacher of another tokenizer."""
+    teacher of another tokenizer, a transducer, and with --state-passing a teacher whose cache grows."""
+    attention = tmp_path / "attention"
+    assert train(attention, f"text:{corpus}", ranks, "transformer", "--steps", "1", "--eval-every", "0") == 0
+    transducer = tmp_path / "transducer"
+    assert main(["train", "--task", "parity_check", "--arch", "lrnn", "--out", str(transducer), "--steps", "1",
+                 "--eval-every", "0", "--no-progress", "--threads", "1"]) == 0
     other = tmp_path / "bytes-teacher"
     assert main(["text-train", "--arch", "lrnn", "--corpus", f"text:{corpus}", "--tokenizer", "bytes", "--out",
                  str(other), "--length", "16", "--batch-size", "2", "--steps", "1", "--eval-every", "0",
@@ -406,6 +411,8 @@ def test_a_teacher_that_cannot_teach_the_run_exits_2(tmp_path, corpus, ranks, ca
         (["--teacher", str(other), "--teacher-weight", "0"], "--teacher-weight 0 would learn nothing"),
         (["--teacher", str(tmp_path / "nowhere")], f"--teacher {tmp_path / 'nowhere'}: "),
         (["--teacher", str(other)], "uses another tokenizer (bytes, 256 tokens) than this run (file:tiny.tiktoken, 301)"),
+        (["--teacher", str(transducer)], "is a transduce checkpoint, not a language model"),
+        (["--teacher", str(attention), "--state-passing"], "cache grows with the context"),
     ]:
         assert train(tmp_path / "student", f"text:{corpus}", ranks, "lrnn", *extra) == 2, extra
         assert message in capsys.readouterr().err, extra
