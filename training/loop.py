@@ -525,8 +525,11 @@ class SummedCrossEntropy(torch.autograd.Function):
         hard = torch.ones_like(picked) if weights is None else 1.0 - weights  # (N,) the targets' share
         gradient.scatter_add_(1, index, -hard.unsqueeze(1))
         if soft is not None and weights is not None:
-            gradient.sub_(soft * weights.unsqueeze(1))
-            taught = torch.logsumexp(logits, dim=-1) - (soft * logits).sum(dim=-1)  # (N,) the teacher's cross-entropy
+            gradient.addcmul_(soft, weights.unsqueeze(1), value=-1.0)
+            # the teacher's cross-entropy, logsumexp(logits) - sum_v soft_v logits_v, with logsumexp read off the
+            # targets' loss (logsumexp less the target's logit): no more passes or buffers over (N, V)
+            log_total = losses + logits.gather(1, index).squeeze(1)  # (N,)
+            taught = log_total - torch.linalg.vecdot(soft, logits)  # (N,)
             losses = hard * losses + weights * taught
         gradient[~real] = 0.0
         ctx.save_for_backward(gradient)
