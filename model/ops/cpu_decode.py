@@ -925,8 +925,9 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
         of atanh((m - 1) / (m + 1)) to s^11, 2 ** f for f in [-1/2, 1/2] by exp's series to t^8, both in float64,
         then the exponent put into the bits in two halves (each a normal float32: the product rounds once, to a
         subnormal or inf where it must). Subnormal inputs give 0 (right for the norm's p >= 1: their power is below
-        float32's normal range; the divisors' 1/p take sums >= 1), inf gives inf, NaN stays NaN. Within 6e-8 of the
-        float64 power over 1e-30 .. 1e30 (torch's float32 pow: 3.4e-6). 64 rows of 128: 63 us, libm's powf 170 us."""
+        float32's normal range; the divisors' 1/p take sums >= 1), a power past float32's range inf, inf gives inf, NaN
+        stays NaN. Within 6e-8 of the float64 power over 1e-30 .. 1e30 (torch's float32 pow: 3.4e-6). 64 rows of 128:
+        63 us, libm's powf 170 us (dev-intel)."""
         magnitude = abs(value)
         bits = float_bits(magnitude)
         high = np.int32((bits & 0x7FFFFF) > 0x3504F3)  # the mantissa above sqrt(2): halve it, and add 1 to the exponent
@@ -940,12 +941,12 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
         t = (y - n) * 0.6931471805599453  # 2 ** (y - n) = exp(t), |t| <= ln(2) / 2
         e = 1.0 + t * (1.0 + t * (0.5 + t * (1.0 / 6 + t * (1.0 / 24 + t * (1.0 / 120 + t * (1.0 / 720 + t * (
             1.0 / 5040 + t * (1.0 / 40320))))))))
-        whole = np.int32(min(max(n, -160.0), 128.0))
+        whole = np.int32(min(max(n, -160.0), 129.0))  # from 2 ** 129 x e >= 2 ** 128.5 the product is inf
         half = whole >> 1  # 2 ** whole as 2 ** half times 2 ** (whole - half), both in float32's normal range
         result = np.float32(e) * bits_float(np.int32((half + 127) << 23)) * bits_float(
             np.int32((whole - half + 127) << 23))
         normal = np.float32(magnitude >= np.float32(1.17549435e-38))
-        return magnitude if np.isnan(magnitude) else result * normal
+        return result * normal if bits < 0x7F800000 else magnitude  # inf and NaN: themselves (inf ** p is inf)
 
     @jit(inline="always")
     def gelu(values):  # (R, n) in place: exact GELU, as F.gelu (erf above)
@@ -1030,23 +1031,29 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
         scaled = np.empty(size, dtype=np.float32)
         scratch = np.empty((4, size), dtype=np.float32)
         powered = np.empty(0 if stochastic else generated, dtype=np.float32)  # a row's |g(u)| ** p
+        norms = np.empty(0 if stochastic else heads * size, dtype=np.float32)  # a row's max(1, ||column j||_p)
         exponent, inverse = np.float64(p), 1.0 / np.float64(p)
         for r in range(rows):
-            for k in range(powered.shape[0]):  # one contiguous loop: it vectorises
-                powered[k] = power(products[r, k], exponent)
+            if not stochastic:  # the powers and the p-th roots each in one contiguous loop: they vectorise
+                for k in range(generated):
+                    powered[k] = power(products[r, k], exponent)
+                for h in range(heads):  # g(u)'s (H, b, b) blocks, row-major: entry (i, j) at h b^2 + i b + j
+                    for j in range(size):
+                        total = np.float32(0.0)
+                        for i in range(size):
+                            total += powered[h * size * size + i * size + j]
+                        # max(1, total) keeping a NaN, as torch's clamp does (Python's max(1, NaN) is 1)
+                        norms[h * size + j] = np.float32(1.0) if total < np.float32(1.0) else total  # noqa: FURB136
+                for k in range(heads * size):
+                    norms[k] = power(norms[k], inverse)
             for h in range(heads):
-                block = h * size * size  # g(u)'s (H, b, b) blocks, row-major: entry (i, j) at block + i b + j
+                block = h * size * size
                 if stochastic:  # every column becomes its sparsemax; the state entries stay
                     sparsemax_block(products[r, block : block + size * size], size, scratch)
                     scaled[:] = state[r, h]
                 else:
-                    for j in range(size):
-                        total = np.float32(0.0)  # the state entry of column j, divided by max(1, ||column j||_p)
-                        for i in range(size):
-                            total += powered[block + i * size + j]
-                        # max(1, total) keeping a NaN, as torch's clamp does (Python's max(1, NaN) is 1)
-                        total = np.float32(1.0) if total < np.float32(1.0) else total  # noqa: FURB136
-                        scaled[j] = state[r, h, j] / power(total, inverse)
+                    for j in range(size):  # the state entry of column j, divided by max(1, ||column j||_p)
+                        scaled[j] = state[r, h, j] / norms[h * size + j]
                 for i in range(size):
                     total = np.float32(0.0)
                     for j in range(size):

@@ -274,8 +274,10 @@ def test_the_compiled_column_norm_holds_over_float32s_range_and_keeps_nan(layer_
     """The step's |g(u)| ** p and GELU are its own vectorised code, not libm's: g(u) = its bias (the generator's
     weight zero) with columns of zeros, subnormals, and magnitudes from 1e-30 to 1e30 (their ** p near both ends of
     float32's range), each column's divisor then max(1, ||column||_p); the state and the output equal the torch step's
-    (whose pow is within 3.4e-6 of the float64 power at these magnitudes, the kernel's within 6e-8). A NaN in a
-    column makes its divisor NaN, as torch's clamp does: that block's state is NaN, no other."""
+    (whose pow is within 3.4e-6 of the float64 power at these magnitudes, the kernel's within 6e-8). An entry whose
+    power passes float32's range (1e36 for p > 1) makes its column's divisor inf, so that column adds nothing. A NaN
+    in a column makes its divisor NaN, as torch's clamp does: that block's state is NaN. An inf makes it inf: the
+    state entry of the inf's row is inf x 0, NaN, and no other."""
     config = LRNNConfig(vocab_size=10, d_model=8, n_layers=1, num_blocks=4, block_size=4, d_ff=16, p_norm=p)
     model = BlockDiagonalLRNN(config).eval()
     generator = torch.Generator().manual_seed(0)
@@ -285,6 +287,8 @@ def test_the_compiled_column_norm_holds_over_float32s_range_and_keeps_nan(layer_
     bias[:4] = 0.0  # block 0, row 0: and column 0 of block 0 is all zeros below
     bias[[4, 8, 12]] = torch.tensor([1e-40, -1e-39, 0.0])
     bias[16 + 4 * 1 + 2] = float("nan")  # block 1, row 1, column 2
+    bias[32 + 4 * 0 + 1] = 1e36  # block 2, row 0, column 1
+    bias[48 + 4 * 2 + 3] = float("-inf")  # block 3, row 2, column 3
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0, 0.7)
@@ -299,7 +303,8 @@ def test_the_compiled_column_norm_holds_over_float32s_range_and_keeps_nan(layer_
         with cpu_decode.torch_products():
             x_expected, state_expected = block.step(x, state)
     assert layer_calls == [(2, 8)]
-    assert state_out[:, 1].isnan().all() and not state_out[:, [0, 2, 3]].isnan().any()  # the NaN's block, every row
+    assert state_out[:, 1].isnan().all() and state_out[:, 3, 2].isnan().all()  # the NaN's block, the inf's row
+    assert state_out.isnan().sum() == 2 * (4 + 1)
     torch.testing.assert_close(state_out, state_expected, rtol=1e-5, atol=1e-6, equal_nan=True)
     torch.testing.assert_close(x_out.isnan(), x_expected.isnan())
 
