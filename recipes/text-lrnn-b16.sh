@@ -38,10 +38,14 @@
 # starts from the folder of the stage before it, or from INIT=folder), TO=last stage to run (default 8). Weights of
 # stages run so far are kept in recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, -7 (lr 1e-4, 420
 # steps), -7-lr3 (stage 7 as above), -7-long (stage 7 continued from -7-lr3 toward ~7,000 steps in all, 1,288
-# steps so far: docs/text_results.md, "Stage 7 continued") and -8), so the chain goes on from there, e.g.
-#   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-long recipes/text-lrnn-b16.sh --steps 4712
-# (Adam restarts; its state is not kept). That run's own folder, while it lasts, goes on with
+# steps so far: docs/text_results.md, "Stage 7 continued"), -7-taught (stage 7 from stage 5 taught by the shipped
+# text-lrnn, --teacher checkpoints/text-lrnn --teacher-weight 0.5, 1,000 steps: better text and key than -7-lr3 on
+# the same data, "Stage 7 taught by Q") and -8), so the chain goes on from there, e.g.
+#   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-taught recipes/text-lrnn-b16.sh --steps 6000 \
+#       --teacher checkpoints/text-lrnn --teacher-weight 0.5
+# (Adam restarts; its state is not kept). The runs' own folders, while they last, go on with
 #   python -m training text-train --resume --out runs/b16x-7 --threads 2 --no-progress
+#   python -m training text-train --resume --out runs/b16-7d --steps N --threads 2 --no-progress
 # Evaluate with recipes/probe-text.sh (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass
 # --trials 4, and --sizes 1k,8k --trials 4 --distractors 4).
 set -eu
