@@ -1,6 +1,7 @@
 """/v1/transduce: latency and throughput at concurrency 1, 8 and 32, with dynamic batching and with batch-1
 serving; and the HTTP + server overhead over the model call (timed inside the server) for one request of 8
-inputs.
+inputs, beside the round trip of ``GET /health`` through the same kind of client: what any request pays before the
+server does anything for it, so the least overhead a transduce could have.
 
     python -m benchmarks.serve.bench_transduce [--lengths 500,50] [--requests 64] [--threads 1]
 
@@ -10,9 +11,13 @@ Each request carries one random input of the given length (a second table: 8 inp
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import tempfile
+import time
 from pathlib import Path
+
+import httpx
 
 from benchmarks.serve.harness import (
     TRANSDUCERS,
@@ -65,6 +70,22 @@ def overhead(url: str, model_id: str, batch: list[str], repeats: int) -> tuple[f
     return sum(record.e2el for record in records) / repeats, (after[0] - before[0]) / repeats, calls / repeats
 
 
+def health_round_trip(url: str, repeats: int) -> float:
+    """Mean seconds of ``GET /health`` over one connection, one request at a time, as :func:`run_load`'s clients
+    send theirs."""
+
+    async def main() -> float:
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=1)) as client:
+            for _ in range(2):  # warm-up: the connection
+                (await client.get("/health")).raise_for_status()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                (await client.get("/health")).raise_for_status()
+            return (time.perf_counter() - start) / repeats
+
+    return asyncio.run(main())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="500,50")
@@ -87,6 +108,7 @@ def main() -> None:
                     )[-1]
             batch = inputs(8, lengths[0], seed=99)
             overheads = {model_id: overhead(url, model_id, batch, args.repeats) for model_id in TRANSDUCERS}
+            floor = health_round_trip(url, args.repeats)
         with server_process(models, args.threads, args.device, **BATCH_1) as url:
             for model_id in TRANSDUCERS:
                 for length in lengths:
@@ -97,12 +119,13 @@ def main() -> None:
         for (model_id, length), gain in gains.items():
             print(f"| {model_id} | {length} | {gain:.2f}x |")
         print(f"\nOne request of 8 inputs of T={lengths[0]}, concurrency 1, mean of {args.repeats}:\n")
-        print("| model | model calls in the server (ms) | calls | HTTP E2EL (ms) | HTTP + server overhead |")
-        print("|---|---:|---:|---:|---:|")
+        print("| model | model calls in the server (ms) | calls | HTTP E2EL (ms) | HTTP + server overhead "
+              "| GET /health (ms) | its share of the model calls |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for model_id, (e2el, model_s, calls) in overheads.items():
             print(
                 f"| {model_id} | {1e3 * model_s:.1f} | {calls:.0f} | {1e3 * e2el:.1f} "
-                f"| {100 * (e2el - model_s) / model_s:.1f}% |"
+                f"| {100 * (e2el - model_s) / model_s:.1f}% | {1e3 * floor:.2f} | {100 * floor / model_s:.1f}% |"
             )
 
 
