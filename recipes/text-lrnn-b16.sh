@@ -41,7 +41,8 @@
 # steps so far: docs/text_results.md, "Stage 7 continued"), -7-taught (stage 7 from stage 5 taught by the shipped
 # text-lrnn, --teacher checkpoints/text-lrnn --teacher-weight 0.5, 1,000 steps: better text and key than -7-lr3 on
 # the same data, "Stage 7 taught by Q"), -7-taught-w1 (220 steps more from it at --teacher-weight 1.0: its perplexity
-# falls with context, 0.950 from 128 to 2,048 tokens, worse at 128) and -8), so the chain goes on from there, e.g.
+# falls more with context, 0.950 from 128 to 2,048 tokens (0.971 at step 300), worse at 128) and -8), so the chain
+# goes on from there, e.g.
 #   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-taught recipes/text-lrnn-b16.sh --steps 6000 \
 #       --teacher checkpoints/text-lrnn --teacher-weight 0.5
 # (Adam restarts; its state is not kept). The runs' own folders, while they last, go on with
