@@ -24,7 +24,7 @@
 #      every context, still flat with it; a second run at 1e-4 was stopped at 420 steps
 #      (recipes/stages/text-lrnn-b16-7);
 #   8. windows of 512 (batch 8), the same mix, lr 3e-4 cosine, 1,000 steps (as text-lrnn's stage 10): keys back
-#      (85 of 120), text flat with context (docs/text_results.md, "Stages 7 and 8 on the CPU").
+#      (85 of 120), text flat with context (docs/log/text-results-2026-11.md, "Stages 7 and 8 on the CPU").
 #
 # Wall times of stages 1-6 on the 2-core development CPU, one thread beside another job (2026-11-28/29): ~3,000 s,
 # ~3,500 s, 2,469 s, 1,586 s, 1,285 s, and 1,800 + 1,907 + 1,140 s. Stages 1-4 run again on 2026-11-29 with this
@@ -38,7 +38,7 @@
 # starts from the folder of the stage before it, or from INIT=folder), TO=last stage to run (default 8). Weights of
 # stages run so far are kept in recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, -7 (lr 1e-4, 420
 # steps), -7-lr3 (stage 7 as above), -7-long (stage 7 continued from -7-lr3 toward ~7,000 steps in all, 1,288
-# steps so far: docs/text_results.md, "Stage 7 continued"), -7-taught (stage 7 from stage 5 taught by the shipped
+# steps so far: docs/log/text-results-2026-11.md, "Stage 7 continued"), -7-taught (stage 7 from stage 5 taught by the shipped
 # text-lrnn, --teacher checkpoints/text-lrnn --teacher-weight 0.5, 1,000 steps: better text and key than -7-lr3 on
 # the same data, "Stage 7 taught by Q"), -7-taught-w1 (220 steps more from it at --teacher-weight 1.0: its perplexity
 # falls more with context, 0.950 from 128 to 2,048 tokens (0.971 at step 300), worse at 128) and -8), so the chain
