@@ -13,6 +13,11 @@ from the most recent position back to the earliest and divided by the total, ave
 curve at position p is the share of the gradient that falls on positions p..T-1: a model that uses only a
 local window rises to 1 within that window of the end.
 
+**Where the gain with context comes from.** A falling perplexity can mean that a model recalls what it read
+long ago, or only that it predicts badly from a short context. So the targets are split in two: those whose token
+occurs in the longest window but not in the 1x window (what an exact recall of the far context could give), and
+the others; for each part, the mean NLL at 1x and at the longest length.
+
 The report (``eval.json`` in text-eval's ``--out``, a list of these):
 
 .. code-block:: text
@@ -23,6 +28,9 @@ The report (``eval.json`` in text-eval's ``--out``, a list of these):
      "ratio_16x": float | null,        # perplexity at the longest multiple / at 1x
      "log_ratio_stderr": float | null, # standard error of log(ratio_16x): of the mean paired NLL difference
      "receptive_field": {"length": int, "windows": int, "cumulative": [float, ...]} | null,
+     "context_gain": {"near": int, "far": int,       # the 1x and the longest length; null without both
+                      "seen_only_far": {"targets": int, "nll_near": float, "nll_far": float},
+                      "other": {"targets": int, "nll_near": float, "nll_far": float}} | null,
      "wall_time_s": float}
 """
 
@@ -68,6 +76,28 @@ def last_token_nll(
         logits = model.final_logits(torch.from_numpy(windows).to(model.device))  # (b, V)
         losses.append(F.cross_entropy(logits.float(), targets, reduction="none").cpu().numpy())
     return np.concatenate(losses)
+
+
+def seen_only_far(documents: list[np.ndarray], positions: list[tuple[int, int]], near: int, far: int) -> np.ndarray:
+    """Whether each target's token occurs among the ``far`` tokens before it but not among the last ``near``."""
+    flags = []
+    for doc, position in positions:
+        tokens, target = documents[doc], documents[doc][position]
+        flags.append(bool((tokens[position - far:position - near] == target).any()
+                          and not (tokens[position - near:position] == target).any()))
+    return np.array(flags, dtype=bool)
+
+
+def context_gain(documents: list[np.ndarray], positions: list[tuple[int, int]], near: int, far: int,
+                 nll_near: np.ndarray, nll_far: np.ndarray) -> dict[str, Any]:
+    """The report's ``context_gain`` (module docstring) from the per-target NLLs at the two lengths."""
+    far_only = seen_only_far(documents, positions, near, far)
+    report: dict[str, Any] = {"near": near, "far": far}
+    for name, part in (("seen_only_far", far_only), ("other", ~far_only)):
+        report[name] = {"targets": int(part.sum()),
+                        "nll_near": float(nll_near[part].mean()) if part.any() else None,
+                        "nll_far": float(nll_far[part].mean()) if part.any() else None}
+    return report
 
 
 def receptive_field(
@@ -126,6 +156,10 @@ def evaluate_text_checkpoint(
             cumulative = receptive_field(model, documents, field_positions, field_length)
         field = {"length": field_length, "windows": receptive_windows, "cumulative": cumulative}
     first = next((index for index, row in enumerate(rows) if row["multiple"] == 1), None)
+    gain = None
+    if first is not None and rows[-1]["length"] > rows[first]["length"]:
+        gain = context_gain(documents, positions, rows[first]["length"], rows[-1]["length"], per_target[first],
+                            per_target[-1])
     return {
         "checkpoint": str(loaded.path),
         "architecture": describe_architecture(loaded),
@@ -136,6 +170,7 @@ def evaluate_text_checkpoint(
         "ratio_16x": None if first is None else rows[-1]["perplexity"] / rows[first]["perplexity"],
         "log_ratio_stderr": None if first is None else _stderr(per_target[-1] - per_target[first]),
         "receptive_field": field,
+        "context_gain": gain,
         "wall_time_s": round(time.perf_counter() - started, 3),
     }
 
@@ -165,4 +200,13 @@ def format_text_table(reports: list[dict[str, Any]]) -> str:
     ratios = ["-" if report["ratio_16x"] is None else f"{report['ratio_16x']:.3f} ± {report['ratio_16x'] * report['log_ratio_stderr']:.3f}"
               for report in reports]
     lines.append("| longest / 1x | " + " | ".join(ratios) + " |")
+    for part, label in (("seen_only_far", "token seen only beyond 1x"), ("other", "other tokens")):
+        cells = []
+        for report in reports:
+            gain = report["context_gain"]
+            if gain is None or gain[part]["targets"] == 0:
+                cells.append("-")
+            else:
+                cells.append(f"{gain[part]['nll_near'] - gain[part]['nll_far']:+.3f} ({gain[part]['targets']})")
+        lines.append(f"| NLL gain, {label} (targets) | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -213,13 +213,20 @@ def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks) -> None:
     assert len(reports) == 2 and reports[0]["perplexity"] == reports[1]["perplexity"]
     report = reports[0]
     assert set(report) == {"checkpoint", "architecture", "train_length", "corpus", "targets", "perplexity",
-                           "ratio_16x", "log_ratio_stderr", "receptive_field", "wall_time_s"}
+                           "ratio_16x", "log_ratio_stderr", "receptive_field", "context_gain", "wall_time_s"}
     assert report["architecture"] == "regulargpt C=4 K=2" and report["train_length"] == 16
     assert [row["length"] for row in report["perplexity"]] == [16, 32, 64]
     for row in report["perplexity"]:
         assert set(row) == {"length", "multiple", "perplexity", "nll", "nll_stderr"}
         assert math.isclose(row["perplexity"], math.exp(row["nll"])) and 1 < row["perplexity"] < 302
     assert math.isclose(report["ratio_16x"], report["perplexity"][-1]["perplexity"] / report["perplexity"][0]["perplexity"])
+    gain = report["context_gain"]  # the two parts together are every target, their NLLs the rows' means
+    assert gain["near"] == 16 and gain["far"] == 64
+    parts = [gain["seen_only_far"], gain["other"]]
+    assert sum(part["targets"] for part in parts) == 10
+    for key, row in (("nll_near", report["perplexity"][0]), ("nll_far", report["perplexity"][-1])):
+        total = sum(part[key] * part["targets"] for part in parts if part["targets"])
+        assert math.isclose(total / 10, row["nll"], rel_tol=1e-5)
     field = report["receptive_field"]
     assert field["length"] == 32 and field["windows"] == 3 and len(field["cumulative"]) == 32
     assert math.isclose(field["cumulative"][0], 1.0, rel_tol=1e-5)
@@ -416,3 +423,16 @@ def test_a_teacher_that_cannot_teach_the_run_exits_2(tmp_path, corpus, ranks, ca
     ]:
         assert train(tmp_path / "student", f"text:{corpus}", ranks, "lrnn", *extra) == 2, extra
         assert message in capsys.readouterr().err, extra
+
+
+def test_seen_only_far_asks_for_the_token_in_the_far_part_and_not_in_the_near_one() -> None:
+    from training.text_eval import seen_only_far
+
+    tokens = np.array([7, 1, 2, 3, 7, 4, 5, 6, 7, 8])
+    #                  0  1  2  3  4  5  6  7  8  9   targets at 8 (token 7) and 9 (token 8)
+    documents = [tokens]
+    assert seen_only_far(documents, [(0, 8)], near=3, far=8).tolist() == [True]  # 7 at 0 and 4, not in 5..7
+    assert seen_only_far(documents, [(0, 8)], near=4, far=8).tolist() == [False]  # 7 at 4 is near
+    assert seen_only_far(documents, [(0, 8)], near=3, far=4).tolist() == [True]  # far part 4..4
+    assert seen_only_far(documents, [(0, 8)], near=3, far=3).tolist() == [False]  # no far part
+    assert seen_only_far(documents, [(0, 9)], near=2, far=9).tolist() == [False]  # 8 never before
