@@ -13,6 +13,10 @@ from the most recent position back to the earliest and divided by the total, ave
 curve at position p is the share of the gradient that falls on positions p..T-1: a model that uses only a
 local window rises to 1 within that window of the end.
 
+**Models side by side.** With more than one checkpoint, the table's last row gives each model's NLL at the longest
+length minus the first model's, on the same targets, with the standard error of the paired differences: per-target
+NLLs of two models differ far more than their means, so a difference of means alone says little.
+
 **Where the gain with context comes from.** A falling perplexity can mean that a model recalls what it read
 long ago, or only that it predicts badly from a short context. So the targets are split in two: those whose token
 occurs in the longest window but not in the 1x window (what an exact recall of the far context could give), and
@@ -23,8 +27,10 @@ The report (``eval.json`` in text-eval's ``--out``, a list of these):
 .. code-block:: text
 
     {"checkpoint": str, "architecture": str, "train_length": int, "corpus": str, "targets": int,
+     "target_digest": str,             # SHA-256 of the targets' places and tokens: equal digests, the same targets
      "perplexity": [{"length": int, "multiple": float, "perplexity": float, "nll": float,
-                     "nll_stderr": float}, ...],   # nll: mean over the targets; nll_stderr: its standard error
+                     "nll_stderr": float,          # nll: mean over the targets; nll_stderr: its standard error
+                     "nll_per_target": [float, ...]}, ...],  # the same targets at every length and in every report
      "ratio_16x": float | null,        # perplexity at the longest multiple / at 1x
      "log_ratio_stderr": float | null, # standard error of log(ratio_16x): of the mean paired NLL difference
      "receptive_field": {"length": int, "windows": int, "cumulative": [float, ...]} | null,
@@ -36,6 +42,7 @@ The report (``eval.json`` in text-eval's ``--out``, a list of these):
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from typing import Any
@@ -76,6 +83,12 @@ def last_token_nll(
         logits = model.final_logits(torch.from_numpy(windows).to(model.device))  # (b, V)
         losses.append(F.cross_entropy(logits.float(), targets, reduction="none").cpu().numpy())
     return np.concatenate(losses)
+
+
+def target_digest(documents: list[np.ndarray], positions: list[tuple[int, int]]) -> str:
+    """SHA-256 of the targets' (document, position, token) triples."""
+    triples = np.array([(doc, position, int(documents[doc][position])) for doc, position in positions], dtype=np.int64)
+    return hashlib.sha256(triples.tobytes()).hexdigest()
 
 
 def seen_only_far(documents: list[np.ndarray], positions: list[tuple[int, int]], near: int, far: int) -> np.ndarray:
@@ -146,7 +159,7 @@ def evaluate_text_checkpoint(
         per_target.append(losses)
         nll = float(losses.mean())
         rows.append({"length": length, "multiple": multiple, "perplexity": math.exp(nll), "nll": nll,
-                     "nll_stderr": _stderr(losses)})
+                     "nll_stderr": _stderr(losses), "nll_per_target": losses.tolist()})
         bar.set_postfix(length=length, ppl=f"{math.exp(nll):.2f}")
     field = None
     if receptive_windows:
@@ -166,6 +179,7 @@ def evaluate_text_checkpoint(
         "train_length": train_length,
         "corpus": corpus,
         "targets": targets,
+        "target_digest": target_digest(documents, positions),
         "perplexity": rows,
         "ratio_16x": None if first is None else rows[-1]["perplexity"] / rows[first]["perplexity"],
         "log_ratio_stderr": None if first is None else _stderr(per_target[-1] - per_target[first]),
@@ -209,4 +223,14 @@ def format_text_table(reports: list[dict[str, Any]]) -> str:
             else:
                 cells.append(f"{gain[part]['nll_near'] - gain[part]['nll_far']:+.3f} ({gain[part]['targets']})")
         lines.append(f"| NLL gain, {label} (targets) | " + " | ".join(cells) + " |")
+    if len(reports) > 1:
+        first = np.array(reports[0]["perplexity"][-1]["nll_per_target"])
+        cells = ["-"]
+        for report in reports[1:]:
+            if report["target_digest"] != reports[0]["target_digest"]:  # another tokenizer or corpus: other targets
+                cells.append("other targets")
+                continue
+            difference = np.array(report["perplexity"][-1]["nll_per_target"]) - first
+            cells.append(f"{difference.mean():+.3f} ± {_stderr(difference):.3f}")
+        lines.append("| longest: NLL - the first's (paired) | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -200,24 +200,27 @@ def test_the_progress_bar_counts_to_the_time_budget_when_it_ends_first_and_shows
     assert f" {steps}/{steps} [" in last and "tokens/s=" in last, last
 
 
-def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks) -> None:
+def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks, capsys) -> None:
     out = tmp_path / "model"
     assert train(out, f"text:{corpus}", ranks, "regulargpt") == 0
     folder = tmp_path / "eval"
     assert main(["text-eval", "--checkpoint", str(out), "--checkpoint", str(out), "--multiples", "1,2,4",
                  "--targets", "10", "--receptive-field", "3", "--receptive-multiple", "2", "--out", str(folder),
                  "--plots", "--threads", "1"]) == 0
+    assert "| longest: NLL - the first's (paired) | - | +0.000 ± 0.000 |" in capsys.readouterr().out
     assert sorted(path.name for path in folder.iterdir()) == ["eval.json", "perplexity.png", "receptive_field.png"]
     report_path, plot, field_plot = folder / "eval.json", folder / "perplexity.png", folder / "receptive_field.png"
     reports = json.loads(report_path.read_text())
     assert len(reports) == 2 and reports[0]["perplexity"] == reports[1]["perplexity"]
     report = reports[0]
-    assert set(report) == {"checkpoint", "architecture", "train_length", "corpus", "targets", "perplexity",
-                           "ratio_16x", "log_ratio_stderr", "receptive_field", "context_gain", "wall_time_s"}
+    assert set(report) == {"checkpoint", "architecture", "train_length", "corpus", "targets", "target_digest",
+                           "perplexity", "ratio_16x", "log_ratio_stderr", "receptive_field", "context_gain", "wall_time_s"}
     assert report["architecture"] == "regulargpt C=4 K=2" and report["train_length"] == 16
     assert [row["length"] for row in report["perplexity"]] == [16, 32, 64]
     for row in report["perplexity"]:
-        assert set(row) == {"length", "multiple", "perplexity", "nll", "nll_stderr"}
+        assert set(row) == {"length", "multiple", "perplexity", "nll", "nll_stderr", "nll_per_target"}
+        assert len(row["nll_per_target"]) == 10
+        assert math.isclose(np.mean(row["nll_per_target"]), row["nll"], rel_tol=1e-6)
         assert math.isclose(row["perplexity"], math.exp(row["nll"])) and 1 < row["perplexity"] < 302
     assert math.isclose(report["ratio_16x"], report["perplexity"][-1]["perplexity"] / report["perplexity"][0]["perplexity"])
     gain = report["context_gain"]  # the two parts together are every target, their NLLs the rows' means
@@ -436,3 +439,18 @@ def test_seen_only_far_asks_for_the_token_in_the_far_part_and_not_in_the_near_on
     assert seen_only_far(documents, [(0, 8)], near=3, far=4).tolist() == [True]  # far part 4..4
     assert seen_only_far(documents, [(0, 8)], near=3, far=3).tolist() == [False]  # no far part
     assert seen_only_far(documents, [(0, 9)], near=2, far=9).tolist() == [False]  # 8 never before
+
+
+def test_the_paired_row_compares_only_reports_on_the_same_targets() -> None:
+    from training.text_eval import format_text_table
+
+    def report(name: str, digest: str, nlls: list[float]) -> dict:
+        rows = [{"length": 8, "multiple": 1, "perplexity": math.exp(np.mean(nlls)), "nll": float(np.mean(nlls)),
+                 "nll_stderr": 0.0, "nll_per_target": nlls}]
+        return {"checkpoint": name, "architecture": "lrnn", "perplexity": rows, "ratio_16x": None,
+                "log_ratio_stderr": None, "context_gain": None, "target_digest": digest}
+
+    table = format_text_table([report("a", "x", [1.0, 2.0, 3.0]), report("b", "x", [1.5, 2.0, 3.5]),
+                               report("c", "y", [0.0, 0.0, 0.0])])
+    paired = table.splitlines()[-1]
+    assert paired == "| longest: NLL - the first's (paired) | - | +0.333 ± 0.167 | other targets |", paired
