@@ -38,17 +38,18 @@
 # starts from the folder of the stage before it, or from INIT=folder), TO=last stage to run (default 8). Weights of
 # stages run so far are kept in recipes/stages/ (runs/ does not outlive a machine: text-lrnn-b16-4, -7 (lr 1e-4, 420
 # steps), -7-lr3 (stage 7 as above), -7-long (stage 7 continued from -7-lr3 toward ~7,000 steps in all, 1,288
-# steps so far: docs/log/text-results-2026-11.md, "Stage 7 continued"), -7-taught (stage 7 from stage 5 taught by the shipped
-# text-lrnn, --teacher checkpoints/text-lrnn --teacher-weight 0.5, 1,000 steps: better text and key than -7-lr3 on
-# the same data, "Stage 7 taught by Q"), -8 and -8-taught (stage 8 from -7-taught, taught at --teacher-weight 1.0,
-# lr 3e-4 constant, batch 16, 758 steps: the most keys of any model with text this good, its perplexity at 2,048
-# tokens Q's, its fall with context smaller; "Taught at weight 1" in the same log; the run was
+# steps so far: docs/log/text-results-2026-11.md, "Stage 7 continued"), -7-taught (stage 7 from stage 5 taught by
+# the shipped text-lrnn, --teacher checkpoints/text-lrnn --teacher-weight 0.5, 1,000 steps: better text and key than
+# -7-lr3 on the same data, "Stage 7 taught by Q"), -8 and -8-taught (stage 8 from -7-taught, taught at
+# --teacher-weight 1.0, lr 3e-4 constant, batch 16, 758 steps: the most keys of any model with text this good,
+# its perplexity at 2,048 tokens Q's, its fall with context smaller; "Taught at weight 1" in the same log; the run was
 #   FROM=8 TO=8 INIT=recipes/stages/text-lrnn-b16-7-taught recipes/text-lrnn-b16.sh --batch-size 16 \
 #       --schedule constant --warmup-steps 20 --steps 758 --teacher checkpoints/text-lrnn --teacher-weight 1.0
 # but for --eval-every 200 and --steps 1200 stopped at 758), so the chain goes on from there, e.g.
 #   FROM=7 TO=7 INIT=recipes/stages/text-lrnn-b16-7-taught recipes/text-lrnn-b16.sh --steps 6000 \
 #       --teacher checkpoints/text-lrnn --teacher-weight 0.5
-# (Adam restarts; its state is not kept). The runs' own folders, while they last, go on with
+# (Adam restarts; its state is not kept); recipes/text-lrnn-b16-taught.sh runs stages 7 and 8 taught at the scale
+# of text-lrnn's stage 9, on a GPU, in resumable calls. The runs' own folders, while they last, go on with
 #   python -m training text-train --resume --out runs/b16x-7 --threads 2 --no-progress
 #   python -m training text-train --resume --out runs/b16-7d --steps N --threads 2 --no-progress
 # Evaluate with recipes/probe-text.sh (the probes of docs/text_results.md: --sizes 1k,8k,64k --filler austen,grass

@@ -1,0 +1,57 @@
+#!/bin/sh
+# Stages 7 and 8 of the blocks-of-16 lineage (recipes/text-lrnn-b16.sh) taught by the shipped text-lrnn, at the
+# scale after which text-lrnn's own perplexity fell with context: ~7,000 steps of 2,048-token windows, then the
+# 512-token stage that gave recipes/stages/text-lrnn-b16-8-taught its keys (docs/text_results.md, "Training for the
+# pass key: where it stands"). A GPU job (~10 minutes on an H100; ~20 hours on two CPU threads), cut into calls of
+# at most BUDGET seconds of training, as the device tool's 10-minute commands need: each call goes on from where the
+# last one stopped (`text-train --resume`), from stage 7 to stage 8, and prints "done" when both have ended. Carry
+# $OUT-7 and $OUT-8 from call to call (the device tool's `carry`; write them under $OUT to bring them back).
+#
+#   DEVICE=cuda OUT=runs/b16t recipes/text-lrnn-b16-taught.sh          # again until it prints "done"
+#
+# INIT=stage 7's start (default recipes/stages/text-lrnn-b16-7-taught), TEACHER=the teacher (checkpoints/text-lrnn),
+# WEIGHT7=stage 7's --teacher-weight (1.0), STEPS7 (7000), STEPS8 (758), BUDGET=seconds of training per call (540),
+# PYTHON. More train flags go to both stages (last, so they win). Evaluate with recipes/probe-text.sh.
+set -eu
+OUT=${OUT:-runs/text-lrnn-b16-taught}
+INIT=${INIT:-recipes/stages/text-lrnn-b16-7-taught}
+TEACHER=${TEACHER:-checkpoints/text-lrnn}
+WEIGHT7=${WEIGHT7:-1.0}
+STEPS7=${STEPS7:-7000}
+STEPS8=${STEPS8:-758}
+BUDGET=${BUDGET:-540}
+DEVICE=${DEVICE:-auto}
+PYTHON=${PYTHON:-python}
+export PYTHON DEVICE OUT
+started=$(date +%s)
+
+ended() {  # the run in folder $1 reached its --steps
+    grep -q '"stopped": "steps"' "$1/train.jsonl" 2>/dev/null
+}
+
+stage() {  # stage N INIT STEPS FLAGS...: this call's share of stage N; 0: it has ended, 1: it goes on, 2: it failed
+    n=$1 init=$2 steps=$3
+    shift 3
+    folder="$OUT-$n"
+    ended "$folder" && return 0
+    left=$((BUDGET - $(date +%s) + started))
+    [ "$left" -ge 60 ] || { echo "stage $n goes on in the next call" >&2; return 1; }
+    if [ -f "$folder/resume.safetensors" ]; then
+        "$PYTHON" -m training text-train --resume --out "$folder" --time-budget "$left" --device "$DEVICE" \
+            --no-progress || return 2
+    else
+        FROM=$n TO=$n INIT=$init recipes/text-lrnn-b16.sh --steps "$steps" --teacher "$TEACHER" \
+            --time-budget "$left" "$@" || return 2
+    fi
+    ended "$folder" || { echo "stage $n goes on in the next call" >&2; return 1; }
+}
+
+after() {  # after a stage that has not ended: status 1 (it goes on) ends this call with 0, status 2 with 2
+    [ "$1" -eq 1 ] && exit 0
+    exit 2
+}
+
+stage 7 "$INIT" "$STEPS7" --teacher-weight "$WEIGHT7" --eval-every 1000 --save-every 100 "$@" || after $?
+stage 8 "$OUT-7" "$STEPS8" --teacher-weight 1.0 --batch-size 16 --schedule constant --warmup-steps 20 \
+    --eval-every 200 --device "$DEVICE" "$@" || after $?
+echo done
