@@ -4,10 +4,11 @@
 # 512-token stage that gave recipes/stages/text-lrnn-b16-8-taught its keys (docs/text_results.md, "Training for the
 # pass key: where it stands"). A GPU job (~10 minutes on an H100; ~20 hours on two CPU threads), cut into calls of
 # at most BUDGET seconds of training, as the device tool's 10-minute commands need: each call goes on from where the
-# last one stopped (`text-train --resume`), from stage 7 to stage 8, and prints "done" when both have ended. Carry
-# $OUT-7 and $OUT-8 from call to call (the device tool's `carry`; write them under $OUT to bring them back).
+# last one stopped (`text-train --resume`), from stage 7 to stage 8, and prints "done" when both have ended.
+# On the device machine, whose own $OUT is the folder that comes back, give OUT= on the command line, copy the
+# stages' folders into the device's $OUT after each call, and carry them to the next (the device tool's `carry`):
 #
-#   DEVICE=cuda OUT=runs/b16t recipes/text-lrnn-b16-taught.sh          # again until it prints "done"
+#   DEVICE=cuda OUT=runs/b16t recipes/text-lrnn-b16-taught.sh; cp -r runs/b16t-* "$OUT"/  # until it prints "done"
 #
 # INIT=stage 7's start (default recipes/stages/text-lrnn-b16-7-taught), TEACHER=the teacher (checkpoints/text-lrnn),
 # WEIGHT7=stage 7's --teacher-weight (1.0), STEPS7 (7000), STEPS8 (758), BUDGET=seconds of training per call (540),
