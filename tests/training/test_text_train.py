@@ -214,7 +214,8 @@ def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks, capsys) -> N
     assert len(reports) == 2 and reports[0]["perplexity"] == reports[1]["perplexity"]
     report = reports[0]
     assert set(report) == {"checkpoint", "architecture", "train_length", "corpus", "targets", "target_digest",
-                           "perplexity", "ratio_16x", "log_ratio_stderr", "receptive_field", "context_gain", "wall_time_s"}
+                           "perplexity", "ratio_16x", "log_ratio_stderr", "receptive_field", "context_gain",
+                           "wall_time_s"}
     assert report["architecture"] == "regulargpt C=4 K=2" and report["train_length"] == 16
     assert [row["length"] for row in report["perplexity"]] == [16, 32, 64]
     for row in report["perplexity"]:
