@@ -12,7 +12,8 @@
 #
 # INIT=stage 7's start (default recipes/stages/text-lrnn-b16-7-taught), TEACHER=the teacher (checkpoints/text-lrnn),
 # WEIGHT7=stage 7's --teacher-weight (1.0), STEPS7 (7000), STEPS8 (758), BUDGET=seconds of training per call (540),
-# PYTHON. More train flags go to both stages (last, so they win). Evaluate with recipes/probe-text.sh.
+# PYTHON. More train flags go to both stages when they start (last, so they win); a stage resumed in a later call
+# keeps the flags it started with. Evaluate with recipes/probe-text.sh.
 set -eu
 OUT=${OUT:-runs/text-lrnn-b16-taught}
 INIT=${INIT:-recipes/stages/text-lrnn-b16-7-taught}
