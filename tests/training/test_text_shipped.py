@@ -21,7 +21,10 @@ def test_shipped_text_checkpoint(folder: Path) -> None:
     served = load_served_model(folder, "cpu")
     assert served.kind == "generate" and served.config.tokenizer == "file:tokenizer.tiktoken"
     assert served.config.model.vocab_size == served.tokenizer.vocab_size
-    assert served.config.metadata["train_length"] > 0 and served.config.metadata["stopped"] in ("steps", "time")
+    metadata = served.config.metadata
+    assert metadata["train_length"] > 0 and metadata["steps"] > 0
+    # a run's own end, or weights `python -m training export` took from a run (which say where from)
+    assert metadata["stopped"] in ("steps", "time", "signal") or metadata.get("exported", {}).get("from")
     assert sum(file.stat().st_size for file in folder.iterdir()) < 16 * 2**20  # a few MB
     text = "It is a truth universally acknowledged, that a single man — naïve 👋"
     tokens = served.tokenizer.encode(text)
