@@ -28,7 +28,7 @@
 #      step 758, whose weights `python -m training export` wrote; they are checkpoints/text-lrnn].
 #
 # Wall times on the 2-core development CPU, one thread beside another job unless said (2026-11-29/30): stages 1-4
-# 2,452 s, 3,181 s, 1,435 s and 744 s; stage 5 663 s on two threads; stage 7 taught ~4 h on two threads; stage 8
+# 2,452 s, 3,181 s, 1,435 s and 744 s; stage 5 663 s on two threads; stage 7 taught 12,060 s on two threads; stage 8
 # taught 3,714 s on one thread. Weights kept in recipes/stages/ (runs/ does not outlive a machine): text-lrnn-b16-4,
 # -7-taught, and the runs beside the shipped chain: -7 (stage 7 untaught, lr 1e-4, 420 steps), -7-lr3 (stage 7
 # untaught), -7-long (that continued toward ~7,000 steps, 1,288 so far: "Stage 7 continued" in the log), -8
