@@ -24,7 +24,7 @@ STEPS8=${STEPS8:-758}
 BUDGET=${BUDGET:-540}
 DEVICE=${DEVICE:-auto}
 PYTHON=${PYTHON:-python}
-export PYTHON DEVICE OUT
+export PYTHON DEVICE OUT TEACHER
 started=$(date +%s)
 
 ended() {  # the run in folder $1 reached its --steps
@@ -42,8 +42,7 @@ stage() {  # stage N INIT STEPS FLAGS...: this call's share of stage N; 0: it ha
         "$PYTHON" -m training text-train --resume --out "$folder" --time-budget "$left" --device "$DEVICE" \
             --no-progress || return 2
     else
-        FROM=$n TO=$n INIT=$init recipes/text-lrnn.sh --steps "$steps" --teacher "$TEACHER" \
-            --time-budget "$left" "$@" || return 2
+        FROM=$n TO=$n INIT=$init recipes/text-lrnn.sh --steps "$steps" --time-budget "$left" "$@" || return 2
     fi
     ended "$folder" || { echo "stage $n goes on in the next call" >&2; return 1; }
 }
@@ -54,6 +53,5 @@ after() {  # after a stage that has not ended: status 1 (it goes on) ends this c
 }
 
 stage 7 "$INIT" "$STEPS7" --teacher-weight "$WEIGHT7" --eval-every 1000 --save-every 100 "$@" || after $?
-stage 8 "$OUT-7" "$STEPS8" --teacher-weight 1.0 --batch-size 16 --schedule constant --warmup-steps 20 \
-    --eval-every 200 --device "$DEVICE" "$@" || after $?
+stage 8 "$OUT-7" "$STEPS8" --device "$DEVICE" "$@" || after $?  # recipes/text-lrnn.sh's stage 8, on DEVICE
 echo done

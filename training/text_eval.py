@@ -35,8 +35,8 @@ The report (``eval.json`` in text-eval's ``--out``, a list of these):
      "log_ratio_stderr": float | null, # standard error of log(ratio_16x): of the mean paired NLL difference
      "receptive_field": {"length": int, "windows": int, "cumulative": [float, ...]} | null,
      "context_gain": {"near": int, "far": int,       # the 1x and the longest length; null without both
-                      "seen_only_far": {"targets": int, "nll_near": float, "nll_far": float},
-                      "other": {"targets": int, "nll_near": float, "nll_far": float}} | null,
+                      "seen_only_far": {"targets": int, "nll_near": float | null, "nll_far": float | null},
+                      "other": {...the same}} | null,    # nll_*: null where a part has no targets
      "wall_time_s": float}
 """
 
