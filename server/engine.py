@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 STOP_TIMEOUT_S = 1.0  # how long stopping waits for the worker to end its slice
 
-EngineState = Literal["loading", "ready", "draining", "failed", "stopped"]
+EngineState = Literal["loading", "ready", "draining", "failed", "stopped", "unresponsive"]
 
 
 class GenerationHandle:

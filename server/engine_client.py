@@ -10,6 +10,13 @@ sequence's token ids become text (detokenizing, stop strings: a stop string foun
 finishes the sequence "stop" at its next iteration; the tokens it made meanwhile are dropped), the metrics' figures are
 replayed into the one registry, and the queue's copy follows the engine's.
 
+**The link**: messages to the engine are pickled on the event loop and written by a thread of their own from a
+queue bounded in bytes (a full one answers 503), so that an engine that stops reading never blocks the loop. The
+engine sends a heartbeat every second, from a thread that first waits for its worker thread to turn; with none for
+``engine_heartbeat_timeout_s`` the engine is "unresponsive" (/health 503, new requests 503) until the next one, and
+once it has been silent (or its worker stuck) for ``engine_timeout_s`` every request in flight ends with 503 and is
+cancelled there.
+
 **Faults**: if the child dies (killed, out of memory, a crash in a native library), every request in flight is
 answered 503 (a stream: an SSE error event, then ``data: [DONE]``), /health answers 503 ("failed") and
 ``on_engine_died`` is called: ``python -m server`` then exits non-zero, so that Docker or Kubernetes restarts the whole
@@ -25,7 +32,9 @@ import json
 import logging
 import multiprocessing
 import pickle
+import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +58,9 @@ from server.settings import Settings
 from server.wire import CONTROL, STEP, Step, decode_step, error_from_wire
 
 logger = logging.getLogger(__name__)
+
+SEND_BUFFER_BYTES = 256 * 2**20  # messages waiting for the writer thread; past it new requests get 503
+WATCH_INTERVAL_S = 0.25  # how often the watcher thread looks at the engine's heartbeat
 
 
 @dataclass(frozen=True)
@@ -113,7 +125,12 @@ class EngineClient(EngineFront):
         self._generations: dict[int, RemoteGeneration] = {}
         self._transductions: dict[int, asyncio.Future] = {}
         self._calls: dict[int, asyncio.Future] = {}
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._outbox_bytes = 0  # pickled bytes queued and not yet written
+        self._outbox_lock = threading.Lock()
+        self._last_heard = time.monotonic()  # when the engine process last sent anything
+        self._worker_wait = 0.0  # the last heartbeat's wait for the engine's worker thread, seconds
+        self._timed_out = False  # the requests in flight were answered 503 for the engine's silence
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         context = multiprocessing.get_context("spawn")
@@ -123,6 +140,8 @@ class EngineClient(EngineFront):
         )
         self._child_connection = child_connection
         self._reader = threading.Thread(target=self._read, name="regularlm-engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="regularlm-engine-writer", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="regularlm-engine-watcher", daemon=True)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -132,6 +151,8 @@ class EngineClient(EngineFront):
         self.process.start()
         self._child_connection.close()  # the child holds its end: its death closes the pipe
         self._reader.start()
+        self._writer.start()
+        self._watcher.start()
 
     def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
         """Call ``prepare(served)`` for each language model once the engine has loaded them, here (e.g. this
@@ -154,6 +175,7 @@ class EngineClient(EngineFront):
             self.process.terminate()
             self.process.join(timeout)
         self._reader.join(timeout)
+        self._outbox.put(None)
         if self.state != "failed":
             self.state = "stopped"
         return ended
@@ -222,16 +244,35 @@ class EngineClient(EngineFront):
         self._send((kind, call, *arguments))
         return await answer
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, bounded: bool = True) -> None:
+        """Queue ``message`` for the writer thread; 503 if the engine has failed, or (``bounded``) if more than
+        ``SEND_BUFFER_BYTES`` wait already (an engine that does not read)."""
         if self.state == "failed":
             raise Unavailable(f"the server is failed: {self.detail}", retry_after_s=self.settings.retry_after_s)
-        with self._send_lock:
-            self._connection.send(message)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._outbox_lock:
+            if bounded and self._outbox_bytes + len(data) > SEND_BUFFER_BYTES:
+                raise Unavailable(
+                    f"the engine process is not reading its requests ({self._outbox_bytes} bytes wait to be sent)",
+                    retry_after_s=self.settings.retry_after_s,
+                )
+            self._outbox_bytes += len(data)
+        self._outbox.put(data)
+
+    def _write(self) -> None:
+        """The writer thread: sends the queued messages in order until told to stop or the pipe has closed."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._connection.send_bytes(data)
+            except OSError:  # the engine process has gone: the reader thread reports it
+                return
+            with self._outbox_lock:
+                self._outbox_bytes -= len(data)
 
     def _send_quietly(self, message: tuple) -> None:
         """A cancellation or a stop: nobody waits for it, and an engine that has gone needs none."""
         try:
-            self._send(message)
+            self._send(message, bounded=False)
         except (OSError, APIError):
             pass
 
@@ -241,6 +282,7 @@ class EngineClient(EngineFront):
         try:
             while True:
                 data = self._connection.recv_bytes()
+                self._last_heard = time.monotonic()
                 if data[:1] == STEP:
                     step = decode_step(data[1:])
                     self._loop.call_soon_threadsafe(self._apply_step, step)
@@ -256,7 +298,12 @@ class EngineClient(EngineFront):
 
     def _control(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "ready":
+        if kind == "heartbeat":
+            self._worker_wait = message[1]
+            if self.state == "unresponsive" and message[1] < self.settings.engine_timeout_s:
+                logger.warning("the engine process responds again")
+                self.state, self.detail, self._timed_out = "ready", None, False
+        elif kind == "ready":
             self._ready(message[1], message[2])
         elif kind == "failed":
             self.load_failures = message[2]
@@ -330,25 +377,59 @@ class EngineClient(EngineFront):
         if not generation.unfinished:
             del self._generations[request]
 
-    def _died(self, detail: str) -> None:
-        """The engine process has gone while serving: 503 for everything in flight, /health 503, then the callback."""
-        logger.error("%s: answering the requests in flight 503", detail)
-        self.state, self.detail = "failed", detail
-        error = Unavailable(f"the server failed: {detail}", retry_after_s=self.settings.retry_after_s)
+    def _watch(self) -> None:
+        """The watcher thread: :meth:`check_engine` every ``WATCH_INTERVAL_S`` until stopped."""
+        while not self._stopping and self.state != "failed":
+            time.sleep(WATCH_INTERVAL_S)
+            self.check_engine(time.monotonic())
+
+    def check_engine(self, now: float) -> None:
+        """Mark the engine unresponsive when its heartbeat is late (``engine_heartbeat_timeout_s``), and end the
+        requests in flight with 503 once it has been silent, or its worker stuck, for ``engine_timeout_s``. The next
+        heartbeat of a turning worker makes it ready again (:meth:`_control`)."""
+        settings = self.settings
+        if self.state not in ("ready", "unresponsive"):
+            return
+        silence = now - self._last_heard
+        stuck = self._worker_wait + silence  # its worker has not turned for at least this long
+        late = silence > settings.engine_heartbeat_timeout_s
+        if self.state == "ready" and (late or stuck > settings.engine_timeout_s):
+            why = f"no heartbeat for {silence:.1f} s" if late else f"its worker has not turned for {stuck:.0f} s"
+            logger.error("engine not responding: %s", why)
+            self.state, self.detail = "unresponsive", f"engine not responding: {why}"
+        if stuck > settings.engine_timeout_s and not self._timed_out:
+            self._timed_out = True
+            limit = f"engine_timeout_s = {settings.engine_timeout_s:g}"
+            message = f"the engine process has not responded for {stuck:.0f} s ({limit})"
+            self._answer_all(Unavailable(message, retry_after_s=settings.retry_after_s), cancel=True)
+
+    def _answer_all(self, error: APIError, cancel: bool = False) -> None:
+        """Answer every request in flight ``error`` (on the event loop), forgetting it here; ``cancel``: and tell the
+        engine to drop it (it reads the cancellations when it runs again)."""
 
         def answer_all() -> None:
-            for generation in self._generations.values():
+            for request, generation in self._generations.items():
                 generation.put(0, error)
-            for answer in [*self._transductions.values(), *self._calls.values()]:
+                if cancel:
+                    self._send_quietly(("cancel", request))
+            for request, answer in [*self._transductions.items(), *self._calls.items()]:
                 if not answer.done():
                     answer.set_exception(error)
+                if cancel and request in self._transductions:
+                    self._send_quietly(("cancel", request))
             self._generations, self._transductions, self._calls = {}, {}, {}
-            self.queue.clear()
 
         try:
             self._loop.call_soon_threadsafe(answer_all)
         except RuntimeError:  # the event loop has closed: nobody is left to answer
             pass
+
+    def _died(self, detail: str) -> None:
+        """The engine process has gone while serving: 503 for everything in flight, /health 503, then the callback."""
+        logger.error("%s: answering the requests in flight 503", detail)
+        self.state, self.detail = "failed", detail
+        self._answer_all(Unavailable(f"the server failed: {detail}", retry_after_s=self.settings.retry_after_s))
+        self.queue.clear()
         if self._on_engine_died is not None:
             self._on_engine_died(detail)
 

@@ -25,6 +25,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from array import array
 from collections.abc import Callable
 from dataclasses import replace
@@ -49,6 +50,8 @@ from server.wire import CONTROL, STEP, Finish, Step, StepColumns, encode_step, e
 from server.work import RequestQueue, Work
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class IdsOnly:
@@ -193,6 +196,7 @@ class EngineCore:
             self.send(("failed", self.engine.detail, self.engine.load_failures))
             return
         self.send(("ready", [describe(served) for served in self.engine.models.values()], self.engine.load_failures))
+        threading.Thread(target=self._beat, name="regularlm-heartbeat", daemon=True).start()
         while True:
             try:
                 message = self.connection.recv()
@@ -202,6 +206,22 @@ class EngineCore:
                 break
             self._guarded(message, lambda message=message: self.handle(message))
         self.engine.stop()
+
+    def _beat(self) -> None:
+        """Send ("heartbeat", seconds the worker thread has not answered a no-op put to it) every
+        ``HEARTBEAT_INTERVAL_S``: 0 while it turns, growing while it is stuck in one call."""
+        ping: concurrent.futures.Future | None = None
+        asked = time.monotonic()
+        while True:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+            if ping is None or ping.done():
+                ping, asked = self.engine.call_on_worker(lambda: None), time.monotonic()
+                concurrent.futures.wait([ping], timeout=HEARTBEAT_INTERVAL_S / 2)
+            waited = 0.0 if ping.done() else time.monotonic() - asked
+            try:
+                self.send(("heartbeat", waited))
+            except OSError:  # the API process has gone
+                return
 
     def handle(self, message: tuple) -> None:
         kind = message[0]

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    WrapValidator,
+    model_validator,
+)
 
 FinishReason = Literal["stop", "length"]
 SETTING = "x-regularlm-setting"
@@ -62,7 +74,11 @@ class ErrorResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "loading", "draining", "failed"]
+    """200 "ok", or "degraded" where checkpoint folders were skipped at load (``detail`` names them; the models that
+    loaded serve); 503 "loading", "draining", "failed" or "unresponsive" (the engine process has sent no heartbeat
+    for ``engine_heartbeat_timeout_s``: it is stopped or stuck; 200 again once it answers)."""
+
+    status: Literal["ok", "degraded", "loading", "draining", "failed", "unresponsive"]
     detail: str | None = None
 
 
@@ -273,9 +289,51 @@ class StreamOptions(RequestModel):
 
 
 PROMPTS_LIMIT = setting_limit(maxItems="max_inputs")  # prompts x n is checked too
-TokenIds = Annotated[
-    list[Annotated[Integer, Field(json_schema_extra=schema_only(minimum=0))]],
-    Field(min_length=1, json_schema_extra=setting_limit(maxItems="max_input_symbols")),
+
+
+def _integral_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Token ids validated as one strict list of integers (in pydantic's core: 2^20 ids in ~30 ms, where a validator
+    per item took a second); only a list that fails pays a pass turning 2.0 into 2."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if not isinstance(value, list):
+            raise
+        return handler([_integral(item) for item in value])
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which form a prompt takes, from its type and its first item: one member of the union is tried, not four
+    (a failed member's errors, one per item, cost as much as a long prompt's validation)."""
+    if isinstance(value, str):
+        return "text"
+    first = value[0] if isinstance(value, list) and value else None
+    return "texts" if isinstance(first, str) else "token_lists" if isinstance(first, list) else "tokens"
+
+
+TokenIds = Annotated[list[int], Field(min_length=1), WrapValidator(_integral_items)]
+TOKEN_IDS_SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0},
+    "minItems": 1,
+    **setting_limit(maxItems="max_input_symbols"),
+}
+Prompt = Annotated[
+    Annotated[str, Field(min_length=1), Tag("text")]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1), Tag("texts")]
+    | Annotated[TokenIds, Tag("tokens")]
+    | Annotated[list[TokenIds], Field(min_length=1), Tag("token_lists")],
+    Discriminator(_prompt_kind),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, **PROMPTS_LIMIT},
+                TOKEN_IDS_SCHEMA,
+                {"type": "array", "items": TOKEN_IDS_SCHEMA, "minItems": 1, **PROMPTS_LIMIT},
+            ]
+        }
+    ),
 ]
 
 
@@ -283,12 +341,7 @@ class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    prompt: (
-        Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, json_schema_extra=PROMPTS_LIMIT)]
-        | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=PROMPTS_LIMIT)]
-    ) = Field(description="a text, a batch of texts, token ids, or a batch of token-id lists; none empty")
+    prompt: Prompt = Field(description="a text, a batch of texts, token ids, or a batch of token-id lists; none empty")
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(
         16,
         description="left out: 16, or the server's limit if lower; null: the limit",

@@ -184,12 +184,12 @@ class Serving:
                 return served.tokenizer.encode(prompt)
             return await asyncio.to_thread(served.tokenizer.encode, prompt)
         vocabulary = served.tokenizer.vocab_size
-        for position, token in enumerate(prompt):
-            if not 0 <= token < vocabulary:
-                raise InvalidInput(
-                    f"prompt token {position} is id {token}; model {served.id!r} has token ids 0..{vocabulary - 1}"
-                )
-        return prompt
+        if min(prompt) >= 0 and max(prompt) < vocabulary:  # C speed: a loop here took 60 ms for 2^20 ids
+            return prompt
+        position, token = next((i, token) for i, token in enumerate(prompt) if not 0 <= token < vocabulary)
+        raise InvalidInput(
+            f"prompt token {position} is id {token}; model {served.id!r} has token ids 0..{vocabulary - 1}"
+        )
 
     def generation_request(
         self,

@@ -57,6 +57,17 @@ class Settings(BaseSettings):
     max_request_symbols: int = Field(2**20, gt=0, description="symbols of all inputs of one transduce request")
     max_inputs: int = Field(256, gt=0, description="inputs of one transduce request, prompts x n of a completion")
     max_tokens: int = Field(4096, ge=0, description="the largest max_tokens a request may ask for")
+    max_stop_strings: int = Field(256, ge=0, description="stop strings of one request; more is refused (413)")
+    max_stop_chars: int = Field(
+        16_384, ge=0, description="characters of a request's stop strings together; more is refused (413). Matching "
+        "costs the same per generated character whatever the number of strings (an Aho-Corasick automaton)"
+    )
+    max_logit_bias: int = Field(4096, ge=0, description="logit_bias entries of one request; more is refused (413)")
+    max_body_values: int = Field(
+        2**20 + 2**17, gt=0, description="JSON values (numbers, strings, arrays, objects) of one request body, counted "
+        "before it is parsed; more is refused (413). The default holds a request at every other limit (2^20 token ids "
+        "or symbols, with its stop strings, logit_bias and schema), and bounds what parsing a body may cost"
+    )
 
     batch_wait_ms: float = Field(3.0, ge=0, description="how long transduce inputs are gathered into a batch")
     max_batch_size: int = Field(64, gt=0, description="rows of one transduce batch")
@@ -145,6 +156,15 @@ class Settings(BaseSettings):
         description="intra-op threads of the model calls; default max(1, (cores - 1) // 1): one core is left to "
         "the event loop, tokenizer and HTTP (model/threads.py says why: torch's one per core stalls as soon as "
         "anything else runs)",
+    )
+    engine_heartbeat_timeout_s: float = Field(
+        5.0, gt=0, description="the engine process sends a heartbeat every second while its worker thread turns; "
+        "when none has come for this long, /health answers 503 (unresponsive) and new requests 503, until one comes"
+    )
+    engine_timeout_s: float = Field(
+        180.0, gt=0, description="when the engine process has been silent this long, every request in flight ends "
+        "with 503 instead of waiting on; a working engine is never silent for more than a slice (it sends a "
+        "heartbeat between slices), however long a request's computation is"
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="how long SIGTERM waits for requests in flight; then they get 503 and the process "

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 from model.tokenizer import load_tokenizer
-from server.detokenize import TextAssembler
+from server.detokenize import TextAssembler, stop_strings
 
 TOKENIZER = load_tokenizer("bytes", ".")
 
@@ -56,3 +58,44 @@ def test_many_tokens_at_once_decode_as_one_by_one() -> None:
         at_once = TextAssembler(TOKENIZER, [])
         assert at_once.whole_answer(tokens) == expected == token_bytes.decode(errors="replace")
         assert TextAssembler(TOKENIZER, []).whole_answer([*tokens, TOKENIZER.eot_token]) == expected
+
+
+def test_the_automaton_stops_where_a_search_of_the_text_would() -> None:
+    """Against a plain search: the first stop string to end (the longest of those ending there) is cut, and what is
+    held back is the longest tail that begins some stop string, for random strings over a small alphabet."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = sorted({"".join(rng.choice("ab") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 4))})
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(1, 12)))
+        assembler = TextAssembler(TOKENIZER, stops)
+        released = ""
+        for end in range(1, len(text) + 1):
+            delta, stopped = assembler.push(TOKENIZER.encode(text[end - 1])[0])
+            released += delta
+            ending = [stop for stop in stops if text[:end].endswith(stop)]
+            if ending:
+                assert stopped and released == text[: end - max(map(len, ending))]
+                break
+            held = max(size for size in range(end + 1) if size == 0 or any(s.startswith(text[end - size : end])
+                                                                          for s in stops))  # fmt: skip
+            assert not stopped and released == text[: end - held]
+
+
+def test_many_stop_strings_cost_no_more_per_character() -> None:
+    """The automaton is stepped once per character, whatever the number of strings (a count, not a timing)."""
+    stops = [f"{i:05d}!" for i in range(5000)]
+    automaton = stop_strings(tuple(stops))
+    steps = 0
+    original = automaton.step
+
+    def counted(state: int, char: str) -> int:
+        nonlocal steps
+        steps += 1
+        return original(state, char)
+
+    automaton.step = counted
+    try:
+        deltas, stopped, _ = run("no stop in this text, 12345 but not followed by the mark", stops)
+    finally:
+        del automaton.step
+    assert not stopped and steps == len("no stop in this text, 12345 but not followed by the mark")
