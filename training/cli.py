@@ -21,17 +21,41 @@ from model.checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint,
 from model.config import ARCHITECTURE_CONFIGS
 from model.threads import set_threads
 from model.tokenizer import TokenizerError
-from training.arguments import Parser, UsageError, add_threads, band_spec, length_range, positive_int, probability
-from training.arguments import probability_or_range
+from training.arguments import (
+    Parser,
+    UsageError,
+    add_threads,
+    band_spec,
+    length_range,
+    positive_int,
+    probability,
+    probability_or_range,
+)
 from training.compile_cli import add_compile_arguments, run_compile
-from training.evaluate import Band, combine_reports, draw_bands, evaluate_checkpoint, format_table, papers_lengths
-from training.evaluate import protocol_bands, split_lengths
+from training.evaluate import (
+    Band,
+    combine_reports,
+    draw_bands,
+    evaluate_checkpoint,
+    format_table,
+    papers_lengths,
+    protocol_bands,
+    split_lengths,
+)
 from training.loop import ResumeError, export_weights
 from training.model_flags import TRAINABLE_ARCHITECTURES, given_model_flags, model_config
 from training.tasks import Task, get_task
 from training.text_cli import TEXT_COMMANDS, add_text_commands
-from training.train_cli import NewRun, add_training_flags, check_new_run, check_resume_flags, launch
-from training.train_cli import settings_from_args
+from training.train_cli import (
+    NewRun,
+    add_training_flags,
+    check_new_run,
+    check_resume_flags,
+    launch,
+    require_new_run_flags,
+    resuming,
+    settings_from_args,
+)
 from training.transduction import TaskData, TransductionObjective
 
 PROG = "python -m training"
@@ -213,7 +237,7 @@ def _run_upgrade(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
-    metadata = launch(args, argv, None if args.resume else _new_transduction_run(args))
+    metadata = launch(args, argv, None if resuming(args) else _new_transduction_run(args))
     if metadata["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         best = metadata.get("best_eval")
         summary = "no evaluation"
@@ -226,8 +250,7 @@ def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _new_transduction_run(args: argparse.Namespace) -> NewRun:
     """The settings, model config and objective of a new ``train`` run, all input checked."""
-    if args.task is None or args.arch is None:
-        raise UsageError("--task and --arch are required (except with --resume)")
+    require_new_run_flags(args, "--task", "--arch")
     task = _task(args.task)
     if args.arch not in TRAINABLE_ARCHITECTURES:
         kind = "is built by hand, not trained" if args.arch in ARCHITECTURE_CONFIGS else "is unknown"

@@ -15,6 +15,9 @@ process's random streams and data position, the step (and whether its evaluation
 since the last record, the elapsed time and the log's length. ``train(..., resume=True)`` continues from it; the log
 is cut back to that length (records written after the save are written again, none twice) and continues. A resumed
 run ends bitwise-equal to one never stopped (same device and thread count; tested on the CPU in float32).
+Every save (this one, and the checkpoint's) writes a temporary file ``.NAME.tmp`` beside ``NAME`` and renames it
+into place; a save killed before its rename leaves that file, and the next run on the folder (new or resumed)
+starts by deleting those exact names (:func:`remove_stale_temporaries`, said on stderr) and nothing else.
 Signals: the first SIGTERM or SIGINT finishes the current step, saves and returns (the command exits 0 within
 a step and a save); under torchrun every process stops at the same step.
 
@@ -51,6 +54,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -66,7 +70,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from model.base import InferenceCache, SequenceModel
-from model.checkpoint import CONFIG_FILE, FILE_MODE, read_config, save_checkpoint
+from model.checkpoint import CONFIG_FILE, FILE_MODE, WEIGHTS_FILE, read_config, save_checkpoint
 from model.config import BaseModelConfig, CheckpointConfig
 from model.registry import build_model
 from model.tokenizer import FILE_PREFIX, ranks_file
@@ -251,6 +255,9 @@ def train(
     if resume is not None:
         run, best_state = _load_resume(out, model, optimizer, rng, objective, dist, carried)
         run.stopped = None
+    if dist.is_main and (removed := remove_stale_temporaries(out)):
+        print(f"removed {len(removed)} temporary file(s) of saves killed before their rename from {out}: "
+              f"{', '.join(path.name for path in removed)}", file=sys.stderr)
     trained = dist.wrap(torch.compile(model, dynamic=True) if settings.compile else model)  # lengths vary
     use_bfloat16 = settings.dtype == "bfloat16" or (settings.dtype == "auto" and dist.device.type == "cuda")
 
@@ -697,10 +704,29 @@ def _save_resume(
         "processes": processes,
     }
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
-    temporary = out / f".{RESUME_FILE}.tmp"
+    temporary = temporary_file(out / RESUME_FILE)
     save_file(tensors, str(temporary), metadata={"state": json.dumps(state)})
     temporary.chmod(FILE_MODE)
     os.replace(temporary, out / RESUME_FILE)
+
+
+def temporary_file(path: Path) -> Path:
+    """Where a save writes ``path`` before renaming it into place: ``.NAME.tmp`` beside it (model/checkpoint.py
+    names its files so too)."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Delete the temporary files that saves killed before their rename left in ``out``: exactly
+    ``.resume.safetensors.tmp``, ``.model.safetensors.tmp`` and ``.config.json.tmp`` (the names this module's and
+    ``save_checkpoint``'s saves write to), no other file. Returns the paths removed (none for a missing folder)."""
+    removed = []
+    for name in (RESUME_FILE, WEIGHTS_FILE, CONFIG_FILE):
+        path = temporary_file(Path(out) / name)
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def read_resume_state(out: Path, with_tensors: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -46,7 +46,15 @@ from training.passkey_probe import (
     probe_checkpoint,
 )
 from training.text_corpus import DEFAULT_CORPUS
-from training.train_cli import NewRun, add_training_flags, check_new_run, launch, settings_from_args
+from training.train_cli import (
+    NewRun,
+    add_training_flags,
+    check_new_run,
+    launch,
+    require_new_run_flags,
+    resuming,
+    settings_from_args,
+)
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -205,7 +213,7 @@ def training_tokenizer(spec: str) -> tuple[Tokenizer, Path | None]:
 
 
 def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
-    metadata = launch(args, argv, None if args.resume else _new_text_run(args))
+    metadata = launch(args, argv, None if resuming(args) else _new_text_run(args))
     if metadata["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         loss = metadata.get("validation_loss")
         summary = "no validation" if loss is None else f"validation perplexity {math.exp(loss):.2f}"
@@ -224,8 +232,7 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         checkpoint_tokenizer_name,
     )
 
-    if args.arch is None or args.tokenizer is None:
-        raise UsageError("--arch and --tokenizer are required (except with --resume)")
+    require_new_run_flags(args, "--arch", "--tokenizer")
     check_new_run(args)
     tokenizer, ranks_file = training_tokenizer(args.tokenizer)
     config = language_model_config(args.arch, tokenizer.vocab_size, given_model_flags(args))

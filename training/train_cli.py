@@ -6,7 +6,10 @@ weight decay 0.1, 100 warm-up steps, cosine to 10%). ``--resume --out DIR`` cont
 settings it was started with. What does not change the result may take any value with it (``--threads``,
 ``--time-budget``, ``--device``, ``--progress``, and ``--steps`` to go on past a finished run); any other flag
 must have the value the run started with, so that a job script retried with ``--resume`` appended (what a
-cluster scheduler does on requeue) goes on, and a flag that differs is refused, named with both values. Bad
+cluster scheduler does on requeue) goes on, and a flag that differs is refused, named with both values.
+``--resume`` on a folder that holds no save (no ``resume.safetensors``, no ``config.json``: a run killed before
+its first save left at most its log, tokenizer copy and temporary files) starts the run anew from the flags given
+and says so on stderr; a save that does not load (corrupt, another format, another run's flags) is refused. Bad
 input exits with status 2 and one line on stderr (training/cli.py).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from model.checkpoint import CONFIG_FILE, load_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, dataclass_from_dict
 from model.registry import build_model
 from model.threads import set_threads
+from model.tokenizer import load_tokenizer
 from training.arguments import (
     UsageError,
     add_threads,
@@ -35,7 +40,6 @@ from training.arguments import (
     probability,
 )
 from training.distributed import Distributed, setup_distributed
-from model.tokenizer import load_tokenizer
 from training.language_model import LanguageModelObjective, TextData
 from training.loop import RESUME_FILE, Objective, ResumeError, RunOptions, TrainSettings, read_resume_state, train
 from training.model_flags import add_model_flags
@@ -108,7 +112,7 @@ def check_resume_flags(args: argparse.Namespace, argv: list[str],
     the run (``parse``: that command's arguments, as ``argv`` is parsed); one that differs is a UsageError naming
     the flag, the run's value and the value given."""
     given = sorted({arg.split("=", 1)[0] for arg in argv if arg.startswith("--")} - RESUME_FLAGS)
-    if not given:
+    if not given or not holds_save(args.out):  # nothing to resume: the flags start the run anew
         return
     try:
         command = read_resume_state(args.out, with_tensors=False)[0]["command"]
@@ -148,16 +152,37 @@ def _shown(value: Any) -> str:
     return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
+def holds_save(out: Path) -> bool:
+    """Whether ``out`` holds a save of a run (``resume.safetensors`` or a checkpoint's ``config.json``): what
+    --resume continues, or refuses with the reason. Without either (a run killed before its first save leaves at
+    most its log, its tokenizer copy and temporary files) there is nothing to resume: --resume starts anew."""
+    return any((Path(out) / name).exists() for name in (CONFIG_FILE, RESUME_FILE))
+
+
+def resuming(args: argparse.Namespace) -> bool:
+    """Whether the command continues a saved run: --resume, and a save in --out (:func:`holds_save`)."""
+    return bool(args.resume) and holds_save(args.out)
+
+
+def require_new_run_flags(args: argparse.Namespace, *flags: str) -> None:
+    """A UsageError naming ``flags`` unless all were given (a new run needs them; a resumed one reads them from
+    its save). With --resume it says that there is nothing to resume, so the run would start anew."""
+    if all(getattr(args, flag[2:].replace("-", "_")) is not None for flag in flags):
+        return
+    named = " and ".join(flags)
+    if args.resume:
+        raise UsageError(f"nothing to resume in {args.out} (no {RESUME_FILE}), and a new run needs {named}")
+    raise UsageError(f"{named} {'is' if len(flags) == 1 else 'are'} required (except with --resume)")
+
+
 def check_new_run(args: argparse.Namespace) -> None:
     """A new run's --out must not hold another run, unless --overwrite."""
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} exists and is not a folder")
-    held = [name for name in (CONFIG_FILE, RESUME_FILE) if (args.out / name).exists()]
-    if held and not args.overwrite:
+    if holds_save(args.out) and not args.overwrite:
         raise UsageError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it, "
                          f"or --resume to continue its run")
-    if args.steps is None:
-        raise UsageError("--steps is required (except with --resume)")
+    require_new_run_flags(args, "--steps")
     if args.eval_every == 0 and (args.patience or getattr(args, "target_accuracy", None) is not None):
         raise UsageError("--patience and --target-accuracy need evaluations: set --eval-every above 0")
     if args.grad_accumulation > args.batch_size:
@@ -187,7 +212,8 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
 
 
 def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) -> dict[str, Any]:
-    """Start the run ``new_run`` describes, or (None) continue the one in ``args.out``; returns its metadata."""
+    """Start the run ``new_run`` describes, or (None) continue the one in ``args.out``; returns its metadata. A new
+    run under --resume (nothing to resume: :func:`resuming`) says on stderr that it starts from step 0."""
     try:
         dist = setup_distributed(args.device)
     except ValueError as error:
@@ -200,6 +226,9 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             settings, model_config, make_objective = new_run
             initial = None if args.init_from is None else initial_weights(args.init_from, settings, model_config)
             objective = _built(lambda: make_objective(settings, dist))
+            if args.resume and dist.is_main:
+                print(f"nothing to resume in {args.out} (no {RESUME_FILE}): starting the run from step 0",
+                      file=sys.stderr)
             return train(settings, objective, model_config, args.out, command, dist, options, initial=initial)
         state, _ = read_resume_state(args.out, with_tensors=False)
         for option in ("soft_transition_steps", "determinism_weight", "extra_levels"):  # saved before the options

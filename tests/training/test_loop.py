@@ -12,24 +12,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from model.base import Cost
-from model.checkpoint import load_checkpoint
-from model.config import LRNNConfig, RegularGPTConfig
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
 from model.registry import build_model
 from model.regulargpt import RegularGPT
+from training import loop
 from training.cli import main
+from training.data import IGNORE_INDEX, Batch
 from training.distributed import setup_distributed
 from training.language_model import LanguageModelObjective, TextData, check_passkey_length
-from training import loop
-from training.data import IGNORE_INDEX, Batch
 from training.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
 from training.passkey import QUESTION, PassKeyBuilder, first_number
 from training.text_data import TokenArray
@@ -42,10 +43,11 @@ TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blo
 
 def task_run(
     out: Path, steps: int, stop_at: int | None = None, resume: bool = False, transition_norm: str = "column",
-    regulargpt: bool = False, **overrides,
+    regulargpt: bool = False, stop_requested: Callable[[], bool] | None = None, **overrides,
 ) -> dict:
     """A parity_check run of a tiny LRNN (or ``regulargpt``) with dropout (so the torch random stream matters too)
-    through the API; ``stop_at`` cuts it after that many steps of this invocation, as a signal would."""
+    through the API; ``stop_at`` cuts it after that many steps of this invocation, as a signal would
+    (``stop_requested``: the loop's hook itself instead)."""
     architecture = "regulargpt" if regulargpt else "lrnn"
     settings = TrainSettings(**{"architecture": architecture, "steps": steps, "batch_size": 6, "lr": 3e-3,
                                 "optimizer": "adamw", "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 3,
@@ -61,7 +63,7 @@ def task_run(
     dist = setup_distributed("cpu")
     objective = TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
     return train(settings, objective, config, out, "test", dist, resume="test resume" if resume else None,
-                 stop_requested=stop_after(stop_at))
+                 stop_requested=stop_requested or stop_after(stop_at))
 
 
 def stop_after(steps: int | None):
@@ -691,18 +693,101 @@ def test_the_time_budget_stops_within_a_step_and_saves(tmp_path: Path, capsys) -
     assert load_checkpoint(tmp_path / "run").config.metadata["steps"] > metadata["steps"]
 
 
-BAD_RESUME = {
-    "nothing to resume": ([], "resume.safetensors: missing; there is no run to resume"),
-    "a setting, nothing to resume": (["--lr", "0.1"], "resume.safetensors: missing; there is no run to resume"),
+def killed_at_rename(source: Any, destination: Any) -> None:
+    """``os.replace`` in a process SIGKILLed between writing a save's temporary file and renaming it into place."""
+    raise SystemExit("killed")
+
+
+ANOTHER_FORMAT = b"another format"  # made into a readable resume file of a format this build does not read
+RUN_FLAGS = ["--task", "parity_check", "--steps", "3", *TINY_LRNN]
+NEEDS_FLAGS = "(no resume.safetensors), and a new run needs --task and --arch"
+BAD_RESUME = {  # the folder's files (None: no folder), the flags after --resume --out, what stderr says
+    "nothing saved, no flags to start a run": (None, [], NEEDS_FLAGS),
+    "nothing saved, a setting but no task": ({LOG_FILE: b""}, ["--lr", "0.1"], NEEDS_FLAGS),
+    "a corrupt resume file": ({RESUME_FILE: b"not safetensors"}, [], "not a readable resume file (truncated or"),
+    "a corrupt resume file, the run's flags": ({RESUME_FILE: b"\0" * 64}, RUN_FLAGS, "not a readable resume file"),
+    "a resume file of another format": ({RESUME_FILE: ANOTHER_FORMAT}, RUN_FLAGS, "resume format 999; this build"),
+    "a checkpoint without its resume file": ({"config.json": b"{}"}, RUN_FLAGS, "resume.safetensors: missing; there"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_RESUME))
-def test_bad_resume_exits_2_with_one_line(case: str, tmp_path: Path, capsys) -> None:
-    extra, message = BAD_RESUME[case]
-    assert main(["train", "--resume", "--out", str(tmp_path / "none"), *extra]) == 2
+def test_bad_resume_exits_2_with_one_line_and_changes_nothing(case: str, tmp_path: Path, capsys) -> None:
+    """--resume refuses a save that does not load (never starting over it); on a folder with nothing saved it
+    starts the run anew, which needs the flags of a new run."""
+    files, extra, message = BAD_RESUME[case]
+    out = tmp_path / "run"
+    if files is not None:
+        out.mkdir()
+        for name, content in files.items():
+            if content == ANOTHER_FORMAT:
+                save_file({"x": torch.zeros(1)}, str(out / name), metadata={"state": json.dumps({"format": 999})})
+            else:
+                (out / name).write_bytes(content)
+    before = {path.name: path.read_bytes() for path in out.iterdir()} if files is not None else None
+    assert main(["train", "--resume", "--out", str(out), *extra]) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert message in err and err.count("\n") == 1, err
+    assert ({path.name: path.read_bytes() for path in out.iterdir()} if out.exists() else None) == before
+
+
+def test_resume_with_nothing_saved_yet_starts_the_run_from_step_0(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A run killed in its first save (its log's start record and the save's temporary file are all it left) has
+    nothing to resume: its command again with --resume appended starts it anew, says so in one line on stderr,
+    and ends as the run never killed does."""
+    assert main(cli_run(tmp_path / "whole", 3)) == 0
+    out = tmp_path / "killed"
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", killed_at_rename)
+        with pytest.raises(SystemExit, match="killed"):
+            main(cli_run(out, 3))
+    assert {path.name for path in out.iterdir()} == {LOG_FILE, f".{RESUME_FILE}.tmp"}
+    capsys.readouterr()
+    assert main(cli_run(out, 3, "--resume")) == 0
+    err = capsys.readouterr().err
+    assert f"nothing to resume in {out} (no {RESUME_FILE}): starting the run from step 0\n" in err
+    assert [record["event"] for record in log_records(out)].count("start") == 1
+    assert_same_run(tmp_path / "whole", out)
+
+
+def test_a_run_starts_by_removing_the_temporary_files_of_saves_killed_midway_and_nothing_else(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A save killed between writing its temporary file and renaming it leaves that file (the resume file's, the
+    checkpoint's two); the next run on the folder, new or resumed, deletes exactly those names before it trains
+    and says so on stderr. A file of any other name stays, however close its name."""
+    out = tmp_path / "run"
+    config = LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16)
+    checkpoint = CheckpointConfig(architecture="lrnn", model=config, kind="transduce", task="parity_check",
+                                  alphabet="01", labels=("0", "1"))
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", killed_at_rename)
+        with pytest.raises(SystemExit, match="killed"):
+            task_run(out, steps=4)  # in its first save: the resume file's, before step 4's evaluation
+        with pytest.raises(SystemExit, match="killed"):
+            save_checkpoint(build_model("lrnn", config), checkpoint, out)
+    stale = {path.name for path in out.iterdir()} - {LOG_FILE}
+    assert stale == {".resume.safetensors.tmp", ".model.safetensors.tmp", ".config.json.tmp"}
+    others = {".tmpk2x9q1", "notes.tmp", ".resume.safetensors.tmp.bak", "resume.safetensors.tmp", ".config.json.tmp~"}
+    for name in others:
+        (out / name).write_text("not a save's")
+    seen: list[set[str]] = []
+
+    def look() -> bool:  # after each step: the first one's comes before the run's first save
+        seen.append({path.name for path in out.iterdir()})
+        return False
+
+    capsys.readouterr()
+    for resume, steps in ((False, 4), (True, 6)):  # new, then resumed after more killed saves
+        for name in stale:
+            (out / name).write_bytes(b"half a save")
+        seen.clear()
+        task_run(out, steps=steps, resume=resume, stop_requested=look)
+        assert stale.isdisjoint(seen[0]) and others <= seen[0], seen[0]
+        assert (f"removed 3 temporary file(s) of saves killed before their rename from {out}: "
+                ".resume.safetensors.tmp, .model.safetensors.tmp, .config.json.tmp\n") in capsys.readouterr().err
+    assert all((out / name).read_text() == "not a save's" for name in others)
+    assert [record["event"] for record in log_records(out)].count("resume") == 1
 
 
 def test_a_run_retried_with_resume_appended_goes_on_and_a_differing_flag_is_named(tmp_path: Path, capsys) -> None:

@@ -133,6 +133,35 @@ def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path, corpus, rank
     assert load_checkpoint(out).config.metadata["steps"] == 6
 
 
+def test_text_train_resume_with_nothing_saved_yet_starts_the_run_from_step_0(
+    tmp_path, corpus, ranks, monkeypatch, capsys
+) -> None:
+    """A run killed before its first save left its log and tokenizer copy only, nothing to resume: its command again
+    with --resume appended starts it anew and says so in one line on stderr (so on an empty folder too); without
+    the flags a new run needs, that is refused."""
+    out = tmp_path / "killed"
+
+    def killed(*args, **kwargs) -> None:
+        raise SystemExit("killed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("training.loop._save_resume", killed)
+        with pytest.raises(SystemExit, match="killed"):  # at step 3, before its evaluation's save
+            train(out, f"text:{corpus}", ranks, "lrnn")
+    assert {path.name for path in out.iterdir()} == {"train.jsonl", "tokenizer.tiktoken"}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["text-train", "--resume", "--out", str(empty)]) == 2
+    assert "(no resume.safetensors), and a new run needs --arch and --tokenizer" in capsys.readouterr().err
+    for folder in (out, empty):
+        assert train(folder, f"text:{corpus}", ranks, "lrnn", "--resume") == 0
+        note = f"nothing to resume in {folder} (no resume.safetensors): starting the run from step 0\n"
+        assert note in capsys.readouterr().err
+        assert load_checkpoint(folder).config.metadata["steps"] == 6
+        events = [json.loads(line)["event"] for line in (folder / "train.jsonl").read_text().splitlines()]
+        assert events.count("start") == 1 and "resume" not in events and events[-1] == "end"
+
+
 def test_export_writes_a_runs_weights_as_of_its_last_resume_save(tmp_path, corpus, ranks, monkeypatch, capsys) -> None:
     """``export``: a run killed at its second evaluation (step 6) holds step 3's checkpoint and step 6's resume save;
     the exported folder has step 6's weights, the run's config and tokenizer, and serves. Bad input exits 2 with what
