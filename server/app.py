@@ -2,8 +2,10 @@
 engine. Build an app with ``create_app(settings)``; nothing is created at import time.
 
 /health sits outside the API key; /v1/* need it when one is configured, /metrics too with
-``metrics_need_api_key``, and /openapi.json, /docs and /redoc with ``docs_need_api_key``. The key and the body's
-size are checked from the headers before the body is read (``server/http_guard.py``).
+``metrics_need_api_key``, and /openapi.json, /docs and /redoc with ``docs_need_api_key``. The key, the body's
+size and the queue's room are checked from the headers before the body is read (``server/http_guard.py``).
+A path with a trailing slash the route does not have is 404 (no redirect: one built from the Host header would send
+the client wherever that header says).
 """
 
 from __future__ import annotations
@@ -16,18 +18,18 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from server.completions import CompletionServing
 from server.engine import Engine, EngineFront
 from server.engine_client import EngineClient
 from server.errors import APIError, BadRequest, Unauthorized
-from server.http_guard import RequestGuard, closing
+from server.http_guard import Linger, RequestGuard, closing
 from server.json_body import BodyRefused, JSONBodyRoute
 from server.metrics import ServerMetrics
 from server.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, errors, schema_for
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away; nobody reads it
 HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")  # those a 405's Allow may name
 T = TypeVar("T")
 
 
@@ -73,9 +76,14 @@ def create_app(settings: Settings | None = None, engine: EngineFront | None = No
         yield
         await asyncio.to_thread(running.stop)
 
-    app = FastAPI(title="regularlm", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="regularlm", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.state.settings = settings
     app.openapi = schema_for(app, settings)
+
+    def arrive() -> Callable[[], None]:
+        engine = getattr(app.state, "engine", None)  # none before the lifespan has started
+        return (lambda: None) if engine is None else engine.arrive().leave
+
     app.add_middleware(
         RequestGuard,
         api_key=settings.api_key,
@@ -83,6 +91,8 @@ def create_app(settings: Settings | None = None, engine: EngineFront | None = No
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
         refuse=api_error_response,
+        arrive=arrive,
+        linger=Linger(settings.linger_max_bytes, settings.linger_timeout_s, settings.linger_read_timeout_s),
     )
     if settings.cors_origins:  # added last, so outermost: preflights need no key, and refusals carry CORS headers
         app.add_middleware(
@@ -155,13 +165,23 @@ def _health_router() -> APIRouter:
         responses={503: {"model": HealthResponse, "description": "loading, draining or failed"}},
     )
     def health(engine: EngineDep) -> Any:
+        """200 "ok"; 200 "degraded" where checkpoint folders were skipped at load (the models that loaded serve);
+        503 while loading, draining or failed."""
         if engine.state == "ready":
+            skipped = engine.skipped_folders
+            if skipped:
+                return HealthResponse(status="degraded", detail=_skipped_detail(skipped))
             return HealthResponse(status="ok")
         status = "draining" if engine.state == "stopped" else engine.state
         body = HealthResponse(status=status, detail=engine.detail)
         return JSONResponse(body.model_dump(exclude_none=True), status_code=503)
 
     return router
+
+
+def _skipped_detail(folders: list[str]) -> str:
+    some = "1 checkpoint folder was" if len(folders) == 1 else f"{len(folders)} checkpoint folders were"
+    return f"{some} skipped at load and not served: {', '.join(folders)} (the server's log says why)"
 
 
 def _metrics_router() -> APIRouter:
@@ -279,13 +299,15 @@ async def _disconnected(request: Request) -> None:
 # --- errors -------------------------------------------------------------------------------------------
 
 
-def _allowed_methods(request: Request) -> list[str]:
-    """Every method some route serves on the request's path (GET and POST /v1/models are two routes)."""
-    methods: set[str] = set()
-    for route in request.app.routes:
-        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
-            methods |= route.methods
-    return sorted(methods)
+def _allowed_methods(request: Request, path: str | None = None) -> list[str]:
+    """Every method some route serves on ``path`` (by default the request's), asked of the router itself: GET and
+    POST /v1/models are two routes, and FastAPI keeps an included router's routes behind one entry of ``app.routes``."""
+    scope = {**request.scope, "path": request.scope["path"] if path is None else path}
+    return [
+        method
+        for method in HTTP_METHODS
+        if any(route.matches({**scope, "method": method})[0] is Match.FULL for route in request.app.router.routes)
+    ]
 
 
 def error_response(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -319,10 +341,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         error_type = HTTP_ERROR_TYPES.get(error.status_code, "invalid_request_error")
-        headers = error.headers
+        headers, message = error.headers, str(error.detail)
         if error.status_code == 405:  # Starlette names the methods of the first route on the path only
-            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
-        return error_response(error.status_code, str(error.detail), error_type, headers)
+            allowed = _allowed_methods(request) or [(headers or {}).get("Allow", "")]
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        bare = request.scope["path"].rstrip("/")
+        if error.status_code == 404 and bare and bare != request.scope["path"] and _allowed_methods(request, bare):
+            message = f"{message}: the route is {bare}, without the trailing slash"
+        return error_response(error.status_code, message, error_type, headers)
 
     @app.exception_handler(_ClientGone)
     async def client_gone(request: Request, error: _ClientGone) -> Response:

@@ -4,8 +4,10 @@ loop (health, metrics, streaming) never waits on torch. No HTTP here.
 Requests enter on the event loop through ``transduce`` and ``submit_generation``: a request with more
 sequences than the queue can ever hold is refused with :class:`InputTooLarge` (413), a full queue
 (``max_waiting`` requests not yet scheduled) at once with :class:`Overloaded` (429), and nothing is taken
-while loading or draining (:class:`Unavailable`). The worker thread loads the models, measures each one's
-speed and computes its limits (``server/costing.py``), then runs the scheduler loop (``server/scheduler.py``).
+while loading or draining (:class:`Unavailable`). A request is counted from its headers too (``arrive``: the
+requests still being read, parsed and tokenized), so that a burst past the queue's room is refused before any of
+that work is done. The worker thread loads the models, measures each one's speed and computes its limits
+(``server/costing.py``), then runs the scheduler loop (``server/scheduler.py``).
 ``abort_in_flight`` ends every request in flight with an error (the drain timeout's 503).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import queue
 import threading
@@ -32,7 +35,7 @@ from server.errors import APIError, Conflict, InputTooLarge, Overloaded, Unavail
 from server.generation import Finished, GenerationRequest, Sequence
 from server.mailbox import Mailbox, Postman
 from server.metrics import RequestTimes, ServerMetrics
-from server.model_store import LoadReport, ServedModel, load_models
+from server.model_store import LoadReport, ServedModel, failed_folder, load_models
 from server.runtime_models import check_new_id
 from server.scheduler import STOP, AbortAll, OnWorker, Scheduler
 from server.settings import Settings
@@ -84,6 +87,23 @@ def _cancel_all(sequences: list[Sequence]) -> Callable[[], None]:
     return cancel
 
 
+class Arrival:
+    """A request counted in its engine's ``arriving`` from its headers until it is admitted or refused
+    (``EngineFront._admit``) or ends, whichever comes first: ``leave`` counts it out once, however often called."""
+
+    def __init__(self, engine: EngineFront) -> None:
+        self._engine: EngineFront | None = engine
+        engine.arriving += 1
+
+    def leave(self) -> None:
+        if self._engine is not None:
+            self._engine.arriving -= 1
+            self._engine = None
+
+
+_ARRIVAL: contextvars.ContextVar[Arrival | None] = contextvars.ContextVar("regularlm_arrival", default=None)
+
+
 class EngineFront(abc.ABC):
     """What the API side asks of an engine, whether it runs in this process (:class:`Engine`) or in a child
     (``server/engine_client.py``'s ``EngineClient``): its state for /health, the served models, admission into the
@@ -95,8 +115,9 @@ class EngineFront(abc.ABC):
         self.detail: str | None = None  # why the state is not "ok", for /health
         self.models: dict[str, ServedModel] = {}  # replaced, never changed in place: readers need no lock
         self.runtime_ids: set[str] = set()  # the models added by POST /v1/models
-        self.load_failures: list[str] = []
+        self.load_failures: list[str] = []  # "<path>: <reason>" per checkpoint folder skipped (model_store.LoadReport)
         self.queue = RequestQueue(settings.max_waiting)  # the scheduler's: what admission counts
+        self.arriving = 0  # requests past their headers, not yet admitted or refused (``arrive``; the event loop's)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until loading has ended (ready or failed)."""
@@ -126,7 +147,26 @@ class EngineFront(abc.ABC):
             why = f": {self.detail}" if self.detail else ""  # none while loading
             raise Unavailable(f"the server is {self.state}{why}", retry_after_s=self.settings.retry_after_s)
 
+    @property
+    def skipped_folders(self) -> list[str]:
+        """The names of the checkpoint folders that were skipped at load (not their paths on the server)."""
+        return [failed_folder(failure, self.settings.models) for failure in self.load_failures]
+
+    def arrive(self) -> Arrival:
+        """Count a request to a queued endpoint from its headers (``server/http_guard.py``) until it is admitted or
+        refused by ``_admit`` or ends (``Arrival.leave``), or refuse it at once (:class:`Overloaded`, 429) where the
+        queue's waiting requests and those arriving fill it already: before its body is read, parsed and tokenized.
+        On the event loop, in the request's context, where ``_admit`` finds the arrival to end."""
+        if self.queue.waiting + self.arriving >= self.queue.max_waiting:
+            raise self._overloaded()
+        arrival = Arrival(self)
+        _ARRIVAL.set(arrival)
+        return arrival
+
     def _admit(self, requests: list[RequestTimes]) -> None:
+        arrival = _ARRIVAL.get()
+        if arrival is not None:  # admitted or refused below: from here the queue counts it, or nothing does
+            arrival.leave()
         self.check_serving()
         if len(requests) > self.settings.max_waiting:
             raise InputTooLarge(
@@ -134,11 +174,14 @@ class EngineFront(abc.ABC):
                 "(REGULARLM_MAX_WAITING), so it could never be scheduled"
             )
         if not self.queue.admit(len(requests)):
-            raise Overloaded(
-                f"the queue is full ({self.settings.max_waiting} requests waiting); retry later",
-                retry_after_s=self.settings.retry_after_s,
-            )
+            raise self._overloaded()
         self.metrics.queued(requests)
+
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(
+            f"the queue is full ({self.settings.max_waiting} requests waiting); retry later",
+            retry_after_s=self.settings.retry_after_s,
+        )
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -350,8 +393,8 @@ class Engine(EngineFront):
         if model_id not in self.models:
             raise UnknownModel(model_id, sorted(self.models))
         if model_id not in self.runtime_ids:
-            raise Conflict(f"model {model_id!r} was loaded from {self.models[model_id].path}; only models added with "
-                           "POST /v1/models can be deleted")
+            raise Conflict(f"model {model_id!r} is a shipped model, loaded when the server started; only models added "
+                           "with POST /v1/models can be deleted")
         self.models = {key: served for key, served in self.models.items() if key != model_id}
         self.runtime_ids.discard(model_id)
         self.metrics.unregister_model(model_id)

@@ -8,6 +8,7 @@ do when none loads.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from array import array
@@ -85,6 +86,13 @@ class ServedModel:
 class LoadReport:
     models: dict[str, ServedModel]
     failures: list[str]  # "<path>: <reason>" per folder that did not load
+
+
+def failed_folder(failure: str, directory: Path) -> str:
+    """The name of the folder a ``LoadReport`` failure ("<path>: <reason>") is about, for those who should not read
+    the server's paths (/health): its path less ``directory``, the folder the models were loaded from."""
+    path, _, _ = failure.removeprefix(f"{directory}{os.sep}").partition(": ")
+    return Path(path).name or path
 
 
 def served_transducer(model_id: str, model: SequenceModel, config: CheckpointConfig, path: Path) -> ServedModel:

@@ -38,6 +38,15 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         60.0, gt=0, description="the longest a request body may take to arrive, from the app's first read; then 408"
     )
+    linger_max_bytes: int = Field(
+        64 * 2**20, ge=0, description="bytes of a body answered without being read (401, 413, 429 from the headers, "
+        "a body past max_body_bytes) that are read and discarded before the connection closes, as nginx's lingering "
+        "close does, so that a client still sending it reads the answer rather than a reset"
+    )
+    linger_timeout_s: float = Field(10.0, ge=0, description="the longest that discarding may take in all")
+    linger_read_timeout_s: float = Field(
+        2.0, gt=0, description="discarding stops after this long without a byte arriving"
+    )
     header_timeout_s: float = Field(
         10.0, gt=0, description="the longest a connection may take to send a request's headers, from its opening or "
         "the first byte of a later request; then it is closed (python -m server)"

@@ -14,7 +14,7 @@ NO_WAIT = RetryPolicy(max_retries=2, backoff_s=0.0)
 
 def test_sync_client(live) -> None:
     with Client(live.url) as client:
-        assert client.health().status == "ok"
+        assert client.health().status == "degraded"  # the fixtures hold a broken folder
         assert "parity-lrnn" in {card.id for card in client.models().data}
         result = client.transduce("parity-lrnn", ["0110", "1"], outputs="all").results[0]
         assert len(result.all) == 4 and result.final == result.all[-1]

@@ -18,6 +18,17 @@ def make_settings(models: Path, **overrides) -> Settings:
     return Settings(**{"models": models, "device": "cpu", "batch_wait_ms": 2.0, "torch_threads": 1, **overrides})
 
 
+def assert_error(response, status: int, error_type: str, *fragments: str) -> dict:
+    """The response is an error of the API's shape with that status and type, its message holding each fragment."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type"}
+    assert body["error"]["type"] == error_type
+    for fragment in fragments:
+        assert fragment in body["error"]["message"]
+    return body
+
+
 def wait_for(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

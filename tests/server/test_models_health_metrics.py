@@ -33,8 +33,13 @@ def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_d
 
 
 def test_health(client) -> None:
+    """200 while serving; "degraded", naming the folder, as the broken one was skipped (tests/server/test_http_edges.py
+    has "ok")."""
     response = client.get("/health")
-    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    assert response.status_code == 200 and response.json() == {
+        "status": "degraded",
+        "detail": f"1 checkpoint folder was skipped at load and not served: {BROKEN} (the server's log says why)",
+    }
 
 
 def test_metrics_use_vllm_names(client) -> None:

@@ -11,8 +11,7 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.request_limits import count_values, without_strings
 from server.settings import Settings
-from tests.server.helpers import make_settings
-from tests.server.test_errors import assert_error
+from tests.server.helpers import assert_error, make_settings
 
 LIMITS = {"max_stop_strings": 3, "max_stop_chars": 10, "max_logit_bias": 2, "max_inputs": 4,
           "max_input_symbols": 50, "max_request_symbols": 80, "max_body_values": 200}  # fmt: skip
