@@ -50,7 +50,7 @@ class JSONBodyRequest(Request):
             body = await self.body()
             settings = self.app.state.settings
             try:
-                check_body_values(body, settings)
+                await check_body_values(body, settings)
                 self._json = await parse_large_json(body) if len(body) >= THREADED_PARSE_BYTES else parse_json(body)
                 if self.check is not None:
                     self.check(self._json, settings)

@@ -5,6 +5,7 @@ after validation, in ``server/serving.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,25 +19,40 @@ JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def count_values(body: bytes) -> int:
-    """An upper bound on the JSON values in ``body``: a value after the first of an array or object follows a comma,
-    the first follows its bracket (commas and brackets inside strings are counted too). C speed: ~2 ms a MB."""
-    return body.count(b",") + body.count(b"[") + body.count(b"{") + 1
+    """An upper bound on the JSON values in ``body``, object keys included: a value after the first of an array or
+    object follows a comma, the first follows its bracket, and a key's value follows its colon (commas, brackets and
+    colons inside strings are counted too). C speed: ~3 ms a MB."""
+    return body.count(b",") + body.count(b"[") + body.count(b"{") + body.count(b":") + 1
 
 
-def check_body_values(body: bytes, settings: Settings) -> None:
-    """413 if the body may hold more than ``max_body_values`` JSON values (:func:`count_values`, exact where the
-    bound is over: strings removed first)."""
+async def check_body_values(body: bytes, settings: Settings) -> None:
+    """413 if the body holds more than ``max_body_values`` JSON values: :func:`count_values`, and where that bound is
+    over the limit, :func:`values_outside_strings` on a thread (a Python loop: the event loop runs between its steps)."""
     limit = settings.max_body_values
     if count_values(body) <= limit:
         return
-    count = count_values(without_strings(body))
-    if count > limit:
-        raise InputTooLarge(f"the body holds about {count} JSON values; the limit is {limit} (max_body_values)")
+    if await asyncio.to_thread(values_outside_strings, body, limit) > limit:
+        raise InputTooLarge(f"the body holds more than {limit} JSON values, the limit (max_body_values)")
 
 
-def without_strings(body: bytes) -> bytes:
-    """``body`` with each JSON string's contents removed (``"..."`` -> ``""``)."""
-    return JSON_STRING.sub(b'""', body)
+def values_outside_strings(body: bytes, limit: int) -> int:
+    """:func:`count_values` of ``body`` without what its strings hold: exact up to ``limit``; a count over ``limit``
+    as soon as the part read so far holds more (what strings hold is only taken away as they are read)."""
+    inside = prefix = read = 0
+    for number, match in enumerate(JSON_STRING.finditer(body)):
+        start, end = match.span()
+        inside += _separators(body, start, end)
+        if number % 4096 == 4095:
+            prefix, read = prefix + _separators(body, read, end), end
+            if prefix - inside + 1 > limit:
+                return prefix - inside + 1
+    return count_values(body) - inside
+
+
+def _separators(body: bytes, start: int, end: int) -> int:
+    return body.count(b",", start, end) + body.count(b"[", start, end) + body.count(b"{", start, end) + body.count(
+        b":", start, end
+    )
 
 
 def check_sampling(data: dict, settings: Settings) -> None:

@@ -73,8 +73,8 @@ class Settings(BaseSettings):
     )
     max_logit_bias: int = Field(4096, ge=0, description="logit_bias entries of one request; more is refused (413)")
     max_body_values: int = Field(
-        2**20 + 2**17, gt=0, description="JSON values (numbers, strings, arrays, objects) of one request body, counted "
-        "before it is parsed; more is refused (413). The default holds a request at every other limit (2^20 token ids "
+        2**20 + 2**17, gt=0, description="JSON values (numbers, strings, arrays, objects, and object keys) of one "
+        "request body, counted before it is parsed; more is refused (413). The default holds a request at every other limit (2^20 token ids "
         "or symbols, with its stop strings, logit_bias and schema), and bounds what parsing a body may cost"
     )
 

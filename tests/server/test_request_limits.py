@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
-from server.request_limits import count_values, without_strings
+from server.request_limits import count_values, values_outside_strings
 from server.settings import Settings
 from tests.server.helpers import assert_error, make_settings
 
@@ -53,10 +53,12 @@ def test_a_request_at_every_bound_is_served(bounded) -> None:
 
 
 def test_the_value_count_is_a_bound_that_strings_do_not_break() -> None:
-    body = json.dumps({"a": [1, 2, [3, {"b": "x,[{"}]], "c": 'q\\",,'}).encode()
-    assert count_values(without_strings(body)) == 9  # {...}, [1, ...], 1, 2, [3, ...], 3, {"b": ...}, and 2 strings
-    assert count_values(body) > 8
-    assert without_strings(b'{"a": "x\\\\", "b": "y\\"z"}') == b'{"": "", "": ""}'
+    body = json.dumps({"a": [1, 2, [3, {"b": "x,[{"}]], "c": 'q\\",,:'}).encode()
+    exact = 12  # {...}, [1, ...], 1, 2, [3, ...], 3, {...}, 2 strings, 3 keys
+    assert count_values(body) > exact and values_outside_strings(body, 100) == exact
+    assert values_outside_strings(b'{"a": "x\\\\", "b": "y\\",z"}', 100) == 5  # the object, 2 keys, 2 strings
+    many = json.dumps({str(key): 1 for key in range(20_000)}).encode()
+    assert 100 < values_outside_strings(many, 100) < 40_001  # stopped early, past the limit
 
 
 def test_commas_in_strings_do_not_count_against_the_bound(bounded) -> None:
@@ -95,4 +97,5 @@ def test_a_large_body_parses_as_a_small_one(checkpoints_dir) -> None:
 def test_the_default_value_bound_holds_a_request_at_the_other_limits() -> None:
     settings = Settings()
     at_limits = settings.max_request_symbols + settings.max_inputs + settings.max_stop_strings + 2 * settings.max_logit_bias
+    # a schema of structured_max_chars characters holds fewer values and keys than characters
     assert settings.max_body_values >= at_limits + settings.structured_max_chars
