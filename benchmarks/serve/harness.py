@@ -110,10 +110,17 @@ def peak_rss_bytes(pid: int) -> int:
 
 @contextmanager
 def server_process(
-    models: Path, threads: int, device: str = "cpu", module: str = "server", cwd: Path = ROOT, **settings: object
+    models: Path,
+    threads: int,
+    device: str = "cpu",
+    module: str = "server",
+    cwd: Path = ROOT,
+    start_timeout_s: float = 120,
+    **settings: object,
 ) -> Iterator[ServerURL]:
     """``python -m server`` (or ``module``, which takes its arguments) on a free port with REGULARLM_* settings, run
-    from ``cwd`` (another checkout serves its own code); yields its URL (with ``.pid``); SIGTERM at the end."""
+    from ``cwd`` (another checkout serves its own code); yields its URL (with ``.pid``) once /health answers 200, which
+    it may take ``start_timeout_s`` to; SIGTERM at the end."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -125,7 +132,7 @@ def server_process(
     url = ServerURL(f"http://127.0.0.1:{port}")
     url.pid = process.pid
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + start_timeout_s
         while not _healthy(url):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server at {url} did not start")
