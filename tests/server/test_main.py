@@ -65,7 +65,7 @@ def test_sigterm_drains_requests_in_flight(checkpoints_dir) -> None:
     url = f"http://127.0.0.1:{port}"
     process = start_server("--models", str(checkpoints_dir), "--port", str(port))
     try:
-        wait_healthy(url, timeout=120)
+        wait_healthy(url, timeout=300)
         body = {"model": "text-lstm", "prompt": "x", "max_tokens": 800, "stream": True}
         with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -93,7 +93,7 @@ def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir)
     drain_timeout_s = 0.5
     process = start_server("--models", str(checkpoints_dir), "--port", str(port), drain_timeout_s=drain_timeout_s)
     try:
-        wait_healthy(url, timeout=120)
+        wait_healthy(url, timeout=300)
         body = {"model": "text-transformer", "prompt": "x", "max_tokens": 4096}
         plain: dict = {}
         waiting = threading.Thread(
@@ -136,7 +136,7 @@ def test_the_engine_process_dying_exits_3(checkpoints_dir) -> None:
     url = f"http://127.0.0.1:{port}"
     process = start_server("--models", str(checkpoints_dir), "--port", str(port))
     try:
-        wait_healthy(url, timeout=120)
+        wait_healthy(url, timeout=300)
         os.kill(engine_process_of(process.pid), signal.SIGKILL)
         assert process.wait(timeout=30) == 3
     finally:
@@ -148,6 +148,12 @@ def test_the_engine_process_dying_exits_3(checkpoints_dir) -> None:
 
 def test_engine_in_process_keeps_the_engine_on_a_thread() -> None:
     assert parse_settings([]).engine_process is None and parse_settings(["--engine-in-process"]).engine_process is False
+
+
+def test_the_access_log_is_off_unless_asked_for(monkeypatch) -> None:
+    assert not parse_settings([]).access_log and parse_settings(["--access-log"]).access_log
+    monkeypatch.setenv("REGULARLM_ACCESS_LOG", "true")
+    assert parse_settings([]).access_log  # the flag left out does not turn the environment's setting off
 
 
 def closed_by_server(sock: socket.socket) -> bytes:
@@ -170,7 +176,7 @@ def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
         "--models", str(checkpoints_dir), "--port", str(port), header_timeout_s=0.5, body_timeout_s=0.5
     )  # fmt: skip
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=300)
         with socket.create_connection(("127.0.0.1", port), timeout=3) as slow_headers:
             slow_headers.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
             assert closed_by_server(slow_headers) == b""
@@ -224,7 +230,7 @@ def test_idle_connections_are_kept_alive_for_their_next_request(checkpoints_dir)
     )  # fmt: skip
     request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=300)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(request)
             assert read_response(sock).startswith(b"HTTP/1.1 200 ")
