@@ -13,6 +13,9 @@ printed with its path and reason), 3 when the engine process died while serving 
 The engine core runs in a child process (``server/engine_client.py``, ``server/engine_core.py``) unless
 ``--engine-in-process`` (or ``REGULARLM_ENGINE_PROCESS=false``) keeps it on a thread of this one.
 
+uvicorn's access log (a line per request) is off unless ``--access-log`` (or ``REGULARLM_ACCESS_LOG=true``) turns it
+on: each line is formatted and written on the event loop, which every request goes through.
+
 A connection that has not sent a request's headers ``header_timeout_s`` after it opened or after the first byte of a
 later request is closed (``server/http_guard.py``); an idle one, ``keep_alive_s`` after its last response.
 """
@@ -99,13 +102,18 @@ def parse_settings(argv: list[str] | None) -> Settings:
         "--engine-in-process", action="store_true",
         help="run the engine core on a thread of this process, not in a child (REGULARLM_ENGINE_PROCESS=false)",
     )
+    parser.add_argument(
+        "--access-log", action="store_true", help="log a line per request (uvicorn's; REGULARLM_ACCESS_LOG=true)"
+    )
     args = parser.parse_args(argv)
-    flags = ("enforce_eager", "engine_in_process")
+    flags = ("enforce_eager", "engine_in_process", "access_log")
     overrides = {name: value for name, value in vars(args).items() if value is not None and name not in flags}
     if args.enforce_eager:
         overrides["cuda_graphs"] = False
     if args.engine_in_process:
         overrides["engine_process"] = False
+    if args.access_log:
+        overrides["access_log"] = True
     try:
         return Settings(**overrides)
     except ValidationError as error:
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         timeout_graceful_shutdown=CLOSE_WAIT_S,
         timeout_keep_alive=settings.keep_alive_s,  # longer than clients keep idle connections
         http=with_header_timeout(AutoHTTPProtocol, settings.header_timeout_s),  # httptools, or h11 without it

@@ -8,8 +8,9 @@ of each choice merged.
 
 from __future__ import annotations
 
+import os
+import random
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from model.tokenizer import Tokenizer
@@ -19,6 +20,17 @@ from server.generation import Finished, PromptScored, TokenGenerated
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from server.sampling import TokenLogprob
 from server.serving import SSE_DONE, Serving, coalesced, sse, sse_error
+
+# Completion ids: 128 random bits from a generator seeded once from the OS (again in a forked child), not uuid4, whose
+# os.urandom releases the GIL on the event loop just after the request was handed to the engine's thread: the loop then
+# waited for that thread to give it back (up to the interpreter's switch interval, 5 ms, behind an engine thread).
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
+def completion_id() -> str:
+    """``cmpl-`` and 32 hex digits, as ``uuid4().hex`` gave."""
+    return f"cmpl-{_ids.getrandbits(128):032x}"
 
 
 class ChoiceState:
@@ -102,9 +114,7 @@ class CompletionServing:
                     ChoiceState(len(choices), text, request.prompt, body.echo, served.tokenizer, body.logprobs)
                 )
         handle = self.serving.engine.submit_generation(served, requests, flow)
-        response = CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model, choices=[]
-        )
+        response = CompletionResponse(id=completion_id(), created=int(time.time()), model=body.model, choices=[])
         prompt_tokens = sum(len(request.prompt) for request in requests[:: body.n])
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

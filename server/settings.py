@@ -186,3 +186,7 @@ class Settings(BaseSettings):
         "a thread in an app built by server.app.create_app (tests, embedding)"
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    access_log: bool = Field(
+        False, description="uvicorn's access log, a line per request at INFO (python -m server). Off by default: it is "
+        "formatted and written on the event loop, between one request and the next"
+    )

@@ -8,27 +8,42 @@ plus the engine process where there is one).
 
     python -m benchmarks.serve.bench_engine_process [--rounds 2] [--concurrency 64] [--requests 128]
         [--max-tokens 256] [--baseline PATH] [--model FOLDER] [--device cpu|cuda] [--setting NAME=VALUE ...]
+        [--path /v1/generate|/v1/completions] [--log-level warning|info|...]
 
 ``--model FOLDER``: serve that checkpoint folder instead (e.g. checkpoints/text-lrnn). ``--baseline PATH``: a checkout of another commit (e.g. a ``git worktree`` of 3c7e707), whose ``python -m server``
 serves the same model as a third mode, "baseline", in each round. ``--setting batch_invariant=false``: a server setting
 (REGULARLM_*) of the thread and process modes (not the baseline's, which may not know it): batch invariance (on by
 default for LRNNs on the CPU since 9500182, after 3c7e707) decodes rows one by one through the row-wise kernels.
+``--path /v1/completions``: the OpenAI route instead of ``/v1/generate`` (streams ask for the usage chunk).
+``--log-level``: warning (default) starts each server with ``--log-level warning``; any other level starts it as the
+README does, ``python -m server`` with no log option (info) or with that level, its log (uvicorn's access log too,
+where it is on) written to a file beside the models.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
 import shutil
+import signal
+import socket
+import ssl
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import torch
 
-from benchmarks.serve.harness import ROOT, machine, run_load, server_process
+from benchmarks.serve.harness import ROOT, Record, ServerURL, machine, run_load, server_process
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig
 from model.registry import build_model
@@ -62,9 +77,88 @@ def for_baseline(models: Path, baseline: Path, folder: Path) -> Path:
     return copy
 
 
-def bodies(model_id: str, count: int, max_tokens: int, stream: bool) -> list[dict]:
+def bodies(model_id: str, count: int, max_tokens: int, stream: bool, path: str = "/v1/generate") -> list[dict]:
+    usage = {"stream_options": {"include_usage": True}} if stream and path == "/v1/completions" else {}
     return [{"model": model_id, "prompt": f"Chapter {index}. It was", "max_tokens": max_tokens, "temperature": 0,
-             "stream": stream} for index in range(count)]  # fmt: skip
+             "stream": stream, **usage} for index in range(count)]  # fmt: skip
+
+
+@contextmanager
+def readme_server(models: Path, device: str, log_level: str, log: Path, cwd: Path = ROOT,
+                  **settings: object) -> Iterator[ServerURL]:  # fmt: skip
+    """``python -m server`` as the README starts it (no ``--log-level`` for info, its default), on a free port with
+    REGULARLM_* settings and one torch thread, its output appended to ``log``; yields its URL (with ``.pid``) once
+    /health answers 200; SIGTERM at the end. harness.server_process's, but for the log level."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
+    env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
+    env["REGULARLM_TORCH_THREADS"] = "1"
+    command = [sys.executable, "-m", "server", "--models", str(models), "--port", str(port), "--device", device]
+    if log_level != "info":
+        command += ["--log-level", log_level]
+    with log.open("ab") as output:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT)
+    url = ServerURL(f"http://127.0.0.1:{port}")
+    url.pid = process.pid
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {url} did not start (its log: {log})")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def load(url: str, path: str, bodies: list[dict], concurrency: int) -> tuple[list[Record], float]:
+    """harness.run_load's records and wall time; on /v1/completions, with the OpenAI chunks read for streams (each
+    worker one client with one connection, as there)."""
+    if path == "/v1/generate" or not any(body["stream"] for body in bodies):
+        return run_load(url, path, bodies, concurrency)
+
+    async def send(client: httpx.AsyncClient, body: dict) -> Record:
+        record, start = Record(), time.perf_counter()
+        async with client.stream("POST", path, json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if any(choice["text"] for choice in chunk["choices"]):
+                    record.chunk_times.append(time.perf_counter() - start)
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+        record.e2el = time.perf_counter() - start
+        record.ttft = record.chunk_times[0] if record.chunk_times else None
+        return record
+
+    async def main() -> tuple[list[Record], float]:
+        records: list[Record | None] = [None] * len(bodies)
+        pending = iter(enumerate(bodies))
+        tls = ssl.create_default_context()
+
+        async def worker() -> None:
+            limits = httpx.Limits(max_connections=1)
+            async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, verify=tls) as client:
+                for index, body in pending:
+                    records[index] = await send(client, body)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
+        return records, time.perf_counter() - start
+
+    return asyncio.run(main())
 
 
 def resident_mib(pid: int) -> float:
@@ -96,16 +190,16 @@ def _children(pid: int) -> list[int]:
 
 
 def measure(url: str, model_id: str, args: argparse.Namespace) -> dict[str, float]:
-    run_load(url, "/v1/generate", bodies(model_id, args.concurrency, 8, False), args.concurrency)  # warm-up
+    load(url, args.path, bodies(model_id, args.concurrency, 8, False, args.path), args.concurrency)  # warm-up
     figures = {"rss_mib": resident_mib(url.pid)}
     for stream in (False, True):
-        load = bodies(model_id, args.requests, args.max_tokens, stream)
+        sent = bodies(model_id, args.requests, args.max_tokens, stream, args.path)
         used = cpu_seconds(url.pid)
-        records, wall = run_load(url, "/v1/generate", load, args.concurrency)
+        records, wall = load(url, args.path, sent, args.concurrency)
         tokens = sum(record.output_tokens for record in records)
         figures["streams" if stream else "whole"] = tokens / wall
         figures["cpu_streams" if stream else "cpu_whole"] = 1e6 * (cpu_seconds(url.pid) - used) / tokens
-    records, _ = run_load(url, "/v1/generate", bodies(model_id, args.single, args.max_tokens, True), 1)
+    records, _ = load(url, args.path, bodies(model_id, args.single, args.max_tokens, True, args.path), 1)
     figures["tpot_ms"] = 1e3 * statistics.median(record.tpot for record in records if record.tpot is not None)
     return figures
 
@@ -121,12 +215,19 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a checkpoint folder to serve instead of the tiny LRNN")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--setting", action="append", default=[], help="NAME=VALUE, a setting of this code's modes")
+    parser.add_argument("--path", choices=["/v1/generate", "/v1/completions"], default="/v1/generate")
+    parser.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="warning",
+        help="the servers' log level; other than warning: started as the README does (info: no log option)",
+    )
     args = parser.parse_args()
     extra = dict(setting.split("=", 1) for setting in args.setting)
     modes = {"thread": {"engine_process": "false", **extra}, "process": {"engine_process": "true", **extra}}
     if args.baseline is not None:
         modes = {"baseline": {}, **modes}
-    print(f"# {machine(args.device)}, load {os.getloadavg()[0]:.1f}")
+    print(f"# {machine(args.device)}, load {os.getloadavg()[0]:.1f}; {args.path}, log level {args.log_level}")
     print("| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | server CPU us/token, "
           "whole / streams | RSS (MiB) |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -137,7 +238,12 @@ def main() -> None:
         for round_ in range(1, args.rounds + 1):
             for mode, settings in modes.items():
                 cwd, served = (args.baseline, baseline_models) if mode == "baseline" else (ROOT, models)
-                with server_process(served, 1, args.device, cwd=cwd, **settings) as url:
+                if args.log_level == "warning":
+                    server = server_process(served, 1, args.device, cwd=cwd, **settings)
+                else:
+                    server = readme_server(served, args.device, args.log_level, Path(folder) / f"{mode}.log", cwd,
+                                           **settings)  # fmt: skip
+                with server as url:
                     figures = measure(url, model_id, args)
                 print(f"| {round_} | {mode} | {figures['whole']:,.0f} | {figures['streams']:,.0f} | "
                       f"{figures['tpot_ms']:.3f} | {figures['cpu_whole']:.0f} / {figures['cpu_streams']:.0f} | "

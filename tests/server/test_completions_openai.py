@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import openai
 import pytest
 
+from server.completions import completion_id
 from tests.server import reference
 
 
@@ -37,6 +41,26 @@ def test_stream_with_usage(oai) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
     assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+def test_completion_ids_are_unique_and_shared_by_a_stream_s_chunks(oai) -> None:
+    ids = [oai.completions.create(model="text-lrnn", prompt="Hi", max_tokens=1).id for _ in range(3)]
+    chunks = list(oai.completions.create(model="text-lrnn", prompt="Hi", max_tokens=3, stream=True))
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", each) for each in ids) and len(set(ids)) == 3
+    assert {chunk.id for chunk in chunks} == {chunks[0].id} and chunks[0].id not in ids
+
+
+def test_a_forked_child_draws_other_completion_ids() -> None:
+    """The id generator is seeded again in a forked child (a server forked after import would repeat the ids)."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(write, completion_id().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    with os.fdopen(read) as pipe:
+        assert pipe.read() != completion_id()
 
 
 @pytest.mark.parametrize("model_id", ["text-lrnn", "text-transformer", "text-regulargpt"])
