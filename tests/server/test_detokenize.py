@@ -95,7 +95,7 @@ def test_many_stop_strings_cost_no_more_per_character() -> None:
 
     automaton.step = counted
     try:
-        deltas, stopped, _ = run("no stop in this text, 12345 but not followed by the mark", stops)
+        _, stopped, _ = run("no stop in this text, 12345 but not followed by the mark", stops)
     finally:
         del automaton.step
     assert not stopped and steps == len("no stop in this text, 12345 but not followed by the mark")
