@@ -99,6 +99,7 @@ class RegularGPT(SequenceModel):
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         init_gpt2(self, n_residual_layers=config.thickness)  # scaled over the K distinct blocks
         self.packed: PackedBlocks | None = None  # set by for_serving where decode steps run compiled
+        self.fixed_costs = regulargpt_cost.FixedCosts()  # the cached path's, once measured (measure_fixed_costs)
         # Training only (set by the trainer, ``--extra-levels``): the parallel pass reads every position that many
         # thick layers above its depth D(m), i.e. after that many more pointwise continuations, as early positions'
         # states are when a long input uses them as keys many layers up. 0 everywhere else.
@@ -201,7 +202,14 @@ class RegularGPT(SequenceModel):
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
         """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call, for
         the attention it runs at that size: :func:`model.regulargpt_cost.cost` gives the formulas."""
-        return regulargpt_cost.cost(self.config, self.dtype.itemsize, self._impl, path, rows, length, context)
+        return regulargpt_cost.cost(
+            self.config, self.dtype.itemsize, self._impl, path, rows, length, context, self.fixed_costs
+        )
+
+    def measure_fixed_costs(self) -> None:
+        """Measure, as served on this device, the cached path's work beyond its multiply-adds, which :meth:`cost`
+        then counts (:func:`model.regulargpt_cost.measure_fixed_costs`; the server's calibration calls it)."""
+        self.fixed_costs = regulargpt_cost.measure_fixed_costs(self)
 
     def cache_nbytes(self, length: int) -> int:
         """One row after ``length`` tokens, as allocated (:func:`model.regulargpt_cost.cache_nbytes`)."""

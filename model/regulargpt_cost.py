@@ -1,19 +1,42 @@
 """What RegularGPT's calls cost (model/regulargpt.py: :meth:`RegularGPT.cost`, :meth:`RegularGPT.cache_nbytes`):
 multiply-adds and peak bytes of each call path, for the attention implementation that path runs at that size,
 and the bytes a cache row holds. Functions of the configuration, the dtype's ``itemsize`` and the parallel
-passes' attention ``impl`` (as configured, or as ``for_serving`` switched it).
+passes' attention ``impl`` (as configured, or as ``for_serving`` switched it), and for the cached path the
+work its multiply-adds do not show (:class:`FixedCosts`, measured by :func:`measure_fixed_costs`).
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
 
 from model.base import CallPath, Cost
 from model.config import RegularGPTConfig
 from model.ops.dilated_attention import banded_block, cached_attention_impl, reachable_slots, resolve_impl
 from model.regulargpt_cache import adaptive_depth, capacity, ring_columns
 
+FIXED_COST_CHUNKS = (2, 8, 32, 128)  # the chunks :func:`measure_fixed_costs` times: from fixed work to products
+FIXED_COST_REPEATS = 9  # the fastest of this many timings of each call counts
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """The cached path's work beyond its multiply-adds, in multiply-add equivalents (seconds at the model's measured
+    seconds per multiply-add): ``block``, one block's pass over a chunk of two or more positions (its ~40 small ops
+    and the Python between them, whatever the chunk's length); ``layer_step``, one thick layer of a one-position
+    call (a decode step). A chunk runs K blocks at each of the D thick layers its last position needs, so its fixed
+    work grows with its depth in the prompt (at C = 64: D = 1 up to 64 positions, 2 up to 4,096, 3 up to 262,144),
+    and deep in a long prompt it is most of a short chunk's time. Zero until measured."""
+
+    block: float = 0.0
+    layer_step: float = 0.0
+
 
 def cost(
-    config: RegularGPTConfig, itemsize: int, impl: str, path: CallPath, rows: int, length: int, context: int = 0
+    config: RegularGPTConfig, itemsize: int, impl: str, path: CallPath, rows: int, length: int, context: int = 0,
+    fixed: FixedCosts = FixedCosts(),
 ) -> Cost:
     """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call.
 
@@ -36,7 +59,8 @@ def cost(
     - "cached" (B, n, context c): D(c + n - 1) layers over the n new positions, attending gathered or banded
       (:func:`cached_attention_impl`) with J_l as above; plus, when the chunk needs a deeper layer than the rows
       hold (c >= 1 and D(c - 1) < D(c + n - 1)), each new layer over the c consumed positions with J = 1
-      (every other key is out of range). Bytes: the cache's growth B (cache_nbytes(c + n) - cache_nbytes(c)),
+      (every other key is out of range). Plus its ``fixed`` work: K D(c + n - 1) block passes (each new layer's
+      K more), or for n = 1 D(c) layer steps. Bytes: the cache's growth B (cache_nbytes(c + n) - cache_nbytes(c)),
       plus the largest of: the room's copy (one tensor at a time: 3 B capacity(c + n) d e, when the room or
       the depth changes), the depth growth's pass over c positions, the chunk's pass (activations, gathered:
       8 B n J d e keys, 6 B H n C e scores, 3 * 8 B n J index bytes; banded: as "forward" with the prefix
@@ -54,7 +78,7 @@ def cost(
         return Cost(flops + rows * _head_flops(config), nbytes + _logits_nbytes(config, itemsize, rows, 1))
     if path != "cached":
         raise ValueError(f"unknown call path {path!r}")
-    return _cached_cost(config, itemsize, rows, length, context)
+    return _cached_cost(config, itemsize, rows, length, context, fixed)
 
 
 def final_layers(config: RegularGPTConfig, length: int) -> list[int]:
@@ -78,7 +102,9 @@ def cache_nbytes(config: RegularGPTConfig, itemsize: int, length: int) -> int:
     return (room + 2 * config.thickness * slots) * config.d_model * itemsize
 
 
-def _cached_cost(config: RegularGPTConfig, itemsize: int, rows: int, length: int, context: int) -> Cost:
+def _cached_cost(
+    config: RegularGPTConfig, itemsize: int, rows: int, length: int, context: int, fixed: FixedCosts
+) -> Cost:
     """The "cached" path of :func:`cost`."""
     chunk_size, d, item = config.chunk_size, config.d_model, itemsize
     last = context + length - 1
@@ -88,9 +114,10 @@ def _cached_cost(config: RegularGPTConfig, itemsize: int, rows: int, length: int
     flops += rows * length * _head_flops(config)
     nbytes += _logits_nbytes(config, item, rows, length)
     held = adaptive_depth(context - 1, chunk_size) if context else 0
+    flops += fixed.layer_step * depth if length == 1 else fixed.block * config.thickness * depth
     if context and held < depth:  # the consumed positions through each new layer, J = 1
         grow_flops, grow_nbytes = _pass_cost(config, item, rows, [context] * (depth - held), dilations[held:], "cached")
-        flops += grow_flops
+        flops += grow_flops + fixed.block * config.thickness * (depth - held)
         nbytes = max(nbytes, grow_nbytes + 2 * rows * context * d * item)
     if capacity(context + length) > capacity(context) or held < depth:  # one tensor's copy at a time
         nbytes = max(nbytes, 3 * rows * capacity(context + length) * d * item)
@@ -156,3 +183,70 @@ def _head_flops(config: RegularGPTConfig) -> int:
 
 def _logits_nbytes(config: RegularGPTConfig, itemsize: int, rows: int, positions: int) -> int:
     return rows * positions * (config.output_size + 2 * config.d_model) * itemsize
+
+
+@torch.inference_mode()
+def measure_fixed_costs(model, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
+    """Time ``model`` (a RegularGPT language model, as it is served; a transducer's are left at 0) on its device:
+    chunks of ``FIXED_COST_CHUNKS`` positions through fresh caches and a decode step after the longest (the fastest
+    of ``repeats`` timings each, after a warm-up). With t = s (multiply-adds + fixed work) a call, the chunks give
+    the seconds per multiply-add s and ``block`` (least squares in relative error), the step ``layer_step``
+    (:class:`FixedCosts`; 0 where the timings leave none)."""
+    config, itemsize = model.config, model.dtype.itemsize
+    chunk_size, thickness = config.chunk_size, config.thickness
+    if not config.is_language_model:  # a transducer's cache takes only long inputs' chunks (outputs "all")
+        return FixedCosts()
+
+    def flops(length: int, context: int = 0) -> float:
+        return cost(config, itemsize, model._impl, "cached", 1, length, context).flops
+
+    def fastest(call) -> float:
+        call()  # a warm-up: a first call builds what later ones reuse (kernels, the compiled step)
+        return min(_timed(model, call) for _ in range(repeats))
+
+    lengths = list(FIXED_COST_CHUNKS)
+    while adaptive_depth(lengths[-1] - 1, chunk_size) != adaptive_depth(lengths[-1], chunk_size):
+        lengths[-1] += 1  # the step after the longest chunk then needs no new layer
+    caches = {}
+
+    def chunk(length: int):
+        caches[length] = model.new_cache(1)
+        model.forward(_zeros(model, length), cache=caches[length])
+
+    rows = []  # per chunk (f multiply-adds, P block passes, t seconds): (f / t, P / t), with s f / t + s B P / t = 1
+    for length in lengths:
+        seconds = fastest(lambda length=length: chunk(length))
+        rows.append((flops(length) / seconds, thickness * adaptive_depth(length - 1, chunk_size) / seconds))
+    aa, ab, bb = sum(a * a for a, _ in rows), sum(a * b for a, b in rows), sum(b * b for _, b in rows)
+    determinant = aa * bb - ab * ab
+    if determinant <= 0:
+        return FixedCosts()
+    per_flop = (bb * sum(a for a, _ in rows) - ab * sum(b for _, b in rows)) / determinant
+    per_pass = (aa * sum(b for _, b in rows) - ab * sum(a for a, _ in rows)) / determinant  # s B: seconds
+    if not per_flop > 0:
+        return FixedCosts()
+    block = max(0.0, per_pass / per_flop)
+    longest = lengths[-1]
+    step = _zeros(model, 1)[:, 0]  # (1,)
+    seconds = fastest(lambda: model.step(step, caches[longest].clone()))
+    clone = fastest(lambda: caches[longest].clone())
+    layer_step = max(0.0, (seconds - clone) / per_flop - flops(1, longest)) / adaptive_depth(longest, chunk_size)
+    return FixedCosts(block=block, layer_step=layer_step)
+
+
+def _zeros(model, length: int) -> torch.Tensor:
+    """(1, length) token ids 0 (an id every model has) on the model's device."""
+    return torch.zeros(1, length, dtype=torch.long, device=model.device)
+
+
+def _timed(model, call) -> float:
+    """Seconds ``call`` takes on the model's device: on the CPU this thread's CPU time (a call the machine's other
+    work pushes aside then still times its own work), on CUDA the wall time to its end."""
+    if model.device.type != "cuda":
+        started = time.thread_time()
+        call()
+        return time.thread_time() - started
+    started = time.perf_counter()
+    call()
+    torch.cuda.synchronize(model.device)
+    return time.perf_counter() - started

@@ -67,7 +67,13 @@ class ModelSpeed:
 
 @torch.inference_mode()
 def calibrate(model: SequenceModel) -> ModelSpeed:
-    """Time ``final_logits`` on one input of about ``CALIBRATION_FLOPS`` multiply-adds (after a warm-up call)."""
+    """Time ``final_logits`` on one input of about ``CALIBRATION_FLOPS`` multiply-adds (after a warm-up call). A model
+    whose calls do work their multiply-adds do not show, growing with where a chunk lies in its input (RegularGPT's
+    cached path: a fixed cost per block pass, K blocks at each thick layer the chunk reaches), first measures it
+    (``measure_fixed_costs``), so that its cost formulas, and the slices sized from them, count it."""
+    measure_fixed_costs = getattr(model, "measure_fixed_costs", None)
+    if measure_fixed_costs is not None:
+        measure_fixed_costs()
     length = largest_fitting(
         lambda n: model.cost("final", 1, n).flops <= CALIBRATION_FLOPS, CALIBRATION_MAX_LENGTH
     )

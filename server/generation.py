@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from model.base import Cost, InferenceCache, long_tensor
+from model.base import Cost, InferenceCache, largest_fitting, long_tensor
 from model.ops import cpu_decode
 from server.detokenize import TextAssembler
 from server.errors import APIError, ModelFailure
@@ -260,11 +261,20 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
 
 def prefill_call_cost(sequences: list[Sequence], length: int) -> Cost:
     """What one call of :func:`prefill_calls` costs (:func:`_prefill_call`): the head on each row's last position
-    only where the pass runs it so, else at every position (decode steps: one each)."""
+    only where the pass runs it so, else at every position; decode steps cost one step each (:func:`_stepped_cost`)."""
     model, context = sequences[0].served.model, min(sequence.prefilled for sequence in sequences)
+    if length and _stepped(sequences[0], length):
+        return _stepped_cost(model.cost, len(sequences), length, context)
     if _head_on_last(sequences, length):
         return model.prefill_cost(len(sequences), length, context)
     return model.cost("cached", len(sequences), length, context)
+
+
+def _stepped_cost(cost: Callable[..., Cost], rows: int, length: int, context: int) -> Cost:
+    """``length`` decode steps of ``rows`` rows after ``context`` tokens (``cost``: the model's or a memo of it): a
+    step's fixed work is not a chunk's (RegularGPT: a compiled call per thick layer, against K block passes)."""
+    steps = [cost("cached", rows, 1, context + step) for step in range(length)]
+    return Cost(flops=sum(step.flops for step in steps), nbytes=max(step.nbytes for step in steps))
 
 
 def _head_on_last(sequences: list[Sequence], length: int) -> bool:
@@ -308,7 +318,9 @@ def _prefill_call(sequences: list[Sequence], length: int) -> None:
 
 def prefill_length(sequence: Sequence, budget: int, at: tuple[int, int | None] | None = None) -> int:
     """How many prompt tokens the sequence prefills next: what remains (up to its ``snapshot_at`` first), within
-    ``budget`` tokens and one slice of its model's work; short of that end, rounded down (``PREFILL_QUANTUM``).
+    ``budget`` tokens and one slice of its model's work at the chunk's place in the prompt (the cost formulas count
+    the depth it reaches: RegularGPT's fixed work per thick layer); short of that end, rounded down
+    (``PREFILL_QUANTUM``); where that runs as decode steps (:func:`prefill_calls`), as many steps as fit.
     ``at``: (prefilled, snapshot_at) of a sequence not started yet (:func:`start_point`); by default its own."""
     prefilled, snapshot_at = at or (sequence.prefilled, sequence.snapshot_at)
     end = len(sequence.request.prompt)
@@ -320,9 +332,15 @@ def prefill_length(sequence: Sequence, budget: int, at: tuple[int, int | None] |
     budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
     scored = bool(sequence.request.prompt_logprobs)
     length = sequence.served.model.chunk_length(budget.slice_flops, prefilled, remaining, budget.cost, scored)
-    if prefilled + length == end:
-        return length
-    return length - length % PREFILL_QUANTUM if length >= PREFILL_QUANTUM else 1 << (length.bit_length() - 1)
+    if prefilled + length < end:
+        length = length - length % PREFILL_QUANTUM if length >= PREFILL_QUANTUM else 1 << (length.bit_length() - 1)
+    if _stepped(sequence, length):  # it runs as decode steps: as many as fit the slice (more than a pass's where the
+        # pass's fixed work is most of the slice: RegularGPT deep in a long prompt on a loaded machine)
+        return largest_fitting(
+            lambda steps: _stepped_cost(budget.cost, 1, steps, prefilled).flops <= budget.slice_flops,
+            min(remaining, STEPPED_PREFILL_TOKENS),
+        )
+    return length
 
 
 def _score_prompt_chunk(sequence: Sequence, chunk: torch.Tensor, logits: torch.Tensor) -> None:

@@ -209,21 +209,24 @@ class Scheduler:
 
     def _decode_on(self, started: float) -> None:
         """More decode steps in this iteration (up to ``decode_steps`` in all, and about one slice of time since the
-        first ``started``), while decoding is all there is to do: nothing prefills or transduces, nothing waits that
+        first ``started``), while decoding is all there is to do: nothing prefills now (a prompt that yields to
+        less-served sequences counts from when it may resume: :meth:`_prefills_now`) or transduces, nothing waits that
         ``max_running`` would let start (a row that ends makes room: the run stops there), and nothing
         new has come into the inbox (which is looked at before each step: a new request, or a stop string the engine
         process's API side found, ends the run of steps at once). The per-iteration work (planning every phase, the
         sweeps, the postman's flush: in the engine process, one message to the API process) is then shared by
         several steps, as vLLM's multi-step scheduling shares it; a sweep between two steps takes out what ended or
         whose client went away (a cancellation sets a flag, not an inbox entry), and the tokens leave together at the
-        flush."""
+        flush. So a short request beside a long prompt that yields to it takes its steps as it would alone, within the
+        yield."""
         slice_seconds = self.settings.slice_ms / 1000
         for _ in range(self.settings.decode_steps - 1):
             if self.clock() - started >= slice_seconds:
                 return
             self.sweep()
             admissible = self.waiting and self._running() < self.settings.max_running  # one may start now
-            if self.short or self.long or admissible or self.prefilling or not self.inbox.empty() or not self.decoding:
+            busy = self.short or self.long or admissible or self._prefills_now()
+            if busy or not self.inbox.empty() or not self.decoding:
                 return
             self.apply_decode(self.executor.decode(self._plan_decode([], {})))
 
@@ -242,7 +245,7 @@ class Scheduler:
                                                                           self.state_cache)]  # fmt: skip
         in_batch = {id(sequence) for sequence in prompting}
         prefill = self._plan_prefill(clock_now, [sequence for sequence in admitted if id(sequence) not in in_batch],
-                                     starts)  # fmt: skip
+                                     starts, prompting)  # fmt: skip
         return Plan(transduce, admitted, prefill, self._plan_decode(prefill, starts, prompting))
 
     # --- intake -------------------------------------------------------------------------------------------
@@ -461,30 +464,44 @@ class Scheduler:
         self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in started)
 
     def _plan_prefill(
-        self, now: float, admitted: list[Sequence], starts: dict[int, tuple[int, int | None]]
-    ) -> list[PrefillGroup]:
+        self, now: float, admitted: list[Sequence], starts: dict[int, tuple[int, int | None]],
+        prompting: list[Sequence] = (),
+    ) -> list[PrefillGroup]:  # fmt: skip
         """Chunks for the prefilling sequences and the ``admitted`` ones, each from its ``starts`` entry (prefilled,
         snapshot_at), in fair order, within the token budget (``prefill_chunk_tokens``), grouped by model, context
-        class and chunk length. A sequence served more than a slice beyond the least-served running one (prefilling
-        or decoding) yields to it, so that a short request is prefilled and decoded beside a long prompt as if alone,
-        once the slice in progress ends; but it waits no longer than its last round took (``prefill_resumes_at``), so
-        that a long prompt keeps half the engine however many short requests come. The executor runs the groups for
-        about one slice."""
-        slice_seconds = self.settings.slice_ms / 1000
+        class and chunk length. A sequence served more than a slice beyond the least-served running one (prefilling,
+        decoding, or ``prompting``: admitted into its decode batch in this iteration) yields to it, so that a short
+        request is prefilled and decoded beside a long prompt as if alone, once the slice in progress ends; but it waits
+        no longer than its last round took (``prefill_resumes_at``), so that a long prompt keeps half the engine however
+        many short requests come. The executor runs the groups for about one slice."""
         prefilling = [*self.prefilling, *admitted]
-        least_served = min((sequence.service for sequence in [*prefilling, *self._decoding_sequences()]), default=0.0)
+        least_served = self._least_served([*prefilling, *prompting])
         budget = self.settings.prefill_chunk_tokens
         groups: dict[tuple[str, int, int], list[Sequence]] = {}  # (model, context class, chunk length)
         for sequence in self._fair_order(prefilling):
             at = starts[id(sequence)]
             if budget <= 0 and at[0] < len(sequence.request.prompt):
                 break
-            if sequence.service > least_served + slice_seconds and now < sequence.prefill_resumes_at:
+            if self._yields(sequence, least_served, now):
                 continue
             length = prefill_length(sequence, budget, at)
             budget -= length
             groups.setdefault((*_decode_key(sequence), length), []).append(sequence)
         return [PrefillGroup(sequences, length) for (*_, length), sequences in groups.items()]
+
+    def _least_served(self, running: list[Sequence]) -> float:
+        """The least service among ``running`` and the decoding sequences."""
+        return min((sequence.service for sequence in [*running, *self._decoding_sequences()]), default=0.0)
+
+    def _yields(self, sequence: Sequence, least_served: float, now: float) -> bool:
+        """Whether a prefilling sequence waits now (the scheduler's clock) for less-served ones (:meth:`_plan_prefill`):
+        served more than a slice beyond the ``least_served``, until its ``prefill_resumes_at``."""
+        return sequence.service > least_served + self.settings.slice_ms / 1000 and now < sequence.prefill_resumes_at
+
+    def _prefills_now(self) -> bool:
+        """Whether a prefilling sequence would have a chunk planned now: one that does not yield."""
+        least_served = self._least_served(self.prefilling)
+        return any(not self._yields(sequence, least_served, self.clock()) for sequence in self.prefilling)
 
     def apply_prefill(self, result: PrefillResult) -> None:
         """Charge each group's flows and sequences; a sequence prefilled now waits, if it must yield, no longer than

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
@@ -469,6 +470,35 @@ def test_costs_grow_with_length_and_follow_the_attention_impl() -> None:
     assert all(a.nbytes <= b.nbytes for a, b in itertools.pairwise(chunks))
     sizes = [fast.cache_nbytes(n) for n in range(200)]
     assert all(a <= b for a, b in itertools.pairwise(sizes))
+
+
+def test_the_cached_path_counts_its_fixed_work_at_the_depth_it_reaches() -> None:
+    """``FixedCosts``: a chunk of two or more positions does K block passes at each thick layer its last position
+    needs, and K more at each new layer for the positions it has consumed; a one-position call one layer step per
+    thick layer. Here C = 4, K = 2: positions < 4 need one layer, < 16 two, < 64 three, < 256 four."""
+    model = make(chunk_size=4, thickness=2)
+    shapes = [(3, 0), (3, 20), (3, 62), (1, 20), (1, 64)]  # (chunk, context)
+    without = {shape: model.cost("cached", 1, *shape).flops for shape in shapes}
+    model.fixed_costs = regulargpt_cost.FixedCosts(block=1000.0, layer_step=10.0)
+    fixed = {shape: model.cost("cached", 1, *shape).flops - without[shape] for shape in shapes}
+    assert fixed == {
+        (3, 0): 2 * 1 * 1000,  # positions 0-2: one layer
+        (3, 20): 2 * 3 * 1000,  # 20-22: three
+        (3, 62): 2 * 4 * 1000 + 2 * 1 * 1000,  # 62-64: four, the 62 consumed positions through the fourth
+        (1, 20): 3 * 10,
+        (1, 64): 4 * 10 + 2 * 1 * 1000,
+    }
+    assert model.cost("cached", 1, 3, 62).nbytes == make(chunk_size=4, thickness=2).cost("cached", 1, 3, 62).nbytes
+
+
+def test_fixed_costs_are_measured_for_a_language_model_and_not_for_a_transducer() -> None:
+    language_model, transducer = make(chunk_size=4, thickness=2), make(chunk_size=4, thickness=2, num_labels=2)
+    language_model.measure_fixed_costs()
+    transducer.measure_fixed_costs()
+    measured = language_model.fixed_costs
+    assert math.isfinite(measured.block) and measured.block >= 0
+    assert math.isfinite(measured.layer_step) and measured.layer_step >= 0
+    assert transducer.fixed_costs == regulargpt_cost.FixedCosts()
 
 
 def test_for_serving_stores_a_wide_tied_head_transposed() -> None:

@@ -363,7 +363,9 @@ def test_a_prefill_call_is_charged_for_the_head_where_it_runs(checkpoints_dir) -
     assert model.prefill_cost(2, 16).flops < model.cost("cached", 2, 16).flops
     cpu_decode.set_row_invariant(True)
     try:
-        assert generation_module.prefill_call_cost(plain, 8) == model.cost("cached", 2, 8)  # decode steps
+        steps = [model.cost("cached", 2, 1, position) for position in range(8)]  # decode steps: one call each
+        assert generation_module.prefill_call_cost(plain, 8).flops == sum(step.flops for step in steps)
+        assert generation_module.prefill_call_cost(plain, 0) == model.cost("cached", 2, 0)  # prompts from the cache
         assert generation_module.prefill_call_cost(plain, 9) == model.prefill_cost(2, 9)
     finally:
         cpu_decode.set_row_invariant(False)

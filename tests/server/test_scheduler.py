@@ -14,14 +14,24 @@ import pytest
 import torch
 
 from model.base import Cost
+from model.config import RegularGPTConfig
 from model.ops import cpu_decode
+from model.regulargpt import RegularGPT
+from model.regulargpt_cost import FixedCosts
 from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
 from server.batching import TransduceJob, TransduceOutput
 from server.costing import ModelBudget, ModelSpeed
 from server.engine import Engine
 from server.errors import InputTooLarge, Overloaded, Unavailable
 from server.executor import Call, DecodeResult, PrefillResult, TransduceResult, live_groups, ready_work
-from server.generation import DecodeBatch, Finished, GenerationRequest, Sequence
+from server.generation import (
+    STEPPED_PREFILL_TOKENS,
+    DecodeBatch,
+    Finished,
+    GenerationRequest,
+    Sequence,
+    prefill_call_cost,
+)
 from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
 from server.sampling import SamplingParams
@@ -349,7 +359,8 @@ def test_the_prefill_token_budget_is_split_in_fair_order_and_a_cut_chunk_is_roun
     assert [each.joining for each in plan.decode] == [[first]]  # the chunk that completes its prompt
 
 
-def test_a_long_prompt_yields_to_a_short_one_for_no_longer_than_its_last_round(clock) -> None:
+def short_beside_long(clock) -> tuple[Scheduler, Sequence, Sequence]:
+    """A scheduler that has prefilled a 2,000-token prompt for 8 iterations, and a short one just admitted beside it."""
     served = language_model(tokens_per_slice=64)
     worker = make_scheduler(clock)
     long = sequence(served, 2000, 1, clock)
@@ -358,11 +369,115 @@ def test_a_long_prompt_yields_to_a_short_one_for_no_longer_than_its_last_round(c
         worker.iteration()
     short = sequence(served, 8, 4, clock)
     admitted(worker, short)
+    return worker, long, short
+
+
+def test_a_long_prompt_yields_to_a_short_one_for_no_longer_than_its_last_round(clock) -> None:
+    worker, long, short = short_beside_long(clock)
     groups = worker.plan(time.monotonic(), clock.now).prefill
     assert [group.sequences for group in groups] == [[short]]  # served 8 rounds more than the short one: it yields
     clock.advance(long.prefill_resumes_at - clock.now)
     assert [group.sequences for group in worker.plan(time.monotonic(), clock.now).prefill] == [[short], [long]]
 
+
+def test_a_long_prompt_yields_to_a_short_one_admitted_into_its_decode_batch(clock) -> None:
+    """Under batch invariance a short prompt runs in its decode batch from the iteration that admits it: it is running
+    then, so the long prompt yields to it in that iteration already, not after one more round of its own."""
+    worker, long, short = short_beside_long(clock)
+    with cpu_decode.row_invariance():
+        plan = worker.plan(time.monotonic(), clock.now)
+    assert plan.admitted == [short] and [row for each in plan.decode for row in each.prompting] == [short]
+    assert plan.prefill == []
+
+
+def test_while_long_prompts_yield_a_short_request_decodes_several_steps_an_iteration(clock) -> None:
+    """Five long prompts (each its own chunk call of 10 ms: a round of one slice, 50 ms) yield to a short request for
+    as long as their last round took. Meanwhile decoding is all there is to do, so the short request runs up to
+    ``decode_steps`` steps an iteration, as alone (with one step an iteration, its steps outlasted the yield); the
+    run ends when the long prompts may resume, and the next iteration has their round, then the short one's steps
+    while they yield again: each keeps half the engine."""
+    served = language_model(tokens_per_slice=64)
+    worker = make_scheduler(clock, decode_steps=8)
+    longs = [sequence(served, 3000 << index, 1, clock) for index in range(5)]  # five context classes: five calls
+    admitted(worker, *longs)
+    for _ in range(20):
+        worker.iteration()
+    short = sequence(served, 8, 20, clock)
+    admitted(worker, short)
+    counts = []
+    for _ in range(2):
+        prefilled, decoded, started = len(ran(worker, "prefill")), len(ran(worker, "decode")), clock.now
+        worker.iteration()
+        counts.append((len(ran(worker, "prefill")) - prefilled, len(ran(worker, "decode")) - decoded))
+        assert clock.now == pytest.approx(started + SLICE_S + (0 if len(counts) == 1 else SLICE_S))
+    assert counts == [(1, 4), (5, 5)]  # the short prompt's chunk and 4 steps; a round of the long ones and 5 steps
+    assert clock.now == pytest.approx(min(long.prefill_resumes_at for long in longs))
+
+
+# --- prefill chunks at their depth (RegularGPT) --------------------------------------------------------------------
+
+# text-regulargpt's shape (random weights: only its costs are read): C = 64, K = 4, so a chunk runs K blocks at each of
+# 1 thick layer up to 64 positions, 2 up to 4,096, 3 up to 262,144.
+TEXT_REGULARGPT = RegularGPTConfig(vocab_size=8192, d_model=128, n_heads=4, d_ff=512, chunk_size=64, thickness=4)
+# Its cached path's fixed work as measured on a 2-core CPU (``measure_fixed_costs``: 18-29 and 13-27 million
+# multiply-add equivalents), and a speed its chunks ran at there under load.
+FIXED_COSTS = FixedCosts(block=2e7, layer_step=1.5e7)
+SECONDS_PER_FLOP = 1.5e-10
+
+
+def regulargpt(fixed: FixedCosts, seconds_per_flop: float = SECONDS_PER_FLOP) -> SimpleNamespace:
+    """A served RegularGPT whose cached path does ``fixed`` work beyond its multiply-adds, at a measured speed."""
+    model = RegularGPT(TEXT_REGULARGPT)
+    model.fixed_costs = fixed
+    budget = ModelBudget(model, ModelSpeed(seconds_per_flop), SLICE_S, memory_budget=2**40, max_job_seconds=1e9)
+    tokenizer = load_tokenizer(BYTES_TOKENIZER, ".")
+    return SimpleNamespace(id="text-regulargpt", model=model, budget=budget, tokenizer=tokenizer)
+
+
+def first_chunks(served, at: int, prompt_tokens: int = 60_000) -> tuple[int, int]:
+    """The planned first chunks of a prompt just admitted and of one prefilled up to ``at`` (``prefill_chunk_tokens``
+    is the default 2,048: room for both), as (at its start, deep)."""
+    worker = make_scheduler(FakeClock())
+    start, deep = sequence(served, prompt_tokens, 1, worker.clock), sequence(served, prompt_tokens, 1, worker.clock)
+    deep.prefilled, deep.cache = at, FakeCache()
+    worker.prefilling.append(deep)
+    admitted(worker, start)
+    groups = worker.plan(time.monotonic(), 0.0).prefill
+    lengths = {id(sequence): group.length for group in groups for sequence in group.sequences}
+    return lengths[id(start)], lengths[id(deep)]
+
+
+def test_a_regulargpt_chunk_deep_in_a_long_prompt_is_planned_shorter_and_within_its_slice() -> None:
+    """A chunk's fixed work grows with the thick layers it reaches (3 from 4,096 tokens, against 1 for a first chunk
+    of 64), so a chunk 50,000 tokens into a prompt is planned shorter than its first chunk, and both are estimated
+    within one slice with that work counted. Sized from multiply-adds alone (what the plan knew before), the deep
+    chunk was as long as the first one, and its work overran the slice by 40%."""
+    served = regulargpt(FIXED_COSTS)
+    at_start, deep = first_chunks(served, at=50_000)
+    assert deep < at_start
+    seconds = served.budget.speed.seconds
+    assert seconds(served.model.prefill_cost(1, at_start, 0).flops) <= SLICE_S
+    assert seconds(served.model.prefill_cost(1, deep, 50_000).flops) <= SLICE_S
+
+    at_start, deep = first_chunks(regulargpt(FixedCosts()), at=50_000)
+    assert deep == at_start
+    assert seconds(served.model.prefill_cost(1, deep, 50_000).flops) > 1.3 * SLICE_S
+
+
+def test_where_a_pass_s_fixed_work_fills_the_slice_a_deep_chunk_runs_as_the_decode_steps_that_fit() -> None:
+    """Twice as slow, a pass 50,000 tokens deep does more fixed work (12 block passes) than a slice holds; under batch
+    invariance a chunk of up to 8 tokens runs as decode steps, whose fixed work is a layer step per thick layer, and
+    the plan takes as many steps as fit, which is what its call is charged (``prefill_call_cost``)."""
+    served = regulargpt(FIXED_COSTS, seconds_per_flop=2 * SECONDS_PER_FLOP)
+    seconds = served.budget.speed.seconds
+    assert seconds(served.model.prefill_cost(1, 2, 50_000).flops) > SLICE_S
+    with cpu_decode.row_invariance():
+        _, deep = first_chunks(served, at=50_000)
+        chunk = sequence(served, 60_000, 1, FakeClock())
+        chunk.prefilled = 50_000
+        assert 1 < deep <= STEPPED_PREFILL_TOKENS
+        charged = [seconds(prefill_call_cost([chunk], steps).flops) for steps in (deep, deep + 1)]
+        assert charged[0] <= SLICE_S < charged[1]
 
 # --- cancellation and drain -------------------------------------------------------------------------------------
 
