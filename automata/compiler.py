@@ -4,7 +4,7 @@ accepts it and "0" otherwise: exactly, at any length, through the ordinary model
 
 A Moore machine with other labels compiles the same way into a transducer of its label after every prefix; its
 labels, in the checkpoint's order (label ids), are its outputs sorted (a DFA's: "0", "1"), which is the order of
-every regular task's labels (training/tasks.py), so that ``python -m training compile --task NAME`` writes the
+every regular task's labels (training/data/tasks.py), so that ``python -m training compile --task NAME`` writes the
 task's checkpoint (e.g. induction_heads, 19 states and 18 labels). Below, "accepting" reads "labelled".
 
 Notation: n states, V symbols, M_s the (n, n) one-hot transition matrix of symbol s (column q is the one-hot
@@ -52,8 +52,8 @@ from automata.automaton import DFA, MooreMachine
 from automata.task_automata import task_machines
 from model.base import SequenceModel
 from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
-from model.lrnn import BlockDiagonalLRNN
-from model.regulargpt import RegularGPT
+from model.lrnn.model import BlockDiagonalLRNN
+from model.regulargpt.model import RegularGPT
 
 LABELS = ("0", "1")  # a DFA's labels; label index 1 = accepted
 LABEL_MARGIN = 20.0

@@ -38,7 +38,7 @@ MAX_SUBSETS = 1 << 16  # DFA states before minimising
 
 _SINGLE_CHARACTER = {regex_constants.LITERAL, regex_constants.NOT_LITERAL, regex_constants.ANY, regex_constants.IN}
 _REPEATS = {regex_constants.MAX_REPEAT, regex_constants.MIN_REPEAT}
-REFUSED_CONSTRUCTS = {  # what a pattern may not hold, and why (server/structured_regex.py refuses them too)
+REFUSED_CONSTRUCTS = {  # what a pattern may not hold, and why (server/structured/regex.py refuses them too)
     "AT": "anchors and word boundaries (^, $, \\A, \\Z, \\b, \\B; a pattern is matched whole anyway)",
     "GROUPREF": "back-references (not regular)",
     "GROUPREF_EXISTS": "conditional groups (not regular in general)",

@@ -1,7 +1,7 @@
 """Moore machines for the regular tasks of SPEC section 1, and the DFA files shipped in ``automata/tasks``.
 
 Each machine's label after every prefix is the task's label; the tests check them against the reference labelers
-of training/labelers.py. The binary-label ones are also shipped as DFA JSON files for the compiler (and name the
+of training/data/labelers.py. The binary-label ones are also shipped as DFA JSON files for the compiler (and name the
 task of what it compiles: ``compiler.task_of``); ``python -m automata.task_automata`` rewrites those files from
 the machines below.
 """

@@ -1,7 +1,7 @@
 """The pieces of one served decode step, timed apart: the model's step eagerly and through CUDA graphs
 (``model/cuda_graphs.py``), and sampling its logits where the model runs and through the CPU, at temperature 1 and
-greedy (``server/sampling.py``), for a served checkpoint at a few batch sizes. What decided
-``server.generation.HOST_SAMPLING_ELEMENTS``.
+greedy (``server/execution/sampling.py``), for a served checkpoint at a few batch sizes. What decided
+``server.execution.generation.HOST_SAMPLING_ELEMENTS``.
 
     python -m benchmarks.bench_decode_path [--model checkpoints/text-lrnn] [--device cuda] [--rows 1,8,64]
 
@@ -22,7 +22,7 @@ from benchmarks.isolated import banner
 from model.checkpoint import load_checkpoint
 from model.cuda_graphs import capture_sizes, decoder_for
 from model.device import resolve_device
-from server.sampling import SamplingParams, sample
+from server.execution.sampling import SamplingParams, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 

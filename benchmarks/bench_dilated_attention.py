@@ -33,8 +33,8 @@ from benchmarks.isolated import MEMORY_LIMIT_BYTES, banner, child_main, run_isol
 from model.config import RegularGPTConfig
 from model.device import resolve_device
 from model.ops.dilated_attention import IMPLEMENTATIONS, attend_banded, attend_gathered
-from model.regulargpt import RegularGPT
-from model.regulargpt_cache import adaptive_depth
+from model.regulargpt.cache import adaptive_depth
+from model.regulargpt.model import RegularGPT
 
 CONFIG = RegularGPTConfig(vocab_size=256, d_model=128, n_heads=4, d_ff=512, chunk_size=2, thickness=1)
 QUICK_CONFIG = RegularGPTConfig(vocab_size=16, d_model=16, n_heads=2, d_ff=32, chunk_size=2, thickness=1)

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from benchmarks.isolated import banner
 from model.base import parameter_count
 from model.config import LRNNConfig
-from model.lrnn import BlockDiagonalLRNN
+from model.lrnn.model import BlockDiagonalLRNN
 from model.ops import cpu_decode, prepacked
 
 SIZE_L = {"vocab_size": 8192, "d_model": 512, "n_layers": 8, "num_blocks": 64, "block_size": 8, "d_ff": 2048}

@@ -17,7 +17,7 @@ import torch
 from benchmarks.isolated import banner, time_calls
 from model.checkpoint import load_checkpoint
 from model.device import resolve_device
-from model.lrnn import LinearRNN
+from model.lrnn.model import LinearRNN
 
 RUNS = 5
 

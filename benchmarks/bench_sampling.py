@@ -1,4 +1,4 @@
-"""``server.sampling.sample`` alone, per row count and filter: what choosing the next tokens costs a decode step.
+"""``server.execution.sampling.sample`` alone, per row count and filter: what choosing the next tokens costs a decode step.
 
     python -m benchmarks.bench_sampling [--device cpu] [--rows 1,8,64] [--vocabulary 8192]
 
@@ -17,7 +17,7 @@ import torch
 from benchmarks.bench_decode_path import microseconds
 from benchmarks.isolated import banner
 from model.device import resolve_device
-from server.sampling import SamplingParams, sample
+from server.execution.sampling import SamplingParams, sample
 
 FILTERS = {
     "greedy": {"temperature": 0.0},

@@ -1,6 +1,6 @@
 """Short prompts under batch invariance: a prompt's pass of its own (``model.forward``, the head on the last position
 where the model can) against the same tokens as decode steps (``model.step`` per token), alone and with many rows
-together, per row; what ``server/generation.py``'s ``STEPPED_PREFILL_TOKENS`` is chosen from.
+together, per row; what ``server/execution/generation.py``'s ``STEPPED_PREFILL_TOKENS`` is chosen from.
 
     python -m benchmarks.bench_short_prefill [--models checkpoints/text-lrnn,checkpoints/text-regulargpt]
         [--lengths 2,6,16,40] [--rows 64]

@@ -1,7 +1,7 @@
 """Measured figures of the exact transformers (docs/exact_results.md): accuracy to n = 10,000, the PALINDROME
 constructions' largest perfect n, and cross-entropy against n with and without layer norm (exact-parity-first.txt
 Fig. 2). n is the number of symbols (CLS and EOS not counted). Every run is seeded and on the CPU; only
-``all-outputs`` measures time. Strings are drawn label-balanced (training.tasks balanced sampling).
+``all-outputs`` measures time. Strings are drawn label-balanced (training.data.tasks balanced sampling).
 
     python -m benchmarks.exact_sweeps accuracy [--dense-until 3000] [--step 25] [--longest 10000] [--strings 1]
         [--tasks parity_check first one]
@@ -13,7 +13,7 @@ Fig. 2). n is the number of symbols (CLS and EOS not counted). Every run is seed
 
 ``accuracy`` runs the shipped PARITY, FIRST and ONE checkpoints (training/exact_builders.py SHIPPED) on every
 length up to --dense-until, then every --step-th length up to --longest, with --strings label-balanced strings
-(training.tasks balanced sampling) plus the edge strings 0^n, 1^n, 10^(n-1), 0^(n-1)1, 01^(n-1), 1^(n-1)0 and
+(training.data.tasks balanced sampling) plus the edge strings 0^n, 1^n, 10^(n-1), 0^(n-1)1, 01^(n-1), 1^(n-1)0 and
 10^(n-2)1 at each length, final label compared with the reference labeler. ``palindrome`` runs each PALINDROME
 variant on palindromes and their one-symbol flips (exact-one-palindrome.txt appendix B.3: the hardest negatives)
 until it fails; ``palindrome-curve`` gives their accuracy at a few lengths; ``palindrome-margins`` finds how far
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from model.config import ExactTransformerConfig
-from model.exact import ExactTransformer
+from model.transformer.exact import ExactTransformer
+from training.data.tasks import Task, get_task
 from training.exact_builders import (
     CONSTRUCTIONS,
     PUBLISHED_ZERO_TEST_TOLERANCE,
@@ -48,7 +49,6 @@ from training.exact_builders import (
     to_model,
     with_layer_norm,
 )
-from training.tasks import Task, get_task
 
 SEED = 0
 

@@ -75,7 +75,7 @@ def rows(reports: Sequence[dict[str, Any]]) -> list[str]:
 
 def pivot(reports: Sequence[dict[str, Any]]) -> list[str]:
     """Task x model grid of papers-protocol accuracy (%), tasks in SPEC order; seeds of a model pooled as max / avg."""
-    from training.tasks import TASKS
+    from training.data.tasks import TASKS
 
     cells: dict[str, dict[str, list[float]]] = {}
     for report in reports:

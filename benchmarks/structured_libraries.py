@@ -6,7 +6,7 @@ For each library: the setup time per vocabulary (its tokenizer object from tikto
 end-of-text id after the last rank), the compile time of a set of regexes and JSON schemas, the mask time per
 token (a mask computed and a token consumed, along random walks that pick an allowed token uniformly), and
 agreement with ``re.fullmatch`` on random Python patterns, both given as they are and in the plain dialect of
-``server/structured_regex.py``: each walk's text, once the library lets it end, must fullmatch, and strings
+``server/structured/regex.py``: each walk's text, once the library lets it end, must fullmatch, and strings
 ``re`` accepts or refuses must be accepted or refused. Single thread, median of repeats.
 
     python -m benchmarks.structured_libraries [--checkpoint checkpoints/text-lrnn] [--patterns 300]
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tests.training.test_regex import random_pattern
 
 from model.checkpoint import read_config
 from model.tokenizer import Tokenizer, load_tokenizer
-from server.structured_regex import PatternError, plain_regex
-from tests.training.test_regex import random_pattern
+from server.structured.regex import PatternError, plain_regex
 
 REGEXES = {
     "phone": r"\(\d{3}\) \d{3}-\d{4}",

@@ -1,4 +1,4 @@
-"""Python client and command line of the regularlm server; they import only ``server.protocol``."""
+"""Python client and command line of the regularlm server; they import only ``server.api.protocol``."""
 
 from clients.client import APIStatusError, AsyncClient, Client, RetryPolicy
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
-from server import protocol
+from server.api import protocol
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 RETRY_STATUSES = (429, 503)

@@ -141,7 +141,7 @@ class SequenceModel(nn.Module, ABC):
     def advance(self, tokens: torch.Tensor, cache: InferenceCache) -> None:
         """``step`` without the logits: the cache consumes one token per sequence (tokens: (B,) int64), as ``step``
         advances it. A model whose step ends in its head overrides it to skip the head (a prompt's tokens before its
-        last, stepped: server/generation.py)."""
+        last, stepped: server/execution/generation.py)."""
         self.step(tokens, cache)
 
     def step_greedy(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +247,7 @@ class SequenceModel(nn.Module, ABC):
     def prefill_cost(self, rows: int, length: int, context: int = 0, cost: Callable[..., Cost] | None = None) -> Cost:
         """A prompt chunk of ``length`` tokens a row through a cache holding ``context``, none of its positions
         scored: the "cached" call, less the head's work on all but each row's last position where the model
-        ``selects_positions`` (server/generation.py then runs the head there alone). ``cost``: :meth:`cost` or a
+        ``selects_positions`` (server/execution/generation.py then runs the head there alone). ``cost``: :meth:`cost` or a
         memo of it."""
         cached = (cost or self.cost)("cached", rows, length, context)
         if not self.selects_positions or length <= 1:

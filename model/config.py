@@ -115,12 +115,12 @@ class LRNNConfig(BaseModelConfig):
     rotations and reflections (unit orthogonal columns) unchanged and contracts every other block. "stochastic"
     (ours) projects each column onto the probability simplex (sparsemax: column-stochastic A with exact zeros, on
     the boundary of the p = 1 ball), drops B u and learns h_0: every layer is a probabilistic automaton
-    (model/lrnn.py); ``p_norm`` is then unused.
+    (model/lrnn/model.py); ``p_norm`` is then unused.
 
     ``transition_rank``: the generator g of the transitions, A(u) = constraint(g(u)). None (default, the paper's):
     g is one linear map d_model -> H b^2, d_model H b^2 weights per layer (2.1 M of a d_model = 512, H = 64, b = 8
     layer's 4.7 M). An integer r: g(u) = V (s U u) + c factors through r dimensions, U: d_model -> r made in one
-    product with the input map B, s = d_model / r a fixed multiplier (model/lrnn.py says why), V: r -> H b^2, so
+    product with the input map B, s = d_model / r a fixed multiplier (model/lrnn/model.py says why), V: r -> H b^2, so
     r (d_model + H b^2) weights; r must be below min(d_model, H b^2), where the factorisation saves nothing. The
     norm constraint is the same either way. On a transducer whose V input symbols reach the layer as V distinct
     vectors, g takes at most V values, which span an affine space of dimension V - 1: a rank of V - 1 then loses
@@ -237,10 +237,10 @@ PositionFeature = Literal[
 @dataclass(frozen=True, kw_only=True)
 class ExactTransformerConfig(BaseModelConfig):
     """Hand-built post-norm transformer encoder that classifies a whole string from its CLS position
-    (exact-parity-first.txt section 2.2, exact-one-palindrome.txt section 2.2); see model/exact.py.
+    (exact-parity-first.txt section 2.2, exact-one-palindrome.txt section 2.2); see model/transformer/exact.py.
 
     The model prepends CLS (and appends EOS with ``append_eos``) to the symbols; n counts them. Position i
-    gets PE(i) = W_pos f(i, n), f the ``position_features`` (model/exact.py defines them). Each of the
+    gets PE(i) = W_pos f(i, n), f the ``position_features`` (model/transformer/exact.py defines them). Each of the
     ``n_layers`` layers has ``n_heads`` heads with d_model x d_model query, key and value maps, summed, and a
     ReLU FFN of width ``d_ff``. With ``layer_norm``, LN(x) = (x - mean) / sqrt(var + eps), without gain or
     bias, follows both residual sums; ``layer_norm_eps`` may be 0. ``log_length_scaling`` multiplies the

@@ -66,7 +66,7 @@ class Decoder:
 
     def advance(self, tokens: torch.Tensor, cache: InferenceCache) -> None:
         """``step`` without the logits (``SequenceModel.advance``), eagerly on every path: prompt tokens run so in a
-        decode batch only under the CPU's batch invariance (server/generation.py)."""
+        decode batch only under the CPU's batch invariance (server/execution/generation.py)."""
         self.model.advance(tokens.to(self.model.device, non_blocking=True), cache)
 
 

@@ -8,12 +8,12 @@ from model.base import SequenceModel
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, ConfigError
 
 MODEL_CLASSES: dict[str, str] = {
-    "regulargpt": "model.regulargpt:RegularGPT",
-    "lrnn": "model.lrnn:BlockDiagonalLRNN",
-    "diagonal_lrnn": "model.diagonal_lrnn:DiagonalLRNN",
-    "transformer": "model.transformer:Transformer",
-    "lstm": "model.lstm:LSTMModel",
-    "exact": "model.exact:ExactTransformer",
+    "regulargpt": "model.regulargpt.model:RegularGPT",
+    "lrnn": "model.lrnn.model:BlockDiagonalLRNN",
+    "diagonal_lrnn": "model.lrnn.diagonal:DiagonalLRNN",
+    "transformer": "model.transformer.model:Transformer",
+    "lstm": "model.lstm.model:LSTMModel",
+    "exact": "model.transformer.exact:ExactTransformer",
 }
 assert set(MODEL_CLASSES) == set(ARCHITECTURE_CONFIGS)
 

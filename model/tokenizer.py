@@ -5,7 +5,7 @@ Nothing here ever reaches the network. A checkpoint names its tokenizer as one o
 - ``"bytes"``: the built-in byte-level encoding, 256 single-byte tokens (id = byte value), text split by a
   GPT-2-like pattern; every string round-trips;
 - ``"file:<relpath>"``: a ``.tiktoken`` ranks file (a base64 token and its rank per line, the standard
-  format) inside the checkpoint folder, e.g. one written by ``training/bpe.py``. As with tiktoken's own
+  format) inside the checkpoint folder, e.g. one written by ``training/data/bpe.py``. As with tiktoken's own
   encodings, special tokens are not in the file: ``<|endoftext|>`` gets the id after the last rank (so
   ``vocab_size`` = ranks + 1), and the pre-tokenisation pattern is GPT-2's;
 - a stock tiktoken name (``"cl100k_base"``, ...), only when tiktoken can load it offline: its file already

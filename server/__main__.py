@@ -10,20 +10,19 @@ polling). Exit codes: 0 after a shutdown, 2 on bad options or when no model coul
 printed with its path and reason), 3 when the engine process died while serving (its requests in flight were answered
 503 first), so that Docker or Kubernetes restarts the server.
 
-The engine core runs in a child process (``server/engine_client.py``, ``server/engine_core.py``) unless
+The engine core runs in a child process (``server/engine/client.py``, ``server/engine/core.py``) unless
 ``--engine-in-process`` (or ``REGULARLM_ENGINE_PROCESS=false``) keeps it on a thread of this one.
 
 uvicorn's access log (a line per request) is off unless ``--access-log`` (or ``REGULARLM_ACCESS_LOG=true``) turns it
 on: each line is formatted and written on the event loop, which every request goes through.
 
 A connection that has not sent a request's headers ``header_timeout_s`` after it opened or after the first byte of a
-later request is closed (``server/http_guard.py``); an idle one, ``keep_alive_s`` after its last response.
+later request is closed (``server/api/guard.py``); an idle one, ``keep_alive_s`` after its last response.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -35,10 +34,11 @@ import uvicorn
 from pydantic import ValidationError
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from server.app import create_app
-from server.engine import Engine, EngineFront
-from server.engine_client import EngineClient
-from server.http_guard import with_header_timeout
+from server.api.app import create_app
+from server.api.guard import with_header_timeout
+from server.engine.client import EngineClient
+from server.engine.engine import Engine, EngineFront
+from server.heap import freeze_startup_heap, tune_garbage_collector
 from server.metrics import ServerMetrics
 from server.settings import Settings
 
@@ -46,7 +46,6 @@ EXIT_NO_MODEL = 2
 EXIT_ENGINE_DIED = 3
 ANSWER_WAIT_S = 1.0  # past the drain timeout: how long the 503 answers get to reach their clients
 CLOSE_WAIT_S = 2  # then: uvicorn's graceful shutdown of open connections (whole seconds)
-GC_THRESHOLDS = (50_000, 20, 20)  # the collector's generations 0, 1, 2 (tune_garbage_collector)
 
 
 class DrainingServer(uvicorn.Server):
@@ -118,22 +117,6 @@ def parse_settings(argv: list[str] | None) -> Settings:
         return Settings(**overrides)
     except ValidationError as error:
         parser.error(str(error))
-
-
-def tune_garbage_collector() -> None:
-    """A serving process's collector: higher thresholds than CPython's 700 / 10 / 10 (every generated token allocates
-    a few objects, and with the defaults the engine loop spent about half its time in collections), and the heap of
-    start-up (models, tokenizers, modules: never garbage) frozen once loaded, :func:`freeze_startup_heap`, so that
-    full collections do not walk it (vLLM freezes its start-up heap too). docs/benchmarks.md, "The engine's own cost
-    per token"."""
-    gc.set_threshold(*GC_THRESHOLDS)
-
-
-def freeze_startup_heap() -> None:
-    """Move everything alive now out of the collector's reach (``gc.freeze``). Models added later at runtime are not
-    frozen: they can be deleted again."""
-    gc.collect()
-    gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ time = one engine call of a model (vLLM's model_execute_time, in seconds here). 
 lower than vLLM's (1 ms) because small models on a CPU decode in about a millisecond.
 
 Each app has its own registry: nothing is registered at import time. With the engine core in a process of its own
-(``server/engine_core.py``), the engine observes into a :class:`RecordingMetrics`, whose figures (a few per step: the
+(``server/engine/core.py``), the engine observes into a :class:`RecordingMetrics`, whose figures (a few per step: the
 step's inter-token gap, its token count, its model call's time, each request's queue time, TTFT, E2E and TPOT when
 they happen) leave with the step's message and are replayed into the API process's registry
 (``ServerMetrics.replay``): one registry, the same names, labels and buckets.
@@ -142,7 +142,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def queued(self, requests: list[RequestTimes]) -> None:
-        """The requests were admitted (the scheduler's queue counts them: ``server/work.py``)."""
+        """The requests were admitted (the scheduler's queue counts them: ``server/sched/work.py``)."""
         for times in requests:
             self.child(self.requests_waiting, times.model).inc()
 

@@ -182,8 +182,8 @@ class Settings(BaseSettings):
     engine_process: bool | None = Field(
         None, description="run the engine core (models, scheduler, sampling) in a child process of its own, which "
         "sends each step's tokens to this one, where HTTP, tokenizing, detokenizing and streaming run "
-        "(server/engine_client.py); false: on a thread of this process. Default: a process under python -m server, "
-        "a thread in an app built by server.app.create_app (tests, embedding)"
+        "(server/engine/client.py); false: on a thread of this process. Default: a process under python -m server, "
+        "a thread in an app built by server.api.app.create_app (tests, embedding)"
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(

@@ -1,5 +1,6 @@
 """The packages import each other only downwards (docs/architecture.md): every module's imports, read with ast
-(top-level and inside functions), against the rule of its package. The tests share helpers through modules of
+(top-level and inside functions), against the rule of its package; no folder of a package holds more than
+``MAX_MODULES`` modules, and no modules import each other in a circle. The tests share helpers through modules of
 their own (tests/<package>/helpers.py and the named ones beside it), never through a test module or a conftest."""
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ ALLOWED = {  # package -> the first-party packages (or modules) its modules may 
     "automata": ("model", "automata"),
     "training": ("model", "automata", "training"),
     "server": ("model", "automata", "server"),
-    "clients": ("clients", "server.protocol"),
+    "clients": ("clients", "server.api.protocol"),
 }
-STANDALONE = ("server/__init__.py", "server/protocol.py")  # the client imports them: no torch, nothing first-party
+STANDALONE = ("server/__init__.py", "server/api/protocol.py")  # the client imports them: no torch, nothing first-party
 
 
 def imported(path: Path) -> list[str]:
@@ -63,13 +64,84 @@ def test_what_the_client_imports_imports_nothing_of_ours(module: str) -> None:
     assert first_party(imported(REPO / module)) == []
 
 
+MAX_MODULES = 12  # per folder, __init__.py not counted
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_folder_holds_more_than_a_readable_number_of_modules(package: str) -> None:
+    folders = {path.parent for path in modules(package)}
+    crowded = {f"{folder.relative_to(REPO)}: {count}" for folder in folders
+               if (count := sum(1 for path in folder.glob("*.py") if path.name != "__init__.py")) > MAX_MODULES}
+    assert not crowded, f"folders over {MAX_MODULES} modules: {sorted(crowded)}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports (``from a import b`` names the module a.b where b is one, else
+    a), over every package's modules, imports inside functions included."""
+    paths = [path for package in PACKAGES for path in modules(package)]
+    known = {module_name(path) for path in paths}
+
+    def module_of(name: str) -> str:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {module_name(path): {module for name in first_party(imported(path)) if (module := module_of(name))}
+            - {module_name(path)} for path in paths}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            if component:
+                found.append(sorted([node, *component]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    """A package's ``__init__`` counts as the module of its name: the package faces here import nothing."""
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert "server.engine.core" in import_graph()["server.engine.client"]
+
+
 def test_the_rule_sees_the_imports() -> None:
     """The checker itself: an import of each form is found, and a wrong one is named."""
-    names = imported(REPO / "server" / "runtime_models.py")
+    names = imported(REPO / "server" / "models" / "runtime.py")
     assert "automata.compiler.COMPILERS" in names and "model.device.resolve_device" in names
-    assert first_party(imported(REPO / "clients" / "client.py")) and allows(ALLOWED["clients"], "server.protocol")
-    assert not allows(ALLOWED["server"], "training.tasks.get_task")
-    assert not allows(ALLOWED["clients"], "server.app.create_app")
+    assert first_party(imported(REPO / "clients" / "client.py")) and allows(ALLOWED["clients"], "server.api.protocol")
+    assert not allows(ALLOWED["server"], "training.data.tasks.get_task")
+    assert not allows(ALLOWED["clients"], "server.api.app.create_app")
 
 
 def from_a_test_module(name: str) -> bool:

@@ -1,5 +1,5 @@
-"""``python -m training``: see training/cli.py."""
+"""``python -m training``: see training/cli/main.py."""
 
-from training.cli import main
+from training.cli.main import main
 
 raise SystemExit(main())

@@ -35,8 +35,8 @@ import torch
 
 from model.checkpoint import CONFIG_FILE, save_checkpoint
 from model.config import CheckpointConfig, ExactConstruction, ExactTransformerConfig
-from model.exact import ExactTransformer
-from training.tasks import get_task
+from model.transformer.exact import ExactTransformer
+from training.data.tasks import get_task
 
 DEFAULT_CROSS_ENTROPY = 1e-3  # nats per string reached by the layer-norm (eps = 0) and mirror constructions
 PUBLISHED_ZERO_TEST_TOLERANCE = 1e-7

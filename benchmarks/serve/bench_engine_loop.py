@@ -10,7 +10,7 @@ cores), to tell the engine's own throughput from the HTTP side's.
 zero logits at once, so that the rate is the engine's own per-token cost (scheduling, sampling, text, metrics,
 delivery) and the consuming coroutines'.
 
-The garbage collector is tuned as ``python -m server`` tunes it (``server/__main__.py``); ``--default-gc`` keeps
+The garbage collector is tuned as ``python -m server`` tunes it (``server/heap.py``); ``--default-gc`` keeps
 CPython's defaults instead.
 
 ``--profile``: the engine's thread runs under cProfile (its rates are then the profiled ones, lower), and its 30
@@ -28,13 +28,13 @@ from pathlib import Path
 
 from benchmarks.serve.harness import ROOT, machine, stub_decode_steps
 from model.cuda_graphs import Decoder
-from server.__main__ import freeze_startup_heap, tune_garbage_collector
-from server.engine import Engine
-from server.generation import Finished, GenerationRequest
+from server.engine.engine import Engine
+from server.execution.generation import Finished, GenerationRequest
+from server.execution.sampling import SamplingParams
+from server.heap import freeze_startup_heap, tune_garbage_collector
 from server.metrics import ServerMetrics
-from server.model_store import ServedModel
-from server.sampling import SamplingParams
-from server.scheduler import Scheduler
+from server.models.store import ServedModel
+from server.sched.scheduler import Scheduler
 from server.settings import Settings
 
 

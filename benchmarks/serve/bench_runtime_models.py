@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from automata.compiler import MAX_REGULARGPT_STATES
 from automata.samples import counter
 from benchmarks.isolated import banner
-from server.app import create_app
+from server.api.app import create_app
 from server.settings import Settings
 
 

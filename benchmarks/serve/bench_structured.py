@@ -4,7 +4,7 @@
 32 sequences run together for ``--tokens`` steps, all constrained or all free (runs alternate, medians over
 ``--repeats``). A step's mask time is the CPU time structured outputs add to it, in the engine's thread and the
 mask thread that runs beside the model call: the bitmask of every constrained row from llguidance and its 0/-inf
-bias (``server.structured.Masks.run``), adding it (``server.generation._constrain``) and advancing each matcher
+bias (``server.structured.outputs.Masks.run``), adding it (``server.execution.generation._constrain``) and advancing each matcher
 past its token (``Constraint.consume``); the step time is ``DecodeBatch.step`` whole (model call, penalties, masks,
 sampling, detokenizing). The end-of-text token's logit is lowered by 100 and the patterns cannot end sooner, so
 every measured step holds 32 rows.
@@ -22,16 +22,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import server.generation
-import server.structured
+import server.execution.generation
+import server.structured.outputs
 from benchmarks.serve.harness import ROOT, machine
-from server.engine import Engine
-from server.generation import DecodeBatch, GenerationRequest
+from server.api.protocol import StructuredOutputs
+from server.engine.engine import Engine
+from server.execution.generation import DecodeBatch, GenerationRequest
+from server.execution.sampling import SamplingParams
 from server.metrics import ServerMetrics
-from server.protocol import StructuredOutputs
-from server.sampling import SamplingParams
 from server.settings import Settings
-from server.structured import ConstraintCompiler, MaskBudget
+from server.structured.outputs import ConstraintCompiler, MaskBudget
 
 BATCH = 32
 CONSTRAINTS = {
@@ -80,9 +80,9 @@ def instrument() -> None:
         STEPS.wrap(step)(batch, metrics)
 
     DecodeBatch.step = full_step
-    server.generation._constrain = MASKS.wrap(server.generation._constrain)
-    server.structured.Masks.run = MASKS.wrap(server.structured.Masks.run)  # on the mask thread, in a decode step
-    server.structured.Constraint.consume = MASKS.wrap(server.structured.Constraint.consume)
+    server.execution.generation._constrain = MASKS.wrap(server.execution.generation._constrain)
+    server.structured.outputs.Masks.run = MASKS.wrap(server.structured.outputs.Masks.run)  # on the mask thread, in a decode step
+    server.structured.outputs.Constraint.consume = MASKS.wrap(server.structured.outputs.Constraint.consume)
 
 
 async def run(engine: Engine, served, compiler: ConstraintCompiler, kind: str, tokens: int) -> dict:

@@ -15,8 +15,8 @@ import torch
 
 from benchmarks.serve.harness import stub_decode_steps
 from server import __main__ as server_main
-from server import model_store
-from server.model_store import ServedModel
+from server.models import store as model_store
+from server.models.store import ServedModel
 
 load_served_model = model_store.load_served_model
 
@@ -32,7 +32,7 @@ def load_stubbed(folder: Path, device: str) -> ServedModel:
     return served
 
 
-# At import, not under __main__: the engine process (server/engine_core.py, started with spawn) imports this module as
+# At import, not under __main__: the engine process (server/engine/core.py, started with spawn) imports this module as
 # its main module too, and must load the stubs as well. So nothing else may import this module: every model it then
 # loaded would be stubbed (bench_engine_loop did, through its stub, until 2026-11-26; its rates were the stub's).
 model_store.load_served_model = load_stubbed

@@ -178,7 +178,7 @@ def set_row_invariant(invariant: bool) -> None:
 def row_invariant() -> bool:
     """Whether :func:`set_row_invariant` is on in this thread: then what would run over several rows at once outside
     the kernels runs one row at a time, as it runs alone (a RegularGPT row's new thick layer, a prompt's prefill
-    chunk in server/generation.py)."""
+    chunk in server/execution/generation.py)."""
     return _invariant()
 
 
@@ -224,7 +224,7 @@ def lrnn_layer_step(
     transitions: LayerTransitions,
     p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One served LRNN layer (model/lrnn.py, ``RecurrentBlock.step`` with the full generator) as one compiled call:
+    """One served LRNN layer (model/lrnn/model.py, ``RecurrentBlock.step`` with the full generator) as one compiled call:
     x + readout(A(u) state + B u) with u = LN_1(x), then + MLP(LN_2(.)). ``transitions`` "column": A(u) = g(u) with
     column j divided by max(1, ||column j||_p) (applied to the state entry it multiplies, as the torch step does);
     "stochastic": column j of A(u) is the sparsemax of g(u)'s column j (``column_sparsemax`` in
@@ -293,10 +293,10 @@ def regulargpt_layer_step(
     heads: int,
     eps: float,
 ) -> torch.Tensor:
-    """One thick layer of a RegularGPT decode step (model/regulargpt_decode.py: its K blocks, ``CachedBlock.forward``
+    """One thick layer of a RegularGPT decode step (model/regulargpt/decode.py: its K blocks, ``CachedBlock.forward``
     with a ``StepPlan``) as one compiled call. Each block: x + attention(LN_1(x)) over the J dilated slots, then
     + MLP(LN_2(.)); the new position's keys and values are then written into its window. The ring entries are
-    found as the step's plan finds them (``_plan_step`` in model/regulargpt_cache.py: row r's slot j holds position
+    found as the step's plan finds them (``_plan_step`` in model/regulargpt/cache.py: row r's slot j holds position
     p = positions[r] - j * dilation at its ``ring_slot``; out of range, masked or null, where p < 0), without
     building it. Equal to the torch step up to float rounding (tests/model/test_cpu_decode.py).
 
@@ -1170,7 +1170,7 @@ def _compile(numba, panel_product) -> tuple[Callable[..., None], ...]:
         blocks, rows = starts.shape[0], x.shape[0]
         columns = windows[0].shape[0] // (rows * 2 * heads) // dilation  # K of ring_slot
         period = ring // dilation  # C - 1
-        where = np.empty((rows, max(slots, 1)), dtype=np.int64)  # ring_slot (model/regulargpt_cache.py) of each key
+        where = np.empty((rows, max(slots, 1)), dtype=np.int64)  # ring_slot (model/regulargpt/cache.py) of each key
         for r in range(rows):
             base, column = positions[r] % dilation * columns, positions[r] // dilation % period
             for j in range(where.shape[1]):  # position - j * dilation: the same run, j columns back

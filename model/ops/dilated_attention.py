@@ -36,7 +36,7 @@ of five; docs/benchmarks.md, "RegularGPT decode and prefill"):
   25% either way (inference 0.27 against 0.23 ms at T = 128, 0.94 against 1.17 at 1024; training 17.1 against
   18.3 at 128) and "auto" keeps fast there, as before: the C = 2 task models do not change.
 
-A cache's chunks attend through the same functions over the keys they read from the cache (model/regulargpt_decode.py):
+A cache's chunks attend through the same functions over the keys they read from the cache (model/regulargpt/decode.py):
 one query per row through :func:`attend_slots`, a chunk through :func:`attend_gathered` or, once
 :func:`cached_attention_impl` says so, :func:`attend_banded` over the ring's last keys and the chunk. That
 crossover, measured the same way after a long context (J - 1 ring keys before the chunk at dilation 1): banded

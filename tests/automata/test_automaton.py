@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from automata.automaton import MAX_STATES, DFA, AutomatonError, MooreMachine
+from automata.automaton import DFA, MAX_STATES, AutomatonError, MooreMachine
 from automata.task_automata import AUTOMATA_DIR
 
 SPEC_TOMITA4_TEXT = """

@@ -15,8 +15,14 @@ from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError, co
 from automata.samples import counter, live_string
 from automata.task_automata import cycle_navigation, induction_heads, modular_arithmetic, sum_mod5
 from model.ops.linear_scan import column_norm_constraint
-from tests.automata.helpers import assert_exact_on_every_string, assert_labels, assert_machine_transduces
-from tests.automata.helpers import assert_transduces, encode, load_dfa
+from tests.automata.helpers import (
+    assert_exact_on_every_string,
+    assert_labels,
+    assert_machine_transduces,
+    assert_transduces,
+    encode,
+    load_dfa,
+)
 
 SMALL_AUTOMATA = ["parity_check", "tomita3", "tomita4", "tomita5", "tomita6", "d2", "d3", "first", "one", "even_pairs"]
 EXHAUSTIVE_LENGTH = 12

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from model.base import InferenceCache, SequenceModel
 from model.ops.dilated_attention import dilated_attention_banded, dilated_attention_fast, dilated_attention_reference
 from model.ops.linear_scan import column_norm_constraint, scan_chunked, scan_parallel, scan_sequential, scan_step
-from model.regulargpt_cache import adaptive_depth
+from model.regulargpt.cache import adaptive_depth
 
 # Rows of different lengths in one batch, and what calls cost (test_models, test_exact)
 

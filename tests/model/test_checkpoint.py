@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint, upgrade_config
-from model.config import ARCHITECTURE_CONFIGS, FORMAT_VERSION, CheckpointConfig, ConfigError, LRNNConfig
-from model.config import migrate_config
+from model.config import ARCHITECTURE_CONFIGS, FORMAT_VERSION, CheckpointConfig, ConfigError, LRNNConfig, migrate_config
 from tests.model.tiny_models import ARCHITECTURE_OF, MODEL_IDS, build_tiny, tiny_configs
 
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from model.config import LRNNConfig
-from model.lrnn import BlockDiagonalLRNN
+from model.lrnn.model import BlockDiagonalLRNN
 from model.ops import cpu_decode
 from model.ops.linear_scan import column_sparsemax
-from model.regulargpt import RegularGPT
+from model.regulargpt.model import RegularGPT
 from tests.model.tiny_models import build_tiny, tiny_configs
 
 pytestmark = pytest.mark.skipif(not cpu_decode.kernel_available(), reason="numba is not importable")

@@ -9,7 +9,7 @@ import torch
 
 from model.base import long_tensor
 from model.cuda_graphs import Decoder, GraphedDecoder, _Captured, capture_sizes, decoder_for
-from model.lrnn import LRNNCache
+from model.lrnn.model import LRNNCache
 from tests.model.tiny_models import MODEL_IDS, build_tiny
 
 VOCAB, LABELS = 7, 3

@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from model.config import CheckpointConfig, ConfigError, ExactTransformerConfig
-from model.exact import ZERO_TEST_LOGIT, ExactTransformer, encoder_attention, in_slices, position_features
+from model.transformer.exact import ZERO_TEST_LOGIT, ExactTransformer, encoder_attention, in_slices, position_features
 from tests.model.helpers import (
     assert_rows_of_different_lengths_run_as_alone,
     assert_select_split_stack_round_trip,

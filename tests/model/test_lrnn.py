@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from model.config import CheckpointConfig, ConfigError, LRNNConfig
-from model.diagonal_lrnn import DiagonalLRNN
-from model.lrnn import BlockDiagonalLRNN, LinearRNN
+from model.lrnn.diagonal import DiagonalLRNN
+from model.lrnn.model import BlockDiagonalLRNN, LinearRNN
 from model.ops import cpu_decode
 from model.ops.linear_scan import ScanImpl, column_norm_constraint, scan_step
 from tests.model.tiny_models import tiny_configs

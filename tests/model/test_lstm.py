@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from model.config import LSTMConfig
-from model.lstm import LSTMModel
+from model.lstm.model import LSTMModel
 
 CONFIG = LSTMConfig(vocab_size=5, d_model=16, n_layers=2, hidden_size=24)
 

@@ -1,4 +1,4 @@
-"""The minimal references (model/reference/) give the real models' per-position logits on the real models' weights:
+"""The minimal references (model/lrnn/minimal.py, model/regulargpt/minimal.py) give the real models' per-position logits on the real models' weights:
 random weights large enough that attention is far from uniform and the column constraint binds, float64, odd
 lengths past several depths, transducers and language models."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from model.config import LRNNConfig, RegularGPTConfig
-from model.lrnn import BlockDiagonalLRNN
-from model.reference.lrnn_minimal import lrnn
-from model.reference.regulargpt_minimal import regulargpt
-from model.regulargpt import RegularGPT
+from model.lrnn.minimal import lrnn
+from model.lrnn.model import BlockDiagonalLRNN
+from model.regulargpt.minimal import regulargpt
+from model.regulargpt.model import RegularGPT
 
 VOCAB = 5
 LENGTHS = [1, 7, 29]

@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from model import regulargpt, regulargpt_cache, regulargpt_cost
 from model.config import RegularGPTConfig
 from model.ops import cpu_decode
-from model.regulargpt import RegularGPT
-from model.regulargpt_cache import (
+from model.regulargpt import cache as regulargpt_cache
+from model.regulargpt import cost as regulargpt_cost
+from model.regulargpt import model as regulargpt
+from model.regulargpt.cache import (
     BandedPlan,
     ChunkPlan,
     RegularGPTCache,
@@ -25,6 +26,7 @@ from model.regulargpt_cache import (
     capacity,
     plan_chunk,
 )
+from model.regulargpt.model import RegularGPT
 
 VOCAB = 5
 OUT_OF_RANGE = pytest.mark.parametrize("out_of_range", ["mask", "null"])

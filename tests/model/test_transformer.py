@@ -19,7 +19,7 @@ from model.ops.positions import (
     sinusoidal_encoding,
     t5_bucket,
 )
-from model.transformer import CausalSelfAttention, Transformer, TransformerCache
+from model.transformer.model import CausalSelfAttention, Transformer, TransformerCache
 
 HEADS, HEAD_DIM = 2, 4
 PAIRS = [(0, 0), (3, 0), (3, 3), (7, 2), (9, 1)]  # (query position i, key position j), j <= i

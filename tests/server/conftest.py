@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
+from server.api.app import create_app
 from tests.server.checkpoints import write_checkpoints
 from tests.server.helpers import make_settings
 from tests.server.live import LiveServer, serve

@@ -14,16 +14,16 @@ import torch
 
 from model.base import Cost
 from model.cuda_graphs import decoder_for
-from server.batching import TransduceJob
-from server.costing import ModelBudget, ModelSpeed
-from server.generation import Finished, GenerationRequest, Sequence
-from server.mailbox import Postman
+from server.engine.mailbox import Postman
+from server.execution.generation import Finished, GenerationRequest, Sequence
+from server.execution.sampling import SamplingParams
 from server.metrics import RequestTimes, ServerMetrics
-from server.model_store import ServedModel, load_served_model
-from server.sampling import SamplingParams
-from server.scheduler import Scheduler
+from server.models.store import ServedModel, load_served_model
+from server.sched.batching import TransduceJob
+from server.sched.costing import ModelBudget, ModelSpeed
+from server.sched.scheduler import Scheduler
+from server.sched.state_cache import StateCache
 from server.settings import Settings
-from server.state_cache import StateCache
 
 
 @dataclass

@@ -14,8 +14,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from server.app import create_app
-from server.engine import Engine
+from server.api.app import create_app
+from server.engine.engine import Engine
 from server.settings import Settings
 
 

@@ -13,15 +13,15 @@ import torch
 
 from model.base import Cost
 from model.checkpoint import load_checkpoint
-from model.regulargpt import RegularGPT
-from server.batching import LongTransduce, TransduceJob, plan_batches, run_batch
-from server.costing import ModelBudget, ModelSpeed
+from model.regulargpt.model import RegularGPT
+from server.engine.mailbox import Postman
 from server.errors import ModelFailure
-from server.mailbox import Postman
 from server.metrics import RequestTimes, ServerMetrics
-from server.scheduler import Scheduler
+from server.sched.batching import LongTransduce, TransduceJob, plan_batches, run_batch
+from server.sched.costing import ModelBudget, ModelSpeed
+from server.sched.scheduler import Scheduler
+from server.sched.state_cache import StateCache
 from server.settings import Settings
-from server.state_cache import StateCache
 from tests.model.tiny_models import build_tiny
 from tests.server.checkpoints import TRANSDUCERS
 from tests.server.driven import FakeClock, FakeTransducer, receive, transduce_job, transducer

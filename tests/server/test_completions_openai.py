@@ -8,7 +8,7 @@ import re
 import openai
 import pytest
 
-from server.completions import completion_id
+from server.api.completions import completion_id
 from tests.server import reference
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from server.app import create_app
+from server.api.app import create_app
 from tests.server.checkpoints import LANGUAGE_MODELS, TRANSDUCERS
 from tests.server.helpers import make_settings
 

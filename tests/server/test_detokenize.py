@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from model.tokenizer import load_tokenizer
-from server.detokenize import TextAssembler, stop_strings
+from server.execution.detokenize import TextAssembler, stop_strings
 
 TOKENIZER = load_tokenizer("bytes", ".")
 

@@ -9,10 +9,10 @@ import asyncio
 import httpx
 import pytest
 
-from model.lstm import LSTMModel
-from server import engine as engine_module
+from model.lstm.model import LSTMModel
+from server.engine import engine as engine_module
 from server.errors import Unavailable
-from server.scheduler import FairShare
+from server.sched.scheduler import FairShare
 from tests.server.checkpoints import LANGUAGE_MODELS
 from tests.server.driven import FakeClock, finished_at, generation, language_model, receive
 from tests.server.driven import scheduler as driven_scheduler
@@ -30,7 +30,7 @@ def record_step_batches(monkeypatch, engine, model_id: str) -> list[int]:
 @pytest.mark.parametrize("model_id", sorted(LANGUAGE_MODELS))
 def test_mixed_length_generations_decode_in_one_batch(model_id: str, live, monkeypatch) -> None:
     """Prompts of different lengths decode together (every architecture) and answer as they do alone. The
-    lengths share one context class (prompt + max_tokens in [64, 127]: ``server/costing.py``)."""
+    lengths share one context class (prompt + max_tokens in [64, 127]: ``server/sched/costing.py``)."""
     bodies = [
         {"model": model_id, "prompt": "p" * length, "max_tokens": 12, "seed": length, "temperature": 0.9}
         for length in (52, 61, 80, 110)

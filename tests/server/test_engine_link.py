@@ -14,11 +14,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-import server.engine_client
-from server.app import create_app
-from server.engine_client import EngineClient, RemoteGeneration
+import server.engine.client
+from server.api.app import create_app
+from server.engine.client import EngineClient, RemoteGeneration
+from server.engine.mailbox import Mailbox
 from server.errors import Unavailable
-from server.mailbox import Mailbox
 from server.metrics import ServerMetrics
 from tests.server.helpers import make_settings, wait_for
 
@@ -49,7 +49,7 @@ def link(checkpoints_dir, monkeypatch):
 
 
 def test_an_engine_that_does_not_read_never_blocks_the_caller(link, monkeypatch) -> None:
-    monkeypatch.setattr(server.engine_client, "SEND_BUFFER_BYTES", 10_000)
+    monkeypatch.setattr(server.engine.client, "SEND_BUFFER_BYTES", 10_000)
     started = time.monotonic()
     for _ in range(5):
         link._send(("transduce", b"x" * 1000))  # each returns at once: the writer thread holds the blocked write

@@ -1,5 +1,5 @@
-"""The engine core in a child process (``engine_process``: server/engine_client.py, server/engine_core.py, the step
-messages of server/wire.py): the same answers as in process, /metrics with the same series, runtime models and
+"""The engine core in a child process (``engine_process``: server/engine/client.py, server/engine/core.py, the step
+messages of server/engine/wire.py): the same answers as in process, /metrics with the same series, runtime models and
 cancellation across the boundary, and what happens when the engine process dies."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
+from server.api.app import create_app
+from server.engine.wire import Finish, Step, StepColumns, decode_step, encode_step, error_from_wire, error_to_wire
 from server.errors import InputTooLarge, UnknownModel
+from server.execution.sampling import TokenLogprob
 from server.metrics import RecordingMetrics, RequestTimes, ServerMetrics
-from server.sampling import TokenLogprob
-from server.wire import Finish, Step, StepColumns, decode_step, encode_step, error_from_wire, error_to_wire
 from tests.server.helpers import make_settings, wait_for
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -117,7 +117,7 @@ def test_runtime_models_and_cancellation_across_the_boundary(process_app) -> Non
 
 def test_the_engine_process_dying_answers_503_and_fails_health(checkpoints_dir) -> None:
     died = threading.Event()
-    from server.engine_client import EngineClient
+    from server.engine.client import EngineClient
 
     settings = make_settings(checkpoints_dir, engine_process=True)
     engine = EngineClient(settings, ServerMetrics(), on_engine_died=lambda message: died.set())

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 import pytest
 from fastapi.testclient import TestClient
 
-import server.engine
-from server.app import create_app
+import server.engine.engine
+from server.api.app import create_app
 from tests.server.helpers import assert_error, make_settings
 
 
@@ -235,13 +235,13 @@ def test_a_failing_model_call_fails_only_its_requests(checkpoints_dir, monkeypat
 
 def test_503_while_loading(checkpoints_dir, monkeypatch) -> None:
     release = threading.Event()
-    load_models = server.engine.load_models
+    load_models = server.engine.engine.load_models
 
     def slow_load(*args):
         release.wait(10)
         return load_models(*args)
 
-    monkeypatch.setattr(server.engine, "load_models", slow_load)
+    monkeypatch.setattr(server.engine.engine, "load_models", slow_load)
     app = create_app(make_settings(checkpoints_dir))
     with TestClient(app) as client:
         health = client.get("/health")
@@ -312,7 +312,7 @@ def post(app, headers: dict[str, str], chunks: Iterable[bytes], ends: bool = Tru
 
     async def receive() -> dict:
         nonlocal pulled
-        if "http.response.start" in sent:  # what the server reads now it discards (server/http_guard.py, Linger)
+        if "http.response.start" in sent:  # what the server reads now it discards (server/api/guard.py, Linger)
             return {"type": "http.disconnect"}
         chunk = next(chunks, None)
         if chunk is None and not ends:

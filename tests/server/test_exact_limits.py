@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from model.exact import ExactTransformer
-from server.app import create_app
+from model.transformer.exact import ExactTransformer
+from server.api.app import create_app
 from tests.server.helpers import make_settings
+from training.data.tasks import get_task
 from training.exact_builders import write_checkpoints
-from training.tasks import get_task
 
 LIMIT = ExactTransformer.max_all_outputs_symbols
 

@@ -10,14 +10,22 @@ import pytest
 import torch
 
 from model.ops import cpu_decode
-from server import generation as generation_module
+from server.api.serving import coalesced
 from server.errors import ModelFailure
-from server.generation import DecodeBatch, Finished, GenerationRequest, Sequence, prefill, prefill_length, start
+from server.execution import generation as generation_module
+from server.execution.generation import (
+    DecodeBatch,
+    Finished,
+    GenerationRequest,
+    Sequence,
+    prefill,
+    prefill_length,
+    start,
+)
+from server.execution.sampling import SamplingParams
 from server.metrics import ServerMetrics
-from server.sampling import SamplingParams
-from server.serving import coalesced
-from server.state_cache import StateCache
-from server.work import Status
+from server.sched.state_cache import StateCache
+from server.sched.work import Status
 from tests.server import reference
 from tests.server.checkpoints import LANGUAGE_MODELS
 from tests.server.driven import FakeClock, Recorder, events, generation, language_model, receive, run_until_done

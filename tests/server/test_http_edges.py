@@ -25,12 +25,12 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from server.app import api_error_response, create_app
-from server.engine import EngineFront
+from server.api.app import api_error_response, create_app
+from server.api.guard import RequestGuard, Turnstile
+from server.engine.engine import EngineFront
 from server.errors import Overloaded
-from server.http_guard import RequestGuard, Turnstile
 from server.metrics import RequestTimes, ServerMetrics
-from server.model_store import failed_folder
+from server.models.store import failed_folder
 from server.settings import Settings
 from tests.server.checkpoints import BROKEN
 from tests.server.helpers import make_settings, wait_for

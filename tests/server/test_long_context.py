@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import httpx
 
-from server import engine as engine_module
-from server.costing import ModelSpeed
-from server.generation import PREFILL_QUANTUM, Finished, Sequence, prefill_length
-from server.state_cache import StateCache
+from server.engine import engine as engine_module
+from server.execution.generation import PREFILL_QUANTUM, Finished, Sequence, prefill_length
+from server.sched.costing import ModelSpeed
+from server.sched.state_cache import StateCache
 from tests.server.driven import FakeClock, events, generation, language_model, receive, run_until_done
 from tests.server.driven import scheduler as driven_scheduler
 from tests.server.helpers import make_settings

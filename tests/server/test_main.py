@@ -253,7 +253,7 @@ def test_idle_connections_are_kept_alive_for_their_next_request(checkpoints_dir)
         process.communicate(timeout=30)
 
 
-@pytest.mark.parametrize("module", ["server.protocol", "clients.client"])
+@pytest.mark.parametrize("module", ["server.api.protocol", "clients.client"])
 def test_protocol_and_client_import_without_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
@@ -264,7 +264,7 @@ def test_a_serving_process_tunes_its_garbage_collector() -> None:
     (``on_ready``, before the first request), in a child process: a frozen heap stays frozen."""
     code = (
         "import gc\n"
-        "from server.__main__ import GC_THRESHOLDS, freeze_startup_heap, tune_garbage_collector\n"
+        "from server.heap import GC_THRESHOLDS, freeze_startup_heap, tune_garbage_collector\n"
         "tune_garbage_collector()\n"
         "assert gc.get_threshold() == GC_THRESHOLDS, gc.get_threshold()\n"
         "assert gc.get_freeze_count() == 0\n"

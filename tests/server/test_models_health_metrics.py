@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from server.app import create_app
+from server.api.app import create_app
 from server.settings import SHIPPED_CHECKPOINTS, Settings
 from tests.server.checkpoints import BROKEN, LANGUAGE_MODELS, TRANSDUCERS
 from tests.server.helpers import make_settings

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.python import asgi
 
-from server.app import create_app
-from server.openapi import decimals_below
+from server.api.app import create_app
+from server.api.openapi import decimals_below
 from tests.server.helpers import make_settings
 
 CONFIG = Path(__file__).resolve().parents[2] / "schemathesis.toml"

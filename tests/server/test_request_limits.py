@@ -8,8 +8,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.request_limits import count_values, values_outside_strings
+from server.api.app import create_app
+from server.api.limits import count_values, values_outside_strings
 from server.settings import Settings
 from tests.server.helpers import assert_error, make_settings
 

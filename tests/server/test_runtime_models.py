@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from automata.task_automata import AUTOMATA_DIR
-from server import runtime_models
-from server.app import create_app
+from server.api.app import create_app
+from server.models import runtime as runtime_models
 from tests.server.helpers import make_settings
 
 MULTIPLE_OF_3 = "(0|1(01*0)*1)*"

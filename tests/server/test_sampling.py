@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.ops import cpu_decode
-from server import generation
-from server.app import create_app
-from server.sampling import (
+from server.api.app import create_app
+from server.execution import generation
+from server.execution.sampling import (
     SamplingParams,
     draw,
     filtered_weights,
@@ -359,7 +359,7 @@ def test_under_batch_invariance_greedy_from_a_short_prompt_equals_the_parallel_p
     model_id: str, invariant, checkpoints_dir
 ) -> None:
     """A prompt of at most STEPPED_PREFILL_TOKENS runs in the decode batch under batch invariance
-    (``server.generation.prompt_in_batch``): the text of the parallel pass, for both architectures."""
+    (``server.execution.generation.prompt_in_batch``): the text of the parallel pass, for both architectures."""
     body = {"model": model_id, "prompt": "Hi wörl", "max_tokens": 12, "temperature": 0}
     with httpx.Client(base_url=invariant.url, timeout=60) as client:
         answer = client.post("/v1/generate", json=body).json()
@@ -380,7 +380,7 @@ def test_batch_invariant_refuses_to_serve_models_it_does_not_hold_for(model_id: 
 
 def test_batch_invariant_auto_serves_models_it_does_not_hold_for_without_it(checkpoints_dir, tmp_path, caplog) -> None:
     folder = models_folder(checkpoints_dir, tmp_path, ["text-lrnn", "text-lstm"])
-    with caplog.at_level(logging.INFO, logger="server.engine"), TestClient(create_app(make_settings(folder))) as client:
+    with caplog.at_level(logging.INFO, logger="server.engine.engine"), TestClient(create_app(make_settings(folder))) as client:
         client.app.state.engine.wait_loaded()
         assert client.get("/health").status_code == 200
     assert "batch invariance: off: batch_invariant holds for float32 LRNN and RegularGPT language models only" in (

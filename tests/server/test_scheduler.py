@@ -16,15 +16,14 @@ import torch
 from model.base import Cost
 from model.config import RegularGPTConfig
 from model.ops import cpu_decode
-from model.regulargpt import RegularGPT
-from model.regulargpt_cost import FixedCosts
+from model.regulargpt.cost import FixedCosts
+from model.regulargpt.model import RegularGPT
 from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
-from server.batching import TransduceJob, TransduceOutput
-from server.costing import ModelBudget, ModelSpeed
-from server.engine import Engine
+from server.engine.engine import Engine
+from server.engine.mailbox import Postman
 from server.errors import InputTooLarge, Overloaded, Unavailable
-from server.executor import Call, DecodeResult, PrefillResult, TransduceResult, live_groups, ready_work
-from server.generation import (
+from server.execution.executor import Call, DecodeResult, PrefillResult, TransduceResult, live_groups, ready_work
+from server.execution.generation import (
     STEPPED_PREFILL_TOKENS,
     DecodeBatch,
     Finished,
@@ -32,13 +31,14 @@ from server.generation import (
     Sequence,
     prefill_call_cost,
 )
-from server.mailbox import Postman
+from server.execution.sampling import SamplingParams
 from server.metrics import RequestTimes, ServerMetrics
-from server.sampling import SamplingParams
-from server.scheduler import STOP, AbortAll, Scheduler
+from server.sched.batching import TransduceJob, TransduceOutput
+from server.sched.costing import ModelBudget, ModelSpeed
+from server.sched.scheduler import STOP, AbortAll, Scheduler
+from server.sched.state_cache import StateCache
+from server.sched.work import RequestQueue, Status
 from server.settings import Settings
-from server.state_cache import StateCache
-from server.work import RequestQueue, Status
 from tests.server.driven import FakeClock, FakeTransducer, Recorder, transducer
 
 SLICE_S = 0.05  # the default slice_ms
@@ -87,7 +87,7 @@ class FakeCache:
 
 
 class FakeExecutor:
-    """Runs a plan as ``server/executor.py`` does, in order until a slice has been spent (one unit at least), each
+    """Runs a plan as ``server/execution/executor.py`` does, in order until a slice has been spent (one unit at least), each
     call taking ``CALL_S``; logs what ran. A prefill chunk samples token 1 at a prompt's end, a decode step token 1
     for each row past its prompt; a sequence ends at its max_tokens."""
 

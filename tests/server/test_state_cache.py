@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.state_cache import StateCache
+from server.sched.state_cache import StateCache
 from tests.model.tiny_models import build_tiny
 
 

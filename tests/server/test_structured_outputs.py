@@ -24,14 +24,14 @@ import regex
 import torch
 from fastapi.testclient import TestClient
 
-import server.generation
-import server.structured
+import server.execution.generation
+import server.structured.outputs
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig
 from model.tokenizer import load_tokenizer
-from server.app import create_app
+from server.api.app import create_app
 from server.errors import InputTooLarge, ModelFailure
-from server.structured_regex import plain_regex
+from server.structured.regex import plain_regex
 from tests.model.tiny_models import ARCHITECTURE_OF, build_tiny
 from tests.server.helpers import make_settings
 from tests.server.live import serve
@@ -163,7 +163,7 @@ def test_end_of_text_only_where_the_text_matches(client) -> None:
 
 def test_a_token_drawn_against_its_mask_is_replaced(client, monkeypatch) -> None:
     """Should the sampler ever return a forbidden token (a numerical corner), the row takes its best allowed one."""
-    monkeypatch.setattr(server.generation, "sample", lambda logits, params, generators: [0] * len(params))  # "!"
+    monkeypatch.setattr(server.execution.generation, "sample", lambda logits, params, generators: [0] * len(params))  # "!"
     results = complete(client, {"regex": "[a-c]{3}"}, n=2, seed=1)
     assert [reason for _, reason in results] == ["stop", "stop"]
     assert all(re.fullmatch("[a-c]{3}", text) for text, _ in results)
@@ -225,7 +225,7 @@ def test_a_lone_surrogate_is_refused(client) -> None:
 
 def test_a_constraint_over_a_limit_per_token_ends_alone(client, monkeypatch) -> None:
     """llguidance's work per token is bounded (lexer fuel); a sequence past it ends with 413, the others go on."""
-    monkeypatch.setattr(server.structured, "_LIMITS", llguidance.LLParserLimits(step_lexer_fuel=1000))
+    monkeypatch.setattr(server.structured.outputs, "_LIMITS", llguidance.LLParserLimits(step_lexer_fuel=1000))
     free = {"model": BPE, "prompt": "x", "max_tokens": 20, "seed": 1}
     costly = {**free, "structured_outputs": {"regex": r"(\w+\s){1,99}"}}
     with ThreadPoolExecutor(2) as pool:
@@ -247,7 +247,7 @@ def test_a_lexer_out_of_fuel_is_refused_when_compiled(client) -> None:
 def test_a_limit_met_while_decoding_is_413_not_500(client, monkeypatch) -> None:
     """A token that llguidance refuses because one of its limits was reached (not because the mask forbade it) ends
     the sequence with 413; llguidance's own wording (``Constraint.failure``) is checked with a real matcher below."""
-    original = server.structured.Constraint.consume
+    original = server.structured.outputs.Constraint.consume
 
     def consume(self, token: int) -> bool:  # the third token meets the limit
         self.consumed = getattr(self, "consumed", 0) + 1
@@ -256,8 +256,8 @@ def test_a_limit_met_while_decoding_is_413_not_500(client, monkeypatch) -> None:
         self.limit_met = "lexer error: too many expressions constructed"
         return False
 
-    monkeypatch.setattr(server.structured.Constraint, "consume", consume)
-    monkeypatch.setattr(server.structured.Constraint, "error", property(lambda self: getattr(self, "limit_met", None)))
+    monkeypatch.setattr(server.structured.outputs.Constraint, "consume", consume)
+    monkeypatch.setattr(server.structured.outputs.Constraint, "error", property(lambda self: getattr(self, "limit_met", None)))
     # 40 letters: no two tokens of the model complete it (with 10, a sample of two long tokens matched before the third)
     response = client.post("/v1/generate", json={"model": BPE, "prompt": "x", "max_tokens": 60,
                                                  "structured_outputs": {"regex": "[a-z]{40}"}})  # fmt: skip
@@ -266,18 +266,18 @@ def test_a_limit_met_while_decoding_is_413_not_500(client, monkeypatch) -> None:
 
 
 def test_llguidance_limit_errors_are_413_and_others_500() -> None:
-    vocabulary = server.structured.ConstraintVocabulary(load_tokenizer("file:tokenizer.tiktoken", BPE_RANKS.parent))
+    vocabulary = server.structured.outputs.ConstraintVocabulary(load_tokenizer("file:tokenizer.tiktoken", BPE_RANKS.parent))
     text = llguidance.LLMatcher.grammar_from_regex(plain_regex("(ab{500}){200}"))
     limits = llguidance.LLParserLimits(initial_lexer_fuel=10_000, verbose_errors=False)  # spent on the start
     matcher = llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0, limits=limits)
-    budget = server.structured.MaskBudget(per_token_s=10.0, total_s=10.0)
-    constraint = server.structured.CompiledConstraint(matcher, vocabulary, budget).start()
+    budget = server.structured.outputs.MaskBudget(per_token_s=10.0, total_s=10.0)
+    constraint = server.structured.outputs.CompiledConstraint(matcher, vocabulary, budget).start()
     constraint.fill(np.empty(vocabulary.words, dtype=np.int32))  # spends the fuel (allows "ab" all the same)
     ab = vocabulary.lltokenizer.tokenize_str("ab")[0]
     assert not constraint.consume(ab)
     failure = constraint.failure(ab)
     assert isinstance(failure, InputTooLarge) and "too many expressions constructed" in failure.message
-    other = server.structured.CompiledConstraint(llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0),
+    other = server.structured.outputs.CompiledConstraint(llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0),
                                                  vocabulary, budget).start()  # fmt: skip
     assert not other.consume(vocabulary.lltokenizer.tokenize_str("b")[0])  # not allowed: the sampler's bug, a 500
     assert isinstance(other.failure(), ModelFailure)
@@ -290,7 +290,7 @@ def test_a_mask_past_its_budget_ends_its_sequence_alone(models_dir, monkeypatch)
     (one held mask, not three); the same constraint is then refused at once, and another one gets 429 while
     MAX_LEFT_BEHIND masks are still held."""
     entered, release, released_by_test = threading.Event(), threading.Event(), []
-    original = server.structured.Constraint.fill
+    original = server.structured.outputs.Constraint.fill
 
     def held_fill(self, bitmask) -> None:
         if threading.current_thread().name == "regularlm-masks":  # decoding (the compile's first mask is not held)
@@ -298,8 +298,8 @@ def test_a_mask_past_its_budget_ends_its_sequence_alone(models_dir, monkeypatch)
             released_by_test.append(release.wait(60))
         original(self, bitmask)
 
-    monkeypatch.setattr(server.structured.Constraint, "fill", held_fill)
-    monkeypatch.setattr(server.structured, "MAX_LEFT_BEHIND", 1)
+    monkeypatch.setattr(server.structured.outputs.Constraint, "fill", held_fill)
+    monkeypatch.setattr(server.structured.outputs, "MAX_LEFT_BEHIND", 1)
     app = create_app(make_settings(models_dir, structured_mask_timeout_s=0.05))
     try:
         with TestClient(app) as test_client, ThreadPoolExecutor(1) as pool:
@@ -316,14 +316,14 @@ def test_a_mask_past_its_budget_ends_its_sequence_alone(models_dir, monkeypatch)
             assert again.status_code == 413 and "for an earlier request" in again.text
             other = test_client.post("/v1/completions", json={**plain, "structured_outputs": {"regex": "[0-9]+"}})
             assert other.status_code == 429 and "past their time budget" in other.text
-            assert not release.is_set() and server.structured._MASK_THREADS.left_behind == 1
+            assert not release.is_set() and server.structured.outputs._MASK_THREADS.left_behind == 1
     finally:
         release.set()
     for _ in range(600):  # the held mask's thread ends once it is let go
-        if server.structured._MASK_THREADS.left_behind == 0:
+        if server.structured.outputs._MASK_THREADS.left_behind == 0:
             break
         threading.Event().wait(0.01)
-    assert server.structured._MASK_THREADS.left_behind == 0
+    assert server.structured.outputs._MASK_THREADS.left_behind == 0
     assert released_by_test == [True]  # every answer above came while the mask was held
 
 
@@ -365,7 +365,7 @@ def test_a_slow_compile_is_refused_and_does_not_hold_the_engine(models_dir) -> N
 
 def test_constrained_and_free_sequences_share_decode_steps(client, monkeypatch) -> None:
     steps: list[tuple[int, int]] = []  # (rows, constrained rows) of each sampling call with a constrained row
-    original = server.generation._constrain
+    original = server.execution.generation._constrain
 
     def recording(sequences, logits, metrics, masks=None):
         steps.append((len(sequences), sum(sequence.constraint is not None for sequence in sequences)))
@@ -374,7 +374,7 @@ def test_constrained_and_free_sequences_share_decode_steps(client, monkeypatch) 
     # long enough that the constrained request (its regex compiled off the engine thread first) joins its decoding
     free_body = {"model": BPE, "prompt": "Once", "max_tokens": 1500, "seed": 8, "n": 2}
     alone = client.post("/v1/completions", json=free_body).json()["choices"]
-    monkeypatch.setattr(server.generation, "_constrain", recording)
+    monkeypatch.setattr(server.execution.generation, "_constrain", recording)
     constrained_body = {**free_body, "structured_outputs": {"regex": "[0-9]{30,40}"}, "seed": 9}
     with ThreadPoolExecutor(2) as pool:
         free, constrained = pool.map(lambda body: client.post("/v1/completions", json=body).json()["choices"],

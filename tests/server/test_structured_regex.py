@@ -1,4 +1,4 @@
-"""Python patterns rewritten in the plain dialect (server/structured_regex.py) match exactly what re.fullmatch
+"""Python patterns rewritten in the plain dialect (server/structured/regex.py) match exactly what re.fullmatch
 matches, where the dialects differ (\\s, (?i), {,n}, scoped flags, Unicode classes) and on random patterns, as read
 by llguidance over a byte-level vocabulary; non-regular constructs and oversized patterns are refused."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from model.tokenizer import byte_encoding
-from server.structured_regex import PatternError, literal_regex, plain_regex
+from server.structured.regex import PatternError, literal_regex, plain_regex
 from tests.automata.helpers import random_pattern
 
 BYTES = llguidance.tiktoken.lltokenizer_from_encoding(byte_encoding(), n_vocab=257, eos_token=256)

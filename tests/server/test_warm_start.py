@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from numba.core import event
 
 from model.ops import cpu_decode
-from server import structured
-from server.app import create_app
+from server.api.app import create_app
+from server.structured import outputs as structured
 from tests.server.helpers import make_settings
 
 # Language models whose decode steps run through the compiled layer steps (batch invariance holds for them: every batch

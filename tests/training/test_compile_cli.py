@@ -1,4 +1,4 @@
-"""``python -m training compile`` (training/compile_cli.py): it writes checkpoints that load and compute their DFA's
+"""``python -m training compile`` (training/cli/compile.py): it writes checkpoints that load and compute their DFA's
 transduction, it refuses bad DFA files and bad regular expressions with exit code 2 and one line on stderr, and
 the compiled checkpoints it ships under checkpoints/ equal fresh compilations and agree with the task labelers."""
 
@@ -21,9 +21,9 @@ from automata.samples import counter, live_string
 from automata.task_automata import AUTOMATA_DIR
 from model.checkpoint import load_checkpoint, read_config, read_weights
 from tests.automata.helpers import assert_exact_on_every_string, assert_transduces, encode, load_dfa, tomita4_with
-from training.cli import main
-from training.data import FinalLabelSet, count_correct_final
-from training.tasks import get_task
+from training.cli.main import main
+from training.data.batches import FinalLabelSet, count_correct_final
+from training.data.tasks import get_task
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SHIPPED_TASKS = ("tomita3", "tomita4", "tomita5", "tomita6", "d2", "d3", "d4")
@@ -49,7 +49,7 @@ def test_checkpoint_round_trip(arch: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("task", "arch"), SHIPPED)
 def test_shipped_checkpoint_equals_a_fresh_compilation(task: str, arch: str) -> None:
-    """The folders under checkpoints/ are this command's output (regenerate them as training/compile_cli.py says)."""
+    """The folders under checkpoints/ are this command's output (regenerate them as training/cli/compile.py says)."""
     folder = REPOSITORY / "checkpoints" / f"{task}-{arch}-compiled"
     model, config = COMPILERS[arch](load_dfa(task))
     assert read_config(folder).to_dict() == config.to_dict()
@@ -88,7 +88,7 @@ def test_shipped_induction_heads_checkpoint_is_right_at_2_to_the_20() -> None:
 
 @pytest.mark.parametrize("arch", sorted(COMPILERS))
 def test_shipped_d4_checkpoint_agrees_with_the_reference_labeler(arch: str) -> None:
-    """checkpoints/d4-<arch>-compiled against training.labelers' D_4 (not the DFA it was compiled from), at every
+    """checkpoints/d4-<arch>-compiled against training.data.labelers' D_4 (not the DFA it was compiled from), at every
     position of 300 label-balanced strings of lengths 1..128, and on their final labels."""
     loaded = load_checkpoint(REPOSITORY / "checkpoints" / f"d4-{arch}-compiled", device="cpu")
     task, rng = get_task(loaded.config.task), np.random.default_rng(8)

@@ -10,7 +10,7 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from tests.training.helpers import TINY_LRNN, TINY_RUN, read_log, run_module
-from training.cli import main
+from training.cli.main import main
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

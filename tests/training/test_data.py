@@ -7,9 +7,17 @@ import pytest
 import torch
 from torch import nn
 
-from training.data import IGNORE_INDEX, FinalLabelSet, LengthCurriculum, TrainingData, count_correct_final
-from training.data import _final_logits_in_chunks, encode_strings, label_batch
-from training.tasks import get_task
+from training.data.batches import (
+    IGNORE_INDEX,
+    FinalLabelSet,
+    LengthCurriculum,
+    TrainingData,
+    _final_logits_in_chunks,
+    count_correct_final,
+    encode_strings,
+    label_batch,
+)
+from training.data.tasks import get_task
 
 
 def test_label_batch_pads_right_and_masks_the_padding() -> None:

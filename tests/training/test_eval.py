@@ -14,9 +14,9 @@ import torch
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig, LSTMConfig
 from model.registry import build_model
-from training.cli import main
-from training.evaluate import Band, draw_bands, protocol_bands, split_lengths
-from training.tasks import get_task
+from training.cli.main import main
+from training.data.tasks import get_task
+from training.evaluation.evaluate import Band, draw_bands, protocol_bands, split_lengths
 
 REPO = Path(__file__).resolve().parents[2]
 BAND_KEYS = {"lengths", "p_one", "samples", "accuracy"}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint, read_config, read_weights
+from training.data.tasks import get_task
 from training.exact_builders import (
     CONSTRUCTIONS,
     DEFAULT_CROSS_ENTROPY,
@@ -24,7 +25,6 @@ from training.exact_builders import (
     with_layer_norm,
     write_checkpoints,
 )
-from training.tasks import get_task
 
 TASK_OF = {"parity": "parity_check", "first": "first", "one": "one"}
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from automata.task_automata import dyck, tomita6
-from training.final_label_sampling import FinalLabelSampler
+from training.data.final_label_sampling import FinalLabelSampler
 
 
 def strings_with_final_label(machine, length: int, label: str) -> set[str]:

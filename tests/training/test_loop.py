@@ -25,16 +25,17 @@ from model.base import Cost
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
 from model.registry import build_model
-from model.regulargpt import RegularGPT
-from training import loop
-from training.cli import main
-from training.data import IGNORE_INDEX, Batch
-from training.distributed import setup_distributed
-from training.language_model import LanguageModelObjective, TextData, check_passkey_length
-from training.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
-from training.passkey import QUESTION, PassKeyBuilder, first_number
-from training.text_data import TokenArray
-from training.transduction import TaskData, TransductionObjective
+from model.regulargpt.model import RegularGPT
+from training.cli.main import main
+from training.data.batches import IGNORE_INDEX, Batch
+from training.data.passkey import QUESTION, PassKeyBuilder, first_number
+from training.data.text_batches import TokenArray
+from training.objectives import loop
+from training.objectives.carried import new_carried_state
+from training.objectives.distributed import setup_distributed
+from training.objectives.language_model import LanguageModelObjective, TextData, check_passkey_length
+from training.objectives.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
+from training.objectives.transduction import TaskData, TransductionObjective
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING = {"elapsed_s", "tokens_per_s", "wall_time_s", "command", "threads"}  # fields that differ between runs
@@ -354,7 +355,7 @@ def test_passkey_validation_counts_a_row_right_only_when_its_whole_answer_is(sel
     tokens, targets = torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows])
     objective.passkey_validation = {320: (tokens, targets)}
     for memory, per_call in [(2**30, 6), (2 * 320 * 257 * 4, 2)]:
-        monkeypatch.setattr("training.language_model.EVALUATION_MEMORY", memory)
+        monkeypatch.setattr("training.objectives.language_model.EVALUATION_MEMORY", memory)
         model = Oracle(tokens, wrong={1, 4}, selects_positions=selects_positions)
         figures = objective.evaluate(model, setup_distributed("cpu")).figures
         assert figures["passkey_accuracy_320"] == 4 / 6
@@ -471,7 +472,7 @@ def carried_after(first: Batch) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = build_model("lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2,
                                            d_ff=16)).train()
-    carried = loop.new_carried_state(model, 4)
+    carried = new_carried_state(model, 4)
     with torch.no_grad():
         model(first.tokens, carried)
     return model, carried
@@ -816,7 +817,7 @@ def test_a_run_retried_with_resume_appended_goes_on_and_a_differing_flag_is_name
 
 
 def test_the_arguments_of_a_recorded_command_are_found_in_either_launcher_form() -> None:
-    from training.train_cli import _training_arguments, command_line
+    from training.cli.train import _training_arguments, command_line
 
     for world_size, local_world_size in ((1, 1), (2, 2), (4, 2)):
         recorded = command_line(["train", "--task", "parity_check", "--corpus", "text:a b"], world_size, local_world_size)

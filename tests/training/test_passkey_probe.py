@@ -1,4 +1,4 @@
-"""``text-eval --probe passkey`` (training/passkey_probe.py) on tiny models with the bytes tokenizer: the prompts'
+"""``text-eval --probe passkey`` (training/evaluation/passkey_probe.py) on tiny models with the bytes tokenizer: the prompts'
 size and needle depth, the report's shape and plot, exact scoring with hand-made models that always or never
 answer the key, the cached chunked prefill against the parallel pass, and bad flags. No network."""
 
@@ -19,9 +19,9 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, CheckpointConfig
 from model.registry import build_model
 from model.tokenizer import Tokenizer, load_tokenizer
-from training.cli import main
-from training.passkey import INTRODUCTION, NEEDLE, PassKeyBuilder, grass_filler
-from training.passkey_probe import (
+from training.cli.main import main
+from training.data.passkey import INTRODUCTION, NEEDLE, PassKeyBuilder, grass_filler
+from training.evaluation.passkey_probe import (
     PassKeyProbe,
     cell_prompts,
     format_passkey_table,
@@ -347,7 +347,7 @@ def test_without_filler_the_probe_reads_austen_and_grass(checkpoint: Path, tmp_p
     """No --filler: the default fillers, Austen's held-out text and the grass text (the default was once read as
     the letters of 'austen' and every such call exited 2). Austen's text is not installed here: its stream is
     stood in for by the grass text."""
-    monkeypatch.setattr("training.text_cli.filler_tokens",
+    monkeypatch.setattr("training.cli.text.filler_tokens",
                         lambda name, tokenizer, fraction: grass_filler(tokenizer))  # fmt: skip
     out = tmp_path / "probe"
     assert main(["text-eval", "--checkpoint", str(checkpoint), "--probe", "passkey", "--sizes", "300", "--depths",

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from model.checkpoint import load_checkpoint
-from training.data import FinalLabelSet, count_correct_final
-from training.tasks import get_task
+from training.data.batches import FinalLabelSet, count_correct_final
+from training.data.tasks import get_task
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 TRAINED = sorted(

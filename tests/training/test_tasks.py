@@ -12,8 +12,8 @@ import torch
 
 from automata.automaton import DFA
 from automata.task_automata import AUTOMATA_DIR, binary_task_dfas
-from training.data import LengthCurriculum, TrainingData
-from training.tasks import TASKS, Task, get_task, sample_batch
+from training.data.batches import LengthCurriculum, TrainingData
+from training.data.tasks import TASKS, Task, get_task, sample_batch
 
 SPEC_TASKS = [
     "parity_check", "even_pairs", "cycle_navigation", "modular_arithmetic", "sum_mod5", "even_pair_mod5",
@@ -35,7 +35,7 @@ def flag(condition: object) -> str:
     return "1" if condition else "0"
 
 
-# The label of a whole prefix, from a formulation independent of training.labelers.
+# The label of a whole prefix, from a formulation independent of training.data.labelers.
 BRUTE_FORCE: dict[str, Callable[[str], str]] = {
     "parity_check": lambda prefix: str(prefix.count("1") % 2),
     "even_pairs": lambda prefix: flag(prefix[0] == prefix[-1]),

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from model.tokenizer import load_tokenizer
-from training.bpe import count_pieces, train_bpe, write_ranks
+from training.data.bpe import count_pieces, train_bpe, write_ranks
 
 CORPUS = ["the cat sat on the mat. the cat ate the rat.\n\nThe mat was flat; the rat was fat. " * 20,
           "naïve café — 日本語 👋 the the the"]

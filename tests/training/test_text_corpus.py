@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from training.text_corpus import (
+from training.data.corpus import (
     CorpusError,
     austen_novels,
     corpus_documents,

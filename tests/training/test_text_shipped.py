@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.model_store import load_served_model
+from server.models.store import load_served_model
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

@@ -14,13 +14,13 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.tokenizer import load_tokenizer
-from server.model_store import load_served_model
+from server.models.store import load_served_model
 from tests.training.helpers import edit_resume_state
-from training import loop as loop_module
-from training.cli import main
-from training.loop import read_resume_state
-from training.text_corpus import Document
-from training.text_data import StreamedWindows, TokenArray, tokenize_documents
+from training.cli.main import main
+from training.data.corpus import Document
+from training.data.text_batches import StreamedWindows, TokenArray, tokenize_documents
+from training.objectives import loop as loop_module
+from training.objectives.loop import read_resume_state
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -123,7 +123,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path, corpus, rank
     def killed(*args, **kwargs) -> None:
         raise SystemExit("killed")
 
-    monkeypatch.setattr("training.loop._save_checkpoint", killed)
+    monkeypatch.setattr("training.objectives.loop._save_checkpoint", killed)
     with pytest.raises(SystemExit, match="killed"):  # at step 3's evaluation, just after resume.safetensors
         train(out, f"text:{corpus}", ranks, "lrnn")
     assert not (out / "config.json").exists() and (out / "resume.safetensors").exists()
@@ -145,7 +145,7 @@ def test_text_train_resume_with_nothing_saved_yet_starts_the_run_from_step_0(
         raise SystemExit("killed")
 
     with monkeypatch.context() as patch:
-        patch.setattr("training.loop._save_resume", killed)
+        patch.setattr("training.objectives.loop._save_resume", killed)
         with pytest.raises(SystemExit, match="killed"):  # at step 3, before its evaluation's save
             train(out, f"text:{corpus}", ranks, "lrnn")
     assert {path.name for path in out.iterdir()} == {"train.jsonl", "tokenizer.tiktoken"}
@@ -459,7 +459,7 @@ def test_a_teacher_that_cannot_teach_the_run_exits_2(tmp_path, corpus, ranks, ca
 
 
 def test_seen_only_far_asks_for_the_token_in_the_far_part_and_not_in_the_near_one() -> None:
-    from training.text_eval import seen_only_far
+    from training.evaluation.text_eval import seen_only_far
 
     tokens = np.array([7, 1, 2, 3, 7, 4, 5, 6, 7, 8])
     #                  0  1  2  3  4  5  6  7  8  9   targets at 8 (token 7) and 9 (token 8)
@@ -472,7 +472,7 @@ def test_seen_only_far_asks_for_the_token_in_the_far_part_and_not_in_the_near_on
 
 
 def test_the_paired_row_compares_only_reports_on_the_same_targets() -> None:
-    from training.text_eval import format_text_table
+    from training.evaluation.text_eval import format_text_table
 
     def report(name: str, digest: str, nlls: list[float]) -> dict:
         rows = [{"length": 8, "multiple": 1, "perplexity": math.exp(np.mean(nlls)), "nll": float(np.mean(nlls)),

@@ -8,8 +8,8 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from tests.training.helpers import TINY_LRNN, TINY_RUN, edit_resume_state, read_log, run_module
-from training.cli import main
-from training.loop import LOG_FILE, RESUME_FILE, weights_digest
+from training.cli.main import main
+from training.objectives.loop import LOG_FILE, RESUME_FILE, weights_digest
 
 TRAIN_RECORD_KEYS = {"event", "step", "loss", "accuracy", "max_length", "lr", "grad_norm", "elapsed_s", "tokens",
                      "tokens_per_s"}
@@ -183,7 +183,7 @@ GROUP_LIFETIME = """
 import os, sys
 sys.path.insert(0, os.getcwd())  # the repository (run_module's working directory)
 import torch
-from training.distributed import setup_distributed
+from training.objectives.distributed import setup_distributed
 dist = setup_distributed("cpu")
 model = dist.wrap(torch.nn.Linear(3, 3))
 model(torch.ones(2, 3)).sum().backward()

@@ -1,0 +1,1 @@
+"""The block-diagonal input-dependent linear RNN and its diagonal baseline."""

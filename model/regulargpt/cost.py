@@ -1,0 +1,252 @@
+"""What RegularGPT's calls cost (model/regulargpt/model.py: :meth:`RegularGPT.cost`, :meth:`RegularGPT.cache_nbytes`):
+multiply-adds and peak bytes of each call path, for the attention implementation that path runs at that size,
+and the bytes a cache row holds. Functions of the configuration, the dtype's ``itemsize`` and the parallel
+passes' attention ``impl`` (as configured, or as ``for_serving`` switched it), and for the cached path the
+work its multiply-adds do not show (:class:`FixedCosts`, measured by :func:`measure_fixed_costs`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from model.base import CallPath, Cost
+from model.config import RegularGPTConfig
+from model.ops.dilated_attention import banded_block, cached_attention_impl, reachable_slots, resolve_impl
+from model.regulargpt.cache import adaptive_depth, capacity, ring_columns
+
+FIXED_COST_CHUNKS = (2, 8, 32, 128)  # the chunks :func:`measure_fixed_costs` times: from fixed work to products
+FIXED_COST_REPEATS = 9  # the fastest of this many timings of each call counts
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """The cached path's work beyond its multiply-adds, in multiply-add equivalents (seconds at the model's measured
+    seconds per multiply-add): ``block``, one block's pass over a chunk of two or more positions (its ~40 small ops
+    and the Python between them, whatever the chunk's length); ``layer_step``, one thick layer of a one-position
+    call (a decode step). A chunk runs K blocks at each of the D thick layers its last position needs, so its fixed
+    work grows with its depth in the prompt (at C = 64: D = 1 up to 64 positions, 2 up to 4,096, 3 up to 262,144),
+    and deep in a long prompt it is most of a short chunk's time. Zero until measured."""
+
+    block: float = 0.0
+    layer_step: float = 0.0
+
+
+def cost(
+    config: RegularGPTConfig, itemsize: int, impl: str, path: CallPath, rows: int, length: int, context: int = 0,
+    fixed: FixedCosts = FixedCosts(),
+) -> Cost:
+    """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call.
+
+    With d = d_model, f = d_ff, K blocks, C, V = output_size, e bytes per element, D(m) the adaptive depth,
+    per position and block F = 4 d^2 + 2 d f (q, k, v and output projections, MLP) plus the attention: 2 J d
+    over J gathered slots (+ d for the null scores), J_l = min(C, last_position // C**l + 1) at layer l; for
+    the reference, 2 T d (the T x T scores and weighted sum); banded, 2 (J - 1 + P) d (a block's window). Per
+    read position d V for the head.
+
+    - "forward" (B, T): D(T - 1) layers over all T positions, attention by the impl chosen for T and J_l;
+      bytes: activations B T ((12 + D) d + 2 f) e (the per-layer outputs stay alive until the final cat),
+      logits B T (V + 2 d) e, and the attention's: reference 6 B H T^2 e + H T^2 e (mask, scores, softmax,
+      null columns) + 4 B H T C e + 24 T C (the slots' null scores and indices), fast 3 B T J d e (gathered
+      keys and values) + 6 B H T C e (scores), banded
+      B e (2 T' d (padded copies of k and v) + 2 T' d (J - 1 + P) / P (their block windows) + 4 T' d (q and the
+      output) + 3 H T' (J - 1 + P) (scores)) + 2 B T' (J - 1 + P) (masks), T' = T + P C**l.
+    - "final" (B, T): the shrinking path, layer l over n_l positions (n_0 = T, n_{l+1} = (n_l - 1) // C + 1)
+      at dilation 1, attention by the impl chosen for n_l; the bytes of its largest layer and the logits of
+      the last positions.
+    - "cached" (B, n, context c): D(c + n - 1) layers over the n new positions, attending gathered or banded
+      (:func:`cached_attention_impl`) with J_l as above; plus, when the chunk needs a deeper layer than the rows
+      hold (c >= 1 and D(c - 1) < D(c + n - 1)), each new layer over the c consumed positions with J = 1
+      (every other key is out of range). Plus its ``fixed`` work: K D(c + n - 1) block passes (each new layer's
+      K more), or for n = 1 D(c) layer steps. Bytes: the cache's growth B (cache_nbytes(c + n) - cache_nbytes(c)),
+      plus the largest of: the room's copy (one tensor at a time: 3 B capacity(c + n) d e, when the room or
+      the depth changes), the depth growth's pass over c positions, the chunk's pass (activations, gathered:
+      8 B n J d e keys, 6 B H n C e scores, 3 * 8 B n J index bytes; banded: as "forward" with the prefix
+      of ring keys before the chunk copied twice more; logits B n (V + 2 d) e).
+    """
+    if path == "forward":
+        layers = [length] * adaptive_depth(length - 1, config.chunk_size)
+        dilations = [config.chunk_size**layer for layer in range(len(layers))]
+        flops, nbytes = _pass_cost(config, itemsize, rows, layers, dilations, impl, kept=len(layers))
+        flops += rows * length * _head_flops(config)
+        return Cost(flops, nbytes + _logits_nbytes(config, itemsize, rows, length))
+    if path == "final":
+        layers = final_layers(config, length)
+        flops, nbytes = _pass_cost(config, itemsize, rows, layers, [1] * len(layers), impl)
+        return Cost(flops + rows * _head_flops(config), nbytes + _logits_nbytes(config, itemsize, rows, 1))
+    if path != "cached":
+        raise ValueError(f"unknown call path {path!r}")
+    return _cached_cost(config, itemsize, rows, length, context, fixed)
+
+
+def final_layers(config: RegularGPTConfig, length: int) -> list[int]:
+    """The positions each thick layer of the "final" (shrinking) path runs over: n_0 = T, n_{l+1} = (n_l - 1) // C + 1,
+    D(T - 1) layers."""
+    layers = [length]
+    while len(layers) < adaptive_depth(length - 1, config.chunk_size):
+        layers.append((layers[-1] - 1) // config.chunk_size + 1)
+    return layers
+
+
+def cache_nbytes(config: RegularGPTConfig, itemsize: int, length: int) -> int:
+    """One row after ``length`` tokens: e d (P + 2 K sum_{l < D(length - 1)} C**l min(C - 1, ceil(P / C**l))),
+    P = capacity(length): ``top_hidden``'s room and every block's keys and values at each layer, as allocated
+    (``ring_columns``)."""
+    if length == 0:
+        return 0
+    chunk_size, room = config.chunk_size, capacity(length)
+    dilations = [chunk_size**layer for layer in range(adaptive_depth(length - 1, chunk_size))]
+    slots = sum(dilation * ring_columns((chunk_size - 1) * dilation, dilation, room) for dilation in dilations)
+    return (room + 2 * config.thickness * slots) * config.d_model * itemsize
+
+
+def _cached_cost(
+    config: RegularGPTConfig, itemsize: int, rows: int, length: int, context: int, fixed: FixedCosts
+) -> Cost:
+    """The "cached" path of :func:`cost`."""
+    chunk_size, d, item = config.chunk_size, config.d_model, itemsize
+    last = context + length - 1
+    depth = adaptive_depth(last, chunk_size)
+    dilations = [chunk_size**layer for layer in range(depth)]
+    flops, nbytes = _pass_cost(config, item, rows, [length] * depth, dilations, "cached", last=last, context=context)
+    flops += rows * length * _head_flops(config)
+    nbytes += _logits_nbytes(config, item, rows, length)
+    held = adaptive_depth(context - 1, chunk_size) if context else 0
+    flops += fixed.layer_step * depth if length == 1 else fixed.block * config.thickness * depth
+    if context and held < depth:  # the consumed positions through each new layer, J = 1
+        grow_flops, grow_nbytes = _pass_cost(config, item, rows, [context] * (depth - held), dilations[held:], "cached")
+        flops += grow_flops + fixed.block * config.thickness * (depth - held)
+        nbytes = max(nbytes, grow_nbytes + 2 * rows * context * d * item)
+    if capacity(context + length) > capacity(context) or held < depth:  # one tensor's copy at a time
+        nbytes = max(nbytes, 3 * rows * capacity(context + length) * d * item)
+    growth = rows * (cache_nbytes(config, item, context + length) - cache_nbytes(config, item, context))
+    return Cost(float(flops), int(nbytes + growth))
+
+
+def _pass_cost(
+    config: RegularGPTConfig,
+    itemsize: int,
+    rows: int,
+    positions: list[int],
+    dilations: list[int],
+    impl: str,
+    kept: int = 0,
+    last: int | None = None,
+    context: int = 0,
+) -> tuple[float, int]:
+    """Multiply-adds and peak bytes of thick layers l over ``positions[l]`` positions at ``dilations[l]``,
+    with attention ``impl`` (an attention_impl, resolved per layer, or "cached": a cache's chunk after
+    ``context`` positions, gathered or banded as :func:`cached_attention_impl` says), the last query at ``last``
+    (default positions[l] - 1); ``kept`` layers' outputs stay alive. See :func:`cost`."""
+    item = itemsize
+    d, heads, chunk_size = config.d_model, config.n_heads, config.chunk_size
+    linear = 4 * d * d + 2 * d * config.d_ff + (d if config.out_of_range == "null" else 0)
+    flops, peak = 0.0, 0
+    for count, dilation in zip(positions, dilations):
+        slots = reachable_slots(chunk_size, dilation, count - 1 if last is None else last)
+        prefix = min(slots - 1, -(-context // dilation)) * dilation
+        if impl == "cached":
+            chosen = "gathered" if count == 1 else cached_attention_impl(count, slots, prefix)
+        else:
+            chosen, prefix = resolve_impl(impl, count, slots), 0
+        if chosen == "reference":
+            attention = 2 * count * d
+            scratch = 6 * rows * heads * count * count * item + heads * count * count * item
+            scratch += 4 * rows * heads * count * chunk_size * item + 3 * 8 * count * chunk_size  # the C slots
+        elif chosen == "banded":
+            class_rows = -(-count // dilation)  # queries per residue class
+            block = banded_block(slots, class_rows)
+            window, padded = slots - 1 + block, count + block * dilation  # W + P keys per query
+            # the queries of each class padded to whole blocks also get scores (and null scores)
+            padding = -(-class_rows // block) * block * dilation / count
+            attention = 2 * window * d * padding + (padding - 1) * (d if config.out_of_range == "null" else 0)
+            copies = (4 if impl == "cached" else 2) * (prefix + padded) * d + 2 * padded * d * window // block
+            scratch = rows * item * (copies + 4 * padded * d + 3 * heads * padded * window)
+            scratch += rows * padded * window * 2 + 8 * (padded // block + 2 * block + 4) * window  # masks, indices
+            scratch += heads * block * window * item  # the band's bias
+        else:  # gathered keys and values: the fast op's stacked pair (and a copy), or the cache's chunk,
+            attention = 2 * slots * d
+            gathered = 3 if chosen == "fast" else 8  # window and selected pairs (and the products' copies)
+            scratch = gathered * rows * count * slots * d * item + 6 * rows * heads * count * chunk_size * item
+            scratch += 3 * 8 * rows * count * slots
+        flops += rows * count * config.thickness * (linear + attention)
+        activations = rows * count * ((12 + kept) * d + 2 * config.d_ff) * item
+        peak = max(peak, activations + scratch)
+    return flops, peak
+
+
+def _head_flops(config: RegularGPTConfig) -> int:
+    return config.d_model * config.output_size
+
+
+def _logits_nbytes(config: RegularGPTConfig, itemsize: int, rows: int, positions: int) -> int:
+    return rows * positions * (config.output_size + 2 * config.d_model) * itemsize
+
+
+@torch.inference_mode()
+def measure_fixed_costs(model, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
+    """Time ``model`` (a RegularGPT language model, as it is served; a transducer's are left at 0) on its device:
+    chunks of ``FIXED_COST_CHUNKS`` positions through fresh caches and a decode step after the longest (the fastest
+    of ``repeats`` timings each, after a warm-up). With t = s (multiply-adds + fixed work) a call, the chunks give
+    the seconds per multiply-add s and ``block`` (least squares in relative error), the step ``layer_step``
+    (:class:`FixedCosts`; 0 where the timings leave none)."""
+    config, itemsize = model.config, model.dtype.itemsize
+    chunk_size, thickness = config.chunk_size, config.thickness
+    if not config.is_language_model:  # a transducer's cache takes only long inputs' chunks (outputs "all")
+        return FixedCosts()
+
+    def flops(length: int, context: int = 0) -> float:
+        return cost(config, itemsize, model._impl, "cached", 1, length, context).flops
+
+    def fastest(call) -> float:
+        call()  # a warm-up: a first call builds what later ones reuse (kernels, the compiled step)
+        return min(_timed(model, call) for _ in range(repeats))
+
+    lengths = list(FIXED_COST_CHUNKS)
+    while adaptive_depth(lengths[-1] - 1, chunk_size) != adaptive_depth(lengths[-1], chunk_size):
+        lengths[-1] += 1  # the step after the longest chunk then needs no new layer
+    caches = {}
+
+    def chunk(length: int):
+        caches[length] = model.new_cache(1)
+        model.forward(_zeros(model, length), cache=caches[length])
+
+    rows = []  # per chunk (f multiply-adds, P block passes, t seconds): (f / t, P / t), with s f / t + s B P / t = 1
+    for length in lengths:
+        seconds = fastest(lambda length=length: chunk(length))
+        rows.append((flops(length) / seconds, thickness * adaptive_depth(length - 1, chunk_size) / seconds))
+    aa, ab, bb = sum(a * a for a, _ in rows), sum(a * b for a, b in rows), sum(b * b for _, b in rows)
+    determinant = aa * bb - ab * ab
+    if determinant <= 0:
+        return FixedCosts()
+    per_flop = (bb * sum(a for a, _ in rows) - ab * sum(b for _, b in rows)) / determinant
+    per_pass = (aa * sum(b for _, b in rows) - ab * sum(a for a, _ in rows)) / determinant  # s B: seconds
+    if not per_flop > 0:
+        return FixedCosts()
+    block = max(0.0, per_pass / per_flop)
+    longest = lengths[-1]
+    step = _zeros(model, 1)[:, 0]  # (1,)
+    seconds = fastest(lambda: model.step(step, caches[longest].clone()))
+    clone = fastest(lambda: caches[longest].clone())
+    layer_step = max(0.0, (seconds - clone) / per_flop - flops(1, longest)) / adaptive_depth(longest, chunk_size)
+    return FixedCosts(block=block, layer_step=layer_step)
+
+
+def _zeros(model, length: int) -> torch.Tensor:
+    """(1, length) token ids 0 (an id every model has) on the model's device."""
+    return torch.zeros(1, length, dtype=torch.long, device=model.device)
+
+
+def _timed(model, call) -> float:
+    """Seconds ``call`` takes on the model's device: on the CPU this thread's CPU time (a call the machine's other
+    work pushes aside then still times its own work), on CUDA the wall time to its end."""
+    if model.device.type != "cuda":
+        started = time.thread_time()
+        call()
+        return time.thread_time() - started
+    started = time.perf_counter()
+    call()
+    torch.cuda.synchronize(model.device)
+    return time.perf_counter() - started

@@ -1,0 +1,96 @@
+"""RegularGPT in plain PyTorch, to read before model/regulargpt/model.py: the same outputs, none of the speed.
+
+Thick layer l applies the K shared GPT-2 blocks in order (pre-norm, or post-norm with ``post_norm``), each with
+Sliding-Dilated-Attention at dilation C**l: position t attends to the keys t - j * C**l, j in [C], with a learned
+scalar r_j per head added to the score (regulargpt.txt eq. 1), written here as a T x T mask. Keys before position 0 are masked or, with
+``out_of_range="null"``, replaced by a learned null key and value, one column per such j. Position t is read after
+its own depth D(t) = max(1, ceil(log_C(t + 1))) thick layers (the paper's ceil(log_C T) for every prefix), so the
+output at t is the final output of the prefix s[0..t]. No position embedding; a final LayerNorm, then the head.
+
+The weights are the real model's, by its parameter names: ``regulargpt(tokens, model.state_dict(), ...)`` gives
+``model(tokens)`` (tests/model/test_minimal.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+Params = dict[str, torch.Tensor]
+
+
+def adaptive_depth(position: int, chunk_size: int) -> int:
+    """D(t): the fewest thick layers whose dilated receptive field reaches position 0 from ``position``."""
+    depth = 1
+    while chunk_size**depth < position + 1:
+        depth += 1
+    return depth
+
+
+def dilated_attention(x: torch.Tensor, p: Params, n_heads: int, chunk_size: int, dilation: int) -> torch.Tensor:
+    """x: (B, T, d) after ln_1 -> (B, T, d). ``p``: one block's parameters, names after ``attention.``."""
+    batch, length, d = x.shape
+    q, k, v = F.linear(x, p["heads.c_attn.weight"], p["heads.c_attn.bias"]).split(d, dim=-1)  # (B, T, d) each
+    q, k, v = (t.view(batch, length, n_heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+    bias = p["relative_bias"]  # (H, C)
+    mask = x.new_full((n_heads, length, length + chunk_size), -math.inf)  # (H, T, T + C): keys, then C null slots
+    for t in range(length):
+        for j in range(chunk_size):
+            key = t - j * dilation
+            column = key if key >= 0 else length + j  # the key, or slot j's null column
+            mask[:, t, column] = bias[:, j]
+    if "null_key" in p:
+        k = torch.cat([k, p["null_key"][None, :, None].expand(batch, -1, chunk_size, -1)], dim=2)  # (B, H, T + C, hd)
+        v = torch.cat([v, p["null_value"][None, :, None].expand(batch, -1, chunk_size, -1)], dim=2)
+    else:
+        mask = mask[..., :length]  # out-of-range keys are simply masked
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask  # (B, H, T, T [+ C])
+    out = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, d)  # (B, T, d)
+    return F.linear(out, p["heads.c_proj.weight"], p["heads.c_proj.bias"])
+
+
+def block(
+    x: torch.Tensor, p: Params, n_heads: int, chunk_size: int, dilation: int, eps: float, post_norm: bool
+) -> torch.Tensor:
+    """One GPT-2 block: x + f(LN(x)) twice, or LN(x + f(x)) with ``post_norm``. x: (B, T, d) -> (B, T, d).
+    ``p``: names after ``blocks.k.``."""
+    d = x.shape[-1]
+    attention = {name.removeprefix("attention."): value for name, value in p.items()}
+
+    def mlp(u: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(F.linear(u, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"]))  # (B, T, d_ff)
+        return F.linear(hidden, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
+
+    def ln(x: torch.Tensor, k: int) -> torch.Tensor:
+        return F.layer_norm(x, (d,), p[f"ln_{k}.weight"], p[f"ln_{k}.bias"], eps)
+
+    if post_norm:
+        x = ln(x + dilated_attention(x, attention, n_heads, chunk_size, dilation), 1)
+        return ln(x + mlp(x), 2)
+    x = x + dilated_attention(ln(x, 1), attention, n_heads, chunk_size, dilation)
+    return x + mlp(ln(x, 2))
+
+
+def regulargpt(
+    tokens: torch.Tensor, params: Params, n_heads: int, chunk_size: int, thickness: int, eps: float = 1e-5,
+    post_norm: bool = False,
+) -> torch.Tensor:
+    """tokens: (B, T) -> logits (B, T, output_size). ``params``: a RegularGPT's state_dict."""
+    blocks = [
+        {name.removeprefix(f"blocks.{k}."): value for name, value in params.items() if name.startswith(f"blocks.{k}.")}
+        for k in range(thickness)
+    ]
+    length = tokens.shape[1]
+    depths = torch.tensor([adaptive_depth(t, chunk_size) for t in range(length)])  # (T,)
+    x = F.embedding(tokens, params["embedding.embed.weight"])  # (B, T, d)
+    out = torch.zeros_like(x)
+    for layer in range(int(depths.max())):
+        for p in blocks:  # the same K blocks at every thick layer
+            x = block(x, p, n_heads, chunk_size, chunk_size**layer, eps, post_norm)
+        out[:, depths == layer + 1] = x[:, depths == layer + 1]  # the positions whose depth is layer + 1
+    out = F.layer_norm(out, out.shape[-1:], params["ln_f.weight"], params["ln_f.bias"], eps)
+    if "embedding.label_head.weight" in params:  # a transducer's labels
+        return F.linear(out, params["embedding.label_head.weight"], params["embedding.label_head.bias"])
+    return F.linear(out, params["embedding.embed.weight"])  # a language model's head, tied to the embedding

@@ -1,0 +1,282 @@
+"""RegularGPT (regulargpt.txt section 3): GPT-2 blocks with Sliding-Dilated-Attention, adaptive depth and
+weight sharing.
+
+Thick layer l (0-indexed) applies the ``thickness`` (K) distinct GPT-2 blocks (pre-norm, or post-norm as the
+authors' code: ``config.block_norm``) in order, all with
+dilation C**l (C = chunk_size): position m attends to m - j * C**l for j in [C], plus a learnable scalar per
+head and j (eq. 1). The same K blocks serve every thick layer, so the depth can grow past the training length.
+There is no absolute position embedding; a final LayerNorm precedes the head.
+
+Adaptive depth per prefix: the output at position m is read after D(m) = max(1, ceil(log_C(m + 1))) thick
+layers, the fewest whose dilated receptive field reaches position 0. For the last position of a length-T
+input this is the paper's ceil(log_C T). The parallel pass runs D(T - 1) thick layers over every position and
+reads each position at its own depth, so the model is strictly causal: output i is the final output of the
+prefix s[0..i], and decoding one token at a time gives the parallel pass's logits. At a layer l >= D(m) every
+key of position m but its own is out of range (m - j * C**l < 0): masked, or the block's null key and value
+(``config.out_of_range``). Either way position m is there a pointwise function of its own hidden state.
+
+Three exact paths:
+
+- ``forward``: every position, D(T - 1) thick layers over all T positions, O(T * C * K * log T);
+- ``final_logits``: the shrinking path, O(T * C * K): thick layer l needs outputs only at the positions
+  T-1, T-1-C**(l+1), ..., whose keys are the positions S_l = [..., T-1-C**l, T-1], layer l-1's outputs. In
+  S_l the dilation is 1, and S_{l+1} is every C-th element of S_l counting from its end. Rows of a mixed-
+  length batch are shifted to end at the same index (left padding masked through ``key_offset``), and each
+  row is read after its own depth;
+- ``forward(chunk, cache)`` and ``step`` (the chunk of one) through a :class:`RegularGPTCache`
+  (model/regulargpt/decode.py runs it, model/regulargpt/cache.py holds the state and the plans): each block keeps
+  the keys and values of only the last (C-1) * C**l positions its dilated pattern can reach, in a ring buffer, and
+  a chunk of n new positions per row runs every thick layer over them at once, each row read at its own D(t).
+  Never T x T, never O(T) per position.
+
+A long input in the server runs in bounded slices (``run_in_slices``): its final output by the shrinking path, each
+thick layer in pieces of positions; every position's output through the cache.
+
+What each call costs, for the path and the attention it runs, is model/regulargpt/cost.py's. To read first:
+model/regulargpt/minimal.py, the same model in plain PyTorch (a T x T mask, the K blocks at each depth,
+every position read at its own D(t)), tested to give this one's logits on its weights (tests/model/test_minimal.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+
+import torch
+from torch import nn
+
+from model.base import CallPath, Cost, SequenceModel, TokenEmbedding, check_lengths, long_tensor
+from model.config import RegularGPTConfig
+from model.layers import Block, HeadProjections, init_gpt2
+from model.ops import cpu_decode
+from model.ops.dilated_attention import AUTO_REFERENCE_MAX_T, dilated_attention
+from model.regulargpt import cost as regulargpt_cost
+from model.regulargpt.cache import RegularGPTCache, adaptive_depth
+from model.regulargpt.decode import PackedBlocks, forward_chunk, pack_blocks
+from model.transformer.exact import Pieces, in_slices
+
+
+class DilatedSelfAttention(nn.Module):
+    """Multi-head Sliding-Dilated-Attention with per-head relative scalars r_j (eq. 1).
+
+    With ``out_of_range="null"`` it also holds a learned null key and value per head (H, hd), which fill the
+    slots whose key lies before position 0; with "mask" those slots are masked and there are no such parameters.
+    """
+
+    def __init__(self, config: RegularGPTConfig) -> None:
+        super().__init__()
+        self.heads = HeadProjections(config.d_model, config.n_heads, config.dropout)
+        self.relative_bias = nn.Parameter(torch.zeros(config.n_heads, config.chunk_size))
+        null_shape = (config.n_heads, config.d_model // config.n_heads)
+        for name in ("null_key", "null_value"):  # N(0, 0.02) like the projections whose outputs they stand for
+            null = nn.Parameter(torch.randn(null_shape) * 0.02) if config.out_of_range == "null" else None
+            self.register_parameter(name, null)
+        self.chunk_size = config.chunk_size
+        self.impl = config.attention_impl
+
+    def forward(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
+        """The parallel pass: x (B, T, d_model) holds positions 0..T-1 -> (B, T, d_model), through ``self.impl``.
+        (A cache's chunks go through :meth:`model.regulargpt.decode.CachedBlock.attend`.)"""
+        q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
+        out = dilated_attention(
+            q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
+            self.null_key, self.null_value, self.impl,
+        )  # (B, H, T, hd)
+        return self.heads.merge(out)
+
+
+class RegularGPT(SequenceModel):
+    def __init__(self, config: RegularGPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = TokenEmbedding(config)
+        self.blocks = nn.ModuleList(
+            Block(
+                config.d_model, config.d_ff, DilatedSelfAttention(config), config.layer_norm_eps, config.dropout,
+                post_norm=config.block_norm == "post",
+            )
+            for _ in range(config.thickness)
+        )
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        init_gpt2(self, n_residual_layers=config.thickness)  # scaled over the K distinct blocks
+        self.packed: PackedBlocks | None = None  # set by for_serving where decode steps run compiled
+        self.fixed_costs = regulargpt_cost.FixedCosts()  # the cached path's, once measured (measure_fixed_costs)
+        # Training only (set by the trainer, ``--extra-levels``): the parallel pass reads every position that many
+        # thick layers above its depth D(m), i.e. after that many more pointwise continuations, as early positions'
+        # states are when a long input uses them as keys many layers up. 0 everywhere else.
+        self.extra_levels = 0
+
+    def forward(self, tokens: torch.Tensor, cache: RegularGPTCache | None = None) -> torch.Tensor:
+        """tokens: (B, T) -> (B, T, output_size).
+
+        With ``cache``, the tokens continue each row's cached sequence, T new positions per row processed in
+        parallel per layer (:func:`model.regulargpt.decode.forward_chunk`), and the cache advances by T.
+        """
+        x = self.embedding(tokens)  # (B, T, d)
+        if cache is not None:
+            return self._logits(forward_chunk(x, cache, self.blocks, self.packed, self.config))
+        chunk_size = self.config.chunk_size
+        extra = self.extra_levels if self.training else 0
+        outputs = []
+        for layer in range(adaptive_depth(tokens.shape[1] - 1, chunk_size) + extra):
+            x = self._thick_layer(x, chunk_size**layer)  # (B, T, d)
+            depth = layer - extra + 1  # read the positions with D(m) = depth
+            if depth >= 1:
+                first = 0 if depth == 1 else chunk_size ** (depth - 1)
+                outputs.append(x[:, first : chunk_size**depth])
+        return self._logits(torch.cat(outputs, dim=1))
+
+    def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """The shrinking path (module docstring). tokens: (B, T) right-padded; lengths: (B,) -> (B, output_size)."""
+        batch, length = tokens.shape
+        chunk_size = self.config.chunk_size
+        if lengths is None:
+            lengths = torch.full((batch,), length, dtype=torch.long)
+        check_lengths(lengths, batch, length)
+        key_offset = (length - lengths).to(tokens.device)  # (B,) left padding once each row ends at T - 1
+        source = torch.arange(length, device=tokens.device) - key_offset[:, None]  # (B, T)
+        x = self.embedding(tokens.gather(1, source.clamp(min=0)))  # (B, T, d) rows right-aligned
+        depths = torch.tensor([adaptive_depth(n - 1, chunk_size) for n in lengths.tolist()], device=x.device)
+        final = x[:, -1]  # (B, d) replaced at each row's depth
+        for layer in range(int(depths.max())):
+            x = self._thick_layer(x, dilation=1, key_offset=key_offset)  # (B, |S_l|, d)
+            first = (x.shape[1] - 1) % chunk_size
+            x = x[:, first::chunk_size]  # (B, |S_{l+1}|, d) the last element of each chunk
+            key_offset = torch.div(key_offset - first + chunk_size - 1, chunk_size, rounding_mode="floor").clamp(min=0)
+            final = torch.where((depths == layer + 1)[:, None], x[:, -1], final)  # (B, d)
+        return self._logits(final)
+
+    def new_cache(self, batch_size: int) -> RegularGPTCache:
+        return RegularGPTCache(
+            lengths=long_tensor(0, batch_size),
+            chunk_size=self.config.chunk_size,
+            top_hidden=torch.zeros((batch_size, 0, self.config.d_model), device=self.device, dtype=self.dtype),
+        )
+
+    def step(self, tokens: torch.Tensor, cache: RegularGPTCache) -> torch.Tensor:
+        """tokens: (B,) -> (B, output_size): the chunk of one position per row, each read after its own D(t_b).
+
+        Costs O(K * D * (J + d_model) * d_model) per row for the batch's depth D; a step that takes a row to
+        t = C**L first runs the row's t consumed positions through the new thick layer, once.
+        """
+        return self.forward(tokens[:, None], cache)[:, 0]
+
+    def for_serving(self) -> list[str]:
+        """Switch to what scales and decodes fast; returns a note per change. The configuration and the checkpoint
+        are left as they are.
+
+        - The reference attention builds a T x T mask (18.7 GB at ~20k positions): it becomes "auto", which is the
+          reference only up to AUTO_REFERENCE_MAX_T positions (where it is faster) and O(T) beyond. The cached path
+          never uses either.
+        - On the CPU, where one-token products run through MKL (not the streaming kernel of model/ops/cpu_decode.py,
+          which reads weights as stored), a language model's tied head (vocab x d_model) is stored transposed in
+          memory, shape and values unchanged, as the LRNN does (model/lrnn/model.py): a decode step's logits read it
+          along its rows, 2x faster with MKL on one thread (0.094 against 0.177 ms for 8192 x 128 here); an
+          embedding lookup reads one strided column instead of a row, which costs nothing measurable.
+        - Where they run through that kernel instead (:func:`model.ops.cpu_decode.streams`: one intra-op thread),
+          the head stays as stored and the K blocks' parameters become views of one buffer (:class:`PackedBlocks`),
+          so that a decode step of 1-4 rows runs each thick layer as one compiled call (its ~15 small ops per block
+          and the Python between them cost more than the arithmetic: docs/benchmarks.md, "CPU decode kernels").
+        - Last, on the CPU, the products' weights are packed for oneDNN (:meth:`SequenceModel.for_serving`).
+        """
+        notes = []
+        if any(block.attention.impl == "reference" for block in self.blocks):
+            for block in self.blocks:
+                block.attention.impl = "auto"
+            notes.append(
+                f"attention_impl reference -> auto (the T x T mask would not fit long inputs; the reference is kept "
+                f"up to {AUTO_REFERENCE_MAX_T} positions)"
+            )
+        if self.device.type != "cpu":
+            return notes
+        if cpu_decode.streams(dtype=self.dtype) and self.config.block_norm == "pre":  # the compiled layer's blocks
+            self.packed = pack_blocks(self.blocks, self.packed)
+            notes.append(f"thick layers step as one compiled call each at {cpu_decode.rows_note()} (CPU)")
+            return [*notes, *super().for_serving()]
+        head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
+        wide = head.shape[0] > head.shape[1] and head.stride() != (1, head.shape[0])
+        if self.config.is_language_model and wide:
+            head.data = head.data.t().contiguous().t()  # (V, d) with (d, V) in memory
+            notes.append("the tied head stored transposed for one-token products (CPU)")
+        return [*notes, *super().for_serving()]
+
+    def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
+        """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call, for
+        the attention it runs at that size: :func:`model.regulargpt.cost.cost` gives the formulas."""
+        return regulargpt_cost.cost(
+            self.config, self.dtype.itemsize, self._impl, path, rows, length, context, self.fixed_costs
+        )
+
+    def measure_fixed_costs(self) -> None:
+        """Measure, as served on this device, the cached path's work beyond its multiply-adds, which :meth:`cost`
+        then counts (:func:`model.regulargpt.cost.measure_fixed_costs`; the server's calibration calls it)."""
+        self.fixed_costs = regulargpt_cost.measure_fixed_costs(self)
+
+    def cache_nbytes(self, length: int) -> int:
+        """One row after ``length`` tokens, as allocated (:func:`model.regulargpt.cost.cache_nbytes`)."""
+        return regulargpt_cost.cache_nbytes(self.config, self.dtype.itemsize, length)
+
+    def run_in_slices(
+        self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
+    ) -> Generator[float, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """tokens: (1, T), in slices of about ``slice_flops``. Outputs "final": :meth:`final_logits`'s shrinking path,
+        O(T), each thick layer over pieces of its positions (a piece also recomputes the K (C - 1) positions before
+        it, whose keys its first positions read through the K blocks), a slice ending between pieces;
+        ``all_outputs``: every position through the cache (:meth:`SequenceModel.run_in_slices`, O(T log T))."""
+        if all_outputs:
+            return (yield from super().run_in_slices(tokens, all_outputs, slice_flops))
+        return (yield from in_slices(self._final_pieces(tokens, slice_flops), slice_flops))
+
+    def _final_pieces(self, tokens: torch.Tensor, piece_flops: float) -> Pieces[tuple[torch.Tensor, None]]:
+        """tokens: (1, T) -> (final logits (output_size,), None), :meth:`final_logits` for one unpadded row."""
+        chunk_size, halo = self.config.chunk_size, self.config.thickness * (self.config.chunk_size - 1)
+        per_position = self._final_flops_per_position(tokens.shape[1])
+        piece = max(1, int(piece_flops // per_position) - halo)  # with its halo, within ``piece_flops``
+        x = self.embedding(tokens)  # (1, T, d)
+        for _ in range(adaptive_depth(tokens.shape[1] - 1, chunk_size)):
+            length = x.shape[1]
+            first = (length - 1) % chunk_size  # the last element of each chunk is kept, as final_logits keeps it
+            kept = torch.empty(1, (length - 1) // chunk_size + 1, x.shape[2], dtype=x.dtype, device=x.device)
+            for start in range(0, length, piece):
+                end, low = min(length, start + piece), max(0, start - halo)
+                yield per_position * (end - low)
+                y = self._thick_layer(x[:, low:end], dilation=1)  # (1, end - low, d); the halo's own keys are cut
+                own = start + (first - start) % chunk_size  # the first kept position of the piece
+                if own < end:
+                    kept[:, (own - first) // chunk_size : (end - 1 - first) // chunk_size + 1] = y[
+                        :, own - low : end - low : chunk_size]  # fmt: skip
+            x = kept
+        return self._logits(x[:, -1])[0], None  # (1, d) -> (output_size,)
+
+    def _final_flops_per_position(self, length: int, cost: Callable[..., Cost] | None = None) -> float:
+        """The "final" path's multiply-adds per position of its thick layers (all of its layers' positions).
+        ``cost``: :meth:`cost` or a memo of it."""
+        final = (cost or self.cost)("final", 1, length)
+        return final.flops / sum(regulargpt_cost.final_layers(self.config, length))
+
+    def slices_cost(
+        self, length: int, all_outputs: bool, slice_flops: float, cost: Callable[..., Cost] | None = None
+    ) -> Cost:
+        """:meth:`run_in_slices`: with outputs "final", the shrinking path's multiply-adds (the pieces' recomputed
+        positions are few) and, at its peak, the first layer's input and kept output beside one piece's pass."""
+        if all_outputs:
+            return super().slices_cost(length, all_outputs, slice_flops, cost)
+        cost = cost or self.cost
+        final = cost("final", 1, length)
+        piece = max(1, int(slice_flops // self._final_flops_per_position(length, cost)))  # with its halo: at most
+        hidden = length * self.config.d_model * self.dtype.itemsize
+        return Cost(flops=final.flops, nbytes=2 * hidden + cost("final", 1, min(length, piece)).nbytes)
+
+    @property
+    def _impl(self) -> str:
+        """The parallel passes' attention implementation, as configured or switched by :meth:`for_serving`."""
+        return self.blocks[0].attention.impl
+
+    def _thick_layer(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
+        """The K blocks in order, all at ``dilation``, over positions 0..T-1. x: (B, T, d) -> (B, T, d)."""
+        for block in self.blocks:
+            x = block(x, dilation=dilation, key_offset=key_offset)
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (..., d) -> (..., output_size)."""
+        return self.embedding.logits(self.ln_f(hidden))

@@ -1,0 +1,1 @@
+"""Transformer baselines (ALiBi, KERPLE, T5 bias) and the hand-built exact transformers."""

@@ -1,0 +1,494 @@
+"""The engine: owns the served models and runs every model call on one worker thread, so that the event
+loop (health, metrics, streaming) never waits on torch. No HTTP here.
+
+Requests enter on the event loop through ``transduce`` and ``submit_generation``: a request with more
+sequences than the queue can ever hold is refused with :class:`InputTooLarge` (413), a full queue
+(``max_waiting`` requests not yet scheduled) at once with :class:`Overloaded` (429), and nothing is taken
+while loading or draining (:class:`Unavailable`). A request is counted from its headers too (``arrive``: the
+requests still being read, parsed and tokenized), so that a burst past the queue's room is refused before any of
+that work is done. The worker thread loads the models, measures each one's speed and computes its limits
+(``server/sched/costing.py``), then runs the scheduler loop (``server/sched/scheduler.py``).
+``abort_in_flight`` ends every request in flight with an error (the drain timeout's 503).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Literal, TypeVar
+
+import torch
+
+from model.cuda_graphs import Decoder, capture_sizes, decoder_for
+from model.ops import cpu_decode
+from model.threads import set_threads
+from server.engine.mailbox import Mailbox, Postman
+from server.errors import APIError, Conflict, InputTooLarge, Overloaded, Unavailable, UnknownModel
+from server.execution.generation import Finished, GenerationRequest, Sequence
+from server.metrics import RequestTimes, ServerMetrics
+from server.models.runtime import check_new_id
+from server.models.store import LoadReport, ServedModel, failed_folder, load_models
+from server.sched.batching import TransduceJob, TransduceOutput
+from server.sched.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate, has_constant_state
+from server.sched.scheduler import STOP, AbortAll, OnWorker, Scheduler
+from server.sched.state_cache import StateCache
+from server.sched.work import RequestQueue, Work
+from server.settings import Settings
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+STOP_TIMEOUT_S = 1.0  # how long stopping waits for the worker to end its slice
+
+EngineState = Literal["loading", "ready", "draining", "failed", "stopped", "unresponsive"]
+
+
+class GenerationHandle:
+    """The sequences of one request; ``events`` yields (sequence index, event) until all have finished. ``cancel``
+    stops them (in process: their ``cancelled`` flags; the engine process's client sends a cancellation)."""
+
+    def __init__(self, count: int, mailbox: Mailbox, cancel: Callable[[], None]) -> None:
+        self._mailbox, self._cancel = mailbox, cancel
+        self._unfinished = count
+
+    async def events(self) -> AsyncIterator[tuple[int, object]]:
+        try:
+            while self._unfinished:
+                index, event = await self._mailbox.get()
+                if isinstance(event, APIError):
+                    self._unfinished = 0
+                    raise event
+                self._unfinished -= isinstance(event, Finished)
+                yield index, event
+        finally:
+            self.cancel()
+
+    def ready(self) -> bool:
+        """Whether ``events`` would go on without waiting: an event is queued, or every sequence has finished."""
+        return not self._unfinished or self._mailbox.pending()
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away, or the answer is complete)."""
+        self._cancel()
+
+
+def _cancel_all(sequences: list[Sequence]) -> Callable[[], None]:
+    def cancel() -> None:
+        for sequence in sequences:
+            sequence.cancelled = True
+
+    return cancel
+
+
+class Arrival:
+    """A request counted in its engine's ``arriving`` from its headers until it is admitted or refused
+    (``EngineFront._admit``) or ends, whichever comes first: ``leave`` counts it out once, however often called."""
+
+    def __init__(self, engine: EngineFront) -> None:
+        self._engine: EngineFront | None = engine
+        engine.arriving += 1
+
+    def leave(self) -> None:
+        if self._engine is not None:
+            self._engine.arriving -= 1
+            self._engine = None
+
+
+_ARRIVAL: contextvars.ContextVar[Arrival | None] = contextvars.ContextVar("regularlm_arrival", default=None)
+
+
+class EngineFront(abc.ABC):
+    """What the API side asks of an engine, whether it runs in this process (:class:`Engine`) or in a child
+    (``server/engine/client.py``'s ``EngineClient``): its state for /health, the served models, admission into the
+    queue (413 / 429 / 503), drain; and the requests, each kind's own."""
+
+    def __init__(self, settings: Settings, metrics: ServerMetrics) -> None:
+        self.settings, self.metrics = settings, metrics
+        self.state: EngineState = "loading"
+        self.detail: str | None = None  # why the state is not "ok", for /health
+        self.models: dict[str, ServedModel] = {}  # replaced, never changed in place: readers need no lock
+        self.runtime_ids: set[str] = set()  # the models added by POST /v1/models
+        self.load_failures: list[str] = []  # "<path>: <reason>" per checkpoint folder skipped (model_store.LoadReport)
+        self.queue = RequestQueue(settings.max_waiting)  # the scheduler's: what admission counts
+        self.arriving = 0  # requests past their headers, not yet admitted or refused (``arrive``; the event loop's)
+
+    def wait_loaded(self, timeout: float | None = None) -> None:
+        """Block until loading has ended (ready or failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.state == "loading" and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503); requests in flight go on."""
+        if self.state == "ready":
+            self.state, self.detail = "draining", "shutting down"
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished."""
+        return self.queue.in_flight
+
+    def model(self, model_id: str) -> ServedModel:
+        self.check_serving()
+        try:
+            return self.models[model_id]
+        except KeyError:
+            raise UnknownModel(model_id, sorted(self.models)) from None
+
+    def check_serving(self) -> None:
+        if self.state != "ready":
+            why = f": {self.detail}" if self.detail else ""  # none while loading
+            raise Unavailable(f"the server is {self.state}{why}", retry_after_s=self.settings.retry_after_s)
+
+    @property
+    def skipped_folders(self) -> list[str]:
+        """The names of the checkpoint folders that were skipped at load (not their paths on the server)."""
+        return [failed_folder(failure, self.settings.models) for failure in self.load_failures]
+
+    def arrive(self) -> Arrival:
+        """Count a request to a queued endpoint from its headers (``server/api/guard.py``) until it is admitted or
+        refused by ``_admit`` or ends (``Arrival.leave``), or refuse it at once (:class:`Overloaded`, 429) where the
+        queue's waiting requests and those arriving fill it already: before its body is read, parsed and tokenized.
+        On the event loop, in the request's context, where ``_admit`` finds the arrival to end."""
+        if self.queue.waiting + self.arriving >= self.queue.max_waiting:
+            raise self._overloaded()
+        arrival = Arrival(self)
+        _ARRIVAL.set(arrival)
+        return arrival
+
+    def _admit(self, requests: list[RequestTimes]) -> None:
+        arrival = _ARRIVAL.get()
+        if arrival is not None:  # admitted or refused below: from here the queue counts it, or nothing does
+            arrival.leave()
+        self.check_serving()
+        if len(requests) > self.settings.max_waiting:
+            raise InputTooLarge(
+                f"the request needs {len(requests)} sequences; the queue holds at most {self.settings.max_waiting} "
+                "(REGULARLM_MAX_WAITING), so it could never be scheduled"
+            )
+        if not self.queue.admit(len(requests)):
+            raise self._overloaded()
+        self.metrics.queued(requests)
+
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(
+            f"the queue is full ({self.settings.max_waiting} requests waiting); retry later",
+            retry_after_s=self.settings.retry_after_s,
+        )
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Load the models and start serving (health says "loading" meanwhile)."""
+
+    @abc.abstractmethod
+    def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
+        """Call ``prepare(served)`` for each loaded language model before the server reports ready. Before ``start``."""
+
+    @abc.abstractmethod
+    def abort_in_flight(self, message: str) -> None:
+        """End every request in flight with a 503 carrying ``message``."""
+
+    @abc.abstractmethod
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop serving; requests still queued are answered 503. Returns whether the engine ended within ``timeout``."""
+
+    @abc.abstractmethod
+    async def transduce(
+        self, served: ServedModel, inputs: list[list[int]], all_outputs: bool, flow: str = ""
+    ) -> list[TransduceOutput]:
+        """Token ids of each input -> its labels. ``flow``: who asks (the scheduler's fairness key)."""
+
+    @abc.abstractmethod
+    def submit_generation(
+        self, served: ServedModel, requests: list[GenerationRequest], flow: str = ""
+    ) -> GenerationHandle:
+        """Queue one sequence per request (all or none: a full queue raises :class:`Overloaded`)."""
+
+    @abc.abstractmethod
+    async def add_model(self, served: ServedModel) -> ServedModel:
+        """Serve a model compiled while serving (409 if the id is taken, 413 past ``runtime_models_max``)."""
+
+    @abc.abstractmethod
+    async def remove_model(self, model_id: str) -> None:
+        """Stop serving a runtime model (404 unknown, 409 shipped)."""
+
+
+class Engine(EngineFront):
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: ServerMetrics,
+        on_load_failed: Callable[[str], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
+        postman: Postman | None = None,
+    ) -> None:
+        """``on_load_failed(message)`` is called on the worker thread if no model loads; ``on_ready()`` on it once the
+        models are loaded and measured, before the first request is scheduled. ``postman``: what hands the answers
+        over once per iteration (by default to the requests' event loops; the engine process's writes its step
+        message, ``server/engine/core.py``)."""
+        super().__init__(settings, metrics)
+        self._on_load_failed, self._on_ready = on_load_failed, on_ready
+        self.memory_budget = 0  # bytes running work may hold (server/sched/costing.py)
+        self.state_cache = StateCache(
+            settings.state_cache_entries,
+            settings.state_cache_bytes,
+            settings.state_cache_min_tokens,
+            settings.state_cache_tail_tokens,
+        )
+        self._warm_ups: list[Callable[[ServedModel], None]] = []
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._postman = postman or Postman()
+        self._thread = threading.Thread(target=self._run, name="regularlm-engine", daemon=True)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the models and start serving, on the worker thread (health says "loading" meanwhile)."""
+        self._thread.start()
+
+    def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
+        """Call ``prepare(served)`` for each loaded language model on the worker thread, after its own warm-up and
+        before the server reports ready (e.g. the structured-output vocabulary of its tokenizer). Before ``start``."""
+        self._warm_ups.append(prepare)
+
+    def abort_in_flight(self, message: str) -> None:
+        """End every request in flight with a 503 carrying ``message``; running work stops at its next slice."""
+        self._inbox.put(AbortAll(Unavailable(message, retry_after_s=self.settings.retry_after_s)))
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop the worker thread (it finishes the slice it is in); requests still queued are answered 503.
+        Returns whether the thread ended within ``timeout``."""
+        self.begin_drain()
+        if self._thread.is_alive():
+            self._inbox.put(STOP)
+            self._thread.join(timeout)
+        if self.state != "failed":
+            self.state = "stopped"
+        return not self._thread.is_alive()
+
+    # --- requests (event loop) ----------------------------------------------------------------------------
+
+    async def transduce(
+        self, served: ServedModel, inputs: list[list[int]], all_outputs: bool, flow: str = ""
+    ) -> list[TransduceOutput]:
+        """Token ids of each input -> its labels; batched with other requests' inputs. ``flow``: who asks."""
+        job = TransduceJob(served, inputs, all_outputs, RequestTimes(served.id), Mailbox(self._postman), flow)
+        self._admit([job.times])
+        self._inbox.put(job)
+        try:
+            result = await job.mailbox.get()
+        finally:
+            job.cancelled = True
+        if isinstance(result, APIError):
+            raise result
+        return result
+
+    def submit_generation(
+        self, served: ServedModel, requests: list[GenerationRequest], flow: str = ""
+    ) -> GenerationHandle:
+        """Queue one sequence per request (all or none: a full queue raises :class:`Overloaded`)."""
+        mailbox = Mailbox(self._postman)
+        sequences = [Sequence(served, request, mailbox, index, flow) for index, request in enumerate(requests)]
+        self._admit([sequence.times for sequence in sequences])
+        for sequence in sequences:
+            self._inbox.put(sequence)
+        return GenerationHandle(len(sequences), mailbox, _cancel_all(sequences))
+
+    async def add_model(self, served: ServedModel) -> ServedModel:
+        """Serve a model compiled while serving (``server/models/runtime.py``): the worker thread measures it
+        between two iterations and adds it, unless the id is taken (409) or ``runtime_models_max`` are served
+        (413)."""
+        self.check_serving()
+        return await self._on_worker(lambda: self.install(served))
+
+    async def remove_model(self, model_id: str) -> None:
+        """Stop serving a runtime model (404 unknown, 409 shipped); requests already running on it finish."""
+        self.check_serving()
+        await self._on_worker(lambda: self.uninstall(model_id))
+
+    async def _on_worker(self, work: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call_on_worker(work))
+
+    def call_on_worker(self, work: Callable[[], T]) -> concurrent.futures.Future:
+        """Run ``work`` on the worker thread between two iterations; its result or exception goes to the future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(OnWorker(work, done))
+        return done
+
+    def put(self, work: Work) -> None:
+        """Hand admitted work to the scheduler (the engine process: work the API process admitted)."""
+        self._inbox.put(work)
+
+    # --- worker thread ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            report = load_models(self.settings.models, self.settings.device)
+        except Exception as error:  # e.g. an unreadable folder: reported like a folder that failed
+            report = LoadReport({}, [f"{self.settings.models}: {type(error).__name__}: {error}"])
+        self.models, self.load_failures = report.models, report.failures
+        threads = torch.get_num_threads()
+        logger.info("model calls on %d torch thread(s)", set_threads(self.settings.torch_threads))
+        try:
+            obstacle = _batch_invariance_obstacle(self.models)
+            if self.settings.batch_invariant is True and obstacle:
+                raise ValueError(obstacle)
+            # auto: on where it holds; true or false as asked (true where it cannot hold was refused above)
+            invariant = obstacle is None if self.settings.batch_invariant == "auto" else self.settings.batch_invariant
+            if self.settings.batch_invariant == "auto":
+                logger.info("batch invariance: %s", "on" if invariant else f"off: {obstacle}")
+            cpu_decode.set_row_invariant(invariant)  # before for_serving lays the weights out
+            if self.models:
+                self._measure()
+            if not self.models:
+                self._fail(f"no model could be loaded from {self.settings.models}: " + "; ".join(self.load_failures))
+                return
+            self.metrics.register_models(sorted(self.models))
+            if self._on_ready is not None:
+                self._on_ready()
+            self.state, self.detail = "ready", None
+            logger.info("serving %s", ", ".join(sorted(self.models)))
+            with torch.inference_mode():
+                scheduler = Scheduler(
+                    self.settings, self.metrics, self.state_cache, self._inbox, self._postman, self.memory_budget,
+                    self.queue,
+                )
+                scheduler.loop()
+        except Exception as error:  # measuring the machine failed: nothing can be served safely
+            self._fail(f"the server could not start: {type(error).__name__}: {error}")
+        finally:
+            torch.set_num_threads(threads)
+
+    def _fail(self, detail: str) -> None:
+        self.state, self.detail = "failed", detail
+        logger.error(detail)
+        if self._on_load_failed is not None:
+            self._on_load_failed(detail)
+
+    def install(self, served: ServedModel) -> ServedModel:
+        """Measure and serve a runtime model (on the worker thread: ``add_model``)."""
+        check_new_id(served.id, self.models)
+        if len(self.runtime_ids) >= self.settings.runtime_models_max:
+            raise InputTooLarge(
+                f"{len(self.runtime_ids)} runtime models are served, the most runtime_models_max allows; DELETE one "
+                "first"
+            )
+        served.notes = served.model.for_serving()
+        self._set_limits(served, calibrate(served.model))
+        self.metrics.register_models([served.id])
+        self.models = {**self.models, served.id: served}
+        self.runtime_ids.add(served.id)
+        logger.info("serving runtime model %s (%s)", served.id, served.config.architecture)
+        return served
+
+    def uninstall(self, model_id: str) -> None:
+        """Stop serving a runtime model (on the worker thread: ``remove_model``)."""
+        if model_id not in self.models:
+            raise UnknownModel(model_id, sorted(self.models))
+        if model_id not in self.runtime_ids:
+            raise Conflict(f"model {model_id!r} is a shipped model, loaded when the server started; only models added "
+                           "with POST /v1/models can be deleted")
+        self.models = {key: served for key, served in self.models.items() if key != model_id}
+        self.runtime_ids.discard(model_id)
+        self.metrics.unregister_model(model_id)
+        logger.info("stopped serving runtime model %s", model_id)
+
+    def _decoder(self, served: ServedModel) -> Decoder:
+        """Its decode step: captured as CUDA graphs where it can be (before the memory budget is measured, which
+        then leaves out the graphs' memory), else eager; logged either way."""
+        settings = self.settings
+        decoder = decoder_for(served.model, capture_sizes(settings.max_running), settings.cuda_graphs)
+        path = decoder.path
+        if path.mode == "cuda_graphs":
+            logger.info("%s: decode step through CUDA graphs at batch sizes %s", served.id, list(path.batch_sizes))
+        else:
+            logger.info("%s: eager decode step (%s)", served.id, path.reason)
+        return decoder
+
+    def _set_limits(self, served: ServedModel, speed: float) -> None:
+        settings = self.settings
+        max_job_seconds = settings.max_job_seconds
+        if has_constant_state(served.model):
+            max_job_seconds = settings.max_constant_state_job_seconds
+        served.budget = ModelBudget(served.model, speed, settings.slice_ms / 1000, self.memory_budget, max_job_seconds)
+        served.limits = served.budget.limits(served.kind, settings.max_input_symbols, settings.max_tokens)
+
+    def _measure(self) -> None:
+        """Switch each model to its scalable paths, measure its speed (a model whose measurement fails is dropped
+        and reported like a folder that failed to load), and compute the memory budget and the models' limits
+        (``server/sched/costing.py``)."""
+        speeds = {}
+        for served in list(self.models.values()):
+            try:
+                served.notes = served.model.for_serving()
+                speeds[served.id] = calibrate(served.model)
+                if served.kind == "generate":
+                    served.decoder = self._decoder(served)
+                    _warm_up(served)
+                    for prepare in self._warm_ups:
+                        prepare(served)
+            except Exception as error:
+                self.load_failures.append(f"{served.path}: measuring its speed failed: {type(error).__name__}: {error}")
+                logger.error("skipped %s", self.load_failures[-1])
+                del self.models[served.id]
+                continue
+            for note in served.notes:
+                logger.info("%s: %s", served.id, note)
+        if not self.models:
+            return
+        settings = self.settings
+        device = next(iter(self.models.values())).model.device
+        budget = settings.memory_budget_bytes
+        if budget is None:
+            budget = int(DEFAULT_MEMORY_FRACTION * available_memory(device)) - settings.state_cache_bytes
+        self.memory_budget = max(0, budget)
+        logger.info("memory budget for running work: %.1f MiB", self.memory_budget / 2**20)
+        for served in self.models.values():
+            self._set_limits(served, speeds[served.id])
+
+
+def _warm_up(served: ServedModel) -> None:
+    """Prefill one token and take one decode step through the served decoder, and build the tokenizer's table of token
+    bytes, so that what is built on its first use is built before the server is ready, not inside the first request
+    while every other request waits: model/ops/cpu_decode.py's layer steps (numba: 2.6 s for text-lrnn, 6.0 s for
+    text-regulargpt on a loaded 2-core machine, 8-19 s seen), the table (4-7 ms for 8,192 tokens;
+    docs/benchmarks.md, "The first requests")."""
+    model = served.model
+    with torch.inference_mode():
+        cache = model.new_cache(batch_size=1)
+        tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # (1, 1): id 0 exists in every model
+        model(tokens, cache=cache)
+        served.decoder.step(tokens[:, 0], cache)
+    served.tokenizer.token_bytes(0)
+
+
+# Language models whose decode step is row-wise through model/ops/cpu_decode.py's kernels where batch_invariant is
+# on (tests/server/test_sampling.py). The LSTM (nn.LSTM's products), the transformer (nn.Linear's, and attention over
+# keys padded to the batch's longest row) and the diagonal LRNN are not.
+ROW_INVARIANT_ARCHITECTURES = frozenset({"lrnn", "regulargpt"})
+
+
+def _batch_invariance_obstacle(models: dict[str, ServedModel]) -> str | None:
+    """Why ``batch_invariant`` cannot hold for these models, or None where it holds: every language model must decode
+    through the CPU kernels (model/ops/cpu_decode.py, "Batch invariance")."""
+    elsewhere = sorted(model_id for model_id, served in models.items() if served.model.device.type != "cpu")
+    if elsewhere:
+        return f"batch_invariant holds on the CPU only, and {', '.join(elsewhere)} run on another device"
+    if not cpu_decode.kernel_available():
+        return "batch_invariant needs the CPU kernels, and numba is not importable"
+    others = sorted(
+        f"{model_id} ({served.config.architecture}, {str(served.model.dtype).removeprefix('torch.')})"
+        for model_id, served in models.items()
+        if served.kind == "generate"
+        and (served.config.architecture not in ROW_INVARIANT_ARCHITECTURES or served.model.dtype != torch.float32)
+    )
+    if others:
+        return f"batch_invariant holds for float32 LRNN and RegularGPT language models only, not {', '.join(others)}"
+    return None

@@ -1,0 +1,61 @@
+"""Delivery from the engine's worker thread to requests waiting on the event loop.
+
+The scheduler's sweep posts what each request was answered into its mailbox (``server/sched/work.py``: a request's
+outbox); ``Postman.flush`` hands everything posted since the last flush to the event loop in one call, once per
+scheduler iteration, instead of one wake-up per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+
+class Postman:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Mailbox, Any]] = []
+
+    def post_many(self, mailbox: Mailbox, items: list[Any]) -> None:
+        """Post the items, in order, under one lock (what the scheduler's sweep hands a request at once)."""
+        with self._lock:
+            self._pending.extend((mailbox, item) for item in items)
+
+    def flush(self) -> None:
+        """Deliver what was posted, one event-loop call per loop; a closed loop has nobody left to read."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Mailbox, Any]]] = {}
+        for mailbox, item in pending:
+            by_loop.setdefault(mailbox.loop, []).append((mailbox, item))
+        for loop, deliveries in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, deliveries)
+            except RuntimeError:
+                pass
+
+
+def _deliver(deliveries: list[tuple[Mailbox, Any]]) -> None:
+    for mailbox, item in deliveries:
+        mailbox.queue.put_nowait(item)
+
+
+class Mailbox:
+    """A request's queue on its event loop; the worker thread puts into it through the postman."""
+
+    def __init__(self, postman: Postman) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._postman = postman
+
+    def put_many(self, items: list[Any]) -> None:
+        """Thread-safe; delivered, in order, at the postman's next flush."""
+        self._postman.post_many(self, items)
+
+    async def get(self) -> Any:
+        return await self.queue.get()
+
+    def pending(self) -> bool:
+        """Whether ``get`` would return at once (on the event loop's thread)."""
+        return not self.queue.empty()

@@ -1,0 +1,1 @@
+"""Execution: the model calls the scheduler planned, generation, sampling and detokenizing."""

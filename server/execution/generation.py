@@ -1,0 +1,557 @@
+"""One generated sequence's life in the engine: prefill (from a state-cache snapshot when one matches) in
+chunks through its own cache, then one token per decode step in its model's :class:`DecodeBatch`, until
+max_tokens, the end-of-text token or a stop string.
+
+Prefill chunks of several sequences of one model and one chunk length run as one call on their caches
+stacked (``InferenceCache.stack``; rows may hold different lengths), then split back. Once its prompt is
+done a sequence joins its model's decode batch, which keeps the running sequences' caches stacked, so that a
+decode step is one call per model whatever the architecture and the rows' lengths; finished sequences leave
+it (``InferenceCache.select``). The engine never looks at a cache's class.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from model.base import Cost, InferenceCache, largest_fitting, long_tensor
+from model.ops import cpu_decode
+from server.engine.mailbox import Mailbox
+from server.errors import APIError, ModelFailure
+from server.execution.detokenize import TextAssembler
+from server.execution.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    drawn_logits,
+    penalize,
+    sample,
+    token_logprobs,
+    unusable,
+)
+from server.metrics import RequestTimes, ServerMetrics
+from server.models.store import ServedModel
+from server.sched.state_cache import StateCache
+from server.sched.work import FinishReason, Work
+from server.structured.outputs import CompiledConstraint, Masks, token_bias, token_bias_later
+
+logger = logging.getLogger(__name__)
+# Logits of at most this many elements are sampled on the CPU, more where the model runs. On an H100 machine
+# (docs/benchmarks.md, "Sampling and the exact models' softmax": python -m benchmarks.bench_decode_path) one row of 8,192
+# logits sampled at temperature 1 took 101-154 us through the CPU against 176-264 us on the GPU (each op a launch), 8 rows
+# 285-463 against 169-289 us, 64 rows 1.8-2.3 ms against 0.35-0.67 ms.
+HOST_SAMPLING_ELEMENTS = 16_384
+# A prefill chunk that stops short of its prompt's end (cut by the slice or the iteration's token budget) is a multiple
+# of this many tokens, or below it a power of two, so that a long prompt runs a few input shapes: each new one costs
+# memory that stays (~0.8 MiB a shape for text-lrnn: oneDNN's primitive cache, allocator retention), and a 2^20-token
+# prompt in chunks sized by the moving speed estimate took the server from 458 to 1,294 MiB (docs/benchmarks.md).
+PREFILL_QUANTUM = 64
+# Under batch invariance, a prompt chunk of at most this many tokens that is not scored runs as decode steps, all such
+# rows of a call together: the steps' products are row-invariant at any row count, and a pass of its own per row (what
+# a longer chunk gets) cost text-lrnn 1.5-1.7 ms a prompt of 2-6 tokens, against 0.27-0.74 ms stepped 64 rows
+# together (alone 0.9-2.5 ms; docs/benchmarks.md, "Short prompts stepped").
+STEPPED_PREFILL_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the engine needs to generate one sequence (no HTTP here)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: the chosen token's and k alternatives'
+    prompt_logprobs: bool = False  # score every prompt token (then the state cache is not used)
+    constraint: CompiledConstraint | None = None  # structured_outputs: what every text must match
+    stream: bool = True  # False: its tokens' events are held and posted with the last one (a whole answer: no wake-up
+    # of the request's coroutine per token, which at tens of thousands of tokens/s is the event loop's main work)
+
+    @property
+    def whole_answer(self) -> bool:
+        """Nothing is needed per token (not streamed; no stop strings, no log-probabilities): there are no token
+        events at all, and the text is decoded once, into the Finished event."""
+        return not self.stream and not self.stop and self.logprobs is None
+
+
+@dataclass
+class PromptScored:
+    logprobs: list[TokenLogprob | None]  # one per prompt token; the first has no context, so None
+
+
+@dataclass
+class TokenGenerated:
+    token: int
+    text: str  # the text this token releases (may be empty: see detokenize.py)
+    logprob: TokenLogprob | None
+
+
+@dataclass
+class Finished:
+    reason: Literal["stop", "length"]
+    text: str  # text still held back when generation ended
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens taken from the state cache
+
+
+class Sequence(Work):
+    """A sequence's state. Its events go to ``mailbox`` as (index, event), through its outbox (``Work.emit``): the
+    sequences of one HTTP request (several prompts, n choices) share a mailbox."""
+
+    def __init__(
+        self, served: ServedModel, request: GenerationRequest, mailbox: Mailbox, index: int = 0, flow: str = ""
+    ) -> None:
+        super().__init__(RequestTimes(served.id), flow, mailbox)
+        self.served, self.request, self.index = served, request, index
+        self.reserved_bytes = 0  # memory held for its cache while it runs (the scheduler's ledger)
+        self.prefill_resumes_at = 0.0  # the scheduler's clock: until then its prefill yields to less-served sequences
+        self.generator = request.sampling.generator()
+        self.assembler = TextAssembler(served.tokenizer, request.stop)
+        self.constraint = None if request.constraint is None else request.constraint.start()  # its own matcher
+        self.cache: InferenceCache | None = None  # its own while prefilling; then a row of its decode batch
+        self.next_logits: torch.Tensor | None = None  # (V,) predicting the next token
+        self.prefilled = 0
+        self.cached_tokens = 0
+        self.snapshot_at: int | None = None  # a prompt position where its prefill stops to snapshot its state
+        self.prompt_scores: list[TokenLogprob | None] = []
+        self.generated: list[int] = []
+        self.held: list[TokenGenerated] = []  # a request that does not stream: its tokens' events until the end
+        self.plain = request.whole_answer
+
+    @functools.cached_property
+    def cache_bytes(self) -> int:
+        """The memory its cache may take while it runs (``ModelBudget.context_cost``; computed once: admission
+        looks at it on every iteration the sequence waits)."""
+        return self.served.budget.context_cost(len(self.request.prompt) + self.request.max_tokens).nbytes
+
+    @functools.cached_property
+    def prompt_ids(self) -> torch.Tensor:
+        """The prompt as an int64 tensor, (P,) on the CPU: built once, for the repetition penalty's every step."""
+        return torch.tensor(self.request.prompt, dtype=torch.long)
+
+    @functools.cached_property
+    def picks_greedily(self) -> bool:
+        """Its next token is always its logits' first largest (temperature 0, no penalty or bias, no structured
+        output), and nothing else of them is read (no log-probabilities)."""
+        request = self.request
+        return (request.sampling.temperature <= 0.0 and not request.sampling.penalizes and request.constraint is None
+                and request.logprobs is None)  # fmt: skip
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt)
+
+    @property
+    def ready_to_decode(self) -> bool:
+        """Its first token is sampled (by its prompt's last chunk) and it has not ended: a decode step reads each row's
+        last token. A prompt taken whole from the state cache is no longer prefilling from its start, but has no token
+        until its empty chunk runs."""
+        return bool(self.generated) and not self.done
+
+    def finish(self, reason: Literal["stop", "length"], metrics: ServerMetrics) -> None:
+        """Answered: its last text and the Finished event."""
+        if not self.end(reason, metrics):
+            return
+        text = self.assembler.whole_answer(self.generated) if self.plain else self.assembler.finish()
+        self.send(Finished(reason, text, len(self.request.prompt), len(self.generated), self.cached_tokens))
+
+    def end(self, reason: FinishReason, metrics: ServerMetrics) -> bool:
+        ended = super().end(reason, metrics)
+        if ended:
+            self.cache = None
+        return ended
+
+    def deliver(self, answer: object) -> None:
+        self.send(answer)
+
+    def send(self, event: PromptScored | TokenGenerated | Finished | APIError) -> None:
+        """Into its outbox; a request that does not stream gets its tokens' events with the next other event."""
+        if not self.request.stream and isinstance(event, TokenGenerated):
+            self.held.append(event)
+            return
+        if self.held:  # in order, before the event that ends the sequence (or a prompt's scores)
+            self.outbox += [(self.index, held) for held in self.held]
+            self.held = []
+        self.outbox.append((self.index, event))
+
+
+def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -> None:
+    """Begin a sequence the scheduler admitted: an empty cache, or a clone of the longest cached prefix of its
+    prompt (where :func:`start_point` said it would begin)."""
+    model, prompt = sequence.served.model, sequence.request.prompt
+    metrics.child(metrics.prompt_tokens, sequence.served.id).inc(len(prompt))
+    snapshot = None
+    if not sequence.request.prompt_logprobs:
+        snapshot = state_cache.lookup(sequence.served.id, prompt)
+        metrics.child(metrics.prefix_cache_queries, sequence.served.id).inc(len(prompt))
+    if snapshot is None:
+        sequence.cache = model.new_cache(1)
+    else:
+        metrics.child(metrics.prefix_cache_hits, sequence.served.id).inc(snapshot.length)
+        sequence.cache, sequence.next_logits = snapshot.cache, snapshot.logits
+        sequence.prefilled = sequence.cached_tokens = snapshot.length
+    sequence.snapshot_at = _snapshot_at(state_cache, len(prompt), sequence.prefilled)
+
+
+def start_point(sequence: Sequence, state_cache: StateCache) -> tuple[int, int | None]:
+    """(prefilled, snapshot_at) of a sequence once :func:`start` runs: the prompt tokens it will take from the state
+    cache, and where its prefill will stop to snapshot its state. Changes nothing: the scheduler plans an admitted
+    sequence's first chunk with it before it starts."""
+    prompt = sequence.request.prompt
+    cached = 0 if sequence.request.prompt_logprobs else state_cache.peek(sequence.served.id, prompt)
+    return cached, _snapshot_at(state_cache, len(prompt), cached)
+
+
+def _snapshot_at(state_cache: StateCache, prompt_tokens: int, prefilled: int) -> int | None:
+    """The prompt position past ``prefilled`` where the state is also snapshotted on the way, or None."""
+    position = state_cache.tail_position(prompt_tokens)
+    return position if position is not None and position > prefilled else None
+
+
+def prefill_calls(sequences: list[Sequence], length: int) -> list[list[Sequence]]:
+    """The model calls in which a prefill of the next ``length`` tokens of ``sequences`` runs: one over them all,
+    unless batch invariance is asked for (``cpu_decode.row_invariant``). Then a chunk runs as it would alone: stacked
+    in one pass, a prompt's first logits came out other in the last bits (shipped text models: prompts of 2-3 tokens,
+    RegularGPT's of 40), so each sequence's chunk is a call of its own, except that chunks of at most
+    ``STEPPED_PREFILL_TOKENS`` that are not scored run in one call together, as decode steps, whose products are
+    row-invariant (which way a row goes depends on its chunk alone). A caller that guards each call apart (the
+    executor) keeps a failing call's harm to its own sequences."""
+    if not length or not cpu_decode.row_invariant():
+        return [sequences]
+    stepped = [sequence for sequence in sequences if _stepped(sequence, length)]
+    return ([stepped] if stepped else []) + [[sequence] for sequence in sequences if not _stepped(sequence, length)]
+
+
+def _stepped(sequence: Sequence, length: int) -> bool:
+    """Whether a chunk of ``length`` of the sequence runs as decode steps (:func:`prefill_calls`)."""
+    return length <= STEPPED_PREFILL_TOKENS and not sequence.request.prompt_logprobs and cpu_decode.row_invariant()
+
+
+def prompt_in_batch(sequence: Sequence, at: tuple[int, int | None], state_cache: StateCache) -> bool:
+    """Whether an admitted sequence's whole prompt runs as its first steps in its model's decode batch, rows beside the
+    sequences decoding there, rather than as prefill calls: a prompt that would be stepped from its start
+    (:func:`_stepped`; ``at``: :func:`start_point`'s), that asks for a token, and that the state cache would not keep
+    (a decode step leaves neither the row's cache apart nor, for greedy rows, its logits to snapshot). Its rows get the
+    bits they would get stepped, as every decode step's do; what it saves is the calls of their own, ~10% of the
+    engine thread under 64 concurrent whole answers (docs/benchmarks.md, "Short prompts in the decode batch")."""
+    prompt = sequence.request.prompt
+    return (at == (0, None) and 0 < len(prompt) and _stepped(sequence, len(prompt)) and sequence.request.max_tokens > 0
+            and not state_cache.keeps(len(prompt)))  # fmt: skip
+
+
+def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
+    """Consume the next ``length`` prompt tokens of each sequence (one model), in the calls of
+    :func:`prefill_calls`: a forward pass over their stacked caches, or decode steps. A sequence then at its
+    ``snapshot_at`` is snapshotted there; one whose prompt is then done is snapshotted, scored if asked, and gets its
+    first token. ``length`` 0 only completes prompts taken whole from the state cache."""
+    for call in prefill_calls(sequences, length) if length else []:
+        _prefill_call(call, length)
+    for sequence in sequences:
+        if sequence.prefilled == sequence.snapshot_at:
+            prefix = sequence.request.prompt[: sequence.prefilled]
+            state_cache.store(sequence.served.id, prefix, sequence.cache, sequence.next_logits)
+    done = [sequence for sequence in sequences if not sequence.prefilling]
+    for sequence in done:
+        state_cache.store(sequence.served.id, sequence.request.prompt, sequence.cache, sequence.next_logits)
+        if sequence.request.prompt_logprobs:
+            sequence.send(PromptScored(sequence.prompt_scores))
+        if sequence.request.max_tokens == 0:
+            sequence.finish("length", metrics)
+    sampling = [sequence for sequence in done if not sequence.done]
+    if sampling:
+        accept(sampling, torch.stack([sequence.next_logits for sequence in sampling]), metrics)
+
+
+def prefill_call_cost(sequences: list[Sequence], length: int) -> Cost:
+    """What one call of :func:`prefill_calls` costs (:func:`_prefill_call`): the head on each row's last position
+    only where the pass runs it so, else at every position; decode steps cost one step each (:func:`_stepped_cost`)."""
+    model, context = sequences[0].served.model, min(sequence.prefilled for sequence in sequences)
+    if length and _stepped(sequences[0], length):
+        return _stepped_cost(model.cost, len(sequences), length, context)
+    if _head_on_last(sequences, length):
+        return model.prefill_cost(len(sequences), length, context)
+    return model.cost("cached", len(sequences), length, context)
+
+
+def _stepped_cost(cost: Callable[..., Cost], rows: int, length: int, context: int) -> Cost:
+    """``length`` decode steps of ``rows`` rows after ``context`` tokens (``cost``: the model's or a memo of it): a
+    step's fixed work is not a chunk's (RegularGPT: a compiled call per thick layer, against K block passes)."""
+    steps = [cost("cached", rows, 1, context + step) for step in range(length)]
+    return Cost(flops=sum(step.flops for step in steps), nbytes=max(step.nbytes for step in steps))
+
+
+def _head_on_last(sequences: list[Sequence], length: int) -> bool:
+    """Whether a call's forward pass runs its head on each row's last position only: a model that can
+    (``selects_positions``), no sequence of the call scoring its prompt, and not run as decode steps."""
+    scoring = any(sequence.request.prompt_logprobs for sequence in sequences)
+    return sequences[0].served.model.selects_positions and not scoring and not _stepped(sequences[0], length)
+
+
+def _prefill_call(sequences: list[Sequence], length: int) -> None:
+    """The next ``length`` prompt tokens of each sequence over their stacked caches: as ``length`` decode steps where
+    :func:`_stepped` (no sequence of the call scores its prompt), else in one forward pass. Unless a sequence scores
+    its prompt, a model that can (``selects_positions``) runs that pass's head on each row's last position only: the
+    head over every position was ~45% of text-lrnn's prefill (6.3k against 11.8k tokens/s on 4,096)."""
+    model = sequences[0].served.model
+    chunks = torch.tensor(
+        [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
+        device=model.device,
+    )  # (B, n)
+    caches = [sequence.cache for sequence in sequences]
+    cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
+    if _stepped(sequences[0], length):
+        for position in range(length - 1):  # no logits but the last position's: nothing scores this chunk
+            model.advance(chunks[:, position], cache)
+        logits = model.step(chunks[:, -1], cache)[:, None]  # (B, 1, V)
+    elif _head_on_last(sequences, length):
+        positions = torch.zeros(chunks.shape, dtype=torch.bool, device=model.device)  # (B, n)
+        positions[:, -1] = True
+        logits = model.forward(chunks, cache=cache, positions=positions)[:, None]  # (B, 1, V)
+    else:
+        logits = model.forward(chunks, cache=cache)  # (B, n, V)
+    if len(caches) > 1:
+        for sequence, row in zip(sequences, cache.split()):
+            sequence.cache = row
+    for sequence, chunk, chunk_logits in zip(sequences, chunks, logits):
+        if sequence.request.prompt_logprobs:
+            _score_prompt_chunk(sequence, chunk, chunk_logits)
+        sequence.next_logits = chunk_logits[-1]  # (V,)
+        sequence.prefilled += length
+
+
+def prefill_length(sequence: Sequence, budget: int, at: tuple[int, int | None] | None = None) -> int:
+    """How many prompt tokens the sequence prefills next: what remains (up to its ``snapshot_at`` first), within
+    ``budget`` tokens and one slice of its model's work at the chunk's place in the prompt (the cost formulas count
+    the depth it reaches: RegularGPT's fixed work per thick layer); short of that end, rounded down
+    (``PREFILL_QUANTUM``); where that runs as decode steps (:func:`prefill_calls`), as many steps as fit.
+    ``at``: (prefilled, snapshot_at) of a sequence not started yet (:func:`start_point`); by default its own."""
+    prefilled, snapshot_at = at or (sequence.prefilled, sequence.snapshot_at)
+    end = len(sequence.request.prompt)
+    if snapshot_at is not None and prefilled < snapshot_at:
+        end = snapshot_at
+    remaining = min(end - prefilled, budget)
+    if remaining <= 0:
+        return max(remaining, 0)
+    budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
+    scored = bool(sequence.request.prompt_logprobs)
+    length = sequence.served.model.chunk_length(budget.slice_flops, prefilled, remaining, budget.cost, scored)
+    if prefilled + length < end:
+        length = length - length % PREFILL_QUANTUM if length >= PREFILL_QUANTUM else 1 << (length.bit_length() - 1)
+    if _stepped(sequence, length):  # it runs as decode steps: as many as fit the slice (more than a pass's where the
+        # pass's fixed work is most of the slice: RegularGPT deep in a long prompt on a loaded machine)
+        return largest_fitting(
+            lambda steps: _stepped_cost(budget.cost, 1, steps, prefilled).flops <= budget.slice_flops,
+            min(remaining, STEPPED_PREFILL_TOKENS),
+        )
+    return length
+
+
+def _score_prompt_chunk(sequence: Sequence, chunk: torch.Tensor, logits: torch.Tensor) -> None:
+    """Log-probabilities of the chunk's tokens: token j is predicted by the logits of token j - 1."""
+    if sequence.next_logits is None:
+        sequence.prompt_scores.append(None)  # the first prompt token has no prediction
+        predictors, targets = logits[:-1], chunk[1:]  # (n-1, V), (n-1,)
+    else:
+        predictors, targets = torch.cat([sequence.next_logits[None], logits[:-1]]), chunk  # (n, V), (n,)
+    sequence.prompt_scores += token_logprobs(predictors, targets, sequence.request.logprobs or 0)
+
+
+class DecodeBatch:
+    """The decoding sequences of one model, their caches stacked in one (row i is ``sequences[i]``)."""
+
+    def __init__(self) -> None:
+        self.sequences: list[Sequence] = []
+        self.cache: InferenceCache | None = None
+        self.prompting = 0  # rows whose inputs are still their prompt's tokens (:func:`prompt_in_batch`)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def join(self, joining: list[Sequence]) -> None:
+        """Add sequences whose prefill is done, or whose prompt is to run here (:func:`prompt_in_batch`); their caches
+        become rows of the batch's."""
+        caches = ([] if self.cache is None else [self.cache]) + [sequence.cache for sequence in joining]
+        self.cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
+        self.sequences += joining
+        for sequence in joining:
+            sequence.cache = None
+            self.prompting += sequence.prefilling
+
+    def drop_finished(self) -> None:
+        keep = [row for row, sequence in enumerate(self.sequences) if not sequence.done]
+        if len(keep) == len(self.sequences):
+            return
+        self.sequences = [self.sequences[row] for row in keep]
+        self.cache = self.cache.select(keep) if keep else None
+        if self.prompting:
+            self.prompting = sum(sequence.prefilling for sequence in self.sequences)
+
+    def step(self, metrics: ServerMetrics) -> None:
+        """One token for every sequence: one call of the model (through its decoder: CUDA graphs where captured). Where
+        every row picks greedily and reads nothing else of its logits (:attr:`Sequence.picks_greedily`), the model
+        gives the picks alone (``Decoder.greedy_step``: on the CPU under batch invariance the head never writes the
+        logits), the same tokens as sampling its logits. A row still in its prompt takes its next prompt token and
+        samples nothing until that token is the prompt's last; while every row is, the head does not run."""
+        served, sampling, rows = self.sequences[0].served, self.sequences, None
+        if self.prompting:
+            inputs, rows = self._prompt_inputs()
+            sampling = [self.sequences[row] for row in rows]
+        else:
+            inputs = [sequence.generated[-1] for sequence in self.sequences]
+        tokens = long_tensor(inputs)  # (B,): the decoder moves them
+        if not sampling:
+            served.decoder.advance(tokens, self.cache)
+            return
+        if all(sequence.picks_greedily for sequence in sampling):
+            picks, values = served.decoder.greedy_step(tokens, self.cache)  # (B,), (B,)
+            picks, values = picks.tolist(), values.tolist()
+            if rows is not None:
+                picks, values = [picks[row] for row in rows], [values[row] for row in rows]
+            take(sampling, picks, values, metrics)
+            return
+        constrained = [sequence.constraint for sequence in sampling if sequence.constraint is not None]
+        vocabulary = served.config.model.vocab_size
+        masks = token_bias_later(constrained, vocabulary) if constrained else None  # while the model runs
+        logits = served.decoder.step(tokens, self.cache)  # (B, V)
+        accept(sampling, logits if rows is None else logits[rows], metrics, masks)
+
+    def _prompt_inputs(self) -> tuple[list[int], list[int]]:
+        """(each row's input token: its prompt's next one while it has one, else its last token; the rows that sample
+        after this step: those past their prompt, or at its last token). Counts the prompt tokens as consumed."""
+        inputs, rows = [], []
+        for row, sequence in enumerate(self.sequences):
+            if sequence.prefilling:
+                inputs.append(sequence.request.prompt[sequence.prefilled])
+                sequence.prefilled += 1
+            else:
+                inputs.append(sequence.generated[-1])
+            if not sequence.prefilling:
+                rows.append(row)
+        self.prompting = len(self.sequences) - len(rows)
+        return inputs, rows
+
+
+def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
+           ) -> None:  # fmt: skip
+    """Sample each sequence's next token from its row of logits (B, V), hand the tokens to the requests,
+    and finish the sequences that end. ``masks``: the constrained rows' ``token_bias``, if already under way."""
+    logits = logits.float()  # (B, V) where the model runs: sampling draws on the CPU, filters and searches there
+    if logits.numel() <= HOST_SAMPLING_ELEMENTS:
+        logits = logits.cpu()  # unless there are so few that launching the ops costs more than computing them
+    sequences, logits, masked = _constrain(sequences, logits, metrics, masks)  # (B', V) each
+    if not sequences:
+        return
+    params = [sequence.request.sampling for sequence in sequences]
+    adjusted = penalize(masked, params, sequences)  # (B', V); log-probabilities stay the model's
+    tokens = sample(adjusted, params, [sequence.generator for sequence in sequences])
+    _end_outside_the_vocabulary(sequences, tokens, metrics)
+    if masked is not logits:
+        _keep_to_the_masks(sequences, adjusted, tokens)
+    take(sequences, tokens, drawn_logits(logits, tokens), metrics, logits)
+
+
+def take(sequences: list[Sequence], tokens: list[int], drawn: list[float], metrics: ServerMetrics,
+         logits: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Hand each sequence its next token (``drawn``: the token's logit as the model gave it; ``logits``: (B, V), where
+    a sequence reads them for its log-probabilities), and finish the sequences that end. A row whose token was drawn
+    at a NaN or infinite logit (e.g. an overflowed state) fails alone: the model gave no distribution there."""
+    for row in unusable(drawn):
+        sequence, value = sequences[row], drawn[row]
+        if not sequence.done:
+            sequence.fail(ModelFailure(
+                f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
+            ), metrics)  # fmt: skip
+    metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences if not sequence.done])
+    for row, (sequence, token) in enumerate(zip(sequences, tokens)):
+        if sequence.done:
+            continue
+        try:
+            _append(sequence, token, logits, row, metrics)
+        except Exception as error:  # its text, log-probability or constraint: this row alone fails
+            logger.exception("a sequence failed on its output token %d", len(sequence.generated))
+            sequence.fail(ModelFailure(f"the model failed: {error}"), metrics)
+
+
+def _end_outside_the_vocabulary(sequences: list[Sequence], tokens: list[int], metrics: ServerMetrics) -> None:
+    """Defence in depth: a drawn id outside the model's vocabulary would make the next batched call (indexing the
+    logits, the decode step's embedding) fail for every row; it ends its own sequence instead, and its place in
+    ``tokens`` takes id 0, which nothing reads further."""
+    vocabulary = sequences[0].served.config.model.vocab_size
+    for row, (sequence, token) in enumerate(zip(sequences, tokens)):
+        if not 0 <= token < vocabulary:
+            sequence.fail(ModelFailure(
+                f"the model failed: output token {len(sequence.generated) + 1} was drawn as id {token}, outside its "
+                f"vocabulary of {vocabulary}"
+            ), metrics)  # fmt: skip
+            tokens[row] = 0
+
+
+def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
+               ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The structured outputs' masks: (the sequences that go on, their logits, the logits to sample from: -inf
+    where a constraint forbids the token). Penalties after the masks keep -inf at -inf. A constrained row that may
+    sample no token of the model ends here: "stop" at a complete match (a model without an end-of-text token), an
+    error if its matcher failed or ran past its time budget (``Constraint.failure``). logits: (B, V)."""
+    rows = [row for row, sequence in enumerate(sequences) if sequence.constraint is not None]
+    if not rows:
+        return sequences, logits, logits
+    if masks is None:
+        bias, any_allowed = token_bias([sequences[row].constraint for row in rows], logits.shape[-1])  # (R, V), (R,)
+    else:
+        bias, any_allowed = masks.result()
+    bias = bias.to(logits.device)  # (R, V)
+    if len(rows) == len(sequences):
+        masked = logits + bias  # (B, V)
+    else:
+        masked = logits.clone()  # (B, V)
+        masked[rows] += bias
+    for row, allowed in zip(rows, any_allowed):
+        sequence = sequences[row]
+        if sequence.constraint.error is not None:
+            sequence.fail(sequence.constraint.failure(), metrics)
+        elif not allowed:
+            sequence.finish("stop", metrics)
+    live = [row for row, sequence in enumerate(sequences) if not sequence.done]
+    if len(live) < len(sequences):
+        return [sequences[row] for row in live], logits[live], masked[live]
+    return sequences, logits, masked
+
+
+def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens: list[int]) -> None:
+    """Defence in depth: a constrained row that drew a token its mask forbids (-inf: only a numerical corner of the
+    sampler could) takes its best allowed token instead, so that its text still matches. adjusted: (B, V)."""
+    drawn = adjusted[torch.arange(len(tokens)), torch.tensor(tokens)]  # (B,)
+    for row in torch.nonzero(drawn == float("-inf"))[:, 0].tolist():
+        if sequences[row].constraint is not None:
+            logger.warning("structured_outputs: token %d was drawn against its mask; taking the best allowed one",
+                           tokens[row])  # fmt: skip
+            tokens[row] = int(adjusted[row].argmax())
+
+
+def _append(sequence: Sequence, token: int, logits: torch.Tensor | None, row: int, metrics: ServerMetrics) -> None:
+    """``token`` was sampled from ``logits[row]`` (logits: (B, V), None where the sequence does not read them:
+    :attr:`Sequence.picks_greedily`; a row's view is taken only for log-probabilities).
+    Its metrics are counted in :func:`accept`, for all rows at once."""
+    sequence.generated.append(token)
+    if sequence.constraint is not None and not sequence.constraint.consume(token):
+        sequence.fail(sequence.constraint.failure(token), metrics)
+        return
+    if token == sequence.served.tokenizer.eot_token:
+        sequence.finish("stop", metrics)
+        return
+    stopped = False
+    if not sequence.plain:
+        logprob = None
+        if sequence.request.logprobs is not None:
+            logprob = token_logprobs(logits[row, None], torch.tensor([token]), sequence.request.logprobs)[0]
+        text, stopped = sequence.assembler.push(token)
+        sequence.send(TokenGenerated(token, text, logprob))
+    if stopped or (sequence.constraint is not None and sequence.constraint.finished):
+        sequence.finish("stop", metrics)
+    elif len(sequence.generated) >= sequence.request.max_tokens:
+        sequence.finish("length", metrics)

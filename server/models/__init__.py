@@ -1,0 +1,1 @@
+"""The served models: checkpoint folders loaded at start, and models added while serving."""

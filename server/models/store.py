@@ -1,0 +1,141 @@
+"""The served models: every checkpoint folder under a directory, loaded strictly, with what requests need to
+turn text into token ids (the alphabet of a transducer, the tokenizer of a language model).
+
+A folder that fails to load is reported with its path and reason and skipped; the caller decides what to
+do when none loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model.base import SequenceModel
+from model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
+from model.config import CheckpointConfig
+from model.cuda_graphs import Decoder
+from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from server.api.protocol import DecodeStep, ModelCard
+from server.errors import InvalidInput
+from server.sched.costing import ModelBudget, ModelLimits
+
+logger = logging.getLogger(__name__)
+TOKEN_ID_TYPE = "i"  # a transducer input's token ids: array("i"), 4-byte integers (torch.frombuffer: torch.int32)
+NATIVE_UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"  # code points as array("i") holds them
+
+
+@dataclass
+class ServedModel:
+    id: str
+    model: SequenceModel
+    config: CheckpointConfig
+    path: Path
+    tokenizer: Tokenizer | None = None
+    symbol_ids: dict[int, str] = field(default_factory=dict)  # a transducer's ord(symbol) -> chr(its token id)
+    outside_alphabet: re.Pattern[str] | None = None  # finds the first character that is not a symbol
+    notes: list[str] = field(default_factory=list)  # what ``model.for_serving()`` changed
+    budget: ModelBudget | None = None  # set by the engine once the model's speed is measured
+    limits: ModelLimits | None = None
+    decoder: Decoder | None = None  # a generation model's decode step, set by the engine (CUDA graphs or eager)
+    engine_card: ModelCard | None = None  # its card as the engine process describes it (the API process's copy of a
+    # model served there holds no weights: ``server/engine/client.py``)
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    def card(self) -> ModelCard:
+        if self.engine_card is not None:
+            return self.engine_card
+        return ModelCard(
+            id=self.id,
+            kind=self.config.kind,
+            architecture=self.config.architecture,
+            task=self.config.task,
+            alphabet=self.config.alphabet,
+            labels=list(self.config.labels) if self.config.labels is not None else None,
+            tokenizer=self.config.tokenizer,
+            vocab_size=self.config.model.vocab_size,
+            parameters=sum(parameter.numel() for parameter in self.model.parameters()),
+            limits=None if self.limits is None else self.limits.as_dict(),
+            serving_notes=self.notes,
+            decode=None if self.decoder is None else DecodeStep(**vars(self.decoder.path)),
+        )
+
+    def encode_symbols(self, text: str, where: str) -> array[int]:
+        """A transducer input -> its token ids; a character outside the alphabet is refused by position. No Python
+        loop over the symbols: a regular expression checks them, ``str.translate`` maps each to the character of
+        its id, and UTF-32 writes those as the 4-byte integers of the array."""
+        outside = self.outside_alphabet.search(text)
+        if outside is not None:
+            raise InvalidInput(
+                f"{where}: character {outside.group()!r} at position {outside.start()} is not in the alphabet "
+                f"{self.config.alphabet!r} of model {self.id!r}"
+            )
+        ids = array(TOKEN_ID_TYPE)
+        ids.frombytes(text.translate(self.symbol_ids).encode(NATIVE_UTF32))
+        return ids
+
+
+@dataclass
+class LoadReport:
+    models: dict[str, ServedModel]
+    failures: list[str]  # "<path>: <reason>" per folder that did not load
+
+
+def failed_folder(failure: str, directory: Path) -> str:
+    """The name of the folder a ``LoadReport`` failure ("<path>: <reason>") is about, for those who should not read
+    the server's paths (/health): its path less ``directory``, the folder the models were loaded from."""
+    path, _, _ = failure.removeprefix(f"{directory}{os.sep}").partition(": ")
+    return Path(path).name or path
+
+
+def served_transducer(model_id: str, model: SequenceModel, config: CheckpointConfig, path: Path) -> ServedModel:
+    """A transduce model with what requests need to turn its inputs into token ids."""
+    served = ServedModel(id=model_id, model=model, config=config, path=path)
+    served.symbol_ids = str.maketrans({symbol: chr(index) for index, symbol in enumerate(config.alphabet)})
+    served.outside_alphabet = re.compile(f"[^{re.escape(config.alphabet)}]")
+    return served
+
+
+def load_models(directory: Path, device: str) -> LoadReport:
+    """Load every checkpoint folder directly under ``directory`` (or ``directory`` itself if it is one)."""
+    if not directory.is_dir():
+        return LoadReport({}, [f"{directory}: not a folder"])
+    folders = (
+        [directory]
+        if (directory / CONFIG_FILE).is_file()
+        else sorted(path for path in directory.iterdir() if path.is_dir() and not path.name.startswith((".", "_")))
+    )
+    models, failures = {}, []
+    for folder in folders:
+        try:
+            models[folder.name] = load_served_model(folder, device)
+            logger.info("loaded %s from %s", folder.name, folder)
+        except Exception as error:  # whatever the reason, this folder is reported and skipped
+            expected = isinstance(error, (CheckpointError, TokenizerError))
+            failures.append(f"{folder}: {error if expected else f'{type(error).__name__}: {error}'}")
+            logger.error("skipped %s", failures[-1])
+    if not folders:
+        failures.append(f"{directory}: holds no checkpoint folder")
+    return LoadReport(models, failures)
+
+
+def load_served_model(folder: Path, device: str) -> ServedModel:
+    loaded = load_checkpoint(folder, device=device)
+    config = loaded.config
+    if config.kind == "transduce":
+        return served_transducer(folder.name, loaded.model, config, folder)
+    served = ServedModel(id=folder.name, model=loaded.model, config=config, path=folder)
+    served.tokenizer = load_tokenizer(config.tokenizer, folder)
+    if config.model.vocab_size < served.tokenizer.vocab_size:
+        raise CheckpointError(
+            f"{folder}: the model's vocab_size {config.model.vocab_size} is smaller than the "
+            f"{served.tokenizer.vocab_size} tokens of tokenizer {config.tokenizer!r}"
+        )
+    return served

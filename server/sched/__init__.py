@@ -1,0 +1,1 @@
+"""Scheduling: what runs when, the work units, their costs and the prompt-state cache."""

@@ -1,0 +1,1 @@
+"""Structured outputs: constraints every generated text matches."""

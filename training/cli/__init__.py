@@ -1,0 +1,1 @@
+"""The ``python -m training`` command line: its verbs and their flags."""

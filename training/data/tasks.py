@@ -1,0 +1,253 @@
+"""The tasks of SPEC section 1: alphabet, labels, reference labeler, automaton and string sampler of each.
+
+induction_heads draws Mamba's strings (SPEC section 1): letters, one "#" followed by the key letter at a uniformly
+drawn place, and "#" last, so at least 3 symbols (``Task.shortest_length``); it has no balanced sampling (the key, the
+final label, is uniform already) and ``p_one`` skews the letters ("b"), the "#"s staying where they are.
+
+Every regular task's labels are its automaton's labels in sorted order, the order the compiler gives a Moore
+machine's labels (automata/compiler.py), so that a compiled task checkpoint's label ids are the task's.
+
+Sampling controls the length (the caller picks it), the frequency of the second symbol of the alphabet
+(``p_one``: P("1"), or P("b") for the a/b tasks, the other symbols sharing the rest; for modular_arithmetic, of
+the digit "1" among the digits) and balance: ``balanced=True`` draws the final label uniformly
+from the task's labels and then the string uniformly among those of that length with that final label, which
+gives sparse languages (D_n, Tomita 3/4/6, ONE, PALINDROME) as many positives as negatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from types import MappingProxyType
+
+import numpy as np
+
+from automata import task_automata
+from automata.automaton import MooreMachine
+from automata.task_automata import DIGITS, INDUCTION_LETTERS, INDUCTION_MARK, NO_KEY, OPERATORS
+from training.data import labelers
+from training.data.final_label_sampling import FinalLabelSampler
+
+BINARY_LABELS = ("0", "1")
+MOD5_LABELS = ("0", "1", "2", "3", "4")
+INDUCTION_LABELS = tuple(sorted(NO_KEY + INDUCTION_LETTERS + INDUCTION_MARK))  # "#": after "##", never drawn
+DELETANG_TRAIN_LENGTHS = (1, 40)
+BHATTAMISHRA_TRAIN_LENGTHS = (1, 50)  # the d* and tomita* tasks
+INDUCTION_TRAIN_LENGTHS = (3, 256)  # Mamba trains at 256 (SPEC section 5)
+REJECTION_TRIES = 64
+
+Drawer = Callable[[np.random.Generator, int], str]
+FinalLabelDrawer = Callable[[np.random.Generator, int, str], str | None]
+SkewedDrawer = Callable[[np.random.Generator, int, float], str]
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """One transduction task: a label at every position of a string over ``alphabet``.
+
+    ``automaton`` computes the labels of every regular task (all but palindrome). ``draw(rng, length)`` gives a
+    string of the task's free distribution; ``draw_with_final_label(rng, length, label)`` one drawn uniformly
+    among those of that length with that final label, or None if there is none. That field is None for a task
+    without balanced sampling (modular_arithmetic).
+
+    ``draw_power_offset(rng, length)``, where not None, gives a string whose decisive position lies a power of two
+    before the last one, the one place where dilated attention (RegularGPT, C = 2) reads it in a single hop: drawn
+    uniformly, such strings are rare (about log2(T) / T of them), and a model can be right on the others and wrong
+    on those (``--power-offset-fraction`` trains on more of them). Only induction_heads has one.
+    """
+
+    name: str
+    alphabet: str
+    labels: tuple[str, ...]
+    train_lengths: tuple[int, int]  # inclusive
+    labeler: Callable[[str], list[str]]
+    automaton: MooreMachine | None
+    draw: Drawer
+    draw_with_final_label: FinalLabelDrawer | None
+    draw_skewed: SkewedDrawer  # (rng, length, p_one): the ``p_one`` sampling of ``sample``
+    shortest_length: int = 1  # the shortest string the generator draws
+    draw_power_offset: Drawer | None = None
+
+    def label(self, string: str) -> list[str]:
+        """The reference label at every position of ``string``."""
+        for position, symbol in enumerate(string):
+            if symbol not in self.alphabet:
+                raise ValueError(
+                    f"{self.name}: symbol {symbol!r} at position {position} is not in the alphabet {self.alphabet!r}"
+                )
+        return self.labeler(string)
+
+    def sample(
+        self, rng: np.random.Generator, length: int, p_one: float | None = None, balanced: bool = False
+    ) -> str:
+        """A string of ``length`` symbols (modular_arithmetic: rounded down to an odd length).
+
+        ``p_one`` draws each symbol independently, the second one of the alphabet ("1", or "b" for the a/b
+        tasks) with that probability and each other one with an equal share of the rest; for
+        modular_arithmetic this applies to the digits, the operators staying uniform. ``balanced`` draws the
+        final label uniformly first; where no string of this length has that label (D_n at odd lengths, a
+        non-palindrome of length 1) the free draw is returned.
+        """
+        if length < self.shortest_length:
+            raise ValueError(f"length must be at least {self.shortest_length} for {self.name}, got {length}")
+        if p_one is not None:
+            if balanced:
+                raise ValueError("p_one and balanced cannot be combined: balanced draws condition on the label")
+            return self._draw_skewed(rng, length, p_one)
+        if balanced:
+            if self.draw_with_final_label is None:
+                raise ValueError(f"{self.name} offers no balanced sampling")
+            string = self.draw_with_final_label(rng, length, self.labels[rng.integers(len(self.labels))])
+            if string is not None:
+                return string
+        return self.draw(rng, length)
+
+    def _draw_skewed(self, rng: np.random.Generator, length: int, p_one: float) -> str:
+        if not 0.0 <= p_one <= 1.0:
+            raise ValueError(f"p_one must be a probability, got {p_one}")
+        return self.draw_skewed(rng, length, p_one)
+
+
+def sample_batch(
+    task: Task,
+    rng: np.random.Generator,
+    n: int,
+    length_range: tuple[int, int],
+    p_one: float | tuple[float, float] | None = None,
+    balanced: bool = False,
+) -> list[str]:
+    """``n`` strings of ``task``, each of a length drawn uniformly from ``length_range`` (inclusive).
+
+    ``p_one`` is one P(second symbol) for every string, or a range (lo, hi) from which each string draws its own
+    uniformly (so a batch mixes dense and sparse strings).
+    """
+    shortest, longest = length_range
+    if not task.shortest_length <= shortest <= longest:
+        raise ValueError(f"length_range must satisfy {task.shortest_length} <= shortest <= longest for {task.name}, "
+                         f"got {length_range}")
+    lengths = rng.integers(shortest, longest + 1, size=n)
+    if isinstance(p_one, tuple):
+        lo, hi = p_one
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"a p_one range must satisfy 0 <= lo <= hi <= 1, got {p_one}")
+        return [task.sample(rng, int(length), float(p), balanced) for length, p in zip(lengths, rng.uniform(lo, hi, n))]
+    return [task.sample(rng, int(length), p_one, balanced) for length in lengths]
+
+
+def _uniform_symbols(alphabet: str) -> Drawer:
+    def draw(rng: np.random.Generator, length: int) -> str:
+        return "".join(alphabet[k] for k in rng.integers(len(alphabet), size=length))
+
+    return draw
+
+
+def _skewed_symbols(alphabet: str, rng: np.random.Generator, length: int, p_one: float) -> str:
+    """``length`` independent symbols: ``alphabet[1]`` with probability ``p_one``, every other symbol with
+    probability (1 - p_one) / (len(alphabet) - 1)."""
+    others = alphabet[:1] + alphabet[2:]
+    is_one = rng.random(length) < p_one  # (length,)
+    other = rng.integers(len(others), size=length)  # (length,)
+    return "".join(alphabet[1] if one else others[k] for one, k in zip(is_one, other))
+
+
+def _expression(rng: np.random.Generator, length: int, p_one: float | None = None) -> str:
+    """A modular_arithmetic input: digits and operators alternating, odd length (rounded down). Digits are
+    uniform, or "1" with probability ``p_one`` and the other four sharing the rest; operators are uniform."""
+    count = (length + 1) // 2
+    if p_one is None:
+        operands = _uniform_symbols(DIGITS)(rng, count)
+    else:
+        operands = _skewed_symbols(DIGITS, rng, count, p_one)
+    operators = _uniform_symbols(OPERATORS)(rng, len(operands) - 1)
+    return "".join(digit + operator for digit, operator in zip(operands, operators)) + operands[-1]
+
+
+def _induction_heads(rng: np.random.Generator, length: int, p_one: float | None = None) -> str:
+    """``length - 1`` letters (uniform, or "b" with probability ``p_one``), the one at a uniformly drawn position
+    before the last two replaced by "#" (the letter after it is the key), then "#"."""
+    if p_one is None:
+        letters = list(_uniform_symbols(INDUCTION_LETTERS)(rng, length - 1))
+    else:
+        letters = list(_skewed_symbols(INDUCTION_LETTERS, rng, length - 1, p_one))
+    letters[rng.integers(length - 2)] = INDUCTION_MARK
+    return "".join(letters) + INDUCTION_MARK
+
+
+def _induction_heads_power_offset(rng: np.random.Generator, length: int) -> str:
+    """As :func:`_induction_heads`, with the "#" 2**k positions before the final "#", k uniform over 1 ..
+    floor(log2(length - 1)) (so the key is 2**k - 1 positions before it)."""
+    letters = list(_uniform_symbols(INDUCTION_LETTERS)(rng, length - 1))
+    offset = 2 ** int(rng.integers(1, int(np.log2(length - 1)) + 1))
+    letters[length - 1 - offset] = INDUCTION_MARK
+    return "".join(letters) + INDUCTION_MARK
+
+
+def _palindrome_with_final_label(rng: np.random.Generator, length: int, label: str) -> str | None:
+    """Positives mirror a uniform first half (exactly uniform); negatives are rejection-sampled, at most
+    REJECTION_TRIES times (each try fails with probability at most 1/2 from length 2 on; length 1 has none)."""
+    free = _uniform_symbols("01")
+    if label == "1":
+        half = free(rng, length // 2)
+        return half + free(rng, length % 2) + half[::-1]
+    for _ in range(REJECTION_TRIES):
+        string = free(rng, length)
+        if string != string[::-1]:
+            return string
+    return None
+
+
+def _regular(
+    name: str,
+    alphabet: str,
+    labels: tuple[str, ...],
+    labeler: Callable[[str], list[str]],
+    automaton: MooreMachine,
+    train_lengths: tuple[int, int] = DELETANG_TRAIN_LENGTHS,
+) -> Task:
+    return Task(name, alphabet, labels, train_lengths, labeler, automaton,
+                draw=_uniform_symbols(alphabet), draw_with_final_label=FinalLabelSampler(automaton).sample,
+                draw_skewed=partial(_skewed_symbols, alphabet))
+
+
+def _build_tasks() -> dict[str, Task]:
+    tasks = [
+        _regular("parity_check", "01", BINARY_LABELS, labelers.parity_check, task_automata.parity_check()),
+        _regular("even_pairs", "ab", BINARY_LABELS, labelers.even_pairs, task_automata.even_pairs()),
+        _regular("cycle_navigation", "012", MOD5_LABELS, labelers.cycle_navigation,
+                 task_automata.cycle_navigation()),
+        Task("modular_arithmetic", DIGITS + OPERATORS, MOD5_LABELS, DELETANG_TRAIN_LENGTHS,
+             labelers.modular_arithmetic, task_automata.modular_arithmetic(),
+             draw=_expression, draw_with_final_label=None,  # conditioning would count malformed strings too
+             draw_skewed=_expression),
+        _regular("sum_mod5", DIGITS, MOD5_LABELS, labelers.sum_mod5, task_automata.sum_mod5()),
+        _regular("even_pair_mod5", DIGITS, BINARY_LABELS, labelers.even_pair_mod5,
+                 task_automata.even_pair_mod5()),
+        *(_regular(f"d{depth}", "ab", BINARY_LABELS, labelers.dyck(depth), task_automata.dyck(depth),
+                   BHATTAMISHRA_TRAIN_LENGTHS) for depth in (2, 3, 4, 12)),
+        _regular("tomita3", "01", BINARY_LABELS, labelers.tomita3, task_automata.tomita3(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("tomita4", "01", BINARY_LABELS, labelers.tomita4, task_automata.tomita4(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("tomita5", "01", BINARY_LABELS, labelers.tomita5, task_automata.tomita5(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("tomita6", "01", BINARY_LABELS, labelers.tomita6, task_automata.tomita6(), BHATTAMISHRA_TRAIN_LENGTHS),
+        _regular("first", "01", BINARY_LABELS, labelers.first, task_automata.first()),
+        _regular("one", "01", BINARY_LABELS, labelers.one, task_automata.one()),
+        Task("palindrome", "01", BINARY_LABELS, DELETANG_TRAIN_LENGTHS, labelers.palindrome, automaton=None,
+             draw=_uniform_symbols("01"), draw_with_final_label=_palindrome_with_final_label,
+             draw_skewed=partial(_skewed_symbols, "01")),
+        Task("induction_heads", INDUCTION_LETTERS + INDUCTION_MARK, INDUCTION_LABELS, INDUCTION_TRAIN_LENGTHS,
+             labelers.induction_heads, task_automata.induction_heads(), draw=_induction_heads,
+             draw_with_final_label=None, draw_skewed=_induction_heads, shortest_length=3,
+             draw_power_offset=_induction_heads_power_offset),
+    ]
+    return {task.name: task for task in tasks}
+
+
+TASKS: Mapping[str, Task] = MappingProxyType(_build_tasks())
+"""Every task of SPEC section 1, by name, in the order of its table."""
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``; a ValueError lists the known ones otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    return TASKS[name]

@@ -1,0 +1,1 @@
+"""Evaluation: accuracy by length, text perplexity and retrieval probes, with their plots."""

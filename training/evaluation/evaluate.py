@@ -1,0 +1,179 @@
+"""``python -m training eval``: per-length-band accuracy of a transducer's final label on fresh samples.
+
+A band is a length range and a sampling distribution (``p_one``: P(second symbol of the alphabet: "1" or "b"),
+the other symbols sharing the rest (modular_arithmetic: of the digit "1" among the digits), or null for the
+task's own generator). Each band gets ``samples`` strings of lengths drawn uniformly from its range,
+and an example counts as right when the argmax of ``model.final_logits`` (RegularGPT's shrinking path) is the
+reference label of the last position (``--chunk-symbols``: computed through the model's cache in bounded chunks,
+training/data/batches.py). Every checkpoint sees the same strings: band i is drawn from the random
+stream keyed by (seed, i).
+
+Protocols:
+
+- ``papers``: the extrapolation lengths of the RegularGPT paper's Table 1, 51..100 for the Bhattamishra tasks
+  (d*, tomita*) and 41..500 for the others (the Deletang tasks; first, one and palindrome likewise, being trained
+  on 1..40);
+- ``hard``: 501..2000, and the same lengths again with P(1) = 0.1 and with 0.9;
+- ``induction``: the lengths of Mamba's induction-heads table (SPEC section 5), one band per length 2^6 .. 2^20;
+  a band draws ``samples`` strings, or fewer where they would pass INDUCTION_BAND_SYMBOLS in all, but at least
+  INDUCTION_MIN_SAMPLES (with 100: 100 strings up to 2^14 symbols, then 64, 32, 16, 8, 4 and 4 at 2^20);
+- ``custom``: ``--lengths A-B`` (or an explicit list of bands) with the ``--p-one`` values asked for.
+
+``--power-offsets`` (induction_heads) draws every string with its mark a power of two before the final "#" (the
+task's ``draw_power_offset``): the strings where RegularGPT's final position reads the mark in one dilated hop, rare
+among uniform draws (about log2(T) / T of them). The report then says ``"power_offsets": true``.
+
+JSON output (``--json``) for one checkpoint::
+
+    {"checkpoint": "path", "task": "parity_check", "architecture": "lrnn", "protocol": "papers", "seed": 0,
+     "power_offsets": false, "bands": [{"lengths": [41, 86], "p_one": null, "samples": 100, "accuracy": 1.0}, ...],
+     "overall": 1.0}
+
+``overall`` is the accuracy over all bands' samples together. For several checkpoints (``--checkpoint``
+repeated, e.g. one per seed), all of the same task::
+
+    {"task": "parity_check", "protocol": "papers", "seed": 0,
+     "checkpoints": [<the object above, one per checkpoint>],
+     "bands": [{"lengths": [41, 86], "p_one": null, "samples": 100, "max": 1.0, "mean": 0.97}, ...],
+     "max": 1.0, "mean": 0.97}
+
+where a band's ``max``/``mean`` are over the checkpoints' accuracies on it, and the top-level ones over their
+``overall``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from model.checkpoint import LoadedCheckpoint
+from training.data.batches import FinalLabelSet, count_correct_final
+from training.data.tasks import BHATTAMISHRA_TRAIN_LENGTHS, Task
+
+Protocol = Literal["papers", "hard", "induction", "custom"]
+HARD_LENGTHS = (501, 2000)
+HARD_P_ONES = (0.1, 0.9)
+BHATTAMISHRA_EVAL_LENGTHS = (51, 100)
+DELETANG_EVAL_LENGTHS = (41, 500)
+INDUCTION_LENGTHS = tuple(2**k for k in range(6, 21))
+INDUCTION_BAND_SYMBOLS = 2**21  # a trained LRNN d64 runs ~5,000 symbols/s on one loaded CPU thread
+INDUCTION_MIN_SAMPLES = 4
+
+
+@dataclass(frozen=True)
+class Band:
+    lengths: tuple[int, int]  # inclusive
+    p_one: float | None = None
+    samples: int | None = None  # strings to draw; None: as many as asked for every band
+
+
+def papers_lengths(task: Task) -> tuple[int, int]:
+    """The extrapolation lengths the papers report for ``task``."""
+    if task.train_lengths == BHATTAMISHRA_TRAIN_LENGTHS:
+        return BHATTAMISHRA_EVAL_LENGTHS
+    return DELETANG_EVAL_LENGTHS
+
+
+def split_lengths(lengths: tuple[int, int], count: int) -> list[tuple[int, int]]:
+    """``lengths`` cut into ``count`` consecutive ranges of near-equal width (fewer if it is shorter)."""
+    shortest, longest = lengths
+    count = min(count, longest - shortest + 1)
+    edges = [shortest + (longest - shortest + 1) * i // count for i in range(count + 1)]
+    return [(edges[i], edges[i + 1] - 1) for i in range(count)]
+
+
+def protocol_bands(
+    task: Task, protocol: Literal["papers", "hard", "induction"], band_count: int, samples: int
+) -> list[Band]:
+    """The bands of a named protocol (module docstring), each length range of papers and hard cut into
+    ``band_count`` bands; ``samples`` strings per band (induction: fewer at the longest lengths)."""
+    if protocol == "papers":
+        return [Band(lengths) for lengths in split_lengths(papers_lengths(task), band_count)]
+    if protocol == "induction":
+        fitting = {length: max(INDUCTION_MIN_SAMPLES, INDUCTION_BAND_SYMBOLS // length) for length in INDUCTION_LENGTHS}
+        return [Band((length, length), samples=min(samples, fitting[length])) for length in INDUCTION_LENGTHS]
+    lengths = split_lengths(HARD_LENGTHS, band_count)
+    return [Band(band, p_one) for p_one in (None, *HARD_P_ONES) for band in lengths]
+
+
+def draw_bands(
+    task: Task, bands: Sequence[Band], samples: int, seed: int, power_offsets: bool = False
+) -> list[FinalLabelSet]:
+    """``samples`` fresh examples per band (``band.samples`` where set), band i from the random stream (seed, i);
+    ``power_offsets``: the task's ``draw_power_offset`` strings (module docstring)."""
+    return [
+        FinalLabelSet.draw(task, np.random.default_rng([seed, index]), band.samples or samples, band.lengths,
+                           band.p_one, power_offsets)
+        for index, band in enumerate(bands)
+    ]
+
+
+def evaluate_checkpoint(
+    loaded: LoadedCheckpoint,
+    protocol: Protocol,
+    bands: Sequence[Band],
+    band_sets: Sequence[FinalLabelSet],
+    seed: int,
+    batch_size: int,
+    chunk_symbols: int | None = None,
+    power_offsets: bool = False,
+) -> dict[str, Any]:
+    """The JSON report of one checkpoint (module docstring) on the drawn ``band_sets`` (``power_offsets``: drawn
+    so); ``chunk_symbols``: see :func:`training.data.batches.count_correct_final`."""
+    alphabet = loaded.config.alphabet
+    assert alphabet is not None
+    results, correct_total, sample_total = [], 0, 0
+    for band, examples in zip(bands, band_sets):
+        correct = count_correct_final(loaded.model, examples, alphabet, batch_size, chunk_symbols)
+        results.append({"lengths": list(band.lengths), "p_one": band.p_one, "samples": len(examples),
+                        "accuracy": correct / len(examples)})
+        correct_total, sample_total = correct_total + correct, sample_total + len(examples)
+    return {"checkpoint": str(loaded.path), "task": loaded.config.task, "architecture": loaded.config.architecture,
+            "protocol": protocol, "seed": seed, "power_offsets": power_offsets, "bands": results,
+            "overall": correct_total / sample_total}
+
+
+def combine_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Max and mean over several checkpoints' reports of the same bands (module docstring)."""
+    first = reports[0]
+    bands = []
+    for index, band in enumerate(first["bands"]):
+        accuracies = [report["bands"][index]["accuracy"] for report in reports]
+        bands.append({"lengths": band["lengths"], "p_one": band["p_one"], "samples": band["samples"],
+                      "max": max(accuracies), "mean": sum(accuracies) / len(accuracies)})
+    overall = [report["overall"] for report in reports]
+    return {"task": first["task"], "protocol": first["protocol"], "seed": first["seed"],
+            "power_offsets": first["power_offsets"], "checkpoints": list(reports),
+            "bands": bands, "max": max(overall), "mean": sum(overall) / len(overall)}
+
+
+def format_table(reports: Sequence[dict[str, Any]]) -> str:
+    """The text output: one row per band, one accuracy column per checkpoint (and max/mean for several)."""
+    first = reports[0]
+    strings = "  strings: the mark a power of two before the end" if first.get("power_offsets") else ""
+    lines = [f"task {first['task']}  protocol {first['protocol']}  seed {first['seed']}{strings}"]
+    if len(reports) == 1:
+        lines.append(f"checkpoint {first['checkpoint']} ({first['architecture']})")
+        headers = ["accuracy"]
+    else:
+        lines += [f"[{i}] {report['checkpoint']} ({report['architecture']})" for i, report in enumerate(reports, 1)]
+        headers = [f"[{i}]" for i in range(1, len(reports) + 1)] + ["max", "mean"]
+    lines.append(f"{'lengths':<12}{'p_one':>7}{'samples':>9}" + "".join(f"{header:>10}" for header in headers))
+    for index, band in enumerate(first["bands"]):
+        row = [report["bands"][index]["accuracy"] for report in reports]
+        shortest, longest = band["lengths"]
+        lengths = str(shortest) if shortest == longest else f"{shortest}-{longest}"
+        p_one = "-" if band["p_one"] is None else f"{band['p_one']:g}"
+        lines.append(f"{lengths:<12}{p_one:>7}{band['samples']:>9}" + _accuracy_cells(row))
+    overall = [report["overall"] for report in reports]
+    lines.append(f"{'overall':<28}" + _accuracy_cells(overall))
+    return "\n".join(lines)
+
+
+def _accuracy_cells(accuracies: list[float]) -> str:
+    if len(accuracies) > 1:
+        accuracies = [*accuracies, max(accuracies), sum(accuracies) / len(accuracies)]
+    return "".join(f"{100 * accuracy:>9.2f}%" for accuracy in accuracies)

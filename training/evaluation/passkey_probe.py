@@ -1,0 +1,232 @@
+"""The pass-key probe of ``python -m training text-eval --probe passkey`` (../shared/SPEC.md section 5).
+
+For every size (tokens of the model's own tokenizer), depth and filler, ``trials`` prompts of exactly ``size``
+tokens with a 5-digit key at that depth of the filler (training/data/passkey.py builds them); the model reads each
+prompt through its cache in chunks (so that an LRNN holds one state per row whatever the size) and then decodes
+``max_new_tokens`` tokens greedily, one step at a time. A trial is right when the first number of the decoded
+text is the key (:func:`training.data.passkey.first_number`). With ``distractors`` each prompt's filler also holds that many
+other numbers (1 to 5 digits, never the key) on either side of the needle, as long text has chapter numbers and
+years: a model must answer the number the needle names, not the last one it read.
+
+The prompts of one size and filler are run together as rows of one batch (``batch_size`` rows at most). Memory,
+from the model's own estimates: the rows' caches at the full size (``model.cache_nbytes(size)`` per row: a
+RegularGPT's or a transformer's grows with the size, an LRNN's does not) and the peak of one prefill call there
+(``model.cost("cached", rows, chunk, size)``) stay within ``max_memory``: as many rows as fit with one-token
+chunks, then the longest chunk that fits with those rows. A size at which one row does not fit even so is skipped
+with a note, not run.
+
+The keys, depths and filler offsets of a cell depend on the seed, the filler's name and the size only, so every
+checkpoint with the same tokenizer reads the same prompts. The report (``passkey.json`` in text-eval's ``--out``,
+a list of these):
+
+.. code-block:: text
+
+    {"checkpoint": str, "architecture": str, "probe": "passkey", "trials": int, "seed": int,
+     "max_new_tokens": int, "distractors": int,
+     "fillers": [{"filler": str, "filler_tokens": int,     # "austen", "grass", "text:PATH" ...
+                  "sizes": [{"size": int, "skipped": str | null, "right": int, "total": int,
+                             "accuracy": float | null,
+                             "depths": [{"depth": float, "right": int, "total": int,
+                                         "trials": [{"key": str, "completion": str, "right": bool}, ...]},
+                                        ...]}, ...]}, ...],
+     "wall_time_s": float}
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from model.base import SequenceModel, largest_fitting
+from model.checkpoint import LoadedCheckpoint
+from model.tokenizer import Tokenizer
+from training.data.corpus import DEFAULT_CORPUS
+from training.data.passkey import PassKeyBuilder, PassKeyPrompt, first_number, grass_filler
+from training.evaluation.text_eval import describe_architecture
+from training.objectives.language_model import validation_tokens
+
+GRASS_FILLER = "grass"
+FILLER_KINDS = "'austen', 'grass', 'text:PATH' or 'owt2:PATH'"
+SIZE_SUFFIXES = {"k": 2**10, "M": 2**20}
+
+
+@dataclass(frozen=True)
+class PassKeyProbe:
+    """What text-eval's ``--probe passkey`` flags ask for."""
+
+    sizes: tuple[int, ...]
+    depths: tuple[float, ...]
+    fillers: tuple[str, ...]
+    trials: int = 2
+    seed: int = 0
+    max_new_tokens: int = 8
+    batch_size: int = 16  # rows run together
+    max_memory: int = 4 * 2**30  # bytes: a batch's caches and one prefill call's peak
+    distractors: int = 0  # other numbers put in each prompt's filler, before and after the needle
+    distractors_at: str = "either"  # on either side of the needle, or only "before" or "after" it
+    number_forms: bool = False  # the distractors take the forms numbers have in prose (training.data.passkey.NUMBER_FORMS)
+
+
+def is_filler_name(name: str) -> bool:
+    """Whether ``name`` names a filler: ``grass`` or a corpus spec (training/data/corpus.py)."""
+    kind, _, location = name.partition(":")
+    return name in (GRASS_FILLER, DEFAULT_CORPUS) or (kind in ("text", "owt2") and bool(location))
+
+
+def filler_tokens(name: str, tokenizer: Tokenizer, validation_fraction: float) -> np.ndarray:
+    """A filler's token stream: the classic "grass is green" text, or a corpus's held-out text as text-eval reads it
+    (the tails of an in-memory corpus's documents, all of a streamed one), its documents joined without
+    ``<|endoftext|>``, which would tell the model that the text before it is over. Returns (N,) int64."""
+    if name == GRASS_FILLER:
+        return grass_filler(tokenizer)
+    documents = validation_tokens(name, validation_fraction, tokenizer)
+    tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int64)
+    return tokens[tokens != tokenizer.eot_token] if tokenizer.eot_token is not None else tokens
+
+
+def cell_prompts(builder: PassKeyBuilder, probe: PassKeyProbe, filler: str, size: int) -> list[PassKeyPrompt]:
+    """The prompts of one (filler, size) cell: ``probe.trials`` per depth, depth by depth, each with its own key
+    and filler offset drawn from a stream keyed by the seed, the filler's name and the size."""
+    rng = np.random.default_rng([probe.seed, zlib.crc32(filler.encode()), size])
+    return [builder.prompt(size, depth, rng, distractors=probe.distractors, distractors_at=probe.distractors_at)
+            for depth in probe.depths for _ in range(probe.trials)]
+
+
+@torch.no_grad()
+def greedy_completions(
+    model: SequenceModel, prompts: torch.Tensor, max_new_tokens: int, chunk_tokens: int,
+    on_prefill: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Greedy decoding of ``max_new_tokens`` tokens after each prompt: the prompts go through a new cache
+    ``chunk_tokens`` positions at a time, then one step per new token. ``on_prefill(tokens)`` after each chunk.
+
+    prompts: (B, T) int64 on the model's device. Returns (B, max_new_tokens) int64.
+    """
+    rows, length = prompts.shape
+    cache = model.new_cache(rows)
+    for start in range(0, length, chunk_tokens):
+        chunk = prompts[:, start:start + chunk_tokens]  # (B, c)
+        if model.selects_positions:  # the head on the prompt's last position only (none before the last chunk)
+            positions = torch.zeros_like(chunk, dtype=torch.bool)
+            positions[:, -1] = start + chunk_tokens >= length
+            last = model(chunk, cache, positions=positions)  # (B, V) at the last chunk, else (0, V)
+        else:
+            last = model(chunk, cache)[:, -1]  # (B, V)
+        if on_prefill is not None:
+            on_prefill(chunk.numel())
+    tokens = [last.argmax(-1)]  # each (B,)
+    for _ in range(max_new_tokens - 1):
+        tokens.append(model.step(tokens[-1], cache).argmax(-1))
+    return torch.stack(tokens, dim=1)  # (B, max_new_tokens)
+
+
+def batch_plan(model: SequenceModel, rows: int, size: int, max_memory: int) -> tuple[int, int] | str:
+    """(rows run together, prefill chunk length) for prompts of ``size`` tokens within ``max_memory`` (module
+    docstring), or why the size is skipped."""
+
+    def need(rows: int, chunk: int) -> int:  # bytes: the rows' caches at full size and the call's peak there
+        return rows * model.cache_nbytes(size) + model.cost("cached", rows, chunk, size).nbytes
+
+    if need(1, 1) > max_memory:
+        return (f"one row at {size} tokens needs {need(1, 1) / 2**30:.3g} GiB (its cache and a one-token prefill), "
+                f"over --max-memory {max_memory / 2**30:.3g} GiB")
+    rows = largest_fitting(lambda count: need(count, 1) <= max_memory, rows)
+    return rows, largest_fitting(lambda chunk: need(rows, chunk) <= max_memory, size)
+
+
+def probe_checkpoint(
+    loaded: LoadedCheckpoint, tokenizer: Tokenizer, fillers: dict[str, np.ndarray], probe: PassKeyProbe,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The report of the module docstring for one checkpoint; ``fillers``: name -> token stream."""
+    started = time.perf_counter()
+    model = loaded.model.eval()
+    prompts_per_cell = len(probe.depths) * probe.trials
+    total = len(fillers) * prompts_per_cell * sum(probe.sizes)
+    bar = tqdm(total=total, desc=f"{loaded.path.name} pass key", unit="token", unit_scale=True, disable=not progress)
+    report_fillers = []
+    for name, stream in fillers.items():
+        builder = PassKeyBuilder(tokenizer, stream, probe.number_forms)
+        sizes = []
+        for size in probe.sizes:
+            bar.set_postfix(filler=name, size=size_label(size))
+            plan = batch_plan(model, min(probe.batch_size, prompts_per_cell), size, probe.max_memory)
+            if isinstance(plan, str):
+                sizes.append(_size_row(size, probe, [], plan))
+                bar.update(prompts_per_cell * size)
+                continue
+            prompts = cell_prompts(builder, probe, name, size)
+            completions = _complete(model, tokenizer, prompts, plan, probe.max_new_tokens, bar.update)
+            sizes.append(_size_row(size, probe, list(zip(prompts, completions)), None))
+        report_fillers.append({"filler": name, "filler_tokens": len(stream), "sizes": sizes})
+    bar.close()
+    return {
+        "checkpoint": str(loaded.path), "architecture": describe_architecture(loaded), "probe": "passkey",
+        "trials": probe.trials, "seed": probe.seed, "max_new_tokens": probe.max_new_tokens,
+        "distractors": probe.distractors, "distractors_at": probe.distractors_at,
+        "number_forms": probe.number_forms, "fillers": report_fillers,
+        "wall_time_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def _complete(
+    model: SequenceModel, tokenizer: Tokenizer, prompts: Sequence[PassKeyPrompt], plan: tuple[int, int],
+    max_new_tokens: int, on_prefill: Callable[[int], None],
+) -> list[str]:
+    """The decoded greedy completion of each prompt (all of one length), ``plan[0]`` rows at a time."""
+    rows, chunk = plan
+    texts = []
+    for start in range(0, len(prompts), rows):
+        batch = np.stack([prompt.tokens for prompt in prompts[start:start + rows]])  # (b, size)
+        tokens = greedy_completions(model, torch.from_numpy(batch).to(model.device), max_new_tokens, chunk,
+                                    on_prefill)  # (b, max_new_tokens)
+        texts.extend(tokenizer.decode(row) for row in tokens.tolist())
+    return texts
+
+
+def _size_row(size: int, probe: PassKeyProbe, answered: list[tuple[PassKeyPrompt, str]],
+              skipped: str | None) -> dict[str, Any]:
+    """One size's entry of the report: right/total per depth and over all depths."""
+    depths = []
+    for depth in probe.depths:
+        trials = [{"key": prompt.key, "completion": text, "right": first_number(text) == prompt.key}
+                  for prompt, text in answered if prompt.depth == depth]
+        depths.append({"depth": depth, "right": sum(trial["right"] for trial in trials), "total": len(trials),
+                       "trials": trials})
+    right, total = sum(row["right"] for row in depths), sum(row["total"] for row in depths)
+    return {"size": size, "skipped": skipped, "right": right, "total": total,
+            "accuracy": right / total if total else None, "depths": depths}
+
+
+def size_label(size: int) -> str:
+    """1024 -> "1k", 1048576 -> "1M", 1000 -> "1000"."""
+    for suffix, unit in sorted(SIZE_SUFFIXES.items(), key=lambda item: -item[1]):
+        if size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
+
+
+def format_passkey_table(reports: list[dict[str, Any]]) -> str:
+    """Markdown table: one row per checkpoint and filler (with its distractor numbers), one column per size,
+    right/total (skipped: "-")."""
+    sizes = [row["size"] for row in reports[0]["fillers"][0]["sizes"]]
+    lines = ["| model | filler | " + " | ".join(map(size_label, sizes)) + " |", "|---" * (len(sizes) + 2) + "|"]
+    for report in reports:
+        name = f"{report['architecture']} ({report['checkpoint'].rstrip('/').split('/')[-1]})"
+        numbers = ""
+        if report.get("distractors"):
+            forms = " in prose forms" if report.get("number_forms") else ""
+            place = report.get("distractors_at", "either")
+            where = "" if place == "either" else f" {place} the needle"
+            numbers = f" + {report['distractors']} numbers{forms}{where}"
+        for filler in report["fillers"]:
+            cells = ["-" if row["skipped"] else f"{row['right']}/{row['total']}" for row in filler["sizes"]]
+            lines.append(f"| {name} | {filler['filler']}{numbers} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""``text-eval --plots``: PNGs of last-token perplexity against context length and of the
+receptive field (cumulative gradient-norm share against position, as regulargpt.txt Fig. 4); with ``--probe
+passkey`` the needle heat map (accuracy by prompt size and key depth)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from training.evaluation.plots import save_figure  # its import selects the file-only Agg backend before any figure
+
+
+def _label(report: dict[str, Any]) -> str:
+    return f"{report['architecture']} ({Path(report['checkpoint']).name})"
+
+
+def plot_perplexity(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+    """x = context length (log scale, marked in multiples of L_tr), y = last-token perplexity."""
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for report in reports:
+        rows = report["perplexity"]
+        axes.plot([row["length"] for row in rows], [row["perplexity"] for row in rows], marker="o",
+                  label=_label(report))
+    rows = reports[0]["perplexity"]
+    values = [row["perplexity"] for report in reports for row in report["perplexity"]]
+    if max(values) > 10 * min(values):  # an exploding baseline would flatten the others
+        axes.set_yscale("log")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks([row["length"] for row in rows], [f"{row['length']}\n({row['multiple']:g}x)" for row in rows])
+    axes.set_xlabel(f"context length (multiples of L_tr = {reports[0]['train_length']})")
+    axes.set_ylabel(f"last-token perplexity ({reports[0]['targets']} targets)")
+    axes.set_title(f"length extrapolation on {reports[0]['corpus']} (held-out text)")
+    save_figure(figure, axes, path)
+
+
+def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+    """x = input position, y = share of the last token's gradient norm on positions >= x (1 at position 0)."""
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for report in reports:
+        field = report["receptive_field"]
+        if field is not None:
+            label = f"{_label(report)}, {field['windows']} windows"
+            axes.plot(range(field["length"]), field["cumulative"], label=label)
+    axes.set_xlabel("position in the window (the predicting token is the last)")
+    axes.set_ylabel("cumulative gradient-norm share")
+    axes.set_ylim(0, 1.02)
+    axes.set_title("receptive field (cumulative gradient analysis, Chi et al. 2022b)")
+    save_figure(figure, axes, path)
+
+
+def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+    """The needle heat map: one panel per checkpoint and filler, rows = key depth, columns = prompt size, colour =
+    pass-key accuracy (red 0 .. green 1), each cell marked right/total; skipped sizes grey."""
+    from training.evaluation.passkey_probe import size_label
+
+    panels = [(report, filler) for report in reports for filler in report["fillers"]]
+    columns = min(len(panels), 2)
+    rows = -(-len(panels) // columns)
+    figure, axes_grid = plt.subplots(rows, columns, figsize=(6 * columns, 3.6 * rows), squeeze=False)
+    for axes, (report, filler) in zip(axes_grid.flat, panels):
+        sizes = filler["sizes"]
+        depths = [row["depth"] for row in sizes[0]["depths"]]
+        accuracy = np.ma.masked_invalid([[row["depths"][d]["right"] / row["depths"][d]["total"]
+                                          if row["depths"][d]["total"] else np.nan for row in sizes]
+                                         for d in range(len(depths))])  # (depths, sizes)
+        colours = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
+        image = axes.imshow(accuracy, cmap=colours, vmin=0, vmax=1, aspect="auto")
+        for d in range(len(depths)):
+            for s, row in enumerate(sizes):
+                cell = row["depths"][d]
+                axes.text(s, d, f"{cell['right']}/{cell['total']}" if cell["total"] else "skipped",
+                          ha="center", va="center", fontsize="small")
+        axes.set_xticks(range(len(sizes)), [size_label(row["size"]) for row in sizes])
+        axes.set_yticks(range(len(depths)), [f"{depth:g}" for depth in depths])
+        axes.set_xlabel("prompt size (tokens)")
+        axes.set_ylabel("key depth")
+        axes.set_title(f"{_label(report)}, filler {filler['filler']}", fontsize="medium")
+        figure.colorbar(image, ax=axes, label="accuracy")
+    for axes in list(axes_grid.flat)[len(panels):]:
+        axes.set_visible(False)
+    figure.suptitle(f"pass key: greedy answers, {reports[0]['trials']} per size, depth and filler")
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    plt.close(figure)

@@ -1,0 +1,1 @@
+"""Training objectives and the loop: losses, distillation, optimisation and checkpoints."""

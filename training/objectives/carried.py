@@ -1,0 +1,39 @@
+"""The states a state-passing run carries from one batch to the next, row by row."""
+
+from __future__ import annotations
+
+import torch
+
+from model.base import InferenceCache, SequenceModel
+
+
+def reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tensor) -> InferenceCache:
+    """``carried`` with the rows where ``fresh`` (B,) holds back at the model's initial state."""
+    with torch.no_grad():
+        initial = model.new_cache(len(fresh))
+    return type(carried).stack([(initial if reset else carried).select([row])
+                                for row, reset in enumerate(fresh.tolist())])  # fmt: skip
+
+
+def carried_values(carried: InferenceCache | None) -> list | None:
+    """Carried states as a resumable save keeps them: nested lists (float32 values are exact through JSON's
+    doubles); None for None."""
+    return None if carried is None else [state.cpu().tolist() for state in carried.step_state()]
+
+
+def restore_carried(carried: InferenceCache | None, values: list | None) -> None:
+    """Put :func:`carried_values`' ``values`` back into ``carried``, in place (nothing where either is None)."""
+    if carried is not None and values is not None:
+        for tensor, state in zip(carried.step_state(), values):
+            tensor.copy_(torch.tensor(state, dtype=tensor.dtype))
+
+
+def new_carried_state(model: SequenceModel, rows: int) -> InferenceCache:
+    """The states a state-passing run starts its rows from: the model's own initial ones. A model whose cache grows
+    with the context (attention) cannot carry its state: a ValueError."""
+    with torch.no_grad():
+        cache = model.new_cache(rows)
+    if cache.step_state() is None:
+        raise ValueError(f"a {type(model).__name__}'s cache grows with the context: state passing needs a model "
+                         "with a fixed-size recurrent state")
+    return cache

@@ -1,0 +1,405 @@
+"""The objective of ``python -m training text-train`` (``train --corpus``): a language model on text
+(training/objectives/loop.py runs it).
+
+Batches: windows of ``length + 1`` tokens (training/data/text_batches.py) from a corpus (training/data/corpus.py); the
+model reads the first ``length`` and is scored on each next token. Under torchrun each process draws its own
+windows (in-memory corpora: its random stream is keyed by its rank; OpenWebText2: its own shards). Evaluation:
+the next-token loss over every position of fixed validation windows of the training length (the held-out tails
+of an in-memory corpus's documents, or ``validation_corpus``); the checkpoint holds the latest weights.
+
+The output folder is a ``kind="generate"`` checkpoint: besides ``config.json`` and ``model.safetensors``, the
+tokenizer's ranks file ``tokenizer.tiktoken`` (named ``file:tokenizer.tiktoken`` in the config) when the
+tokenizer is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model.base import SequenceModel, largest_fitting
+from model.config import BaseModelConfig, CheckpointConfig
+from model.tokenizer import FILE_PREFIX, Tokenizer
+from training.data.batches import IGNORE_INDEX, Batch
+from training.data.corpus import corpus_documents, is_streamed, split_document
+from training.data.passkey import PassKeyBuilder, draw_key
+from training.data.text_batches import StreamedWindows, TokenArray, tokenize_documents
+from training.objectives.distill import Teacher
+from training.objectives.distributed import Distributed
+from training.objectives.loop import Evaluation, Objective, RunState
+
+RANKS_FILE = "tokenizer.tiktoken"
+VALIDATION_STREAM = 1  # key of the validation windows' random stream (with the seed)
+
+
+@dataclass(frozen=True)
+class TextData:
+    """What a language model trains and is validated on. ``tokenizer`` is what the checkpoint names."""
+
+    corpus: str
+    tokenizer: str
+    length: int = 128  # the training context length L_tr
+    validation_fraction: float = 0.1  # the tail of each document held out (in-memory corpora)
+    validation_corpus: str | None = None  # for a streamed corpus: where validation windows come from
+    validation_windows: int = 64
+    passkey_fraction: float = 0.0  # of the training rows: pass-key examples (training/data/passkey.py)
+    passkey_fraction_final: float | None = None  # the fraction at the run's last step, linear from the first
+    passkey_distractors: int = 2  # a pass-key row's filler holds 0 .. this many other numbers
+    passkey_number_forms: bool = False  # the distractors take the forms of training.data.passkey.NUMBER_FORMS
+    state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
+    passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
+    state_reset: float = 0.0  # with state passing: the chance that a row starts a step from the initial state
+    passkey_fresh: bool = False  # with state passing: a row given a pass-key example starts it from the initial state
+    teacher: str | None = None  # a language model's folder whose distributions the text rows learn too
+    teacher_weight: float = 0.0  # with a teacher: the share of its cross-entropy in a text row's loss
+
+
+PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
+PASSKEY_VALIDATION_MULTIPLES = (1, 16)  # evaluated prompt sizes, in training lengths
+PASSKEY_STREAM = 2  # key of the validation prompts' random stream (with the seed)
+EVALUATION_MEMORY = 2 * 2**30  # bytes: the most one validation call may take, by the model's own estimate
+PASSKEY_ANSWER_TOKENS = 8  # room for " {key}." in any tokenizer this project uses (the bytes one: 7)
+
+
+class LanguageModelObjective(Objective):
+    """Next-token prediction on text windows, with two options (``TextData``):
+
+    - ``passkey_fraction``: each training row is, with this probability, its own text followed by a pass-key
+      prompt (training/data/passkey.py) of a uniform length up to the window's, its filler cut from the training text at a
+      random place, the needle at a uniform depth, scored on the needle and the answer " {key}." only (the
+      needle's second key is a copy of its first a few tokens back: learned first, it is what teaches the model to
+      keep a key at all; scored on the answer alone, two runs learned nothing in 300 steps). Evaluation then also
+      reports the pass-key accuracy (every answer token the argmax, teacher-forced) of fixed prompts whose filler
+      is held-out text, at 1x and 16x the training length (``passkey_accuracy_<size>``). With
+      ``passkey_fraction_final`` the fraction moves linearly to it over the run's ``steps``: a model that has learned
+      the key from pass-key rows alone keeps it while text is mixed in gradually (half the rows as text at once
+      lost it within 100 steps, docs/text_results.md). Each example's filler holds up to ``passkey_distractors``
+      other numbers, before and after the needle, so that the key is told from numbers by the needle's words; with
+      ``passkey_number_forms`` they take the forms numbers have in prose ("CHAPTER 31", "in 1797-98", "No. 97"):
+      a model taught with plain " 4521"s alone still lost keys to a range like "1797-98" (docs/text_results.md).
+    - ``state_passing`` (Buitrago Ruiz & Gu 2025): row i of every batch reads the window after the one it read
+      last (a random place when the text runs out), and the loop starts it from the state row i ended the last
+      step in, the gradient cut there (``carries_state``): the model trains on the states long inputs reach,
+      not only on states a window's length from the learned start. A pass-key row reads from the carried state
+      too, and leaves the text position where it was.
+    - ``passkey_span`` (with ``state_passing``): an example started in a row stretches over 1 to this many of its
+      consecutive windows, the count drawn log-uniform (short spans the most common; 1 is the example above) up to
+      a longest span that grows geometrically over the run's ``steps`` (:meth:`longest_span`). The
+      first window is the row's text with the introduction and needle put in at a uniform place; the windows
+      between are the row's text; the last one's text ends in the question and the answer, with 0 to
+      ``passkey_distractors`` numbers in it. All of the row's text is scored, the needle as above, the answer, not
+      the introduction or the question. The question reads the key from a state carried across windows whose
+      gradient is cut, so what is learned is to keep a key through text from a state that long inputs reach, over
+      distances up to ``passkey_span`` windows: what the in-window examples (at most a window apart) never ask.
+    - ``state_reset`` (with ``state_passing``): each row starts each step, with this chance, from the model's initial
+      state instead of the one it carries (its text reads on as before: ``Batch.fresh``), so that the model keeps
+      reading windows from the start a served prompt starts from. With every row carried, a stochastic LRNN with
+      blocks of 16 lost the text and the key measured from that start (docs/text_results.md).
+    - ``passkey_fresh`` (with ``state_passing``): a row given a pass-key example this step starts it from the
+      initial state (``Batch.fresh``), while the text rows carry theirs: the example never begins in a state that
+      holds an earlier key or an answer. With it a stochastic LRNN with blocks of 16 kept about half of what state
+      passing took from its key (greedy probe 56 of 120 against 32, 89 before; docs/text_results.md).
+    - ``teacher`` (a checkpoint folder) and ``teacher_weight`` w: the rows not given a pass-key example
+      (``Batch.distilled``) learn the teacher's next-token distributions with weight w beside their targets
+      (training/objectives/distill.py: knowledge distillation; with state passing the teacher carries its states too).
+    """
+
+    name = "text"
+    keep_best = False
+
+    def __init__(
+        self, data: TextData, tokenizer: Tokenizer, ranks_file: Path | None, steps: int, batch_size: int, seed: int,
+        evaluate: bool, dist: Distributed,
+    ) -> None:
+        """``steps``: the run's, over which the pass-key fraction moves (as a task's curriculum ramps over them)."""
+        self.data, self.tokenizer, self.ranks_file, self.batch_size = data, tokenizer, ranks_file, batch_size
+        self.steps = steps
+        if is_streamed(data.corpus):
+            self.windows: TokenArray | StreamedWindows = StreamedWindows(
+                lambda: corpus_documents(data.corpus, dist.rank, dist.world_size), tokenizer)
+            self.train_tokens = None
+        else:
+            texts = [split_document(document.text, data.validation_fraction, "train")
+                     for document in corpus_documents(data.corpus)]
+            tokens = tokenize_documents(texts, tokenizer)
+            self.windows, self.train_tokens = TokenArray(tokens), len(tokens)
+        if (data.passkey_fraction or data.state_passing) and not isinstance(self.windows, TokenArray):
+            raise ValueError(f"{data.corpus} is streamed: pass-key examples and state passing need an in-memory "
+                             "corpus (austen or text:PATH)")
+        self.carries_state = data.state_passing
+        self.cursors: np.ndarray | None = None  # with state passing: where each row reads next
+        self.spans: list[tuple[str, int] | None] | None = None  # with passkey_span: each row's open example
+        self.passkey = None
+        if data.passkey_fraction:
+            self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
+            self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens, data.passkey_number_forms)
+        if data.teacher is not None:
+            self.teacher = Teacher.load(Path(data.teacher), data.teacher_weight, tokenizer, batch_size,
+                                        data.state_passing, dist.device)  # fmt: skip
+        self.validation = self._validation_windows(seed) if evaluate else None
+        self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
+
+    def _validation_windows(self, seed: int) -> torch.Tensor:
+        """Fixed (N, length + 1) validation windows, the same on every process."""
+        corpus = self.data.validation_corpus or self.data.corpus
+        if is_streamed(corpus) and self.data.validation_corpus is None:
+            raise ValueError(f"{corpus} is streamed and has no held-out tail: give a validation corpus "
+                             "(--validation-corpus owt2:...) or turn evaluation off (--eval-every 0)")
+        tokens = np.concatenate(validation_tokens(corpus, self.data.validation_fraction, self.tokenizer))
+        rng = np.random.default_rng([seed, VALIDATION_STREAM])
+        return TokenArray(tokens).batch(rng, self.data.validation_windows, self.data.length)
+
+    def _passkey_prompts(self, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Fixed validation prompts, filler from the held-out text: {size: ((N, size + answer) tokens, targets)}."""
+        held_out = np.concatenate(validation_tokens(self.data.corpus, self.data.validation_fraction, self.tokenizer))
+        builder = PassKeyBuilder(self.tokenizer, held_out)
+        rng = np.random.default_rng([seed, PASSKEY_STREAM])
+        prompts = {}
+        for multiple in PASSKEY_VALIDATION_MULTIPLES:
+            size = self.data.length * multiple
+            rows = [self._passkey_row(builder, size + 1, depth, rng)
+                    for depth in np.linspace(0.0, 1.0, PASSKEY_VALIDATION_PROMPTS)]
+            prompts[size] = (torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows]))
+        return prompts
+
+    @staticmethod
+    def _passkey_row(builder: PassKeyBuilder, size: int, depth: float, rng: np.random.Generator,
+                     prompt_size: int | None = None, text: np.ndarray | None = None, distractors: int = 0,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``size`` tokens: ``text`` (the row's own), then a pass-key prompt of ``prompt_size`` tokens with its
+        answer (the whole row when None), as (size,) tokens and (size - 1,) targets. Scored (the next token, else
+        IGNORE_INDEX): the answer, and with ``text`` the needle too, whose second key a model learns to copy from
+        its first a few tokens back: the short path by which it learns to hold a key at all."""
+        key = draw_key(rng)
+        answer = builder.answer(key)
+        head = min(size - (prompt_size or size), size - len(answer) - builder.shortest(key))
+        prompt = builder.prompt(size - head - len(answer), depth, rng, key=key, distractors=distractors)
+        tokens = torch.from_numpy(np.concatenate([text[:head] if head else [], prompt.tokens, answer]).astype(np.int64))
+        targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
+        targets[-len(answer):] = tokens[-len(answer):]
+        if text is not None:  # target j is token j + 1
+            needle = slice(head + prompt.needle.start, head + prompt.needle.stop)
+            targets[needle.start:needle.stop - 1] = tokens[needle.start + 1:needle.stop]
+        return tokens, targets
+
+    def batch(self, rng: np.random.Generator, step: int) -> Batch:
+        length = self.data.length
+        if self.data.state_passing:
+            windows = self._consecutive_windows(rng)  # (B, L + 1)
+        else:
+            windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
+        targets = windows[:, 1:].clone()  # (B, L)
+        examples = np.zeros(len(windows), dtype=bool)  # the rows given an in-window pass-key example
+        in_examples = np.zeros(len(windows), dtype=bool)  # ... or a window of an example spanning windows
+        if self.passkey is not None:
+            if self.data.passkey_span > 1 and self.spans is None:
+                self.spans = [None] * self.batch_size
+            chosen = rng.random(self.batch_size) < self.passkey_fraction(step)
+            for row in range(self.batch_size):
+                if self.spans is not None and self.spans[row] is not None:
+                    self._span_window(row, windows[row], targets[row], rng)
+                    in_examples[row] = True
+                    continue
+                if not chosen[row]:
+                    continue
+                # a uniform length, the row's text before it
+                prompt_size = int(rng.integers(self.shortest_passkey_row, length + 2))
+                distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
+                in_examples[row] = True
+                if self.spans is not None and (span := self._span_windows(rng, step)) > 1:
+                    self._span_start(row, span, windows[row], targets[row], rng)
+                    continue
+                windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng,
+                                                               prompt_size, windows[row].numpy(), distractors)
+                examples[row] = True
+                if self.cursors is not None:  # the row's text goes on after the example
+                    self.cursors[row] -= length
+        lengths = torch.full((len(windows),), length, dtype=torch.long)
+        fresh = None
+        if self.data.state_passing and self.data.state_reset:
+            fresh = torch.from_numpy(rng.random(len(windows)) < self.data.state_reset)  # (B,)
+        if self.data.passkey_fresh:
+            fresh = torch.from_numpy(examples) if fresh is None else fresh | torch.from_numpy(examples)
+        # not the pass-key rows: the teacher may answer them wrong
+        distilled = None if self.teacher is None else torch.from_numpy(~in_examples)
+        return Batch(windows[:, :-1], targets, lengths, fresh, distilled)
+
+    def longest_span(self, step: int) -> int:
+        """The most windows an example started at step ``step`` (from 1) may span: growing geometrically from 1 at
+        the first step to ``passkey_span`` at the run's last. A key held across many windows is learned from one
+        held across a few; at the full span from the start, the answers no state yet holds taught the model to
+        ignore its state (in-window accuracy 81% -> 16% in 1,000 steps, docs/text_results.md)."""
+        return max(1, round(self.data.passkey_span ** self._progress(step)))
+
+    def _span_windows(self, rng: np.random.Generator, step: int) -> int:
+        """How many windows an example started at ``step`` spans: log-uniform over 1 .. :meth:`longest_span`."""
+        span = self.longest_span(step)
+        return min(int(math.exp(rng.uniform(0.0, math.log(span + 1)))), span)
+
+    def _span_start(self, row: int, span: int, window: torch.Tensor, targets: torch.Tensor,
+                    rng: np.random.Generator) -> None:
+        """Row ``row``'s window (in place) begins an example of ``span`` windows: the introduction and the needle
+        put in at a uniform place of its text, scored on the needle after its first token (and not on the first
+        text token after it, which follows the needle by no rule)."""
+        assert self.passkey is not None and self.spans is not None and self.cursors is not None
+        key = draw_key(rng)
+        inserted = np.concatenate([self.passkey.introduction, self.passkey.needle(key)])
+        room = len(window) - len(inserted)
+        place = int(rng.integers(0, room))  # a text token after the needle: the next window reads on from it
+        text = window.numpy()
+        window.copy_(torch.from_numpy(np.concatenate([text[:place], inserted, text[place:room]]).astype(np.int64)))
+        targets.copy_(window[1:])
+        needle, after = place + len(self.passkey.introduction), place + len(inserted)
+        targets[max(place - 1, 0):needle] = IGNORE_INDEX  # the introduction and the needle's first token
+        targets[after - 1] = IGNORE_INDEX  # the text token after the needle
+        self.cursors[row] -= len(inserted)  # the row's text goes on where the window's text stopped
+        self.spans[row] = (key, span - 1)
+
+    def _span_window(self, row: int, window: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator) -> None:
+        """Row ``row`` is inside an example: its text as it is, or (the example's last window) its text with up to
+        ``passkey_distractors`` numbers put in, ending in the question and the answer, the question unscored."""
+        assert self.passkey is not None and self.spans is not None and self.cursors is not None
+        key, left = self.spans[row]  # type: ignore[misc]
+        if left > 1:
+            self.spans[row] = (key, left - 1)
+            return
+        question, answer = self.passkey.question, self.passkey.answer(key)
+        room = len(window) - len(question) - len(answer)
+        distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
+        text = self.passkey.with_numbers(window.numpy()[:room], distractors, key, rng)
+        window.copy_(torch.from_numpy(np.concatenate([text, question, answer]).astype(np.int64)))
+        targets.copy_(window[1:])
+        targets[room - 1:room - 1 + len(question)] = IGNORE_INDEX
+        self.cursors[row] -= len(question) + len(answer)
+        self.spans[row] = None
+
+    def passkey_fraction(self, step: int) -> float:
+        """The chance that a row of step ``step`` (from 1) is a pass-key example."""
+        first, final = self.data.passkey_fraction, self.data.passkey_fraction_final
+        return first if final is None else first + (final - first) * self._progress(step)
+
+    def _progress(self, step: int) -> float:
+        """How far step ``step`` (from 1) is through the run's ``steps``, from 0 to 1 (0 for a run of one step)."""
+        return min(max(step - 1, 0) / (self.steps - 1), 1.0) if self.steps > 1 else 0.0
+
+    def _consecutive_windows(self, rng: np.random.Generator) -> torch.Tensor:
+        """(B, L + 1) windows, row i's starting where its last one's inputs ended (a random place at first and
+        when the text runs out)."""
+        tokens, length = self.windows.tokens, self.data.length
+        if self.cursors is None:
+            self.cursors = rng.integers(0, len(tokens) - length, size=self.batch_size)
+        ended = self.cursors + length + 1 > len(tokens)
+        self.cursors[ended] = rng.integers(0, len(tokens) - length, size=int(ended.sum()))
+        index = self.cursors[:, None] + np.arange(length + 1)[None, :]  # (B, L + 1)
+        self.cursors = self.cursors + length
+        return torch.from_numpy(tokens[index])
+
+    @torch.no_grad()
+    def evaluate(self, model: SequenceModel, dist: Distributed, batch_size: int = 16) -> Evaluation | None:
+        """Validation perplexity, and the pass-key accuracy of the fixed prompts. Each call takes at most
+        ``batch_size`` rows, fewer where the model's estimate of a parallel pass over them (``cost("forward")``)
+        passes ``EVALUATION_MEMORY``; a model that can (``selects_positions``) runs its head on the scored answer
+        positions only. At 16x windows of 2,048 (prompts of 32,768 tokens) 16 rows' logits alone were 16 GiB, and
+        the run was killed for memory at its first evaluation."""
+        if self.validation is None:
+            return None
+        total = 0.0
+        rows = evaluation_rows(model, self.data.length, batch_size)
+        for start in range(0, len(self.validation), rows):
+            chunk = self.validation[start:start + rows].to(dist.device)  # (b, L + 1)
+            logits = model(chunk[:, :-1])  # (b, L, V)
+            total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
+        loss = total / self.validation[:, 1:].numel()
+        figures = {"validation_loss": loss, "validation_perplexity": math.exp(loss)}
+        for size, (tokens, targets) in (self.passkey_validation or {}).items():
+            right, rows = 0, evaluation_rows(model, size, batch_size)
+            for start in range(0, len(tokens), rows):
+                prompts = tokens[start:start + rows, :-1].to(dist.device)  # (b, size)
+                chunk = targets[start:start + rows].to(dist.device)  # (b, size)
+                scored = chunk != IGNORE_INDEX  # (b, size)
+                if model.selects_positions:
+                    wrong = model(prompts, positions=scored).argmax(dim=-1) != chunk[scored]  # (N,) row-major
+                    misses = torch.zeros(len(chunk), dtype=torch.long, device=chunk.device)  # (b,)
+                    misses.index_add_(0, scored.nonzero()[:, 0], wrong.long())
+                    right += int((misses == 0).sum())
+                else:
+                    logits = model(prompts)  # (b, size, V)
+                    right += int(((logits.argmax(dim=-1) == chunk) | ~scored).all(dim=1).sum())
+            figures[f"passkey_accuracy_{size}"] = right / len(tokens)
+        return Evaluation(figures, score=-loss)
+
+    def checkpoint_config(self, architecture: str, model_config: BaseModelConfig,
+                          metadata: dict[str, Any]) -> CheckpointConfig:
+        return CheckpointConfig(architecture=architecture, model=model_config, kind="generate",
+                                tokenizer=self.data.tokenizer, metadata=metadata)
+
+    def write_files(self, out: Path) -> None:
+        if self.ranks_file is not None and self.ranks_file.resolve() != (out / RANKS_FILE).resolve():
+            shutil.copyfile(self.ranks_file, out / RANKS_FILE)
+
+    def start_figures(self) -> dict[str, Any]:
+        return {"corpus": self.data.corpus, "tokenizer": self.data.tokenizer, "train_tokens": self.train_tokens}
+
+    def metadata(self, run: RunState) -> dict[str, Any]:
+        loss = (run.last_evaluation or {}).get("validation_loss")
+        return {"train_length": self.data.length, "validation_loss": loss}
+
+    def settings(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.data)
+
+    def data_state(self) -> Any:
+        if isinstance(self.windows, StreamedWindows):
+            return self.windows.state()
+        if self.cursors is None:
+            return None
+        state: dict[str, Any] = {"cursors": self.cursors.tolist()}
+        if self.spans is not None:
+            state["spans"] = [None if span is None else list(span) for span in self.spans]
+        return state
+
+    def load_data_state(self, state: Any) -> None:
+        if isinstance(self.windows, StreamedWindows):
+            self.windows.load_state(state)
+        elif state is not None:
+            self.cursors = np.asarray(state["cursors"], dtype=np.int64)
+            if "spans" in state:
+                self.spans = [None if span is None else (str(span[0]), int(span[1])) for span in state["spans"]]
+
+
+def evaluation_rows(model: SequenceModel, length: int, limit: int) -> int:
+    """How many rows of ``length`` tokens one validation call takes: at most ``limit``, and as many as the model's
+    estimate of a parallel pass over them keeps within ``EVALUATION_MEMORY`` (one at least)."""
+    return largest_fitting(lambda rows: model.cost("forward", rows, length).nbytes <= EVALUATION_MEMORY, limit)
+
+
+def check_passkey_length(tokenizer: Tokenizer, length: int) -> int:
+    """The fewest tokens a pass-key row (prompt and answer) takes, for any key; a ValueError unless training windows
+    of ``length`` tokens hold it. The prompt's length does not depend on the filler: none is given."""
+    shortest = PassKeyBuilder(tokenizer, np.zeros(1, dtype=np.int64)).shortest() + PASSKEY_ANSWER_TOKENS
+    if shortest > length + 1:
+        raise ValueError(f"pass-key examples need windows of at least {shortest} tokens; --length {length} is too short")
+    return shortest
+
+
+def checkpoint_tokenizer_name(ranks_file: Path | None, spec: str) -> str:
+    """What config.json calls the tokenizer: the copied ranks file, or the tokenizer's own name."""
+    return f"{FILE_PREFIX}{RANKS_FILE}" if ranks_file is not None else spec
+
+
+def validation_tokens(corpus: str, validation_fraction: float, tokenizer: Tokenizer) -> list[np.ndarray]:
+    """The held-out tokens, one array per document: the tails of an in-memory corpus's documents, or the
+    whole documents of a streamed one (then give a held-out shard)."""
+    documents = corpus_documents(corpus)
+    if is_streamed(corpus):
+        texts = [document.text for document in documents]
+    else:
+        texts = [split_document(document.text, validation_fraction, "validation") for document in documents]
+    return [tokenize_documents([text], tokenizer) for text in texts if text]
