@@ -18,19 +18,20 @@ per layer.
 The stack (:class:`RecurrentBlock`, :class:`LinearRNN`, :class:`LRNNCache`) is shared with
 ``model/lrnn/diagonal.py``: an architecture only supplies its recurrence, a :class:`Recurrence`.
 
+What each call costs is model/lrnn/cost.py's; the weights' layouts as served and the compiled decode step are
+model/lrnn/serving.py's; growing a trained model to more blocks per layer is model/lrnn/growth.py's.
+
 To read first: model/lrnn/minimal.py, the column-constrained model (full or low-rank g) in plain PyTorch
 as a sequential scan, tested to give this one's logits on its weights (tests/model/test_minimal.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -46,10 +47,11 @@ from model.base import (
 )
 from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.layers import MLP
-from model.ops import cpu_decode
+from model.lrnn import cost as lrnn_cost
+from model.lrnn import growth
+from model.lrnn import serving as lrnn_serving
 from model.ops.cpu_decode import linear
 from model.ops.linear_scan import (
-    choose_scan_impl,
     column_divisors,
     column_norm_constraint,
     column_sparsemax,
@@ -59,7 +61,6 @@ from model.ops.linear_scan import (
 )
 
 GENERATED_SPREAD = 0.02  # how far g(u)'s entries vary with the input at initialisation (BlockDiagonalRecurrence)
-GROWN_SPREAD = 0.3  # the same for a stochastic block added by BlockDiagonalLRNN.grown_from
 
 
 @dataclass
@@ -239,57 +240,19 @@ class BlockDiagonalRecurrence(Recurrence):
         return torch.matmul(generated, scaled.unsqueeze(-1)).squeeze(-1) + inputs  # (B, H, b)
 
     def for_serving(self, streaming: bool) -> bool:
-        """With the full generator: stack g's and B's weights in one (H b^2 + H b, d_model) matrix that
-        ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and checkpoints unchanged), so
-        that without gradients (the step and the parallel pass) g(u) and B u come from one product: (out, in) in
-        memory for the ``streaming`` kernel, (in, out) for MKL's. A later ``.to()`` gives each weight its own
-        storage again, and they go back to two products."""
-        if self.rank is not None or self.stochastic or self.joint_weight() is not None:
-            return False
-        joint = torch.cat([self.transition.weight, self.input_proj.weight])  # (H b^2 + H b, d)
-        if not streaming:
-            joint = joint.t().contiguous().t()  # (in, out) in memory
-        size = self.transition.out_features
-        self.transition.weight.data = joint[:size]  # (H b^2, d) viewing the joint matrix
-        self.input_proj.weight.data = joint[size:]  # (H b, d)
-        return True
+        """With the full generator: g's and B's weights as views of one matrix, so that without gradients g(u) and
+        B u come from one product (:func:`model.lrnn.serving.stack_generator_weights`)."""
+        return lrnn_serving.stack_generator_weights(self, streaming)
 
     def fused_step_weights(self) -> list[torch.Tensor] | None:
-        """With the full generator, float32 and (out, in) in memory: the generator's weight, g's and B's biases, the
-        readout's weight and bias. "column": after :meth:`for_serving` stacked g and B (the stacked matrix);
-        "stochastic": g's own weight, and B's bias empty (there is no B u). None under the other norms."""
-        if self.rank is not None or self.transition_norm not in ("column", "stochastic"):
-            return None
-        if self.stochastic:
-            weight, inputs_bias = self.transition.weight, self.transition.bias.new_empty(0)  # (H b^2, d), (0,)
-        else:
-            weight, inputs_bias = self.joint_weight(), self.input_proj.bias  # (H b^2 + H b, d) or None, (H b,)
-        if weight is None or not weight.is_contiguous() or weight.dtype != torch.float32:
-            return None
-        return [weight, self.transition.bias, inputs_bias, self.out_proj.weight, self.out_proj.bias]
+        """With the full generator, float32 and (out, in) in memory, under "column" (once stacked) or "stochastic":
+        :func:`model.lrnn.serving.fused_step_weights`."""
+        return lrnn_serving.fused_step_weights(self)
 
     def joint_weight(self) -> torch.Tensor | None:
-        """The (H b^2 + H b, d_model) matrix that :meth:`for_serving` made g's and B's weights views of, in its
-        layout, while they still are; None otherwise (a low rank, not served, or moved since)."""
-        if self.rank is not None or self.stochastic:
-            return None
-        first, second = self.transition.weight, self.input_proj.weight  # (H b^2, d), (H b, d)
-        rows, (out_stride, in_stride) = first.shape[0] + second.shape[0], first.stride()
-        stacked = (
-            (out_stride, in_stride) in ((first.shape[1], 1), (1, rows))
-            and second.stride() == first.stride()
-            and second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-            and second.data_ptr() == first.data_ptr() + first.shape[0] * out_stride * first.element_size()
-            and (first.dtype, first.device) == (second.dtype, second.device)
-        )
-        if not stacked:
-            return None
-        shape, strides = (rows, first.shape[1]), (out_stride, in_stride)
-        view = vars(self).get("_joint_view")  # the same tensor each step: what is cached on it (cpu_decode's panels)
-        if view is None or view.data_ptr() != first.data_ptr() or view.shape != shape or view.stride() != strides:
-            view = first.detach().as_strided(shape, strides)
-            vars(self)["_joint_view"] = view
-        return view
+        """The matrix :meth:`for_serving` stacked g's and B's weights into, while they still view it
+        (:func:`model.lrnn.serving.joint_weight`)."""
+        return lrnn_serving.joint_weight(self)
 
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""
@@ -365,37 +328,13 @@ class RecurrentBlock(nn.Module):
         )  # (B, T, H, b), (B, H, b)
         return u, states, final_state
 
-    def _step_arrays(self) -> list[np.ndarray] | None:
-        """What :func:`model.ops.cpu_decode.lrnn_layer_step` takes from this layer (``layer_step_arrays``), or None
-        where the recurrence cannot step so. Kept between steps and made again when a parameter of the layer changes
-        (``cpu_decode.stamp``: its storage, or its version in place) or row invariance turns on or off: gathering and
-        converting them every step took ~40 us, a fifth of a tiny model's one-row step (docs/benchmarks.md). As for
-        ``SequenceModel._reference_parameter``, replacing a parameter object itself would go unseen: nothing does."""
-        invariant = cpu_decode.row_invariant()
-        held = self.__dict__.get("_held_step_arrays")  # (parameters, their stamps and the invariance, arrays)
-        if held is not None and held[1] == (invariant, *map(cpu_decode.stamp, held[0])):
-            return held[2]
-        weights = self.recurrence.fused_step_weights()
-        arrays = None
-        if weights is not None:
-            ln_1, ln_2, mlp = self.ln_1, self.ln_2, self.mlp
-            arrays = cpu_decode.layer_step_arrays([ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
-                                                   mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias])
-        parameters = list(self.parameters())
-        self.__dict__["_held_step_arrays"] = (parameters, (invariant, *map(cpu_decode.stamp, parameters)), arrays)
-        return arrays
-
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b). Served on the CPU with few rows,
         a recurrence that supports it runs the whole layer as one compiled call
-        (:func:`model.ops.cpu_decode.lrnn_layer_step`, equal up to float rounding)."""
-        if not self.training and cpu_decode.compiles_step(x):
-            arrays = self._step_arrays()
-            if arrays is not None and state.dtype == torch.float32:
-                recurrence = self.recurrence
-                return cpu_decode.lrnn_layer_step(
-                    x, state, arrays, self.ln_1.eps, recurrence.transition_norm, recurrence.p_norm
-                )
+        (:func:`model.lrnn.serving.compiled_step`, equal up to float rounding)."""
+        compiled = lrnn_serving.compiled_step(self, x, state)
+        if compiled is not None:
+            return compiled
         u = self.ln_1(x)  # (B, d_model)
         state = self.recurrence.step(u, state)  # (B, H, b)
         x = x + self.dropout(self.recurrence.readout(state, u))  # (B, d_model)
@@ -435,52 +374,16 @@ class LinearRNN(SequenceModel):
 
     def for_serving(self) -> list[str]:
         """On the CPU, lay the weights out in memory for :meth:`step`'s one-token products (shapes, values and
-        checkpoints unchanged). Where they run through the streaming kernel (:func:`model.ops.cpu_decode.streams`: one
-        intra-op thread), every weight stays (out, in), the layout it reads fastest, and each recurrence stacks
-        its generator and input weights into one matrix (:meth:`BlockDiagonalRecurrence.for_serving`). Otherwise
-        (MKL's products, with several threads) the stacked matrix and every weight wider than tall (out_features
-        > in_features: the MLPs' first layers, a low-rank V, the tied head) are stored (in, out): on this project's
-        CPU MKL's one-thread product read a 4096 x 512 weight twice as fast that way, and a square or tall one as
-        fast or faster as stored (docs/benchmarks.md, "One-token products" and "Low-rank transition generator"). The
-        parallel pass multiplies by the same matrices (equal up to float rounding); training never calls this. Last,
-        the products' weights are packed for oneDNN (:meth:`SequenceModel.for_serving`). On CUDA nothing changes."""
+        checkpoints unchanged: :func:`model.lrnn.serving.lay_out_weights`), then pack the products' weights for
+        oneDNN (:meth:`SequenceModel.for_serving`). On CUDA nothing changes."""
         if self.device.type != "cpu":
             return []
-        streaming = cpu_decode.streams(dtype=self.dtype)
-        joined = sum(block.recurrence.for_serving(streaming) for block in self.blocks)
-        notes = [f"{joined} layers make g(u) and B u with one product (CPU)"] if joined else []
-        if streaming:
-            fused = sum(block.recurrence.fused_step_weights() is not None for block in self.blocks)
-            if fused:
-                notes.append(f"{fused} layers step as one compiled call each at {cpu_decode.rows_note()} (CPU)")
-            notes.append("one-token products through the streaming matrix-vector kernel (CPU, one thread)")
-            return [*notes, *super().for_serving()]
-        wide = [
-            module.weight
-            for module in self.blocks.modules()
-            if isinstance(module, nn.Linear) and module.out_features > module.in_features
-        ]
-        head = self.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
-        if self.config.is_language_model and head.shape[0] > head.shape[1]:
-            wide.append(head)
-        moved = [weight for weight in wide if weight.stride(0) != 1]  # not (in, out) in memory yet
-        for weight in moved:
-            weight.data = weight.data.t().contiguous().t()  # (out, in) with (in, out) in memory
-        if moved:
-            notes.append(f"{len(moved)} weight matrices wider than tall stored transposed for one-token products (CPU)")
-        return [*notes, *super().for_serving()]
+        return [*lrnn_serving.lay_out_weights(self), *super().for_serving()]
 
     def product_weights(self) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """As the default, except that a recurrence whose g and B weights :meth:`for_serving` stacked multiplies by
-        the stacked matrix (a view made anew for each product) instead of by either."""
-        joints = []
-        for block in self.blocks:
-            recurrence = block.recurrence
-            joint = recurrence.joint_weight()
-            if joint is not None:
-                joints.append((joint, (recurrence.transition.weight, recurrence.input_proj.weight)))
-        stacked = {id(owner) for _, owners in joints for owner in owners}
-        return [*(pair for pair in super().product_weights() if id(pair[0]) not in stacked), *joints]
+        the stacked matrix instead of by either (:func:`model.lrnn.serving.product_weights`)."""
+        return lrnn_serving.product_weights(self.blocks, super().product_weights())
 
     def new_cache(self, batch_size: int) -> LRNNCache:
         states = [
@@ -511,76 +414,29 @@ class LinearRNN(SequenceModel):
         return x
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
-        """flops: per position the blocks' weights (projections, readout, MLP: one multiply-add each; "final" runs
-        the last block's readout and MLP on the last positions only), per layer the scan (:meth:`_scan_flops`),
-        and the head's d x output_size per logit position ("final": one per row). The context never matters: a
-        cached chunk costs what the same chunk costs from an empty cache. nbytes: per position the transitions
-        (:meth:`_transition_bytes`), ~6 d + 3 H b + 2 d_ff activations and the logits' output_size."""
-        config = self.config
-        weights, tail = self._weight_counts
-        flops = rows * (length * weights + len(self.blocks) * self._scan_flops(rows, length))
-        if path == "final":
-            flops -= rows * (length - 1) * tail
-        head = self.head_cost(rows if path == "final" else rows * length)
-        activations = (6 * config.d_model + 3 * self._state_size + 2 * config.d_ff) * self.dtype.itemsize
-        return Cost(
-            flops=float(flops + head.flops),
-            nbytes=rows * length * (self._transition_bytes(rows, length) + activations) + head.nbytes,
-        )
+        """What one call costs, for the scan it runs at that size: :func:`model.lrnn.cost.cost` gives the formulas
+        (the context never matters)."""
+        return lrnn_cost.cost(self.config, self._sizes, self.dtype, self.device, path, rows, length, context)
 
     def head_cost(self, positions: int) -> Cost:
-        """d x output_size multiply-adds and output_size logits a position."""
-        config = self.config
-        return Cost(flops=float(positions * config.d_model * config.output_size),
-                    nbytes=positions * config.output_size * self.dtype.itemsize)
+        """d x output_size multiply-adds and output_size logits a position (:func:`model.lrnn.cost.head_cost`)."""
+        return lrnn_cost.head_cost(self.config, self.dtype.itemsize, positions)
 
     def cache_nbytes(self, length: int) -> int:
-        """One (H, b) state per layer, whatever the length."""
-        return len(self.blocks) * self._state_size * self.dtype.itemsize
+        """One (H, b) state per layer, whatever the length (:func:`model.lrnn.cost.cache_nbytes`)."""
+        return lrnn_cost.cache_nbytes(self._sizes, self.dtype.itemsize)
 
     @functools.cached_property
-    def _weight_counts(self) -> tuple[int, int]:
-        """The blocks' parameters, and those of the last block's readout and MLP (counted once: costs are asked
-        for on every scheduling decision)."""
+    def _sizes(self) -> lrnn_cost.Sizes:
+        """What the costs read off the layers: their number, the state's shape, the blocks' parameters and those of
+        the last block's readout and MLP (counted once: costs are asked for on every scheduling decision)."""
         last = self.blocks[-1]
-        return parameter_count(self.blocks), parameter_count(last.recurrence.out_proj, last.mlp)
-
-    @property
-    def _state_size(self) -> int:
-        """H b, the state's size."""
-        return math.prod(self.blocks[0].recurrence.state_shape)
-
-    def _scan_impl(self, rows: int, length: int) -> str:
-        """The scan that runs on ``rows`` x ``length``: the configured one, or the "auto" policy's choice (the Triton
-        scan where no gradient is asked for and the dtype allows it, the compiled loop for float32 on the CPU)."""
-        heads, block = self.blocks[0].recurrence.state_shape
-        impl = self.config.scan_impl
-        if impl == "auto":
-            triton = not torch.is_grad_enabled() and self.dtype != torch.float64
-            compiled = self.dtype == torch.float32
-            impl = choose_scan_impl(rows, length, heads, block, self.device, triton, compiled)
-        return impl
-
-    def _scan_flops(self, rows: int, length: int) -> int:
-        """Multiply-adds of one layer's scan over ``length`` positions of one row, H heads of b x b blocks: the loop
-        does H b^2 per position; the parallel scan H (b^3 + 2 b^2) per position (it multiplies transitions
-        together); the chunked scan (and the Triton scan, the same algorithm) the loop's work plus, on all chunks but
-        the last of n = length // chunk_size, the products of the transitions inside each chunk and the scan across
-        chunks, ~H (b^3 + 2 b^2) per position there; the compiled loop the loop's."""
-        heads, block = self.blocks[0].recurrence.state_shape
-        impl = self._scan_impl(rows, length)
-        if impl == "parallel":
-            return length * heads * (block**3 + 2 * block**2)
-        chunks = length // self.config.scan_chunk_size if impl in ("chunked", "triton") else 0
-        products = max(chunks - 1, 0) * self.config.scan_chunk_size
-        return heads * (length * block**2 + products * (block**3 + 2 * block**2))
-
-    def _transition_bytes(self, rows: int, length: int) -> int:
-        """Bytes per position of one layer's transitions while it runs: (H, b, b) a few times over (the linear map's
-        output, the norm constraint's copies, the scan's float32 copy), 2.5 times more in the parallel scan."""
-        heads, block = self.blocks[0].recurrence.state_shape
-        copies = 4 + (3 if self._scan_impl(rows, length) == "parallel" else 0)
-        return copies * heads * block * block * max(self.dtype.itemsize, 4)
+        return lrnn_cost.Sizes(
+            layers=len(self.blocks),
+            state_shape=self.blocks[0].recurrence.state_shape,
+            weights=parameter_count(self.blocks),
+            tail=parameter_count(last.recurrence.out_proj, last.mlp),
+        )
 
     def _hidden(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         """tokens: (B, T) -> hidden states before the final LayerNorm (B, T, d_model)."""
@@ -602,38 +458,7 @@ class BlockDiagonalLRNN(LinearRNN):
         super().__init__(config, [BlockDiagonalRecurrence(config) for _ in range(config.n_layers)])
 
     def grown_from(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A state dict for this model from ``weights``, those of the same LRNN with fewer blocks per layer: a wider
-        state for a trained model to go on training with. Each layer's first blocks are the smaller model's (every
-        tensor that grew, g's and B's rows, h_0's blocks, the readout's columns, holds the old one as its leading
-        part); the new blocks keep this model's own initial weights, but the readout's columns from them are zero,
-        so the grown model computes what the smaller one did (tests/model/test_lrnn.py: the same logits). Under
-        "stochastic", a new block's transitions start with logits 0.5 on the diagonal (not ln(9 (b - 1))) and
-        g(u)'s entries spread by ~0.3 (not 0.02): every entry of each column is then inside its sparsemax's
-        support, whose gradient is zero outside it (and, with the support the diagonal alone, everywhere), and the
-        new states depend on their input from the start. A ValueError names what is not this LRNN with fewer
-        blocks."""
-        size, readout = self.config.block_size, weights.get("blocks.0.recurrence.out_proj.weight")
-        old_blocks = 0 if readout is None else readout.shape[-1] // size
-        if not 0 < old_blocks < self.config.num_blocks:
-            raise ValueError(f"not an LRNN of blocks of {size} with fewer than {self.config.num_blocks} blocks per "
-                             f"layer (its first layer's readout: {None if readout is None else tuple(readout.shape)})")
-        with torch.device("meta"):  # the smaller model's shapes, no weights drawn
-            expected = type(self)(dataclasses.replace(self.config, num_blocks=old_blocks)).state_dict()
-        wrong = [f"{name}: {None if name not in weights else tuple(weights[name].shape)} there, "
-                 f"{tuple(shape.shape)} expected" for name, shape in expected.items()
-                 if name not in weights or weights[name].shape != shape.shape]  # fmt: skip
-        if wrong or len(weights) != len(expected):
-            raise ValueError(f"not this LRNN with {old_blocks} blocks per layer: {'; '.join(wrong) or 'other tensors'}")
-        grown = {}
-        for name, fresh in self.state_dict().items():
-            grown[name] = tensor = fresh.clone()
-            tensor[tuple(slice(0, length) for length in weights[name].shape)] = weights[name]
-        old_state = old_blocks * size  # H b there
-        diagonal = (0.5 * torch.eye(size)).repeat(self.config.num_blocks - old_blocks, 1, 1)  # (new H, b, b)
-        for index, block in enumerate(self.blocks):
-            prefix = f"blocks.{index}.recurrence."
-            grown[prefix + "out_proj.weight"][:, old_state:] = 0
-            if block.recurrence.stochastic:
-                grown[prefix + "transition.bias"][old_state * size :] = diagonal.flatten()
-                grown[prefix + "transition.weight"][old_state * size :] *= GROWN_SPREAD / GENERATED_SPREAD
-        return grown
+        """A state dict for this model from ``weights``, those of the same LRNN with fewer blocks per layer, under
+        which it computes what the smaller one did (:func:`model.lrnn.growth.grown_from`); a ValueError names what is
+        not this LRNN with fewer blocks."""
+        return growth.grown_from(self, weights, GENERATED_SPREAD)

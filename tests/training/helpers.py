@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from training.objectives.loop import LOG_FILE, RESUME_FILE
+from training.objectives.checkpointing import LOG_FILE, RESUME_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blocks", "2", "--d-ff", "16"]

@@ -30,11 +30,14 @@ from training.cli.main import main
 from training.data.batches import IGNORE_INDEX, Batch
 from training.data.passkey import QUESTION, PassKeyBuilder, first_number
 from training.data.text_batches import TokenArray
-from training.objectives import loop
+from training.objectives import checkpointing, loop, losses, optim
 from training.objectives.carried import new_carried_state
+from training.objectives.checkpointing import LOG_FILE, RESUME_FILE
 from training.objectives.distributed import setup_distributed
 from training.objectives.language_model import LanguageModelObjective, TextData, check_passkey_length
-from training.objectives.loop import LOG_FILE, RESUME_FILE, TrainSettings, decayed_parameter_names, lr_factor, train
+from training.objectives.loop import train
+from training.objectives.optim import decayed_parameter_names, lr_factor
+from training.objectives.run import RunState, TrainSettings
 from training.objectives.transduction import TaskData, TransductionObjective
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,7 +151,7 @@ def test_an_evaluation_that_dies_loses_no_steps_and_the_resumed_run_evaluates_fi
     with pytest.raises(MemoryError):
         task_run(tmp_path / "cut", steps=12)
     monkeypatch.undo()
-    state, _ = loop.read_resume_state(tmp_path / "cut", with_tensors=False)
+    state, _ = checkpointing.read_resume_state(tmp_path / "cut", with_tensors=False)
     assert state["run"]["step"] == dies_at and state["run"]["evaluation_pending"]
     task_run(tmp_path / "cut", steps=12, resume=True)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
@@ -164,7 +167,7 @@ def test_a_step_that_evaluates_is_saved_once_before_its_evaluation_which_a_resum
     with pytest.raises(RuntimeError):
         task_run(tmp_path / "cut", steps=9, save_every=4)  # evaluation and save both due at step 4
     monkeypatch.undo()
-    state, _ = loop.read_resume_state(tmp_path / "cut", with_tensors=False)
+    state, _ = checkpointing.read_resume_state(tmp_path / "cut", with_tensors=False)
     assert state["run"]["step"] == 4 and state["run"]["evaluation_pending"]  # the save before it, no second one
     task_run(tmp_path / "cut", steps=9, save_every=4, resume=True)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
@@ -186,13 +189,13 @@ def crash_at_step(step: int):
 
 def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
     phases: list[bool] = []
-    switch = loop._set_soft_transitions
+    switch = loop.set_soft_transitions
 
     def recorded(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:
         phases.append(soft)
         switch(model, soft, track_impurity)
 
-    monkeypatch.setattr(loop, "_set_soft_transitions", recorded)
+    monkeypatch.setattr(loop, "set_soft_transitions", recorded)
     task_run(tmp_path / "whole", steps=9, transition_norm="stochastic", soft_transition_steps=5)
     assert phases == [True] * 5 + [False] * 4
     task_run(tmp_path / "cut", steps=9, stop_at=3, transition_norm="stochastic", soft_transition_steps=5)
@@ -207,16 +210,16 @@ def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_re
 ) -> None:
     settings = TrainSettings(architecture="lrnn", steps=9, batch_size=6, lr=1e-3, soft_transition_steps=4,
                              determinism_weight=2.0)
-    assert [loop.determinism_weight(settings, step) for step in range(1, 7)] == [0.5, 1.0, 1.5, 2.0, 0.0, 0.0]
+    assert [losses.determinism_weight(settings, step) for step in range(1, 7)] == [0.5, 1.0, 1.5, 2.0, 0.0, 0.0]
     taken: list[float] = []
-    impurity = loop._impurity
+    impurity = loop.impurity
 
     def recorded(model: torch.nn.Module) -> torch.Tensor | float:
         value = impurity(model)
         taken.append(float(value.detach()))
         return value
 
-    monkeypatch.setattr(loop, "_impurity", recorded)
+    monkeypatch.setattr(loop, "impurity", recorded)
     stochastic = {"transition_norm": "stochastic", "soft_transition_steps": 5}
     task_run(tmp_path / "whole", steps=9, determinism_weight=2.0, **stochastic)
     assert len(taken) == 5 and all(value > 0 for value in taken)  # each soft step, none after
@@ -230,9 +233,9 @@ def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_re
 
 def test_regulargpt_extra_levels_are_drawn_per_step_reach_the_model_and_resume(tmp_path: Path, monkeypatch) -> None:
     settings = TrainSettings(architecture="regulargpt", steps=9, batch_size=6, lr=1e-3, extra_levels=3)
-    draws = [loop.extra_levels(settings, step) for step in range(1, 101)]
-    assert set(draws) == {0, 1, 2, 3} and draws == [loop.extra_levels(settings, step) for step in range(1, 101)]
-    assert draws != [loop.extra_levels(dataclasses.replace(settings, seed=1), step) for step in range(1, 101)]
+    draws = [optim.extra_levels(settings, step) for step in range(1, 101)]
+    assert set(draws) == {0, 1, 2, 3} and draws == [optim.extra_levels(settings, step) for step in range(1, 101)]
+    assert draws != [optim.extra_levels(dataclasses.replace(settings, seed=1), step) for step in range(1, 101)]
     seen: list[int] = []
     forward = RegularGPT.forward
 
@@ -484,11 +487,11 @@ def assert_step_from(model: torch.nn.Module, batch: Batch, carried: Any, start: 
     expected = start.select(range(4))
     with torch.no_grad():
         logits = model(batch.tokens, expected)  # expected: the states the rows end in
-    loss, _ = loop.masked_loss(logits, batch.targets)
+    loss, _ = losses.masked_loss(logits, batch.targets)
     for parts in (1, 2):
         settings = TrainSettings(architecture="lrnn", steps=1, batch_size=4, lr=0.0, grad_accumulation=parts)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        run = loop.RunState(step=1)
+        run = RunState(step=1)
         _, _, ended = loop._train_step(model, optimizer, batch, settings, run, setup_distributed("cpu"), False,
                                        carried.select(range(4)))
         assert run.window[0] == pytest.approx(float(loss), rel=1e-5)
@@ -916,7 +919,7 @@ def test_the_training_loss_and_its_gradient_equal_torchs_cross_entropy() -> None
         leaf = logits.clone().requires_grad_()
         scaled = leaf * weights.exp()
         if fused:
-            loss, correct = loop.masked_loss(scaled, targets)
+            loss, correct = losses.masked_loss(scaled, targets)
         else:
             loss = torch.nn.functional.cross_entropy(scaled.flatten(0, 1), targets.flatten(), reduction="sum")
             correct = int(((scaled.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum())
@@ -931,7 +934,7 @@ def test_the_training_loss_and_its_gradient_equal_torchs_cross_entropy() -> None
     assert correct == want_correct
     assert not bool(gradient[0, 1].any()) and not bool(gradient[2, 4].any())
     leaf = logits.clone().requires_grad_()
-    loss, _ = loop.masked_loss(leaf * 2, targets)
+    loss, _ = losses.masked_loss(leaf * 2, targets)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # the gradient was scaled in place
         loss.backward()
@@ -953,8 +956,8 @@ def test_the_distilled_loss_and_its_gradient_are_the_mixture_of_two_cross_entrop
         leaf = logits.clone().requires_grad_()
         scaled = leaf * 1.5
         if fused:
-            loss, _ = loop.masked_loss(scaled, targets, soft, weights)
-            target = loop.target_loss(loss)
+            loss, _ = losses.masked_loss(scaled, targets, soft, weights)
+            target = losses.target_loss(loss)
         else:
             real = targets != IGNORE_INDEX
             log_p = torch.log_softmax(scaled, dim=-1)
@@ -971,8 +974,8 @@ def test_the_distilled_loss_and_its_gradient_are_the_mixture_of_two_cross_entrop
     torch.testing.assert_close(gradient, want_gradient, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(target, want_target, rtol=1e-5, atol=1e-4)
     assert not bool(gradient[0, 1].any()) and not bool(gradient[2, 4].any())
-    plain, _ = loop.masked_loss(logits.clone().requires_grad_(), targets)
-    torch.testing.assert_close(loop.target_loss(plain), torch.nn.functional.cross_entropy(
+    plain, _ = losses.masked_loss(logits.clone().requires_grad_(), targets)
+    torch.testing.assert_close(losses.target_loss(plain), torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), reduction="sum"), rtol=1e-5, atol=1e-4)
 
 

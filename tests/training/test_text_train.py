@@ -20,7 +20,7 @@ from training.cli.main import main
 from training.data.corpus import Document
 from training.data.text_batches import StreamedWindows, TokenArray, tokenize_documents
 from training.objectives import loop as loop_module
-from training.objectives.loop import read_resume_state
+from training.objectives.checkpointing import read_resume_state
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -123,7 +123,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes(tmp_path, corpus, rank
     def killed(*args, **kwargs) -> None:
         raise SystemExit("killed")
 
-    monkeypatch.setattr("training.objectives.loop._save_checkpoint", killed)
+    monkeypatch.setattr("training.objectives.loop.save_run_checkpoint", killed)
     with pytest.raises(SystemExit, match="killed"):  # at step 3's evaluation, just after resume.safetensors
         train(out, f"text:{corpus}", ranks, "lrnn")
     assert not (out / "config.json").exists() and (out / "resume.safetensors").exists()
@@ -145,7 +145,7 @@ def test_text_train_resume_with_nothing_saved_yet_starts_the_run_from_step_0(
         raise SystemExit("killed")
 
     with monkeypatch.context() as patch:
-        patch.setattr("training.objectives.loop._save_resume", killed)
+        patch.setattr("training.objectives.loop.save_resume", killed)
         with pytest.raises(SystemExit, match="killed"):  # at step 3, before its evaluation's save
             train(out, f"text:{corpus}", ranks, "lrnn")
     assert {path.name for path in out.iterdir()} == {"train.jsonl", "tokenizer.tiktoken"}
@@ -167,7 +167,7 @@ def test_export_writes_a_runs_weights_as_of_its_last_resume_save(tmp_path, corpu
     the exported folder has step 6's weights, the run's config and tokenizer, and serves. Bad input exits 2 with what
     is wrong, and the run still resumes."""
     out, exported = tmp_path / "killed", tmp_path / "six"
-    saved, save = [], loop_module._save_checkpoint
+    saved, save = [], loop_module.save_run_checkpoint
 
     def killed_at_the_second(*args, **kwargs) -> None:
         saved.append(1)
@@ -175,7 +175,7 @@ def test_export_writes_a_runs_weights_as_of_its_last_resume_save(tmp_path, corpu
             raise SystemExit("killed")
         save(*args, **kwargs)
 
-    monkeypatch.setattr(loop_module, "_save_checkpoint", killed_at_the_second)
+    monkeypatch.setattr(loop_module, "save_run_checkpoint", killed_at_the_second)
     with pytest.raises(SystemExit, match="killed"):
         train(out, f"text:{corpus}", ranks, "lrnn")
     monkeypatch.undo()

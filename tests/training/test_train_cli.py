@@ -9,7 +9,7 @@ import pytest
 from model.checkpoint import load_checkpoint
 from tests.training.helpers import TINY_LRNN, TINY_RUN, edit_resume_state, read_log, run_module
 from training.cli.main import main
-from training.objectives.loop import LOG_FILE, RESUME_FILE, weights_digest
+from training.objectives.checkpointing import LOG_FILE, RESUME_FILE, weights_digest
 
 TRAIN_RECORD_KEYS = {"event", "step", "loss", "accuracy", "max_length", "lr", "grad_norm", "elapsed_s", "tokens",
                      "tokens_per_s"}

@@ -55,7 +55,7 @@ from training.evaluation.evaluate import (
     protocol_bands,
     split_lengths,
 )
-from training.objectives.loop import ResumeError, export_weights
+from training.objectives.checkpointing import ResumeError, export_weights
 from training.objectives.transduction import TaskData, TransductionObjective
 
 PROG = "python -m training"

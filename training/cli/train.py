@@ -40,17 +40,11 @@ from training.cli.arguments import (
     probability,
 )
 from training.cli.model_flags import add_model_flags
+from training.objectives.checkpointing import RESUME_FILE, ResumeError, read_resume_state
 from training.objectives.distributed import Distributed, setup_distributed
 from training.objectives.language_model import LanguageModelObjective, TextData
-from training.objectives.loop import (
-    RESUME_FILE,
-    Objective,
-    ResumeError,
-    RunOptions,
-    TrainSettings,
-    read_resume_state,
-    train,
-)
+from training.objectives.loop import RunOptions, train
+from training.objectives.run import Objective, TrainSettings
 from training.objectives.transduction import TaskData, TransductionObjective
 
 # Flags that may come with --resume: they do not change what the run computes (--steps only extends it).

@@ -3,16 +3,16 @@ training learns beside the corpus' next tokens (knowledge distillation, Hinton e
 
 A text row that the teacher teaches (``Batch.distilled``: the rows not given a pass-key example, whose answers the
 teacher may well get wrong) is scored at every position on (1 - w) times the cross-entropy of its next token plus w
-times the cross-entropy of the teacher's distribution there (``--teacher-weight`` w; the loop's
-``SummedCrossEntropy``); the logged loss stays the next token's alone. With state passing the teacher reads the same
-windows as the model, from states it carries over between steps as the model carries its own (reset in the same
+times the cross-entropy of the teacher's distribution there (``--teacher-weight`` w; ``SummedCrossEntropy`` in
+training/objectives/losses.py); the logged loss stays the next token's alone. With state passing the teacher reads the
+same windows as the model, from states it carries over between steps as the model carries its own (reset in the same
 rows), so that what it predicts late in a window draws on the text before it as the model is asked to. Why: a model
 that must learn to use a long context from its next tokens alone gets the signal only at the few positions where
 the context decides the token; the teacher's distributions say at every position how much the context it read
 moves the prediction.
 
 The teacher runs without gradients in float32 and is never saved: a resumed run loads it again from its folder
-(its carried states are saved with the run's own, training/objectives/loop.py).
+(its carried states are saved with the run's own, training/objectives/checkpointing.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from training.data.passkey import PassKeyBuilder, draw_key
 from training.data.text_batches import StreamedWindows, TokenArray, tokenize_documents
 from training.objectives.distill import Teacher
 from training.objectives.distributed import Distributed
-from training.objectives.loop import Evaluation, Objective, RunState
+from training.objectives.run import Evaluation, Objective, RunState
 
 RANKS_FILE = "tokenizer.tiktoken"
 VALIDATION_STREAM = 1  # key of the validation windows' random stream (with the seed)

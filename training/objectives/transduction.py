@@ -20,7 +20,7 @@ from model.config import BaseModelConfig, CheckpointConfig
 from training.data.batches import Batch, Curriculum, FinalLabelSet, LengthCurriculum, TrainingData, count_correct_final
 from training.data.tasks import get_task
 from training.objectives.distributed import Distributed
-from training.objectives.loop import Evaluation, Objective, RunState
+from training.objectives.run import Evaluation, Objective, RunState
 
 EVAL_STREAM = 1  # key of the extrapolation set's random stream (with the seed)
 

@@ -1,0 +1,54 @@
+"""Growing a block-diagonal LRNN (model/lrnn/model.py: :meth:`BlockDiagonalLRNN.grown_from`) to more blocks per layer:
+:func:`grown_from` gives the wider model a state dict from the narrower one's weights under which it computes what
+the narrower one did, or raises a ValueError naming what is not that model with fewer blocks.
+
+The model's classes are not imported here (model/lrnn/model.py imports this module): the function takes the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+GROWN_SPREAD = 0.3  # how far g(u)'s entries vary with the input in a stochastic block added by grown_from
+
+
+def grown_from(model: nn.Module, weights: dict[str, torch.Tensor], generated_spread: float) -> dict[str, torch.Tensor]:
+    """A state dict for ``model`` (a :class:`BlockDiagonalLRNN`) from ``weights``, those of the same LRNN with fewer
+    blocks per layer: a wider state for a trained model to go on training with. Each layer's first blocks are the
+    smaller model's (every tensor that grew, g's and B's rows, h_0's blocks, the readout's columns, holds the old one
+    as its leading part); the new blocks keep the model's own initial weights, but the readout's columns from them
+    are zero, so the grown model computes what the smaller one did (tests/model/test_lrnn.py: the same logits). Under
+    "stochastic", a new block's transitions start with logits 0.5 on the diagonal (not ln(9 (b - 1))) and g(u)'s
+    entries spread by ``GROWN_SPREAD`` (not ``generated_spread``, their spread at initialisation): every entry of each
+    column is then inside its sparsemax's support, whose gradient is zero outside it (and, with the support the
+    diagonal alone, everywhere), and the new states depend on their input from the start. A ValueError names what is
+    not this LRNN with fewer blocks."""
+    config = model.config
+    size, readout = config.block_size, weights.get("blocks.0.recurrence.out_proj.weight")
+    old_blocks = 0 if readout is None else readout.shape[-1] // size
+    if not 0 < old_blocks < config.num_blocks:
+        raise ValueError(f"not an LRNN of blocks of {size} with fewer than {config.num_blocks} blocks per "
+                         f"layer (its first layer's readout: {None if readout is None else tuple(readout.shape)})")
+    with torch.device("meta"):  # the smaller model's shapes, no weights drawn
+        expected = type(model)(dataclasses.replace(config, num_blocks=old_blocks)).state_dict()
+    wrong = [f"{name}: {None if name not in weights else tuple(weights[name].shape)} there, "
+             f"{tuple(shape.shape)} expected" for name, shape in expected.items()
+             if name not in weights or weights[name].shape != shape.shape]  # fmt: skip
+    if wrong or len(weights) != len(expected):
+        raise ValueError(f"not this LRNN with {old_blocks} blocks per layer: {'; '.join(wrong) or 'other tensors'}")
+    grown = {}
+    for name, fresh in model.state_dict().items():
+        grown[name] = tensor = fresh.clone()
+        tensor[tuple(slice(0, length) for length in weights[name].shape)] = weights[name]
+    old_state = old_blocks * size  # H b there
+    diagonal = (0.5 * torch.eye(size)).repeat(config.num_blocks - old_blocks, 1, 1)  # (new H, b, b)
+    for index, block in enumerate(model.blocks):
+        prefix = f"blocks.{index}.recurrence."
+        grown[prefix + "out_proj.weight"][:, old_state:] = 0
+        if block.recurrence.stochastic:
+            grown[prefix + "transition.bias"][old_state * size :] = diagonal.flatten()
+            grown[prefix + "transition.weight"][old_state * size :] *= GROWN_SPREAD / generated_spread
+    return grown

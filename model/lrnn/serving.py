@@ -1,0 +1,167 @@
+"""A linear RNN as served (model/lrnn/model.py is the model): its weights' layouts in memory and its compiled decode
+step. Nothing here changes a value, a shape or a checkpoint; training never calls it.
+
+- :func:`stack_generator_weights` makes a full-generator :class:`BlockDiagonalRecurrence`'s g and B weights views
+  of one matrix, so that without gradients g(u) and B u come from one product; :func:`joint_weight` finds that
+  matrix while both still view it.
+- :func:`lay_out_weights` stores, on the CPU, every weight in the layout its one-token products read fastest;
+  :func:`product_weights` names the matrices those products multiply by (for oneDNN's packing).
+- :func:`compiled_step` runs a :class:`RecurrentBlock`'s decode step as one compiled call
+  (:func:`model.ops.cpu_decode.lrnn_layer_step`) where the recurrence gives :func:`fused_step_weights`, equal to the
+  module step up to float rounding; None where it cannot.
+
+The model's classes are not imported here (model/lrnn/model.py imports this module): the functions take its modules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from model.ops import cpu_decode
+
+
+def stack_generator_weights(recurrence: nn.Module, streaming: bool) -> bool:
+    """With the full generator: stack g's and B's weights in one (H b^2 + H b, d_model) matrix that
+    ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and checkpoints unchanged), so
+    that without gradients (the step and the parallel pass) g(u) and B u come from one product: (out, in) in
+    memory for the ``streaming`` kernel, (in, out) for MKL's. A later ``.to()`` gives each weight its own
+    storage again, and they go back to two products. Returns whether anything moved."""
+    if recurrence.rank is not None or recurrence.stochastic or recurrence.joint_weight() is not None:
+        return False
+    joint = torch.cat([recurrence.transition.weight, recurrence.input_proj.weight])  # (H b^2 + H b, d)
+    if not streaming:
+        joint = joint.t().contiguous().t()  # (in, out) in memory
+    size = recurrence.transition.out_features
+    recurrence.transition.weight.data = joint[:size]  # (H b^2, d) viewing the joint matrix
+    recurrence.input_proj.weight.data = joint[size:]  # (H b, d)
+    return True
+
+
+def joint_weight(recurrence: nn.Module) -> torch.Tensor | None:
+    """The (H b^2 + H b, d_model) matrix that :func:`stack_generator_weights` made g's and B's weights views of, in
+    its layout, while they still are; None otherwise (a low rank, not served, or moved since)."""
+    if recurrence.rank is not None or recurrence.stochastic:
+        return None
+    first, second = recurrence.transition.weight, recurrence.input_proj.weight  # (H b^2, d), (H b, d)
+    rows, (out_stride, in_stride) = first.shape[0] + second.shape[0], first.stride()
+    stacked = (
+        (out_stride, in_stride) in ((first.shape[1], 1), (1, rows))
+        and second.stride() == first.stride()
+        and second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and second.data_ptr() == first.data_ptr() + first.shape[0] * out_stride * first.element_size()
+        and (first.dtype, first.device) == (second.dtype, second.device)
+    )
+    if not stacked:
+        return None
+    shape, strides = (rows, first.shape[1]), (out_stride, in_stride)
+    view = vars(recurrence).get("_joint_view")  # the same tensor each step: what is cached on it (cpu_decode's panels)
+    if view is None or view.data_ptr() != first.data_ptr() or view.shape != shape or view.stride() != strides:
+        view = first.detach().as_strided(shape, strides)
+        vars(recurrence)["_joint_view"] = view
+    return view
+
+
+def fused_step_weights(recurrence: nn.Module) -> list[torch.Tensor] | None:
+    """With the full generator, float32 and (out, in) in memory: the generator's weight, g's and B's biases, the
+    readout's weight and bias. "column": after :func:`stack_generator_weights` stacked g and B (the stacked matrix);
+    "stochastic": g's own weight, and B's bias empty (there is no B u). None under the other norms."""
+    if recurrence.rank is not None or recurrence.transition_norm not in ("column", "stochastic"):
+        return None
+    if recurrence.stochastic:
+        weight, inputs_bias = recurrence.transition.weight, recurrence.transition.bias.new_empty(0)  # (H b^2, d), (0,)
+    else:
+        weight, inputs_bias = recurrence.joint_weight(), recurrence.input_proj.bias  # (H b^2 + H b, d) or None, (H b,)
+    if weight is None or not weight.is_contiguous() or weight.dtype != torch.float32:
+        return None
+    return [weight, recurrence.transition.bias, inputs_bias, recurrence.out_proj.weight, recurrence.out_proj.bias]
+
+
+def step_arrays(block: nn.Module) -> list[np.ndarray] | None:
+    """What :func:`model.ops.cpu_decode.lrnn_layer_step` takes from a :class:`RecurrentBlock` (``layer_step_arrays``),
+    or None where the recurrence cannot step so. Kept between steps and made again when a parameter of the layer
+    changes (``cpu_decode.stamp``: its storage, or its version in place) or row invariance turns on or off: gathering
+    and converting them every step took ~40 us, a fifth of a tiny model's one-row step (docs/benchmarks.md). As for
+    ``SequenceModel._reference_parameter``, replacing a parameter object itself would go unseen: nothing does."""
+    invariant = cpu_decode.row_invariant()
+    held = block.__dict__.get("_held_step_arrays")  # (parameters, their stamps and the invariance, arrays)
+    if held is not None and held[1] == (invariant, *map(cpu_decode.stamp, held[0])):
+        return held[2]
+    weights = block.recurrence.fused_step_weights()
+    arrays = None
+    if weights is not None:
+        ln_1, ln_2, mlp = block.ln_1, block.ln_2, block.mlp
+        arrays = cpu_decode.layer_step_arrays([ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
+                                               mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias])
+    parameters = list(block.parameters())
+    block.__dict__["_held_step_arrays"] = (parameters, (invariant, *map(cpu_decode.stamp, parameters)), arrays)
+    return arrays
+
+
+def compiled_step(
+    block: nn.Module, x: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x: (B, d_model), state: (B, H, b) -> a :class:`RecurrentBlock`'s step, (B, d_model) and the next state
+    (B, H, b), as one compiled call: served (not training) on the CPU with few rows
+    (:func:`model.ops.cpu_decode.compiles_step`), with the recurrence's :func:`fused_step_weights` and a float32
+    state; None otherwise (the module step runs)."""
+    if block.training or not cpu_decode.compiles_step(x):
+        return None
+    arrays = step_arrays(block)
+    if arrays is None or state.dtype != torch.float32:
+        return None
+    recurrence = block.recurrence
+    return cpu_decode.lrnn_layer_step(x, state, arrays, block.ln_1.eps, recurrence.transition_norm, recurrence.p_norm)
+
+
+def lay_out_weights(model: nn.Module) -> list[str]:
+    """On the CPU, lay a :class:`LinearRNN`'s weights out in memory for its step's one-token products (shapes, values
+    and checkpoints unchanged); returns a note per change. Where they run through the streaming kernel
+    (:func:`model.ops.cpu_decode.streams`: one intra-op thread), every weight stays (out, in), the layout it reads
+    fastest, and each recurrence stacks its generator and input weights into one matrix
+    (:func:`stack_generator_weights`). Otherwise (MKL's products, with several threads) the stacked matrix and
+    every weight wider than tall (out_features > in_features: the MLPs' first layers, a low-rank V, the tied head)
+    are stored (in, out): on this project's CPU MKL's one-thread product read a 4096 x 512 weight twice as fast that
+    way, and a square or tall one as fast or faster as stored (docs/benchmarks.md, "One-token products" and
+    "Low-rank transition generator"). The parallel pass multiplies by the same matrices (equal up to float
+    rounding)."""
+    streaming = cpu_decode.streams(dtype=model.dtype)
+    joined = sum(block.recurrence.for_serving(streaming) for block in model.blocks)
+    notes = [f"{joined} layers make g(u) and B u with one product (CPU)"] if joined else []
+    if streaming:
+        fused = sum(block.recurrence.fused_step_weights() is not None for block in model.blocks)
+        if fused:
+            notes.append(f"{fused} layers step as one compiled call each at {cpu_decode.rows_note()} (CPU)")
+        notes.append("one-token products through the streaming matrix-vector kernel (CPU, one thread)")
+        return notes
+    wide = [
+        module.weight
+        for module in model.blocks.modules()
+        if isinstance(module, nn.Linear) and module.out_features > module.in_features
+    ]
+    head = model.embedding.embed.weight  # (V, d): the tied head multiplies by its transpose
+    if model.config.is_language_model and head.shape[0] > head.shape[1]:
+        wide.append(head)
+    moved = [weight for weight in wide if weight.stride(0) != 1]  # not (in, out) in memory yet
+    for weight in moved:
+        weight.data = weight.data.t().contiguous().t()  # (out, in) with (in, out) in memory
+    if moved:
+        notes.append(f"{len(moved)} weight matrices wider than tall stored transposed for one-token products (CPU)")
+    return notes
+
+
+def product_weights(
+    blocks: nn.ModuleList, default: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """``default`` (:meth:`SequenceModel.product_weights`), except that a recurrence of ``blocks`` whose g and B weights
+    :func:`stack_generator_weights` stacked multiplies by the stacked matrix (a view made anew for each product)
+    instead of by either."""
+    joints = []
+    for block in blocks:
+        recurrence = block.recurrence
+        joint = recurrence.joint_weight()
+        if joint is not None:
+            joints.append((joint, (recurrence.transition.weight, recurrence.input_proj.weight)))
+    stacked = {id(owner) for _, owners in joints for owner in owners}
+    return [*(pair for pair in default if id(pair[0]) not in stacked), *joints]

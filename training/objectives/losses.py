@@ -1,0 +1,116 @@
+"""The loss of a training step: cross-entropy summed over a batch's real positions (:func:`masked_loss`, with a
+teacher's distributions too), and the stochastic LRNN's soft phase with its impurity term.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from training.data.batches import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from training.objectives.run import TrainSettings
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
+                soft_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """logits (B, T, V), targets (B, T) (or (N, V), (N,)) -> summed cross-entropy over the real positions, correct
+    argmaxes. With a gradient to take, through :class:`SummedCrossEntropy`; there ``soft`` (B, T, V) (or (N, V)), a
+    teacher's distributions, and ``soft_weights`` (B, T) (or (N,)) make each position's loss (1 - w) times its
+    target's cross-entropy plus w times the teacher's (training/objectives/distill.py). The loss returned is then that
+    mixture (the one to take the gradient of); :func:`target_loss` reads the targets' own from it."""
+    flat_logits, flat_targets = logits.flatten(0, -2), targets.flatten()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        flat_soft = None if soft is None else soft.flatten(0, -2)
+        flat_weights = None if soft_weights is None else soft_weights.flatten()
+        loss_sum = SummedCrossEntropy.apply(flat_logits, flat_targets, flat_soft, flat_weights)
+    else:
+        loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    correct = int(((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum())
+    return loss_sum, correct
+
+
+def target_loss(loss_sum: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of the targets alone, detached, from :func:`masked_loss`'s loss (with soft targets,
+    :class:`SummedCrossEntropy` keeps it beside the mixture it returns)."""
+    return getattr(loss_sum, "target_loss", loss_sum).detach()
+
+
+class SummedCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")`` with its gradient made in the
+    forward pass: softmax(logits) less 1 at each target, 0 on ignored rows, kept in the one (N, V) buffer that
+    autograd's log-softmax would keep, and scaled in the backward. torch's path writes a log-softmax, then in the
+    backward a zeroed (N, V) gradient, a scatter and the log-softmax's backward (an exp per entry again): a step of
+    4 windows of 2,048 tokens of a stochastic LRNN (vocabulary 8,192, blocks of 16), one CPU thread, went from
+    2.75-2.92 s to 2.21-2.49 s (docs/training.md). The loss of a row is -log of its target's probability, or, where
+    that probability is below 1e-30 (float32 would lose it), logsumexp less the target's logit on those rows.
+
+    With ``soft`` (N, V) (a teacher's distributions, each summing to 1) and ``weights`` (N,): row n's loss is (1 -
+    w_n) times its target's plus w_n times the teacher's cross-entropy, logsumexp(logits) - sum_v soft_v logits_v,
+    and its gradient softmax(logits) - (1 - w_n) onehot(target) - w_n soft. The targets' own summed loss is kept
+    on the result as ``target_loss`` (:func:`target_loss`).
+    logits (N, V) float, targets (N,) -> () summed loss."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        real = targets != IGNORE_INDEX  # (N,)
+        index = targets.clamp(min=0).unsqueeze(1)  # (N, 1)
+        gradient = torch.softmax(logits, dim=-1)  # (N, V): becomes the gradient in place
+        picked = gradient.gather(1, index).squeeze(1)  # (N,) the targets' probabilities
+        losses = -picked.log()
+        tiny = (real & (picked < 1e-30)).nonzero().squeeze(1)
+        if len(tiny):
+            rows = logits[tiny]
+            losses[tiny] = torch.logsumexp(rows, dim=-1) - rows.gather(1, index[tiny]).squeeze(1)
+        target_sum = losses.masked_fill(~real, 0.0).sum()
+        hard = torch.ones_like(picked) if weights is None else 1.0 - weights  # (N,) the targets' share
+        gradient.scatter_add_(1, index, -hard.unsqueeze(1))
+        if soft is not None and weights is not None:
+            gradient.addcmul_(soft, weights.unsqueeze(1), value=-1.0)
+            # the teacher's cross-entropy, logsumexp(logits) - sum_v soft_v logits_v, with logsumexp read off the
+            # targets' loss (logsumexp less the target's logit): no more passes or buffers over (N, V)
+            log_total = losses + logits.gather(1, index).squeeze(1)  # (N,)
+            taught = log_total - torch.linalg.vecdot(soft, logits)  # (N,)
+            losses = hard * losses + weights * taught
+        gradient[~real] = 0.0
+        ctx.save_for_backward(gradient)
+        total = losses.masked_fill(~real, 0.0).sum()
+        if soft is not None:
+            total.target_loss = target_sum
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (gradient,) = ctx.saved_tensors  # scaled in place (a new buffer took back most of the gain): a second
+        return gradient.mul_(grad_output), None, None, None  # backward through the graph meets autograd's check
+
+
+def set_soft_transitions(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:
+    """Switch every layer that has two training phases (``soft_transitions``: the stochastic LRNN's), and whether
+    its soft phase keeps its columns' impurity for :func:`impurity`."""
+    for module in model.modules():
+        if hasattr(module, "soft_transitions"):
+            module.soft_transitions = soft
+            module.track_impurity = soft and track_impurity
+
+
+def determinism_weight(settings: TrainSettings, step: int) -> float:
+    """The weight of the columns' impurity in the loss at ``step``: rising linearly to ``determinism_weight`` over
+    the soft phase, 0 after it."""
+    if step > settings.soft_transition_steps:
+        return 0.0
+    return settings.determinism_weight * step / settings.soft_transition_steps
+
+
+def impurity(model: torch.nn.Module) -> torch.Tensor | float:
+    """The sum over layers of the impurity their last forward pass kept, taken from them (0 when none kept one)."""
+    kept = []
+    for module in model.modules():
+        if getattr(module, "impurity", None) is not None:
+            kept.append(module.impurity.float())
+            module.impurity = None
+    return sum(kept, 0.0)
