@@ -29,10 +29,9 @@
 #
 # Wall times on the 2-core development CPU, one thread beside another job unless said (2026-11-29/30): stages 1-4
 # 2,452 s, 3,181 s, 1,435 s and 744 s; stage 5 663 s on two threads; stage 7 taught 12,060 s on two threads; stage 8
-# taught 3,714 s on one thread. Weights kept in recipes/stages/ (runs/ does not outlive a machine): text-lrnn-b16-4,
-# -7-taught, and the runs beside the shipped chain: -7 (stage 7 untaught, lr 1e-4, 420 steps), -7-lr3 (stage 7
-# untaught), -7-long (that continued toward ~7,000 steps, 1,288 so far: "Stage 7 continued" in the log), -8
-# (stage 8 untaught, from -7-lr3: 85 of 120 keys, text flat with context).
+# taught 3,714 s on one thread. Weights kept in recipes/stages/: the teacher (text-lrnn-q) and stage 7's start
+# (text-lrnn-b16-7-taught, which recipes/text-lrnn-b16-taught.sh loads). The other stages' weights are in the
+# repository's history: `git log --diff-filter=D --stat -- recipes/stages` names the commit that removed them.
 # recipes/text-lrnn-b16-taught.sh runs stages 7 and 8 taught at the scale of Q's stage 9 (~7,000 steps of 2,048
 # tokens), on a GPU, in resumable calls: the next step toward perplexity that falls with context
 # (docs/text_results.md). The runs' own folders, while they last, go on with
