@@ -1,8 +1,6 @@
-"""Finite automata over single-character symbols: Moore machines and the DFA JSON files of SPEC section 2.
-
-A :class:`MooreMachine` has a label on every state; reading a string it emits, after each prefix, the label of
-the state reached. A :class:`DFA` is the Moore machine whose labels are ``"1"`` on accepting states and
-``"0"`` elsewhere. Anything malformed is refused with an :class:`AutomatonError` whose message names it.
+"""Finite automata over single-character symbols: Moore machines and the DFA JSON files (docs/api.md, Automaton
+files). A :class:`DFA` is the Moore machine labelled "1" on accepting states and "0" elsewhere. Anything malformed
+is refused with an :class:`AutomatonError` whose message names it.
 """
 
 from __future__ import annotations
@@ -18,10 +16,7 @@ from typing import Any
 import numpy as np
 
 MAX_STATES = 1024
-"""The most states an automaton may have. The compiler turns an n-state automaton into one n x n one-hot
-transition matrix per symbol (float32: 4 MiB each at n = 1024, 32 MiB for an 8-symbol alphabet), and RegularGPT
-composes them by n x n matrix products (2 n^3 = 2e9 multiply-adds at n = 1024). Four times more states would make
-checkpoints 16 times and compositions 64 times larger; the largest task automaton (modular_arithmetic) has 61."""
+"""The most states an automaton may have: compiled weights grow as n**2 per symbol, compositions as n**3."""
 
 JSON_KEYS = ("name", "alphabet", "states", "start", "accept", "delta")
 
@@ -38,10 +33,7 @@ class AutomatonTooLarge(AutomatonError):
 
 @dataclass(frozen=True)
 class MooreMachine:
-    """A deterministic automaton that outputs ``output[state]`` after every symbol it reads.
-
-    ``delta[state][symbol]`` is the next state; it is total: every state has a transition on every symbol.
-    """
+    """A deterministic automaton that outputs ``output[state]`` after every symbol it reads; ``delta`` is total."""
 
     name: str
     alphabet: str
@@ -78,8 +70,8 @@ class MooreMachine:
         state_name: Callable[[Any], str] = str,
         max_states: int = MAX_STATES,
     ) -> MooreMachine:
-        """The machine on the states reachable from ``start`` by ``step``, numbered in breadth-first order; an
-        AutomatonError beyond ``max_states`` (a larger bound suits a machine that is minimised next)."""
+        """The machine on the states reachable from ``start`` by ``step``, numbered in breadth-first order;
+        AutomatonTooLarge beyond ``max_states``."""
         order, seen = [start], {start}
         successors: dict[Hashable, dict[str, Hashable]] = {}
         for state in order:  # ``order`` grows while it is read: a breadth-first search
@@ -101,10 +93,8 @@ class MooreMachine:
         )
 
     def minimal(self) -> MooreMachine:
-        """The equivalent machine with the fewest states (Moore's partition refinement: states are merged until
-        no symbol leads two merged states into different blocks), numbered in breadth-first order from the start.
-        Every state is reachable already (``explore`` and the JSON loader keep only reachable ones, or not: the
-        result keeps only those reachable from the start)."""
+        """The equivalent machine with the fewest states (Moore's partition refinement), keeping only states
+        reachable from the start, numbered in breadth-first order."""
         block = {state: self.output[state] for state in self.states}  # a state's block: its label, then refined
         while True:
             signature = {state: (block[state], *(block[self.delta[state][s]] for s in self.alphabet))
@@ -122,8 +112,8 @@ class MooreMachine:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The machine as a JSON object: a DFA file's keys (SPEC section 2) with "output" (each state's label) in
-        place of "accept"; what a compiled checkpoint records of it."""
+        """The machine as a JSON object: a DFA file's keys with "output" (each state's label) in place of
+        "accept"."""
         return {
             "name": self.name,
             "alphabet": self.alphabet,
@@ -134,7 +124,8 @@ class MooreMachine:
         }
 
     def trace(self, string: str) -> list[str]:
-        """The state reached after each prefix of ``string`` (the empty prefix excluded)."""
+        """The state reached after each non-empty prefix of ``string``; AutomatonError on a symbol outside the
+        alphabet."""
         state, visited = self.start, []
         for position, symbol in enumerate(string):
             if symbol not in self.alphabet:
@@ -150,11 +141,8 @@ class MooreMachine:
         return [self.output[state] for state in self.trace(string)]
 
     def transition_matrices(self) -> np.ndarray:
-        """(len(alphabet), n, n) float32 0/1 matrices M with onehot(delta[q][symbol]) = M[k] @ onehot(q).
-
-        ``k`` is the symbol's index in the alphabet and state i is ``states[i]``: column i of ``M[k]`` is the
-        one-hot image of state i.
-        """
+        """(len(alphabet), n, n) float32 0/1 matrices: column i of ``M[k]`` is the one-hot image of ``states[i]``
+        under symbol ``alphabet[k]``."""
         index = {state: i for i, state in enumerate(self.states)}
         matrices = np.zeros((len(self.alphabet), len(self.states), len(self.states)), dtype=np.float32)
         for source, row in self.delta.items():
@@ -165,7 +153,7 @@ class MooreMachine:
 
 @dataclass(frozen=True)
 class DFA:
-    """A deterministic finite automaton, as written in the JSON files of SPEC section 2."""
+    """A deterministic finite automaton, as written in the JSON files of docs/api.md, Automaton files."""
 
     name: str
     alphabet: str
@@ -212,7 +200,7 @@ class DFA:
             raise AutomatonError(f"{path}: {error}") from None
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of SPEC section 2 (``json.dumps`` writes it as is); accept states in state order."""
+        """The DFA file's JSON object (``json.dumps`` writes it as is); accept states in state order."""
         return {
             "name": self.name,
             "alphabet": self.alphabet,

@@ -1,43 +1,6 @@
-"""Compile a DFA (SPEC section 2) into a transducer checkpoint that outputs, after every prefix, "1" if the DFA
-accepts it and "0" otherwise: exactly, at any length, through the ordinary model code (``forward``,
-``final_logits``, ``step``) and its fast paths. Only the weights are constructed; nothing is trained.
-
-A Moore machine with other labels compiles the same way into a transducer of its label after every prefix; its
-labels, in the checkpoint's order (label ids), are its outputs sorted (a DFA's: "0", "1"), which is the order of
-every regular task's labels (training/data/tasks.py), so that ``python -m training compile --task NAME`` writes the
-task's checkpoint (e.g. induction_heads, 19 states and 18 labels). Below, "accepting" reads "labelled".
-
-Notation: n states, V symbols, M_s the (n, n) one-hot transition matrix of symbol s (column q is the one-hot
-image of state q, ``DFA.transition_matrices``), q0 the start state, F the accepting states.
-
-**Block-diagonal LRNN** (one layer, one block of size n + 1). The state is h = [e_q; f], the one-hot current
-state and a "started" flag f, with h_0 = 0. Symbol s gives
-
-    A_s = [[M_s, -e_r], [0, 0]]    B u_s = [e_r; 1]    r = delta(q0, s)
-
-so h_1 = [e_{delta(q0, s)}; 1] and from then on A_s [e_q; 1] + B u_s = [e_{delta(q, s)}; 1]. Every column of
-A_s has a single entry +-1, so the p-norm column constraint leaves A_s unchanged. The embedding of s is
-c * H_{1+s}, a row of the Sylvester-Hadamard matrix H (d_model x d_model, entries +-1, zero mean for rows >= 1)
-scaled by c = 2**12: its LayerNorm is H_{1+s} (eps = 1e-5 vanishes against the variance c**2 in float32), and
-since those rows are orthogonal, transition and input projections with weights sum_s target_s H_{1+s}^T / d_model
-and no bias give A_s and B u_s. The readout writes c times the code of state q's label, which the label head reads
-after ``ln_f`` (label k scores its code's dot product); the MLP is zero. Labels "0"/"1": the codes are -H_{V+1} and
-+H_{V+1}; K other labels: one row each, H_{V+1} .. H_{V+K}.
-
-**RegularGPT** (C = 2, K = 1, one head, out_of_range="null"; regulargpt.txt section 7.2 and appendix C). After
-thick layer l, position m holds in its residual stream X = Flat(A), A = M_{s_m} ... M_{s_{m - 2**(l+1) + 1}}
-the one-hot function matrix of that window (positions before 0 act as the identity), beside a zero block O.
-The embedding is [Flat(M_s), 0]. One head attends only to j = 1 (relative biases -R, +R; q and k are zero) and
-copies X of position m - 2**l into O; out of range, the null value is Flat(I). (The paper's second head, on
-j = 0, is not needed: the residual stream already carries position m's own X.) The MLP then composes: with a
-large lambda, GELU(lambda z) / lambda is relu(z) to float32 precision wherever |z| >= 0.25, and for each
-(i, j, k) two hidden units give g(s) = 2 relu(s - 1.25) - 2 relu(s - 1.75) of s = X[i, j] + O[j, k]: exactly 1
-when both are 1, exactly 0 otherwise, also for inputs off by up to 0.25, so rounding errors do not grow with
-depth. It writes sum_j g - X into X and -O into O (pass-through units GELU(lambda x) - GELU(-lambda x) =
-lambda x), leaving just the composed Flat(A). X and O hold exactly n ones each, so every LayerNorm input has a
-constant mean and variance and each LayerNorm's weight and bias undo its normalisation. The head reads
-acceptance of A's column q0: sum over i in F of A[i, q0] (K other labels: label k scores the sum over the states
-labelled k).
+"""Compile a DFA or Moore machine into exact transducer weights (block-diagonal LRNN or RegularGPT) that output the
+machine's label after every prefix, at any length. The construction and its notation (n states, V symbols, M_s,
+q0): docs/models.md, "Compiled automata".
 """
 
 from __future__ import annotations
@@ -72,8 +35,7 @@ PRODUCT_THRESHOLDS = (1.25, 1.75)
 """g(s) = 2 relu(s - 1.25) - 2 relu(s - 1.75): 0 for s <= 1.25, 1 for s >= 1.75."""
 
 MAX_REGULARGPT_STATES = 16
-"""The RegularGPT construction has d_model = 2 n**2 and 2 n**3 + 4 n**2 hidden units, ~8 n**5 weights: 41 MB of
-float32 at n = 16, 32 times more at n = 32. The LRNN construction takes any DFA (automata.automaton.MAX_STATES)."""
+"""RegularGPT's construction grows as n**5 weights; the LRNN's takes any DFA (automata.automaton.MAX_STATES)."""
 
 
 Automaton = DFA | MooreMachine
@@ -89,7 +51,7 @@ def labels_of(automaton: Automaton) -> tuple[str, ...]:
 
 
 def compile_lrnn(automaton: Automaton) -> tuple[BlockDiagonalLRNN, CheckpointConfig]:
-    """The one-layer block-diagonal LRNN of the module docstring, float32, in eval mode."""
+    """The one-layer block-diagonal LRNN of docs/models.md, "Compiled automata", float32, in eval mode."""
     machine, labels = _machine(automaton), labels_of(automaton)
     n, vocab = len(machine.states), len(machine.alphabet)
     binary = labels == LABELS
@@ -137,7 +99,8 @@ def compile_lrnn(automaton: Automaton) -> tuple[BlockDiagonalLRNN, CheckpointCon
 
 
 def compile_regulargpt(automaton: Automaton) -> tuple[RegularGPT, CheckpointConfig]:
-    """The C = 2, K = 1 RegularGPT with null slots of the module docstring, float32, in eval mode."""
+    """The C = 2, K = 1 RegularGPT with null slots of docs/models.md, "Compiled automata", float32, in eval mode.
+    Raises CompileError above MAX_REGULARGPT_STATES states."""
     machine, labels = _machine(automaton), labels_of(automaton)
     n, vocab = len(machine.states), len(machine.alphabet)
     if n > MAX_REGULARGPT_STATES:
@@ -197,8 +160,8 @@ COMPILERS: dict[str, Callable[[Automaton], tuple[SequenceModel, CheckpointConfig
 def checkpoint_config(
     automaton: Automaton, architecture: str, model_config: LRNNConfig | RegularGPTConfig
 ) -> CheckpointConfig:
-    """A transducer over the automaton's alphabet with :func:`labels_of` it, naming the task only if the automaton
-    computes it; metadata records what was compiled ("dfa": the DFA JSON, or "moore_machine")."""
+    """A transducer config with :func:`labels_of` the automaton, naming the task only if the automaton computes it;
+    metadata records the "dfa" or "moore_machine" compiled."""
     source = {"dfa": automaton.to_json()} if isinstance(automaton, DFA) else {"moore_machine": automaton.to_json()}
     return CheckpointConfig(
         architecture=architecture, model=model_config, kind="transduce", task=task_of(automaton),
@@ -208,10 +171,8 @@ def checkpoint_config(
 
 
 def task_of(automaton: Automaton) -> str | None:
-    """The automaton's name if a regular task of SPEC section 1 has that name, the same alphabet (in the same order:
-    token ids) and the same labels after every non-empty prefix; None otherwise. Those tasks are the task machines
-    (tests/training/test_tasks.py checks them against the task registry, and that each task's labels are its
-    machine's sorted, the label ids :func:`labels_of` gives)."""
+    """The automaton's name if a regular task (docs/api.md, Tasks) has that name, the same alphabet in the same
+    order and the same labels after every non-empty prefix; None otherwise."""
     machine = _machine(automaton)
     task = task_machines().get(machine.name)
     if task is None or task.alphabet != machine.alphabet:
@@ -220,8 +181,7 @@ def task_of(automaton: Automaton) -> str | None:
 
 
 def same_transduction(first: MooreMachine, second: MooreMachine) -> bool:
-    """Whether the machines (same alphabet) output the same label after every non-empty prefix: a search of
-    the pairs of states reachable together."""
+    """Whether the machines (same alphabet) output the same label after every non-empty prefix."""
     pending = [(first.start, second.start)]
     seen = set(pending)
     while pending:

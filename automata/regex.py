@@ -1,20 +1,8 @@
 """Regular expressions as DFAs: ``python -m training compile --regex PATTERN --alphabet SYMBOLS``.
 
-A pattern is parsed by Python's own regex parser (``re._parser``: the syntax and every single-character class,
-flag and escape mean exactly what they mean to ``re``), turned into a Thompson NFA, determinised by the subset
-construction over the given alphabet only, and minimised (``MooreMachine.minimal``). The DFA accepts a string
-over the alphabet exactly when ``re.fullmatch(pattern, string)`` matches; tests/automata/test_regex.py checks it
-on every prefix of random strings for hand-written and 240 random patterns.
-
-Why not a library: interegular (what outlines uses) builds its automaton over every character before one can
-restrict it to the alphabet, and on nested repetitions that is slow: ``((a(.a.)?)?(c|b|(.b){1,4})((b.b)+(ab)?.)?)+``
-took it 82 s and 16,863 states on this machine; the construction here takes milliseconds on the same pattern
-(13 states after minimising), because it only ever visits subsets reachable over the 2-3 symbols. greenery has
-the same design and its own, non-Python syntax.
-
-Refused with an :class:`AutomatonError` naming the construct: what is not regular or has no meaning for a whole
-match (back-references, look-arounds, anchors and word boundaries, conditionals), possessive quantifiers and
-atomic groups (they change which strings match), and automata beyond the size limits.
+Python's own regex parser, a Thompson NFA, the subset construction over the alphabet only, then minimisation: the
+DFA accepts exactly the strings ``re.fullmatch(pattern, ...)`` matches. Constructs that are not regular for a whole
+match, and automata beyond the size limits, raise :class:`AutomatonError` naming them.
 """
 
 from __future__ import annotations
@@ -78,9 +66,8 @@ def regex_dfa(pattern: str, alphabet: str, name: str = "regex") -> DFA:
 
 
 def single_character_item(op, argument, flags: int) -> object:
-    """A parsed single-character item on its own, for ``regex_compiler.compile(item, flags)``: in a parser state of
-    its own holding exactly ``flags`` (re's compiler ORs the state's flags in, so the pattern's state would put a
-    global (?i) back into a (?-i:...) group)."""
+    """A parsed single-character item in a parser state of its own holding exactly ``flags`` (re's compiler ORs the
+    state's flags in: the pattern's state would put a global (?i) back into a (?-i:...) group)."""
     state = regex_parser.State()
     state.flags = flags
     return regex_parser.SubPattern(state, [(op, argument)])

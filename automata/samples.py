@@ -1,6 +1,5 @@
 """Automata and strings that exercise compiled models: the counter DFA modulo n (every state reachable) and random
-walks that stay live (uniform strings of most Tomita and Dyck languages fall into a rejecting sink within a few
-symbols, after which every label is "0" and a check says little). Used by the tests and benchmarks/compiler_sweep.py.
+walks that never enter a rejecting sink. Used by the tests and benchmarks/compiler_sweep.py.
 """
 
 from __future__ import annotations

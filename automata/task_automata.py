@@ -1,9 +1,6 @@
-"""Moore machines for the regular tasks of SPEC section 1, and the DFA files shipped in ``automata/tasks``.
-
-Each machine's label after every prefix is the task's label; the tests check them against the reference labelers
-of training/data/labelers.py. The binary-label ones are also shipped as DFA JSON files for the compiler (and name the
-task of what it compiles: ``compiler.task_of``); ``python -m automata.task_automata`` rewrites those files from
-the machines below.
+"""Moore machines for the regular tasks (docs/api.md, Tasks): each machine's label after every prefix is the task's
+label. The binary-label ones are shipped as DFA files in ``automata/tasks``; ``python -m automata.task_automata
+[DIR]`` rewrites them.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from automata.automaton import DFA, MooreMachine
 
 AUTOMATA_DIR = Path(__file__).parent / "tasks"
 
-CYCLE_MOVES = {"0": -1, "1": 0, "2": +1}  # the alphabets and moves of SPEC section 1, shared with the labelers
+CYCLE_MOVES = {"0": -1, "1": 0, "2": +1}  # cycle_navigation's moves, shared with the labelers
 OPERATORS = "+-*"
 DIGITS = "01234"
 INDUCTION_LETTERS = "abcdefghijklmnop"
@@ -76,13 +73,8 @@ def sum_mod5() -> MooreMachine:
 
 
 def modular_arithmetic() -> MooreMachine:
-    """State: (finished terms mod 5, product being built mod 5, the operator just read or None).
-
-    The start state reads as if "0+" had been read. A "+" or "-" adds the product to the finished terms at once,
-    so the states after it differ only by the running value. A symbol
-    in the wrong place (an operator where a digit belongs or the reverse) leads to a "malformed" sink labelled
-    "0": the reference labeler refuses such strings, the machine must read every string.
-    """
+    """State: (finished terms mod 5, product being built mod 5, the operator just read or None), starting as if
+    "0+" had been read. A symbol in the wrong place leads to a "malformed" sink labelled "0"."""
     start, malformed = (0, 0, "+"), "malformed"
 
     def step(state, symbol):
@@ -145,7 +137,7 @@ def tomita3() -> MooreMachine:
 
 
 def tomita4() -> MooreMachine:
-    """State: the number of trailing 0s (below 3), or "dead" after 000; the DFA of SPEC section 2."""
+    """State: the number of trailing 0s (below 3), or "dead" after 000."""
     return MooreMachine.explore(
         "tomita4", "01", start=0,
         step=lambda zeros, symbol: None if zeros is None or zeros + (symbol == "0") == 3 else
@@ -196,10 +188,7 @@ def one() -> MooreMachine:
 
 def induction_heads() -> MooreMachine:
     """State: "before_mark" until the first "#", "after_mark" just after it, then "key_x" for good, x the symbol
-    that followed it (the label; "-" in the first two).
-
-    19 states: the key may be any symbol, "#" included ("##" has label "#" at its second position, as SPEC section
-    1 reads); the task's generator only ever puts a letter there."""
+    that followed it (the label; "-" before). 19 states: the key may be any symbol, "#" included."""
 
     def step(key: str | None, symbol: str) -> str | None:  # None: no "#" yet; "": just after the first one
         if key is None:
@@ -214,8 +203,7 @@ def induction_heads() -> MooreMachine:
 
 
 def task_machines() -> dict[str, MooreMachine]:
-    """The machine of every regular task of SPEC section 1 (all but palindrome), by task name: the tasks whose
-    checkpoints the compiler names (``compiler.task_of``)."""
+    """The machine of every regular task (all but palindrome), by task name."""
     machines = [cycle_navigation(), modular_arithmetic(), sum_mod5(), induction_heads()]
     return {**binary_task_machines(), **{machine.name: machine for machine in machines}}
 

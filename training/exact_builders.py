@@ -1,24 +1,8 @@
 """The published weights of the exact transformers, written as checkpoint folders (architecture "exact").
 
-Each construction is first written in the papers' own coordinates (the dimension numbers of their equations,
-0-based here), with queries such that q.k is the intended attention logit; ``to_model`` pads the layers to one
-width and multiplies the queries by sqrt(d) to undo the model's 1 / sqrt(d).
-
-- ``parity``, ``first``: exact-parity-first.txt sections 3.2 and 3.3 (c = 1);
-- ``one``, ``palindrome``: exact-one-palindrome.txt sections 3.1 and 3.2 (PALINDROME: c = ln 2, y = I[s = 0]);
-- ``with_layer_norm``: exact-parity-first.txt section 4: every vector is carried with its negation so that
-  LN does not re-centre (4.1), and a last layer maps the output logit s to LN([s, -s, 0 ..]), which with eps = 0
-  is +-sqrt(d / 2) whatever |s| is, scaled to cross-entropy ``cross_entropy`` per string (Proposition 2);
-- ``palindrome_mirror``: a numerically sound PALINDROME (docs/exact_results.md). The published construction
-  compares the two halves as base-2 numbers, which needs n bits of precision; here each position attends to
-  its mirror n - 1 - i through the logit -c (j - (n - 1 - i))^2 (keys j, j^2), an FFN flags a mismatch with
-  exactly 0 or ~1, and CLS attends to the flags with log-length scaled logits 2 log(n) flag_j, so that s is
-  exactly 0 for a palindrome and at least 2n^2 / (2n^2 + n - 2) (two flags) otherwise; here n counts CLS and
-  EOS, as in the papers;
-- ``first_log_scaled``: exact-parity-first.txt Proposition 3, low cross-entropy through log-length scaling alone.
-
-``python -m training.exact_builders --out checkpoints/ --overwrite`` writes ``<task>-exact`` for the four tasks
-(without ``--overwrite`` it refuses to replace a folder that holds a checkpoint).
+Constructions are written in their papers' coordinates (docs/api.md, Papers; dimensions 0-based, q.k the intended
+logit); ``to_model`` pads the layers and scales the queries by sqrt(d). ``python -m training.exact_builders --out
+checkpoints/ [--overwrite]`` writes ``<task>-exact`` for the four tasks.
 """
 
 from __future__ import annotations
@@ -40,8 +24,7 @@ from training.data.tasks import get_task
 
 DEFAULT_CROSS_ENTROPY = 1e-3  # nats per string reached by the layer-norm (eps = 0) and mirror constructions
 PUBLISHED_ZERO_TEST_TOLERANCE = 1e-7
-"""|s| counted as 0 by the PALINDROME paper's code (the default of its --palindrome_error, in float32); with it the
-published construction errs in float32 from 23 symbols on (docs/exact_results.md)."""
+"""|s| counted as 0 by the PALINDROME paper's code (the default of its --palindrome_error, in float32)."""
 
 
 @dataclass
@@ -96,7 +79,7 @@ def _unit(width: int, index: int, scale: float = 1.0) -> np.ndarray:
 
 
 def parity(c: float = 1.0) -> Construction:
-    """exact-parity-first.txt section 3.2: dims 0-4 I[0], I[1], I[CLS], i/n, cos(i pi); 5 k/n, 6 1/n (layer 1
+    """Chiang & Cholak 2022, section 3.2: dims 0-4 I[0], I[1], I[CLS], i/n, cos(i pi); 5 k/n, 6 1/n (layer 1
     attention), 7 I[i = k]/n (layer 1 FFN), 8 s (layer 2: CLS weighs odd against even positions)."""
     d = 9
     position = np.zeros((d, 2))
@@ -115,7 +98,7 @@ def parity(c: float = 1.0) -> Construction:
 
 
 def first(c: float = 1.0) -> Construction:
-    """exact-parity-first.txt section 3.3: dims 0-3 I[0], I[1], I[CLS], I[i = 1]; 4 I[w_i = 1 and i = 1] (layer 1
+    """Chiang & Cholak 2022, section 3.3: dims 0-3 I[0], I[1], I[CLS], I[i = 1]; 4 I[w_i = 1 and i = 1] (layer 1
     FFN); 5 s (layer 2: CLS attends to position 1)."""
     d = 6
     position = np.zeros((d, 1))
@@ -132,7 +115,7 @@ def first(c: float = 1.0) -> Construction:
 
 
 def first_log_scaled(cross_entropy: float = DEFAULT_CROSS_ENTROPY) -> Construction:
-    """exact-parity-first.txt Proposition 3 without layer norm: FIRST with c = 1 and attention logits scaled by
+    """Chiang & Cholak 2022, Proposition 3, without layer norm: FIRST with c = 1 and attention logits scaled by
     log n, so that 1/4 < |s| <= 1/2 at every n; the readout is scaled to cross-entropy ``cross_entropy``."""
     construction = first(c=1.0)
     scale = 4.0 * _logit_for(cross_entropy)
@@ -140,7 +123,7 @@ def first_log_scaled(cross_entropy: float = DEFAULT_CROSS_ENTROPY) -> Constructi
 
 
 def one() -> Construction:
-    """exact-one-palindrome.txt section 3.1: dims 0-3 I[0], I[1], I[CLS], i/n; 4 k/n, 5 1/n (uniform attention);
+    """Nowak et al. 2022, section 3.1: dims 0-3 I[0], I[1], I[CLS], i/n; 4 k/n, 5 1/n (uniform attention);
     6 s = (I[k = 1] - 1/2) / n (FFN)."""
     d = 7
     position = np.zeros((d, 1))
@@ -153,7 +136,7 @@ def one() -> Construction:
 
 
 def palindrome(c: float = math.log(2.0)) -> Construction:
-    """exact-one-palindrome.txt section 3.2: dims 0-7 I[0], I[1], I[CLS], I[EOS], i, n - i - 1, I[left half],
+    """Nowak et al. 2022, section 3.2: dims 0-7 I[0], I[1], I[CLS], I[EOS], i, n - i - 1, I[left half],
     I[right half]; 8, 9 I[w_i = 1] in the left / right half (layer 1 FFN); 10 s = sum over mismatches of
     +-2^i / (2^n - 1) (layer 2: two heads with softmax base 2 = e^c, one reading each half)."""
     d = 11
@@ -173,8 +156,9 @@ def palindrome(c: float = math.log(2.0)) -> Construction:
 
 
 def palindrome_mirror(c: float = 20.0, cross_entropy: float = DEFAULT_CROSS_ENTROPY) -> Construction:
-    """The sound PALINDROME (module docstring): dims 0-3 I[0], I[1], I[CLS], I[EOS]; 4-6 i, n - 1 - i, i^2;
-    7 I[w_mirror = 1] (layer 1 attention); 8 mismatch flag (layer 1 FFN); 9 s (layer 2 attention)."""
+    """A PALINDROME that needs no n bits of precision: each position attends to its mirror (logit
+    -c (j - (n - 1 - i))^2), an FFN flags a mismatch, and CLS attends to the flags (log-length scaled). Dims 0-3
+    I[0], I[1], I[CLS], I[EOS]; 4-6 i, n - 1 - i, i^2; 7 I[w_mirror = 1]; 8 mismatch flag; 9 s."""
     d = 10
     position = np.zeros((d, 3))
     position[4:7, :] = np.eye(3)
@@ -202,7 +186,8 @@ def _logit_for(cross_entropy: float) -> float:
 
 
 def with_layer_norm(construction: Construction, cross_entropy: float = DEFAULT_CROSS_ENTROPY) -> Construction:
-    """exact-parity-first.txt section 4: carry [a; -a] (4.1), then add Proposition 2's last layer."""
+    """Chiang & Cholak 2022, section 4: carry [a; -a] so that LN does not re-centre (4.1), then add Proposition 2's
+    last layer, which maps s to LN([s, -s, 0 ..]) = +-sqrt(d / 2) (eps = 0), scaled to ``cross_entropy``."""
     d = construction.width
     mirrored = [
         LayerWeights(
@@ -349,9 +334,8 @@ def add_exact_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_exact(args: argparse.Namespace) -> int:
-    """Write the folders; 0 on success, 2 with one line on stderr (as ``python -m training compile``) when --out
-    is not a folder or, without --overwrite, a folder to write already holds a checkpoint (both checked before
-    anything is written), or when writing fails."""
+    """Write the folders; 0 on success, 2 with one line on stderr when --out is not a folder, a folder to write
+    holds a checkpoint and --overwrite is not given (both checked before writing), or writing fails."""
     problem = _refusal(args.out, [shipped.folder_name for shipped in _chosen(args.tasks)], args.overwrite)
     if problem is None:
         try:

@@ -94,9 +94,8 @@ def assert_exact_on_every_string(model, dfa: DFA, length: int) -> None:
 
 def random_pattern(rng: np.random.Generator, alphabet: str, depth: int = 0) -> str:
     """A random regular expression over ``alphabet``: symbols, classes, '.', concatenation, alternation,
-    optional, star, plus and bounded repetition, nested three deep. (interegular builds its automaton over every
-    character before we restrict it to the alphabet, and counted repetitions of starred groups inside a starred
-    group take it 10-20 s and 10,000 states: counted repetition is kept to the innermost groups here.)"""
+    optional, star, plus and bounded repetition, nested three deep; counted repetition only in the innermost
+    groups, which keeps the automata small."""
     if depth >= 3 or rng.random() < 0.3:
         kind = rng.integers(4)
         if kind == 0:

@@ -1,4 +1,5 @@
-"""DFA files (SPEC section 2): parsing, every refusal with its message, running and transition matrices."""
+"""DFA files (docs/api.md, Automaton files): parsing, every refusal with its message, running and transition
+matrices."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from automata.automaton import DFA, MAX_STATES, AutomatonError, MooreMachine
 from automata.task_automata import AUTOMATA_DIR
 
-SPEC_TOMITA4_TEXT = """
+TOMITA4_TEXT = """
 {"name": "tomita4", "alphabet": "01", "states": ["q0", "q1", "q2", "dead"], "start": "q0",
  "accept": ["q0", "q1", "q2"],
  "delta": {"q0": {"0": "q1", "1": "q0"}, "q1": {"0": "q2", "1": "q0"},
@@ -22,7 +23,7 @@ SPEC_TOMITA4_TEXT = """
 
 
 def spec_tomita4() -> dict[str, Any]:
-    return json.loads(SPEC_TOMITA4_TEXT)
+    return json.loads(TOMITA4_TEXT)
 
 
 def edited(edit: Callable[[dict[str, Any]], object]) -> dict[str, Any]:
@@ -97,8 +98,8 @@ def test_automaton_error_is_a_value_error() -> None:
     [
         ("{\"name\": ", "invalid JSON"),
         ("[\"q0\"]", "a DFA must be a JSON object, not list"),
-        (SPEC_TOMITA4_TEXT.replace('"0": "q1", "1": "q0"', '"0": "q1", "0": "q0"'), "key '0' appears more than once"),
-        (SPEC_TOMITA4_TEXT.replace('"q0", "q1", "q2"]', '"q0", "q1", "q7"]'), "accept state 'q7'"),
+        (TOMITA4_TEXT.replace('"0": "q1", "1": "q0"', '"0": "q1", "0": "q0"'), "key '0' appears more than once"),
+        (TOMITA4_TEXT.replace('"q0", "q1", "q2"]', '"q0", "q1", "q7"]'), "accept state 'q7'"),
     ],
 )
 def test_invalid_file_is_refused_with_its_path(tmp_path: Path, text: str, message: str) -> None:
@@ -117,7 +118,7 @@ def test_missing_file_is_refused_with_its_path(tmp_path: Path) -> None:
 
 def test_spec_example_file_parses_and_runs(tmp_path: Path) -> None:
     path = tmp_path / "tomita4.json"
-    path.write_text(SPEC_TOMITA4_TEXT)
+    path.write_text(TOMITA4_TEXT)
     dfa = DFA.from_json(str(path))
     assert dfa.states == ("q0", "q1", "q2", "dead")
     assert dfa.accept == frozenset({"q0", "q1", "q2"})

@@ -128,7 +128,7 @@ def cross_entropy_bits(model, task_name: str, length: int, count: int = 8) -> fl
 
 @pytest.mark.parametrize("name", ["parity", "first"])
 def test_layer_norm_with_eps_0_keeps_cross_entropy_at_its_target_at_every_length(name: str) -> None:
-    """exact-parity-first.txt Fig. 2: without layer norm the cross-entropy nears 1 bit; with eps = 0 it stays put."""
+    """Chiang & Cholak 2022, Fig. 2: without layer norm the cross-entropy nears 1 bit; with eps = 0 it stays put."""
     plain = to_model(CONSTRUCTIONS[name]())
     normalised = to_model(with_layer_norm(CONSTRUCTIONS[name]()), layer_norm=True, layer_norm_eps=0.0)
     target_bits = DEFAULT_CROSS_ENTROPY / math.log(2)

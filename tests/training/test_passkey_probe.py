@@ -344,9 +344,8 @@ def test_probe_flags_without_the_probe_and_the_probe_of_a_transducer_exit_2(chec
 
 
 def test_without_filler_the_probe_reads_austen_and_grass(checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
-    """No --filler: the default fillers, Austen's held-out text and the grass text (the default was once read as
-    the letters of 'austen' and every such call exited 2). Austen's text is not installed here: its stream is
-    stood in for by the grass text."""
+    """No --filler: the default fillers, Austen's held-out text and the grass text, each read as one filler name.
+    Austen's text is not installed here: its stream is stood in for by the grass text."""
     monkeypatch.setattr("training.cli.text.filler_tokens",
                         lambda name, tokenizer, fraction: grass_filler(tokenizer))  # fmt: skip
     out = tmp_path / "probe"

@@ -28,7 +28,7 @@ def test_trained_checkpoints_are_shipped() -> None:
 def test_a_shipped_trained_checkpoint_extrapolates(folder: Path) -> None:
     """Right on 48 fresh strings of 41-300 symbols; a task with strings whose decisive symbol lies a power of two
     before the end (induction_heads: where RegularGPT's last position reads the mark in one hop, rare among uniform
-    draws and once missed by half) is checked on 48 of those as well."""
+    draws) is checked on 48 of those as well."""
     loaded = load_checkpoint(folder, device="cpu")
     config = loaded.config
     assert config.kind == "transduce" and folder.name == f"{config.task}-{config.architecture}"

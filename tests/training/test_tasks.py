@@ -1,4 +1,4 @@
-"""Tasks of SPEC section 1: labelers against brute force, automata against labelers, sampling, registry."""
+"""Tasks (docs/api.md, Tasks): labelers against brute force, automata against labelers, sampling, registry."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from automata.task_automata import AUTOMATA_DIR, binary_task_dfas
 from training.data.batches import LengthCurriculum, TrainingData
 from training.data.tasks import TASKS, Task, get_task, sample_batch
 
-SPEC_TASKS = [
+CONTRACT_TASKS = [
     "parity_check", "even_pairs", "cycle_navigation", "modular_arithmetic", "sum_mod5", "even_pair_mod5",
     "d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita5", "tomita6", "first", "one", "palindrome",
     "induction_heads",
 ]
 SPARSE_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita6", "first", "one", "palindrome"]
-REGULAR_TASKS = [name for name in SPEC_TASKS if name != "palindrome"]
+REGULAR_TASKS = [name for name in CONTRACT_TASKS if name != "palindrome"]
 EXHAUSTIVE_STRINGS = 10_000  # per task: all strings of each length while there are at most this many
 LONGEST_EXHAUSTIVE = 8
 
@@ -80,7 +80,7 @@ def short_strings(task: Task) -> Iterator[str]:
 
 
 def test_registry_has_every_spec_task_in_order() -> None:
-    assert list(TASKS) == SPEC_TASKS
+    assert list(TASKS) == CONTRACT_TASKS
     assert all(TASKS[name].name == name for name in TASKS)
 
 
@@ -90,14 +90,14 @@ def test_unknown_task_is_refused_with_the_known_names() -> None:
     assert get_task("d12") is TASKS["d12"]
 
 
-@pytest.mark.parametrize("name", SPEC_TASKS)
+@pytest.mark.parametrize("name", CONTRACT_TASKS)
 def test_train_lengths(name: str) -> None:
     bhattamishra = name.startswith(("d", "tomita"))
     expected = (3, 256) if name == "induction_heads" else (1, 50) if bhattamishra else (1, 40)
     assert TASKS[name].train_lengths == expected
 
 
-@pytest.mark.parametrize("name", SPEC_TASKS)
+@pytest.mark.parametrize("name", CONTRACT_TASKS)
 def test_labeler_agrees_with_brute_force_on_short_strings(name: str) -> None:
     task = TASKS[name]
     for string in short_strings(task):
@@ -153,7 +153,7 @@ def test_modular_arithmetic_labeler_refuses_a_malformed_expression() -> None:
         TASKS["modular_arithmetic"].label("23")
 
 
-@pytest.mark.parametrize("name", SPEC_TASKS)
+@pytest.mark.parametrize("name", CONTRACT_TASKS)
 def test_samples_have_the_requested_length_and_alphabet(name: str) -> None:
     task, rng = TASKS[name], np.random.default_rng(2)
     options: list[dict] = [{}]

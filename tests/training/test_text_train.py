@@ -99,7 +99,7 @@ def test_time_budget_stops_training(tmp_path, corpus, ranks) -> None:
 
 
 def test_text_train_retried_with_resume_appended_goes_on(tmp_path, corpus, ranks, capsys) -> None:
-    """The same flags with --resume are accepted (as typed, or in SPEC's ``train --corpus`` spelling); a flag that
+    """The same flags with --resume are accepted (as typed, or in the ``train --corpus`` spelling); a flag that
     differs, or another subcommand's, is refused with what the run started with."""
     out = tmp_path / "requeued"
     assert train(out, f"text:{corpus}", ranks, "lrnn", "--time-budget", "0.001") == 0
@@ -276,8 +276,8 @@ def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks, capsys) -> N
 def test_spec_spelling_train_corpus_and_eval_of_a_text_checkpoint(
     tmp_path, corpus, ranks, capsys, monkeypatch
 ) -> None:
-    """SPEC section 3: ``train --corpus PATH`` trains a text model; ``eval`` of one prints perplexity by length and
-    writes its report into runs/text-eval/<checkpoint name>, not the working directory."""
+    """docs/api.md, Command line: ``train --corpus PATH`` trains a text model; ``eval`` of one prints perplexity by
+    length and writes its report into runs/text-eval/<checkpoint name>, not the working directory."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "spec"
     assert main(["train", "--arch", "lstm", "--corpus", f"text:{corpus}", "--tokenizer", str(ranks), "--out", str(out),

@@ -197,8 +197,7 @@ print(sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
 def test_closing_the_group_stops_its_threads_before_exit(tmp_path: Path) -> None:
-    """A DDP wrapper left in a reference cycle used to pin the process group to interpreter exit, where gloo's
-    threads aborted ~1 exit in 25."""
+    """After ``Distributed.close`` no gloo thread is left alive to abort the process at interpreter exit."""
     script = tmp_path / "group_lifetime.py"
     script.write_text(GROUP_LIFETIME)
     result = run_module("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script))

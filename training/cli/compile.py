@@ -1,28 +1,9 @@
-"""``python -m training compile DFA.json --arch lrnn|regulargpt --out DIR`` (SPEC section 3): compile a DFA file
-into a checkpoint folder (automata/compiler.py). ``compile --regex PATTERN --alphabet SYMBOLS`` compiles a regular
-expression instead: its minimal DFA over the alphabet (automata/regex.py), labelling each prefix "1" when it fully
-matches, else "0". ``compile --task NAME`` compiles the Moore machine of a regular task of SPEC section 1 (labels
-other than "0"/"1" too: induction_heads; automata/task_automata.py), the checkpoint naming the task.
+"""``python -m training compile DFA.json --arch lrnn|regulargpt --out DIR`` (docs/api.md, Command line): compile a
+DFA file (automata/compiler.py), a regular expression (``--regex PATTERN --alphabet SYMBOLS``: "1" where a prefix
+fully matches) or a regular task's machine (``--task NAME``) into a checkpoint folder.
 
-Exit codes: 0 written; 2 bad input, with one line on stderr: a DFA file that does not parse or validate (the
-:class:`~automata.automaton.AutomatonError` message, which names the problem), a DFA the architecture cannot take,
-or an --out folder that already holds a checkpoint (without --overwrite).
-
-The compiled checkpoints shipped under checkpoints/ are written by this command, never by hand; from the
-repository root::
-
-    for task in tomita3 tomita4 tomita5 tomita6 d2 d3 d4; do
-      for arch in lrnn regulargpt; do
-        python -m training compile automata/tasks/$task.json --arch $arch \\
-          --out checkpoints/$task-$arch-compiled --overwrite
-      done
-    done
-
-    python -m training compile --task induction_heads --arch lrnn --out checkpoints/induction_heads-lrnn-compiled \
-      --overwrite
-
-(19 states: the RegularGPT construction takes at most 16.) tests/training/test_compile_cli.py checks that each of
-them equals a fresh compilation.
+Exit codes: 0 written; 2 with one line on stderr: a DFA file that does not validate, an automaton the architecture
+cannot take, or an --out folder that holds a checkpoint (without --overwrite).
 """
 
 from __future__ import annotations

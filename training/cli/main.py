@@ -1,11 +1,6 @@
-"""``python -m training train|eval|compile|upgrade|export`` (SPEC section 3): argument parsing and validation only.
-
-Each subcommand turns its arguments into typed settings and hands them to the training loop (training/objectives/loop.py,
-through training/cli/train.py, with training/objectives/transduction.py's objective) or ``training.evaluation.evaluate`` (``compile``:
-``training.cli.compile``; ``bpe``, ``text-train``, ``text-eval``: training/cli/text.py). Every subcommand first
-sets torch's threads (``--threads``, default model/threads.py's rule). Exit codes: 0 done; 2 bad input, with one
-line on stderr that says what is wrong (unknown task, architecture or flag, malformed length range, a checkpoint
-folder that does not load, a run that cannot be resumed, ...).
+"""``python -m training train|eval|compile|upgrade|export`` (docs/api.md, Command line): argument parsing and
+validation; text subcommands are in text.py, ``compile`` in compile.py. Every subcommand first sets torch's threads.
+Exit codes: 0 done; 2 bad input, with one line on stderr that says what is wrong.
 """
 
 from __future__ import annotations
@@ -76,8 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _text_route(argv: list[str]) -> list[str]:
-    """SPEC section 3's spelling for text models: ``train --corpus ...`` is ``text-train`` and ``eval`` of a text
-    checkpoint (``kind: "generate"``) is ``text-eval``; every other command line is returned as it is."""
+    """The documented spelling for text models (docs/api.md, Command line): ``train --corpus ...`` is
+    ``text-train`` and ``eval`` of a text checkpoint is ``text-eval``; other command lines are returned as they are."""
     if argv[:1] == ["train"] and any(arg == "--corpus" or arg.startswith("--corpus=") for arg in argv):
         return ["text-train", *argv[1:]]
     if argv[:1] == ["eval"]:

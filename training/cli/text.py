@@ -1,10 +1,5 @@
-"""The language-model subcommands of ``python -m training``: ``bpe``, ``text-train`` and ``text-eval``.
-
-Argument parsing and validation only; the work is in training/data/bpe.py, training/objectives/loop.py with
-training/objectives/language_model.py's objective, training/evaluation/text_eval.py (perplexity) and training/evaluation/passkey_probe.py
-(``text-eval --probe passkey``). Bad input (an unknown corpus, tokenizer or
-architecture, a flag that does not fit the architecture, a checkpoint that does not load) exits with status 2
-and one line on stderr.
+"""The language-model subcommands of ``python -m training``: ``bpe``, ``text-train`` and ``text-eval``: argument
+parsing and validation. Bad input exits with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -78,9 +73,8 @@ def add_text_commands(command: Callable[[str], argparse.ArgumentParser]) -> None
 
 
 def _guarded(run: Runner) -> Runner:
-    """``run`` with its expected failures turned into a UsageError (one line on stderr, status 2): a corpus,
-    tokenizer, checkpoint or config that does not fit is a ValueError (CorpusError, TokenizerError,
-    CheckpointError, ConfigError), as is a device that is not there."""
+    """``run`` with its expected failures (ValueErrors: a corpus, tokenizer, checkpoint, config or device that does
+    not fit) turned into a UsageError (one line on stderr, status 2)."""
 
     def guarded(args: argparse.Namespace, argv: list[str]) -> int:
         try:

@@ -1,16 +1,7 @@
-"""The flags every training subcommand shares (``train`` and ``text-train``), and running or resuming a run.
-
-Both subcommands take the same optimisation, evaluation and run flags, with their own defaults (a transducer:
-batch 128, Adam at 3e-4, constant rate; a language model: batch 16, AdamW at 1e-3 with betas (0.9, 0.95) and
-weight decay 0.1, 100 warm-up steps, cosine to 10%). ``--resume --out DIR`` continues the run in DIR with the
-settings it was started with. What does not change the result may take any value with it (``--threads``,
-``--time-budget``, ``--device``, ``--progress``, and ``--steps`` to go on past a finished run); any other flag
-must have the value the run started with, so that a job script retried with ``--resume`` appended (what a
-cluster scheduler does on requeue) goes on, and a flag that differs is refused, named with both values.
-``--resume`` on a folder that holds no save (no ``resume.safetensors``, no ``config.json``: a run killed before
-its first save left at most its log, tokenizer copy and temporary files) starts the run anew from the flags given
-and says so on stderr; a save that does not load (corrupt, another format, another run's flags) is refused. Bad
-input exits with status 2 and one line on stderr (training/cli/main.py).
+"""The flags every training subcommand shares (``train`` and ``text-train``, each with its own defaults), and
+running or resuming a run. ``--resume --out DIR`` continues the run in DIR: flags outside :data:`RESUME_FLAGS` must
+have the values it started with; a folder with no save starts anew (said on stderr). Bad input exits with status 2
+and one line on stderr; docs/training.md describes resuming.
 """
 
 from __future__ import annotations
@@ -156,8 +147,7 @@ def _shown(value: Any) -> str:
 
 def holds_save(out: Path) -> bool:
     """Whether ``out`` holds a save of a run (``resume.safetensors`` or a checkpoint's ``config.json``): what
-    --resume continues, or refuses with the reason. Without either (a run killed before its first save leaves at
-    most its log, its tokenizer copy and temporary files) there is nothing to resume: --resume starts anew."""
+    --resume continues, or refuses with the reason; without either, --resume starts anew."""
     return any((Path(out) / name).exists() for name in (CONFIG_FILE, RESUME_FILE))
 
 
@@ -254,10 +244,8 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
 
 
 def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseModelConfig) -> dict[str, torch.Tensor]:
-    """The weights of the checkpoint in ``folder`` for a new run of this architecture and config; a UsageError
-    naming what differs when they are another model's. An LRNN checkpoint with fewer blocks per layer than the
-    run's ``--num-blocks`` grows into the run's model (``BlockDiagonalLRNN.grown_from``: its blocks first, the new
-    ones out of the output until training brings them in)."""
+    """The weights of the checkpoint in ``folder`` for a new run of this architecture and config (an LRNN with
+    fewer blocks grows: ``BlockDiagonalLRNN.grown_from``); a UsageError naming what differs otherwise."""
     try:
         loaded = load_checkpoint(folder, device="cpu")
     except ValueError as error:  # CheckpointError, ConfigError: missing, unreadable
@@ -292,7 +280,7 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
     fields = {"passkey_fraction": 0.0, "state_passing": False, "passkey_distractors": 0, "passkey_span": 1,
               "state_reset": 0.0, "passkey_number_forms": False, "passkey_fresh": False, "teacher": None,
               "teacher_weight": 0.0, **fields}  # runs saved before these options
-    fields.pop("passkey_steps", None)  # saved by 72ac6b1 .. a9c80e3: the schedule follows the run's --steps now
+    fields.pop("passkey_steps", None)  # in older saves; the schedule follows the run's --steps
     data = dataclass_from_dict(TextData, fields, where="resume text data")
     tokenizer = load_tokenizer(data.tokenizer, out)  # a ranks file was copied into the run folder
     return LanguageModelObjective(data, tokenizer, None, settings.steps, settings.batch_size, settings.seed,

@@ -1,9 +1,5 @@
-"""Batches for training and evaluating transducers: strings of a task as right-padded token tensors.
-
-Token ids are positions in the task's alphabet; label ids are positions in its labels. A batch is padded on
-the right with token 0 up to its longest string; the padded positions' targets are ``IGNORE_INDEX``, so the
-per-position cross-entropy and accuracy skip them. Every model is causal, so padding never changes the
-outputs at real positions.
+"""Batches for training and evaluating transducers: strings of a task as token tensors right-padded with 0 (ids
+are positions in the alphabet and labels), padded targets ``IGNORE_INDEX``.
 """
 
 from __future__ import annotations
@@ -24,9 +20,9 @@ Curriculum = Literal["uniform", "growing"]
 @dataclass(frozen=True)
 class Batch:
     """tokens: (B, T) int64 right-padded with 0; targets: (B, T) int64 label ids, IGNORE_INDEX on padding;
-    lengths: (B,) int64, each in [1, T]; fresh: with state passing, (B,) bool, the rows that start from the model's
-    initial state instead of the state they carry (``TextData.state_reset``), or None: none does; distilled: with a
-    teacher (training/objectives/distill.py), (B,) bool, the rows that learn its distributions too, or None."""
+    lengths: (B,) int64, each in [1, T]; fresh: (B,) bool, the rows that start from the model's initial state
+    instead of their carried one, or None; distilled: (B,) bool, the rows that learn a teacher's distributions too,
+    or None."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -156,12 +152,9 @@ class FinalLabelSet:
 def count_correct_final(
     model: torch.nn.Module, examples: FinalLabelSet, alphabet: str, batch_size: int, chunk_symbols: int | None = None
 ) -> int:
-    """How many examples' final label the model gets right (argmax), in batches of ``batch_size``.
-
-    ``chunk_symbols`` None: ``model.final_logits`` of each batch, the architecture's cheapest exact path (memory
-    grows with the batch's rows x length). An integer: each batch's rows of one length run through ``new_cache``
-    and ``forward(chunk, cache)`` in chunks of at most that many symbols (rows x positions), whose memory is bounded
-    at any length; equal to ``final_logits`` for every causal model (step equals parallel)."""
+    """How many examples' final label the model gets right (argmax), in batches of ``batch_size``: through
+    ``model.final_logits``, or with ``chunk_symbols`` through ``new_cache`` and ``forward(chunk, cache)`` in chunks
+    of at most that many symbols (rows x positions), memory bounded at any length."""
     device = next(model.parameters()).device
     correct = 0
     for first in range(0, len(examples), batch_size):

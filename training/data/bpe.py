@@ -1,17 +1,7 @@
 """Byte-level BPE training that writes a tiktoken ``.tiktoken`` ranks file (``python -m training bpe``).
 
-tiktoken encodes but cannot train, so this is a compact trainer with tiktoken's semantics built in:
-
-- text is pre-tokenised with the same GPT-2 pattern that ``model/tokenizer.py`` gives every ``file:`` encoding,
-  so merges never cross a piece boundary that the encoder will draw;
-- ranks 0..255 are the single bytes (rank = byte value), then each merge gets the next rank in the order it
-  is learned: the most frequent adjacent pair of tokens, ties broken by the smaller pair of ids;
-- a token is a byte string: a merge whose bytes already form a token reuses that token's rank, as tiktoken
-  (which merges by the rank of the concatenated bytes) would.
-
-Pair counts are updated incrementally (only the words that hold the merged pair are recounted) and the best
-pair is read off a heap with lazy invalidation, so 8k merges over the ~30k distinct words of a few MB of
-English take seconds. ``<|endoftext|>`` is not in the file: ``model/tokenizer.py`` adds it after the last rank.
+Pre-tokenised as ``model/tokenizer.py`` encodes; ranks 0..255 are the bytes, then each merge (most frequent pair,
+ties to the smaller ids) takes the next rank. ``<|endoftext|>`` is not in the file.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Where language-model text comes from, as a stream of documents. A corpus is named by a spec string:
 
-- ``"austen"`` (the default): Jane Austen's six novels (public domain; 3.9 M characters of English prose),
-  read from the Debian package ``r-cran-janeaustenr`` (``apt-get install r-cran-janeaustenr``) where it is
-  installed, without running R: the package keeps each novel as a character vector (one element per line of
-  the Project Gutenberg text) in R's lazy-load database ``data/Rdata.rdb``, whose records are zlib streams
-  of R's XDR serialisation; :func:`read_r_string_vectors` reads exactly that. Wrapped lines are joined into
-  paragraphs, paragraphs separated by a blank line. Why this corpus: docs/text_readme_section.md.
-- ``"text:PATH"``: a UTF-8 ``.txt`` file, or every ``*.txt`` under a folder, one document per file;
-- ``"owt2:PATH"``: OpenWebText2 as the Pile ships it: ``*.jsonl.zst`` shards (a file, a folder of them, or a
-  glob), one JSON object ``{"text": ..., "meta": {...}}`` per line, read as a stream.
-
-Under DDP each process reads its own share (:func:`corpus_documents`): whole shards when there are at least as
-many as processes, else every ``world_size``-th document. The in-memory corpora also split each document
-into a training head and a validation tail (:func:`split_document`).
+``"austen"`` (default: Jane Austen's novels from the Debian package ``r-cran-janeaustenr``, read without R),
+``"text:PATH"`` (a ``.txt`` file or folder) or ``"owt2:PATH"`` (OpenWebText2 shards, streamed); docs/training.md,
+"Corpora". Unreadable corpora raise :class:`CorpusError`.
 """
 
 from __future__ import annotations
@@ -46,7 +36,8 @@ class Document:
 
 
 def corpus_documents(spec: str, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
-    """The documents of corpus ``spec`` (module docstring) that belong to process ``rank`` of ``world_size``."""
+    """The documents of corpus ``spec`` that belong to process ``rank`` of ``world_size``: whole shards when there
+    are at least as many as processes, else every ``world_size``-th document."""
     kind, _, location = spec.partition(":")
     if kind == DEFAULT_CORPUS and not location:
         documents: Iterator[Document] = iter(austen_novels())

@@ -1,9 +1,6 @@
-"""Drawing a string uniformly among those of a given length whose final label is a given one.
-
-Balanced data for sparse languages (D_n, Tomita 3/4/6, ONE, ...) needs positives that uniform symbols almost never
-produce at length 100 or 500. Counting, for each state, the strings of each length that lead from it to the
-wanted label, and walking from the start state choosing each symbol in proportion to those counts, draws every
-such string with the same probability, exactly and without rejection.
+"""Drawing a string uniformly among those of a given length whose final label is a given one: count, per state,
+the strings of each length that lead to the label, then walk from the start choosing each symbol in proportion to
+those counts (exact, no rejection).
 """
 
 from __future__ import annotations
@@ -14,11 +11,8 @@ from automata.automaton import MooreMachine
 
 
 class FinalLabelSampler:
-    """Uniform sampler over the strings of a length whose final label (by ``machine``) is a given label.
-
-    The counts are exact Python integers, kept per label for the longest length asked so far, so that drawing a
-    batch costs one walk per string.
-    """
+    """Uniform sampler over the strings of a length whose final label (by ``machine``) is a given label; exact
+    integer counts are kept per label up to the longest length asked."""
 
     def __init__(self, machine: MooreMachine) -> None:
         self.machine = machine

@@ -1,8 +1,6 @@
-"""Reference labelers: the label at every position of a string, written from the definitions of SPEC section 1.
-
-Each labeler reads one pass over the string and returns one label per symbol; the symbols are assumed to be in
-the task's alphabet (``Task.label`` checks them). They are the ground truth that the task automata, the data and
-the models are checked against, so each says what its definition says and nothing cleverer.
+"""Reference labelers: the label at every position of a string, written from the task definitions (docs/api.md,
+Tasks); the ground truth for the automata, data and models. Symbols are assumed in the alphabet (``Task.label``
+checks them).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Pass-key prompts (../shared/SPEC.md section 5; Mohtashami & Jaggi's landmark-attention probe), built in tokens.
-
-    There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz
-    you about the important information there. {filler} The pass key is {key}. Remember it. {key} is the pass
-    key. {filler} What is the pass key? The pass key is
-
-A prompt of ``size`` tokens of the model's own tokenizer: the fixed parts are encoded once each and the two
-fillers are cut from a filler's token stream so that the whole is exactly ``size`` tokens, the needle at
-``depth`` (0: right after the introduction, 1: right before the question) of the filler tokens. The key is a
-5-digit number; the answer is right when the first number in the model's greedy completion is the key
-(:func:`first_number`).
-
-Used by ``text-eval --probe passkey`` (the probe, training/evaluation/passkey_probe.py) and by ``text-train --passkey-fraction``
-(training examples, training/objectives/language_model.py): both build prompts here, from different fillers.
+"""Pass-key prompts (docs/api.md, Long-context probes; Mohtashami & Jaggi's landmark-attention probe), built in
+tokens: introduction, filler, needle, filler, question, exactly ``size`` tokens of the model's tokenizer, the needle
+at ``depth`` of the filler. The key is a 5-digit number; a greedy completion is right when its first number is the
+key. Used by ``text-eval --probe passkey`` and ``text-train --passkey-fraction``.
 """
 
 from __future__ import annotations
@@ -30,9 +20,8 @@ QUESTION = " What is the pass key? The pass key is"
 GRASS = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEY_DIGITS = 5
 DISTRACTOR_PLACES = ("either", "before", "after")  # where PassKeyBuilder.prompt puts its distractor numbers
-# Forms a distractor number takes with ``number_forms`` (:meth:`PassKeyBuilder.with_numbers`): as numbers stand in
-# prose and in the notes around it (held-out Austen: "CHAPTER 31", "No. 97, Vol. II", "in 1797-98", "£20,000");
-# {a} has 1 to KEY_DIGITS digits, {b} two, {y} is a year.
+# Forms a distractor number takes with ``number_forms`` (:meth:`PassKeyBuilder.with_numbers`), as numbers stand in
+# prose: {a} has 1 to KEY_DIGITS digits, {b} two, {y} is a year.
 NUMBER_FORMS = (" {a}", " {a}-{b}", " in {y}", " in {y}-{b}", " No. {a}", " £{a}", " {a},{b}0", "\n\nCHAPTER {a}\n\n")
 
 
@@ -71,12 +60,9 @@ class PassKeyBuilder:
 
     def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None,
                distractors: int = 0, distractors_at: str = "either") -> PassKeyPrompt:
-        """A prompt of exactly ``size`` tokens with the needle at ``depth`` in [0, 1] of the filler; the key drawn
-        from ``rng`` unless given; the filler starts at a random place of the stream. ``distractors`` other numbers
-        (of 1 to ``KEY_DIGITS`` digits, never the key) replace filler tokens at random places before and after the
-        needle, as many as the filler has room for: a model must keep the number the needle names, not the first or
-        the last one it read (Austen's chapter numbers and years follow the needle in a long prompt).
-        ``distractors_at``: "either" (each side of the needle by a fair coin), "before" or "after" it alone."""
+        """A prompt of exactly ``size`` tokens with the needle at ``depth`` in [0, 1] of the filler, with up to
+        ``distractors`` other numbers "either" side of it (a fair coin each), "before" or "after" it. ValueError on
+        a bad depth, place or size."""
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"a pass-key depth is a fraction in [0, 1], not {depth}")
         if distractors_at not in DISTRACTOR_PLACES:
@@ -106,9 +92,8 @@ class PassKeyBuilder:
         return self._encode(f" {key}.")
 
     def with_numbers(self, filler: np.ndarray, count: int, key: str, rng: np.random.Generator) -> np.ndarray:
-        """``filler`` with up to ``count`` numbers other than ``key`` put in at random places, as long as before
-        (the filler's last tokens make room); fewer when it is too short to hold them. A number whose digits would
-        hold the key is the key's first four digits instead."""
+        """``filler`` with up to ``count`` numbers other than ``key`` put in at random places, as long as before;
+        fewer when it is too short. A number that would hold the key is the key's first four digits instead."""
         numbers = []
         for _ in range(count):
             text = self._number(rng)

@@ -1,17 +1,8 @@
-"""The tasks of SPEC section 1: alphabet, labels, reference labeler, automaton and string sampler of each.
+"""The tasks (docs/api.md, Tasks): alphabet, labels, reference labeler, automaton and string sampler of each.
 
-induction_heads draws Mamba's strings (SPEC section 1): letters, one "#" followed by the key letter at a uniformly
-drawn place, and "#" last, so at least 3 symbols (``Task.shortest_length``); it has no balanced sampling (the key, the
-final label, is uniform already) and ``p_one`` skews the letters ("b"), the "#"s staying where they are.
-
-Every regular task's labels are its automaton's labels in sorted order, the order the compiler gives a Moore
-machine's labels (automata/compiler.py), so that a compiled task checkpoint's label ids are the task's.
-
-Sampling controls the length (the caller picks it), the frequency of the second symbol of the alphabet
-(``p_one``: P("1"), or P("b") for the a/b tasks, the other symbols sharing the rest; for modular_arithmetic, of
-the digit "1" among the digits) and balance: ``balanced=True`` draws the final label uniformly
-from the task's labels and then the string uniformly among those of that length with that final label, which
-gives sparse languages (D_n, Tomita 3/4/6, ONE, PALINDROME) as many positives as negatives.
+Every regular task's labels are its automaton's labels sorted, so a compiled task checkpoint's label ids are the
+task's. Sampling takes the length, ``p_one`` (the frequency of the alphabet's second symbol) or ``balanced`` (the
+final label uniform, then the string uniform among those with that label).
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ MOD5_LABELS = ("0", "1", "2", "3", "4")
 INDUCTION_LABELS = tuple(sorted(NO_KEY + INDUCTION_LETTERS + INDUCTION_MARK))  # "#": after "##", never drawn
 DELETANG_TRAIN_LENGTHS = (1, 40)
 BHATTAMISHRA_TRAIN_LENGTHS = (1, 50)  # the d* and tomita* tasks
-INDUCTION_TRAIN_LENGTHS = (3, 256)  # Mamba trains at 256 (SPEC section 5)
+INDUCTION_TRAIN_LENGTHS = (3, 256)  # Mamba's training length (docs/api.md, Long-context probes)
 REJECTION_TRIES = 64
 
 Drawer = Callable[[np.random.Generator, int], str]
@@ -44,18 +35,9 @@ SkewedDrawer = Callable[[np.random.Generator, int, float], str]
 
 @dataclass(frozen=True, eq=False)
 class Task:
-    """One transduction task: a label at every position of a string over ``alphabet``.
-
-    ``automaton`` computes the labels of every regular task (all but palindrome). ``draw(rng, length)`` gives a
-    string of the task's free distribution; ``draw_with_final_label(rng, length, label)`` one drawn uniformly
-    among those of that length with that final label, or None if there is none. That field is None for a task
-    without balanced sampling (modular_arithmetic).
-
-    ``draw_power_offset(rng, length)``, where not None, gives a string whose decisive position lies a power of two
-    before the last one, the one place where dilated attention (RegularGPT, C = 2) reads it in a single hop: drawn
-    uniformly, such strings are rare (about log2(T) / T of them), and a model can be right on the others and wrong
-    on those (``--power-offset-fraction`` trains on more of them). Only induction_heads has one.
-    """
+    """One transduction task: a label at every position of a string over ``alphabet``. ``automaton`` is None for
+    palindrome, ``draw_with_final_label`` without balanced sampling; ``draw_power_offset`` (induction_heads only)
+    puts the decisive position a power of two before the last."""
 
     name: str
     alphabet: str
@@ -81,14 +63,8 @@ class Task:
     def sample(
         self, rng: np.random.Generator, length: int, p_one: float | None = None, balanced: bool = False
     ) -> str:
-        """A string of ``length`` symbols (modular_arithmetic: rounded down to an odd length).
-
-        ``p_one`` draws each symbol independently, the second one of the alphabet ("1", or "b" for the a/b
-        tasks) with that probability and each other one with an equal share of the rest; for
-        modular_arithmetic this applies to the digits, the operators staying uniform. ``balanced`` draws the
-        final label uniformly first; where no string of this length has that label (D_n at odd lengths, a
-        non-palindrome of length 1) the free draw is returned.
-        """
+        """A string of ``length`` symbols (modular_arithmetic: rounded down to an odd length), skewed by ``p_one``
+        or label-balanced; ValueError on a short length, both options, or a task without balanced sampling."""
         if length < self.shortest_length:
             raise ValueError(f"length must be at least {self.shortest_length} for {self.name}, got {length}")
         if p_one is not None:
@@ -117,11 +93,8 @@ def sample_batch(
     p_one: float | tuple[float, float] | None = None,
     balanced: bool = False,
 ) -> list[str]:
-    """``n`` strings of ``task``, each of a length drawn uniformly from ``length_range`` (inclusive).
-
-    ``p_one`` is one P(second symbol) for every string, or a range (lo, hi) from which each string draws its own
-    uniformly (so a batch mixes dense and sparse strings).
-    """
+    """``n`` strings of ``task`` of lengths uniform in ``length_range`` (inclusive); ``p_one`` is one probability
+    or a range (lo, hi) each string draws its own from."""
     shortest, longest = length_range
     if not task.shortest_length <= shortest <= longest:
         raise ValueError(f"length_range must satisfy {task.shortest_length} <= shortest <= longest for {task.name}, "
@@ -243,7 +216,7 @@ def _build_tasks() -> dict[str, Task]:
 
 
 TASKS: Mapping[str, Task] = MappingProxyType(_build_tasks())
-"""Every task of SPEC section 1, by name, in the order of its table."""
+"""Every task, by name, in the order of docs/api.md's table."""
 
 
 def get_task(name: str) -> Task:

@@ -1,15 +1,6 @@
-"""Token windows for language-model training and evaluation.
-
-Documents are tokenised and concatenated with ``<|endoftext|>`` between them (the tokenizer's ``eot_token``;
-none for the bytes tokenizer). Training draws windows of ``length + 1`` tokens: the model reads the first
-``length`` and is scored on predicting each next one.
-
-- :class:`TokenArray`: a corpus held in memory (the embedded corpus, text files); each batch takes windows at
-  uniformly random offsets, from a random stream the caller keys by rank under DDP.
-- :class:`StreamedWindows`: a corpus too large to hold (OpenWebText2): documents stream in (already sharded by
-  rank, training/data/corpus.py), are cut into consecutive windows, and each batch draws from a shuffle buffer
-  of windows; the stream restarts at its end. Its position (documents read in this pass, the tokens not yet cut,
-  the buffer) is :meth:`StreamedWindows.state`, for resuming a run.
+"""Token windows of ``length + 1`` tokens for language models, documents joined by the tokenizer's ``eot_token``:
+:class:`TokenArray` (in memory, random offsets) and :class:`StreamedWindows` (a stream cut into windows drawn from
+a shuffle buffer, its position saved by :meth:`StreamedWindows.state`).
 """
 
 from __future__ import annotations

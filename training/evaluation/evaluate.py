@@ -1,44 +1,7 @@
 """``python -m training eval``: per-length-band accuracy of a transducer's final label on fresh samples.
 
-A band is a length range and a sampling distribution (``p_one``: P(second symbol of the alphabet: "1" or "b"),
-the other symbols sharing the rest (modular_arithmetic: of the digit "1" among the digits), or null for the
-task's own generator). Each band gets ``samples`` strings of lengths drawn uniformly from its range,
-and an example counts as right when the argmax of ``model.final_logits`` (RegularGPT's shrinking path) is the
-reference label of the last position (``--chunk-symbols``: computed through the model's cache in bounded chunks,
-training/data/batches.py). Every checkpoint sees the same strings: band i is drawn from the random
-stream keyed by (seed, i).
-
-Protocols:
-
-- ``papers``: the extrapolation lengths of the RegularGPT paper's Table 1, 51..100 for the Bhattamishra tasks
-  (d*, tomita*) and 41..500 for the others (the Deletang tasks; first, one and palindrome likewise, being trained
-  on 1..40);
-- ``hard``: 501..2000, and the same lengths again with P(1) = 0.1 and with 0.9;
-- ``induction``: the lengths of Mamba's induction-heads table (SPEC section 5), one band per length 2^6 .. 2^20;
-  a band draws ``samples`` strings, or fewer where they would pass INDUCTION_BAND_SYMBOLS in all, but at least
-  INDUCTION_MIN_SAMPLES (with 100: 100 strings up to 2^14 symbols, then 64, 32, 16, 8, 4 and 4 at 2^20);
-- ``custom``: ``--lengths A-B`` (or an explicit list of bands) with the ``--p-one`` values asked for.
-
-``--power-offsets`` (induction_heads) draws every string with its mark a power of two before the final "#" (the
-task's ``draw_power_offset``): the strings where RegularGPT's final position reads the mark in one dilated hop, rare
-among uniform draws (about log2(T) / T of them). The report then says ``"power_offsets": true``.
-
-JSON output (``--json``) for one checkpoint::
-
-    {"checkpoint": "path", "task": "parity_check", "architecture": "lrnn", "protocol": "papers", "seed": 0,
-     "power_offsets": false, "bands": [{"lengths": [41, 86], "p_one": null, "samples": 100, "accuracy": 1.0}, ...],
-     "overall": 1.0}
-
-``overall`` is the accuracy over all bands' samples together. For several checkpoints (``--checkpoint``
-repeated, e.g. one per seed), all of the same task::
-
-    {"task": "parity_check", "protocol": "papers", "seed": 0,
-     "checkpoints": [<the object above, one per checkpoint>],
-     "bands": [{"lengths": [41, 86], "p_one": null, "samples": 100, "max": 1.0, "mean": 0.97}, ...],
-     "max": 1.0, "mean": 0.97}
-
-where a band's ``max``/``mean`` are over the checkpoints' accuracies on it, and the top-level ones over their
-``overall``.
+A band is a length range and a sampling distribution; band i is drawn from the random stream (seed, i), so every
+checkpoint sees the same strings. Protocols and the ``--json`` report: docs/training.md, "eval protocols and report".
 """
 
 from __future__ import annotations
@@ -59,7 +22,7 @@ HARD_P_ONES = (0.1, 0.9)
 BHATTAMISHRA_EVAL_LENGTHS = (51, 100)
 DELETANG_EVAL_LENGTHS = (41, 500)
 INDUCTION_LENGTHS = tuple(2**k for k in range(6, 21))
-INDUCTION_BAND_SYMBOLS = 2**21  # a trained LRNN d64 runs ~5,000 symbols/s on one loaded CPU thread
+INDUCTION_BAND_SYMBOLS = 2**21  # the most symbols of an induction band, while above INDUCTION_MIN_SAMPLES
 INDUCTION_MIN_SAMPLES = 4
 
 
@@ -88,7 +51,7 @@ def split_lengths(lengths: tuple[int, int], count: int) -> list[tuple[int, int]]
 def protocol_bands(
     task: Task, protocol: Literal["papers", "hard", "induction"], band_count: int, samples: int
 ) -> list[Band]:
-    """The bands of a named protocol (module docstring), each length range of papers and hard cut into
+    """The bands of a named protocol, each length range of papers and hard cut into
     ``band_count`` bands; ``samples`` strings per band (induction: fewer at the longest lengths)."""
     if protocol == "papers":
         return [Band(lengths) for lengths in split_lengths(papers_lengths(task), band_count)]
@@ -103,7 +66,7 @@ def draw_bands(
     task: Task, bands: Sequence[Band], samples: int, seed: int, power_offsets: bool = False
 ) -> list[FinalLabelSet]:
     """``samples`` fresh examples per band (``band.samples`` where set), band i from the random stream (seed, i);
-    ``power_offsets``: the task's ``draw_power_offset`` strings (module docstring)."""
+    ``power_offsets``: the task's ``draw_power_offset`` strings."""
     return [
         FinalLabelSet.draw(task, np.random.default_rng([seed, index]), band.samples or samples, band.lengths,
                            band.p_one, power_offsets)
@@ -121,7 +84,7 @@ def evaluate_checkpoint(
     chunk_symbols: int | None = None,
     power_offsets: bool = False,
 ) -> dict[str, Any]:
-    """The JSON report of one checkpoint (module docstring) on the drawn ``band_sets`` (``power_offsets``: drawn
+    """The JSON report of one checkpoint on the drawn ``band_sets`` (``power_offsets``: drawn
     so); ``chunk_symbols``: see :func:`training.data.batches.count_correct_final`."""
     alphabet = loaded.config.alphabet
     assert alphabet is not None
@@ -137,7 +100,7 @@ def evaluate_checkpoint(
 
 
 def combine_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Max and mean over several checkpoints' reports of the same bands (module docstring)."""
+    """Max and mean over several checkpoints' reports of the same bands."""
     first = reports[0]
     bands = []
     for index, band in enumerate(first["bands"]):

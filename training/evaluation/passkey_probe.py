@@ -1,35 +1,8 @@
-"""The pass-key probe of ``python -m training text-eval --probe passkey`` (../shared/SPEC.md section 5).
+"""The pass-key probe of ``python -m training text-eval --probe passkey`` (docs/api.md, Long-context probes).
 
-For every size (tokens of the model's own tokenizer), depth and filler, ``trials`` prompts of exactly ``size``
-tokens with a 5-digit key at that depth of the filler (training/data/passkey.py builds them); the model reads each
-prompt through its cache in chunks (so that an LRNN holds one state per row whatever the size) and then decodes
-``max_new_tokens`` tokens greedily, one step at a time. A trial is right when the first number of the decoded
-text is the key (:func:`training.data.passkey.first_number`). With ``distractors`` each prompt's filler also holds that many
-other numbers (1 to 5 digits, never the key) on either side of the needle, as long text has chapter numbers and
-years: a model must answer the number the needle names, not the last one it read.
-
-The prompts of one size and filler are run together as rows of one batch (``batch_size`` rows at most). Memory,
-from the model's own estimates: the rows' caches at the full size (``model.cache_nbytes(size)`` per row: a
-RegularGPT's or a transformer's grows with the size, an LRNN's does not) and the peak of one prefill call there
-(``model.cost("cached", rows, chunk, size)``) stay within ``max_memory``: as many rows as fit with one-token
-chunks, then the longest chunk that fits with those rows. A size at which one row does not fit even so is skipped
-with a note, not run.
-
-The keys, depths and filler offsets of a cell depend on the seed, the filler's name and the size only, so every
-checkpoint with the same tokenizer reads the same prompts. The report (``passkey.json`` in text-eval's ``--out``,
-a list of these):
-
-.. code-block:: text
-
-    {"checkpoint": str, "architecture": str, "probe": "passkey", "trials": int, "seed": int,
-     "max_new_tokens": int, "distractors": int,
-     "fillers": [{"filler": str, "filler_tokens": int,     # "austen", "grass", "text:PATH" ...
-                  "sizes": [{"size": int, "skipped": str | null, "right": int, "total": int,
-                             "accuracy": float | null,
-                             "depths": [{"depth": float, "right": int, "total": int,
-                                         "trials": [{"key": str, "completion": str, "right": bool}, ...]},
-                                        ...]}, ...]}, ...],
-     "wall_time_s": float}
+Each prompt is read through the model's cache in chunks, then decoded greedily; a trial is right when the first
+decoded number is the key. Rows and chunks stay within ``max_memory`` by the model's estimates (a size where one
+row does not fit is skipped). ``passkey.json``: docs/training.md, "text-eval reports".
 """
 
 from __future__ import annotations
@@ -81,9 +54,8 @@ def is_filler_name(name: str) -> bool:
 
 
 def filler_tokens(name: str, tokenizer: Tokenizer, validation_fraction: float) -> np.ndarray:
-    """A filler's token stream: the classic "grass is green" text, or a corpus's held-out text as text-eval reads it
-    (the tails of an in-memory corpus's documents, all of a streamed one), its documents joined without
-    ``<|endoftext|>``, which would tell the model that the text before it is over. Returns (N,) int64."""
+    """A filler's token stream, (N,) int64: the "grass is green" text, or a corpus's held-out text, its documents
+    joined without ``<|endoftext|>``."""
     if name == GRASS_FILLER:
         return grass_filler(tokenizer)
     documents = validation_tokens(name, validation_fraction, tokenizer)

@@ -1,43 +1,7 @@
-"""Length extrapolation of language models (``python -m training text-eval``), as in regulargpt.txt section 6.
-
-**Last-token perplexity against context length.** A model trained on windows of L_tr tokens reads windows of
-L = m * L_tr tokens (m = 1, 2, 4, 8, 16 by default) and only the prediction of the token after the window
-counts, so that no early-position loss dilutes the long contexts (Press et al., 2022). Every length is scored
-on the same target tokens: ``targets`` positions spread evenly over the held-out documents, each with at least
-the longest context before it in its own document; the window for length L is the L tokens before the target.
-Perplexity = exp(mean negative log-likelihood over the targets).
-
-**Receptive field** (Chi et al., 2022b; regulargpt.txt Fig. 4). For a window of T tokens, the gradient of the
-last position's loss with respect to each input position's token embedding; its norms, summed cumulatively
-from the most recent position back to the earliest and divided by the total, averaged over windows. The
-curve at position p is the share of the gradient that falls on positions p..T-1: a model that uses only a
-local window rises to 1 within that window of the end.
-
-**Models side by side.** With more than one checkpoint, the table's last row gives each model's NLL at the longest
-length minus the first model's, on the same targets, with the standard error of the paired differences: per-target
-NLLs of two models differ far more than their means, so a difference of means alone says little.
-
-**Where the gain with context comes from.** A falling perplexity can mean that a model recalls what it read
-long ago, or only that it predicts badly from a short context. So the targets are split in two: those whose token
-occurs in the longest window but not in the 1x window (what an exact recall of the far context could give), and
-the others; for each part, the mean NLL at 1x and at the longest length.
-
-The report (``eval.json`` in text-eval's ``--out``, a list of these):
-
-.. code-block:: text
-
-    {"checkpoint": str, "architecture": str, "train_length": int, "corpus": str, "targets": int,
-     "target_digest": str,             # SHA-256 of the targets' places and tokens: equal digests, the same targets
-     "perplexity": [{"length": int, "multiple": float, "perplexity": float, "nll": float,
-                     "nll_stderr": float,          # nll: mean over the targets; nll_stderr: its standard error
-                     "nll_per_target": [float, ...]}, ...],  # the same targets at every length and in every report
-     "ratio_16x": float | null,        # perplexity at the longest multiple / at 1x
-     "log_ratio_stderr": float | null, # standard error of log(ratio_16x): of the mean paired NLL difference
-     "receptive_field": {"length": int, "windows": int, "cumulative": [float, ...]} | null,
-     "context_gain": {"near": int, "far": int,       # the 1x and the longest length; null without both
-                      "seen_only_far": {"targets": int, "nll_near": float | null, "nll_far": float | null},
-                      "other": {...the same}} | null,    # nll_*: null where a part has no targets
-     "wall_time_s": float}
+"""Length extrapolation of language models (``python -m training text-eval``; RegularGPT paper, section 6):
+last-token perplexity against context length on the same targets at every length, the receptive field, paired
+differences between models, and the gain with context split by whether the target's token occurs only far back.
+Method and the ``eval.json`` format: docs/training.md, "text-eval reports".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``text-eval --plots``: PNGs of last-token perplexity against context length and of the
-receptive field (cumulative gradient-norm share against position, as regulargpt.txt Fig. 4); with ``--probe
+receptive field (cumulative gradient-norm share against position, as the RegularGPT paper's Fig. 4); with ``--probe
 passkey`` the needle heat map (accuracy by prompt size and key depth)."""
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ def reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tenso
 
 
 def carried_values(carried: InferenceCache | None) -> list | None:
-    """Carried states as a resumable save keeps them: nested lists (float32 values are exact through JSON's
-    doubles); None for None."""
+    """Carried states as a resumable save keeps them: nested lists (exact for float32); None for None."""
     return None if carried is None else [state.cpu().tolist() for state in carried.step_state()]
 
 

@@ -125,15 +125,13 @@ def save_resume(
 
 
 def temporary_file(path: Path) -> Path:
-    """Where a save writes ``path`` before renaming it into place: ``.NAME.tmp`` beside it (model/checkpoint.py
-    names its files so too)."""
+    """Where a save writes ``path`` before renaming it into place: ``.NAME.tmp`` beside it."""
     return path.with_name(f".{path.name}.tmp")
 
 
 def remove_stale_temporaries(out: Path) -> list[Path]:
-    """Delete the temporary files that saves killed before their rename left in ``out``: exactly
-    ``.resume.safetensors.tmp``, ``.model.safetensors.tmp`` and ``.config.json.tmp`` (the names this module's and
-    ``save_checkpoint``'s saves write to), no other file. Returns the paths removed (none for a missing folder)."""
+    """Delete ``.resume.safetensors.tmp``, ``.model.safetensors.tmp`` and ``.config.json.tmp`` in ``out`` (left by
+    saves killed before their rename), no other file. Returns the paths removed."""
     removed = []
     for name in (RESUME_FILE, WEIGHTS_FILE, CONFIG_FILE):
         path = temporary_file(Path(out) / name)
@@ -162,12 +160,9 @@ def read_resume_state(out: Path, with_tensors: bool = True) -> tuple[dict[str, A
 
 
 def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
-    """Write the weights of the run in ``run`` as its last resume save holds them (the step's, or with ``best`` the
-    best kept so far) as a checkpoint folder ``out``: the run's own checkpoint (written at its first evaluation, with
-    the best or current weights of that time) with these weights, its metadata's steps, tokens and time those of the
-    save (the objective's figures, e.g. the validation loss, stay the checkpoint's), and the tokenizer file its config
-    names. So weights between two evaluations, or of a run killed since its last one, can be served and evaluated.
-    Returns the metadata written; ResumeError, CheckpointError or TokenizerError says what is missing."""
+    """Write the weights of the run's last resume save (``best``: the best kept) as a checkpoint folder ``out``,
+    with the run's config.json and tokenizer file. Returns the metadata; ResumeError, CheckpointError or
+    TokenizerError says what is missing."""
     run, out = Path(run), Path(out)
     if out.resolve() == run.resolve():
         raise ResumeError(f"--out {out} is the run's own folder; export into another one")

@@ -1,18 +1,6 @@
-"""A teacher for ``text-train --teacher DIR``: a trained language model whose next-token distributions the model in
-training learns beside the corpus' next tokens (knowledge distillation, Hinton et al. 2015).
-
-A text row that the teacher teaches (``Batch.distilled``: the rows not given a pass-key example, whose answers the
-teacher may well get wrong) is scored at every position on (1 - w) times the cross-entropy of its next token plus w
-times the cross-entropy of the teacher's distribution there (``--teacher-weight`` w; ``SummedCrossEntropy`` in
-training/objectives/losses.py); the logged loss stays the next token's alone. With state passing the teacher reads the
-same windows as the model, from states it carries over between steps as the model carries its own (reset in the same
-rows), so that what it predicts late in a window draws on the text before it as the model is asked to. Why: a model
-that must learn to use a long context from its next tokens alone gets the signal only at the few positions where
-the context decides the token; the teacher's distributions say at every position how much the context it read
-moves the prediction.
-
-The teacher runs without gradients in float32 and is never saved: a resumed run loads it again from its folder
-(its carried states are saved with the run's own, training/objectives/checkpointing.py).
+"""A teacher for ``text-train --teacher DIR`` (knowledge distillation, Hinton et al. 2015): a language model whose
+next-token distributions the rows of ``Batch.distilled`` learn beside their next tokens, carrying its own states
+under state passing. Float32, no gradients, never saved (a resumed run loads it again).
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from training.objectives.carried import new_carried_state, reset_rows
 
 
 class Teacher:
-    """A language model of the same tokenizer, run beside the one in training (module docstring)."""
+    """A language model of the same tokenizer, run beside the one in training."""
 
     def __init__(self, model: SequenceModel, weight: float, rows: int, carries_state: bool) -> None:
         """``rows``: the batch's (per process); ``carries_state``: the run's state passing."""

@@ -1,9 +1,6 @@
-"""Running one training command on one process or K of them (``torchrun --nproc_per_node=K``).
-
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (and the rendezvous address); when they are there the process
-group is initialised with gloo on the CPU or nccl on CUDA, each process takes the CUDA device of its local
-rank, and the model is wrapped in DistributedDataParallel. Without them everything runs in this process.
-Collectives here are no-ops on one process, so the training loop reads the same either way.
+"""Running one training command on one process or K of them (``torchrun --nproc_per_node=K``): with torchrun's
+environment, a gloo (CPU) or nccl (CUDA, one device per local rank) process group and DistributedDataParallel;
+without it, collectives are no-ops.
 """
 
 from __future__ import annotations
@@ -64,18 +61,8 @@ class Distributed:
         return values
 
     def close(self) -> None:
-        """Destroy the process group and collect what still holds it, which stops gloo's threads there and then.
-
-        A gloo thread alive at interpreter exit aborts the process ("terminate called without an active
-        exception", about one exit in 25): it frees a finished collective's tensors, which needs the GIL, and a
-        thread that asks for the GIL while the interpreter finalizes is ended by pthread_exit inside a C++
-        destructor. So nothing may keep the group past here:
-        - DistributedDataParallel sits in reference cycles, freed only by a collection: without ``gc.collect()``
-          the wrapper of a finished run held the group (and its threads) to the collection at exit;
-        - torch.distributed.nn binds ``group.WORLD`` as a default argument of its functions when first imported,
-          and DistributedDataParallel imports it; imported after ``init_process_group`` it would keep the group for
-          good. This module imports it first, while WORLD is None.
-        """
+        """Destroy the process group and collect what still holds it (DDP sits in reference cycles), so no gloo
+        thread outlives it to abort the process at exit; torch.distributed.nn is imported first for the same reason."""
         if dist.is_initialized():
             dist.destroy_process_group()
             gc.collect()

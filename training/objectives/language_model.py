@@ -1,15 +1,7 @@
-"""The objective of ``python -m training text-train`` (``train --corpus``): a language model on text
-(training/objectives/loop.py runs it).
-
-Batches: windows of ``length + 1`` tokens (training/data/text_batches.py) from a corpus (training/data/corpus.py); the
-model reads the first ``length`` and is scored on each next token. Under torchrun each process draws its own
-windows (in-memory corpora: its random stream is keyed by its rank; OpenWebText2: its own shards). Evaluation:
-the next-token loss over every position of fixed validation windows of the training length (the held-out tails
-of an in-memory corpus's documents, or ``validation_corpus``); the checkpoint holds the latest weights.
-
-The output folder is a ``kind="generate"`` checkpoint: besides ``config.json`` and ``model.safetensors``, the
-tokenizer's ranks file ``tokenizer.tiktoken`` (named ``file:tokenizer.tiktoken`` in the config) when the
-tokenizer is one.
+"""The objective of ``python -m training text-train`` (``train --corpus``): a language model on text windows of
+``length + 1`` tokens, scored on each next token; evaluation is the next-token loss on fixed held-out windows.
+Writes a ``kind="generate"`` checkpoint with the latest weights, plus ``tokenizer.tiktoken`` when the tokenizer is
+a ranks file. Options and their reasons: docs/training.md, "Training for long context".
 """
 
 from __future__ import annotations
@@ -70,47 +62,9 @@ PASSKEY_ANSWER_TOKENS = 8  # room for " {key}." in any tokenizer this project us
 
 
 class LanguageModelObjective(Objective):
-    """Next-token prediction on text windows, with two options (``TextData``):
-
-    - ``passkey_fraction``: each training row is, with this probability, its own text followed by a pass-key
-      prompt (training/data/passkey.py) of a uniform length up to the window's, its filler cut from the training text at a
-      random place, the needle at a uniform depth, scored on the needle and the answer " {key}." only (the
-      needle's second key is a copy of its first a few tokens back: learned first, it is what teaches the model to
-      keep a key at all; scored on the answer alone, two runs learned nothing in 300 steps). Evaluation then also
-      reports the pass-key accuracy (every answer token the argmax, teacher-forced) of fixed prompts whose filler
-      is held-out text, at 1x and 16x the training length (``passkey_accuracy_<size>``). With
-      ``passkey_fraction_final`` the fraction moves linearly to it over the run's ``steps``: a model that has learned
-      the key from pass-key rows alone keeps it while text is mixed in gradually (half the rows as text at once
-      lost it within 100 steps, docs/text_results.md). Each example's filler holds up to ``passkey_distractors``
-      other numbers, before and after the needle, so that the key is told from numbers by the needle's words; with
-      ``passkey_number_forms`` they take the forms numbers have in prose ("CHAPTER 31", "in 1797-98", "No. 97"):
-      a model taught with plain " 4521"s alone still lost keys to a range like "1797-98" (docs/text_results.md).
-    - ``state_passing`` (Buitrago Ruiz & Gu 2025): row i of every batch reads the window after the one it read
-      last (a random place when the text runs out), and the loop starts it from the state row i ended the last
-      step in, the gradient cut there (``carries_state``): the model trains on the states long inputs reach,
-      not only on states a window's length from the learned start. A pass-key row reads from the carried state
-      too, and leaves the text position where it was.
-    - ``passkey_span`` (with ``state_passing``): an example started in a row stretches over 1 to this many of its
-      consecutive windows, the count drawn log-uniform (short spans the most common; 1 is the example above) up to
-      a longest span that grows geometrically over the run's ``steps`` (:meth:`longest_span`). The
-      first window is the row's text with the introduction and needle put in at a uniform place; the windows
-      between are the row's text; the last one's text ends in the question and the answer, with 0 to
-      ``passkey_distractors`` numbers in it. All of the row's text is scored, the needle as above, the answer, not
-      the introduction or the question. The question reads the key from a state carried across windows whose
-      gradient is cut, so what is learned is to keep a key through text from a state that long inputs reach, over
-      distances up to ``passkey_span`` windows: what the in-window examples (at most a window apart) never ask.
-    - ``state_reset`` (with ``state_passing``): each row starts each step, with this chance, from the model's initial
-      state instead of the one it carries (its text reads on as before: ``Batch.fresh``), so that the model keeps
-      reading windows from the start a served prompt starts from. With every row carried, a stochastic LRNN with
-      blocks of 16 lost the text and the key measured from that start (docs/text_results.md).
-    - ``passkey_fresh`` (with ``state_passing``): a row given a pass-key example this step starts it from the
-      initial state (``Batch.fresh``), while the text rows carry theirs: the example never begins in a state that
-      holds an earlier key or an answer. With it a stochastic LRNN with blocks of 16 kept about half of what state
-      passing took from its key (greedy probe 56 of 120 against 32, 89 before; docs/text_results.md).
-    - ``teacher`` (a checkpoint folder) and ``teacher_weight`` w: the rows not given a pass-key example
-      (``Batch.distilled``) learn the teacher's next-token distributions with weight w beside their targets
-      (training/objectives/distill.py: knowledge distillation; with state passing the teacher carries its states too).
-    """
+    """Next-token prediction on text windows, with the options of ``TextData`` (docs/training.md, "Training for
+    long context"): pass-key rows (evaluation then adds ``passkey_accuracy_<size>``), state passing
+    (``carries_state``), examples spanning windows, fresh rows (``Batch.fresh``) and a teacher."""
 
     name = "text"
     keep_best = False
@@ -119,7 +73,8 @@ class LanguageModelObjective(Objective):
         self, data: TextData, tokenizer: Tokenizer, ranks_file: Path | None, steps: int, batch_size: int, seed: int,
         evaluate: bool, dist: Distributed,
     ) -> None:
-        """``steps``: the run's, over which the pass-key fraction moves (as a task's curriculum ramps over them)."""
+        """``steps``: the run's, over which the pass-key fraction and span move. ValueError on a streamed corpus
+        with pass-key examples or state passing, or one without a validation corpus when ``evaluate``."""
         self.data, self.tokenizer, self.ranks_file, self.batch_size = data, tokenizer, ranks_file, batch_size
         self.steps = steps
         if is_streamed(data.corpus):
@@ -174,10 +129,8 @@ class LanguageModelObjective(Objective):
     def _passkey_row(builder: PassKeyBuilder, size: int, depth: float, rng: np.random.Generator,
                      prompt_size: int | None = None, text: np.ndarray | None = None, distractors: int = 0,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``size`` tokens: ``text`` (the row's own), then a pass-key prompt of ``prompt_size`` tokens with its
-        answer (the whole row when None), as (size,) tokens and (size - 1,) targets. Scored (the next token, else
-        IGNORE_INDEX): the answer, and with ``text`` the needle too, whose second key a model learns to copy from
-        its first a few tokens back: the short path by which it learns to hold a key at all."""
+        """(size,) tokens and (size - 1,) targets: ``text``, then a pass-key prompt of ``prompt_size`` tokens
+        (None: the whole row) with its answer; scored on the answer, and with ``text`` the needle too."""
         key = draw_key(rng)
         answer = builder.answer(key)
         head = min(size - (prompt_size or size), size - len(answer) - builder.shortest(key))
@@ -234,9 +187,7 @@ class LanguageModelObjective(Objective):
 
     def longest_span(self, step: int) -> int:
         """The most windows an example started at step ``step`` (from 1) may span: growing geometrically from 1 at
-        the first step to ``passkey_span`` at the run's last. A key held across many windows is learned from one
-        held across a few; at the full span from the start, the answers no state yet holds taught the model to
-        ignore its state (in-window accuracy 81% -> 16% in 1,000 steps, docs/text_results.md)."""
+        the first step to ``passkey_span`` at the run's last."""
         return max(1, round(self.data.passkey_span ** self._progress(step)))
 
     def _span_windows(self, rng: np.random.Generator, step: int) -> int:
@@ -247,8 +198,7 @@ class LanguageModelObjective(Objective):
     def _span_start(self, row: int, span: int, window: torch.Tensor, targets: torch.Tensor,
                     rng: np.random.Generator) -> None:
         """Row ``row``'s window (in place) begins an example of ``span`` windows: the introduction and the needle
-        put in at a uniform place of its text, scored on the needle after its first token (and not on the first
-        text token after it, which follows the needle by no rule)."""
+        put in at a uniform place of its text, scored on the needle after its first token."""
         assert self.passkey is not None and self.spans is not None and self.cursors is not None
         key = draw_key(rng)
         inserted = np.concatenate([self.passkey.introduction, self.passkey.needle(key)])
@@ -304,11 +254,8 @@ class LanguageModelObjective(Objective):
 
     @torch.no_grad()
     def evaluate(self, model: SequenceModel, dist: Distributed, batch_size: int = 16) -> Evaluation | None:
-        """Validation perplexity, and the pass-key accuracy of the fixed prompts. Each call takes at most
-        ``batch_size`` rows, fewer where the model's estimate of a parallel pass over them (``cost("forward")``)
-        passes ``EVALUATION_MEMORY``; a model that can (``selects_positions``) runs its head on the scored answer
-        positions only. At 16x windows of 2,048 (prompts of 32,768 tokens) 16 rows' logits alone were 16 GiB, and
-        the run was killed for memory at its first evaluation."""
+        """Validation perplexity and the pass-key accuracy of the fixed prompts (None without evaluation), at most
+        ``batch_size`` rows a call and within ``EVALUATION_MEMORY`` by the model's estimate."""
         if self.validation is None:
             return None
         total = 0.0
@@ -382,7 +329,7 @@ def evaluation_rows(model: SequenceModel, length: int, limit: int) -> int:
 
 def check_passkey_length(tokenizer: Tokenizer, length: int) -> int:
     """The fewest tokens a pass-key row (prompt and answer) takes, for any key; a ValueError unless training windows
-    of ``length`` tokens hold it. The prompt's length does not depend on the filler: none is given."""
+    of ``length`` tokens hold it."""
     shortest = PassKeyBuilder(tokenizer, np.zeros(1, dtype=np.int64)).shortest() + PASSKEY_ANSWER_TOKENS
     if shortest > length + 1:
         raise ValueError(f"pass-key examples need windows of at least {shortest} tokens; --length {length} is too short")

@@ -1,48 +1,8 @@
-"""The one training loop of ``python -m training train`` (transducers) and ``text-train`` (language models).
+"""The one training loop of ``python -m training train`` (transducers) and ``text-train`` (language models); what
+differs between them is an :class:`Objective` (transduction.py, language_model.py).
 
-What is trained on differs only in its :class:`Objective` (training/objectives/transduction.py,
-training/objectives/language_model.py): where batches come from, how the model is evaluated, what the checkpoint
-says. Everything else is here (with losses.py, optim.py, checkpointing.py and run.py beside it), the same for both:
-per-position cross-entropy over the real positions of a batch (padding is ``IGNORE_INDEX``), gradient accumulation,
-Adam or AdamW with weight decay on the matrices of linear maps only, a linear warm-up then a constant or cosine
-learning rate (a function of the step alone), gradient clipping, bfloat16 autocast, optional ``torch.compile``,
-evaluation every ``eval_every`` steps with early stopping, and resumable runs.
-
-Resuming: before every evaluation (one that dies, out of memory, loses no steps; a resume repeats it), at each
-``save_every``-th step that did not evaluate, and whenever the run stops (steps done, early stop, ``time_budget_s``
-spent, SIGTERM or SIGINT), ``resume.safetensors`` in the output folder is replaced (atomically) by everything the
-run needs to go on as if it had not stopped: the weights, the optimizer's state, the best weights so far, every
-process's random streams and data position, the step (and whether its evaluation is still to run), the log figures
-since the last record, the elapsed time and the log's length. ``train(..., resume=True)`` continues from it; the log
-is cut back to that length (records written after the save are written again, none twice) and continues. A resumed
-run ends bitwise-equal to one never stopped (same device and thread count; tested on the CPU in float32).
-Every save (this one, and the checkpoint's) writes a temporary file ``.NAME.tmp`` beside ``NAME`` and renames it
-into place; a save killed before its rename leaves that file, and the next run on the folder (new or resumed)
-starts by deleting those exact names (:func:`remove_stale_temporaries`, said on stderr) and nothing else.
-Signals: the first SIGTERM or SIGINT finishes the current step, saves and returns (the command exits 0 within
-a step and a save); under torchrun every process stops at the same step.
-
-Threads: the command line sets torch's intra-op threads by model/threads.py's rule unless ``--threads``.
-
-Progress (``--progress``, rank 0): a tqdm bar of steps with the loss, accuracy and tokens/s of the last logged
-window; under ``time_budget_s`` it counts to the step the budget ends at, at this invocation's pace so far, when
-that comes before the last step (so its ETA is the budget's, not that of ``--steps 100000``).
-
-The output folder: the checkpoint (``config.json``, ``model.safetensors``: the best weights by the evaluation
-score for a transducer, the latest for a language model; saved at every evaluation too, so a cut run leaves a
-loadable model), ``resume.safetensors`` and the log ``train.jsonl``, one JSON object per line with an ``event``:
-
-- ``"start"``: ``command``, ``architecture``, ``model``, ``parameters``, ``world_size``, ``device``, ``dtype``,
-  ``threads``, and the objective's (``task`` or ``corpus``, ``tokenizer``, ``train_tokens``);
-- ``"resume"``: ``command``, ``step`` (the step the run goes on after), ``threads``;
-- ``"train"`` every ``log_every`` steps and at the last: ``step``, ``loss`` and ``accuracy`` (per position, over
-  the real positions of the steps since the previous record, all processes), ``tokens`` (positions trained on so
-  far, all processes), ``tokens_per_s`` (since the previous record), ``lr``, ``grad_norm`` (before clipping, the
-  last step), ``elapsed_s`` (over every part of a resumed run), and the objective's (``max_length``);
-- ``"eval"``: ``step``, the objective's figures (``accuracy`` ... or ``validation_loss`` ...), ``best_score``,
-  ``best_step``;
-- ``"end"``: ``step``, ``stopped`` ("steps", "target", "patience", "time" or "signal"), ``best_score``,
-  ``best_step``, ``wall_time_s``, ``tokens``, ``param_sha256`` (each process's weights, in rank order).
+A resumed run ends bitwise-equal to one never stopped (same device and threads); SIGTERM or SIGINT finishes the
+step, saves and returns. The output folder and ``train.jsonl``: docs/training.md, "Run folder".
 """
 
 from __future__ import annotations
@@ -112,12 +72,8 @@ def train(
     stop_requested: Callable[[], bool] | None = None,
     initial: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Run training, or continue the run in ``out`` (``resume``: the command line that continues it; ``command``
-    stays the one that started it); rank 0 writes the folder. Returns the checkpoint's metadata.
-
-    ``stop_requested``: a callable polled after every step, like the signals and the time budget (tests use it to
-    cut a run at a given step). ``initial``: a new run's first weights (``--init-from``) instead of the seed's.
-    """
+    """Run training, or continue the run in ``out`` (``resume``: the continuing command line); rank 0 writes the
+    folder. Returns the checkpoint's metadata. ``stop_requested`` is polled after every step."""
     started = time.perf_counter()
     torch.manual_seed(settings.seed)  # the same initial weights on every process
     model = build_model(settings.architecture, model_config).to(dist.device).train()
@@ -233,11 +189,9 @@ def _train_step(
     run: RunState, dist: Distributed, use_bfloat16: bool, carried: InferenceCache | None = None,
     teacher: Teacher | None = None,
 ) -> tuple[float, int, InferenceCache | None]:
-    """One optimizer step over ``batch`` in ``grad_accumulation`` micro-batches: the loss is the mean over the
-    whole batch's real positions, whatever the split. With ``carried`` (the rows' states, state passing) each row
-    starts from its state and the states it ends in are returned, detached. With ``teacher``, the rows of
-    ``batch.distilled`` learn its distributions too (training/objectives/distill.py). Returns the gradient norm before
-    clipping, the number of real positions (this process) and the states carried on."""
+    """One optimizer step over ``batch`` in ``grad_accumulation`` micro-batches (the loss the mean over all real
+    positions), rows starting from ``carried``. Returns the gradient norm before clipping, this process's real
+    positions and the states carried on, detached."""
     positions = int((batch.targets != IGNORE_INDEX).sum())
     selects_positions = getattr(trained, "module", trained).selects_positions  # under DDP: the model's
     weight = determinism_weight(settings, run.step)

@@ -18,10 +18,8 @@ if TYPE_CHECKING:
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
                 soft_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """logits (B, T, V), targets (B, T) (or (N, V), (N,)) -> summed cross-entropy over the real positions, correct
-    argmaxes. With a gradient to take, through :class:`SummedCrossEntropy`; there ``soft`` (B, T, V) (or (N, V)), a
-    teacher's distributions, and ``soft_weights`` (B, T) (or (N,)) make each position's loss (1 - w) times its
-    target's cross-entropy plus w times the teacher's (training/objectives/distill.py). The loss returned is then that
-    mixture (the one to take the gradient of); :func:`target_loss` reads the targets' own from it."""
+    argmaxes. With a gradient to take, ``soft`` and ``soft_weights`` w make each position's loss (1 - w) times its
+    target's cross-entropy plus w times the teacher's."""
     flat_logits, flat_targets = logits.flatten(0, -2), targets.flatten()
     if torch.is_grad_enabled() and logits.requires_grad:
         flat_soft = None if soft is None else soft.flatten(0, -2)
@@ -34,25 +32,14 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor 
 
 
 def target_loss(loss_sum: torch.Tensor) -> torch.Tensor:
-    """The summed cross-entropy of the targets alone, detached, from :func:`masked_loss`'s loss (with soft targets,
-    :class:`SummedCrossEntropy` keeps it beside the mixture it returns)."""
+    """The summed cross-entropy of the targets alone, detached, from :func:`masked_loss`'s loss."""
     return getattr(loss_sum, "target_loss", loss_sum).detach()
 
 
 class SummedCrossEntropy(torch.autograd.Function):
-    """``F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")`` with its gradient made in the
-    forward pass: softmax(logits) less 1 at each target, 0 on ignored rows, kept in the one (N, V) buffer that
-    autograd's log-softmax would keep, and scaled in the backward. torch's path writes a log-softmax, then in the
-    backward a zeroed (N, V) gradient, a scatter and the log-softmax's backward (an exp per entry again): a step of
-    4 windows of 2,048 tokens of a stochastic LRNN (vocabulary 8,192, blocks of 16), one CPU thread, went from
-    2.75-2.92 s to 2.21-2.49 s (docs/training.md). The loss of a row is -log of its target's probability, or, where
-    that probability is below 1e-30 (float32 would lose it), logsumexp less the target's logit on those rows.
-
-    With ``soft`` (N, V) (a teacher's distributions, each summing to 1) and ``weights`` (N,): row n's loss is (1 -
-    w_n) times its target's plus w_n times the teacher's cross-entropy, logsumexp(logits) - sum_v soft_v logits_v,
-    and its gradient softmax(logits) - (1 - w_n) onehot(target) - w_n soft. The targets' own summed loss is kept
-    on the result as ``target_loss`` (:func:`target_loss`).
-    logits (N, V) float, targets (N,) -> () summed loss."""
+    """``F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")``, its gradient made in the
+    forward pass in one (N, V) buffer. With ``soft`` (N, V) and ``weights`` (N,): the teacher mixture of
+    :func:`masked_loss`, the targets' own sum kept as ``target_loss``. logits (N, V), targets (N,) -> () sum."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
@@ -85,7 +72,7 @@ class SummedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (gradient,) = ctx.saved_tensors  # scaled in place (a new buffer took back most of the gain): a second
+        (gradient,) = ctx.saved_tensors  # scaled in place, no second (N, V) buffer: a second
         return gradient.mul_(grad_output), None, None, None  # backward through the graph meets autograd's check
 
 

@@ -24,18 +24,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TrainSettings:
     """Everything that decides a run's result besides the model's hyper-parameters and the objective's data.
-
-    ``batch_size`` counts sequences per optimizer step and process; ``grad_accumulation`` splits them into that
-    many micro-batches (the same gradient, less memory). ``lr`` is the peak rate: ``warmup_steps`` rise linearly
-    to it, then "constant", or "cosine" down to ``min_lr_fraction`` of it at ``steps``. ``patience``: stop after
-    that many evaluations without a better score; ``target``: stop once the best score reaches it.
-    ``soft_transition_steps``: a stochastic LRNN trains its first that many steps with softmax columns, then with
-    the sparsemax columns it is evaluated and served with (model/lrnn/model.py says why); 0 for every other model.
-    ``determinism_weight``: over those steps the loss also counts the mean impurity 1 - sum_i A_ij^2 of the
-    softmax columns (0 when each is one-hot), weighted from 0 at the first step up to this at the last soft one.
-    ``extra_levels``: RegularGPT reads each position of a training step that many thick layers above its depth,
-    the number drawn per step from 0 to this (:func:`extra_levels`; model/regulargpt/model.py says why); 0 otherwise.
-    """
+    ``batch_size`` is per optimizer step and process; ``lr`` the peak rate (:func:`optim.lr_factor`);
+    ``patience`` counts evaluations without a better score; ``soft_transition_steps``: a stochastic LRNN's first
+    steps with softmax columns."""
 
     architecture: str
     steps: int

@@ -1,9 +1,6 @@
-"""The objective of ``python -m training train``: a transducer on a task of SPEC section 1 (training/objectives/loop.py runs it).
-
-Batches: strings of the task with their reference label at every position, lengths from a
-:class:`LengthCurriculum`, optionally skewed (``p_one``) or drawn label-balanced. Evaluation: the final-label
-accuracy on a fixed set of longer strings (the extrapolation set; under torchrun each process evaluates its share
-and the counts are summed). The checkpoint holds the weights with the best such accuracy (its ``score``).
+"""The objective of ``python -m training train``: a transducer on a task (docs/api.md, Tasks), trained on its
+strings labelled at every position (lengths from a :class:`LengthCurriculum`) and scored by final-label accuracy
+on a fixed set of longer strings; the checkpoint holds the best-scoring weights.
 """
 
 from __future__ import annotations
