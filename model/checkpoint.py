@@ -1,11 +1,6 @@
-"""Checkpoint folders: ``config.json`` beside ``model.safetensors``. Never pickle.
-
-Saving writes both files to temporary names and renames them into place, so a crash never leaves a half-
-written checkpoint. The safetensors header carries the architecture and a SHA-256 of every tensor's bytes;
-loading is strict: a missing or unexpected tensor, a shape or dtype mismatch, a truncated or corrupted file,
-a digest that does not match or a non-finite weight is refused with a :class:`CheckpointError` naming it.
-Both files are written world-readable (0644) whatever the umask.
-"""
+"""Checkpoint folders: ``config.json`` beside ``model.safetensors``, never pickled, written atomically and
+world-readable. Loading is strict: missing, unexpected or misshapen tensors, truncation, SHA-256 mismatches and
+non-finite weights raise :class:`CheckpointError`."""
 
 from __future__ import annotations
 
@@ -62,8 +57,7 @@ def save_checkpoint(model: SequenceModel, config: CheckpointConfig, directory: s
 
 
 def upgrade_config(directory: str | os.PathLike) -> bool:
-    """Rewrite an older version's ``config.json`` in the current format (every key written); the weights are
-    left as they are. Returns whether the file changed. Raises CheckpointError for a config that does not load."""
+    """Rewrite an older ``config.json`` in the current format; returns whether it changed."""
     directory = Path(directory)
     config = read_config(directory)
     if json.loads((directory / CONFIG_FILE).read_text()) == json.loads(_config_text(config)):
@@ -73,7 +67,6 @@ def upgrade_config(directory: str | os.PathLike) -> bool:
 
 
 def _config_tmp(config: CheckpointConfig, directory: Path) -> Path:
-    """``config`` written beside its final place, to be renamed into it."""
     path = directory / f".{CONFIG_FILE}.tmp"
     path.write_text(_config_text(config))
     path.chmod(FILE_MODE)
@@ -102,10 +95,7 @@ def read_config(directory: str | os.PathLike) -> CheckpointConfig:
 def load_checkpoint(
     directory: str | os.PathLike, device: str = "auto", dtype: torch.dtype | None = None
 ) -> LoadedCheckpoint:
-    """Load a checkpoint folder strictly onto ``device`` ("auto", "cpu", "cuda").
-
-    The model takes the floating dtype stored in the file, or ``dtype`` when given.
-    """
+    """Load a checkpoint folder strictly onto ``device``, in the stored floating dtype or ``dtype``."""
     directory = Path(directory)
     config = read_config(directory)
     model = build_model(config.architecture, config.model)

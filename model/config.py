@@ -1,18 +1,5 @@
-"""Typed, frozen model configurations.
-
-Every architecture has one frozen dataclass of hyper-parameters. A checkpoint's ``config.json`` holds a
-:class:`CheckpointConfig`: the architecture's name, its hyper-parameters under ``"model"``, and what the
-model reads and writes (task, alphabet, labels or tokenizer). Loading refuses unknown and missing keys and
-values of the wrong type, with a message that names them.
-
-Format versions: a file of the current ``FORMAT_VERSION`` (4) holds every key, and loading refuses one that lacks
-any, defaults or not: a key a file leaves out would otherwise load as whatever this build's default is, which can
-change the model. Version 1 let a file leave out keys that had defaults; :func:`migrate_config` reads such a file
-as the build that wrote it did (the values in ``_V1_DEFAULTS``, spelled out so that a later change of a default
-cannot change what an old file means). A key added later gets, in a file older than it, the value that file meant
-(``_ADDED_KEYS``; version 3 added ``LRNNConfig.transition_rank``, version 4 ``RegularGPTConfig.block_norm``).
-``python -m training upgrade DIR`` rewrites old files.
-"""
+"""Typed, frozen model configurations and the ``config.json`` format (:class:`CheckpointConfig`). Loading refuses
+unknown, missing and mistyped keys; files older than ``FORMAT_VERSION`` are read through :func:`migrate_config`."""
 
 from __future__ import annotations
 
@@ -31,11 +18,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class BaseModelConfig:
-    """Hyper-parameters shared by every architecture.
-
-    ``vocab_size`` is the number of input symbols or tokens. ``num_labels`` is the size of the per-position
-    label head of a transducer; 0 makes the model a token language model whose head is tied to the embedding.
-    """
+    """``vocab_size`` input symbols or tokens; ``num_labels`` a transducer's labels, or 0 for a tied-head language
+    model."""
 
     vocab_size: int
     num_labels: int = 0
@@ -62,27 +46,10 @@ class BaseModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RegularGPTConfig(BaseModelConfig):
-    """RegularGPT (regulargpt.txt section 3): GPT-2 blocks with Sliding-Dilated-Attention.
-
-    Layer ``l`` lets position m attend to m - j * chunk_size**l for j in [chunk_size]. The depth is
-    ceil(log_chunk_size(m + 1)) thickened layers for the prefix ending at m (at least one), and the
-    ``thickness`` distinct sub-layers are reused at every depth.
-
-    ``attention_impl``: "reference" builds the T x T mask; "fast" gathers the chunk_size dilated keys per
-    position; "auto" is the reference up to 64 positions and "fast" beyond (model/ops/dilated_attention.py).
-
-    ``out_of_range``: what a slot j whose key m - j * C**l lies before position 0 holds. "null" (default) fills
-    it with a learned null key and value per block and head (scored with the slot's r_j like any key), as if
-    the input were left-padded with a null token (regulargpt.txt footnote 1): a layer can then tell "no
-    partner" (the identity of the composition) from "a partner equal to me". "mask" drops the slot, so the query
-    attends over fewer keys and those two cases look the same: trained on parity_check, a "mask" model did not
-    get past chance in 1500 steps where a "null" one was at 100% on lengths 41-500 by step 250 (2026-11).
-
-    ``block_norm``: where each block's two LayerNorms sit. "pre" (default, GPT-2's): x + f(LN(x)), so the
-    residual stream sums one update per thick layer and is normalised only where it is read. "post" (the
-    authors' code, and the original Transformer's): LN(x + f(x)), so every thick layer maps a normalised state to
-    a normalised state, and the shared layer is one map iterated as often as the input's depth needs.
-    """
+    """RegularGPT (model/regulargpt/model.py): layer l lets position m attend to m - j chunk_size**l, j in [chunk_size],
+    through ``thickness`` shared blocks. ``attention_impl``: "reference" (T x T mask), "fast" (gathered keys) or "auto".
+    ``out_of_range``: slots before position 0 hold a learned null key/value ("null") or are masked ("mask").
+    ``block_norm``: "pre" x + f(LN(x)) or "post" LN(x + f(x))."""
 
     n_heads: int = 4
     d_ff: int = 256
@@ -103,33 +70,11 @@ class RegularGPTConfig(BaseModelConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class LRNNConfig(BaseModelConfig):
-    """Block-diagonal input-dependent linear RNN (block-diagonal-lrnn.txt sections 3.3-3.4).
-
-    Each layer runs x_k = A(u_k) x_{k-1} + B u_k with A block-diagonal (``num_blocks`` blocks of
-    ``block_size`` x ``block_size``) and y_k = h(x_k). ``transition_norm`` constrains A: "column" (the paper's
-    eq. 6) scales every column by 1 / max(1, ||column||_p) with p = ``p_norm``; "spectral" (ours) does that, then
-    scales every block by 1 / max(1, ||block||_2), which keeps every product of transitions non-expanding at any
-    length. For p > 1 the column clamp alone lets a block's spectral radius reach b^(1 - 1/p) (1.41 for b = 8,
-    p = 1.2; docs/results.md measures what that does past the training length); for p = 1 it is stable but
-    cannot represent a rotation by 72 degrees (Z_5). With p = 2 and b = 2, "spectral" keeps exactly the
-    rotations and reflections (unit orthogonal columns) unchanged and contracts every other block. "stochastic"
-    (ours) projects each column onto the probability simplex (sparsemax: column-stochastic A with exact zeros, on
-    the boundary of the p = 1 ball), drops B u and learns h_0: every layer is a probabilistic automaton
-    (model/lrnn/model.py); ``p_norm`` is then unused.
-
-    ``transition_rank``: the generator g of the transitions, A(u) = constraint(g(u)). None (default, the paper's):
-    g is one linear map d_model -> H b^2, d_model H b^2 weights per layer (2.1 M of a d_model = 512, H = 64, b = 8
-    layer's 4.7 M). An integer r: g(u) = V (s U u) + c factors through r dimensions, U: d_model -> r made in one
-    product with the input map B, s = d_model / r a fixed multiplier (model/lrnn/model.py says why), V: r -> H b^2, so
-    r (d_model + H b^2) weights; r must be below min(d_model, H b^2), where the factorisation saves nothing. The
-    norm constraint is the same either way. On a transducer whose V input symbols reach the layer as V distinct
-    vectors, g takes at most V values, which span an affine space of dimension V - 1: a rank of V - 1 then loses
-    nothing it could represent (docs/results.md measures training).
-
-    ``scan_impl``: "sequential" (the reference loop), "parallel" (log-depth scan), "chunked" (sequential
-    inside chunks of ``scan_chunk_size``, scanned across them) or "auto" (the measured policy documented in
-    model/ops/linear_scan.py, figures from benchmarks/bench_linear_scan.py).
-    """
+    """Block-diagonal input-dependent LRNN (model/lrnn/model.py), ``num_blocks`` blocks of ``block_size`` per layer.
+    ``transition_norm``: "column" (each column by 1 / max(1, ||column||_p), p = ``p_norm``), "spectral" (then each block
+    by 1 / max(1, ||block||_2)) or "stochastic" (sparsemax columns, no B u, learned h_0). ``transition_rank``: None for
+    a full generator, or r below min(d_model, num_blocks block_size**2). ``scan_impl``: "sequential", "parallel",
+    "chunked" (chunks of ``scan_chunk_size``) or "auto"."""
 
     n_layers: int = 1
     block_size: int = 8
@@ -161,11 +106,8 @@ class LRNNConfig(BaseModelConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class DiagonalLRNNConfig(BaseModelConfig):
-    """Diagonal, input-independent linear RNN (S4D / LRU style baseline).
-
-    Each layer has ``state_size`` complex eigenvalues lambda = exp(-exp(nu) + i theta), fixed over time,
-    run as ``state_size`` 2 x 2 rotation-scaling blocks on the same scan. ``scan_impl`` as in :class:`LRNNConfig`.
-    """
+    """Diagonal LRNN baseline (model/lrnn/diagonal.py): ``state_size`` complex eigenvalues; ``scan_impl`` as
+    :class:`LRNNConfig`'s."""
 
     n_layers: int = 1
     state_size: int = 64
@@ -184,14 +126,8 @@ PositionKind = Literal["sinusoidal", "alibi", "kerple", "t5", "xl"]
 
 @dataclass(frozen=True, kw_only=True)
 class TransformerConfig(BaseModelConfig):
-    """Causal GPT-2 style transformer baseline with a choice of position handling.
-
-    ``position``: "sinusoidal" (absolute, added to the embedding), "alibi", "kerple" (logarithmic variant),
-    "t5" (relative buckets; distances below t5_num_buckets // 2 get a bucket each, larger ones log-spaced
-    buckets up to t5_max_distance), "xl" (Transformer-XL relative attention). ``log_length_scaling``
-    multiplies the attention logits (content and position terms) of the query at 0-based position m by
-    log(m + 1), the log of the number of positions it attends over (exact-parity-first.txt section 5.3).
-    """
+    """Causal transformer baseline (model/transformer/model.py). ``position``: "sinusoidal", "alibi", "kerple", "t5"
+    (buckets up to ``t5_max_distance``) or "xl". ``log_length_scaling``: query m's logits times log(m + 1)."""
 
     n_layers: int = 2
     n_heads: int = 4
@@ -236,21 +172,11 @@ PositionFeature = Literal[
 
 @dataclass(frozen=True, kw_only=True)
 class ExactTransformerConfig(BaseModelConfig):
-    """Hand-built post-norm transformer encoder that classifies a whole string from its CLS position
-    (exact-parity-first.txt section 2.2, exact-one-palindrome.txt section 2.2); see model/transformer/exact.py.
-
-    The model prepends CLS (and appends EOS with ``append_eos``) to the symbols; n counts them. Position i
-    gets PE(i) = W_pos f(i, n), f the ``position_features`` (model/transformer/exact.py defines them). Each of the
-    ``n_layers`` layers has ``n_heads`` heads with d_model x d_model query, key and value maps, summed, and a
-    ReLU FFN of width ``d_ff``. With ``layer_norm``, LN(x) = (x - mean) / sqrt(var + eps), without gain or
-    bias, follows both residual sums; ``layer_norm_eps`` may be 0. ``log_length_scaling`` multiplies the
-    attention logits by log n (exact-parity-first.txt Eq. 2). ``output``: "logits" reads the label logits off
-    the CLS vector with a linear head; "zero_test" (two labels) is the palindrome paper's y = I[s = 0] with s
-    the label-1 minus label-0 logit, |s| <= ``zero_test_tolerance`` counting as 0. ``construction`` names the
-    construction the weights implement (training/exact_builders.py). The model computes in
-    ``compute_dtype`` and holds at most ``attention_block_elements`` attention weights (batch x heads x
-    queries x keys) at once.
-    """
+    """Hand-built post-norm encoder classifying a string from its CLS position (model/transformer/exact.py): CLS (and
+    EOS with ``append_eos``) added; ``n_layers`` of ``n_heads`` summed d_model x d_model heads and a ReLU FFN of
+    ``d_ff``; ``layer_norm`` without gain or bias. ``output``: "logits", or "zero_test" (label 1 iff the logit
+    difference is within ``zero_test_tolerance`` of 0). ``construction``: what the weights implement. Computes in
+    ``compute_dtype``, at most ``attention_block_elements`` attention weights at once."""
 
     construction: ExactConstruction
     n_layers: int = 2
@@ -297,12 +223,8 @@ ARCHITECTURE_CONFIGS: dict[str, type[BaseModelConfig]] = {
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Everything ``config.json`` holds: the architecture, its hyper-parameters and its interface.
-
-    A transducer (``kind="transduce"``) names its ``task`` (or null for a compiled automaton without one),
-    its input ``alphabet`` (one character per symbol, index = token id) and its ``labels``. A language
-    model (``kind="generate"``) names its ``tokenizer``. ``metadata`` is free-form provenance (training
-    command, steps, accuracy) that loading keeps but never interprets.
+    """Everything ``config.json`` holds: a transducer (``kind="transduce"``) names ``task``, ``alphabet`` (a character
+    per token id) and ``labels``; a language model (``kind="generate"``) its ``tokenizer``. ``metadata`` is free-form.
     """
 
     architecture: str
@@ -395,13 +317,8 @@ _ADDED_KEYS: dict[int, dict[str, dict[str, Any]]] = {
 
 
 def migrate_config(data: Any) -> dict[str, Any]:
-    """A config.json object of any version this build reads -> a copy in the current version (every key there).
-
-    Version 1 -> 2: the keys a version 1 file left out get the values that file meant (``_V1_DEFAULTS``). Then
-    each key added since the file's version gets the value the file meant (``_ADDED_KEYS``). Keys the file has,
-    unknown ones included, are left for the loader to check. Raises ConfigError for a version this build does not
-    read or an unknown architecture.
-    """
+    """A config.json object of any readable version -> a copy in the current one; ConfigError for an unreadable version
+    or unknown architecture."""
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
     version = data.get("format_version")
@@ -429,8 +346,7 @@ def migrate_config(data: Any) -> dict[str, Any]:
 
 
 def dataclass_from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build the frozen dataclass ``cls`` from ``data``, refusing unknown, mistyped and missing keys (every field
-    must be there, defaults or not)."""
+    """Build ``cls`` from ``data``; ConfigError for unknown, mistyped or missing keys."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
     known = {f.name: f for f in dataclasses.fields(cls)}
@@ -504,7 +420,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 
 
 def _check_literals(config: object) -> None:
-    """Refuse a value outside a ``Literal[...]`` field's choices, also when the dataclass is built in code."""
+    """Refuse a value outside a ``Literal[...]`` field's choices."""
     for name, hint in typing.get_type_hints(type(config)).items():
         if typing.get_origin(hint) is Literal and getattr(config, name) not in typing.get_args(hint):
             raise ConfigError(f"{name}: {getattr(config, name)!r} is not one of {list(typing.get_args(hint))}")

@@ -1,20 +1,5 @@
-"""The decode step through CUDA graphs (issue 18, point 4).
-
-On a GPU a decode step of few rows is launch-bound: the text LRNN's step is some forty small kernels, 2.0-2.2 ms of
-eager PyTorch on an H100 (docs/benchmarks.md) for microseconds of work. A CUDA graph records the launches once and
-replays them as one. A graph runs on fixed addresses and shapes, so, as vLLM does, :func:`decoder_for` captures
-``model.step`` once per batch size of a set, and a batch of B rows replays the graph of the smallest captured size
->= B: the tokens and the cache's state are copied into that graph's buffers, the graph replays, and the first B rows
-of what it wrote are copied back into the batch's own cache, which the step updates in place as an eager one does.
-Rows past B hold what an earlier replay left there; every row of a step is computed on its own (no op mixes rows),
-so they never reach the real ones. The copies are the state's bytes twice per step: 1 KiB per row for the text LRNN.
-
-Only a cache of fixed shape can be captured (:meth:`model.base.InferenceCache.step_state`): the LRNNs' and the
-LSTM's. A cache that grows with the context (the transformer's KV cache, RegularGPT's windows) changes shape every
-step; those models, a CPU, sizes past the largest captured one, and a capture that fails or whose replay disagrees
-with the eager step (checked once, at capture) decode eagerly, and :attr:`Decoder.path` says so (served in
-/v1/models; a failure is logged).
-"""
+"""The decode step through CUDA graphs captured per batch size (:func:`decoder_for`); a batch replays the smallest graph
+that holds it, state copied in and out. Otherwise decoding is eager and :attr:`Decoder.path` says why."""
 
 from __future__ import annotations
 
@@ -31,16 +16,14 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_rows: int) -> list[int]:
-    """The batch sizes to capture for batches of up to ``max_rows`` rows: 1, 2, 4, then every multiple of 8, and
-    ``max_rows`` itself (vLLM's set): a batch is padded by at most 7 rows, or by less than half its size."""
+    """Sizes to capture up to ``max_rows``: 1, 2, 4, every multiple of 8, and ``max_rows``."""
     sizes = {size for size in (1, 2, 4) if size <= max_rows} | set(range(8, max_rows + 1, 8)) | {max_rows}
     return sorted(sizes)
 
 
 @dataclass(frozen=True)
 class DecodePath:
-    """How a model's decode step runs: ``cuda_graphs`` at ``batch_sizes`` (a batch pads to the next one; larger
-    ones run eagerly), or ``eager`` and ``reason``."""
+    """``cuda_graphs`` at ``batch_sizes`` (larger batches run eagerly), or ``eager`` and ``reason``."""
 
     mode: str  # "cuda_graphs" | "eager"
     batch_sizes: tuple[int, ...] = ()
@@ -55,24 +38,19 @@ class Decoder:
         self.path = DecodePath("eager", reason=reason)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
-        """tokens: (B,) on any device -> logits (B, output_size); advances ``cache`` by one token
-        (``SequenceModel.step``). The logits may be a view that the next step overwrites: read them before."""
+        """tokens (B,) on any device -> logits (B, output_size), advancing ``cache``; the logits may be a view the next
+        step overwrites."""
         return self.model.step(tokens.to(self.model.device, non_blocking=True), cache)
 
     def greedy_step(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """``step``, then each row's largest logit: (ids (B,) int64, their logits (B,)), where the model runs
-        (``SequenceModel.step_greedy``: on the CPU, without the logits where it can)."""
         return self.model.step_greedy(tokens.to(self.model.device, non_blocking=True), cache)
 
     def advance(self, tokens: torch.Tensor, cache: InferenceCache) -> None:
-        """``step`` without the logits (``SequenceModel.advance``), eagerly on every path: prompt tokens run so in a
-        decode batch only under the CPU's batch invariance (server/execution/generation.py)."""
         self.model.advance(tokens.to(self.model.device, non_blocking=True), cache)
 
 
 @dataclass
 class _Captured:
-    """One captured step: its graph, and the buffers it reads (tokens, state) and writes (state, logits)."""
 
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor  # (size,) int64
@@ -82,7 +60,6 @@ class _Captured:
 
 
 class GraphedDecoder(Decoder):
-    """The decode step replayed from CUDA graphs (``captured``: one per batch size)."""
 
     def __init__(self, model: SequenceModel, captured: dict[int, _Captured]) -> None:
         self.model, self.captured = model, captured
@@ -114,8 +91,7 @@ class GraphedDecoder(Decoder):
 
 
 def decoder_for(model: SequenceModel, batch_sizes: Sequence[int], enabled: bool = True) -> Decoder:
-    """The fastest decode step ``model`` supports here: CUDA graphs at ``batch_sizes`` where it runs on CUDA with a
-    cache of fixed shape, else eager, saying why."""
+    """CUDA graphs at ``batch_sizes`` where the model and its cache allow, else an eager decoder saying why."""
     if not enabled:
         return Decoder(model, "CUDA graphs are turned off (cuda_graphs false)")
     if model.device.type != "cuda":
@@ -140,8 +116,7 @@ def decoder_for(model: SequenceModel, batch_sizes: Sequence[int], enabled: bool 
 
 
 def _capture(model: SequenceModel, sizes: list[int]) -> dict[int, _Captured]:
-    """One graph per size, largest first, all in one memory pool (a replay's activations are dead after it, and
-    one replay runs at a time)."""
+    """One graph per size, largest first, sharing one memory pool (one replay runs at a time)."""
     device, pool, captured = model.device, None, {}
     side = torch.cuda.Stream(device)
     for size in sizes:
@@ -164,8 +139,8 @@ def _capture(model: SequenceModel, sizes: list[int]) -> dict[int, _Captured]:
 
 
 def _check(decoder: GraphedDecoder) -> str | None:
-    """Three steps through the graphs and eagerly from the same random tokens, of one row less than the third
-    captured size (3 rows in the size-4 graph when the sizes start 1, 2, 4); None when the logits agree."""
+    """Three steps through the graphs and eagerly from the same random tokens; None when the logits agree, else how they
+    differ."""
     model = decoder.model
     rows = max(1, decoder.sizes[min(2, len(decoder.sizes) - 1)] - 1)
     generator = torch.Generator(device="cpu").manual_seed(0)

@@ -1,10 +1,4 @@
-"""GPT-2 building blocks shared by RegularGPT and the transformer baselines.
-
-A :class:`Block` is pre-norm: ``x + attention(ln_1(x))`` then ``x + mlp(ln_2(x))``, or post-norm (RegularGPT's
-``block_norm="post"``): ``ln_1(x + attention(x))`` then ``ln_2(x + mlp(x))``. The attention module is the only part
-that differs between architectures; it receives the block's hidden states (normalised when pre-norm) and any
-keyword arguments the caller passes through (dilation, cache, ...).
-"""
+"""GPT-2 building blocks shared by RegularGPT and the transformer baselines."""
 
 from __future__ import annotations
 
@@ -27,13 +21,12 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., d_model) -> (..., d_model)."""
         hidden = F.gelu(linear(x, self.c_fc.weight, self.c_fc.bias))  # (..., d_ff)
         return self.dropout(linear(hidden, self.c_proj.weight, self.c_proj.bias))
 
 
 class HeadProjections(nn.Module):
-    """The q/k/v projection into heads and the output projection back, for multi-head attention."""
+    """Multi-head attention's q/k/v projection into heads and output projection back."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -58,8 +51,7 @@ class HeadProjections(nn.Module):
 
 
 class Block(nn.Module):
-    """Transformer block around an arbitrary attention module: pre-norm, x + f(LN(x)) for the attention and then
-    the MLP, or with ``post_norm`` LN(x + f(x)) (the same two LayerNorms, after each residual sum)."""
+    """Around an attention module: x + f(LN(x)) for attention, then MLP; with ``post_norm`` LN(x + f(x))."""
 
     def __init__(
         self, d_model: int, d_ff: int, attention: nn.Module, eps: float, dropout: float = 0.0, post_norm: bool = False
@@ -72,7 +64,6 @@ class Block(nn.Module):
         self.post_norm = post_norm
 
     def forward(self, x: torch.Tensor, **attention_kwargs: object) -> torch.Tensor:
-        """x: (B, T, d_model) -> (B, T, d_model)."""
         if self.post_norm:
             x = self.ln_1(x + self.attention(x, **attention_kwargs))
             return self.ln_2(x + self.mlp(x))
@@ -81,9 +72,8 @@ class Block(nn.Module):
 
 
 def init_gpt2(model: nn.Module, n_residual_layers: int) -> None:
-    """GPT-2 initialisation: linear and embedding weights N(0, 0.02), biases 0, and the residual output
-    projections (``c_proj``) N(0, 0.02 / sqrt(2 * n_residual_layers)) so the residual stream's variance does
-    not grow with depth. Parameters that are not weights of a Linear or Embedding keep their own init."""
+    """GPT-2 init: Linear and Embedding weights N(0, 0.02), biases 0, ``c_proj`` N(0, 0.02 / sqrt(2
+    n_residual_layers))."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)

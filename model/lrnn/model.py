@@ -1,29 +1,6 @@
-"""Block-diagonal input-dependent linear RNN (block-diagonal-lrnn.txt sections 3.3-3.4).
-
-Token embedding -> ``n_layers`` recurrent blocks -> LayerNorm -> head. A block is pre-norm and residual:
-
-    u_k = LN(x_k)
-    h_k = A(u_k) h_{k-1} + B u_k        A(u) = column_norm_constraint(g(u)) (then spectral_norm_constraint
-                                        for transition_norm "spectral"), block-diagonal, H blocks of b x b;
-                                        g linear (the paper), or V (s U u) + c of rank transition_rank;
-                                        "stochastic": A(u) = column sparsemax of g(u), no B u, h_0 learned
-    x_k = x_k + out_proj(h_k)           y_k = h(x_k) of the paper
-    x_k = x_k + MLP(LN(x_k))
-
-The parallel pass runs the recurrence with ``model.ops.linear_scan`` (``config.scan_impl``); ``step`` runs one
-recurrence step per layer (:meth:`BlockDiagonalRecurrence.step`, one ``scan_step`` with the column constraint
-folded into the state), so decoding holds O(1) memory in the context length: the cache is one (B, H, b) state
-per layer.
-
-The stack (:class:`RecurrentBlock`, :class:`LinearRNN`, :class:`LRNNCache`) is shared with
-``model/lrnn/diagonal.py``: an architecture only supplies its recurrence, a :class:`Recurrence`.
-
-What each call costs is model/lrnn/cost.py's; the weights' layouts as served and the compiled decode step are
-model/lrnn/serving.py's; growing a trained model to more blocks per layer is model/lrnn/growth.py's.
-
-To read first: model/lrnn/minimal.py, the column-constrained model (full or low-rank g) in plain PyTorch
-as a sequential scan, tested to give this one's logits on its weights (tests/model/test_minimal.py).
-"""
+"""Block-diagonal input-dependent linear RNN (Fan, Chi, Rudnicky 2024). A block computes, with u_k = LN(x_k), h_k =
+A(u_k) h_{k-1} + B u_k (A block-diagonal, norm-constrained), x_k += out_proj(h_k), then x_k += MLP(LN(x_k)), as a scan
+(``linear_scan``) or one step per token with a (B, H, b) state per layer."""
 
 from __future__ import annotations
 
@@ -65,8 +42,7 @@ GENERATED_SPREAD = 0.02  # how far g(u)'s entries vary with the input at initial
 
 @dataclass
 class LRNNCache(InferenceCache):
-    """The recurrent state of every layer: ``states[i]`` is (B, H, b); its size never grows with the lengths,
-    and no step reads them, so rows of any lengths stack."""
+    """Every layer's recurrent state, ``states[i]`` (B, H, b); its size does not grow with the lengths."""
 
     states: list[torch.Tensor]
 
@@ -88,10 +64,8 @@ class LRNNCache(InferenceCache):
 
 
 class Recurrence(nn.Module):
-    """What a :class:`RecurrentBlock` runs: h_k = A_k h_{k-1} + b_k over a state of ``state_shape`` (H, b), read
-    out by ``readout(states, u)``. A recurrence supplies ``transitions(u)`` and ``inputs(u)``, or overrides
-    ``coefficients(u)``, which makes both at once (e.g. from one matrix product); it may override ``step`` with
-    an equal one-token update that does less work."""
+    """h_k = A_k h_{k-1} + b_k over a ``state_shape`` (H, b) state, read out by ``readout``; a ``step`` override must
+    equal the scan's update."""
 
     state_shape: tuple[int, int]
 
@@ -117,10 +91,7 @@ class Recurrence(nn.Module):
         return weight.new_zeros(rows, *self.state_shape)
 
     def for_serving(self, streaming: bool) -> bool:
-        """Rearrange the weights in memory for :meth:`step` (values unchanged); returns whether anything moved.
-        ``streaming``: whether one-token products will run through :func:`model.ops.cpu_decode.linear`'s kernel, which
-        wants weights (out, in) in memory, rather than MKL's, which streams wide ones faster (in, out). The default
-        moves nothing."""
+        """Lay weights out for :meth:`step` (values unchanged); returns whether any moved."""
         return False
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -128,41 +99,18 @@ class Recurrence(nn.Module):
         raise NotImplementedError
 
     def fused_step_weights(self) -> list[torch.Tensor] | None:
-        """The tensors :func:`model.ops.cpu_decode.lrnn_layer_step` takes from the recurrence, where it can run this
-        recurrence's step; None (the default) where it cannot."""
+        """The tensors ``cpu_decode.lrnn_layer_step`` takes, or None where it cannot."""
         return None
 
     def joint_weight(self) -> torch.Tensor | None:
-        """The matrix that :meth:`for_serving` stacked the recurrence's input-side weights into, while they still
-        view it; None (the default) where there is none."""
+        """The matrix :meth:`for_serving` stacked the input-side weights into, or None."""
         return None
 
 
 class BlockDiagonalRecurrence(Recurrence):
-    """h_k = A(u_k) h_{k-1} + B u_k with input-dependent block-diagonal A, read out by a linear map.
-
-    Parameters, with ``transition_rank`` None: ``transition`` (g: d_model -> H b^2) and ``input_proj`` (B), as in
-    the paper. With a rank r: ``in_proj`` (d_model -> r + H b, [U; B]: the code U u and B u from one product) and
-    ``transition`` (V: r -> H b^2, g(u) = V (code_scale U u) + c, code_scale = d_model / r fixed).
-
-    ``transition_norm`` "stochastic" (ours) makes every layer a probabilistic automaton: each column of A(u) is
-    the sparsemax of g(u)'s column (``column_sparsemax``: non-negative, summing to 1, with exact zeros: the
-    boundary of the paper's p = 1 constraint, where every deterministic automaton's 0/1 transition matrices lie),
-    there is no input term B u (no ``input_proj``; no B rows in ``in_proj`` with a rank), and h_0 is a learned
-    distribution per block (``initial``, softmax of its logits). Every state is then a distribution per block at
-    any length: it cannot grow, and once training has moved a column's off-support entries more than 1 below its
-    top, nothing leaks out of a remembered state at all, where under the other norms a remembered value drifts by
-    the residue of B u at every step.
-
-    Training runs in two phases (``soft_transitions``, set by the trainer: ``--soft-transition-steps``): first with
-    each column a softmax instead, whose gradient reaches every entry, then with the sparsemax. A sparsemax from
-    the start got stuck (an entry that leaves a column's support gets no gradient); a softmax alone finds the
-    automaton but leaks e^-gap per step, and lost the first symbol of even_pairs by ~1,000 symbols. Evaluation and
-    serving always use the sparsemax (docs/results.md). With ``track_impurity`` the soft phase keeps the mean Gini
-    impurity of its columns (``impurity``), which the trainer can add to the loss (``--determinism-weight``): a
-    softmax model may fit short strings with mixtures that are not an automaton, which then neither extrapolate
-    nor survive the switch to sparsemax.
-    """
+    """h_k = A(u_k) h_{k-1} + B u_k. Full rank: g = ``transition``, B = ``input_proj``; rank r: ``in_proj`` = [U; B],
+    g(u) = V (code_scale U u) + c. "stochastic": sparsemax columns (softmax while training with ``soft_transitions``,
+    Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned."""
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()
@@ -185,21 +133,11 @@ class BlockDiagonalRecurrence(Recurrence):
         self.track_impurity = False  # with soft_transitions: keep the columns' impurity (set by the trainer)
         self.impurity: torch.Tensor | None = None  # () mean of 1 - sum_i A_ij^2 over the last soft call's columns
         self.out_proj = nn.Linear(config.state_size, config.d_model)  # h
-        # A(u) starts near 0.9 I for every input: bias 0.9 I, weights so small that each entry of g(u) varies
-        # by ~0.02 (u = LN(x) has unit-variance entries). 0.9 I is a leaky running sum: states stay bounded
-        # (~10x the input scale) and gradients fade smoothly over ~10 steps instead of exploding or dying at
-        # once. A column's 1.2-norm (0.9 on the diagonal, ~0.02 elsewhere) starts near 0.94 (b = 8), so the
-        # norm constraint is all but inactive and learning, not the clamp, moves A towards what a task needs.
-        # With a rank r, g(u) = V (code_scale U u) + c: U ~ N(0, 1 / d_model) (U u of unit spread; no bias, c is
-        # V's), the fixed code_scale = d_model / r, V ~ N(0, (0.02 / code_scale)^2 / r), so g(u) starts with the
-        # same ~0.02 spread. Adam moves every weight by about the learning rate lr per step: a step on V then moves
-        # g(u) by ~lr sum |code|, as a step on the full generator's weights moves it by ~lr sum |u|, and a step on
-        # U moves the code as far, relative to its spread, as with codes of unit spread. Both matter (single runs,
-        # docs/results.md): with code_scale 1, sum_mod5 at rank 4 fitted its training lengths but was at chance
-        # past them after 1,500 steps; with the scale in U's initial spread instead of a multiplier, parity_check
-        # at rank 1 stayed at chance for 2,250 steps; with the multiplier both were at 100% by step 500.
-        # "stochastic" starts the same through the softmax it trains with first (``soft_transitions``): 0.9 on the
-        # diagonal of every column, from logits ln(9 (b - 1)) there and 0 elsewhere.
+        # A(u) starts near 0.9 I for every input (a leaky running sum: bounded states, gradients that fade
+        # smoothly), g(u) varying by ~GENERATED_SPREAD, so the norm constraint starts all but inactive. With a rank
+        # r: U ~ N(0, 1 / d_model), V's spread divided by code_scale, so g(u) starts with the same spread while an
+        # Adam step on V moves g(u) as one on the full generator would (docs/models.md). "stochastic" starts at 0.9
+        # on each column's diagonal through its softmax: logits ln(9 (b - 1)) there, 0 elsewhere.
         identity = torch.eye(config.block_size).expand(config.num_blocks, -1, -1)  # (H, b, b)
         diagonal = math.log(9 * max(config.block_size - 1, 1)) if self.stochastic else 0.9
         with torch.no_grad():
@@ -212,8 +150,7 @@ class BlockDiagonalRecurrence(Recurrence):
             nn.init.zeros_(self.in_proj.bias[: self.rank])
 
     def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u: (..., d_model) -> A(u): (..., H, b, b), every column's p-norm <= 1, and B u: (..., H, b) (zeros for
-        "stochastic", whose columns are distributions)."""
+        """A(u) (..., H, b, b) constrained, and B u (..., H, b) (zeros if stochastic)."""
         generated, inputs = self._generate(u)  # (..., H, b, b), (..., H, b)
         if self.stochastic:
             if not (self.training and self.soft_transitions):
@@ -228,10 +165,8 @@ class BlockDiagonalRecurrence(Recurrence):
         return blocks, inputs
 
     def step(self, u: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """u: (B, d_model), state: (B, H, b) -> A(u) state + B u: (B, H, b). Under the column constraint alone,
-        each column's divisor d_j scales the state entry it multiplies instead of the column (A diag(1/d) h =
-        A (h / d)): one pass less over the (B, H, b, b) blocks than ``scan_step(*coefficients(u), state)``, which
-        it equals up to float rounding."""
+        """Under "column", scales the state by the column divisors instead (A diag(1/d) h = A (h / d)); equal up to
+        rounding."""
         if self.transition_norm != "column":
             return super().step(u, state)
         generated, inputs = self._generate(u)  # (B, H, b, b), (B, H, b)
@@ -240,22 +175,17 @@ class BlockDiagonalRecurrence(Recurrence):
         return torch.matmul(generated, scaled.unsqueeze(-1)).squeeze(-1) + inputs  # (B, H, b)
 
     def for_serving(self, streaming: bool) -> bool:
-        """With the full generator: g's and B's weights as views of one matrix, so that without gradients g(u) and
-        B u come from one product (:func:`model.lrnn.serving.stack_generator_weights`)."""
+        """See :func:`model.lrnn.serving.stack_generator_weights`."""
         return lrnn_serving.stack_generator_weights(self, streaming)
 
     def fused_step_weights(self) -> list[torch.Tensor] | None:
-        """With the full generator, float32 and (out, in) in memory, under "column" (once stacked) or "stochastic":
-        :func:`model.lrnn.serving.fused_step_weights`."""
         return lrnn_serving.fused_step_weights(self)
 
     def joint_weight(self) -> torch.Tensor | None:
-        """The matrix :meth:`for_serving` stacked g's and B's weights into, while they still view it
-        (:func:`model.lrnn.serving.joint_weight`)."""
         return lrnn_serving.joint_weight(self)
 
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u: (..., d_model) -> g(u) as blocks (..., H, b, b), before any constraint, and B u (..., H, b)."""
+        """u -> g(u) as blocks (..., H, b, b), unconstrained, and B u (..., H, b)."""
         joint = None if torch.is_grad_enabled() else self.joint_weight()  # (H b^2 + H b, d_model)
         if joint is not None:  # after for_serving: g(u) and B u from one product
             products = linear(u, joint)  # (..., H b^2 + H b)
@@ -276,17 +206,15 @@ class BlockDiagonalRecurrence(Recurrence):
         return generated, inputs.unflatten(-1, self.state_shape)
 
     def initial_state(self, rows: int) -> torch.Tensor:
-        """h_0: a learned distribution per block for "stochastic", else zeros: (rows, H, b)."""
+        """h_0 (rows, H, b): learned distributions for "stochastic", else zeros."""
         if not self.stochastic:
             return super().initial_state(rows)
         return self.initial.softmax(dim=-1).expand(rows, -1, -1)  # (rows, H, b)
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
-        """u: (..., d_model) -> A(u): (..., H, b, b) (:meth:`coefficients`' first half)."""
         return self.coefficients(u)[0]
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
         return linear(states.flatten(-2), self.out_proj.weight, self.out_proj.bias)  # (..., d_model)
 
 
@@ -303,22 +231,20 @@ class RecurrentBlock(nn.Module):
         self.scan_impl, self.scan_chunk_size = config.scan_impl, config.scan_chunk_size
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, d_model), state: (B, H, b) or None (the recurrence's h_0) -> (B, T, d_model), final state
-        (B, H, b)."""
+        """x (B, T, d_model), state (B, H, b) or None -> (B, T, d_model), final state."""
         u, states, final_state = self._scan(x, state)
         x = x + self.dropout(self.recurrence.readout(states, u))  # (B, T, d_model)
         return x + self.mlp(self.ln_2(x)), final_state
 
     def forward_last(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-        """x: (B, T, d_model) right-padded -> (B, d_model): ``forward``'s output at position lengths - 1 of each
-        row, with the readout and MLP run there only (the scan still covers every position)."""
+        """``forward``'s output (B, d_model) at lengths - 1, readout and MLP there only."""
         u, states, _ = self._scan(x, None)
         x, u, states = (gather_last(values, lengths) for values in (x, u, states))  # (B, d), (B, d), (B, H, b)
         x = x + self.dropout(self.recurrence.readout(states, u))  # (B, d_model)
         return x + self.mlp(self.ln_2(x))
 
     def _scan(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (B, T, d_model) -> LN(x) (B, T, d_model), every state (B, T, H, b), the last state (B, H, b)."""
+        """x (B, T, d_model) -> LN(x), every state (B, T, H, b), the last state."""
         u = self.ln_1(x)  # (B, T, d_model)
         transitions, inputs = self.recurrence.coefficients(u)  # (B, T, H, b, b), (B, T, H, b)
         if state is None:
@@ -329,9 +255,7 @@ class RecurrentBlock(nn.Module):
         return u, states, final_state
 
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, d_model), state: (B, H, b) -> (B, d_model), next state (B, H, b). Served on the CPU with few rows,
-        a recurrence that supports it runs the whole layer as one compiled call
-        (:func:`model.lrnn.serving.compiled_step`, equal up to float rounding)."""
+        """x (B, d_model), state (B, H, b) -> (B, d_model), next state."""
         compiled = lrnn_serving.compiled_step(self, x, state)
         if compiled is not None:
             return compiled
@@ -356,33 +280,26 @@ class LinearRNN(SequenceModel):
     def forward(
         self, tokens: torch.Tensor, cache: InferenceCache | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """tokens: (B, T) -> logits (B, T, output_size); with ``cache``, continue from it and advance it. With
-        ``positions`` ((B, T) bool), the logits at those positions only, (N, output_size) in row-major order: the
-        head, the largest product of a language model, runs on them alone (a trainer scoring a few positions)."""
+        """As :meth:`SequenceModel.forward`; with ``positions`` (B, T) bool, only those logits, (N, output_size)."""
         hidden = self._hidden(tokens, cache)  # (B, T, d_model)
         if positions is not None:
             hidden = hidden[positions]  # (N, d_model)
         return self.embedding.logits(self.ln_f(hidden))  # (B, T, V) or (N, V)
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, T) right-padded, lengths: (B,) -> (B, output_size); the last block's readout and MLP and the
-        head run on the last positions only."""
+        """The last block's tail and the head run on the last positions only."""
         x = self.embedding(tokens)  # (B, T, d_model)
         for block in self.blocks[:-1]:
             x, _ = block(x, None)  # (B, T, d_model)
         return self.embedding.logits(self.ln_f(self.blocks[-1].forward_last(x, lengths)))  # (B, V)
 
     def for_serving(self) -> list[str]:
-        """On the CPU, lay the weights out in memory for :meth:`step`'s one-token products (shapes, values and
-        checkpoints unchanged: :func:`model.lrnn.serving.lay_out_weights`), then pack the products' weights for
-        oneDNN (:meth:`SequenceModel.for_serving`). On CUDA nothing changes."""
+        """On the CPU, lay out and pack the weights; on CUDA nothing changes."""
         if self.device.type != "cpu":
             return []
         return [*lrnn_serving.lay_out_weights(self), *super().for_serving()]
 
     def product_weights(self) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-        """As the default, except that a recurrence whose g and B weights :meth:`for_serving` stacked multiplies by
-        the stacked matrix instead of by either (:func:`model.lrnn.serving.product_weights`)."""
         return lrnn_serving.product_weights(self.blocks, super().product_weights())
 
     def new_cache(self, batch_size: int) -> LRNNCache:
@@ -393,19 +310,17 @@ class LinearRNN(SequenceModel):
         return LRNNCache(long_tensor(0, batch_size), states)
 
     def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
-        """tokens: (B,) -> logits (B, output_size); advances ``cache`` by one token."""
         return self.embedding.logits(self.ln_f(self._blocks_step(tokens, cache)))  # (B, V)
 
     def step_greedy(self, tokens: torch.Tensor, cache: InferenceCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The picks of ``step``'s logits, taken by the head without them where it can (``TokenEmbedding.greedy``)."""
         return self.embedding.greedy(self.ln_f(self._blocks_step(tokens, cache)))  # (B,), (B,)
 
     def advance(self, tokens: torch.Tensor, cache: InferenceCache) -> None:
-        """``step`` without the final layer norm and the head."""
+        """``step`` without the final norm and head."""
         self._blocks_step(tokens, cache)
 
     def _blocks_step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
-        """tokens: (B,) -> the last block's output, (B, d_model); advances ``cache`` by one token."""
+        """tokens (B,) -> the last block's output (B, d_model); advances ``cache``."""
         assert isinstance(cache, LRNNCache)
         x = self.embedding(tokens)  # (B, d_model)
         for i, block in enumerate(self.blocks):
@@ -414,22 +329,17 @@ class LinearRNN(SequenceModel):
         return x
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
-        """What one call costs, for the scan it runs at that size: :func:`model.lrnn.cost.cost` gives the formulas
-        (the context never matters)."""
         return lrnn_cost.cost(self.config, self._sizes, self.dtype, self.device, path, rows, length, context)
 
     def head_cost(self, positions: int) -> Cost:
-        """d x output_size multiply-adds and output_size logits a position (:func:`model.lrnn.cost.head_cost`)."""
         return lrnn_cost.head_cost(self.config, self.dtype.itemsize, positions)
 
     def cache_nbytes(self, length: int) -> int:
-        """One (H, b) state per layer, whatever the length (:func:`model.lrnn.cost.cache_nbytes`)."""
         return lrnn_cost.cache_nbytes(self._sizes, self.dtype.itemsize)
 
     @functools.cached_property
     def _sizes(self) -> lrnn_cost.Sizes:
-        """What the costs read off the layers: their number, the state's shape, the blocks' parameters and those of
-        the last block's readout and MLP (counted once: costs are asked for on every scheduling decision)."""
+        """What the cost formulas read off the layers."""
         last = self.blocks[-1]
         return lrnn_cost.Sizes(
             layers=len(self.blocks),
@@ -439,7 +349,7 @@ class LinearRNN(SequenceModel):
         )
 
     def _hidden(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) -> hidden states before the final LayerNorm (B, T, d_model)."""
+        """tokens (B, T) -> hidden states before the final LayerNorm."""
         assert cache is None or isinstance(cache, LRNNCache)
         x = self.embedding(tokens)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
@@ -452,13 +362,11 @@ class LinearRNN(SequenceModel):
 
 
 class BlockDiagonalLRNN(LinearRNN):
-    """The block-diagonal input-dependent LRNN: :class:`LinearRNN` with :class:`BlockDiagonalRecurrence` layers."""
+    """:class:`LinearRNN` with :class:`BlockDiagonalRecurrence` layers."""
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__(config, [BlockDiagonalRecurrence(config) for _ in range(config.n_layers)])
 
     def grown_from(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A state dict for this model from ``weights``, those of the same LRNN with fewer blocks per layer, under
-        which it computes what the smaller one did (:func:`model.lrnn.growth.grown_from`); a ValueError names what is
-        not this LRNN with fewer blocks."""
+        """A state dict computing what ``weights`` (fewer blocks per layer) did."""
         return growth.grown_from(self, weights, GENERATED_SPREAD)

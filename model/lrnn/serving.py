@@ -1,17 +1,4 @@
-"""A linear RNN as served (model/lrnn/model.py is the model): its weights' layouts in memory and its compiled decode
-step. Nothing here changes a value, a shape or a checkpoint; training never calls it.
-
-- :func:`stack_generator_weights` makes a full-generator :class:`BlockDiagonalRecurrence`'s g and B weights views
-  of one matrix, so that without gradients g(u) and B u come from one product; :func:`joint_weight` finds that
-  matrix while both still view it.
-- :func:`lay_out_weights` stores, on the CPU, every weight in the layout its one-token products read fastest;
-  :func:`product_weights` names the matrices those products multiply by (for oneDNN's packing).
-- :func:`compiled_step` runs a :class:`RecurrentBlock`'s decode step as one compiled call
-  (:func:`model.ops.cpu_decode.lrnn_layer_step`) where the recurrence gives :func:`fused_step_weights`, equal to the
-  module step up to float rounding; None where it cannot.
-
-The model's classes are not imported here (model/lrnn/model.py imports this module): the functions take its modules.
-"""
+"""A linear RNN as served: weight layouts and the compiled decode step; values and checkpoints unchanged."""
 
 from __future__ import annotations
 
@@ -23,11 +10,8 @@ from model.ops import cpu_decode
 
 
 def stack_generator_weights(recurrence: nn.Module, streaming: bool) -> bool:
-    """With the full generator: stack g's and B's weights in one (H b^2 + H b, d_model) matrix that
-    ``transition.weight`` and ``input_proj.weight`` then view (shapes, values and checkpoints unchanged), so
-    that without gradients (the step and the parallel pass) g(u) and B u come from one product: (out, in) in
-    memory for the ``streaming`` kernel, (in, out) for MKL's. A later ``.to()`` gives each weight its own
-    storage again, and they go back to two products. Returns whether anything moved."""
+    """Make g's and B's weights views of one matrix ((out, in) if ``streaming``, else (in, out)) for one product;
+    returns whether anything moved."""
     if recurrence.rank is not None or recurrence.stochastic or recurrence.joint_weight() is not None:
         return False
     joint = torch.cat([recurrence.transition.weight, recurrence.input_proj.weight])  # (H b^2 + H b, d)
@@ -40,8 +24,7 @@ def stack_generator_weights(recurrence: nn.Module, streaming: bool) -> bool:
 
 
 def joint_weight(recurrence: nn.Module) -> torch.Tensor | None:
-    """The (H b^2 + H b, d_model) matrix that :func:`stack_generator_weights` made g's and B's weights views of, in
-    its layout, while they still are; None otherwise (a low rank, not served, or moved since)."""
+    """The matrix g's and B's weights still view after :func:`stack_generator_weights`, or None."""
     if recurrence.rank is not None or recurrence.stochastic:
         return None
     first, second = recurrence.transition.weight, recurrence.input_proj.weight  # (H b^2, d), (H b, d)
@@ -64,9 +47,8 @@ def joint_weight(recurrence: nn.Module) -> torch.Tensor | None:
 
 
 def fused_step_weights(recurrence: nn.Module) -> list[torch.Tensor] | None:
-    """With the full generator, float32 and (out, in) in memory: the generator's weight, g's and B's biases, the
-    readout's weight and bias. "column": after :func:`stack_generator_weights` stacked g and B (the stacked matrix);
-    "stochastic": g's own weight, and B's bias empty (there is no B u). None under the other norms."""
+    """[generator weight, g bias, B bias, readout weight, readout bias] where the compiled step runs the recurrence,
+    else None."""
     if recurrence.rank is not None or recurrence.transition_norm not in ("column", "stochastic"):
         return None
     if recurrence.stochastic:
@@ -79,11 +61,7 @@ def fused_step_weights(recurrence: nn.Module) -> list[torch.Tensor] | None:
 
 
 def step_arrays(block: nn.Module) -> list[np.ndarray] | None:
-    """What :func:`model.ops.cpu_decode.lrnn_layer_step` takes from a :class:`RecurrentBlock` (``layer_step_arrays``),
-    or None where the recurrence cannot step so. Kept between steps and made again when a parameter of the layer
-    changes (``cpu_decode.stamp``: its storage, or its version in place) or row invariance turns on or off: gathering
-    and converting them every step took ~40 us, a fifth of a tiny model's one-row step (docs/benchmarks.md). As for
-    ``SequenceModel._reference_parameter``, replacing a parameter object itself would go unseen: nothing does."""
+    """What ``cpu_decode.lrnn_layer_step`` takes from a block (or None), kept until parameters change."""
     invariant = cpu_decode.row_invariant()
     held = block.__dict__.get("_held_step_arrays")  # (parameters, their stamps and the invariance, arrays)
     if held is not None and held[1] == (invariant, *map(cpu_decode.stamp, held[0])):
@@ -102,10 +80,7 @@ def step_arrays(block: nn.Module) -> list[np.ndarray] | None:
 def compiled_step(
     block: nn.Module, x: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x: (B, d_model), state: (B, H, b) -> a :class:`RecurrentBlock`'s step, (B, d_model) and the next state
-    (B, H, b), as one compiled call: served (not training) on the CPU with few rows
-    (:func:`model.ops.cpu_decode.compiles_step`), with the recurrence's :func:`fused_step_weights` and a float32
-    state; None otherwise (the module step runs)."""
+    """A block's step as one compiled call where served on the CPU with few rows, else None."""
     if block.training or not cpu_decode.compiles_step(x):
         return None
     arrays = step_arrays(block)
@@ -116,16 +91,7 @@ def compiled_step(
 
 
 def lay_out_weights(model: nn.Module) -> list[str]:
-    """On the CPU, lay a :class:`LinearRNN`'s weights out in memory for its step's one-token products (shapes, values
-    and checkpoints unchanged); returns a note per change. Where they run through the streaming kernel
-    (:func:`model.ops.cpu_decode.streams`: one intra-op thread), every weight stays (out, in), the layout it reads
-    fastest, and each recurrence stacks its generator and input weights into one matrix
-    (:func:`stack_generator_weights`). Otherwise (MKL's products, with several threads) the stacked matrix and
-    every weight wider than tall (out_features > in_features: the MLPs' first layers, a low-rank V, the tied head)
-    are stored (in, out): on this project's CPU MKL's one-thread product read a 4096 x 512 weight twice as fast that
-    way, and a square or tall one as fast or faster as stored (docs/benchmarks.md, "One-token products" and
-    "Low-rank transition generator"). The parallel pass multiplies by the same matrices (equal up to float
-    rounding)."""
+    """On the CPU, lay weights out for one-token products; returns a note per change."""
     streaming = cpu_decode.streams(dtype=model.dtype)
     joined = sum(block.recurrence.for_serving(streaming) for block in model.blocks)
     notes = [f"{joined} layers make g(u) and B u with one product (CPU)"] if joined else []
@@ -154,9 +120,7 @@ def lay_out_weights(model: nn.Module) -> list[str]:
 def product_weights(
     blocks: nn.ModuleList, default: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
 ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-    """``default`` (:meth:`SequenceModel.product_weights`), except that a recurrence of ``blocks`` whose g and B weights
-    :func:`stack_generator_weights` stacked multiplies by the stacked matrix (a view made anew for each product)
-    instead of by either."""
+    """``default``, with a recurrence's stacked g/B matrix in place of its two weights."""
     joints = []
     for block in blocks:
         recurrence = block.recurrence

@@ -24,8 +24,7 @@ from model.config import LSTMConfig
 
 @dataclass
 class LSTMCache(InferenceCache):
-    """The LSTM's state after each row's tokens: hidden and cell, (n_layers, B, hidden_size) each (batch second);
-    of fixed size, and no step reads the lengths, so rows of any lengths stack."""
+    """Hidden and cell state, (n_layers, B, hidden_size) each."""
 
     hidden: torch.Tensor
     cell: torch.Tensor
@@ -50,7 +49,7 @@ class LSTMCache(InferenceCache):
 
 
 class LSTMModel(SequenceModel):
-    """Dropout (``config.dropout``) acts between LSTM layers and on the last layer's output."""
+    """Dropout acts between LSTM layers and on the last layer's output."""
 
     def __init__(self, config: LSTMConfig) -> None:
         super().__init__()
@@ -68,7 +67,7 @@ class LSTMModel(SequenceModel):
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def hidden(self, tokens: torch.Tensor, cache: LSTMCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) -> final hidden states (B, T, d_model); continues from and advances ``cache``."""
+        """tokens (B, T) -> final hidden states (B, T, d_model); continues and advances ``cache``."""
         state = None if cache is None else (cache.hidden, cache.cell)
         out, (hidden, cell) = self.lstm(self.embedding(tokens), state)  # out: (B, T, hidden_size)
         if cache is not None:
@@ -88,15 +87,12 @@ class LSTMModel(SequenceModel):
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, output_size)
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """The head runs on the last real positions only, not on all B * T."""
+        """The head runs on the last real positions only."""
         return self.embedding.logits(gather_last(self.hidden(tokens), lengths))  # (B, output_size)
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
-        """Per token the LSTM's and the projection's weights (4 h (input + h) + h d per layer and projection, one
-        multiply-add each); the head's d x output_size per logit position ("final": one per row). The context
-        never matters. nbytes per position: the embedding and ~3 d after the LSTM and the logits' output_size,
-        and per layer the input gates 4 h and output h (all layers' outputs counted) in at least float32 (the
-        CPU kernel's bfloat16 path holds float32 gates)."""
+        """flops: the LSTM's and projection's weights per token, the head per logit position. nbytes: ~4 d + 5 h per
+        layer per position (at least float32), and the logits."""
         config = self.config
         per_token = self._weights_per_token
         logit_positions = rows if path == "final" else rows * length
@@ -112,5 +108,4 @@ class LSTMModel(SequenceModel):
         return parameter_count(self.lstm) + self.proj.weight.numel()
 
     def cache_nbytes(self, length: int) -> int:
-        """Hidden and cell, (n_layers, hidden_size) each, whatever the length."""
         return 2 * self.config.n_layers * self.config.hidden_size * self.dtype.itemsize

@@ -1,50 +1,6 @@
-"""Sliding-Dilated-Attention (regulargpt.txt section 3.1, eq. 1).
-
-Position m attends to the ``chunk_size`` keys m - j * dilation, j in [chunk_size]; the logit of the key j
-steps back gets the head's learnable scalar ``relative_bias[h, j]``. A slot is out of range when its key lies
-at a negative position or at an index below ``key_offset[b]`` (left padding); a position's own key (j = 0)
-never is, which keeps padded queries finite (their outputs are meaningless and never read). Out-of-range
-slots are masked, or, given ``null_key`` and ``null_value`` (H, hd), hold that key and value: slot j then
-scores q . null_key / sqrt(hd) + relative_bias[h, j], as if the sequence were left-padded with a null token.
-
-Implementations, one signature
-``(q, k, v, relative_bias, chunk_size, dilation, key_offset=None, null_key=None, null_value=None) -> out``:
-
-- ``dilated_attention_reference``: the T x T additive mask of eq. 1 (plus one null column per j) and plain
-  softmax attention, O(T^2);
-- ``dilated_attention_fast``: gathers the dilated keys of every position from shifted views of the left-padded
-  keys and values and attends over them, O(T * J) memory, never a T x T tensor; J = min(chunk_size, (T - 1) //
-  dilation + 1) are the slots any query can reach (the others are out of range for every position);
-- ``dilated_attention_banded`` (:func:`attend_banded`): reorders the positions by residue mod the dilation, where
-  each query's keys are C consecutive members of its class, and attends block by block, a block of P query rows
-  against the J - 1 rows before it and its own, by dense matmuls with the band 0 <= j < C as a -inf bias:
-  O(T * (J + P)) scores and no gathered copy of the keys (the fast path copies J keys per query: 64 for the
-  text model's C = 64, 0.27 GB per block at 8k positions).
-
-``dilated_attention(..., impl)`` picks one explicitly; "auto" is "reference" up to ``AUTO_REFERENCE_MAX_T``
-positions, beyond it "banded" when the queries reach J >= ``BANDED_MIN_SLOTS`` keys and "fast" below. All are
-exact. The crossovers, measured on this project's 2-core CPU with one thread (``python -m
-benchmarks.bench_dilated_attention --crossover``: the op alone, H = 4, hd = 32, C = J at dilation 1, CPU ms, best
-of five; docs/benchmarks.md, "RegularGPT decode and prefill"):
-
-- up to 64 positions the reference's few large matmuls win for training (forward + backward, 4096 / T rows:
-  10-18 ms against banded 18-43 and fast 20-830 at T = 16-64); for inference all are below 1.3 ms there.
-  Known gap: at J = 64 the reference stays faster for training up to ~200 positions (26 against 40 ms at
-  T = 128; banded wins from 256: 40 against 47), and "auto" does not look at J for that;
-- beyond, banded beats fast from J = 4 on (inference at T = 1024: 0.97 against 2.3 ms at J = 4, 3.2 against 33
-  at J = 64; training at T = 256: 18 against 32 ms at J = 4, 40 against 793 at J = 64). At J = 2 they are within
-  25% either way (inference 0.27 against 0.23 ms at T = 128, 0.94 against 1.17 at 1024; training 17.1 against
-  18.3 at 128) and "auto" keeps fast there, as before: the C = 2 task models do not change.
-
-A cache's chunks attend through the same functions over the keys they read from the cache (model/regulargpt/decode.py):
-one query per row through :func:`attend_slots`, a chunk through :func:`attend_gathered` or, once
-:func:`cached_attention_impl` says so, :func:`attend_banded` over the ring's last keys and the chunk. That
-crossover, measured the same way after a long context (J - 1 ring keys before the chunk at dilation 1): banded
-from n = 128 at J = 4 (0.25 against 0.27 ms), 64 at J = 8 and 16, 16-32 at J = 64 (0.26 against 0.40 at 32);
-with a long prefix, at dilation 64 and J = 64 (4032 ring keys before the chunk), from n ~ 100 (2.8 against 3.5
-ms at n = 128, 2.6 against 1.5 at 64), at J = 16 (960 ring keys) between 128 and 512. The rule
-n * J >= max(1024, 2 * (prefix + n)) follows them within a factor of two of n.
-"""
+"""Sliding-Dilated-Attention (RegularGPT paper, eq. 1): position m attends to m - j dilation, j in [C], slot j's logit
+plus ``relative_bias[h, j]``; slots before position 0 or ``key_offset[b]``, never a position's own, are masked or hold
+``null_key``/``null_value``. Exact implementations "reference", "fast" and "banded"; "auto": :func:`resolve_impl`."""
 
 from __future__ import annotations
 
@@ -70,8 +26,8 @@ def dilated_attention_reference(
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None; null_key, null_value:
-    (H, hd) or None -> (B, H, T, hd)."""
+    """q, k, v (B, H, T, hd); relative_bias (H, C); key_offset (B,) or None; null_key, null_value (H, hd) or None. ->
+    (B, H, T, hd)."""
     length = q.shape[2]
     q = q / math.sqrt(q.shape[-1])
     mask = q.new_full((relative_bias.shape[0], length, length), float("-inf"))  # (H, T, T) the M of eq. 1
@@ -101,8 +57,8 @@ def dilated_attention_fast(
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None; null_key, null_value:
-    (H, hd) or None -> (B, H, T, hd)."""
+    """q, k, v (B, H, T, hd); relative_bias (H, C); key_offset (B,) or None; null_key, null_value (H, hd) or None. ->
+    (B, H, T, hd)."""
     length = q.shape[2]
     slots = reachable_slots(chunk_size, dilation, length - 1)  # J: the keys j >= J back lie before position 0
     reach = (slots - 1) * dilation
@@ -126,8 +82,6 @@ def dilated_attention_banded(
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k, v: (B, H, T, hd); relative_bias: (H, C); key_offset: (B,) int or None; null_key, null_value:
-    (H, hd) or None -> (B, H, T, hd). See :func:`attend_banded`."""
     return attend_banded(q, k, v, relative_bias, chunk_size, dilation, key_offset, null_key, null_value)
 
 
@@ -142,19 +96,10 @@ def attend_banded(
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sliding-Dilated-Attention of the queries at the last n of Tk key positions, through dense blocks.
-
-    Position m's keys m - j * dilation all lie in m's residue class mod dilation, C consecutive members of it. So
-    the positions are reordered by residue (one copy), each class cut into blocks of P query rows
-    (:func:`banded_block`), and a block's queries attend, by one matmul, to the W = J - 1 key rows before it and
-    its own P rows; the band 0 <= j < C is an additive bias (-inf outside). O(T * (W + P)) scores, never a
-    gathered copy of the keys.
-
-    q: (B, H, n, hd); k, v: (B, H, Tk, hd) with Tk - n a multiple of ``dilation`` (query i is key Tk - n + i;
-    the parallel op has Tk = n, cached chunks put the ring's keys first); relative_bias: (H, C); first_key: (B,)
-    int or None: key indices below first_key[b] are out of range for row b, except a query's own; null_key,
-    null_value: (H, hd) or None. Returns (B, H, n, hd).
-    """
+    """Sliding-Dilated-Attention of the last n of Tk positions through dense blocks: positions reordered by residue mod
+    dilation, blocks of P queries attending by one matmul to the J - 1 key rows before them and their own, the band an
+    additive bias. q (B, H, n, hd); k, v (B, H, Tk, hd), Tk - n a multiple of ``dilation``; keys below ``first_key[b]``
+    out of range but a query's own. -> (B, H, n, hd)."""
     length, head_dim, keys_length = q.shape[2], q.shape[3], k.shape[2]
     before = keys_length - length  # key positions before the first query
     rows = -(-length // dilation)  # query rows per residue class
@@ -195,13 +140,10 @@ def attend_banded(
 
 
 def _residue_rows(x: torch.Tensor, dilation: int) -> torch.Tensor:
-    """x: (B, H, R * dilation, hd) -> (B, H, dilation, R, hd): element [.., r, i, :] is position i * dilation + r."""
     return x.unflatten(2, (-1, dilation)).transpose(2, 3)
 
 
 def _band_bias(relative_bias: torch.Tensor, block: int, window_rows: int) -> torch.Tensor:
-    """The additive bias of a block's scores: query row u against window column c is slot j = W + u - c, r_j for
-    0 <= j < C and -inf outside. relative_bias: (H, C) -> (H, 1, 1, P, W + P)."""
     chunk_size = relative_bias.shape[1]
     slot = window_rows + torch.arange(block, device=relative_bias.device)[:, None] - torch.arange(
         window_rows + block, device=relative_bias.device
@@ -212,8 +154,6 @@ def _band_bias(relative_bias: torch.Tensor, block: int, window_rows: int) -> tor
 
 
 def _missing_null_bias(relative_bias: torch.Tensor, block: int, slots: int) -> torch.Tensor:
-    """r_j for the slots j in [J, C) that lie before a query's window (j > W + u, all out of range, so null), -inf
-    for those inside it. relative_bias: (H, C) -> (H, 1, 1, P, C - J)."""
     chunk_size = relative_bias.shape[1]
     slot = torch.arange(slots, chunk_size, device=relative_bias.device)  # (C - J,)
     inside = slot <= slots - 1 + torch.arange(block, device=relative_bias.device)[:, None]  # (P, C - J)
@@ -221,8 +161,7 @@ def _missing_null_bias(relative_bias: torch.Tensor, block: int, slots: int) -> t
 
 
 def reachable_slots(chunk_size: int, dilation: int, last_position: int) -> int:
-    """J = min(C, last_position // dilation + 1): the slots j whose key m - j * dilation can lie at a position >= 0
-    for some query m <= last_position. The slots j >= J are out of range for every such query."""
+    """J = min(C, last_position // dilation + 1): slots j >= J are out of range for every query up to last_position."""
     return min(chunk_size, last_position // dilation + 1)
 
 
@@ -235,15 +174,8 @@ def attend_gathered(
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention of each query over its own gathered keys (j = 0 is the query's own position).
-
-    q: (B, H, T, hd); keys, values: (B, H, T, J, hd), finite, the first J <= C slots (the slots j >= J are out of
-    range for every query, see :func:`reachable_slots`, and are not gathered); relative_bias: (H, C); valid: bool
-    broadcastable to (B, H, T, J), True at least at j = 0, or None when every slot is in range; null_key,
-    null_value: (H, hd) or None. The slots that
-    are not ``valid`` are masked, or hold the null key and value. Returns (B, H, T, hd). Shared by the fast op
-    and cached decoding.
-    """
+    """Attention of q (B, H, T, hd) over its gathered keys, values (B, H, T, J, hd), j = 0 its own; slots not ``valid``
+    are masked or null. -> (B, H, T, hd)."""
     batch, heads, length, head_dim = q.shape
     slots = keys.shape[3]
     rows = (batch * heads * length, slots, head_dim)  # one (1, hd) x (hd, J) product per query, batched
@@ -265,9 +197,8 @@ def attend_slots(
     null_key: torch.Tensor | None = None,
     null_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`attend_gathered` for one query per row (a decode step), in the fewest ops: q (B, H, hd); keys,
-    values: (B, H, J, hd) contiguous, as gathered from a cache; valid: (B, 1, 1, J) bool or None. Returns
-    (B, H, hd)."""
+    """:func:`attend_gathered` for one query per row: q (B, H, hd), keys, values (B, H, J, hd) contiguous, valid (B, 1,
+    1, J) or None -> (B, H, hd)."""
     batch, heads, head_dim = q.shape
     count = keys.shape[2]
     keys, values = keys.view(batch * heads, count, head_dim), values.view(batch * heads, count, head_dim)
@@ -287,9 +218,6 @@ def attend_slots(
 def _slot_weights(
     scores: torch.Tensor, valid: torch.Tensor | None, null_scores: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax weights of the J gathered slots, scores (..., J) with their r_j, and, with null slots, the weight of
-    the null value: the slots not ``valid`` (broadcastable bool, or None for all) score null_scores (..., C)
-    instead, as do the slots j >= J never gathered. Returns (..., J) and (..., 1) or None."""
     if null_scores is None:
         if valid is not None:
             scores = scores.masked_fill(~valid, float("-inf"))
@@ -303,8 +231,6 @@ def _slot_weights(
 
 
 def _null_scores(q: torch.Tensor, null_key: torch.Tensor, relative_bias: torch.Tensor) -> torch.Tensor:
-    """The logit of the null key in every slot: q (B, H, T, hd) already scaled by 1 / sqrt(hd), null_key
-    (H, hd), relative_bias (H, C) -> (B, H, T, C)."""
     return torch.einsum("bhtd,hd->bht", q, null_key)[..., None] + relative_bias[:, None, :]
 
 
@@ -318,10 +244,6 @@ def _slots_in_range(
 
 
 def _unmasked(query: torch.Tensor, key: torch.Tensor, key_offset: torch.Tensor | None) -> torch.Tensor:
-    """Keys that exist: at index >= key_offset[b] (and >= 0), or the query's own key.
-
-    query, key: broadcastable integer positions (Tq, Tk); key_offset: (B,) or None -> (B or 1, 1, Tq, Tk).
-    """
     first = torch.zeros(1, dtype=torch.long, device=key.device) if key_offset is None else key_offset.to(key.device)
     return (key >= first.view(-1, 1, 1, 1)) | (key == query)  # (B or 1, 1, Tq, Tk)
 
@@ -345,25 +267,20 @@ def dilated_attention(
     null_value: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Sliding-Dilated-Attention through the implementation ``impl``: "reference", "fast", "banded" or "auto"
-    (module doc)."""
+    """Sliding-Dilated-Attention through ``impl`` ("reference", "fast", "banded" or "auto")."""
     length = q.shape[-2]
     name = resolve_impl(impl, length, reachable_slots(chunk_size, dilation, length - 1))
     return IMPLEMENTATIONS[name](q, k, v, relative_bias, chunk_size, dilation, key_offset, null_key, null_value)
 
 
 def banded_block(slots: int, rows: int) -> int:
-    """P, the query rows of one block of :func:`attend_banded` when its queries reach J = ``slots`` keys and a
-    residue class holds ``rows`` query rows: each block attends to W + P = J - 1 + P keys per query."""
+    """P, the query rows of one :func:`attend_banded` block for J = ``slots`` and ``rows`` per class."""
     return min(rows, max(BANDED_MIN_BLOCK_ROWS, slots // 2))
 
 
 def cached_attention_impl(length: int, slots: int, prefix: int) -> str:
-    """How a cached chunk of n = ``length`` new positions whose queries reach J = ``slots`` keys attends:
-    "gathered" (the n * J keys copied, :func:`attend_gathered`) or "banded" (:func:`attend_banded` over the
-    ``prefix`` keys before the chunk, read from the cache, and the chunk). Banded once J >= BANDED_MIN_SLOTS and
-    n * J >= max(BANDED_MIN_GATHERED, 2 * (prefix + n)): it copies the prefix and the chunk a few times where
-    gathering copies n * J keys (the measured crossovers in the module docstring)."""
+    """"banded" for a cached chunk of n = ``length`` positions reaching J = ``slots`` keys once J >= BANDED_MIN_SLOTS
+    and n J >= max(BANDED_MIN_GATHERED, 2 (prefix + n)), else "gathered"."""
     gathered = length * slots
     if slots >= BANDED_MIN_SLOTS and gathered >= max(BANDED_MIN_GATHERED, 2 * (prefix + length)):
         return "banded"
@@ -371,8 +288,8 @@ def cached_attention_impl(length: int, slots: int, prefix: int) -> str:
 
 
 def resolve_impl(impl: str, length: int, slots: int) -> str:
-    """The implementation ``impl`` ("reference", "fast", "banded" or "auto") runs at ``length`` positions whose
-    queries reach J = ``slots`` keys (:func:`reachable_slots`)."""
+    """The implementation ``impl`` resolves to: "auto" is "reference" up to ``AUTO_REFERENCE_MAX_T`` positions, then
+    "banded" from J >= ``BANDED_MIN_SLOTS``, else "fast". ValueError for an unknown name."""
     name = impl
     if impl == "auto":
         if length <= AUTO_REFERENCE_MAX_T:

@@ -1,21 +1,6 @@
-"""Position handlings of the transformer baselines (regulargpt.txt section 5).
-
-Every relative handling is a module ``forward(q, k, query_offset) -> bias`` giving an additive bias to the
-scaled attention logits q.k / sqrt(head_dim) of the queries at positions [query_offset, query_offset + Tq)
-against the keys at positions [0, Tk). ``query_offset`` is an int shared by every row, or a (B,) int64 tensor
-of one offset per row (best on the CPU: reading its largest value then needs no device sync). Parallel passes
-use query_offset = 0; KV-cached decoding passes the number of cached tokens (per row when rows hold different
-lengths), so all run the same code. A bias is (1, H, Tq, Tk) for an int offset (XL: (B, H, Tq, Tk)) and
-(B, H, Tq, Tk) for per-row offsets. The bias at a future key (j > i) is finite and meaningless: the caller
-masks it.
-
-- :class:`ALiBi`: -slope_h * (i - j), fixed geometric slopes (Press et al., 2022);
-- :class:`KerpleLog`: -r1_h * log(1 + r2_h * (i - j)), learnable r1, r2 > 0 (Chi et al., 2022);
-- :class:`T5Buckets`: a learned scalar per head and causal log-bucket of i - j (Raffel et al., 2020);
-- :class:`XLRelative`: Transformer-XL relative attention (Dai et al., 2019), the one bias that reads q and k.
-
-Absolute sinusoidal positions (Vaswani et al., 2017) are :func:`sinusoidal_encoding`, added to the embedding.
-"""
+"""Position handlings of the transformer baselines: sinusoidal, ALiBi (Press et al. 2022), KERPLE (Chi et al. 2022), T5
+buckets and Transformer-XL. A relative one is ``forward(q, k, query_offset) -> bias`` (1 or B, H, Tq, Tk) added to q.k /
+sqrt(hd), queries starting at ``query_offset`` (int or (B,)); callers mask future keys."""
 
 from __future__ import annotations
 
@@ -27,11 +12,11 @@ from torch import nn
 from torch.nn import functional as F
 
 QueryOffset = int | torch.Tensor
-"""The position of a call's first query: one int for every row, or a (B,) int64 tensor, one per row."""
+"""A call's first query position: one int for all rows, or (B,) int64 per row."""
 
 
 def sinusoidal_encoding(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """positions: (...,) -> (..., dim), PE[p, 2i] = sin(p / 10000^(2i/dim)), PE[p, 2i+1] = cos(same), float32."""
+    """positions (...,) -> (..., dim) float32: sin and cos of p / 10000^(2i/dim), interleaved."""
     frequencies = torch.exp(
         torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim)
     )  # (ceil(dim / 2),)
@@ -40,7 +25,7 @@ def sinusoidal_encoding(positions: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def query_positions(query_offset: QueryOffset, query_length: int, device: torch.device) -> torch.Tensor:
-    """The positions [query_offset, query_offset + Tq): (Tq,) for an int offset, (B, Tq) for per-row offsets."""
+    """Positions from ``query_offset``: (Tq,) for an int, (B, Tq) per row."""
     steps = torch.arange(query_length, device=device)  # (Tq,)
     if isinstance(query_offset, int):
         return steps + query_offset
@@ -55,38 +40,31 @@ def last_query_position(query_offset: QueryOffset, query_length: int) -> int:
 def relative_distance(
     query_offset: QueryOffset, query_length: int, key_length: int, device: torch.device
 ) -> torch.Tensor:
-    """i - j for query positions i in [query_offset, query_offset + Tq) and keys j in [0, Tk): (Tq, Tk) int64
-    for an int offset, (B, Tq, Tk) for per-row offsets.
-
-    Negative entries are future keys."""
+    """i - j, (Tq, Tk) int64 or (B, Tq, Tk) per row; negative for future keys."""
     queries = query_positions(query_offset, query_length, device)  # (Tq,) or (B, Tq)
     keys = torch.arange(key_length, device=device)  # (Tk,)
     return queries[..., :, None] - keys  # (Tq, Tk) or (B, Tq, Tk)
 
 
 def past_distance(query_offset: QueryOffset, query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-    """max(i - j, 0) with an axis to broadcast over heads: (1, Tq, Tk), or (B, 1, Tq, Tk) for per-row offsets."""
+    """max(i - j, 0) as (1, Tq, Tk), or (B, 1, Tq, Tk) per row."""
     return relative_distance(query_offset, query_length, key_length, device).clamp(min=0).unsqueeze(-3)
 
 
 class StaticPositionBias(nn.Module, ABC):
-    """A bias that depends on positions only: ``bias(offset, Tq, Tk)`` is (H, Tq, Tk), or (B, H, Tq, Tk) for
-    per-row offsets."""
+    """A bias of positions only: ``bias(offset, Tq, Tk)`` is (H, Tq, Tk), or (B, H, Tq, Tk) per row."""
 
     @abstractmethod
     def bias(self, query_offset: QueryOffset, query_length: int, key_length: int) -> torch.Tensor:
-        """(H, Tq, Tk), or (B, H, Tq, Tk) for per-row offsets, for query positions [query_offset, query_offset +
-        Tq) and keys [0, Tk)."""
+        """(H, Tq, Tk), or (B, H, Tq, Tk) for per-row offsets."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: QueryOffset) -> torch.Tensor:
-        """q: (B, H, Tq, hd), k: (B, H, Tk, hd) (read for their lengths only) -> (1 or B, H, Tq, Tk)."""
         bias = self.bias(query_offset, q.shape[-2], k.shape[-2])  # (H, Tq, Tk) or (B, H, Tq, Tk)
         return bias.reshape(-1, *bias.shape[-3:]).to(q.dtype)
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
-    """The ALiBi paper's slopes: for n a power of two, the geometric sequence 2^(-8/n), 2^(-16/n), ..., 2^-8;
-    otherwise the n' = 2^floor(log2 n) slopes of n' heads, then every other slope of 2n' heads."""
+    """ALiBi's geometric slopes 2^(-8h/n) (interleaved from 2n' heads when n is not a power of two)."""
     if n_heads & (n_heads - 1) == 0:
         return [2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)]
     power = 2 ** math.floor(math.log2(n_heads))
@@ -94,7 +72,6 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 
 class ALiBi(StaticPositionBias):
-    """bias[h, i, j] = -slope_h * (i - j), no parameters."""
 
     def __init__(self, n_heads: int) -> None:
         super().__init__()
@@ -106,10 +83,7 @@ class ALiBi(StaticPositionBias):
 
 
 class KerpleLog(StaticPositionBias):
-    """bias[h, i, j] = -r1_h * log(1 + r2_h * (i - j)).
-
-    r1, r2 = softplus(raw) keep them positive with a gradient everywhere (the KERPLE code clamps instead).
-    They start uniform in [0.01, 2] and [0.01, 1], the KERPLE code's ranges and lower bound."""
+    """bias = -r1_h log(1 + r2_h (i - j)), r1, r2 = softplus(raw) > 0."""
 
     def __init__(self, n_heads: int) -> None:
         super().__init__()
@@ -126,10 +100,7 @@ class KerpleLog(StaticPositionBias):
 
 
 def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
-    """Causal T5 bucketing of distance = i - j >= 0 (int64) into [0, num_buckets).
-
-    Distances below num_buckets // 2 get a bucket each; larger ones share log-spaced buckets up to
-    max_distance, and everything beyond falls into the last bucket."""
+    """Causal T5 bucket of i - j >= 0: exact below num_buckets // 2, log-spaced up to max_distance, then the last."""
     exact = num_buckets // 2
     log_ratio = torch.log(distance.clamp(min=exact).float() / exact) / math.log(max_distance / exact)
     large = (exact + (log_ratio * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
@@ -137,7 +108,6 @@ def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> to
 
 
 class T5Buckets(StaticPositionBias):
-    """bias[h, i, j] = b[bucket(i - j), h], a learned scalar per bucket and head (initialised N(0, 0.02^2))."""
 
     def __init__(self, n_heads: int, num_buckets: int, max_distance: int) -> None:
         super().__init__()
@@ -152,14 +122,8 @@ class T5Buckets(StaticPositionBias):
 
 
 class XLRelative(nn.Module):
-    """Transformer-XL relative attention terms beside the content term q_i.k_j:
-
-        bias[b, h, i, j] = (q_i.(W_r R_{i-j}) + u.k_j + v.(W_r R_{i-j})) / sqrt(hd)
-
-    with R_d the sinusoidal encoding of distance d (width d_model), W_r a learned projection into the heads,
-    and u, v learned per head (shared by all positions). Rather than projecting all R into the heads, each
-    query is moved into R's space, (q_i + v) W_r, so a decoding step costs O(T d_model) per head, not
-    O(T d_model^2)."""
+    """Transformer-XL terms (q_i.(W_r R_{i-j}) + u.k_j + v.(W_r R_{i-j})) / sqrt(hd); queries are moved into R's space,
+    O(T d_model) per head per step."""
 
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
@@ -170,7 +134,6 @@ class XLRelative(nn.Module):
         self.position_bias = nn.Parameter(torch.randn(n_heads, self.head_dim) * 0.02)  # v: (H, hd)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, query_offset: QueryOffset) -> torch.Tensor:
-        """q: (B, H, Tq, hd), k: (B, H, Tk, hd) -> (B, H, Tq, Tk)."""
         batch, _, query_length, _ = q.shape
         key_length = k.shape[-2]
         d_model = self.relative_proj.in_features

@@ -1,27 +1,6 @@
-"""The block-diagonal linear recurrence h_t = A_t h_{t-1} + b_t as Triton kernels: ``scan_triton``.
-
-Same signature and result as the implementations in ``model.ops.linear_scan`` (shapes there), forward only (no
-autograd: serving and evaluation), for blocks of at most ``MAX_BLOCK`` = 16. Where the torch scans launch
-~2 log T batched kernels (parallel) or ~2 x chunk_size small ones (chunked), this is three launches at any T,
-each program keeping one head's b x b work in registers (kernels in ``model.ops.triton_scan_kernels``):
-
-1. ``chunk_summary_kernel``, one program per (row, head, chunk) but the last: the chunk from a zero state,
-   giving its final state and the product A_C ... A_1 of its transitions (chunk_size steps of b^3 work);
-2. ``chunk_starts_kernel``, one program per (row, head): the start state of every chunk, in order
-   (start_{c+1} = P_c start_c + s_c; T / chunk_size steps of b^2);
-3. ``chunk_states_kernel``, one program per (row, head, chunk): the chunk again from its start, writing every
-   state (the work-optimal loop, b^2 per step).
-
-With T <= chunk_size only the third runs. Everything is float32 inside (bfloat16 / float16 in, the input dtype
-out, as the torch scans); float64 is refused. Offsets are 64-bit, any strides (a stride-0 expand of the
-transitions is fine).
-
-The kernels run on CUDA tensors, compiled by ``triton.jit``, or on CPU tensors in Triton's interpreter when
-the environment had TRITON_INTERPRET=1 before Triton was imported (its own switch: it decides how Triton's
-standard library is built). The interpreter is for tests (tests/conftest.py sets it where there is no CUDA;
-tests/model/test_triton_scan.py checks the kernels against ``scan_sequential``), not for speed. Triton is
-imported on first use; without it ``available()`` is False and ``scan_triton`` says so.
-"""
+"""The block-diagonal linear recurrence as Triton kernels (:func:`scan_triton`, forward only, blocks up to
+``MAX_BLOCK``): per-chunk summaries, chunk start states, then every chunk from its start, three launches at any T.
+Float32 inside; runs on CUDA or, with TRITON_INTERPRET=1 set before Triton's import, in its interpreter (tests)."""
 
 from __future__ import annotations
 
@@ -47,8 +26,7 @@ def available() -> bool:
 def scan_triton(
     transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None, chunk_size: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transitions (B, T, H, b, b), inputs (B, T, H, b), initial_state (B, H, b) or None (zeros) ->
-    states (B, T, H, b), final state (B, H, b); ``chunk_size`` steps per program (a power of 2 is not needed)."""
+    """As the torch scans (model/ops/linear_scan.py), forward only; ValueError for what :func:`refusal` refuses."""
     problem = refusal(transitions, inputs, initial_state, chunk_size)
     if problem:
         raise ValueError(problem)
@@ -61,7 +39,6 @@ def scan_triton(
 def _scan(
     transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scan_triton`` on arguments it takes."""
     from model.ops import triton_scan_kernels as kernels  # imports Triton: only here
 
     batch, length, heads, block = inputs.shape

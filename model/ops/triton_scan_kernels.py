@@ -1,8 +1,6 @@
-"""The Triton kernels of ``model.ops.triton_scan``, imported by it on first use so that Triton stays optional (and
-so that ``triton.jit`` here sees the TRITON_INTERPRET=1 a CPU test process sets first). Names: ``pid_rh`` =
-row * H + head (the grid's second axis, chunks on the first: CUDA allows 2^31 - 1 programs there, 65,535 on the
-others); a block is indexed [i, j], i the output (row) axis and j the input (column) one: A_t[i, j] sits at
-a + row s_ab + t s_at + head s_ah + i s_ai + j s_aj. Everything is float32; offsets are 64-bit."""
+"""The Triton kernels of model/ops/triton_scan.py, imported on first use (Triton stays optional). ``pid_rh`` = row * H +
+head (grid axis 1; chunks on axis 0); A_t[i, j] (i output, j input) sits at a + row s_ab + t s_at + head s_ah + i s_ai +
+j s_aj. Float32, 64-bit offsets."""
 
 import triton
 import triton.language as tl
@@ -43,9 +41,8 @@ def chunk_summary_kernel(
     s_xi,
     BLOCK: tl.constexpr,
 ):
-    """Program (chunk, row * H + head): the chunk from a zero state; its final state goes to ``finals`` (B, H,
-    n - 1, b) and the product A_C ... A_1 of its transitions to ``products`` (B, H, n - 1, b, b), both
-    contiguous. Only whole chunks (every chunk but the last) come here."""
+    """Program (chunk, row * H + head), whole chunks only: the chunk from a zero state; its final state to ``finals``
+    (B, H, n - 1, b), its transitions' product to ``products`` (B, H, n - 1, b, b)."""
     chunk, pid_rh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     row, head = pid_rh // heads, pid_rh % heads
     i = tl.arange(0, BLOCK)
@@ -67,8 +64,7 @@ def chunk_summary_kernel(
 
 @triton.jit
 def chunk_starts_kernel(products, finals, h0, s_hb, s_hh, s_hi, starts, heads, chunks, block, BLOCK: tl.constexpr):
-    """Program row * H + head: the start state of each of the ``chunks`` chunks into ``starts`` (B, H, n, b),
-    contiguous: h0 for the first, then start_{c+1} = P_c start_c + s_c from ``chunk_summary_kernel``'s output."""
+    """Program row * H + head: each chunk's start state into ``starts`` (B, H, n, b): h0, then P_c start_c + s_c."""
     pid_rh = tl.program_id(0).to(tl.int64)
     row, head = pid_rh // heads, pid_rh % heads
     i = tl.arange(0, BLOCK)
@@ -117,9 +113,8 @@ def chunk_states_kernel(
     s_xi,
     BLOCK: tl.constexpr,
 ):
-    """Program (chunk, row * H + head): the chunk's steps from its start state, each state written to ``states``
-    (B, T, H, b). The start is h0[row, head] + chunk s_hc: with one chunk h0 is the initial state and s_hc 0,
-    with several it is ``chunk_starts_kernel``'s (B, H, n, b). The last chunk may be short."""
+    """Program (chunk, row * H + head): the chunk's states from its start h0[row, head] + chunk s_hc (the initial state,
+    or ``chunk_starts_kernel``'s), written to ``states`` (B, T, H, b); the last chunk may be short."""
     chunk, pid_rh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     row, head = pid_rh // heads, pid_rh % heads
     i = tl.arange(0, BLOCK)

@@ -1,13 +1,5 @@
-"""RegularGPT's decoding state and the plans of its cached path (model/regulargpt/decode.py runs the blocks).
-
-A :class:`RegularGPTCache` holds, per row, the adaptive depth D(t) reached (:func:`adaptive_depth`), each block's
-keys and values in a ring window per thick layer (:class:`KVWindow`: the last (C-1) * C**l positions, all a
-dilated pattern can reach, laid out so that the keys one position reads are next to each other: :func:`ring_slot`)
-and the hidden states after the row's top layer. A chunk of new positions finds its
-keys through a plan per thick layer: :class:`StepPlan` for a decode step (every layer's indices from one
-computation), :class:`ChunkPlan` to gather a short chunk's keys, :class:`BandedPlan` for a long one
-(:func:`plan_chunk`; ``cached_attention_impl`` chooses between the last two).
-"""
+"""RegularGPT's decoding state (:class:`RegularGPTCache`: a ring window of keys and values per block and thick layer)
+and the plans saying where a chunk's dilated keys come from (:func:`plan_chunk`)."""
 
 from __future__ import annotations
 
@@ -31,7 +23,7 @@ def adaptive_depth(position: int, chunk_size: int) -> int:
 
 
 def adaptive_depths(positions: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """:func:`adaptive_depth` of every element of an integer tensor of positions >= 0: 1 + #{k >= 1: C**k <= m}."""
+    """The :func:`adaptive_depth` of every element of an integer tensor of positions >= 0."""
     depths = torch.ones_like(positions)
     reach, last = chunk_size, int(positions.max()) if positions.numel() else 0
     while reach <= last:
@@ -46,28 +38,24 @@ def row_depths(lengths: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 
 def capacity(length: int) -> int:
-    """Positions a cache allocates room for while its longest row holds ``length`` tokens: the smallest power of
-    two >= length (0 for 0), so that growing the room one token at a time copies O(1) per token amortised."""
+    """Room for the longest row's ``length`` tokens: the next power of two (0 for 0)."""
     return 0 if length == 0 else 1 << (length - 1).bit_length()
 
 
 def ring_slot(position, dilation, columns, chunk_size: int):
-    """Where position p lies in a ring window at dilation D = C**l holding ``columns`` K <= C - 1 of positions per
-    residue: slot (p mod D) K + (p div D) mod (C - 1). The J <= C keys a position reads at that layer, p - j D, share
-    the residue p mod D, so they lie in one run of K slots (one contiguous read per head, where p mod (C-1) D would
-    scatter them D slots apart); any (C - 1) D consecutive positions (K = C - 1) or the first K D take distinct
-    slots. ``position``, ``dilation``, ``columns``: ints or integer tensors that broadcast; positions >= 0."""
+    """Slot of position p >= 0 in a ring at dilation D with K = ``columns`` <= C - 1 columns: (p mod D) K + (p div D)
+    mod (C - 1). A position's keys share its residue, so lie in one run; any (C - 1) D consecutive positions take
+    distinct slots."""
     return position % dilation * columns + position // dilation % (chunk_size - 1)
 
 
 def ring_columns(ring: int, dilation: int, room: int) -> int:
-    """The K of :func:`ring_slot` for a window of ``ring`` = (C - 1) D positions with room for positions < room:
-    min(C - 1, ceil(room / D)), so that D K slots hold them (fewer than room + D)."""
+    """K of :func:`ring_slot` with room for positions < room: min(C - 1, ceil(room / D))."""
     return min(ring // dilation, -(-room // dilation))
 
 
 def resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``tensor`` cut to, or zero-padded up to, ``size`` along ``dim`` (itself when it already has that size)."""
+    """``tensor`` cut or zero-padded to ``size`` along ``dim`` (itself if already that size)."""
     have = tensor.shape[dim]
     if have == size:
         return tensor
@@ -80,9 +68,7 @@ def resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 @dataclass
 class StepPlan:
-    """Where the J dilated keys of one new position per row come from at one thick layer (a decode step): slot j of
-    row b, at position t_b - j * C**l, from the ring window, except the query's own (j = 0, whose ring slot still
-    holds position t_b - ring), which the new key replaces in the gathered copy before the window stores it."""
+    """A decode step's keys at one layer: slot j from the ring, but slot 0, which the new key replaces."""
 
     ring_index: torch.Tensor  # (2 * B * H * J,) entries of the flat window, keys then values, slot 0 the new one's
     write_index: torch.Tensor  # (B * 2 H,) the new position's entries, row by row
@@ -91,15 +77,7 @@ class StepPlan:
 
 @dataclass
 class ChunkPlan:
-    """Where the dilated keys of a chunk's new positions come from at one thick layer, by gathering them (shared by
-    its K blocks; :func:`plan_chunk` makes those of several layers at once, sharing what they have in common).
-
-    Row b's chunk holds positions start[b] + i, i in [n]. The key of slot j, at position start[b] + i - j * C**l,
-    comes from the chunk itself at index i - j * C**l when that is >= 0 (the same index for every row), else from
-    the block's ring window when the position is >= 0, else it is out of range (masked or null, whatever was
-    gathered there). Only the J slots some query of the batch can reach are gathered (``reachable_slots``), so a
-    block's gathered keys and values take O(B * n * J * d_model) memory.
-    """
+    """A chunk's gathered keys at one layer: from the chunk itself, else from the ring, else out of range."""
 
     chunk_index: torch.Tensor  # (n * J,) index into the chunk, clamped at 0
     valid: torch.Tensor | None  # (B, 1, n, J) bool: the key lies at a position >= 0; None when all do
@@ -110,12 +88,8 @@ class ChunkPlan:
 
 @dataclass
 class BandedPlan:
-    """A long chunk's keys at one thick layer for :func:`attend_banded`: each row's chunk after the ``prefix``
-    positions before it (from the ring window; those before position 0 are out of range through ``first_key``).
-
-    prefix = min(J - 1, ceil(max(start) / C**l)) * C**l: every key a new position can reach, a multiple of the
-    dilation as attend_banded needs. O(B * (prefix + n) * d_model) copies and O(B * n * (J + P)) scores per block.
-    """
+    """A long chunk's keys for :func:`attend_banded`: the chunk after ``prefix`` ring positions (``first_key`` masks
+    those before position 0)."""
 
     prefix_index: torch.Tensor | None  # (B * 2 H * prefix,) entries of the flat window, None when prefix = 0
     first_key: torch.Tensor | None  # (B,) prefix - start[b] where positive: the keys before position 0
@@ -129,11 +103,8 @@ def plan_chunk(
     start: torch.Tensor, length: int, chunk_size: int, heads: int, allocated: list[int], device: torch.device,
     rows: torch.Tensor | None = None, first_layer: int = 0,
 ) -> list[Plan]:
-    """The plans of thick layers first_layer, first_layer + 1, ... whose windows (:class:`KVWindow`, ``heads``
-    heads) hold ``allocated`` slots per row (room for every position < start + n): a :class:`StepPlan` each for
-    n = 1 (all layers' indices at once), else gathered or banded as :func:`cached_attention_impl` says for n and
-    the layer's J. start: (B,) int64 on the CPU, each row's first new position; length: n; rows: (B,) the cache
-    rows that the chunk's rows are, or None for all in order."""
+    """Per thick layer from ``first_layer``: a :class:`StepPlan` for n = 1, else a gathered or banded plan. start (B,)
+    int64 on the CPU: each row's first new position; rows: the cache rows, or None for all."""
     last, latest, batch = int(start.max()) + length - 1, int(start.max()), start.shape[0]
     if length == 1 and rows is None:
         return _plan_step(start, chunk_size, heads, allocated, device, int(start.min()), latest)
@@ -175,14 +146,10 @@ def plan_chunk(
 
 
 def _entries(first: torch.Tensor, dilation: int, columns: int, chunk_size: int, positions: torch.Tensor) -> torch.Tensor:
-    """The flat window's entries (B * 2 H * m,) of positions (B, m), each row's channels starting at ``first``
-    (B, 2 H, 1) (:func:`_first_entries`), at their :func:`ring_slot`."""
     return (first + ring_slot(positions, dilation, columns, chunk_size)[:, None]).flatten()
 
 
 def _first_entries(rows: torch.Tensor, channels: int, slots_per_row: int) -> torch.Tensor:
-    """The first entry of each row's and channel's ring in a flat window (B' * channels * capacity, hd):
-    rows (B,) -> (B, channels, 1)."""
     channel = torch.arange(channels, device=rows.device)
     return ((rows[:, None] * channels + channel) * slots_per_row)[:, :, None]
 
@@ -191,8 +158,6 @@ def _plan_step(
     start: torch.Tensor, chunk_size: int, heads: int, allocated: list[int], device: torch.device, earliest: int,
     latest: int,
 ) -> list[StepPlan]:
-    """The :class:`StepPlan` of every thick layer, from one (L, 2, B, H, J_max) index computation. start: (B,) on
-    the CPU; earliest, latest: its smallest and largest values."""
     slots = [reachable_slots(chunk_size, chunk_size**layer, latest) for layer in range(len(allocated))]
     offsets, dilations, columns, firsts = _step_tables(
         chunk_size, heads, tuple(slots), tuple(allocated), start.shape[0], device
@@ -216,10 +181,6 @@ def _plan_step(
 def _step_tables(
     chunk_size: int, heads: int, slots: tuple[int, ...], allocated: tuple[int, ...], batch: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For a decode step of B rows through L thick layers reaching J_l slots, with windows of ``allocated`` slots
-    per row: each slot's distance back j * C**l (L, 1, J_max; 0 past J_l), the dilations and the windows' columns
-    (:func:`ring_slot`; (L, 1, 1) each) and the first entry of each key and value head's ring in the flat window
-    (L, 2, B, H, 1). The same for every step until the room or the batch changes."""
     with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
         dilations = torch.tensor([chunk_size**layer for layer in range(len(slots))], device=device)[:, None, None]
         j = torch.arange(max(slots), device=device)
@@ -234,9 +195,7 @@ def _step_tables(
 
 @functools.lru_cache(maxsize=64)
 def _relative_keys(length: int, dilation: int, slots: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """For a chunk of n positions: the chunk-relative key indices i - j * dilation (n, J), the same clamped at 0
-    and flattened (n * J,), and the flat (n * J) entries where they are negative (before the chunk) with their
-    values. The same for every call with these sizes (every decode step), so kept (read-only)."""
+    """Cached chunk-relative key indices i - j dilation, clamped and flat, and those before the chunk."""
     with torch.inference_mode(False):  # plain tensors, usable in and out of inference mode
         relative = torch.arange(length, device=device)[:, None] - dilation * torch.arange(slots, device=device)
         before = (relative.flatten() < 0).nonzero().flatten()  # (m,)
@@ -245,11 +204,8 @@ def _relative_keys(length: int, dilation: int, slots: int, device: torch.device)
 
 @dataclass
 class KVWindow:
-    """One block's keys and values at one thick layer l: per row, 2 H channels (the keys' heads, then the values'),
-    each a ring of ``ring`` = (C-1) * C**l positions, position p at :func:`ring_slot` (D = ``dilation`` = C**l).
-    Only D K slots are allocated, K = :func:`ring_columns` for the room of the longest row (:func:`capacity`),
-    which hold every position a row holds. Heads are kept apart so that a step's gathered keys are, as they come,
-    the (B H, J, hd) operand of its products (no copy per block)."""
+    """One block's keys and values at thick layer l: per row 2 H channels, each a ring of (C - 1) C**l positions at
+    :func:`ring_slot`."""
 
     ring: int
     dilation: int
@@ -257,13 +213,10 @@ class KVWindow:
 
     @functools.cached_property
     def entries(self) -> np.ndarray:
-        """``kv`` as its flat (B * 2 H * capacity, hd) entries, a numpy view (CPU only): the operand of the
-        compiled decode step (model/ops/cpu_decode.py), made once per window."""
         return self.kv.view(-1, self.kv.shape[-1]).numpy()
 
     def gather(self, plan: ChunkPlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's dilated keys and values: kv (B, n, 2 d) of the chunk -> (B, H, n, J, hd) each (the halves
-        of one contiguous (B, 2 H, n, J, hd) tensor)."""
+        """The chunk's dilated keys and values: kv (B, n, 2 d) -> (B, H, n, J, hd) each."""
         (batch, length, _), (_, channels, _, head_dim) = kv.shape, self.kv.shape
         chunk = kv.view(batch, length, channels, head_dim).transpose(1, 2)  # (B, 2 H, n, hd)
         gathered = chunk.index_select(2, plan.chunk_index)  # (B, 2 H, n * J, hd) in the chunk
@@ -282,8 +235,7 @@ class KVWindow:
         return gathered[0], gathered[1]
 
     def prefixed(self, plan: BandedPlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's keys and values after the plan's prefix from the ring: kv (B, n, 2 d) of the chunk ->
-        (B, H, prefix + n, hd) each."""
+        """The chunk's keys and values after the plan's ring prefix, (B, H, prefix + n, hd) each."""
         batch, (_, channels, _, head_dim) = kv.shape[0], self.kv.shape
         kv = kv.view(batch, kv.shape[1], channels, head_dim).transpose(1, 2)  # (B, 2 H, n, hd)
         if plan.prefix_index is not None:
@@ -292,22 +244,19 @@ class KVWindow:
         return kv[:, : channels // 2], kv[:, channels // 2 :]
 
     def write(self, plan: Plan, kv: torch.Tensor) -> None:
-        """Store the chunk's last positions (at most ``ring``: distinct slots). kv: (B, n, 2 d)."""
+        """Store the chunk's last positions (at most ``ring``, distinct slots); kv: (B, n, 2 d)."""
         batch, (_, channels, _, head_dim) = kv.shape[0], self.kv.shape
         kept = plan.write_index.shape[0] // (batch * channels)
         kv = kv[:, kv.shape[1] - kept :].reshape(batch, kept, channels, head_dim).transpose(1, 2)  # (B, 2 H, w, hd)
         self.kv.view(-1, head_dim).index_copy_(0, plan.write_index, kv.reshape(-1, head_dim))
 
     def zeros(self, batch_size: int, room: int) -> KVWindow:
-        """An empty window like this one for ``batch_size`` rows, with room for positions < room."""
         _, channels, _, head_dim = self.kv.shape
         slots = self.dilation * ring_columns(self.ring, self.dilation, room)
         return KVWindow(self.ring, self.dilation, self.kv.new_zeros(batch_size, channels, slots, head_dim))
 
     def fit(self, room: int, rows: torch.Tensor | None = None) -> KVWindow:
-        """A window with room for positions < room (itself when unchanged), of ``rows`` only (copies). A change
-        of K (:func:`ring_slot`) cuts or pads each of the D runs at its end: below K = C - 1 a run's columns are
-        positions r, r + D, ... in order, so the positions < room keep their slots."""
+        """A window with room for positions < room, of ``rows`` only (copies); positions < room keep their slots."""
         batch, channels, slots, head_dim = self.kv.shape
         columns = ring_columns(self.ring, self.dilation, room)
         kv = self.kv
@@ -321,16 +270,8 @@ class KVWindow:
 
 @dataclass
 class RegularGPTCache(InferenceCache):
-    """Decoding state of B rows, row b holding ``lengths[b]`` = t_b tokens and D_b = D(t_b - 1) thick layers
-    (:func:`row_depths`; 0 when empty).
-
-    ``windows[l][k]`` is the :class:`KVWindow` of block k at thick layer l, for l < ``depth``, the deepest row's
-    D_b. Row b's windows are meaningful at its own layers l < D_b; above them they are never read (there every key
-    of the row's positions but their own is out of range) and are filled when the row reaches that depth.
-    ``top_hidden`` (B, capacity, d_model) holds in row b, at positions [0, t_b), the hidden states after the row's
-    own top layer D_b - 1: running them through layer D_b when the row's next position needs it (t = C**D_b) is a
-    pointwise continuation (module docstring). The allocated room grows with the longest row (:func:`capacity`).
-    """
+    """Decoding state of B rows, row b at depth D(t_b - 1): ``windows[l][k]`` is block k's :class:`KVWindow` at layer l;
+    ``top_hidden`` (B, capacity, d_model) each row's states after its top layer, continued when it deepens."""
 
     chunk_size: int
     top_hidden: torch.Tensor
@@ -338,7 +279,6 @@ class RegularGPTCache(InferenceCache):
 
     @property
     def depth(self) -> int:
-        """Thick layers held: the deepest row's."""
         return len(self.windows)
 
     @property

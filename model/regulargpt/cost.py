@@ -1,9 +1,4 @@
-"""What RegularGPT's calls cost (model/regulargpt/model.py: :meth:`RegularGPT.cost`, :meth:`RegularGPT.cache_nbytes`):
-multiply-adds and peak bytes of each call path, for the attention implementation that path runs at that size,
-and the bytes a cache row holds. Functions of the configuration, the dtype's ``itemsize`` and the parallel
-passes' attention ``impl`` (as configured, or as ``for_serving`` switched it), and for the cached path the
-work its multiply-adds do not show (:class:`FixedCosts`, measured by :func:`measure_fixed_costs`).
-"""
+"""RegularGPT's call costs and cache bytes (formulas: docs/models.md, "RegularGPT's costs")."""
 
 from __future__ import annotations
 
@@ -23,12 +18,8 @@ FIXED_COST_REPEATS = 9  # the fastest of this many timings of each call counts
 
 @dataclass(frozen=True)
 class FixedCosts:
-    """The cached path's work beyond its multiply-adds, in multiply-add equivalents (seconds at the model's measured
-    seconds per multiply-add): ``block``, one block's pass over a chunk of two or more positions (its ~40 small ops
-    and the Python between them, whatever the chunk's length); ``layer_step``, one thick layer of a one-position
-    call (a decode step). A chunk runs K blocks at each of the D thick layers its last position needs, so its fixed
-    work grows with its depth in the prompt (at C = 64: D = 1 up to 64 positions, 2 up to 4,096, 3 up to 262,144),
-    and deep in a long prompt it is most of a short chunk's time. Zero until measured."""
+    """The cached path's work beyond its multiply-adds, in multiply-add equivalents: per block pass over a chunk
+    (``block``), per thick layer of a decode step (``layer_step``)."""
 
     block: float = 0.0
     layer_step: float = 0.0
@@ -38,34 +29,7 @@ def cost(
     config: RegularGPTConfig, itemsize: int, impl: str, path: CallPath, rows: int, length: int, context: int = 0,
     fixed: FixedCosts = FixedCosts(),
 ) -> Cost:
-    """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call.
-
-    With d = d_model, f = d_ff, K blocks, C, V = output_size, e bytes per element, D(m) the adaptive depth,
-    per position and block F = 4 d^2 + 2 d f (q, k, v and output projections, MLP) plus the attention: 2 J d
-    over J gathered slots (+ d for the null scores), J_l = min(C, last_position // C**l + 1) at layer l; for
-    the reference, 2 T d (the T x T scores and weighted sum); banded, 2 (J - 1 + P) d (a block's window). Per
-    read position d V for the head.
-
-    - "forward" (B, T): D(T - 1) layers over all T positions, attention by the impl chosen for T and J_l;
-      bytes: activations B T ((12 + D) d + 2 f) e (the per-layer outputs stay alive until the final cat),
-      logits B T (V + 2 d) e, and the attention's: reference 6 B H T^2 e + H T^2 e (mask, scores, softmax,
-      null columns) + 4 B H T C e + 24 T C (the slots' null scores and indices), fast 3 B T J d e (gathered
-      keys and values) + 6 B H T C e (scores), banded
-      B e (2 T' d (padded copies of k and v) + 2 T' d (J - 1 + P) / P (their block windows) + 4 T' d (q and the
-      output) + 3 H T' (J - 1 + P) (scores)) + 2 B T' (J - 1 + P) (masks), T' = T + P C**l.
-    - "final" (B, T): the shrinking path, layer l over n_l positions (n_0 = T, n_{l+1} = (n_l - 1) // C + 1)
-      at dilation 1, attention by the impl chosen for n_l; the bytes of its largest layer and the logits of
-      the last positions.
-    - "cached" (B, n, context c): D(c + n - 1) layers over the n new positions, attending gathered or banded
-      (:func:`cached_attention_impl`) with J_l as above; plus, when the chunk needs a deeper layer than the rows
-      hold (c >= 1 and D(c - 1) < D(c + n - 1)), each new layer over the c consumed positions with J = 1
-      (every other key is out of range). Plus its ``fixed`` work: K D(c + n - 1) block passes (each new layer's
-      K more), or for n = 1 D(c) layer steps. Bytes: the cache's growth B (cache_nbytes(c + n) - cache_nbytes(c)),
-      plus the largest of: the room's copy (one tensor at a time: 3 B capacity(c + n) d e, when the room or
-      the depth changes), the depth growth's pass over c positions, the chunk's pass (activations, gathered:
-      8 B n J d e keys, 6 B H n C e scores, 3 * 8 B n J index bytes; banded: as "forward" with the prefix
-      of ring keys before the chunk copied twice more; logits B n (V + 2 d) e).
-    """
+    """Multiply-adds and peak bytes of one call; ValueError for an unknown path."""
     if path == "forward":
         layers = [length] * adaptive_depth(length - 1, config.chunk_size)
         dilations = [config.chunk_size**layer for layer in range(len(layers))]
@@ -82,8 +46,7 @@ def cost(
 
 
 def final_layers(config: RegularGPTConfig, length: int) -> list[int]:
-    """The positions each thick layer of the "final" (shrinking) path runs over: n_0 = T, n_{l+1} = (n_l - 1) // C + 1,
-    D(T - 1) layers."""
+    """Positions per thick layer of the shrinking path: n_0 = T, n_{l+1} = (n_l - 1) // C + 1."""
     layers = [length]
     while len(layers) < adaptive_depth(length - 1, config.chunk_size):
         layers.append((layers[-1] - 1) // config.chunk_size + 1)
@@ -91,9 +54,7 @@ def final_layers(config: RegularGPTConfig, length: int) -> list[int]:
 
 
 def cache_nbytes(config: RegularGPTConfig, itemsize: int, length: int) -> int:
-    """One row after ``length`` tokens: e d (P + 2 K sum_{l < D(length - 1)} C**l min(C - 1, ceil(P / C**l))),
-    P = capacity(length): ``top_hidden``'s room and every block's keys and values at each layer, as allocated
-    (``ring_columns``)."""
+    """One row's bytes after ``length`` tokens: e d (P + 2 K sum_l C**l min(C - 1, ceil(P / C**l))), P = capacity."""
     if length == 0:
         return 0
     chunk_size, room = config.chunk_size, capacity(length)
@@ -105,7 +66,6 @@ def cache_nbytes(config: RegularGPTConfig, itemsize: int, length: int) -> int:
 def _cached_cost(
     config: RegularGPTConfig, itemsize: int, rows: int, length: int, context: int, fixed: FixedCosts
 ) -> Cost:
-    """The "cached" path of :func:`cost`."""
     chunk_size, d, item = config.chunk_size, config.d_model, itemsize
     last = context + length - 1
     depth = adaptive_depth(last, chunk_size)
@@ -136,10 +96,7 @@ def _pass_cost(
     last: int | None = None,
     context: int = 0,
 ) -> tuple[float, int]:
-    """Multiply-adds and peak bytes of thick layers l over ``positions[l]`` positions at ``dilations[l]``,
-    with attention ``impl`` (an attention_impl, resolved per layer, or "cached": a cache's chunk after
-    ``context`` positions, gathered or banded as :func:`cached_attention_impl` says), the last query at ``last``
-    (default positions[l] - 1); ``kept`` layers' outputs stay alive. See :func:`cost`."""
+    """Cost of thick layers over ``positions[l]`` at ``dilations[l]``, attention by ``impl``."""
     item = itemsize
     d, heads, chunk_size = config.d_model, config.n_heads, config.chunk_size
     linear = 4 * d * d + 2 * d * config.d_ff + (d if config.out_of_range == "null" else 0)
@@ -187,11 +144,8 @@ def _logits_nbytes(config: RegularGPTConfig, itemsize: int, rows: int, positions
 
 @torch.inference_mode()
 def measure_fixed_costs(model, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
-    """Time ``model`` (a RegularGPT language model, as it is served; a transducer's are left at 0) on its device:
-    chunks of ``FIXED_COST_CHUNKS`` positions through fresh caches and a decode step after the longest (the fastest
-    of ``repeats`` timings each, after a warm-up). With t = s (multiply-adds + fixed work) a call, the chunks give
-    the seconds per multiply-add s and ``block`` (least squares in relative error), the step ``layer_step``
-    (:class:`FixedCosts`; 0 where the timings leave none)."""
+    """Time a served language model's chunks and a decode step and fit seconds per multiply-add and the
+    :class:`FixedCosts` (zeros for transducers)."""
     config, itemsize = model.config, model.dtype.itemsize
     chunk_size, thickness = config.chunk_size, config.thickness
     if not config.is_language_model:  # a transducer's cache takes only long inputs' chunks (outputs "all")
@@ -235,13 +189,11 @@ def measure_fixed_costs(model, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
 
 
 def _zeros(model, length: int) -> torch.Tensor:
-    """(1, length) token ids 0 (an id every model has) on the model's device."""
     return torch.zeros(1, length, dtype=torch.long, device=model.device)
 
 
 def _timed(model, call) -> float:
-    """Seconds ``call`` takes on the model's device: on the CPU this thread's CPU time (a call the machine's other
-    work pushes aside then still times its own work), on CUDA the wall time to its end."""
+    """Seconds ``call`` takes: this thread's CPU time on the CPU, wall time to completion on CUDA."""
     if model.device.type != "cuda":
         started = time.thread_time()
         call()

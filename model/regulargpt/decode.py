@@ -1,22 +1,6 @@
-"""RegularGPT's cached path (model/regulargpt/model.py is the model; model/regulargpt/cache.py the state and the plans):
-``forward(chunk, cache)`` and ``step`` (the chunk of one) through a :class:`RegularGPTCache`.
-
-Each block keeps the keys and values of only the last (C-1) * C**l positions its dilated pattern can reach, in a
-ring buffer, plus each row's hidden states at its top thick layer, needed to grow its depth when it reaches C**L.
-A chunk of n new positions per row runs every thick layer over them at once, each layer's keys found as its plan
-says: a step (n = 1) gathers its J <= C keys from the ring (:class:`StepPlan`; every layer's indices from one
-computation); a short chunk gathers, for each new position t, the key t - j * C**l from the chunk itself if it is
-at or after the row's first new position, else from the ring, else it is out of range (:class:`ChunkPlan`,
-O(n * J * d) memory per block); a long one attends banded over the ring's last (J - 1) * C**l keys and the chunk
-(:class:`BandedPlan`, ``cached_attention_impl`` decides). Never T x T, never O(T) per position. Rows of one batch
-may hold different lengths and depths: every row runs through all of the batch's layers (above a row's own depth
-that is the pointwise continuation) and is read at its own D(t); a row first reaches the depth its chunk needs by
-running its consumed positions through the new layers (:func:`_reserve`).
-
-The blocks run from their tensors (:class:`CachedBlock`): a decode step is ~15 small ops per block, and module
-calls would add a quarter to it. Served on the CPU (``for_serving``: :func:`pack_blocks`), a decode step of 1-4
-rows runs each thick layer as one compiled call (:func:`_compiled_thick_layer`).
-"""
+"""RegularGPT's cached path: ``forward(chunk, cache)`` and ``step``. A chunk of n positions per row runs every thick
+layer at once, keys found through per-layer plans (model/regulargpt/cache.py), each row read at its own depth; a row
+reaching a new depth first runs its consumed positions through the new layers (:func:`_reserve`)."""
 
 from __future__ import annotations
 
@@ -48,14 +32,8 @@ from model.regulargpt.cache import (
 
 
 class CachedBlock(NamedTuple):
-    """A Block as the cached path runs it, its parameters read from the modules once per call.
-
-    The computation is the Block's, x + attention(ln_1(x)) then x + mlp(ln_2(x)) (or with ``post_norm``
-    ln_1(x + attention(x)) then ln_2(x + mlp(x))), written with those
-    tensors: a decode step is a chain of small ops, and the modules' eleven __call__ and ~35 attribute lookups per
-    block (an nn.Module attribute costs ~1 us here, six times a dict's) came to about a quarter of it. The
-    tensors are read through the modules' own dicts (:func:`_children`), for the same reason.
-    """
+    """A Block run from its tensors, read from the modules' dicts once per call (module calls cost a large share of a
+    decode step); same computation, pre- or post-norm."""
 
     ln_1: tuple[torch.Tensor, torch.Tensor]  # weight, bias
     c_attn: tuple[torch.Tensor, torch.Tensor]
@@ -125,8 +103,6 @@ class CachedBlock(NamedTuple):
         return x + (F.dropout(out, self.dropout) if self.dropout else out)
 
     def attend(self, qkv: torch.Tensor, dilation: int, window: KVWindow, plan: Plan) -> torch.Tensor:
-        """The chunk's attention through the window, heads merged: qkv (B, n, 3 d), q | k | v with heads in order
-        (as HeadProjections.qkv splits it) -> (B, n, d); the window then stores the chunk's keys and values."""
         batch, length, width = qkv.shape
         heads, d_model = self.heads, width // 3
         if isinstance(plan, StepPlan):
@@ -152,8 +128,7 @@ class CachedBlock(NamedTuple):
 
 
 class PackedBlocks(NamedTuple):
-    """The K blocks' parameters as views of one buffer, for the compiled decode step
-    (:func:`model.ops.cpu_decode.regulargpt_layer_step` takes them as one array): made by ``for_serving``."""
+    """The K blocks' parameters as views of one buffer, for the compiled decode step."""
 
     packed: np.ndarray  # the buffer, which every block parameter views (CachedBlock.tensors order, block by block)
     starts: np.ndarray  # (K, n + 1) int64: each block's tensors' starts in it, then the block's end
@@ -161,8 +136,6 @@ class PackedBlocks(NamedTuple):
     has_null: bool
 
     def holds(self, blocks: list[CachedBlock]) -> bool:
-        """Whether the blocks' parameters are still the packed views (``.to``, ``.half``, ``load_state_dict(...,
-        assign=True)`` or an assignment to ``.data`` replace them; an in-place change keeps them)."""
         return self.pointers == tuple(tensor.data_ptr() for block in blocks for tensor in block.tensors())
 
 
@@ -177,9 +150,6 @@ def _weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_blocks(modules: nn.ModuleList, packed: PackedBlocks | None) -> PackedBlocks:
-    """Make the K blocks' parameters views of one buffer (:class:`PackedBlocks`): values, shapes and the
-    checkpoint unchanged; the compiled decode step then takes one array for all of them. ``packed``: the blocks'
-    present packing, returned as it is while it still holds."""
     blocks = [CachedBlock.of(block) for block in modules]
     if packed is not None and packed.holds(blocks):
         return packed
@@ -200,14 +170,8 @@ def forward_chunk(
     x: torch.Tensor, cache: RegularGPTCache, modules: nn.ModuleList, packed: PackedBlocks | None,
     config: RegularGPTConfig,
 ) -> torch.Tensor:
-    """x: (B, n, d) the embeddings of n tokens continuing each row of ``cache`` -> (B, n, d) the hidden states
-    before the final LayerNorm; advances the cache by n. ``modules``: the K blocks; ``packed``: their packing by
-    :func:`pack_blocks`, if any.
-
-    Every row first reaches the depth its last new position needs (:func:`_reserve`), then all the batch's
-    thick layers run over the n positions of every row; position t's output is read at its own D(t), and row
-    b's hidden states after its own top layer go to ``top_hidden``.
-    """
+    """x (B, n, d) embeddings continuing each cache row -> hidden states before the final LayerNorm, each position read
+    at its own depth; advances the cache by n."""
     if x.shape[1] == 0:
         return x
     chunk_size, length, start = config.chunk_size, x.shape[1], cache.lengths
@@ -244,12 +208,8 @@ def forward_chunk(
 
 
 def _reserve(cache: RegularGPTCache, length: int, blocks: list[CachedBlock], config: RegularGPTConfig) -> list[int]:
-    """Make room for ``length`` more tokens per row, add the thick layers the batch will need and bring every
-    row to the depth its last new position needs: row b at depth D_b < D(t_b + n - 1) runs its t_b consumed
-    positions (``top_hidden``) through layers D_b, D_b + 1, ...; there every key but a position's own is out of
-    range (t_b <= C**D_b), so this is the parallel pass's pointwise continuation, and it fills the row's
-    windows at those layers. Rows that reach a layer together run it as one chunk of context 0. Returns each
-    row's D(t_b), the depth of its first new position."""
+    """Make room for ``length`` tokens, add the needed layers, and deepen each row by running its consumed positions
+    through the new layers (there a pointwise continuation); returns each row's depth at its first new position."""
     chunk_size, heads, lengths = config.chunk_size, config.n_heads, cache.lengths.tolist()
     old = [adaptive_depth(t - 1, chunk_size) if t else 0 for t in lengths]
     first = [adaptive_depth(t, chunk_size) for t in lengths]
@@ -266,8 +226,8 @@ def _reserve(cache: RegularGPTCache, length: int, blocks: list[CachedBlock], con
         rows = [row for row, (held, needed) in enumerate(zip(old, new)) if 1 <= held <= layer < needed]
         if not rows:
             continue
-        # Together, or where batch invariance is asked for (cpu_decode.row_invariant) each row as it runs alone:
-        # rows run together came out other in the last bits (text-regulargpt, 2 rows reaching layer 1 at t = 64).
+        # Together, or each row alone where batch invariance is asked for (cpu_decode.row_invariant): rows run
+        # together can differ in the last bits.
         for group in [[row] for row in rows] if cpu_decode.row_invariant() else [rows]:
             consumed = max(lengths[row] for row in group)
             index = torch.tensor(group, device=cache.top_hidden.device)  # (R,)
@@ -284,8 +244,6 @@ def _reserve(cache: RegularGPTCache, length: int, blocks: list[CachedBlock], con
 def _new_layer(
     batch_size: int, layer: int, room: int, blocks: list[CachedBlock], config: RegularGPTConfig
 ) -> list[KVWindow]:
-    """Empty windows of thick layer ``layer``'s K blocks, with room for ``room`` positions, on the blocks' device
-    and dtype."""
     dilation = config.chunk_size**layer
     ring = (config.chunk_size - 1) * dilation
     heads = config.n_heads
@@ -297,16 +255,13 @@ def _new_layer(
 def _cached_thick_layer(
     x: torch.Tensor, dilation: int, windows: list[KVWindow], plan: Plan, blocks: list[CachedBlock]
 ) -> torch.Tensor:
-    """The K blocks over a chunk of new positions, attending through their windows. x: (B, n, d) -> (B, n, d)."""
     for block, window in zip(blocks, windows):
         x = block.forward(x, dilation, window, plan)
     return x
 
 
 def _compiles_step(x: torch.Tensor, blocks: list[CachedBlock], packed: PackedBlocks | None) -> bool:
-    """Whether a decode step over x (B, 1, d) runs each thick layer as one compiled call: packed blocks
-    (``for_serving``) still in place, pre-norm blocks (the compiled kernel's), no dropout, and
-    :func:`model.ops.cpu_decode.compiles_step`."""
+    """Whether a decode step over x (B, 1, d) runs each thick layer as one compiled call."""
     return (
         packed is not None and not blocks[0].dropout and not blocks[0].post_norm and cpu_decode.compiles_step(x)
         and packed.holds(blocks)
@@ -317,10 +272,7 @@ def _compiled_thick_layer(
     x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, latest: int, packed: PackedBlocks,
     panels: tuple[np.ndarray, ...], config: RegularGPTConfig,
 ) -> torch.Tensor:
-    """Thick layer ``layer``'s K blocks over one new position per row (``positions``: (B,) int64, the largest
-    ``latest``), as one compiled call (equal to :func:`_cached_thick_layer` with the step's plan up to float
-    rounding); ``panels``: the blocks' matrices as :func:`model.ops.cpu_decode.block_panels` gives them for the
-    step. x: (B, 1, d) -> (B, 1, d)."""
+    """One thick layer of a decode step as one compiled call, equal to :func:`_cached_thick_layer` up to rounding."""
     batch, _, width = x.shape
     chunk_size = config.chunk_size
     dilation = chunk_size**layer

@@ -1,15 +1,7 @@
-"""RegularGPT in plain PyTorch, to read before model/regulargpt/model.py: the same outputs, none of the speed.
-
-Thick layer l applies the K shared GPT-2 blocks in order (pre-norm, or post-norm with ``post_norm``), each with
-Sliding-Dilated-Attention at dilation C**l: position t attends to the keys t - j * C**l, j in [C], with a learned
-scalar r_j per head added to the score (regulargpt.txt eq. 1), written here as a T x T mask. Keys before position 0 are masked or, with
-``out_of_range="null"``, replaced by a learned null key and value, one column per such j. Position t is read after
-its own depth D(t) = max(1, ceil(log_C(t + 1))) thick layers (the paper's ceil(log_C T) for every prefix), so the
-output at t is the final output of the prefix s[0..t]. No position embedding; a final LayerNorm, then the head.
-
-The weights are the real model's, by its parameter names: ``regulargpt(tokens, model.state_dict(), ...)`` gives
-``model(tokens)`` (tests/model/test_minimal.py).
-"""
+"""RegularGPT in plain PyTorch, to read before model/regulargpt/model.py: the same outputs, none of the speed. Each
+thick layer l runs the K shared blocks with attention masks of dilation C**l (a T x T mask, null keys as extra columns),
+and position t is read after D(t) thick layers. ``regulargpt(tokens, model.state_dict(), ...)`` equals
+``model(tokens)``."""
 
 from __future__ import annotations
 
@@ -54,8 +46,7 @@ def dilated_attention(x: torch.Tensor, p: Params, n_heads: int, chunk_size: int,
 def block(
     x: torch.Tensor, p: Params, n_heads: int, chunk_size: int, dilation: int, eps: float, post_norm: bool
 ) -> torch.Tensor:
-    """One GPT-2 block: x + f(LN(x)) twice, or LN(x + f(x)) with ``post_norm``. x: (B, T, d) -> (B, T, d).
-    ``p``: names after ``blocks.k.``."""
+    """One block, pre- or post-norm: x (B, T, d) -> (B, T, d); ``p``: names after ``blocks.k.``."""
     d = x.shape[-1]
     attention = {name.removeprefix("attention."): value for name, value in p.items()}
 

@@ -1,41 +1,6 @@
-"""RegularGPT (regulargpt.txt section 3): GPT-2 blocks with Sliding-Dilated-Attention, adaptive depth and
-weight sharing.
-
-Thick layer l (0-indexed) applies the ``thickness`` (K) distinct GPT-2 blocks (pre-norm, or post-norm as the
-authors' code: ``config.block_norm``) in order, all with
-dilation C**l (C = chunk_size): position m attends to m - j * C**l for j in [C], plus a learnable scalar per
-head and j (eq. 1). The same K blocks serve every thick layer, so the depth can grow past the training length.
-There is no absolute position embedding; a final LayerNorm precedes the head.
-
-Adaptive depth per prefix: the output at position m is read after D(m) = max(1, ceil(log_C(m + 1))) thick
-layers, the fewest whose dilated receptive field reaches position 0. For the last position of a length-T
-input this is the paper's ceil(log_C T). The parallel pass runs D(T - 1) thick layers over every position and
-reads each position at its own depth, so the model is strictly causal: output i is the final output of the
-prefix s[0..i], and decoding one token at a time gives the parallel pass's logits. At a layer l >= D(m) every
-key of position m but its own is out of range (m - j * C**l < 0): masked, or the block's null key and value
-(``config.out_of_range``). Either way position m is there a pointwise function of its own hidden state.
-
-Three exact paths:
-
-- ``forward``: every position, D(T - 1) thick layers over all T positions, O(T * C * K * log T);
-- ``final_logits``: the shrinking path, O(T * C * K): thick layer l needs outputs only at the positions
-  T-1, T-1-C**(l+1), ..., whose keys are the positions S_l = [..., T-1-C**l, T-1], layer l-1's outputs. In
-  S_l the dilation is 1, and S_{l+1} is every C-th element of S_l counting from its end. Rows of a mixed-
-  length batch are shifted to end at the same index (left padding masked through ``key_offset``), and each
-  row is read after its own depth;
-- ``forward(chunk, cache)`` and ``step`` (the chunk of one) through a :class:`RegularGPTCache`
-  (model/regulargpt/decode.py runs it, model/regulargpt/cache.py holds the state and the plans): each block keeps
-  the keys and values of only the last (C-1) * C**l positions its dilated pattern can reach, in a ring buffer, and
-  a chunk of n new positions per row runs every thick layer over them at once, each row read at its own D(t).
-  Never T x T, never O(T) per position.
-
-A long input in the server runs in bounded slices (``run_in_slices``): its final output by the shrinking path, each
-thick layer in pieces of positions; every position's output through the cache.
-
-What each call costs, for the path and the attention it runs, is model/regulargpt/cost.py's. To read first:
-model/regulargpt/minimal.py, the same model in plain PyTorch (a T x T mask, the K blocks at each depth,
-every position read at its own D(t)), tested to give this one's logits on its weights (tests/model/test_minimal.py).
-"""
+"""RegularGPT (Chi, Fan, Rudnicky, Ramadge 2023): thick layer l runs the K = ``thickness`` shared blocks with
+Sliding-Dilated-Attention at dilation C**l, and position m is read after max(1, ceil(log_C(m + 1))) thick layers, so the
+model is causal and decoding reproduces the parallel pass (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -56,11 +21,8 @@ from model.transformer.exact import Pieces, in_slices
 
 
 class DilatedSelfAttention(nn.Module):
-    """Multi-head Sliding-Dilated-Attention with per-head relative scalars r_j (eq. 1).
-
-    With ``out_of_range="null"`` it also holds a learned null key and value per head (H, hd), which fill the
-    slots whose key lies before position 0; with "mask" those slots are masked and there are no such parameters.
-    """
+    """Multi-head Sliding-Dilated-Attention with per-head scalars r_j, and for ``out_of_range="null"`` a learned null
+    key and value per head."""
 
     def __init__(self, config: RegularGPTConfig) -> None:
         super().__init__()
@@ -74,8 +36,7 @@ class DilatedSelfAttention(nn.Module):
         self.impl = config.attention_impl
 
     def forward(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """The parallel pass: x (B, T, d_model) holds positions 0..T-1 -> (B, T, d_model), through ``self.impl``.
-        (A cache's chunks go through :meth:`model.regulargpt.decode.CachedBlock.attend`.)"""
+        """The parallel pass: x (B, T, d_model), positions 0..T-1 -> (B, T, d_model), through ``self.impl``."""
         q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
         out = dilated_attention(
             q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
@@ -100,17 +61,11 @@ class RegularGPT(SequenceModel):
         init_gpt2(self, n_residual_layers=config.thickness)  # scaled over the K distinct blocks
         self.packed: PackedBlocks | None = None  # set by for_serving where decode steps run compiled
         self.fixed_costs = regulargpt_cost.FixedCosts()  # the cached path's, once measured (measure_fixed_costs)
-        # Training only (set by the trainer, ``--extra-levels``): the parallel pass reads every position that many
-        # thick layers above its depth D(m), i.e. after that many more pointwise continuations, as early positions'
-        # states are when a long input uses them as keys many layers up. 0 everywhere else.
+        # Training only (set by the trainer): read every position this many thick layers above its depth D(m).
         self.extra_levels = 0
 
     def forward(self, tokens: torch.Tensor, cache: RegularGPTCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) -> (B, T, output_size).
-
-        With ``cache``, the tokens continue each row's cached sequence, T new positions per row processed in
-        parallel per layer (:func:`model.regulargpt.decode.forward_chunk`), and the cache advances by T.
-        """
+        """tokens (B, T) -> (B, T, output_size); with ``cache``, continue each row and advance the cache by T."""
         x = self.embedding(tokens)  # (B, T, d)
         if cache is not None:
             return self._logits(forward_chunk(x, cache, self.blocks, self.packed, self.config))
@@ -126,7 +81,7 @@ class RegularGPT(SequenceModel):
         return self._logits(torch.cat(outputs, dim=1))
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """The shrinking path (module docstring). tokens: (B, T) right-padded; lengths: (B,) -> (B, output_size)."""
+        """The shrinking path (docs/models.md): tokens (B, T) right-padded, lengths (B,) -> (B, output_size)."""
         batch, length = tokens.shape
         chunk_size = self.config.chunk_size
         if lengths is None:
@@ -153,31 +108,12 @@ class RegularGPT(SequenceModel):
         )
 
     def step(self, tokens: torch.Tensor, cache: RegularGPTCache) -> torch.Tensor:
-        """tokens: (B,) -> (B, output_size): the chunk of one position per row, each read after its own D(t_b).
-
-        Costs O(K * D * (J + d_model) * d_model) per row for the batch's depth D; a step that takes a row to
-        t = C**L first runs the row's t consumed positions through the new thick layer, once.
-        """
+        """tokens: (B,) -> (B, output_size): a chunk of one position per row, each read after its own depth."""
         return self.forward(tokens[:, None], cache)[:, 0]
 
     def for_serving(self) -> list[str]:
-        """Switch to what scales and decodes fast; returns a note per change. The configuration and the checkpoint
-        are left as they are.
-
-        - The reference attention builds a T x T mask (18.7 GB at ~20k positions): it becomes "auto", which is the
-          reference only up to AUTO_REFERENCE_MAX_T positions (where it is faster) and O(T) beyond. The cached path
-          never uses either.
-        - On the CPU, where one-token products run through MKL (not the streaming kernel of model/ops/cpu_decode.py,
-          which reads weights as stored), a language model's tied head (vocab x d_model) is stored transposed in
-          memory, shape and values unchanged, as the LRNN does (model/lrnn/model.py): a decode step's logits read it
-          along its rows, 2x faster with MKL on one thread (0.094 against 0.177 ms for 8192 x 128 here); an
-          embedding lookup reads one strided column instead of a row, which costs nothing measurable.
-        - Where they run through that kernel instead (:func:`model.ops.cpu_decode.streams`: one intra-op thread),
-          the head stays as stored and the K blocks' parameters become views of one buffer (:class:`PackedBlocks`),
-          so that a decode step of 1-4 rows runs each thick layer as one compiled call (its ~15 small ops per block
-          and the Python between them cost more than the arithmetic: docs/benchmarks.md, "CPU decode kernels").
-        - Last, on the CPU, the products' weights are packed for oneDNN (:meth:`SequenceModel.for_serving`).
-        """
+        """Switch to what scales and decodes fast ("reference" attention -> "auto"; on the CPU, packed blocks for the
+        compiled step or a transposed tied head, then oneDNN packs); returns a note per change."""
         notes = []
         if any(block.attention.impl == "reference" for block in self.blocks):
             for block in self.blocks:
@@ -200,28 +136,24 @@ class RegularGPT(SequenceModel):
         return [*notes, *super().for_serving()]
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
-        """Multiply-adds and peak bytes (under no_grad, beyond the weights and the given cache) of one call, for
-        the attention it runs at that size: :func:`model.regulargpt.cost.cost` gives the formulas."""
+        """Multiply-adds and peak bytes of one call (:func:`model.regulargpt.cost.cost`)."""
         return regulargpt_cost.cost(
             self.config, self.dtype.itemsize, self._impl, path, rows, length, context, self.fixed_costs
         )
 
     def measure_fixed_costs(self) -> None:
-        """Measure, as served on this device, the cached path's work beyond its multiply-adds, which :meth:`cost`
-        then counts (:func:`model.regulargpt.cost.measure_fixed_costs`; the server's calibration calls it)."""
+        """Measure the cached path's fixed work on this device, for :meth:`cost`."""
         self.fixed_costs = regulargpt_cost.measure_fixed_costs(self)
 
     def cache_nbytes(self, length: int) -> int:
-        """One row after ``length`` tokens, as allocated (:func:`model.regulargpt.cost.cache_nbytes`)."""
+        """One row after ``length`` tokens, as allocated."""
         return regulargpt_cost.cache_nbytes(self.config, self.dtype.itemsize, length)
 
     def run_in_slices(
         self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
     ) -> Generator[float, None, tuple[torch.Tensor, torch.Tensor | None]]:
-        """tokens: (1, T), in slices of about ``slice_flops``. Outputs "final": :meth:`final_logits`'s shrinking path,
-        O(T), each thick layer over pieces of its positions (a piece also recomputes the K (C - 1) positions before
-        it, whose keys its first positions read through the K blocks), a slice ending between pieces;
-        ``all_outputs``: every position through the cache (:meth:`SequenceModel.run_in_slices`, O(T log T))."""
+        """tokens (1, T) in slices of about ``slice_flops``: "final" by the shrinking path, each layer in pieces of
+        positions (with a halo of K (C - 1)); ``all_outputs`` through the cache."""
         if all_outputs:
             return (yield from super().run_in_slices(tokens, all_outputs, slice_flops))
         return (yield from in_slices(self._final_pieces(tokens, slice_flops), slice_flops))
@@ -248,16 +180,14 @@ class RegularGPT(SequenceModel):
         return self._logits(x[:, -1])[0], None  # (1, d) -> (output_size,)
 
     def _final_flops_per_position(self, length: int, cost: Callable[..., Cost] | None = None) -> float:
-        """The "final" path's multiply-adds per position of its thick layers (all of its layers' positions).
-        ``cost``: :meth:`cost` or a memo of it."""
+        """The shrinking path's multiply-adds per thick-layer position."""
         final = (cost or self.cost)("final", 1, length)
         return final.flops / sum(regulargpt_cost.final_layers(self.config, length))
 
     def slices_cost(
         self, length: int, all_outputs: bool, slice_flops: float, cost: Callable[..., Cost] | None = None
     ) -> Cost:
-        """:meth:`run_in_slices`: with outputs "final", the shrinking path's multiply-adds (the pieces' recomputed
-        positions are few) and, at its peak, the first layer's input and kept output beside one piece's pass."""
+        """The cost of :meth:`run_in_slices`."""
         if all_outputs:
             return super().slices_cost(length, all_outputs, slice_flops, cost)
         cost = cost or self.cost

@@ -1,35 +1,10 @@
-"""Hand-built transformer encoders that recognise PARITY, FIRST, ONE and PALINDROME exactly.
+"""Hand-built post-norm transformer encoders recognising PARITY, FIRST, ONE and PALINDROME exactly (Chiang & Cholak
+2022; Nowak et al. 2022); training/exact_builders.py sets the weights. With s_n = log n under ``log_length_scaling``
+else 1, and LN without gain or bias:
 
-The architecture of exact-parity-first.txt section 2.2 (also exact-one-palindrome.txt section 2.2): a post-norm
-encoder over CLS w_1 .. w_m (EOS), whose CLS vector after the last layer is read by a linear head:
-
-    a_0,i = WE(w_i) + W_pos f(i, n)                        i = 0 .. n-1; n counts CLS (and EOS)
+    a_0,i = WE(w_i) + W_pos f(i, n)                    i = 0 .. n-1 over CLS, symbols (, EOS)
     c_l,i = LN(sum_h V_h^T softmax(s_n K_h q_h,i / sqrt(d)) + a_l-1,i)
     a_l,i = LN(W_F2 relu(W_F1 c_l,i + b_F1) + b_F2 + c_l,i)
-
-with q = W_Q a, K = A W_K^T, V = A W_V^T per head (d x d maps, no output projection), s_n = log n under
-``log_length_scaling`` (exact-parity-first.txt Eq. 2) and 1 otherwise, and LN(x) = (x - mean) / sqrt(var + eps)
-without gain or bias (the identity without ``layer_norm``). f(i, n) are the position features below: the papers
-allow PE to be any function of i and n. The weights are set by training/exact_builders.py; this module holds
-the architecture only.
-
-Per-position labels. The papers classify a whole string, while a transducer labels every prefix w_1 .. w_t
-(SPEC section 1). A prefix is a different encoder input (n, hence every positional encoding and attention
-weight, changes), so ``forward`` runs the encoder once per prefix length, batched over the rows, and
-``final_logits`` once per row on the whole string. Only the CLS vector of the last layer is read, so the last
-layer computes the CLS query alone; a head whose value map is zero adds exactly 0 and is skipped. The cost of
-one encoder pass is O(n^2) when a layer before the last attends (PARITY, the mirror PALINDROME) and O(n)
-otherwise; ``forward`` over T symbols costs the sum of its T prefixes' passes. Attention is computed in query
-chunks that hold at most ``attention_block_elements`` weights, so memory stays O(n) per row.
-
-Decoding has no incremental path: the cache holds the symbols each row has read so far (rows may hold different
-lengths), and ``step`` re-runs the encoder on each row's whole prefix, which gives exactly the logits of the
-parallel pass.
-
-One long input runs in slices of bounded work (:meth:`ExactTransformer.run_in_slices`): the encoder is written
-once, as a generator of pieces (:data:`Pieces`: projections, attention query chunks, FFN), which ``encode``
-runs to the end and the sliced path groups into slices, so that a 100,000-symbol PARITY pass (a minute in one
-call) yields to other work every fraction of a second.
 """
 
 from __future__ import annotations
@@ -57,11 +32,8 @@ LOG2_E = math.log2(math.e)  # softmax in base 2: exp(x) = 2 ** (x * log2(e))
 def position_features(
     names: tuple[PositionFeature, ...], n: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The features f(i, n) of positions i = 0 .. n-1, (n, len(names)).
-
-    fraction: i / n; alternating: cos(i pi); is_first_symbol: I[i = 1]; index: i; mirror_index: n - 1 - i;
-    index_squared: i^2; left_half: I[i <= (n - 1) / 2]; right_half: I[i >= (n - 1) / 2].
-    """
+    """f(i, n) for i = 0 .. n-1, (n, len(names)): fraction i / n, alternating cos(i pi), is_first_symbol I[i = 1], index
+    i, mirror_index n - 1 - i, index_squared i^2, left_half I[2i <= n - 1], right_half I[2i >= n - 1]."""
     i = torch.arange(n, device=device)
     features = {
         "fraction": lambda: i.to(dtype) / n,
@@ -83,7 +55,6 @@ result. :func:`drain` runs one at once, :func:`in_slices` in slices of bounded w
 
 
 def drain(pieces: Pieces[R]) -> R:
-    """Run ``pieces`` to the end; its result."""
     while True:
         try:
             next(pieces)
@@ -92,8 +63,7 @@ def drain(pieces: Pieces[R]) -> R:
 
 
 def in_slices(pieces: Pieces[R], slice_flops: float) -> Generator[float, None, R]:
-    """Run ``pieces`` in slices of at most ``slice_flops`` multiply-adds (a larger piece alone), yielding after
-    each slice, the last one included, the multiply-adds it did; then returns the result."""
+    """Run ``pieces`` in slices of at most ``slice_flops``, yielding each slice's multiply-adds."""
     done = 0.0
     while True:
         try:
@@ -108,20 +78,15 @@ def in_slices(pieces: Pieces[R], slice_flops: float) -> Generator[float, None, R
 
 
 def attention_flops(rows: int, n_queries: int, n_keys: int, width: int) -> int:
-    """Multiply-adds of softmax attention over ``rows`` (batch x heads): q.k and the weighted sum of values."""
+    """Multiply-adds of attention over ``rows`` (batch x heads): q.k and the weighted values."""
     return 2 * rows * n_queries * n_keys * width
 
 
 def encoder_attention(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, logit_scale: float, block_elements: int
 ) -> torch.Tensor:
-    """Bidirectional softmax attention, queries taken in chunks so that at most ``block_elements`` weights exist.
-
-    queries: (B, H, Tq, d); keys, values: (B, H, n, d) -> (B, H, Tq, d), each query attending to all n keys with
-    logits logit_scale * q.k / sqrt(d). Without autograd every chunk's weights are computed in place in one
-    buffer (the same arithmetic): allocating a large block per chunk fragments glibc's heap, which then grows by
-    gigabytes over a sweep of lengths.
-    """
+    """Bidirectional attention in query chunks of at most ``block_elements`` weights: queries (B, H, Tq, d), keys,
+    values (B, H, n, d) -> (B, H, Tq, d)."""
     return drain(encoder_attention_pieces(queries, keys, values, logit_scale, block_elements, math.inf))
 
 
@@ -133,8 +98,6 @@ def encoder_attention_pieces(
     block_elements: int,
     piece_flops: float,
 ) -> Pieces[torch.Tensor]:
-    """:func:`encoder_attention` in pieces, one per query chunk; a chunk also costs at most ``piece_flops``
-    multiply-adds (at least one query)."""
     batch, heads, n_queries, width = queries.shape
     n_keys = keys.shape[2]
     query_flops = attention_flops(batch * heads, 1, n_keys, width)
@@ -155,9 +118,7 @@ def encoder_attention_pieces(
 
 
 def _softmax(logits: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """Softmax over the last dimension, overwriting ``logits`` when ``in_place``. In base 2: the hard attention's scores
-    lie far below the underflow of exp, where torch's CPU exp took 7x longer than its exp2 (float64, 512 x 1,024 scores
-    down to -1e8: 7.2 against 1.0 ms; in range 1.0 against 0.2 ms)."""
+    """Softmax over the last dim (in place if ``in_place``), in base 2: exp2 is far faster deep in underflow."""
     if in_place:
         logits.sub_(logits.amax(dim=-1, keepdim=True)).mul_(LOG2_E).exp2_()
         return logits.div_(logits.sum(dim=-1, keepdim=True))
@@ -181,17 +142,14 @@ class ExactEncoderLayer(nn.Module):
         self.block_elements = config.attention_block_elements
 
     def active_heads(self) -> torch.Tensor:
-        """(H,) bool: the heads whose value map is not all zero (the others add exactly 0)."""
+        """(H,) bool: heads whose value map is nonzero (the others add exactly 0)."""
         return self.value.detach().flatten(1).any(dim=1)
 
     def forward(self, x: torch.Tensor, logit_scale: float, cls_only: bool) -> torch.Tensor:
-        """x: (B, n, d) -> (B, n, d), or (B, 1, d) at position 0 (CLS) alone with ``cls_only``; x may hold
-        position 0 alone if no head is active."""
+        """x (B, n, d) -> (B, n, d), or (B, 1, d) for CLS alone with ``cls_only``."""
         return drain(self.pieces(x, logit_scale, cls_only, math.inf))
 
     def pieces(self, x: torch.Tensor, logit_scale: float, cls_only: bool, piece_flops: float) -> Pieces[torch.Tensor]:
-        """:meth:`forward` in pieces: the projections, the attention's query chunks (each at most ``piece_flops``
-        multiply-adds), the FFN."""
         residual = x[:, :1] if cls_only else x  # (B, Tq, d)
         active = self.active_heads()
         if bool(active.any()):
@@ -210,7 +168,6 @@ class ExactEncoderLayer(nn.Module):
         return int(self.active_heads().sum()) * self.query.shape[-1] ** 2 * (n_queries + 2 * n_keys)
 
     def ffn_flops(self, n_queries: int) -> int:
-        """Multiply-adds of one row's FFN: 2 Tq d d_ff."""
         return 2 * n_queries * self.ffn_in.in_features * self.ffn_in.out_features
 
     def flops(self, n_queries: int, n_keys: int) -> int:
@@ -225,8 +182,7 @@ class ExactEncoderLayer(nn.Module):
 
 @dataclass
 class ExactCache(InferenceCache):
-    """The symbols each row has read: ``symbols`` (B, longest length) int64, row b's in [0, lengths[b]) and zeros
-    after it (the padding of shorter rows). The encoder keeps no other state."""
+    """The symbols each row has read, (B, longest) int64, zero-padded; no other state."""
 
     symbols: torch.Tensor
 
@@ -247,8 +203,6 @@ class ExactCache(InferenceCache):
         return self.symbols.numel() * self.symbols.element_size()
 
     def append(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Write tokens (B, T) after each row's symbols and advance the lengths by T; returns the symbols,
-        (B, longest length)."""
         ends = self.lengths + tokens.shape[1]  # (B,)
         symbols = F.pad(self.symbols, (0, int(ends.max()) - self.symbols.shape[1]))  # (B, longest)
         positions = query_positions(self.lengths, tokens.shape[1], symbols.device)  # (B, T)
@@ -257,11 +211,10 @@ class ExactCache(InferenceCache):
 
 
 class ExactTransformer(SequenceModel):
-    """Symbols in, label logits out: CLS (and EOS) are added inside, from token ids vocab_size (and + 1)."""
+    """Symbols in, label logits out; CLS (and EOS) are token ids vocab_size (and + 1)."""
 
     max_all_outputs_symbols = 256
-    """``forward`` encodes every prefix, O(T^3) for PARITY and PALINDROME: on one CPU thread 256 symbols took at
-    most 0.44 s per input, 512 up to 2.2 s (benchmarks/exact_sweeps.py all-outputs, docs/exact_results.md)."""
+    """``forward`` encodes every prefix, O(T^3) for PARITY and PALINDROME (timings: docs/exact_results.md)."""
 
     def __init__(self, config: ExactTransformerConfig) -> None:
         super().__init__()
@@ -275,16 +228,13 @@ class ExactTransformer(SequenceModel):
 
     @property
     def markers(self) -> int:
-        """The positions the encoder adds to the symbols: CLS (and EOS)."""
         return 1 + int(self.config.append_eos)
 
     def encode(self, symbols: torch.Tensor) -> torch.Tensor:
-        """One encoder pass per row over CLS symbols (EOS). symbols: (B, m), m >= 1 -> label logits (B, L)."""
+        """symbols (B, m), m >= 1 -> label logits (B, L), one encoder pass per row."""
         return drain(self._encode_pieces(symbols, math.inf))
 
     def _encode_pieces(self, symbols: torch.Tensor, piece_flops: float) -> Pieces[torch.Tensor]:
-        """:meth:`encode` in pieces (each layer's, see :meth:`ExactEncoderLayer.pieces`) of at most about
-        ``piece_flops`` multiply-adds."""
         batch = symbols.shape[0]
         markers = [torch.full((batch, 1), self.cls_id, dtype=symbols.dtype, device=symbols.device), symbols]
         if self.config.append_eos:
@@ -299,8 +249,7 @@ class ExactTransformer(SequenceModel):
         return self._output(self.head(x[:, 0]))  # (B, L)
 
     def _cls_only_layers(self) -> list[bool]:
-        """Per layer, whether only its CLS output is ever read: true for the last layer and, going back, for
-        each layer whose successor is CLS-only and has no active head (so no attention reads other positions)."""
+        """Per layer, whether only its CLS output is ever read."""
         cls_only, flags = True, []
         for layer in reversed(self.layers):
             flags.append(cls_only)
@@ -308,7 +257,7 @@ class ExactTransformer(SequenceModel):
         return flags[::-1]
 
     def _output(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: (B, L). "zero_test": label 1 iff the label-1 minus label-0 logit is 0 (within the tolerance)."""
+        """logits (B, L) -> the output; "zero_test": label 1 iff the logit difference is ~0."""
         if self.config.output == "logits":
             return logits
         is_zero = (logits[:, 1] - logits[:, 0]).abs() <= self.config.zero_test_tolerance  # (B,)
@@ -316,9 +265,7 @@ class ExactTransformer(SequenceModel):
         return torch.where(is_zero[:, None], decision, -decision)  # (B, 2)
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) symbol ids -> (B, T, L): at t the logits of the prefix ending at t (with ``cache``, of each
-        row's cached symbols followed by tokens[:, :t + 1]). The encoder runs once per prefix, on rows of one
-        length together."""
+        """At t, the logits of the prefix ending at t: one encoder pass per prefix."""
         self._check_symbols(tokens)
         if cache is None:
             starts, symbols = long_tensor(0, tokens.shape[0]), tokens
@@ -331,7 +278,7 @@ class ExactTransformer(SequenceModel):
         return torch.stack(logits, dim=1)  # (B, T, L)
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """One encoder pass per row on its whole string (rows of one length together). Returns (B, L)."""
+        """One encoder pass per row on its whole string."""
         self._check_symbols(tokens)
         if lengths is None:
             return self.encode(tokens)
@@ -339,8 +286,6 @@ class ExactTransformer(SequenceModel):
         return self._encode_rows(tokens, lengths)
 
     def _encode_rows(self, symbols: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """symbols: (B, m), lengths: (B,) in [1, m] -> (B, L): one encoder pass per row on symbols[row, :lengths[row]],
-        rows of one length together."""
         lengths = lengths.to(symbols.device)
         out = torch.empty(symbols.shape[0], self.config.num_labels, dtype=self.dtype, device=symbols.device)
         for length in lengths.unique().tolist():
@@ -351,21 +296,15 @@ class ExactTransformer(SequenceModel):
     def run_in_slices(
         self, tokens: torch.Tensor, all_outputs: bool, slice_flops: float
     ) -> Generator[float, None, tuple[torch.Tensor, torch.Tensor | None]]:
-        """tokens: (1, T), in slices of at most about ``slice_flops`` multiply-adds. Outputs "final": one encoder
-        pass whose attention runs in query chunks, a slice ending between chunks or layers; ``all_outputs``: one
-        pass per prefix, a slice ending between prefixes or inside a large one. Returns what
-        :meth:`SequenceModel.run_in_slices` does, equal to ``final_logits`` / ``forward``."""
         self._check_symbols(tokens)
         pieces = self._prefix_pieces(tokens, slice_flops) if all_outputs else self._final_pieces(tokens, slice_flops)
         return (yield from in_slices(pieces, slice_flops))
 
     def _final_pieces(self, tokens: torch.Tensor, piece_flops: float) -> Pieces[tuple[torch.Tensor, None]]:
-        """tokens: (1, T) -> (final logits (L,), None), in pieces."""
         logits = yield from self._encode_pieces(tokens, piece_flops)  # (1, L)
         return logits[0], None
 
     def _prefix_pieces(self, tokens: torch.Tensor, piece_flops: float) -> Pieces[tuple[torch.Tensor, torch.Tensor]]:
-        """tokens: (1, T) -> (final logits (L,), every prefix's label (T,)), one pass per prefix, in pieces."""
         logits = []
         for end in range(1, tokens.shape[1] + 1):
             logits.append((yield from self._encode_pieces(tokens[:, :end], piece_flops))[0])  # (L,)
@@ -373,13 +312,8 @@ class ExactTransformer(SequenceModel):
         return stacked[-1], stacked.argmax(-1)
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
-        """A pass over n positions (symbols and markers) costs, per row, n F d (position features) + per layer
-        [H' d^2 (Tq + 2 n) + 2 H' Tq n d + 2 Tq d d_ff] + d L (head), with H' the layer's active heads and Tq = 1
-        for a layer whose CLS output alone is read, else n. "final" is one pass over the T symbols, "forward"
-        one per prefix 1 .. T, "cached" one per prefix context + 1 .. context + T: the "all" path is O(T^3) for
-        PARITY. nbytes: the largest pass's (:meth:`_pass_nbytes`) plus, but for "final", the logits of every
-        prefix (twice: each and stacked) and, for "cached", the cache's old symbols while they are copied into
-        the grown ones (which are the cache's, counted by :meth:`cache_nbytes`)."""
+        """A pass over n positions costs per row n F d + per layer [H' d^2 (Tq + 2 n) + 2 H' Tq n d + 2 Tq d d_ff] + d L
+        (H' active heads, Tq = 1 if CLS-only else n); "final" runs one pass, the other paths one per prefix."""
         start = context if path == "cached" else 0
         first = length if path == "final" else start + 1
         flops = rows * self._prefix_flops(first, start + length)
@@ -391,18 +325,14 @@ class ExactTransformer(SequenceModel):
         return Cost(flops=float(flops), nbytes=nbytes)
 
     def cache_nbytes(self, length: int) -> int:
-        """The row's symbols, int64."""
         return 8 * length
 
     def slices_cost(
         self, length: int, all_outputs: bool, slice_flops: float, cost: Callable[..., Cost] | None = None
     ) -> Cost:
-        """:meth:`run_in_slices` does the work of ``forward`` / ``final_logits`` on one row, in pieces that hold no
-        more memory."""
         return (cost or self.cost)("forward" if all_outputs else "final", 1, length)
 
     def _pass_flops(self, n: int) -> int:
-        """Multiply-adds of one row's encoder pass over n positions (see :meth:`cost`)."""
         flops = n * self.position.in_features * self.position.out_features
         positions = n
         for layer, cls_only in zip(self.layers, self._cls_only_layers()):
@@ -412,9 +342,8 @@ class ExactTransformer(SequenceModel):
         return flops + self.head.in_features * self.head.out_features
 
     def _prefix_flops(self, first: int, last: int) -> int:
-        """Multiply-adds of one row's passes over the prefixes of ``first`` .. ``last`` symbols. A pass over n
-        positions costs p(n), a polynomial of degree 2, so the sum is exact from p(0), p(1), p(2) by Newton's
-        forward differences: sum_{n < N} p(n) = N p(0) + C(N, 2) (p(1) - p(0)) + C(N, 3) (p(2) - 2 p(1) + p(0))."""
+        """Multiply-adds of the passes over prefixes of ``first`` .. ``last`` symbols, exact by Newton's forward
+        differences (a pass's cost is quadratic in n)."""
         p0, p1, p2 = (self._pass_flops(n) for n in range(3))
 
         def below(count: int) -> int:
@@ -423,10 +352,7 @@ class ExactTransformer(SequenceModel):
         return below(last + self.markers + 1) - below(first + self.markers)
 
     def _pass_nbytes(self, rows: int, n: int) -> int:
-        """Peak bytes of one encoder pass of ``rows`` rows over n positions: token ids (gathered, with markers),
-        the position features, ~6 (rows, n, d) activations and the FFN's 3 (rows, n, d_ff), per attending layer
-        ~8 (rows, H', n, d) projections and their copies, and the largest layer's attention weights buffer
-        (rows H' Tq n, at most ``attention_block_elements`` but at least one query's rows H' n)."""
+        """Peak bytes of one pass of ``rows`` rows over n positions."""
         config = self.config
         heads, weights, positions = 0, 0, n
         for layer, cls_only in zip(self.layers, self._cls_only_layers()):

@@ -1,20 +1,5 @@
-"""Causal GPT-2 transformer baseline with a choice of position handling (model.ops.positions).
-
-Attention at query position m (0-based, counted from the start of the sequence) is
-
-    softmax_j( s_m * (q_m.k_j / sqrt(hd) + bias[m, j]) ) over keys j <= m,
-
-with s_m = log(m + 1) when ``log_length_scaling`` is on and 1 otherwise. The paper (exact-parity-first.txt
-section 5.3, Eq. 2) scales "the logits of each attention layer by log n", n counting the positions attended
-over; a causal query at m attends over m + 1 of them, so the scale depends only on the query's own position
-and stays causal. At m = 0 the scale is 0, which leaves the single visible key with weight 1, as unscaled.
-
-Decoding keeps per layer the keys and values seen so far in a buffer that doubles when full, so a step
-writes in place (amortised O(1) copying) and the cache holds at most twice the bytes it needs. Rows of one
-batch may hold different lengths: the buffer is padded to the longest row, each row writes at its own
-positions and attends with its own query positions (position bias, sinusoids, log scale), and attention masks
-every key past the query, the padding included.
-"""
+"""Causal GPT-2 transformer baseline (positions: model/ops/positions.py). Query m's logits are s_m (q_m.k_j / sqrt(hd) +
+bias[m, j]), s_m = log(m + 1) under ``log_length_scaling`` else 1. The KV cache doubles when full."""
 
 from __future__ import annotations
 
@@ -53,9 +38,7 @@ from model.ops.positions import (
 
 @dataclass
 class KVBuffer:
-    """One layer's keys and values, (B, H, capacity, hd); row b's first ``lengths[b]`` positions are filled (the
-    lengths are the owning cache's). Positions past a row's length hold zeros: the padding of rows of different
-    lengths, which attention masks (finite, so that the masked weights are exactly 0)."""
+    """One layer's keys and values (B, H, capacity, hd): row b's first ``lengths[b]`` positions, then zeros."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -65,9 +48,8 @@ class KVBuffer:
         return self.keys.shape[2]
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, start: QueryOffset) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, H, T, hd) at row b's positions [start_b, start_b + T) (``start`` an int for every row or
-        (B,) per row); return the keys and values up to the longest row's end, (B, H, max(start) + T, hd) each.
-        A full buffer doubles (at least), so writes stay amortised O(1)."""
+        """Write k, v (B, H, T, hd) at each row's positions from ``start`` (int or (B,)); returns keys and values up to
+        the longest row's end. A full buffer at least doubles."""
         length = k.shape[2]
         end = last_query_position(start, length) + 1
         if end > self.capacity:
@@ -85,7 +67,7 @@ class KVBuffer:
 
     @staticmethod
     def stack(buffers: Sequence[KVBuffer], capacity: int) -> KVBuffer:
-        """The rows of ``buffers`` in order, each padded to ``capacity`` positions (at least every one's)."""
+        """The rows of ``buffers`` in order, each padded to ``capacity`` positions."""
         return KVBuffer(
             torch.cat([_pad_capacity(buffer.keys, capacity) for buffer in buffers]),
             torch.cat([_pad_capacity(buffer.values, capacity) for buffer in buffers]),
@@ -93,18 +75,13 @@ class KVBuffer:
 
 
 def _pad_capacity(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
-    """buffer: (B, H, T, hd) -> (B, H, capacity, hd), a new tensor with buffer at the front and zeros after."""
+    """buffer (B, H, T, hd) -> a zero-padded copy (B, H, capacity, hd)."""
     return F.pad(buffer, (0, 0, 0, capacity - buffer.shape[2]))
 
 
 @dataclass
 class TransformerCache(InferenceCache):
-    """Every layer's :class:`KVBuffer`, padded to one capacity for all rows.
-
-    :meth:`stack` pads every buffer to the largest capacity among the caches, so a stack holds rows x that
-    capacity (more than the sum of its parts when the caches' capacities differ). :meth:`select` keeps at most
-    twice the longest selected row's length of capacity: a row split off a stack of longer ones drops their
-    padding, and, like a buffer grown by doubling, still holds at most 2x the positions it needs."""
+    """Every layer's :class:`KVBuffer` at one capacity; :meth:`select` keeps at most twice the longest row's length."""
 
     layers: list[KVBuffer]
 
@@ -127,7 +104,7 @@ class TransformerCache(InferenceCache):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention with the configured relative position bias and optional log-length scaling."""
+    """Multi-head causal attention with the configured position bias and log-length scaling."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -137,10 +114,8 @@ class CausalSelfAttention(nn.Module):
         self.attention_dropout = config.dropout
 
     def forward(self, x: torch.Tensor, offset: QueryOffset, kv: KVBuffer | None) -> torch.Tensor:
-        """x: (B, T, d_model) at positions [offset, offset + T) (``offset`` an int, or (B,) int64 on the CPU for
-        rows of different lengths) -> (B, T, d_model). With ``kv``, the keys and values of row b's positions
-        [0, offset_b) come from it and those of x are written after them; keys past a row's own query are
-        masked, the padding of shorter rows included."""
+        """x (B, T, d_model) at positions from ``offset`` (int or (B,) int64 on the CPU) -> (B, T, d_model); with
+        ``kv``, earlier keys and values come from it and x's are appended."""
         q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
         if kv is not None:
             k, v = kv.extend(k, v, offset)  # (B, H, Tk, hd), Tk = max(offset) + T
@@ -162,8 +137,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def _query_offset(lengths: torch.Tensor) -> QueryOffset:
-    """The cached rows' first query position: one int when every row holds the same length (then the position
-    bias is shared by the rows, (1, H, Tq, Tk)), else the (B,) lengths."""
+    """The rows' first query position: an int if all rows hold the same length, else the (B,) lengths."""
     return int(lengths[0]) if bool((lengths == lengths[0]).all()) else lengths
 
 
@@ -183,9 +157,7 @@ def build_position_bias(config: TransformerConfig) -> nn.Module | None:
 
 
 class Transformer(SequenceModel):
-    """Embedding (+ sinusoidal positions) -> n_layers pre-norm blocks -> LayerNorm -> head.
-
-    Every layer owns its position parameters (T5 itself shares one bucket table across layers)."""
+    """Embedding (+ sinusoids) -> n_layers pre-norm blocks -> LayerNorm -> head."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -200,8 +172,7 @@ class Transformer(SequenceModel):
         init_gpt2(self, n_residual_layers=config.n_layers)
 
     def hidden(self, tokens: torch.Tensor, cache: TransformerCache | None = None) -> torch.Tensor:
-        """tokens: (B, T) -> final hidden states (B, T, d_model); continues every row of ``cache`` from its own
-        length and advances it by T."""
+        """tokens (B, T) -> final hidden states (B, T, d_model); continues and advances ``cache``."""
         offset = 0 if cache is None else _query_offset(cache.lengths)
         x = self.embedding(tokens)  # (B, T, d_model)
         if self.config.position == "sinusoidal":
@@ -233,24 +204,12 @@ class Transformer(SequenceModel):
         return self.forward(tokens[:, None], cache)[:, 0]  # (B, output_size)
 
     def final_logits(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """The head runs on the last real positions only, not on all B * T."""
+        """The head runs on each row's last real position only."""
         return self.embedding.logits(gather_last(self.hidden(tokens), lengths))  # (B, output_size)
 
     def cost(self, path: CallPath, rows: int, length: int, context: int = 0) -> Cost:
-        """T = ``length`` queries per row against Tk = context + T keys ("forward", "final": Tk = T).
-
-        flops: per token the blocks' weights (q, k, v and output projections, MLP, XL's W_r: one multiply-add
-        each), per layer attention 2 T Tk d (q.k and the weighted values: the masked SDPA computes every
-        query-key pair) and for XL the relative term H T Tk d (each query against every distance's encoding)
-        and the content term Tk d; the head's d x output_size per logit position ("final": one per row).
-
-        nbytes: ~8 d + 2 d_ff activations per position and the logits, plus the largest of one layer's
-        transients: the attention scores rows x H x T x Tk once (SDPA's weights, should it take the math path),
-        the position bias twice (itself and its masked or scaled copy; four times for XL, whose terms are
-        summed), per row for a cache whose rows differ and for XL, else shared by the rows, the int64 distances
-        (Tq x Tk, twice), the keys and values read from a cache (2 rows Tk d), and the old buffer of one layer
-        while a KV buffer grows (2 rows 2 context d; the grown buffers are the cache's, counted by
-        :meth:`cache_nbytes`)."""
+        """T queries against Tk = context + T keys. flops: the blocks' weights per token, 2 T Tk d attention per layer
+        (XL: + H T Tk d + Tk d), the head per logit. nbytes: activations, logits and the largest layer transient."""
         config = self.config
         context = context if path == "cached" else 0
         keys, item, xl = context + length, self.dtype.itemsize, config.position == "xl"
@@ -275,6 +234,5 @@ class Transformer(SequenceModel):
         return parameter_count(self.blocks)
 
     def cache_nbytes(self, length: int) -> int:
-        """Keys and values of every layer at the capacity a row may hold after ``length`` tokens: buffers grow by
-        doubling, so up to 2 x ``length`` positions."""
+        """Keys and values of every layer for up to 2 ``length`` positions (buffers double)."""
         return self.config.n_layers * 2 * 2 * length * self.config.d_model * self.dtype.itemsize

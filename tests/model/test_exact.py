@@ -41,7 +41,7 @@ def reference_features(i: int, n: int) -> list[float]:
 
 
 def reference_logits(model: ExactTransformer, symbols: list[int]) -> torch.Tensor:
-    """exact-parity-first.txt section 2.2 position by position: every layer at every position, heads summed."""
+    """Chiang & Cholak (2022)'s encoder position by position: every layer at every position, heads summed."""
     config = model.config
     tokens = [VOCAB, *symbols] + ([VOCAB + 1] if config.append_eos else [])
     n, d = len(tokens), config.d_model

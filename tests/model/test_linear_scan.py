@@ -127,7 +127,7 @@ def test_column_norm_constraint(p: float, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("p", [1.0, 1.2, 2.0, 3.5])
 def test_column_norm_constraint_equals_the_reference_formula(p: float) -> None:
-    """v / max(1, ||v||_p) with torch.linalg.vector_norm (block-diagonal-lrnn.txt eq. 6, written plainly)."""
+    """v / max(1, ||v||_p) with torch.linalg.vector_norm (the LRNN paper's eq. 6, written plainly)."""
     matrices = torch.randn(300, 5, 5, dtype=torch.float64) * torch.tensor([0.05, 0.5, 5.0]).repeat(100).view(300, 1, 1)
     reference = matrices / torch.linalg.vector_norm(matrices, ord=p, dim=-2, keepdim=True).clamp(min=1.0)
     torch.testing.assert_close(column_norm_constraint(matrices, p), reference, rtol=1e-12, atol=1e-14)

@@ -138,7 +138,7 @@ def test_diagonal_transitions_do_not_depend_on_the_input() -> None:
 
 
 def test_the_full_generator_keeps_the_papers_parameters_and_arithmetic() -> None:
-    """transition_rank None is the model before the option: the same parameters, and A(u), B u computed by the same
+    """transition_rank None is the paper's full generator: the same parameters, and A(u), B u computed by the same
     products (bitwise), so shipped checkpoints load and give the same outputs."""
     recurrence = make("lrnn").blocks[0].recurrence
     assert sorted(recurrence.state_dict()) == [
