@@ -9,7 +9,7 @@ prefills a prompt nobody scores), one torch thread, best of 5 after a warm-up, i
 16 blocks of ``--block-size``, vocabulary 8,192) on 16 rows of 128 tokens scored on their last 10 (a pass-key
 step's shape), mean of 5 after a warm-up.
 
-Rows: torch's column sparsemax and chunked scan (before 2026-11-26 20:00); the compiled sparsemax
+Rows: torch's column sparsemax and chunked scan (what ran before the compiled parts); the compiled sparsemax
 (``cpu_decode.column_sparsemax``); both it and the compiled scan (``cpu_decode.linear_scan``: what runs now), with the
 largest logit difference from the first.
 """

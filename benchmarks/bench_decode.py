@@ -8,10 +8,10 @@ a large fp32 matmul measured on the same machine in the same run.
     python -m benchmarks.bench_decode [--contexts 1024,4096,16384,65536] [--device cpu] [--steps 32] [--threads N]
 
 On a CPU that other processes share, use --threads 1: a two-thread op whose second thread waits for a busy
-core stalls for a scheduler time slice, which turns an 8 ms LRNN step into 250 ms (seen here).
+core stalls for a whole scheduler time slice, many times a small step's own time.
 
 ``--text`` measures instead the shipped text models' shapes (checkpoints/text-regulargpt and text-lrnn, random
-weights, ``for_serving()`` as the server does) for issue 18 point 3, all in one run: the decode step at batch 1
+weights, ``for_serving()`` as the server does), all in one run: the decode step at batch 1
 after 1k and 8k tokens of context, tokens/s of steps at batch 32 after 1k (one row's cache stacked 32 times: a
 step's cost does not depend on the values) and prefill tokens/s of 8k tokens into an empty cache, in the server's
 2048-token chunks and in one call. Every repeat measures every cell once, the models alternating; the table holds
@@ -140,7 +140,7 @@ def step_seconds(
 
 
 def text_cells(model, device: torch.device, steps: int, clock) -> dict[str, float]:
-    """One repeat of every issue-18 measurement of one model (each timed step after an untimed one)."""
+    """One repeat of every ``--text`` measurement of one model (each timed step after an untimed one)."""
     vocab = model.config.vocab_size
     tokens = torch.randint(0, vocab, (1, TEXT_LONG), device=device)
     cells = {}
@@ -160,7 +160,7 @@ def text_cells(model, device: torch.device, steps: int, clock) -> dict[str, floa
 
 
 def text_main(device: torch.device, repeats: int, steps: int, clock, compare_kernels: bool = False) -> None:
-    """The issue-18 point-3 table: RegularGPT s against LRNN s, every cell the median of ``repeats``; with
+    """The ``--text`` table: RegularGPT s against LRNN s, every cell the median of ``repeats``; with
     ``compare_kernels`` also each model built and run inside ``torch_products()`` ("name, torch products")."""
     variants = [("", contextlib.nullcontext)]
     if compare_kernels:
@@ -196,11 +196,11 @@ def text_main(device: torch.device, repeats: int, steps: int, clock, compare_ker
 
 
 def text_ratios(ours: dict[str, float], base: dict[str, float], repeats: int, suffix: str) -> None:
-    """The line of issue 18's two RegularGPT s targets."""
+    """The line of the two RegularGPT s targets of docs/benchmarks.md (decode step, prefill against GPT-2 s)."""
     print(
         f"\nRegularGPT s / LRNN s{suffix} decode step at batch 1: {ours['step_short_ms'] / base['step_short_ms']:.2f}x "
         f"@{TEXT_SHORT}, {ours['step_long_ms'] / base['step_long_ms']:.2f}x @{TEXT_LONG} (target <= 2x); "
-        f"RegularGPT s prefill of {TEXT_PREFILL} (chunked) / GPT-2 s's 7.3k tok/s (issue 18's figure): "
+        f"RegularGPT s prefill of {TEXT_PREFILL} (chunked) / GPT-2 s's 7.3k tok/s (a fixed figure): "
         f"{ours['prefill_chunked'] / 7300:.0%} (target >= 50%); repeats {repeats}"
     )
 
@@ -212,7 +212,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--text", action="store_true", help="issue 18 point 3: the text models' shapes (see above)")
+    parser.add_argument("--text", action="store_true", help="the text models' shapes (see above)")
     parser.add_argument("--repeats", type=int, default=3, help="--text: repeats of every cell (the median is kept)")
     parser.add_argument("--clock", choices=CLOCKS, default="wall", help="--text: wall clock or this thread's CPU time")
     parser.add_argument(

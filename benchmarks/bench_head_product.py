@@ -4,9 +4,9 @@ call of x (R, in) times a weight (out, in), one thread, no gradients.
 Three ways, alternating within each round, each cell the best of its rounds:
 
 - ``panels``: :func:`model.ops.cpu_decode.linear` under ``set_row_invariant(True)``, the row-invariant product
-  across outputs (``_compile_panel_kernel``; the panels are made before timing);
-- ``dots``: the dot-product kernel the invariant path ran before (``cpu_decode._kernel``: one dot product per row and
-  output, reduced horizontally), also row-invariant;
+  across outputs (model/ops/cpu_kernels/panels.py; the panels are made before timing);
+- ``dots``: the dot-product kernel the invariant path ran before (``cpu_decode._kernels.ops.dots``: one dot product
+  per row and output, reduced horizontally), also row-invariant;
 - ``mkl``: ``F.linear``, what a decode step runs without invariance past 4 rows (its bits depend on the rows).
 
     python -m benchmarks.bench_head_product [--shapes 8192x16,8192x128,2048x512] [--rows 1,4,16,64] [--rounds 5]
@@ -45,7 +45,7 @@ def best_times(x: torch.Tensor, weight: torch.Tensor, rounds: int, calls: int) -
             cpu_decode.linear(x, weight)
 
     def dots() -> None:
-        cpu_decode._kernel(x.numpy(), weight.numpy(), np.zeros(0, dtype=np.float32), False, out)
+        cpu_decode._kernels.ops.dots(x.numpy(), weight.numpy(), np.zeros(0, dtype=np.float32), False, out)
 
     ways = {"panels": panels, "dots": dots, "mkl": lambda: F.linear(x, weight)}
     best = dict.fromkeys(ways, float("inf"))

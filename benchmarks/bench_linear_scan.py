@@ -5,7 +5,7 @@ installed); on CUDA also "triton" (model/ops/triton_scan.py, where Triton is ins
 "compiled-parallel" and "compiled-chunked": the torch scans under ``torch.compile`` (compiled in the warm-up run,
 which is not timed), what the Triton kernels must beat.
 
-The op alone (model/ops/linear_scan.py), forward with no grad, H = 8 blocks of b = 8 as in the paper, fp32, at
+The op alone (model/ops/linear_scan.py), forward with no grad, H = 8 blocks of b = 8 as in Fan et al. 2024, fp32, at
 each length T and batch B. Transitions are random blocks inside the p = 1.2 norm constraint (a 1024-step
 random block tiled over T, so that building 8.6 GB of them takes seconds); subnormal floats are flushed to
 zero, as long products of contracting matrices otherwise spend most of the time in subnormal arithmetic.

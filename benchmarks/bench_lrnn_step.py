@@ -1,4 +1,4 @@
-"""Issue 18 point 2: the LRNN decode step at size L against its two floors, full against low-rank generator.
+"""The LRNN decode step at size L against its bandwidth and FLOP floors, full against low-rank generator.
 
 Size L: d_model 512, 8 layers of 64 blocks of 8 (state 512), d_ff 2048, vocabulary 8192 (a language model, its
 head tied to the embedding). For the full transition generator and each ``--ranks`` r, one decode step of the
@@ -12,7 +12,7 @@ with MKL's products instead of the streaming kernel (model/ops/cpu_decode.py; bu
   second that ``copy_`` of a 256 MiB tensor moves, read and write (as STREAM and benchmarks/peers.py count; counted
   as bytes read, the floor doubles); at batch 1 also the read floor, the weight bytes at the rate ``sum`` reads a
   256 MiB tensor (a decode step only reads its weights; on some hosts a read stream is slower than the copy's
-  rate counted both ways, 2026-11-28: 8.5 against 10 GB/s);
+  rate counted both ways);
 - FLOP floor (batch 32): 2 x parameters x batch FLOPs / the rate of one 2048 x 2048 x 2048 fp32 matmul.
 
 Times are the CPU time of the calling thread (``time.thread_time``; torch runs on that one thread), not wall time:

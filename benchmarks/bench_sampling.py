@@ -1,4 +1,4 @@
-"""``server.execution.sampling.sample`` alone, per row count and filter: what choosing the next tokens costs a decode step.
+"""``server.execution.sampling.sample`` alone, per row count and filter: what picking the next tokens costs a step.
 
     python -m benchmarks.bench_sampling [--device cpu] [--rows 1,8,64] [--vocabulary 8192]
 

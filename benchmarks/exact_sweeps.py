@@ -1,6 +1,6 @@
 """Measured figures of the exact transformers (docs/exact_results.md): accuracy to n = 10,000, the PALINDROME
-constructions' largest perfect n, and cross-entropy against n with and without layer norm (exact-parity-first.txt
-Fig. 2). n is the number of symbols (CLS and EOS not counted). Every run is seeded and on the CPU; only
+constructions' largest perfect n, and cross-entropy against n with and without layer norm (Fig. 2 of Chiang &
+Cholak 2022). n is the number of symbols (CLS and EOS not counted). Every run is seeded and on the CPU; only
 ``all-outputs`` measures time. Strings are drawn label-balanced (training.data.tasks balanced sampling).
 
     python -m benchmarks.exact_sweeps accuracy [--dense-until 3000] [--step 25] [--longest 10000] [--strings 1]
@@ -15,7 +15,7 @@ Fig. 2). n is the number of symbols (CLS and EOS not counted). Every run is seed
 length up to --dense-until, then every --step-th length up to --longest, with --strings label-balanced strings
 (training.data.tasks balanced sampling) plus the edge strings 0^n, 1^n, 10^(n-1), 0^(n-1)1, 01^(n-1), 1^(n-1)0 and
 10^(n-2)1 at each length, final label compared with the reference labeler. ``palindrome`` runs each PALINDROME
-variant on palindromes and their one-symbol flips (exact-one-palindrome.txt appendix B.3: the hardest negatives)
+variant on palindromes and their one-symbol flips (Nowak et al. 2022, appendix B.3: the hardest negatives)
 until it fails; ``palindrome-curve`` gives their accuracy at a few lengths; ``palindrome-margins`` finds how far
 one fixed zero-test margin can label the published construction right. ``all-outputs`` times ``forward`` (every
 prefix re-encoded) on the shipped checkpoints.
@@ -189,7 +189,7 @@ CURVE_LENGTHS = (10, 20, 22, 23, 30, 37, 38, 39, 45, 50, 60, 70, 100)
 
 
 def palindrome_curve(args: argparse.Namespace) -> None:
-    """Accuracy of each published variant at CURVE_LENGTHS (exact-one-palindrome.txt Fig. 2)."""
+    """Accuracy of each published variant at CURVE_LENGTHS (Fig. 2 of Nowak et al. 2022)."""
     task = get_task("palindrome")
     print(f"{args.pairs} palindromes + {args.pairs} one-flip negatives per length\n")
     print("| variant | " + " | ".join(f"n={n}" for n in CURVE_LENGTHS) + " |")

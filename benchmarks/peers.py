@@ -1,4 +1,4 @@
-"""Issue 18, point 1: our LRNN, RegularGPT and transformer against Hugging Face GPT-2 (KV cache) and Mamba.
+"""Our LRNN, RegularGPT and transformer against Hugging Face GPT-2 (KV cache) and Mamba.
 
 Every system (benchmarks/peer_systems.py: which, at which sizes, driven how) runs with random fp32 weights, no grad,
 on random tokens:
@@ -12,7 +12,7 @@ on random tokens:
 Each figure is set against a floor measured in the same run: at batch 1 the fp32 weight bytes over the memory
 bandwidth (a 256 MiB copy, counted as 512 MiB moved, read and write, as STREAM does), at batch 32 two FLOPs per
 parameter per token over the rate of a 2048^3 fp32 matmul (each the best of 5). A "targets" block says which of
-issue 18's targets this run meets; each is a ratio of two figures of the run.
+the peer targets of docs/benchmarks.md this run meets; each is a ratio of two figures of the run.
 
 Every cell (system x size x measurement, and the floors) runs in a fresh process (benchmarks/isolated.py); a
 repeat runs every cell once, alternating the systems within each measurement (their order rotates by one each
@@ -317,7 +317,7 @@ def with_share(value: float | None, of_floor: float | None, digits: int) -> str:
 
 @dataclass(frozen=True)
 class Target:
-    """One of issue 18's targets: met when every ratio reaches the threshold."""
+    """One of the peer targets of docs/benchmarks.md: met when every ratio reaches the threshold."""
 
     text: str
     ratios: tuple[tuple[str, float | None], ...]  # (what, measured ratio)
@@ -342,7 +342,8 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def targets(figures: Figures) -> list[Target]:
-    """Issue 18's targets, each a set of ratios of this run's figures that must all reach a threshold."""
+    """The peer targets of docs/benchmarks.md, each a set of ratios of this run's figures that must all reach a
+    threshold."""
     f, plan = figures, figures.plan
     large, small = plan.large, plan.small
     contexts = [(short_length(n), n) for n in (plan.short, plan.long)]

@@ -5,12 +5,12 @@ overall accuracy over that part's bands and, in brackets, its worst band.
     python -m benchmarks.results_table runs/eval/parity_check-lrnn-papers.json runs/eval/parity_check-lrnn-hard.json ...
     python -m benchmarks.results_table --pivot runs/eval/t1-*-papers.json
 
-``--by-p-one`` prints one row per report and one column per P(1) of its bands (regulargpt.txt Table 2's layout,
-for ``eval --lengths A-B --bands 1 --p-one 0.1 --p-one 0.3 ...`` reports).
+``--by-p-one`` prints one row per report and one column per P(1) of its bands (the layout of Table 2 of Chi et al.
+2023, for ``eval --lengths A-B --bands 1 --p-one 0.1 --p-one 0.3 ...`` reports).
 
-``--pivot`` prints the papers-protocol accuracy as a task x model grid instead (regulargpt.txt Table 1's layout),
-the model being what follows the task in the run folder's name less a seed suffix (``t1-parity_check-lstm`` and
-``t1-parity_check-lstm-s1`` -> ``lstm``). A cell of one run is its accuracy; of several (seeds), the papers' "max /
+``--pivot`` prints the papers-protocol accuracy as a task x model grid instead (the layout of Table 1 of Chi et al.
+2023), the model being what follows the task in the run folder's name less a seed suffix (``t1-parity_check-lstm``
+and ``t1-parity_check-lstm-s1`` -> ``lstm``). A cell of one run is its accuracy; of several (seeds), the papers' "max /
 avg" with the number of runs in brackets.
 
 Reports of the same checkpoint (its ``checkpoint`` path) are merged into one row; the checkpoint's training
@@ -74,7 +74,8 @@ def rows(reports: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def pivot(reports: Sequence[dict[str, Any]]) -> list[str]:
-    """Task x model grid of papers-protocol accuracy (%), tasks in SPEC order; seeds of a model pooled as max / avg."""
+    """Task x model grid of papers-protocol accuracy (%), tasks in the order of docs/api.md, Tasks; seeds of a model
+    pooled as max / avg."""
     from training.data.tasks import TASKS
 
     cells: dict[str, dict[str, list[float]]] = {}

@@ -1,6 +1,7 @@
-"""Token-level constraint libraries on one of our tiktoken vocabularies (issue 16): llguidance, xgrammar and
-outlines-core, each as its own Python package ("pip install llguidance xgrammar outlines-core"; xgrammar with
---no-deps plus apache-tvm-ffi, since it requires torch, transformers and triton).
+"""Token-level constraint libraries on one of our tiktoken vocabularies: llguidance, xgrammar and outlines-core.
+
+Each is its own Python package ("pip install llguidance xgrammar outlines-core"; xgrammar with --no-deps plus
+apache-tvm-ffi, since it requires torch, transformers and triton).
 
 For each library: the setup time per vocabulary (its tokenizer object from tiktoken's byte ranks and the
 end-of-text id after the last rank), the compile time of a set of regexes and JSON schemas, the mask time per

@@ -41,8 +41,7 @@ from server.settings import Settings
 async def tokens_per_second(
     engine: Engine, served: ServedModel, concurrency: int, requests: int, args: argparse.Namespace
 ) -> float:
-    """Generated tokens per second (until 2026-11-25 this counted events, one per token plus one per request; a
-    whole answer now has a single event)."""
+    """Generated tokens per second (tokens, not events: a whole answer has a single event)."""
     prompt = served.tokenizer.encode("Chapter 1. It was")
 
     async def one(seed: int) -> int:

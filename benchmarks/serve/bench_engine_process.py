@@ -1,19 +1,21 @@
-"""The engine core on a thread of the API process against the engine core in a process of its own (issue 32 point 2),
-alternating in one run: ``python -m server`` serving a tiny text LRNN whose step is nearly free (d_model 16, one layer,
-text-lrnn's tokenizer, random weights), so that what is measured is the server's own cost per token. Per mode and
-round: output tokens/s at ``--concurrency`` whole answers and streams, TPOT of one stream (median over its requests),
-the server's CPU time per generated token in each concurrent run (user + system, the engine process's included: less
-noisy than a rate where other jobs share the machine), and its resident memory after the warm-up (the API process,
-plus the engine process where there is one).
+"""The engine core on a thread of the API process against the engine core in a process of its own, alternating in
+one run: ``python -m server`` serving a tiny text LRNN whose step is nearly free (d_model 16, one layer, text-lrnn's
+tokenizer, random weights), so that what is measured is the server's own cost per token. Per mode and round: output
+tokens/s at ``--concurrency`` whole answers and streams, TPOT of one stream (median over its requests), the server's
+CPU time per generated token in each concurrent run (user + system, the engine process's included: less noisy than
+a rate where other jobs share the machine), and its resident memory after the warm-up (the API process, plus the
+engine process where there is one).
 
     python -m benchmarks.serve.bench_engine_process [--rounds 2] [--concurrency 64] [--requests 128]
         [--max-tokens 256] [--baseline PATH] [--model FOLDER] [--device cpu|cuda] [--setting NAME=VALUE ...]
         [--path /v1/generate|/v1/completions] [--log-level warning|info|...]
 
-``--model FOLDER``: serve that checkpoint folder instead (e.g. checkpoints/text-lrnn). ``--baseline PATH``: a checkout of another commit (e.g. a ``git worktree`` of 3c7e707), whose ``python -m server``
-serves the same model as a third mode, "baseline", in each round. ``--setting batch_invariant=false``: a server setting
-(REGULARLM_*) of the thread and process modes (not the baseline's, which may not know it): batch invariance (on by
-default for LRNNs on the CPU since 9500182, after 3c7e707) decodes rows one by one through the row-wise kernels.
+``--model FOLDER``: serve that checkpoint folder instead (e.g. checkpoints/text-lrnn). ``--baseline PATH``: a checkout
+of another commit (e.g. a ``git worktree`` of the baseline commit docs/benchmarks.md names), whose
+``python -m server`` serves the same model as a third mode, "baseline", in each round.
+``--setting batch_invariant=false``: a server setting (REGULARLM_*) of the thread and process modes (not the
+baseline's, which may not know it): batch invariance (on by default for LRNNs on the CPU) decodes rows one by one
+through the row-wise kernels.
 ``--path /v1/completions``: the OpenAI route instead of ``/v1/generate`` (streams ask for the usage chunk).
 ``--log-level``: warning (default) starts each server with ``--log-level warning``; any other level starts it as the
 README does, ``python -m server`` with no log option (info) or with that level, its log (uvicorn's access log too,

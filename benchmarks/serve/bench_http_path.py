@@ -1,7 +1,8 @@
-"""The server's own cost of one /v1/transduce request of 8 inputs of 500 symbols (issue 18, point 6): the CPU time
-the server process spends per request, in all its threads (HTTP parsing, JSON, validation, encoding, the event
-loop, the engine's scheduling, building the model's input tensor, the response), with the model call answering
-at once (``benchmarks/serve/stub_server.py``), so that nothing of the model's own time is in it.
+"""The server's own cost of one /v1/transduce request of 8 inputs of 500 symbols, model call excluded.
+
+The CPU time the server process spends per request, in all its threads (HTTP parsing, JSON, validation, encoding,
+the event loop, the engine's scheduling, building the model's input tensor, the response), with the model call
+answering at once (``benchmarks/serve/stub_server.py``), so that nothing of the model's own time is in it.
 
     python -m benchmarks.serve.bench_http_path [--rounds 10] [--requests 300] [--inputs 8] [--length 500]
 

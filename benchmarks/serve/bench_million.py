@@ -1,6 +1,8 @@
-"""A million tokens of context through the server (issue 31 point 5): a pass-key prompt of ~2^20 tokens of the
-model's own tokenizer through /v1/completions and /v1/generate, with the server's memory, the prefill time, short
-requests beside the prefill, and second questions on the same prefix answered from the prompt-state cache.
+"""A million tokens of context through the server: a pass-key prompt of ~2^20 tokens, its prefill and its cache.
+
+The prompt is in tokens of the model's own tokenizer, sent through /v1/completions and /v1/generate; measured are the
+server's memory, the prefill time, short requests beside the prefill, and second questions on the same prefix
+answered from the prompt-state cache.
 
     python -m benchmarks.serve.bench_million [--models checkpoints] [--model text-lrnn] [--tokens 1048576]
         [--max-tokens 8] [--threads 1] [--json PATH]
@@ -8,8 +10,9 @@ requests beside the prefill, and second questions on the same prefix answered fr
 Serves ``--models/--model`` alone (``python -m server`` on a folder holding only it, default settings) and sends,
 one after another, each streamed and greedy (``--max-tokens`` tokens):
 
-1. prompt A (SPEC section 5's pass-key prompt, the "grass is green" filler, the key at 1/3) through
-   /v1/completions, while 8-token requests are sent one at a time, a second apart, until its first token comes;
+1. prompt A (the pass-key prompt of docs/api.md, Long-context probes; the "grass is green" filler, the key at 1/3)
+   through /v1/completions, while 8-token requests are sent one at a time, a second apart, until its first token
+   comes;
 2. prompt B (another key at 1/10: a prefix of its own from there) through /v1/generate;
 3. prompt A with another question through /v1/generate: all but its last tokens are prompt A's, whose state
    the cache kept ``state_cache_tail_tokens`` before its end;
@@ -50,8 +53,8 @@ SHORT_PROMPT = "Mr. Darcy"
 
 
 def pass_key_prompt(tokenizer, tokens: int, key: int, depth: float, question: str = QUESTION) -> str:
-    """SPEC section 5's prompt of about ``tokens`` tokens: the filler repeated, the key sentence after ``depth``
-    of it."""
+    """The pass-key prompt (docs/api.md, Long-context probes) of about ``tokens`` tokens: the filler repeated, the key
+    sentence after ``depth`` of it."""
     per_filler = len(tokenizer.encode(FILLER * 64)) / 64
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     fixed = len(tokenizer.encode(INTRO + needle + question))

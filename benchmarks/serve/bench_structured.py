@@ -1,13 +1,12 @@
-"""Structured outputs' cost per decode step (issue 16): the time spent on token masks against the decode step time
-(TPOT) at batch 32, in the engine, without HTTP, on a shipped text model.
+"""Structured outputs' cost per decode step: the time spent on token masks against the decode step time (TPOT).
 
-32 sequences run together for ``--tokens`` steps, all constrained or all free (runs alternate, medians over
-``--repeats``). A step's mask time is the CPU time structured outputs add to it, in the engine's thread and the
-mask thread that runs beside the model call: the bitmask of every constrained row from llguidance and its 0/-inf
-bias (``server.structured.outputs.Masks.run``), adding it (``server.execution.generation._constrain``) and advancing each matcher
-past its token (``Constraint.consume``); the step time is ``DecodeBatch.step`` whole (model call, penalties, masks,
-sampling, detokenizing). The end-of-text token's logit is lowered by 100 and the patterns cannot end sooner, so
-every measured step holds 32 rows.
+In the engine, without HTTP, on a shipped text model: 32 sequences run together for ``--tokens`` steps, all
+constrained or all free (runs alternate, medians over ``--repeats``). A step's mask time is the CPU time structured
+outputs add to it, in the engine's thread and the mask thread that runs beside the model call: the bitmask of every
+constrained row from llguidance and its 0/-inf bias (``server.structured.outputs.Masks.run``), adding it
+(``server.execution.generation._constrain``) and advancing each matcher past its token (``Constraint.consume``); the
+step time is ``DecodeBatch.step`` whole (model call, penalties, masks, sampling, detokenizing). The end-of-text
+token's logit is lowered by 100 and the patterns cannot end sooner, so every measured step holds 32 rows.
 
     python -m benchmarks.serve.bench_structured [--model checkpoints/text-lrnn] [--threads 1] [--repeats 3]
 """

@@ -199,7 +199,7 @@ def run_load(url: str, path: str, bodies: list[dict], concurrency: int) -> tuple
     last request has ended, as that many users would. One client whose pool holds every connection costs far more:
     httpcore walks its pool for every request it queues and every connection it frees, 4.2 M ``is_idle`` calls for
     384 requests at 64, and the load generator then took ~70 us of CPU per generated token of a whole answer, on
-    the cores the server runs on (2026-11-26; with one client per worker, below 10)."""
+    the cores the server runs on (with one client per worker, below 10)."""
 
     async def main() -> tuple[list[Record], float]:
         records: list[Record | None] = [None] * len(bodies)

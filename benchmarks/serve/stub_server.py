@@ -34,7 +34,7 @@ def load_stubbed(folder: Path, device: str) -> ServedModel:
 
 # At import, not under __main__: the engine process (server/engine/core.py, started with spawn) imports this module as
 # its main module too, and must load the stubs as well. So nothing else may import this module: every model it then
-# loaded would be stubbed (bench_engine_loop did, through its stub, until 2026-11-26; its rates were the stub's).
+# loaded would be stubbed, and its rates would be the stub's.
 model_store.load_served_model = load_stubbed
 
 if __name__ == "__main__":

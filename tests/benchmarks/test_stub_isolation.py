@@ -1,6 +1,6 @@
 """The stub server's patch (every model it loads answers zeros) must reach only the processes that run it: a
-benchmark that imports the harness (bench_engine_loop did import the stub module, until 2026-11-26, and measured
-the stub's rates for the real models) loads real models."""
+benchmark that imports the harness (one that imported the stub module would measure the stub's rates for the real
+models) loads real models."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ def objects(kind: str) -> list[dict]:
     return [document for document in map(load_yaml, MANIFESTS) if document["kind"] == kind]
 
 
-def test_the_manifests_are_what_the_issue_lists() -> None:
+def test_the_manifests_are_the_documented_set() -> None:
     kinds = sorted(load_yaml(path)["kind"] for path in MANIFESTS)
     expected = ["Deployment", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
     assert kinds == sorted([*expected, "ServiceMonitor"])

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from model.config import LRNNConfig
 from model.lrnn.model import BlockDiagonalLRNN
 from model.ops import cpu_decode
+from model.ops.cpu_kernels.panels import build_panels
 from model.ops.linear_scan import column_sparsemax
 from model.regulargpt.model import RegularGPT
 from tests.model.tiny_models import build_tiny, tiny_configs
@@ -20,16 +24,31 @@ from tests.model.tiny_models import build_tiny, tiny_configs
 pytestmark = pytest.mark.skipif(not cpu_decode.kernel_available(), reason="numba is not importable")
 
 
-def record_calls(monkeypatch, name: str) -> list[tuple[int, ...]]:
-    """Wrap the compiled function ``cpu_decode.<name>`` to record the shape of its first argument at every call."""
+def compiled_kernel(path: str):
+    """The compiled function at ``path``, "family.name" of ``cpu_decode._kernels`` (e.g. "steps.lrnn")."""
+    family, name = path.split(".")
+    return getattr(getattr(cpu_decode._kernels, family), name)
+
+
+def replace_kernel(monkeypatch, path: str, function) -> None:
+    """For this test, ``function`` runs where cpu_decode calls the compiled function at ``path`` ("family.name")."""
+    family, name = path.split(".")
+    kernels = cpu_decode._kernels
+    replaced = dataclasses.replace(kernels, **{family: getattr(kernels, family)._replace(**{name: function})})
+    monkeypatch.setattr(cpu_decode, "_kernels", replaced)
+
+
+def record_calls(monkeypatch, path: str) -> list[tuple[int, ...]]:
+    """Wrap the compiled function at ``path`` ("family.name" of ``cpu_decode._kernels``) to record the shape of its
+    first argument at every call."""
     calls: list[tuple[int, ...]] = []
-    compiled = getattr(cpu_decode, name)
+    compiled = compiled_kernel(path)
 
     def counted(x, *args):
         calls.append(x.shape)
         compiled(x, *args)
 
-    monkeypatch.setattr(cpu_decode, name, counted)
+    replace_kernel(monkeypatch, path, counted)
     return calls
 
 
@@ -37,13 +56,13 @@ def record_calls(monkeypatch, name: str) -> list[tuple[int, ...]]:
 def kernel_calls(monkeypatch) -> list[tuple[int, ...]]:
     """The (rows, in) shape of every x the kernel multiplies, in order; every weight size qualifies."""
     monkeypatch.setattr(cpu_decode, "MIN_ELEMENTS", 1)
-    return record_calls(monkeypatch, "_kernel")
+    return record_calls(monkeypatch, "ops.dots")
 
 
 @pytest.fixture
 def layer_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
     """The (rows, d_model) shape of every x the compiled LRNN layer step takes, in order."""
-    return record_calls(monkeypatch, "_layer_step")
+    return record_calls(monkeypatch, "steps.lrnn")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -92,7 +111,7 @@ def test_row_invariant_products_run_across_outputs_equal_f_linear_and_give_a_row
 ) -> None:
     """Under set_row_invariant a decode step's product goes through the panel kernel (outputs in panels of PANEL, the
     last one padded): equal to F.linear up to rounding, at 1 to 70 rows, and each row the same bits as alone."""
-    calls = record_calls(monkeypatch, "_panel_kernel")
+    calls = record_calls(monkeypatch, "panels.product")
     weight, offset = torch.randn(out, width), torch.randn(out) if bias else None
     x = torch.randn(70, width)
     with torch.no_grad():
@@ -163,13 +182,13 @@ def test_row_invariant_compiled_layer_steps_multiply_by_panels_and_step_as_the_p
     """Under set_row_invariant the compiled LRNN layer step gets its four matrices as panels (3-d) and multiplies
     them as linear does: the steps of 7 rows equal the parallel pass, and row 0 gets the same bits decoded alone."""
     dimensions = []
-    step = cpu_decode._layer_step
+    step = compiled_kernel("steps.lrnn")
 
     def spy(x, state, ln_1, joint, *args):
         dimensions.append(joint.ndim)
         step(x, state, ln_1, joint, *args)
 
-    monkeypatch.setattr(cpu_decode, "_layer_step", spy)
+    replace_kernel(monkeypatch, "steps.lrnn", spy)
     model = BlockDiagonalLRNN(dataclasses.replace(tiny_configs(40, 0)[model_id], vocab_size=40)).eval()
     tokens = torch.randint(0, 40, (7, 20))
     with torch.no_grad():
@@ -413,7 +432,7 @@ def test_a_stochastic_model_decoded_through_the_compiled_step_gives_its_parallel
 @pytest.fixture
 def thick_layer_calls(kernel_calls, monkeypatch) -> list[tuple[int, ...]]:
     """The (rows, d_model) shape of every x the compiled RegularGPT thick layer step takes, in order."""
-    return record_calls(monkeypatch, "_regulargpt_layer_step")
+    return record_calls(monkeypatch, "steps.regulargpt")
 
 
 def sharp_regulargpt(model_id: str) -> RegularGPT:
@@ -486,14 +505,14 @@ def test_compiled_steps_of_rows_at_different_lengths_equal_the_torch_steps(monke
     while the long row's are not, the case where a step's plan carries a valid mask."""
     monkeypatch.setattr(cpu_decode, "MIN_ELEMENTS", 1)
     masks = []
-    layer_step = cpu_decode._regulargpt_layer_step
+    layer_step = compiled_kernel("steps.regulargpt")
 
     def spy(x, windows, positions, dilation, ring, slots, *args):
         farthest = positions - (slots - 1) * dilation  # each row's farthest slot's position
         masks.append(farthest.min() < 0 <= farthest.max())
         layer_step(x, windows, positions, dilation, ring, slots, *args)
 
-    monkeypatch.setattr(cpu_decode, "_regulargpt_layer_step", spy)
+    replace_kernel(monkeypatch, "steps.regulargpt", spy)
     model = sharp_regulargpt(model_id)
     tokens = torch.randint(0, 40, (2, 20))
 
@@ -548,13 +567,13 @@ def test_row_invariant_regulargpt_steps_multiply_panels_that_follow_in_place_cha
     """Under set_row_invariant the compiled thick layer takes its K blocks' four matrices as panels (block_panels),
     equal to the torch steps up to rounding, and an in-place change to a weight after a step reaches the next one."""
     given = []
-    layer_step = cpu_decode._regulargpt_layer_step
+    layer_step = compiled_kernel("steps.regulargpt")
 
     def spy(x, windows, positions, dilation, ring, slots, packed, starts, panels, *args):
         given.append(len(panels))
         layer_step(x, windows, positions, dilation, ring, slots, packed, starts, panels, *args)
 
-    monkeypatch.setattr(cpu_decode, "_regulargpt_layer_step", spy)
+    replace_kernel(monkeypatch, "steps.regulargpt", spy)
     model = sharp_regulargpt(model_id)
     tokens = torch.randint(0, 40, (5, 16))
 
@@ -612,7 +631,7 @@ def test_the_compiled_column_sparsemax_equals_the_reference(monkeypatch, block: 
     """``column_sparsemax`` on float32 CPU blocks runs the compiled loop (a block at a time, no branch per entry),
     equal to the torch reference up to float rounding: random columns, tied entries, columns far apart in scale and an
     all-equal block; with a gradient asked for, its compiled backward equals autograd through the reference's sort."""
-    calls = record_calls(monkeypatch, "_sparsemax_columns")
+    calls = record_calls(monkeypatch, "sparsemax.columns")
     generator = torch.Generator().manual_seed(block)
     matrices = torch.randn(5, 7, block, block, generator=generator) * torch.tensor([0.1, 1.0, 10.0, 3.0, 0.5]).view(
         5, 1, 1, 1
@@ -651,9 +670,9 @@ def test_the_compiled_column_sparsemax_keeps_a_nan_in_its_column() -> None:
         torch.testing.assert_close(compiled[0], column_sparsemax(matrices[:1])[0], rtol=1e-6, atol=1e-6)
 
 
-def test_the_panel_products_tile_height_does_not_change_a_rows_bits(monkeypatch, invariant) -> None:
-    """The panel kernel takes TILE_ROWS rows at a time (4 with AVX-512, else 2): each row's sums are the same fused
-    multiply-adds in the same order either way, so both kernels give the same bits."""
+def test_the_panel_products_tile_height_does_not_change_a_rows_bits(invariant) -> None:
+    """The panel kernel takes ``tile_rows`` rows at a time (4 with AVX-512, else 2): each row's sums are the same
+    fused multiply-adds in the same order either way, so both kernels give the same bits."""
     import numba
 
     weight, bias = torch.randn(70, 37), torch.randn(70)
@@ -661,8 +680,7 @@ def test_the_panel_products_tile_height_does_not_change_a_rows_bits(monkeypatch,
     panels = cpu_decode._panels(weight)
     outs, picks = [], []
     for rows in (2, 4):
-        monkeypatch.setattr(cpu_decode, "TILE_ROWS", rows)
-        kernel, argmax = cpu_decode._compile_panel_kernel(numba)
+        kernel, argmax, _ = build_panels(numba, rows)
         out = np.empty((7, panels.shape[0] * cpu_decode.PANEL), dtype=np.float32)
         kernel(x.numpy(), panels, bias.numpy(), True, out)
         outs.append(out[:, :70])
@@ -720,3 +738,14 @@ def test_greedy_picks_take_the_first_of_ties_and_the_first_nan_as_numpy_does(inv
     with torch.inference_mode():
         minus = cpu_decode.linear_argmax(torch.full((1, 1), float("-inf")), torch.ones(40, 1))
     assert minus[0].item() == 0 and minus[1].item() == float("-inf")
+
+
+def test_importing_the_kernels_compiles_nothing() -> None:
+    """cpu_decode and its kernel families (model/ops/cpu_kernels/) import neither numba nor llvmlite: the kernels are
+    built on first use, once (``_build``)."""
+    code = (
+        "import sys, model.ops.cpu_decode as cpu_decode; "
+        "sys.exit(cpu_decode._kernels is not None or bool({'numba', 'llvmlite'} & set(sys.modules)))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -229,8 +231,10 @@ def test_the_compiled_scan_equals_the_loop_and_auto_takes_it_on_the_cpu(
     inputs = torch.randn(batch, length, heads, block, generator=generator)
     start = torch.randn(batch, heads, block, generator=generator)
     calls = []
-    compiled = cpu_decode._scan_states
-    monkeypatch.setattr(cpu_decode, "_scan_states", lambda *arrays: calls.append(1) or compiled(*arrays))
+    kernels = cpu_decode._kernels
+    compiled = kernels.scan.states
+    counted = kernels.scan._replace(states=lambda *arrays: calls.append(1) or compiled(*arrays))
+    monkeypatch.setattr(cpu_decode, "_kernels", dataclasses.replace(kernels, scan=counted))
     for initial in (start, None):
         expected = scan_sequential(transitions, inputs, initial)
         for got, want in zip(linear_scan(transitions, inputs, initial), expected):

@@ -200,8 +200,8 @@ def test_context_costs_go_through_the_budgets_memo_as_the_speed_moves() -> None:
 
 
 def test_long_inputs_in_turn_each_run_in_slices_beside_a_short_request() -> None:
-    """Issue 30 point 3: three long inputs in turn, each sent with a short request, on a model 4x faster than the speed
-    measured at load. Each long input runs in slices and the short request waits for at most one of them; once
+    """Three long inputs in turn, each sent with a short request, on a model 4x faster than the speed measured at
+    load. Each long input runs in slices and the short request waits for at most one of them; once
     each ends, the ledger holds nothing, no flow keeps a share, and the measured speed is the model's true one.
     (Timing each slice against the slice the speed gives now, not the work the slice did, sent the speed to 0:
     the second input then looked short and ran whole, 1 s, before the short request.)"""
@@ -241,7 +241,7 @@ class RefusingLength7(FakeTransducer):
 
 
 def test_a_batch_that_fails_fails_only_the_inputs_that_fail_alone() -> None:
-    """Issue 30 point 1: three requests batched together, one of which the model refuses: each input then runs
+    """Three requests batched together, one of which the model refuses: each input then runs
     alone, and the other two are answered."""
     clock = FakeClock()
     model = RefusingLength7(clock)
@@ -277,7 +277,8 @@ def test_a_request_that_came_during_a_slice_is_not_held_for_the_gathering_window
 
 def test_a_slice_shorter_than_the_loop_itself_still_runs_one_unit_per_iteration() -> None:
     """With a slice shorter than the time the loop takes to order its units, each iteration still runs one (the
-    transduce twin of 74ada47's prefill fix): here the clock moves by a slice at every reading."""
+    transduce twin of prefill's rule of one group at least per iteration): here the clock moves by a slice at every
+    reading."""
     clock = FakeClock()
     served = transducer("m", FakeTransducer(clock, seconds_per_flop=1e-9), measured_seconds_per_flop=1e-9)
     worker = driven_scheduler(clock, slice_ms=0.001)

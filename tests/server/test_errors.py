@@ -1,4 +1,5 @@
-"""Every error path of SPEC section 4: status, {"error": {"message", "type"}} body, and no 5xx for bad input."""
+"""Every error path of docs/api.md (HTTP API, Errors and Limits): status, {"error": {"message", "type"}} body, and
+no 5xx for bad input."""
 
 from __future__ import annotations
 

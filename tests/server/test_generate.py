@@ -275,7 +275,7 @@ def failure(sequence: Sequence) -> str:
 
 
 def test_a_prefill_call_that_fails_fails_only_the_sequence_that_fails_alone(checkpoints_dir) -> None:
-    """Issue 30 point 1: two prompts prefilled as one call, one of which the model refuses. The stacked call worked on
+    """Two prompts prefilled as one call, one of which the model refuses. The stacked call worked on
     copies of their caches, so each runs again alone: the other one goes on as if it had been alone all along."""
     clock = FakeClock()
     served = language_model(checkpoints_dir / "text-lrnn", clock, tokens_per_slice=64)
@@ -505,7 +505,7 @@ def receive_into(worker, *sequences: Sequence):
 
 
 def test_a_token_outside_the_vocabulary_ends_only_its_sequence(checkpoints_dir, monkeypatch) -> None:
-    """Issue 30 point 1: a sampler that draws id V for one row (its third token) ends that sequence with a message;
+    """A sampler that draws id V for one row (its third token) ends that sequence with a message;
     the other rows of its decode batch step on (before, the next step's embedding raised for the whole batch:
     'the model failed: index out of range in self' for all of them)."""
     sample, draws = generation_module.sample, {}

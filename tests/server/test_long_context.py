@@ -1,4 +1,4 @@
-"""A million tokens of context (issue 31 points 5 and 6): the limits an O(1)-state language model publishes under the
+"""A million tokens of context (docs/api.md, Limits): the limits an O(1)-state language model publishes under the
 default settings, 413 past them, and the prompt-state cache serving a long prefix to another question."""
 
 from __future__ import annotations

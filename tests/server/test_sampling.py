@@ -170,7 +170,7 @@ def test_a_repetition_penalty_near_zero_keeps_masked_tokens_out() -> None:
     assert sample(adjusted, [SamplingParams(temperature=0.0)], [None]) == [1]
 
 
-# --- any logits, any values the API accepts: an id in the vocabulary (issue 30) ---------------------------------------
+# --- any logits, any values the API accepts: an id in the vocabulary --------------------------------------------------
 
 FLOAT32 = torch.finfo(torch.float32)
 SPECIAL = [math.nan, math.inf, -math.inf, FLOAT32.max, FLOAT32.min, FLOAT32.tiny, -FLOAT32.tiny, 1.4e-45, 0.0, 1.0]
@@ -242,8 +242,8 @@ def test_draw_stays_on_tokens_with_a_weight(weights, uniform) -> None:
         assert weights[token] > 0
 
 
-def test_the_issue_30_request_gets_an_id_of_the_vocabulary() -> None:
-    """The request of issue 30: temperature 31.05, top_k 269, top_p 1.4e-45, repetition penalty float32's smallest
+def test_extreme_sampling_parameters_still_give_an_id_of_the_vocabulary() -> None:
+    """An extreme request: temperature 31.05, top_k 269, top_p 1.4e-45, repetition penalty float32's smallest
     normal. Its model's state overflowed after 1,051 tokens and every logit was NaN: the sampler returned 8,192 (= V),
     and the batch's next step failed on it for every request. Now an id in range, and the row is reported as one the
     model gave no distribution for (the engine ends that request alone: see the test below)."""
@@ -266,9 +266,9 @@ def test_the_issue_30_request_gets_an_id_of_the_vocabulary() -> None:
 
 
 def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -> None:
-    """Issue 30's reproduction in small: ten greedy requests beside one at the extreme parameters, whose model state
-    overflows (its logits NaN from its 5th output token on). Only that one fails, with a message, streamed or not;
-    the others answer as they do alone (before: 500 for all eleven, "index out of range in self")."""
+    """The extreme request's failure in small: ten greedy requests beside one at the extreme parameters, whose model
+    state overflows (its logits NaN from its 5th output token on). Only that one fails, with a message, streamed or
+    not; the others answer as they do alone (before: 500 for all eleven, "index out of range in self")."""
     model = live.engine.models["text-lrnn"].model
     greedy_bodies = [
         {"model": "text-lrnn", "prompt": "__main__", "max_tokens": 8, "temperature": 0, "seed": 100 + i}
@@ -303,7 +303,7 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
 
 
-# --- batch invariance (issue 30 point 6) ------------------------------------------------------------------------------
+# --- batch invariance -------------------------------------------------------------------------------------------------
 
 ROW_INVARIANT = ["text-lrnn", "text-regulargpt"]
 

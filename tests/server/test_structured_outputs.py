@@ -1,6 +1,7 @@
-"""structured_outputs (issue 16): every returned text matches its regex (re.fullmatch), choice or JSON schema, on
-/v1/generate and /v1/completions, streamed or not, for n > 1 and any sampling settings; 200+ random regexes whose
-constrained samples all match; refusals (422, 413); constrained and free sequences decoding in one batch.
+"""structured_outputs (docs/api.md, Structured outputs): every returned text matches its regex (re.fullmatch),
+choice or JSON schema, on /v1/generate and /v1/completions, streamed or not, for n > 1 and any sampling settings;
+200+ random regexes whose constrained samples all match; refusals (422, 413); constrained and free sequences
+decoding in one batch.
 
 Tiny models with random weights: one with the shipped 8k BPE vocabulary (``checkpoints/text-lrnn``'s tiktoken
 ranks and its end-of-text token), one byte-level model without an end-of-text token, and a transducer.
@@ -235,8 +236,8 @@ def test_a_constraint_over_a_limit_per_token_ends_alone(client, monkeypatch) -> 
 
 
 def test_a_lexer_out_of_fuel_is_refused_when_compiled(client) -> None:
-    """Issue 30: (x{1000}){1000} spends llguidance's lexer fuel on its start, which llguidance reports only when a
-    token is consumed: 500 at the first sampled token before; now 413 from the compile (a stream never starts)."""
+    """(x{1000}){1000} spends llguidance's lexer fuel on its start, which llguidance reports only when a token is
+    consumed: the compile finds it, so the answer is 413 (a stream never starts), not a 500 at the first token."""
     body = {"model": BPE, "prompt": "Answer:", "max_tokens": 64, "structured_outputs": {"regex": "(x{1000}){1000}"}}
     for route, stream in (("/v1/completions", False), ("/v1/generate", True)):
         response = client.post(route, json={**body, "stream": stream})
@@ -284,7 +285,7 @@ def test_llguidance_limit_errors_are_413_and_others_500() -> None:
 
 
 def test_a_mask_past_its_budget_ends_its_sequence_alone(models_dir, monkeypatch) -> None:
-    """Issue 30: a mask that takes too long (here: held until the test lets it go, as (ab{500}){200}'s took 5 s
+    """A mask that takes too long (here: held until the test lets it go, as (ab{500}){200}'s took 5 s
     each) ends its sequence with 413 after structured_mask_timeout_s; the engine does not wait for it, so a plain
     request beside it answers while it is still held. Its request's other sequences end without computing theirs
     (one held mask, not three); the same constraint is then refused at once, and another one gets 429 while

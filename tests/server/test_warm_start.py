@@ -24,8 +24,7 @@ def test_the_first_requests_build_nothing(checkpoints_dir: Path, tmp_path: Path,
     for model_id in SERVED:
         (tmp_path / model_id).symlink_to(checkpoints_dir / model_id)
     # Fresh kernels, as in a new server process: other tests of this session compiled the layer steps already.
-    for name in ("_kernel", "_layer_step", "_regulargpt_layer_step"):
-        monkeypatch.setattr(cpu_decode, name, None)
+    monkeypatch.setattr(cpu_decode, "_kernels", None)
     built = {"adapters": 0, "vocabularies": 0}
 
     def counted(kind: str, init):
