@@ -1,7 +1,5 @@
-"""Numba pieces the CPU decode kernels' families share (model/ops/cpu_kernels/): the width of a panel, the jit options
-of every kernel that may reassociate its sums, and the LLVM intrinsics written out as vector code (a tile of the
-panel product, its greedy picks, the column sparsemax of a block and its backward, float32 bit casts). Each factory
-takes the imported ``numba`` module and imports numba's and llvmlite's parts only when called."""
+"""Numba pieces the kernel families share: the panel width, jit options, LLVM intrinsics as vector code. Factories take
+the imported ``numba`` and import its parts only when called."""
 
 from __future__ import annotations
 
@@ -12,8 +10,8 @@ PANEL = 32  # outputs per panel of the row-invariant product (tile_product: two 
 
 
 def reassociating_jit(numba) -> Callable[..., Callable]:
-    """``numba.njit`` with the options of every kernel but the panel product's (which keeps its sums in order): the
-    sums may be reassociated, NaN and inf keep their meaning, no bounds checks, no GIL, numpy's error model."""
+    """``numba.njit`` for every kernel but the panel product: sums may be reassociated, NaN and inf keep their meaning,
+    no bounds checks, no GIL, numpy's error model."""
     # reassoc only: sums may run in any order (what vectorises the dot products); NaN and inf keep their meaning
     # (full fastmath would assume neither occurs). numpy's error model: a division by zero gives inf or NaN, as
     # torch's, where Python's would raise; and a loop with a division in it vectorises (no check per value).
@@ -21,9 +19,8 @@ def reassociating_jit(numba) -> Callable[..., Callable]:
 
 
 def tile_rows(numba) -> int:
-    """Rows per tile of the panel product: 4 where numba compiles for this machine and it has AVX-512 (32 vector
-    registers: four rows' eight 16-lane accumulators, the two weight vectors and a broadcast), else 2 (with 16
-    registers of 8 lanes, two rows' accumulators are eight of them)."""
+    """Rows per tile of the panel product: 4 where numba targets this host and it has AVX-512 (32 vector registers),
+    else 2."""
     import llvmlite.binding
 
     if numba.config.CPU_NAME is not None:  # compiled for another target (NUMBA_CPU_NAME, e.g. a portable cache)
@@ -32,10 +29,9 @@ def tile_rows(numba) -> int:
 
 
 def tile_product(numba, height: int) -> Callable[..., None]:
-    """A numba intrinsic, ``tile_product(x, panels, p, r, out, row, column)``: out[row + k, column : column + PANEL] =
-    sum over i of x[r + k, i] * panels[p, i, :] for k < ``height`` (:func:`tile_sums`): into a scratch tile (row and
-    column 0), or straight into the product's output where a whole panel fits there. x (R, in), panels (P, in,
-    PANEL) and out (>= row + height, >= column + PANEL) are C-contiguous float32."""
+    """Numba intrinsic ``tile_product(x, panels, p, r, out, row, column)``: out[row + k, column : column + PANEL] =
+    :func:`tile_sums` of row r + k of x (R, in) with panel p of panels (P, in, PANEL), for k < ``height``; all
+    C-contiguous float32."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
@@ -63,13 +59,10 @@ def tile_product(numba, height: int) -> Callable[..., None]:
 
 
 def tile_best(numba, height: int) -> Callable[..., None]:
-    """A numba intrinsic, ``tile_best(x, panels, p, r, bias, has_bias, best, where)``: the sums of
-    :func:`tile_product` for rows r .. r + ``height`` - 1 and a whole panel p, plus bias[p PANEL + j] where
-    ``has_bias`` (as :func:`model.ops.cpu_decode.linear` adds it; bias has P PANEL entries, read either way), each
-    compared in its lane with best[row, j] (float32) and where[row, j] (int32, the output it came from), all (R,
-    PANEL): it takes the lane where it is larger, or NaN where the lane holds none (numpy's argmax: the first NaN
-    wins, then the first of the largest; a lane sees its outputs in order). Vector compares and selects on the
-    registers the sums are in: no logit is written to memory."""
+    """Numba intrinsic ``tile_best(x, panels, p, r, bias, has_bias, best, where)``: :func:`tile_product`'s sums for the
+    whole panel p, plus bias[p PANEL + j] where ``has_bias`` (bias: P PANEL entries), each taken into best[row, j]
+    (float32) and its output into where[row, j] (int32), both (R, PANEL), where larger or the first NaN. No logit is
+    written."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
@@ -119,11 +112,9 @@ def tile_best(numba, height: int) -> Callable[..., None]:
 
 
 def tile_sums(context, builder, signature, args, height: int) -> list[list]:
-    """The sums of a tile, as LLVM vector code (the codegen :func:`tile_product` and :func:`tile_best` share):
-    args[0] x (R, in), args[1] panels (P, in, PANEL), args[2] p, args[3] r. Two 16-lane accumulators per row, held in
-    registers through the loop over i, each step ``llvm.fma`` of the row's x[r + k, i] broadcast and the panel's row
-    i: a row's operations are the same at any height. Returns, per row k < ``height``, its two vectors (lanes 0-15
-    and 16-31 of the panel)."""
+    """The tile intrinsics' shared LLVM code: for rows args[3] + k < ``height`` of x (args[0]), two 16-lane accumulators
+    over panel args[2] of args[1], one ``llvm.fma`` per i, in order: a row's bits do not depend on the height. Returns
+    per row its two vectors."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
@@ -156,16 +147,10 @@ def tile_sums(context, builder, signature, args, height: int) -> list[list]:
 
 
 def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[..., None]]:
-    """Two numba intrinsics. ``block_sparsemax(flat, start)``: the sparsemax of every column of the row-major
-    ``size`` x ``size`` block at flat[start:] (a C-contiguous float32 array), in place, as LLVM vector code: the
-    block's rows held in ``size``-lane registers, the columns side by side in the lanes. The same operations in the
-    same order as ``sparsemax_block``'s loop (:func:`model.ops.cpu_kernels.sparsemax.build_sparsemax`), so the same
-    bits, NaN columns included: entry i is in the support where 1 + k_i v_i > s_i, k_i and s_i the count and sum of
-    the column's entries >= v_i, and tau = (s - 1) / k over the support's k entries. The loop runs its columns
-    through scratch memory at ~6 ns an entry on one AVX-512 core; this 1.4 ns at size 16 and 0.7 ns at size 8
-    (docs/benchmarks.md).
-    ``block_sparsemax_backward(output, grad, start)``: ``sparsemax_columns_backward``'s for that block, in place in
-    grad, the same way (the sums in the same order; only a zero's sign may differ)."""
+    """Two numba intrinsics on the row-major ``size`` x ``size`` block at flat[start:] (C-contiguous float32), in place,
+    columns in vector lanes: ``block_sparsemax(flat, start)``, each column's sparsemax;
+    ``block_sparsemax_backward(output, grad, start)``, its backward into grad. The same operations in the same order as
+    sparsemax.py's loops: the same bits (but a zero's sign in the backward)."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
@@ -234,8 +219,8 @@ def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[...
 
 
 def bit_casts(numba) -> tuple[Callable[[float], int], Callable[[int], float]]:
-    """Two numba intrinsics: a float32's bits as an int32, and an int32's bits as a float32 (LLVM bitcasts: free,
-    and a loop that uses them still vectorises, where ``np.frexp`` or a view per value would not)."""
+    """Two numba intrinsics: a float32's bits as an int32, and back (LLVM bitcasts: a loop over them still
+    vectorises)."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic

@@ -1,6 +1,5 @@
-"""The dot-product kernel of model/ops/cpu_decode.py's ``linear`` (a weight stored (out, in), its dot products
-reassociated to vectorise), and the inline pieces both compiled layer steps build on (model/ops/cpu_kernels/
-layer_steps.py), compiled by :func:`build_layer_ops`."""
+"""The dot-product kernel of ``cpu_decode.linear`` and the inline pieces both layer steps build on, compiled
+by :func:`build_layer_ops`."""
 
 from __future__ import annotations
 
@@ -25,11 +24,9 @@ class LayerOps(NamedTuple):
 
 
 def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
-    """The dot-product kernel (compiled now) and the layer steps' shared pieces (compiled inside the steps that call
-    them). ``matmul`` runs ``product`` on weights (out, in), or ``panel_product`` (model/ops/cpu_kernels/panels.py,
-    compiled apart: its sums keep their order, where these kernels' ``reassoc`` would let the compiler reorder them)
-    on weights given as panels (P, in, PANEL): it picks by the weight's number of dimensions, when the step
-    compiles."""
+    """The dot-product kernel (compiled now) and the inline pieces. ``matmul`` multiplies by a weight (out, in) with
+    reassociated dot products, or by panels (P, in, PANEL) with ``panel_product``, compiled apart so that its sums keep
+    their order."""
     from numba.extending import overload
 
     jit = reassociating_jit(numba)
@@ -74,8 +71,7 @@ def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
 
     @jit(inline="always")
     def erf(value):  # float32 -> float32, within 4.5e-7 of erf: no call, so a loop over it vectorises
-        """The rational approximation that Eigen and XLA use for float32 erf: x P(x^2) / Q(x^2) on x clamped to
-        [-4, 4] (beyond it erf is +-1 in float32). GELU over 64 x 64 values: 6.2 us, with libm's erf 21.4 us."""
+        """Eigen's and XLA's float32 erf: x P(x^2) / Q(x^2) on x clamped to [-4, 4]."""
         x = min(max(value, np.float32(-4.0)), np.float32(4.0))
         x2 = x * x
         p = x2 * np.float32(-2.72614225801306e-10) + np.float32(2.77068142495902e-08)
@@ -99,8 +95,7 @@ def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
 
     @jit(inline="always")
     def residual_tail(x, mixed, mixer, ln_2, c_fc, c_proj, eps, out):
-        """out = y + MLP(LN_2(y)) with y = x + mixer(mixed): a pre-norm block after its mixing (the recurrence's
-        states or the attention's heads), (R, d_model)."""
+        """out = y + MLP(LN_2(y)), y = x + mixer(mixed): a pre-norm block's tail, (R, d_model)."""
         matmul(mixed, mixer[0], mixer[1], True, out)
         rows, width = x.shape
         for r in range(rows):

@@ -1,5 +1,4 @@
-"""A served LRNN layer and a RegularGPT thick layer as one compiled decode step each (model/ops/cpu_decode.py's
-``lrnn_layer_step`` and ``regulargpt_layer_step``), compiled by :func:`build_layer_steps`."""
+"""The LRNN and RegularGPT layer steps of model/ops/cpu_decode.py, compiled by :func:`build_layer_steps`."""
 
 from __future__ import annotations
 
@@ -13,15 +12,15 @@ from model.ops.cpu_kernels.layer_ops import LayerOps
 
 
 class LayerSteps(NamedTuple):
-    """The compiled layer steps, each compiled on its first call (for the argument types it gets)."""
+    """The layer steps, each compiled on its first call."""
 
     lrnn: Callable[..., None]  # layer_step(x, state, ln_1, joint, g_bias, b_bias, out_proj, ln_2, c_fc, ...)
     regulargpt: Callable[..., None]  # regulargpt_layer(x, windows, positions, dilation, ring, slots, packed, ...)
 
 
 def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]) -> LayerSteps:
-    """The LRNN layer step (column-constrained or stochastic transitions: ``sparsemax_block``, the inline piece of
-    model/ops/cpu_kernels/sparsemax.py) and the RegularGPT thick layer step, both on ``ops``' products."""
+    """The LRNN layer step (``sparsemax_block`` for stochastic transitions) and the RegularGPT thick layer step, on
+    ``ops``' products."""
     from numba.extending import overload
 
     jit = reassociating_jit(numba)
@@ -30,13 +29,8 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
 
     @jit(inline="always")
     def power(value, p):  # float32 |value| ** p (p float64), within 1 ulp: no call, so a loop over it vectorises
-        """2 ** (p log2 |value|) from the value's bits: log2 of the mantissa m in [sqrt(1/2), sqrt(2)] by the series
-        of atanh((m - 1) / (m + 1)) to s^11, 2 ** f for f in [-1/2, 1/2] by exp's series to t^8, both in float64,
-        then the exponent put into the bits in two halves (each a normal float32: the product rounds once, to a
-        subnormal or inf where it must). Subnormal inputs give 0 (right for the norm's p >= 1: their power is below
-        float32's normal range; the divisors' 1/p take sums >= 1), a power past float32's range inf, inf gives inf, NaN
-        stays NaN. Within 6e-8 of the float64 power over 1e-30 .. 1e30 (torch's float32 pow: 3.4e-6). 64 rows of 128:
-        63 us, libm's powf 170 us (dev-intel)."""
+        """float32 |value| ** p (p float64), within 6e-8 of the float64 power over 1e-30 .. 1e30: series from the bits,
+        no call, so loops over it vectorise. Subnormals give 0 (right for p >= 1); inf and NaN stay."""
         magnitude = abs(value)
         bits = float_bits(magnitude)
         high = np.int32((bits & 0x7FFFFF) > 0x3504F3)  # the mantissa above sqrt(2): halve it, and add 1 to the exponent
@@ -116,8 +110,7 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
 
     @overload(weight_of)
     def weight_by_kind(packed, start, i, columns, panels, slot):
-        """A block's matrix i for the products: its panels panels[slot] where the step got them (a tuple of arrays),
-        else the matrix in the pack (the step got ``()``)."""
+        """A block's matrix i: panels[slot] where the step got panels, else the matrix in the pack."""
         if isinstance(panels, numba.types.UniTuple):
             return lambda packed, start, i, columns, panels, slot: panels[slot]
         return lambda packed, start, i, columns, panels, slot: matrix(packed, start, i, columns)
@@ -125,9 +118,8 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
     @jit(inline="always")
     def block_step(x, window, positions, dilation, where, slots, packed, start, panels, block, has_null, heads, eps,
                    x_out):  # fmt: skip
-        """One block (tensors of ``start`` in ``packed``, its matrices' panels from panels[4 block] where the step
-        has them: ``regulargpt_layer_step``) over x (R, d) -> x_out; where[r, j]: the ring slot of row r's
-        position positions[r] - j * dilation."""
+        """One block over x (R, d) -> x_out: its tensors at ``start`` in ``packed``, its matrices' panels from
+        panels[4*block:]; where[r, j]: the ring slot of position positions[r] - j * dilation."""
         width = x.shape[1]
         head_dim = width // heads
         ln_1 = (packed[start[0] : start[1]], packed[start[1] : start[2]])

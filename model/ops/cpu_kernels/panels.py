@@ -1,5 +1,4 @@
-"""The row-invariant panel product and its greedy picks (model/ops/cpu_decode.py: ``linear`` and ``linear_argmax``
-under batch invariance, and the layer steps' products of weights given as panels), compiled by :func:`build_panels`."""
+"""The row-invariant panel product and its greedy picks, compiled by :func:`build_panels`."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from model.ops.cpu_kernels.helpers import PANEL, tile_best, tile_product
 
 
 class Panels(NamedTuple):
-    """The compiled panel kernels (:func:`build_panels`) and the tile height they were compiled for."""
+    """The compiled panel kernels and their tile height."""
 
     product: Callable[..., None]  # panel_product(x, panels, bias, has_bias, out)
     argmax: Callable[..., None]  # panel_argmax(x, panels, bias, has_bias, n, index, value)
@@ -21,20 +20,12 @@ class Panels(NamedTuple):
 
 
 def build_panels(numba, tile_rows: int) -> Panels:
-    """The row-invariant product, compiled now: x (R, in) times panels (P, in, PANEL) (``_panels`` in
-    model/ops/cpu_decode.py), plus the bias (out,) where ``has_bias``, into out (R, n): n = P PANEL (``linear``), or
-    the weight's own outputs (a layer step's, which calls it where its weights are panels). And its greedy picks,
-    ``panel_argmax(x, panels, bias, has_bias, n, index (R,) int64, value (R,) float32)``: each row's first largest
-    of its n outputs and its value, the same sums compared in registers (:func:`tile_best`; ``linear_argmax``).
+    """Compiled now: ``panel_product(x, panels, bias, has_bias, out)``: x (R, in) times panels (P, in, PANEL), plus bias
+    where ``has_bias``, into out (R, n), n <= P PANEL; ``panel_argmax(x, panels, bias, has_bias, n, index (R,) int64,
+    value (R,) float32)``: each row's first largest of its n outputs (a NaN first), compared in registers.
 
-    Each row keeps one accumulator per output of a panel and adds x[r, i] * w[o, i] to it for i = 0, 1, ..., in - 1
-    in that order, each step one fused multiply-add, then the bias: the same operations in the same order whatever
-    the other rows, so a row's result is the same bits in any batch. The accumulators are vectors of 16 lanes
-    written out as such (:func:`tile_product`), so that they stay in registers and the products are FMAs at the
-    machine's width; ``tile_rows`` rows at a time (:func:`model.ops.cpu_kernels.helpers.tile_rows` gives this
-    machine's) share each load of the panel's weights. (numba's own vectorisers gave this loop unfused mul-adds in
-    256-bit registers, a third of MKL's rate on an AVX-512 machine: docs/benchmarks.md, "A row-invariant head product
-    across outputs".)"""
+    Each output's sum runs over i in order, one fused multiply-add a step, then adds the bias: the same operations
+    whatever the other rows, so a row's result is the same bits in any batch."""
     jit = functools.partial(numba.njit, boundscheck=False, nogil=True)
     one, two, three, four = (tile_product(numba, height) for height in (1, 2, 3, 4))
 

@@ -1,5 +1,4 @@
-"""The linear scan's loop, state_t = A_t state_(t-1) + u_t, and its backward (model/ops/cpu_decode.py's
-``linear_scan``), compiled by :func:`build_scan`."""
+"""The linear scan's loop and its backward (``cpu_decode.linear_scan``), compiled by :func:`build_scan`."""
 
 from __future__ import annotations
 
@@ -19,13 +18,13 @@ class Scan(NamedTuple):
 
 
 def build_scan(numba) -> Scan:
-    """The scan forward (every state and the last) and backward (the loop in reverse), float32 arrays."""
+    """The scan forward (every state and the last) and backward (the loop in reverse), on float32 arrays."""
     jit = reassociating_jit(numba)
 
     @jit
     def scan_states(transitions, inputs, initial, states, final):
-        """(B, T, H, b, b), (B, T, H, b), (B, H, b) -> states (B, T, H, b) and final (B, H, b): state_t = A_t
-        state_(t-1) + u_t, each block's product then the input, as ``scan_step``."""
+        """state_t = A_t state_(t-1) + u_t: (B, T, H, b, b), (B, T, H, b), (B, H, b)
+        -> states (B, T, H, b), final (B, H, b)."""
         batch, length, heads, size = inputs.shape
         state = np.empty(size, dtype=np.float32)
         for r in range(batch):
@@ -43,8 +42,7 @@ def build_scan(numba) -> Scan:
     @jit
     def scan_backward(transitions, initial, states, grad_states, grad_final, grad_transitions, grad_inputs,
                       grad_initial):  # fmt: skip
-        """The scan's backward (``_CompiledScan`` in model/ops/cpu_decode.py): shapes as ``scan_states``'s, the
-        gradients of its outputs in."""
+        """``_CompiledScan``'s backward: the gradients of ``scan_states``' outputs in, of its inputs out."""
         batch, length, heads, size = states.shape
         carried = np.empty(size, dtype=np.float32)  # G_(t+1) carried back: A_(t+1)^T G_(t+1)
         back = np.empty(size, dtype=np.float32)  # A_t^T G_t: each sum over i in order, row by row

@@ -1,5 +1,5 @@
-"""The column sparsemax of many (b, b) blocks and its backward (model/ops/cpu_decode.py's ``column_sparsemax``), and
-the sparsemax of one block inline for the LRNN layer step, compiled by :func:`build_sparsemax`."""
+"""The column sparsemax and its backward (``cpu_decode.column_sparsemax``), and the LRNN layer step's inline one-block
+sparsemax, compiled by :func:`build_sparsemax`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from model.ops.cpu_kernels.helpers import block_sparsemax, reassociating_jit
 
 
 class Sparsemax(NamedTuple):
-    """The column sparsemax kernels, each compiled on its first call; ``block`` is inline, for compiled code only."""
+    """The column sparsemax kernels, each compiled on its first call; ``block`` is inline, for compiled code."""
 
     block: Callable[..., None]  # sparsemax_block(block (b b,), size, scratch (4, b)): one block, in place
     columns: Callable[..., None]  # sparsemax_columns(flat (N b b,), size): every block, in place
@@ -20,8 +20,7 @@ class Sparsemax(NamedTuple):
 
 
 def build_sparsemax(numba) -> Sparsemax:
-    """The column sparsemax, its backward and its one-block piece; blocks of 8 and 16 run as vector code
-    (:func:`model.ops.cpu_kernels.helpers.block_sparsemax`), the same bits as the loop."""
+    """The column sparsemax, its backward and its inline one-block piece."""
     jit = reassociating_jit(numba)
     (vector_sparsemax_8, vector_backward_8), (vector_sparsemax_16, vector_backward_16) = (
         block_sparsemax(numba, size) for size in (8, 16)
@@ -29,13 +28,10 @@ def build_sparsemax(numba) -> Sparsemax:
 
     @jit(inline="always")
     def sparsemax_block(block, size, scratch):
-        """block: (b b,), a row-major b x b block, in place -> every column j (block[j + i b] for i < b) its sparsemax
-        max(v - tau, 0), as ``column_sparsemax`` (model/ops/linear_scan.py) without the sort: entry i is in the
-        support where 1 + k_i v_i > s_i, with k_i and s_i the count and sum of the column's entries >= v_i (the
-        sorted test at rank k_i; ties pass or fail together), and tau = (s - 1) / k over the support's k entries; a
-        NaN column comes out NaN. The b columns run side by side (vector lanes), with no branch per entry: a
-        comparison on random data mispredicted half the time, 7 ns an entry against ~1. scratch: (4, b). Blocks of 8
-        and 16 (the shipped text models') run :func:`block_sparsemax`'s vector code instead: the same bits."""
+        """block (b b,), row-major b x b, in place: each column its sparsemax max(v - tau, 0), without a sort: entry i
+        is in the support where 1 + k_i v_i > s_i (k_i, s_i: count and sum of the column's entries >= v_i), tau =
+        (s-1)/k over the support; a NaN column stays NaN. Branch-free, columns in lanes. scratch: (4, b). Blocks of 8
+        and 16 run :func:`block_sparsemax`, bit for bit the same."""
         if size == 16:
             vector_sparsemax_16(block, 0)
             return
@@ -71,9 +67,8 @@ def build_sparsemax(numba) -> Sparsemax:
 
     @jit
     def sparsemax_columns_backward(output, grad, size):
-        """(N b b,) each: the sparsemax's outputs and the gradient reaching them, in place -> the gradient of its
-        inputs: on a column's support (positive outputs) the gradient less its mean there, 0 off it. Blocks of 8 and
-        16 as vector code (:func:`block_sparsemax`)."""
+        """(N b b,) each: the outputs, and their gradient, replaced in place by the inputs' gradient: on a column's
+        support (positive outputs) the gradient less its mean there, else 0."""
         for start in range(0, output.shape[0], size * size):
             if size == 16:
                 vector_backward_16(output, grad, start)
