@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import httpx
 from pydantic import BaseModel
@@ -28,6 +28,11 @@ from server.api import protocol
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 RETRY_STATUSES = (429, 503)
+R = TypeVar("R", bound=BaseModel)  # what an API call's answer parses to
+HTTP = TypeVar("HTTP")  # httpx.Client or httpx.AsyncClient
+Transport = TypeVar("Transport")  # the transport that client takes
+_HTTP_co = TypeVar("_HTTP_co", covariant=True)
+_Transport_contra = TypeVar("_Transport_contra", contravariant=True)
 
 
 class APIStatusError(Exception):
@@ -51,16 +56,17 @@ class RetryPolicy:
         try:
             return min(float(response.headers["retry-after"]), self.max_backoff_s)
         except (KeyError, ValueError):
-            return min(self.backoff_s * 2**attempt, self.max_backoff_s)
+            backoff: float = self.backoff_s * 2**attempt  # int ** int is typed Any (a negative power is a float)
+            return min(backoff, self.max_backoff_s)
 
 
 @dataclass(frozen=True)
-class Call:
+class Call(Generic[R]):
     """One API call: what to send and what the answer parses to."""
 
     method: str
     path: str
-    response: type[BaseModel]
+    response: type[R]
     body: BaseModel | None = None
 
     def json(self) -> dict[str, Any] | None:
@@ -97,28 +103,36 @@ class EventStream:
         return [protocol.GenerateChunk.model_validate(event)]
 
 
-def _models() -> Call:
+def _models() -> Call[protocol.ModelList]:
     return Call("GET", "/v1/models", protocol.ModelList)
 
 
-def _health() -> Call:
+def _health() -> Call[protocol.HealthResponse]:
     return Call("GET", "/health", protocol.HealthResponse)
 
 
-def _transduce(model: str, inputs: list[str], outputs: str) -> Call:
+def _transduce(model: str, inputs: list[str], outputs: Literal["final", "all"]) -> Call[protocol.TransduceResponse]:
     body = protocol.TransduceRequest(model=model, inputs=inputs, outputs=outputs)
     return Call("POST", "/v1/transduce", protocol.TransduceResponse, body)
 
 
-def _generate(model: str, prompt: str, stream: bool, sampling: dict[str, Any]) -> Call:
+def _generate(model: str, prompt: str, stream: bool, sampling: dict[str, Any]) -> Call[protocol.GenerateResponse]:
     body = protocol.GenerateRequest(model=model, prompt=prompt, stream=stream, **sampling)
     return Call("POST", "/v1/generate", protocol.GenerateResponse, body)
 
 
-class _Base:
+class _HTTPClass(Protocol[_HTTP_co, _Transport_contra]):
+    """httpx.Client or httpx.AsyncClient, as ``_Base`` builds one."""
+
+    def __call__(
+        self, *, base_url: str, headers: dict[str, str], timeout: float, transport: _Transport_contra | None
+    ) -> _HTTP_co: ...
+
+
+class _Base(Generic[HTTP, Transport]):
     """Settings shared by both clients; ``transport`` replaces the network (tests use httpx.MockTransport)."""
 
-    http_class: type[httpx.Client] | type[httpx.AsyncClient]
+    http_class: _HTTPClass[HTTP, Transport]
 
     def __init__(
         self,
@@ -126,14 +140,14 @@ class _Base:
         api_key: str | None = None,
         timeout: float = 60.0,
         retry: RetryPolicy = RetryPolicy(),
-        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+        transport: Transport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url, self.retry = base_url.rstrip("/"), retry
         self._http = self.http_class(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
 
 
-class Client(_Base):
+class Client(_Base[httpx.Client, httpx.BaseTransport]):
     http_class = httpx.Client
 
     def __enter__(self) -> Client:
@@ -151,7 +165,9 @@ class Client(_Base):
     def health(self) -> protocol.HealthResponse:
         return self._send(_health())
 
-    def transduce(self, model: str, inputs: list[str], outputs: str = "final") -> protocol.TransduceResponse:
+    def transduce(
+        self, model: str, inputs: list[str], outputs: Literal["final", "all"] = "final"
+    ) -> protocol.TransduceResponse:
         return self._send(_transduce(model, inputs, outputs))
 
     def generate(self, model: str, prompt: str, **sampling: Any) -> protocol.GenerateResponse:
@@ -164,13 +180,13 @@ class Client(_Base):
             for line in response.iter_lines():
                 yield from stream.feed(line)
 
-    def _send(self, call: Call) -> Any:
+    def _send(self, call: Call[R]) -> R:
         with self._open(call) as response:
             response.read()
             return call.response.model_validate(response.json())
 
     @contextmanager
-    def _open(self, call: Call) -> Iterator[httpx.Response]:
+    def _open(self, call: Call[R]) -> Iterator[httpx.Response]:
         """The response to ``call`` after the retries, its status checked, its body not yet read."""
         for attempt in itertools.count():
             with self._http.stream(call.method, call.path, json=call.json()) as response:
@@ -182,7 +198,7 @@ class Client(_Base):
             time.sleep(delay)
 
 
-class AsyncClient(_Base):
+class AsyncClient(_Base[httpx.AsyncClient, httpx.AsyncBaseTransport]):
     http_class = httpx.AsyncClient
 
     async def __aenter__(self) -> AsyncClient:
@@ -200,7 +216,9 @@ class AsyncClient(_Base):
     async def health(self) -> protocol.HealthResponse:
         return await self._send(_health())
 
-    async def transduce(self, model: str, inputs: list[str], outputs: str = "final") -> protocol.TransduceResponse:
+    async def transduce(
+        self, model: str, inputs: list[str], outputs: Literal["final", "all"] = "final"
+    ) -> protocol.TransduceResponse:
         return await self._send(_transduce(model, inputs, outputs))
 
     async def generate(self, model: str, prompt: str, **sampling: Any) -> protocol.GenerateResponse:
@@ -213,13 +231,13 @@ class AsyncClient(_Base):
                 for chunk in stream.feed(line):
                     yield chunk
 
-    async def _send(self, call: Call) -> Any:
+    async def _send(self, call: Call[R]) -> R:
         async with self._open(call) as response:
             await response.aread()
             return call.response.model_validate(response.json())
 
     @asynccontextmanager
-    async def _open(self, call: Call) -> AsyncIterator[httpx.Response]:
+    async def _open(self, call: Call[R]) -> AsyncIterator[httpx.Response]:
         for attempt in itertools.count():
             async with self._http.stream(call.method, call.path, json=call.json()) as response:
                 if (delay := self.retry.delay(response, attempt)) is None:

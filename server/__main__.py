@@ -1,7 +1,15 @@
-"""``python -m server [--host H] [--port P] [--models DIR] [--device auto|cpu|cuda]``
+"""``python -m server [--host H] [--port P] [--models DIR [DIR ...]] [--no-shipped-models] [--device auto|cpu|cuda]``
 
-Serves every checkpoint folder under DIR (default: the repository's checkpoints/). Options not given on
-the command line come from REGULARLM_* environment variables (``server/settings.py``). On SIGTERM or
+Serves the shipped checkpoints (the repository's checkpoints/) and every checkpoint folder under each DIR beside
+them (a DIR may also be one checkpoint folder); ``--no-shipped-models`` serves those of the DIRs only. A model's id
+is its folder's name; a folder whose id is served already is skipped and reported. Options not given on the command
+line come from REGULARLM_* environment variables (``server/settings.py``: ``REGULARLM_MODELS``,
+``REGULARLM_SHIPPED_MODELS=false``).
+
+At INFO, start-up says "loading N models from ...", a warning per folder skipped, "N models ready ..." and, once
+requests are served, "ready on http://HOST:PORT"; each model's serving path (``for_serving``'s notes, its decode
+step) is at DEBUG (``--log-level debug``). uvicorn's own start-up lines ("Uvicorn running on ...", said as the socket
+opens, before the models are loaded) are at DEBUG too. On SIGTERM or
 Ctrl-C the server stops taking requests (/health answers 503 "draining") and finishes those in flight,
 for at most ``drain_timeout_s``; then every request still in flight gets a JSON 503 (a stream: an SSE error
 event, then ``data: [DONE]``), running work stops at its next slice, and the process exits 0 within
@@ -28,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -42,6 +51,7 @@ from server.heap import freeze_startup_heap, tune_garbage_collector
 from server.metrics import ServerMetrics
 from server.settings import Settings
 
+logger = logging.getLogger("server")
 EXIT_NO_MODEL = 2
 EXIT_ENGINE_DIED = 3
 ANSWER_WAIT_S = 1.0  # past the drain timeout: how long the 503 answers get to reach their clients
@@ -86,12 +96,63 @@ class DrainingServer(uvicorn.Server):
         while self.engine.in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def announce_when_ready(self) -> None:
+        """Log "ready on http://HOST:PORT" once the socket listens and the engine serves (on a thread of its own)."""
+        self.engine.wait_loaded()
+        while not self.started and not self.should_exit:
+            time.sleep(0.05)
+        if self.engine.state == "ready" and self.started and not self.should_exit:
+            logger.info("ready on %s", self.url())
+
+    def url(self) -> str:
+        host, port = self.config.host, self.config.port
+        for listening in self.servers:  # the port bound (port 0: one the system chose)
+            for sock in listening.sockets or ():
+                port = sock.getsockname()[1]
+                break
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class UvicornLines(logging.Filter):
+    """uvicorn's lines of its lifespan at DEBUG: "Uvicorn running on ..." is said as the socket opens, about a minute
+    before the models are ready; "ready on ..." (``DrainingServer.announce_when_ready``) says when requests are served.
+    "Shutting down" and "Finished server process" stay. Its logger "uvicorn.error" (every line of uvicorn's but the
+    access log) is named "uvicorn" in the log."""
+
+    AT_DEBUG = ("Started server process", "Waiting for application", "Application startup complete",
+                "Application shutdown complete", "Uvicorn running on")  # fmt: skip
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = "uvicorn"
+        if record.levelno == logging.INFO and str(record.msg).startswith(self.AT_DEBUG):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
 
 def parse_settings(argv: list[str] | None) -> Settings:
-    parser = argparse.ArgumentParser(prog="python -m server", description="Serve regularlm checkpoints over HTTP.")
+    parser = argparse.ArgumentParser(
+        prog="python -m server",
+        description="Serve regularlm checkpoints over HTTP: the shipped checkpoints/ and, beside them, those of "
+        "--models. Every option is also a REGULARLM_* environment variable (server/settings.py); the command line "
+        "wins.",
+    )
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default 8000)")
-    parser.add_argument("--models", help="folder of checkpoint folders (default: the shipped checkpoints/)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        action="extend",
+        type=Path,
+        metavar="DIR",
+        help="folders of checkpoint folders (or checkpoint folders) to serve beside the shipped checkpoints/ "
+        "(REGULARLM_MODELS)",
+    )
+    parser.add_argument(
+        "--no-shipped-models",
+        action="store_true",
+        help="serve only the --models folders, not the shipped checkpoints/ (REGULARLM_SHIPPED_MODELS=false)",
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the models run (default auto)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument(
@@ -105,7 +166,7 @@ def parse_settings(argv: list[str] | None) -> Settings:
         "--access-log", action="store_true", help="log a line per request (uvicorn's; REGULARLM_ACCESS_LOG=true)"
     )
     args = parser.parse_args(argv)
-    flags = ("enforce_eager", "engine_in_process", "access_log")
+    flags = ("enforce_eager", "engine_in_process", "access_log", "no_shipped_models")
     overrides = {name: value for name, value in vars(args).items() if value is not None and name not in flags}
     if args.enforce_eager:
         overrides["cuda_graphs"] = False
@@ -113,6 +174,8 @@ def parse_settings(argv: list[str] | None) -> Settings:
         overrides["engine_process"] = False
     if args.access_log:
         overrides["access_log"] = True
+    if args.no_shipped_models:
+        overrides["shipped_models"] = False
     try:
         return Settings(**overrides)
     except ValidationError as error:
@@ -145,12 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's lines in the server's format (logging.basicConfig above)
         access_log=settings.access_log,
         timeout_graceful_shutdown=CLOSE_WAIT_S,
-        timeout_keep_alive=settings.keep_alive_s,  # longer than clients keep idle connections
+        # longer than clients keep idle connections
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]  # uvicorn types it int; a float works
         http=with_header_timeout(AutoHTTPProtocol, settings.header_timeout_s),  # httptools, or h11 without it
     )
+    logging.getLogger("uvicorn.error").addFilter(UvicornLines())
     server = DrainingServer(config, engine, settings.drain_timeout_s)
+    threading.Thread(target=server.announce_when_ready, name="regularlm-announce", daemon=True).start()
     server.run()
     if died:
         engine.stop()

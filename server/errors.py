@@ -1,9 +1,11 @@
-"""The errors a request can meet, each with the HTTP status and error type the API reports (SPEC section 4).
+"""The errors a request can meet, each with the HTTP status and error type the API reports (docs/api.md, Errors).
 
 The engine raises them without knowing about HTTP; the app turns them into ``{"error": {...}}`` bodies.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class APIError(Exception):
@@ -15,7 +17,7 @@ class APIError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
 
-    def __init_subclass__(cls, status: int, error_type: str, **kwargs) -> None:
+    def __init_subclass__(cls, status: int, error_type: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.status_code, cls.error_type = status, error_type
 

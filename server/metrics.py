@@ -66,12 +66,14 @@ class ServerMetrics:
             return self._histograms[-1]
 
         def counter(name: str, doc: str) -> Counter:
-            self._from_load.append(Counter(PREFIX + name, doc, MODEL, registry=self.registry))
-            return self._from_load[-1]
+            made = Counter(PREFIX + name, doc, MODEL, registry=self.registry)
+            self._from_load.append(made)
+            return made
 
         def gauge(name: str, doc: str) -> Gauge:
-            self._from_load.append(Gauge(PREFIX + name, doc, MODEL, registry=self.registry))
-            return self._from_load[-1]
+            made = Gauge(PREFIX + name, doc, MODEL, registry=self.registry)
+            self._from_load.append(made)
+            return made
 
         self.e2e_latency = histogram(
             "e2e_request_latency_seconds", "Arrival to finish, seconds.", REQUEST_LATENCY_BUCKETS
@@ -163,6 +165,7 @@ class ServerMetrics:
                 times.first_token = now
                 self.child(self.time_to_first_token, model).observe(now - times.arrival)
             else:
+                assert times.last_token is not None  # set with first_token
                 gap = now - times.last_token
                 gaps[gap] = gaps.get(gap, 0) + 1
             times.last_token = now
@@ -184,6 +187,7 @@ class ServerMetrics:
         end = time.monotonic()
         self.child(self.e2e_latency, times.model).observe(end - times.arrival)
         if times.generated > 1:
+            assert times.first_token is not None and times.last_token is not None  # set by tokens()
             tpot = (times.last_token - times.first_token) / (times.generated - 1)
             self.child(self.time_per_output_token, times.model).observe(tpot)
         self.child(self.request_success, times.model, reason).inc()

@@ -1,14 +1,22 @@
 """Server settings: environment variables with the prefix ``REGULARLM_`` (``REGULARLM_PORT=9000``), overridden
 by the command line of ``python -m server``. Lists are JSON in the environment
-(``REGULARLM_CORS_ORIGINS='["https://example.org"]'``)."""
+(``REGULARLM_CORS_ORIGINS='["https://example.org"]'``); ``REGULARLM_MODELS`` also takes a path, or paths separated by
+``os.pathsep`` as ``PATH`` does (``REGULARLM_MODELS=/srv/models:/srv/more``).
+
+The models served: the shipped ``checkpoints/`` and the folders of ``models`` beside them
+(``python -m server --models DIR [DIR ...]``); ``shipped_models=False`` (``--no-shipped-models``,
+``REGULARLM_SHIPPED_MODELS=false``) serves those of ``models`` only. ``Settings.model_folders`` lists what is
+loaded."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -18,7 +26,16 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    models: Path = Field(SHIPPED_CHECKPOINTS, description="a folder whose checkpoint sub-folders are served")
+    models: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="folders served beside the shipped checkpoints/: each a folder of checkpoint "
+        "folders, or one checkpoint folder (python -m server --models DIR [DIR ...]). In the environment a path, "
+        "paths separated by os.pathsep (':'), or a JSON list"
+    )
+    shipped_models: bool = Field(
+        True, description="serve the shipped checkpoints/ (where the package runs from the repository, which has "
+        "them) as well as the folders of models; false (python -m server --no-shipped-models): the folders of models "
+        "only"
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     api_key: SecretStr | None = Field(None, description="when set, /v1/* needs 'Authorization: Bearer <key>'")
@@ -60,7 +77,7 @@ class Settings(BaseSettings):
 
     max_input_symbols: int = Field(
         2**20, gt=0, description="symbols of one transduce input or prompt tokens (each model's own limits, from "
-        "its memory and max_job_seconds, may be lower): 2^20, the longest length of SPEC section 5's "
+        "its memory and max_job_seconds, may be lower): 2^20, the longest length of the long-context probes' "
         "induction-heads test, which an LRNN runs in O(1) memory"
     )
     max_request_symbols: int = Field(2**20, gt=0, description="symbols of all inputs of one transduce request")
@@ -190,3 +207,33 @@ class Settings(BaseSettings):
         False, description="uvicorn's access log, a line per request at INFO (python -m server). Off by default: it is "
         "formatted and written on the event loop, between one request and the next"
     )
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _model_paths(cls, value: object) -> object:
+        """One path (a ``Path`` or a string) is a list of one; a string may also hold several, separated by
+        ``os.pathsep``, or a JSON list (the environment's forms)."""
+        if isinstance(value, os.PathLike):
+            return [value]
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [part for part in value.split(os.pathsep) if part]
+        return value
+
+    @model_validator(mode="after")
+    def _something_to_serve(self) -> Settings:
+        if not self.shipped_models and not self.models:
+            raise ValueError("shipped_models is false and models names no folder: there is nothing to serve")
+        return self
+
+    @property
+    def model_folders(self) -> list[Path]:
+        """The folders loaded, in order: the shipped checkpoints/ (unless shipped_models is false, or the package runs
+        from an installation without them: pip install without -e, the Docker images), then those of models (one
+        named twice, or the shipped folder named again, once)."""
+        folders = [SHIPPED_CHECKPOINTS] if self.shipped_models and SHIPPED_CHECKPOINTS.is_dir() else []
+        for folder in self.models:
+            if all(folder.resolve() != seen.resolve() for seen in folders):
+                folders.append(folder)
+        return folders

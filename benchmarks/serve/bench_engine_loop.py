@@ -91,7 +91,7 @@ def main() -> None:
     concurrencies = [int(value) for value in args.concurrencies.split(",")]
     if args.profile:
         Scheduler.loop = profiled(Scheduler.loop)
-    settings = Settings(models=args.model, device=args.device, torch_threads=args.threads)
+    settings = Settings(models=args.model, shipped_models=False, device=args.device, torch_threads=args.threads)
     if not args.default_gc:
         tune_garbage_collector()
     engine = Engine(settings, ServerMetrics(), on_ready=None if args.default_gc else freeze_startup_heap)

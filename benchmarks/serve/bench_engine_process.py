@@ -97,7 +97,8 @@ def readme_server(models: Path, device: str, log_level: str, log: Path, cwd: Pat
     env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
     env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
     env["REGULARLM_TORCH_THREADS"] = "1"
-    command = [sys.executable, "-m", "server", "--models", str(models), "--port", str(port), "--device", device]
+    command = [sys.executable, "-m", "server", "--no-shipped-models", "--models", str(models), "--port", str(port),
+               "--device", device]  # fmt: skip
     if log_level != "info":
         command += ["--log-level", log_level]
     with log.open("ab") as output:

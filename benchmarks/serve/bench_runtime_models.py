@@ -50,8 +50,8 @@ def main() -> None:
         from tests.server.checkpoints import write_checkpoints  # a small served folder to start from
 
         write_checkpoints(models)
-        settings = Settings(models=models, device="cpu", torch_threads=1, runtime_model_max_states=1024,
-                            runtime_compile_timeout_s=600)
+        settings = Settings(models=models, shipped_models=False, device="cpu", torch_threads=1,
+                            runtime_model_max_states=1024, runtime_compile_timeout_s=600)
         app = create_app(settings)
         with TestClient(app) as client:
             app.state.engine.wait_loaded()

@@ -113,7 +113,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     instrument()
-    settings = Settings(models=args.model, device="cpu", torch_threads=args.threads, max_running=BATCH)
+    settings = Settings(models=args.model, shipped_models=False, device="cpu", torch_threads=args.threads,
+                        max_running=BATCH)
     engine = Engine(settings, ServerMetrics())
     engine.start()
     engine.wait_loaded()

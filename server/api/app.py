@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -78,7 +78,7 @@ def create_app(settings: Settings | None = None, engine: EngineFront | None = No
 
     app = FastAPI(title="regularlm", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.state.settings = settings
-    app.openapi = schema_for(app, settings)
+    app.openapi = schema_for(app, settings)  # type: ignore[method-assign]  # FastAPI's documented schema override
 
     def arrive() -> Callable[[], None]:
         engine = getattr(app.state, "engine", None)  # none before the lifespan has started
@@ -124,7 +124,8 @@ def _paths_that_need_the_key(app: FastAPI, settings: Settings) -> Callable[[str]
     if docs_need_api_key is None:
         docs_need_api_key = settings.metrics_need_api_key
     if docs_need_api_key:
-        also |= {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url}
+        urls = (app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url)
+        also |= {url for url in urls if url is not None}
     return lambda path: path.startswith("/v1/") or path in also
 
 
@@ -136,15 +137,18 @@ def _paths_that_need_the_key(app: FastAPI, settings: Settings) -> Callable[[str]
 
 
 async def get_engine(request: Request) -> EngineFront:
-    return request.app.state.engine
+    engine: EngineFront = request.app.state.engine
+    return engine
 
 
 async def get_serving(request: Request) -> Serving:
-    return request.app.state.serving
+    serving: Serving = request.app.state.serving
+    return serving
 
 
 async def get_completions(request: Request) -> CompletionServing:
-    return request.app.state.completions
+    completions: CompletionServing = request.app.state.completions
+    return completions
 
 
 EngineDep = Annotated[EngineFront, Depends(get_engine)]
@@ -310,7 +314,9 @@ def _allowed_methods(request: Request, path: str | None = None) -> list[str]:
     ]
 
 
-def error_response(status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, error_type: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     body = ErrorResponse(error=ErrorDetail(message=message, type=error_type))
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
 

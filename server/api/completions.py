@@ -18,7 +18,7 @@ from server.api.protocol import CompletionChoice, CompletionLogprobs, Completion
 from server.api.serving import SSE_DONE, Serving, coalesced, sse, sse_error
 from server.engine.engine import GenerationHandle
 from server.errors import APIError, InputTooLarge
-from server.execution.generation import Finished, PromptScored, TokenGenerated
+from server.execution.generation import Finished, GenerationRequest, PromptScored, TokenGenerated
 from server.execution.sampling import TokenLogprob
 
 # Completion ids: 128 random bits from a generator seeded once from the OS (again in a forked child), not uuid4, whose
@@ -94,7 +94,10 @@ class CompletionServing:
         if len(body.prompts) * body.n > limit:
             raise InputTooLarge(f"{len(body.prompts)} prompts x n={body.n} choices; the limit is {limit}")
         constraint = await self.serving.constraint(served, body)
-        requests, choices, max_tokens = [], [], self.serving.max_tokens(body)
+        requests: list[GenerationRequest] = []
+        choices: list[ChoiceState] = []
+        max_tokens = self.serving.max_tokens(body)
+        assert served.tokenizer is not None  # a language model is served with its tokenizer
         for prompt in body.prompts:
             tokens = await self.serving.prompt_tokens(served, prompt)
             for sample in range(body.n):

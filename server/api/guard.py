@@ -139,6 +139,7 @@ class Turnstile:
             turn = self._waiting.popleft()
             if not turn.done():  # done: its request was cancelled while it waited
                 turn.set_result(None)
+                assert self._loop is not None  # set by the request that queued this turn
                 self._loop.call_soon(self._turn)
                 return
         self._turning = False

@@ -104,7 +104,8 @@ class JSONBodyRoute(APIRoute):
         handler = super().get_route_handler()
         if self.body_field is None:
             return handler
-        check = BODY_CHECKS.get(self.body_field.field_info.annotation)
+        annotation = self.body_field.field_info.annotation
+        check = BODY_CHECKS.get(annotation) if isinstance(annotation, type) else None
 
         async def json_body_handler(request: Request) -> Response:
             if not is_json(request.headers.get("content-type", "")):

@@ -55,7 +55,7 @@ def _separators(body: bytes, start: int, end: int) -> int:
     )
 
 
-def check_sampling(data: dict, settings: Settings) -> None:
+def check_sampling(data: dict[str, Any], settings: Settings) -> None:
     """stop strings (count and characters) and logit_bias entries."""
     stop = data.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -69,6 +69,7 @@ def schema_for(app: FastAPI, settings: Settings) -> Callable[[], dict[str, Any]]
 
 def _write_settings(node: Any, settings: Settings) -> None:
     """Replace each ``SETTING`` marker (``server/api/protocol.py``) by its keywords with the settings' values."""
+    children: Iterable[Any]
     if isinstance(node, dict):
         for keyword, name in node.pop(SETTING, {}).items():
             node[keyword] = getattr(settings, name)
@@ -97,7 +98,9 @@ def _describe_models(schema: dict[str, Any], models: list[ServedModel]) -> None:
             parameter["schema"]["enum"] = ids
 
 
-def _per_model(request: dict[str, Any], models: list[ServedModel], accepts: Callable[[ServedModel], dict]) -> None:
+def _per_model(
+    request: dict[str, Any], models: list[ServedModel], accepts: Callable[[ServedModel], dict[str, Any]]
+) -> None:
     if not models:  # none of this kind: the route answers 400 or 404 to any model
         return
     request["properties"]["model"]["enum"] = sorted(served.id for served in models)
@@ -108,17 +111,20 @@ def _per_model(request: dict[str, Any], models: list[ServedModel], accepts: Call
 
 
 def _accepts_symbols(served: ServedModel) -> dict[str, Any]:
+    assert served.config.alphabet is not None  # a transducer's config has its alphabet
     alphabet = "".join(re.sub(r"([\\\]\[^-])", r"\\\1", symbol) for symbol in served.config.alphabet)
     return {"inputs": {"items": {"pattern": f"^[{alphabet}]*$"}}}
 
 
 def _accepts_bias(served: ServedModel) -> dict[str, Any]:
+    assert served.tokenizer is not None  # a language model is served with its tokenizer
     return {"logit_bias": {"propertyNames": {"pattern": decimals_below(served.tokenizer.vocab_size)}}}
 
 
 def _accepts_token_ids(served: ServedModel) -> dict[str, Any]:
     """``maximum`` binds numbers only and ``items`` arrays only, so one overlay bounds a token-id list and a
     batch of them, and leaves text prompts alone."""
+    assert served.tokenizer is not None  # a language model is served with its tokenizer
     top = served.tokenizer.vocab_size - 1
     return {**_accepts_bias(served), "prompt": {"items": {"maximum": top, "items": {"maximum": top}}}}
 

@@ -1,4 +1,4 @@
-"""The HTTP API's request and response bodies (SPEC section 4), as pydantic models and nothing else.
+"""The HTTP API's request and response bodies (docs/api.md, HTTP API), as pydantic models and nothing else.
 
 No torch and no engine here: the Python client imports this module. Requests of our own endpoints refuse
 unknown fields; ``/v1/completions`` ignores unknown OpenAI fields but refuses known ones it cannot honour.
@@ -6,6 +6,7 @@ unknown fields; ``/v1/completions`` ignores unknown OpenAI fields but refuses kn
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -28,14 +29,14 @@ TOKEN_ID_PATTERN = "^(0|[1-9][0-9]*)$"
 
 
 def schema_only(**keywords: Any) -> dict[str, Any]:
-    """JSON-schema keywords the serving code checks itself (with SPEC's status and a message naming the
+    """JSON-schema keywords the serving code checks itself (with the documented status and a message naming the
     position); in the schema so that clients and schemathesis know them."""
     return keywords
 
 
 def setting_limit(**keywords: str) -> dict[str, Any]:
     """JSON-schema keywords whose values are server settings, e.g. ``maxItems="max_inputs"``; the serving code
-    checks them (413 for a size, SPEC section 4) and ``server/api/openapi.py`` writes the app's settings in."""
+    checks them (413 for a size, docs/api.md, Limits) and ``server/api/openapi.py`` writes the app's settings in."""
     return {SETTING: keywords}
 
 
@@ -109,7 +110,6 @@ class ModelCard(BaseModel):
         "speed and the memory budget: max_input_symbols (a transduce input with outputs 'final', or a prompt), "
         "max_all_outputs_symbols (outputs 'all'), max_context_tokens (prompt + max_tokens)",
     )
-    serving_notes: list[str] = Field(default_factory=list, description="implementation changes made for serving")
     decode: DecodeStep | None = Field(None, description="how a generation model's decode step runs (none for "
                                       "transduce models)")  # fmt: skip
 
@@ -120,14 +120,14 @@ class ModelList(BaseModel):
 
 
 class RuntimeModelRequest(BaseModel):
-    """``POST /v1/models``: compile a regular expression or a DFA (SPEC section 2) into a transduce model that
+    """``POST /v1/models``: compile a regular expression or a DFA (docs/api.md, Automaton files) into a transduce model that
     labels every prefix "1" when it is accepted (a regex: fully matched), else "0"."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="the new model's id")
     regex: str | None = Field(None, min_length=1, max_length=4096, description="a Python regular expression")
-    dfa: dict[str, Any] | None = Field(None, description="a DFA as in SPEC section 2 (name, alphabet, states, ...)")
+    dfa: dict[str, Any] | None = Field(None, description="a DFA as in docs/api.md, Automaton files (name, alphabet, states, ...)")
     alphabet: str | None = Field(None, min_length=1, max_length=256, description="with regex: the input symbols")
     architecture: Literal["lrnn", "regulargpt"] = "lrnn"
 
@@ -358,7 +358,7 @@ class CompletionRequest(SamplingFields):
     suffix: Annotated[str, Field(max_length=0)] | None = Field(None, description="not supported: only empty")
 
     @property
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> Sequence[str | list[int]]:
         """Each prompt: a text or a list of token ids."""
         if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]

@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -45,7 +46,7 @@ THREADED_TOKENIZE_CHARS = 65_536
 TOKEN_ID = re.compile(TOKEN_ID_PATTERN)
 
 
-def sse(body: BaseModel | dict) -> str:
+def sse(body: BaseModel | dict[str, Any]) -> str:
     """One Server-Sent Event carrying a JSON body, on one line for any line splitter: the line breaks of Python's
     str.splitlines (httpx's iter_lines, our client) that JSON leaves unescaped in strings are escaped."""
     payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
@@ -86,7 +87,11 @@ class Serving:
         self.runtime = RuntimeCompiler(settings)
         # each language model's structured-output vocabulary is built while the engine loads, not by the first request
         # that asks for structured_outputs (30 ms for 8,192 tokens: docs/benchmarks.md, "The first requests")
-        engine.add_warm_up(lambda served: self.constraints.vocabulary(served.tokenizer))
+        engine.add_warm_up(self._warm_up)
+
+    def _warm_up(self, served: ServedModel) -> None:
+        assert served.tokenizer is not None  # warm-ups run for language models, which have their tokenizer
+        self.constraints.vocabulary(served.tokenizer)
 
     def models(self) -> ModelList:
         self.engine.check_serving()
@@ -124,6 +129,7 @@ class Serving:
         inputs = [served.encode_symbols(text, f"inputs[{i}]") for i, text in enumerate(body.inputs)]
         outputs = await self.engine.transduce(served, inputs, all_outputs, flow)
         labels = served.config.labels
+        assert labels is not None  # a transducer's config has its labels
         results = [
             TransduceResult(
                 final=labels[output.final],
@@ -139,8 +145,10 @@ class Serving:
         limits = self.settings
         if len(inputs) > limits.max_inputs:
             raise InputTooLarge(f"{len(inputs)} inputs; the limit is {limits.max_inputs} per request")
+        assert served.limits is not None and served.budget is not None  # set by the engine when it installed the model
         if all_outputs:
             model_limit, name = served.limits.max_all_outputs_symbols, "max_all_outputs_symbols"
+            assert model_limit is not None  # a transducer's limits have it
         else:
             model_limit, name = served.limits.max_input_symbols, "max_input_symbols"
         for i, text in enumerate(inputs):
@@ -174,11 +182,13 @@ class Serving:
         without one); 422 if invalid, 413 over a size or time limit (``server/structured/outputs.py``)."""
         if fields.structured_outputs is None:
             return None
+        assert served.tokenizer is not None  # a language model is served with its tokenizer
         return await self.constraints.compile(fields.structured_outputs, served.tokenizer)
 
     async def prompt_tokens(self, served: ServedModel, prompt: str | list[int]) -> list[int]:
         """A text prompt's token ids (a long one tokenized on a thread: a million tokens took 0.3-1.2 s, during which
         the event loop would answer nobody), or token ids checked against the vocabulary."""
+        assert served.tokenizer is not None  # a language model is served with its tokenizer
         if isinstance(prompt, str):
             if len(prompt) < THREADED_TOKENIZE_CHARS:
                 return served.tokenizer.encode(prompt)
@@ -206,12 +216,15 @@ class Serving:
         that does not stream gets its tokens' events at the end."""
         if max_tokens > self.settings.max_tokens:
             raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
+        assert served.tokenizer is not None  # a language model is served with its tokenizer
         vocabulary = served.tokenizer.vocab_size
         if not tokens:
             raise InvalidInput("the prompt is empty; it needs at least one token")
         if len(tokens) > self.settings.max_input_symbols:
             raise InputTooLarge(f"the prompt has {len(tokens)} tokens; the limit is {self.settings.max_input_symbols}")
+        assert served.limits is not None and served.budget is not None  # set by the engine when it installed the model
         context_limit = served.limits.max_context_tokens
+        assert context_limit is not None  # a language model's limits have it
         if len(tokens) + max_tokens > context_limit:
             raise InputTooLarge(
                 f"the prompt has {len(tokens)} tokens and max_tokens is {max_tokens}; model {served.id!r} holds at "
@@ -237,6 +250,7 @@ class Serving:
         """max_tokens as asked; null: the server's limit; left out: the field's default, or the limit if lower
         (so that a request without it is never refused for it)."""
         if "max_tokens" not in body.model_fields_set:
+            assert body.max_tokens is not None  # the field's default
             return min(body.max_tokens, self.settings.max_tokens)
         return self.settings.max_tokens if body.max_tokens is None else body.max_tokens
 
@@ -256,6 +270,7 @@ class Serving:
             if isinstance(event, (TokenGenerated, Finished)):
                 text.append(event.text)
             finished = event
+        assert isinstance(finished, Finished)  # the last event
         return GenerateResponse(
             model=body.model, text="".join(text), finish_reason=finished.reason, usage=usage(finished)
         )

@@ -35,12 +35,15 @@ import pickle
 import queue
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Literal, cast
 
 import safetensors.torch
 
+from model.base import SequenceModel
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
 from server.api.protocol import ModelCard
@@ -51,16 +54,21 @@ from server.engine.wire import CONTROL, STEP, Step, decode_step, error_from_wire
 from server.errors import APIError, Unavailable
 from server.execution.detokenize import TextAssembler
 from server.execution.generation import Finished, GenerationRequest, PromptScored, TokenGenerated
+from server.execution.sampling import TokenLogprob
 from server.metrics import RequestTimes, ServerMetrics
 from server.models.store import ServedModel, served_transducer
 from server.sched.batching import TransduceOutput
-from server.sched.costing import ModelLimits
+from server.sched.costing import ModelBudget, ModelLimits
 from server.settings import Settings
+from server.structured.outputs import CompiledConstraint
 
 logger = logging.getLogger(__name__)
 
 SEND_BUFFER_BYTES = 256 * 2**20  # messages waiting for the writer thread; past it new requests get 503
 WATCH_INTERVAL_S = 0.25  # how often the watcher thread looks at the engine's heartbeat
+# The model of this process's copy of a model the engine process serves: none (no weights here; its card is the
+# engine's, ``ServedModel.engine_card``, and nothing here calls the model). Typed as one: the copy is a ``ServedModel``.
+NO_WEIGHTS = cast(SequenceModel, None)
 
 
 @dataclass(frozen=True)
@@ -74,13 +82,14 @@ class SequenceText:
     """One sequence's text in the API process: its token ids decoded as they arrive, stop strings looked for."""
 
     def __init__(self, request: GenerationRequest, served: ServedModel) -> None:
+        assert served.tokenizer is not None  # a language model is served with its tokenizer
         self.assembler = TextAssembler(served.tokenizer, request.stop)
         self.prompt_tokens = len(request.prompt)
         self.plain = request.whole_answer
         self.generated = 0
         self.stopped = False  # a stop string was found here: what the engine still sends is dropped
 
-    def token(self, token: int, logprob) -> tuple[TokenGenerated, Finished | None]:
+    def token(self, token: int, logprob: TokenLogprob | None) -> tuple[TokenGenerated, Finished | None]:
         """The token's event, and the sequence's Finished if the token completed a stop string."""
         self.generated += 1
         text, stopped = self.assembler.push(token)
@@ -90,7 +99,9 @@ class SequenceText:
         self.stopped = True
         return event, Finished("stop", self.assembler.finish(), self.prompt_tokens, self.generated, 0)
 
-    def finished(self, reason: str, completion_tokens: int, cached_tokens: int, tokens: list[int] | None) -> Finished:
+    def finished(
+        self, reason: Literal["stop", "length"], completion_tokens: int, cached_tokens: int, tokens: list[int] | None
+    ) -> Finished:
         text = self.assembler.whole_answer(tokens) if self.plain and tokens else self.assembler.finish()
         return Finished(reason, text, self.prompt_tokens, completion_tokens, cached_tokens)
 
@@ -123,8 +134,8 @@ class EngineClient(EngineFront):
         self._warm_ups: list[Callable[[ServedModel], None]] = []
         self._ids = itertools.count(1)
         self._generations: dict[int, RemoteGeneration] = {}
-        self._transductions: dict[int, asyncio.Future] = {}
-        self._calls: dict[int, asyncio.Future] = {}
+        self._transductions: dict[int, asyncio.Future[list[TransduceOutput]]] = {}
+        self._calls: dict[int, asyncio.Future[object]] = {}
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._outbox_bytes = 0  # pickled bytes queued and not yet written
         self._outbox_lock = threading.Lock()
@@ -153,6 +164,12 @@ class EngineClient(EngineFront):
         self._reader.start()
         self._writer.start()
         self._watcher.start()
+
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop ``start`` ran on."""
+        assert self._loop is not None  # set by start(), before any request or message
+        return self._loop
 
     def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
         """Call ``prepare(served)`` for each language model once the engine has loaded them, here (e.g. this
@@ -183,12 +200,12 @@ class EngineClient(EngineFront):
     # --- requests (event loop) ----------------------------------------------------------------------------
 
     async def transduce(
-        self, served: ServedModel, inputs: list, all_outputs: bool, flow: str = ""
+        self, served: ServedModel, inputs: list[array[int]], all_outputs: bool, flow: str = ""
     ) -> list[TransduceOutput]:
         times = RequestTimes(served.id)
         self._admit([times])
         request = next(self._ids)
-        answer = self._loop.create_future()
+        answer: asyncio.Future[list[TransduceOutput]] = self._running_loop.create_future()
         self._transductions[request] = answer
         self._send(("transduce", request, served.id, [tokens.tobytes() for tokens in inputs], all_outputs, flow,
                     times.arrival))  # fmt: skip
@@ -206,9 +223,7 @@ class EngineClient(EngineFront):
         request = next(self._ids)
         mailbox = Mailbox(None)
         self._generations[request] = RemoteGeneration(mailbox, [SequenceText(each, served) for each in requests])
-        specs = [None if each.constraint is None
-                 else each.constraint.spec.model_dump_json(by_alias=True, exclude_none=True)
-                 for each in requests]  # fmt: skip
+        specs = [_spec_json(each.constraint) for each in requests]
         # a request with stop strings gets its token ids as they come, streamed or not: the stop is found here
         sent = [replace(each, constraint=None, stream=each.stream or bool(each.stop)) for each in requests]
         self._send(("generate", request, served.id, sent, specs, flow, times[0].arrival))
@@ -225,6 +240,7 @@ class EngineClient(EngineFront):
         weights = safetensors.torch.save({name: tensor.detach().cpu().contiguous().clone()
                                           for name, tensor in served.model.state_dict().items()})  # fmt: skip
         description = await self._call("add_model", served.id, json.dumps(served.config.to_dict()), weights)
+        assert isinstance(description, dict)  # the engine process's ``describe``
         _describe(served, description)
         self.metrics.register_models([served.id])
         self.models = {**self.models, served.id: served}
@@ -240,11 +256,11 @@ class EngineClient(EngineFront):
 
     async def _call(self, kind: str, *arguments: object) -> object:
         call = next(self._ids)
-        self._calls[call] = answer = self._loop.create_future()
+        self._calls[call] = answer = self._running_loop.create_future()
         self._send((kind, call, *arguments))
         return await answer
 
-    def _send(self, message: tuple, bounded: bool = True) -> None:
+    def _send(self, message: tuple[Any, ...], bounded: bool = True) -> None:
         """Queue ``message`` for the writer thread; 503 if the engine has failed, or (``bounded``) if more than
         ``SEND_BUFFER_BYTES`` wait already (an engine that does not read)."""
         if self.state == "failed":
@@ -269,7 +285,7 @@ class EngineClient(EngineFront):
             with self._outbox_lock:
                 self._outbox_bytes -= len(data)
 
-    def _send_quietly(self, message: tuple) -> None:
+    def _send_quietly(self, message: tuple[Any, ...]) -> None:
         """A cancellation or a stop: nobody waits for it, and an engine that has gone needs none."""
         try:
             self._send(message, bounded=False)
@@ -285,7 +301,7 @@ class EngineClient(EngineFront):
                 self._last_heard = time.monotonic()
                 if data[:1] == STEP:
                     step = decode_step(data[1:])
-                    self._loop.call_soon_threadsafe(self._apply_step, step)
+                    self._running_loop.call_soon_threadsafe(self._apply_step, step)
                 elif data[:1] == CONTROL:
                     self._control(pickle.loads(data[1:]))
         except (EOFError, OSError):  # the engine process has ended
@@ -296,7 +312,7 @@ class EngineClient(EngineFront):
             self.process.join(1.0)
             self._died(f"the engine process exited (exit code {self.process.exitcode})")
 
-    def _control(self, message: tuple) -> None:
+    def _control(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "heartbeat":
             self._worker_wait = message[1]
@@ -312,17 +328,19 @@ class EngineClient(EngineFront):
                 self._on_load_failed(message[1])
         elif kind == "reply":
             _, call, ok, payload = message
-            self._loop.call_soon_threadsafe(_settle, self._calls.pop(call), ok, payload)
+            self._running_loop.call_soon_threadsafe(_settle, self._calls.pop(call), ok, payload)
 
-    def _ready(self, descriptions: list[dict], load_failures: list[str]) -> None:
+    def _ready(self, descriptions: list[dict[str, Any]], load_failures: list[str]) -> None:
         models = {}
         for description in descriptions:
             path = Path(description["path"])
             config = read_config(path)
             if config.kind == "transduce":
-                served = served_transducer(description["id"], None, config, path)
+                served = served_transducer(description["id"], NO_WEIGHTS, config, path)
             else:
-                served = ServedModel(description["id"], None, config, path, load_tokenizer(config.tokenizer, path))
+                assert config.tokenizer is not None  # a language model's config names its tokenizer
+                tokenizer = load_tokenizer(config.tokenizer, path)
+                served = ServedModel(description["id"], NO_WEIGHTS, config, path, tokenizer)
                 for prepare in self._warm_ups:
                     prepare(served)
             _describe(served, description)
@@ -332,7 +350,7 @@ class EngineClient(EngineFront):
         if self._on_ready is not None:
             self._on_ready()
         self.state, self.detail = "ready", None
-        logger.info("the engine process serves %s", ", ".join(sorted(models)))
+        logger.debug("the engine process serves %s", ", ".join(sorted(models)))
 
     def _apply_step(self, step: Step) -> None:
         """One engine step's answers, on the event loop: prompt scores, tokens, then finishes and errors (the order
@@ -412,7 +430,8 @@ class EngineClient(EngineFront):
                 generation.put(0, error)
                 if cancel:
                     self._send_quietly(("cancel", request))
-            for request, answer in [*self._transductions.items(), *self._calls.items()]:
+            answers: list[tuple[int, asyncio.Future[Any]]] = [*self._transductions.items(), *self._calls.items()]
+            for request, answer in answers:
                 if not answer.done():
                     answer.set_exception(error)
                 if cancel and request in self._transductions:
@@ -420,7 +439,7 @@ class EngineClient(EngineFront):
             self._generations, self._transductions, self._calls = {}, {}, {}
 
         try:
-            self._loop.call_soon_threadsafe(answer_all)
+            self._running_loop.call_soon_threadsafe(answer_all)
         except RuntimeError:  # the event loop has closed: nobody is left to answer
             pass
 
@@ -434,18 +453,28 @@ class EngineClient(EngineFront):
             self._on_engine_died(detail)
 
 
-def _describe(served: ServedModel, description: dict) -> None:
+def _describe(served: ServedModel, description: dict[str, Any]) -> None:
     """What the engine process measured of a model: its card, limits and budget."""
     served.engine_card = ModelCard(**description["card"])
-    served.notes = list(served.engine_card.serving_notes or [])
+    served.notes = list(description.get("notes", []))  # for_serving's, logged at DEBUG by the engine process
     served.limits = ModelLimits(**description["limits"])
-    served.budget = EngineBudget(description["max_job_seconds"])
+    # all this process reads of its budget (error messages); the rest is the engine process's
+    served.budget = cast(ModelBudget, EngineBudget(description["max_job_seconds"]))
 
 
-def _settle(answer: asyncio.Future, ok: bool, payload: object) -> None:
+def _settle(answer: asyncio.Future[object], ok: bool, payload: object) -> None:
     if answer.done():
         return
     if ok:
         answer.set_result(payload)
     else:
+        assert isinstance(payload, tuple)  # ``error_to_wire``'s
         answer.set_exception(error_from_wire(payload))
+
+
+def _spec_json(constraint: CompiledConstraint | None) -> str | None:
+    """What the engine process compiles a request's constraint from again (a matcher is not sent); None: none."""
+    if constraint is None:
+        return None
+    assert constraint.spec is not None  # compiled here from the request's structured_outputs
+    return constraint.spec.model_dump_json(by_alias=True, exclude_none=True)

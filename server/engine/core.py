@@ -18,7 +18,9 @@ cache here (it holds model states); the queue's admission in the API process (42
 
 from __future__ import annotations
 
+import collections.abc
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -30,6 +32,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import Any
 
 import safetensors.torch
 
@@ -93,15 +96,15 @@ class ReportingQueue(RequestQueue):
 
     def __init__(self, max_waiting: int) -> None:
         super().__init__(max_waiting)
-        self.moved = [0, 0, 0]  # scheduled, finished while waiting, finished after being scheduled
+        self._moved = [0, 0, 0]  # scheduled, finished while waiting, finished after being scheduled
 
     def scheduled(self) -> None:
         super().scheduled()
-        self.moved[0] += 1
+        self._moved[0] += 1
 
     def finished(self, was_scheduled: bool) -> None:
         super().finished(was_scheduled)
-        self.moved[2 if was_scheduled else 1] += 1
+        self._moved[2 if was_scheduled else 1] += 1
 
     def add(self, count: int) -> None:
         """Count requests the API process admitted (its copy counts at least as many as this queue: no check)."""
@@ -109,9 +112,9 @@ class ReportingQueue(RequestQueue):
             self.waiting += count
             self.in_flight += count
 
-    def take(self) -> tuple[int, int, int]:
+    def take(self) -> tuple[int, ...]:
         with self._lock:
-            moved, self.moved = tuple(self.moved), [0, 0, 0]
+            moved, self._moved = tuple(self._moved), [0, 0, 0]
         return moved
 
 
@@ -133,6 +136,7 @@ class StepWriter:
                     if isinstance(item, Exception):
                         step.errors.append((mailbox.request, -1, item))
                     else:
+                        assert isinstance(item, list)  # ``TransduceJob.deliver``: its outputs
                         step.transduced.append((mailbox.request, item))
                     continue
                 index, event = item
@@ -178,13 +182,18 @@ class EngineCore:
         self.engine.queue = self.queue
         self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
                                               MaskBudget.of(settings))  # fmt: skip
-        self.engine.add_warm_up(lambda served: self.constraints.vocabulary(served.tokenizer))
-        self.requests: dict[int, list[Work]] = {}  # request id -> its work, until it ends or is cancelled
+        self.engine.add_warm_up(self._warm_up)
+        # request id -> its work, until it ends or is cancelled
+        self.requests: dict[int, collections.abc.Sequence[Work]] = {}
         self._cancelled: set[int] = set()  # requests cancelled while their constraint compiled
         self._lock = threading.Lock()  # ``requests`` and ``_cancelled``: this thread and the compile pool's
         self._compiles = concurrent.futures.ThreadPoolExecutor(MAX_COMPILING, thread_name_prefix="regularlm-compile")
 
-    def send(self, message: tuple) -> None:
+    def _warm_up(self, served: ServedModel) -> None:
+        assert served.tokenizer is not None  # warm-ups run for language models, which have their tokenizer
+        self.constraints.vocabulary(served.tokenizer)
+
+    def send(self, message: tuple[Any, ...]) -> None:
         data = CONTROL + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self.send_lock:
             self.connection.send_bytes(data)
@@ -204,13 +213,13 @@ class EngineCore:
                 break
             if message[0] == "stop":
                 break
-            self._guarded(message, lambda message=message: self.handle(message))
+            self._guarded(message, functools.partial(self.handle, message))
         self.engine.stop()
 
     def _beat(self) -> None:
         """Send ("heartbeat", seconds the worker thread has not answered a no-op put to it) every
         ``HEARTBEAT_INTERVAL_S``: 0 while it turns, growing while it is stuck in one call."""
-        ping: concurrent.futures.Future | None = None
+        ping: concurrent.futures.Future[None] | None = None
         asked = time.monotonic()
         while True:
             time.sleep(HEARTBEAT_INTERVAL_S)
@@ -223,7 +232,7 @@ class EngineCore:
             except OSError:  # the API process has gone
                 return
 
-    def handle(self, message: tuple) -> None:
+    def handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "generate":
             self.generate(*message[1:])
@@ -258,7 +267,7 @@ class EngineCore:
         message = ("generate", request, model_id, requests, specs, flow, arrival)
         self._compiles.submit(self._guarded, message, lambda: self._generate(*message[1:]))
 
-    def _guarded(self, message: tuple, call: Callable[[], None]) -> None:
+    def _guarded(self, message: tuple[Any, ...], call: Callable[[], None]) -> None:
         """Handle ``message`` by ``call``: a request that cannot be handled fails (500), never the engine."""
         try:
             call()
@@ -279,9 +288,10 @@ class EngineCore:
                   flow: str, arrival: float) -> None:  # fmt: skip
         served = self.engine.models[model_id]
         mailbox = RemoteMailbox(request, self.writer)
-        sequences = []
+        sequences: list[Sequence] = []
         for index, (each, spec) in enumerate(zip(requests, specs)):
             if spec is not None:
+                assert served.tokenizer is not None  # a language model is served with its tokenizer
                 constraint = self.constraints.compile_checked(StructuredOutputs.model_validate_json(spec),
                                                               served.tokenizer)  # fmt: skip
                 each = replace(each, constraint=constraint)
@@ -303,7 +313,7 @@ class EngineCore:
         job = TransduceJob(served, ids, all_outputs, times, RemoteMailbox(request, self.writer), flow)
         self._admit(request, [job])
 
-    def _refuse(self, message: tuple, error: Exception) -> None:
+    def _refuse(self, message: tuple[Any, ...], error: Exception) -> None:
         """Answer a request that could not be turned into work with a 500, and count it in and out of the queue."""
         _, request, model_id, payload = message[:4]
         count = len(payload) if message[0] == "generate" else 1
@@ -322,7 +332,7 @@ class EngineCore:
 
         self.engine.call_on_worker(refuse)
 
-    def _admit(self, request: int, works: list[Work]) -> None:
+    def _admit(self, request: int, works: collections.abc.Sequence[Work]) -> None:
         """Count the work into the queue (the API process admitted it against its copy, which counts at least as
         many) and hand it to the worker."""
         self.queue.add(len(works))
@@ -351,8 +361,8 @@ class EngineCore:
         served = served_transducer(model_id, model, config, RUNTIME_PATH / model_id)
         self.reply(call, self.engine.call_on_worker(lambda: describe(self.engine.install(served))))
 
-    def reply(self, call: int, done) -> None:
-        def answer(future) -> None:
+    def reply(self, call: int, done: concurrent.futures.Future[Any]) -> None:
+        def answer(future: concurrent.futures.Future[Any]) -> None:
             error = future.exception()
             if error is None:
                 self.send(("reply", call, True, future.result()))
@@ -362,13 +372,15 @@ class EngineCore:
         done.add_done_callback(answer)
 
 
-def describe(served: ServedModel) -> dict:
+def describe(served: ServedModel) -> dict[str, Any]:
     """What the API process needs of a served model: its card (with its limits), and what requests are checked
     against."""
+    assert served.limits is not None and served.budget is not None  # set by the engine when it measured the model
     return {
         "id": served.id,
         "path": str(served.path),
         "card": served.card().model_dump(),
+        "notes": list(served.notes),
         "limits": served.limits.as_dict(),
         "max_job_seconds": served.budget.max_job_seconds,
     }

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Literal, TypeVar
 
@@ -29,18 +30,25 @@ import torch
 from model.cuda_graphs import Decoder, capture_sizes, decoder_for
 from model.ops import cpu_decode
 from model.threads import set_threads
-from server.engine.mailbox import Mailbox, Postman
+from server.engine.mailbox import Courier, Mailbox, Postman
 from server.errors import APIError, Conflict, InputTooLarge, Overloaded, Unavailable, UnknownModel
-from server.execution.generation import Finished, GenerationRequest, Sequence
+from server.execution.generation import Finished, GenerationRequest, PromptScored, Sequence, TokenGenerated
 from server.metrics import RequestTimes, ServerMetrics
 from server.models.runtime import check_new_id
 from server.models.store import LoadReport, ServedModel, failed_folder, load_models
 from server.sched.batching import TransduceJob, TransduceOutput
-from server.sched.costing import DEFAULT_MEMORY_FRACTION, ModelBudget, available_memory, calibrate, has_constant_state
+from server.sched.costing import (
+    DEFAULT_MEMORY_FRACTION,
+    ModelBudget,
+    ModelSpeed,
+    available_memory,
+    calibrate,
+    has_constant_state,
+)
 from server.sched.scheduler import STOP, AbortAll, OnWorker, Scheduler
 from server.sched.state_cache import StateCache
 from server.sched.work import RequestQueue, Work
-from server.settings import Settings
+from server.settings import SHIPPED_CHECKPOINTS, Settings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,7 +66,7 @@ class GenerationHandle:
         self._mailbox, self._cancel = mailbox, cancel
         self._unfinished = count
 
-    async def events(self) -> AsyncIterator[tuple[int, object]]:
+    async def events(self) -> AsyncIterator[tuple[int, PromptScored | TokenGenerated | Finished]]:
         try:
             while self._unfinished:
                 index, event = await self._mailbox.get()
@@ -150,7 +158,7 @@ class EngineFront(abc.ABC):
     @property
     def skipped_folders(self) -> list[str]:
         """The names of the checkpoint folders that were skipped at load (not their paths on the server)."""
-        return [failed_folder(failure, self.settings.models) for failure in self.load_failures]
+        return [failed_folder(failure, self.settings.model_folders) for failure in self.load_failures]
 
     def arrive(self) -> Arrival:
         """Count a request to a queued endpoint from its headers (``server/api/guard.py``) until it is admitted or
@@ -201,7 +209,7 @@ class EngineFront(abc.ABC):
 
     @abc.abstractmethod
     async def transduce(
-        self, served: ServedModel, inputs: list[list[int]], all_outputs: bool, flow: str = ""
+        self, served: ServedModel, inputs: list[array[int]], all_outputs: bool, flow: str = ""
     ) -> list[TransduceOutput]:
         """Token ids of each input -> its labels. ``flow``: who asks (the scheduler's fairness key)."""
 
@@ -227,7 +235,7 @@ class Engine(EngineFront):
         metrics: ServerMetrics,
         on_load_failed: Callable[[str], None] | None = None,
         on_ready: Callable[[], None] | None = None,
-        postman: Postman | None = None,
+        postman: Courier | None = None,
     ) -> None:
         """``on_load_failed(message)`` is called on the worker thread if no model loads; ``on_ready()`` on it once the
         models are loaded and measured, before the first request is scheduled. ``postman``: what hands the answers
@@ -243,8 +251,8 @@ class Engine(EngineFront):
             settings.state_cache_tail_tokens,
         )
         self._warm_ups: list[Callable[[ServedModel], None]] = []
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._postman = postman or Postman()
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._postman: Courier = postman or Postman()
         self._thread = threading.Thread(target=self._run, name="regularlm-engine", daemon=True)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -276,30 +284,38 @@ class Engine(EngineFront):
     # --- requests (event loop) ----------------------------------------------------------------------------
 
     async def transduce(
-        self, served: ServedModel, inputs: list[list[int]], all_outputs: bool, flow: str = ""
+        self, served: ServedModel, inputs: list[array[int]], all_outputs: bool, flow: str = ""
     ) -> list[TransduceOutput]:
         """Token ids of each input -> its labels; batched with other requests' inputs. ``flow``: who asks."""
-        job = TransduceJob(served, inputs, all_outputs, RequestTimes(served.id), Mailbox(self._postman), flow)
+        mailbox = self._mailbox()
+        job = TransduceJob(served, inputs, all_outputs, RequestTimes(served.id), mailbox, flow)
         self._admit([job.times])
         self._inbox.put(job)
         try:
-            result = await job.mailbox.get()
+            result = await mailbox.get()
         finally:
             job.cancelled = True
         if isinstance(result, APIError):
             raise result
-        return result
+        outputs: list[TransduceOutput] = result  # the job's answer: every input's output
+        return outputs
 
     def submit_generation(
         self, served: ServedModel, requests: list[GenerationRequest], flow: str = ""
     ) -> GenerationHandle:
         """Queue one sequence per request (all or none: a full queue raises :class:`Overloaded`)."""
-        mailbox = Mailbox(self._postman)
+        mailbox = self._mailbox()
         sequences = [Sequence(served, request, mailbox, index, flow) for index, request in enumerate(requests)]
         self._admit([sequence.times for sequence in sequences])
         for sequence in sequences:
             self._inbox.put(sequence)
         return GenerationHandle(len(sequences), mailbox, _cancel_all(sequences))
+
+    def _mailbox(self) -> Mailbox:
+        """A request's mailbox. Requests come to an engine whose postman is a :class:`Postman`: the engine process's
+        (its ``StepWriter``) takes its requests from the API process, with mailboxes of their own."""
+        assert isinstance(self._postman, Postman)
+        return Mailbox(self._postman)
 
     async def add_model(self, served: ServedModel) -> ServedModel:
         """Serve a model compiled while serving (``server/models/runtime.py``): the worker thread measures it
@@ -316,9 +332,9 @@ class Engine(EngineFront):
     async def _on_worker(self, work: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call_on_worker(work))
 
-    def call_on_worker(self, work: Callable[[], T]) -> concurrent.futures.Future:
+    def call_on_worker(self, work: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``work`` on the worker thread between two iterations; its result or exception goes to the future."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._inbox.put(OnWorker(work, done))
         return done
 
@@ -329,32 +345,51 @@ class Engine(EngineFront):
     # --- worker thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Load, measure and warm up the models, then schedule. At INFO it says "loading N models from ..."
+        (``load_models``), a warning per folder skipped, and one line once the models are ready; what each model's
+        serving path is (``for_serving``'s notes, its decode step) and the models' ids are at DEBUG."""
+        started = time.monotonic()
+        folders = self.settings.model_folders
+        if not folders:
+            self._fail(f"no model to serve: the shipped checkpoints are not at {SHIPPED_CHECKPOINTS} (the package is "
+                       "installed without them) and no folder was named (--models, REGULARLM_MODELS)")  # fmt: skip
+            return
         try:
-            report = load_models(self.settings.models, self.settings.device)
+            report = load_models(folders, self.settings.device)
         except Exception as error:  # e.g. an unreadable folder: reported like a folder that failed
-            report = LoadReport({}, [f"{self.settings.models}: {type(error).__name__}: {error}"])
+            report = LoadReport({}, [f"{', '.join(map(str, folders))}: {type(error).__name__}: {error}"])
+            logger.warning("skipped %s", report.failures[-1])
         self.models, self.load_failures = report.models, report.failures
         threads = torch.get_num_threads()
-        logger.info("model calls on %d torch thread(s)", set_threads(self.settings.torch_threads))
+        torch_threads = set_threads(self.settings.torch_threads)
+        logger.debug("model calls on %d torch thread(s)", torch_threads)
         try:
             obstacle = _batch_invariance_obstacle(self.models)
             if self.settings.batch_invariant is True and obstacle:
                 raise ValueError(obstacle)
             # auto: on where it holds; true or false as asked (true where it cannot hold was refused above)
             invariant = obstacle is None if self.settings.batch_invariant == "auto" else self.settings.batch_invariant
-            if self.settings.batch_invariant == "auto":
-                logger.info("batch invariance: %s", "on" if invariant else f"off: {obstacle}")
+            if self.settings.batch_invariant == "auto" and not invariant:
+                logger.info("batch invariance: off: %s", obstacle)
             cpu_decode.set_row_invariant(invariant)  # before for_serving lays the weights out
             if self.models:
                 self._measure()
             if not self.models:
-                self._fail(f"no model could be loaded from {self.settings.models}: " + "; ".join(self.load_failures))
+                self._fail(f"no model could be loaded from {', '.join(map(str, folders))}: "
+                           + "; ".join(self.load_failures))  # fmt: skip
                 return
             self.metrics.register_models(sorted(self.models))
             if self._on_ready is not None:
                 self._on_ready()
+            logger.debug("serving %s", ", ".join(sorted(self.models)))
+            skipped = len(self.load_failures)
+            logger.info(
+                "%d models ready in %.0f s (%s, %d torch thread%s, batch invariance %s, %.0f MiB for running work)%s",
+                len(self.models), time.monotonic() - started, next(iter(self.models.values())).model.device,
+                torch_threads, "" if torch_threads == 1 else "s", "on" if invariant else "off",
+                self.memory_budget / 2**20, f"; {skipped} skipped (the warnings above say why)" if skipped else "",
+            )  # fmt: skip
             self.state, self.detail = "ready", None
-            logger.info("serving %s", ", ".join(sorted(self.models)))
             with torch.inference_mode():
                 scheduler = Scheduler(
                     self.settings, self.metrics, self.state_cache, self._inbox, self._postman, self.memory_budget,
@@ -407,12 +442,12 @@ class Engine(EngineFront):
         decoder = decoder_for(served.model, capture_sizes(settings.max_running), settings.cuda_graphs)
         path = decoder.path
         if path.mode == "cuda_graphs":
-            logger.info("%s: decode step through CUDA graphs at batch sizes %s", served.id, list(path.batch_sizes))
+            logger.debug("%s: decode step through CUDA graphs at batch sizes %s", served.id, list(path.batch_sizes))
         else:
-            logger.info("%s: eager decode step (%s)", served.id, path.reason)
+            logger.debug("%s: eager decode step (%s)", served.id, path.reason)
         return decoder
 
-    def _set_limits(self, served: ServedModel, speed: float) -> None:
+    def _set_limits(self, served: ServedModel, speed: ModelSpeed) -> None:
         settings = self.settings
         max_job_seconds = settings.max_job_seconds
         if has_constant_state(served.model):
@@ -436,11 +471,11 @@ class Engine(EngineFront):
                         prepare(served)
             except Exception as error:
                 self.load_failures.append(f"{served.path}: measuring its speed failed: {type(error).__name__}: {error}")
-                logger.error("skipped %s", self.load_failures[-1])
+                logger.warning("skipped %s", self.load_failures[-1])
                 del self.models[served.id]
                 continue
             for note in served.notes:
-                logger.info("%s: %s", served.id, note)
+                logger.debug("%s: %s", served.id, note)
         if not self.models:
             return
         settings = self.settings
@@ -449,7 +484,7 @@ class Engine(EngineFront):
         if budget is None:
             budget = int(DEFAULT_MEMORY_FRACTION * available_memory(device)) - settings.state_cache_bytes
         self.memory_budget = max(0, budget)
-        logger.info("memory budget for running work: %.1f MiB", self.memory_budget / 2**20)
+        logger.debug("memory budget for running work: %.1f MiB", self.memory_budget / 2**20)
         for served in self.models.values():
             self._set_limits(served, speeds[served.id])
 
@@ -465,7 +500,9 @@ def _warm_up(served: ServedModel) -> None:
         cache = model.new_cache(batch_size=1)
         tokens = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # (1, 1): id 0 exists in every model
         model(tokens, cache=cache)
+        assert served.decoder is not None  # set just before (``_measure``)
         served.decoder.step(tokens[:, 0], cache)
+    assert served.tokenizer is not None  # a language model is served with its tokenizer
     served.tokenizer.token_bytes(0)
 
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import Any, Protocol
+
+
+class Courier(Protocol):
+    """What the scheduler hands the answers over with, once per iteration: a :class:`Postman`, or in the engine
+    process its ``StepWriter`` (``server/engine/core.py``)."""
+
+    def flush(self) -> None: ...
 
 
 class Postman:
@@ -44,13 +51,15 @@ def _deliver(deliveries: list[tuple[Mailbox, Any]]) -> None:
 class Mailbox:
     """A request's queue on its event loop; the worker thread puts into it through the postman."""
 
-    def __init__(self, postman: Postman) -> None:
+    def __init__(self, postman: Postman | None) -> None:
+        """``postman``: None for a mailbox that is put into directly (``server/engine/client.py``)."""
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self._postman = postman
 
     def put_many(self, items: list[Any]) -> None:
         """Thread-safe; delivered, in order, at the postman's next flush."""
+        assert self._postman is not None  # a mailbox without one is put into directly, never through here
         self._postman.post_many(self, items)
 
     async def get(self) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -25,6 +26,9 @@ import server.errors
 from server.errors import APIError
 from server.execution.sampling import TokenLogprob
 from server.metrics import Figure
+
+if TYPE_CHECKING:
+    from server.sched.batching import TransduceOutput
 
 STEP, CONTROL = b"S", b"C"  # the first byte of an engine message: a step, or a pickled control message (ready, reply)
 
@@ -36,7 +40,7 @@ class Finish:
 
     request: int
     index: int
-    reason: str
+    reason: Literal["stop", "length"]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -53,8 +57,9 @@ class Step:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # token row -> its log-probability
     scored: list[tuple[int, int, list[TokenLogprob | None]]] = field(default_factory=list)  # (request, index, scores)
     finished: list[Finish] = field(default_factory=list)
-    errors: list[tuple[int, int, APIError]] = field(default_factory=list)  # (request, sequence index or -1, error)
-    transduced: list[tuple[int, list]] = field(default_factory=list)  # (request, its TransduceOutputs)
+    # (request, sequence index or -1, error): an APIError once decoded (``error_to_wire`` sends any other as one)
+    errors: list[tuple[int, int, Exception]] = field(default_factory=list)
+    transduced: list[tuple[int, list[TransduceOutput]]] = field(default_factory=list)  # (request, its TransduceOutputs)
     figures: list[Figure] = field(default_factory=list)
     scheduled: int = 0  # requests that left the queue's waiting count
     finished_waiting: int = 0  # requests that finished before they were scheduled
@@ -134,6 +139,6 @@ def error_to_wire(error: BaseException) -> tuple[str, str, int | None]:
 def error_from_wire(wire: tuple[str, str, int | None]) -> APIError:
     name, message, retry_after_s = wire
     kind = getattr(server.errors, name)
-    error = kind.__new__(kind)
+    error: APIError = kind.__new__(kind)
     APIError.__init__(error, message, retry_after_s)
     return error

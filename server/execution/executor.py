@@ -12,6 +12,7 @@ so a step that raises fails its batch.
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import logging
 from collections.abc import Callable
@@ -106,7 +107,8 @@ class Call:
 
     items: list[TransduceItem]
     seconds: float
-    outputs: list[TransduceOutput | None] = field(default_factory=list)  # per item; None: a long input goes on
+    # per item; None: a long input goes on
+    outputs: collections.abc.Sequence[TransduceOutput | None] = field(default_factory=list)
     error: APIError | None = None
 
 
@@ -188,7 +190,7 @@ class Executor:
     def start(self, admitted: list[Sequence]) -> None:
         """Begin each admitted sequence (its cache, or a state-cache snapshot); one that fails ends."""
         for sequence in admitted:
-            self._guarded([sequence], lambda sequence=sequence: start(sequence, self.state_cache, self.metrics))
+            self._guarded([sequence], functools.partial(start, sequence, self.state_cache, self.metrics))
 
     def prefill(self, groups: list[PrefillGroup]) -> PrefillResult:
         """The groups in order until about one slice has run (one at least)."""
@@ -218,7 +220,7 @@ class Executor:
             if each.joining or each.prompting:
                 batch.join(each.joining + each.prompting)
             sequences = list(batch.sequences)
-            seconds = self._guarded(sequences, lambda batch=batch: batch.step(self.metrics))
+            seconds = self._guarded(sequences, functools.partial(batch.step, self.metrics))
             ran.append((each, batch, sequences, seconds))
         return DecodeResult(ran)
 
@@ -239,6 +241,7 @@ class Executor:
     def _record(self, served: ServedModel, flops: float, seconds: float) -> None:
         """A model call of ``flops`` multiply-adds took ``seconds``: metrics and the model's measured speed."""
         self.metrics.model_executed(served.id, seconds)
+        assert served.budget is not None  # measured when the model was installed
         served.budget.speed.observe(flops, seconds)
 
     def _guarded(
@@ -268,4 +271,6 @@ class Executor:
             for sequence in sequences:
                 if sequence not in retry:
                     sequence.fail(ModelFailure(f"the model failed: {error}"), self.metrics)
-        return sum(self._guarded([sequence], lambda sequence=sequence: alone(sequence)) for sequence in retry)
+        if alone is None:  # nothing runs again alone: retry is empty
+            return 0
+        return sum(self._guarded([sequence], functools.partial(alone, sequence)) for sequence in retry)

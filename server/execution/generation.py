@@ -15,13 +15,12 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, cast
 
 import torch
 
 from model.base import Cost, InferenceCache, largest_fitting, long_tensor
 from model.ops import cpu_decode
-from server.engine.mailbox import Mailbox
 from server.errors import APIError, ModelFailure
 from server.execution.detokenize import TextAssembler
 from server.execution.sampling import (
@@ -36,7 +35,7 @@ from server.execution.sampling import (
 from server.metrics import RequestTimes, ServerMetrics
 from server.models.store import ServedModel
 from server.sched.state_cache import StateCache
-from server.sched.work import FinishReason, Work
+from server.sched.work import FinishReason, Recipient, Work
 from server.structured.outputs import CompiledConstraint, Masks, token_bias, token_bias_later
 
 logger = logging.getLogger(__name__)
@@ -55,6 +54,26 @@ PREFILL_QUANTUM = 64
 # a longer chunk gets) cost text-lrnn 1.5-1.7 ms a prompt of 2-6 tokens, against 0.27-0.74 ms stepped 64 rows
 # together (alone 0.9-2.5 ms; docs/benchmarks.md, "Short prompts stepped").
 STEPPED_PREFILL_TOKENS = 8
+
+
+class Assembler(Protocol):
+    """What a sequence asks of its text: a :class:`TextAssembler`, or in the engine process none (``IdsOnly``,
+    ``server/engine/core.py``: the API process makes the text)."""
+
+    def push(self, token: int) -> tuple[str, bool]: ...
+
+    def whole_answer(self, tokens: list[int]) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class SelectsPositions(Protocol):
+    """A model whose ``selects_positions`` is true: its ``forward`` takes ``positions``, a (B, T) bool mask, and returns
+    the (N, output_size) logits there only (``SequenceModel.selects_positions``)."""
+
+    def forward(
+        self, tokens: torch.Tensor, cache: InferenceCache | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -104,14 +123,15 @@ class Sequence(Work):
     sequences of one HTTP request (several prompts, n choices) share a mailbox."""
 
     def __init__(
-        self, served: ServedModel, request: GenerationRequest, mailbox: Mailbox, index: int = 0, flow: str = ""
+        self, served: ServedModel, request: GenerationRequest, mailbox: Recipient, index: int = 0, flow: str = ""
     ) -> None:
         super().__init__(RequestTimes(served.id), flow, mailbox)
         self.served, self.request, self.index = served, request, index
         self.reserved_bytes = 0  # memory held for its cache while it runs (the scheduler's ledger)
         self.prefill_resumes_at = 0.0  # the scheduler's clock: until then its prefill yields to less-served sequences
         self.generator = request.sampling.generator()
-        self.assembler = TextAssembler(served.tokenizer, request.stop)
+        assert served.tokenizer is not None  # a language model is served with its tokenizer
+        self.assembler: Assembler = TextAssembler(served.tokenizer, request.stop)
         self.constraint = None if request.constraint is None else request.constraint.start()  # its own matcher
         self.cache: InferenceCache | None = None  # its own while prefilling; then a row of its decode batch
         self.next_logits: torch.Tensor | None = None  # (V,) predicting the next token
@@ -127,6 +147,7 @@ class Sequence(Work):
     def cache_bytes(self) -> int:
         """The memory its cache may take while it runs (``ModelBudget.context_cost``; computed once: admission
         looks at it on every iteration the sequence waits)."""
+        assert self.served.budget is not None  # measured when the model was installed
         return self.served.budget.context_cost(len(self.request.prompt) + self.request.max_tokens).nbytes
 
     @functools.cached_property
@@ -167,6 +188,7 @@ class Sequence(Work):
         return ended
 
     def deliver(self, answer: object) -> None:
+        assert isinstance(answer, APIError)  # a sequence's answers are its events; this is ``Work.fail``'s error
         self.send(answer)
 
     def send(self, event: PromptScored | TokenGenerated | Finished | APIError) -> None:
@@ -254,17 +276,29 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
     for sequence in sequences:
         if sequence.prefilled == sequence.snapshot_at:
             prefix = sequence.request.prompt[: sequence.prefilled]
-            state_cache.store(sequence.served.id, prefix, sequence.cache, sequence.next_logits)
+            state_cache.store(sequence.served.id, prefix, _cache(sequence), _next_logits(sequence))
     done = [sequence for sequence in sequences if not sequence.prefilling]
     for sequence in done:
-        state_cache.store(sequence.served.id, sequence.request.prompt, sequence.cache, sequence.next_logits)
+        state_cache.store(sequence.served.id, sequence.request.prompt, _cache(sequence), _next_logits(sequence))
         if sequence.request.prompt_logprobs:
             sequence.send(PromptScored(sequence.prompt_scores))
         if sequence.request.max_tokens == 0:
             sequence.finish("length", metrics)
     sampling = [sequence for sequence in done if not sequence.done]
     if sampling:
-        accept(sampling, torch.stack([sequence.next_logits for sequence in sampling]), metrics)
+        accept(sampling, torch.stack([_next_logits(sequence) for sequence in sampling]), metrics)
+
+
+def _cache(sequence: Sequence) -> InferenceCache:
+    """Its own cache: set by :func:`start`, and kept until it joins a decode batch or ends."""
+    assert sequence.cache is not None
+    return sequence.cache
+
+
+def _next_logits(sequence: Sequence) -> torch.Tensor:
+    """Its logits predicting the next token: set once a prompt token has been prefilled (prompts are not empty)."""
+    assert sequence.next_logits is not None
+    return sequence.next_logits
 
 
 def prefill_call_cost(sequences: list[Sequence], length: int) -> Cost:
@@ -302,7 +336,7 @@ def _prefill_call(sequences: list[Sequence], length: int) -> None:
         [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
         device=model.device,
     )  # (B, n)
-    caches = [sequence.cache for sequence in sequences]
+    caches = [_cache(sequence) for sequence in sequences]
     cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
     if _stepped(sequences[0], length):
         for position in range(length - 1):  # no logits but the last position's: nothing scores this chunk
@@ -311,7 +345,8 @@ def _prefill_call(sequences: list[Sequence], length: int) -> None:
     elif _head_on_last(sequences, length):
         positions = torch.zeros(chunks.shape, dtype=torch.bool, device=model.device)  # (B, n)
         positions[:, -1] = True
-        logits = model.forward(chunks, cache=cache, positions=positions)[:, None]  # (B, 1, V)
+        selecting = cast(SelectsPositions, model)  # _head_on_last: its selects_positions is true
+        logits = selecting.forward(chunks, cache=cache, positions=positions)[:, None]  # (B, 1, V)
     else:
         logits = model.forward(chunks, cache=cache)  # (B, n, V)
     if len(caches) > 1:
@@ -337,15 +372,18 @@ def prefill_length(sequence: Sequence, budget: int, at: tuple[int, int | None] |
     remaining = min(end - prefilled, budget)
     if remaining <= 0:
         return max(remaining, 0)
-    budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
+    model_budget = sequence.served.budget  # its memo of the cost formulas: most prompts start at context 0
+    assert model_budget is not None  # measured when the model was installed
     scored = bool(sequence.request.prompt_logprobs)
-    length = sequence.served.model.chunk_length(budget.slice_flops, prefilled, remaining, budget.cost, scored)
+    length = sequence.served.model.chunk_length(
+        model_budget.slice_flops, prefilled, remaining, model_budget.cost, scored
+    )
     if prefilled + length < end:
         length = length - length % PREFILL_QUANTUM if length >= PREFILL_QUANTUM else 1 << (length.bit_length() - 1)
     if _stepped(sequence, length):  # it runs as decode steps: as many as fit the slice (more than a pass's where the
         # pass's fixed work is most of the slice: RegularGPT deep in a long prompt on a loaded machine)
         return largest_fitting(
-            lambda steps: _stepped_cost(budget.cost, 1, steps, prefilled).flops <= budget.slice_flops,
+            lambda steps: _stepped_cost(model_budget.cost, 1, steps, prefilled).flops <= model_budget.slice_flops,
             min(remaining, STEPPED_PREFILL_TOKENS),
         )
     return length
@@ -375,7 +413,7 @@ class DecodeBatch:
     def join(self, joining: list[Sequence]) -> None:
         """Add sequences whose prefill is done, or whose prompt is to run here (:func:`prompt_in_batch`); their caches
         become rows of the batch's."""
-        caches = ([] if self.cache is None else [self.cache]) + [sequence.cache for sequence in joining]
+        caches = ([] if self.cache is None else [self.cache]) + [_cache(sequence) for sequence in joining]
         self.cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
         self.sequences += joining
         for sequence in joining:
@@ -387,6 +425,7 @@ class DecodeBatch:
         if len(keep) == len(self.sequences):
             return
         self.sequences = [self.sequences[row] for row in keep]
+        assert self.cache is not None  # its rows are the sequences'
         self.cache = self.cache.select(keep) if keep else None
         if self.prompting:
             self.prompting = sum(sequence.prefilling for sequence in self.sequences)
@@ -404,12 +443,14 @@ class DecodeBatch:
         else:
             inputs = [sequence.generated[-1] for sequence in self.sequences]
         tokens = long_tensor(inputs)  # (B,): the decoder moves them
+        assert served.decoder is not None and self.cache is not None  # set by the engine; the rows' caches
         if not sampling:
             served.decoder.advance(tokens, self.cache)
             return
         if all(sequence.picks_greedily for sequence in sampling):
-            picks, values = served.decoder.greedy_step(tokens, self.cache)  # (B,), (B,)
-            picks, values = picks.tolist(), values.tolist()
+            picked, picked_values = served.decoder.greedy_step(tokens, self.cache)  # (B,), (B,)
+            picks: list[int] = picked.tolist()
+            values: list[float] = picked_values.tolist()
             if rows is not None:
                 picks, values = [picks[row] for row in rows], [values[row] for row in rows]
             take(sampling, picks, values, metrics)
@@ -501,7 +542,8 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
     if not rows:
         return sequences, logits, logits
     if masks is None:
-        bias, any_allowed = token_bias([sequences[row].constraint for row in rows], logits.shape[-1])  # (R, V), (R,)
+        constraints = [constraint for row in rows if (constraint := sequences[row].constraint) is not None]  # all
+        bias, any_allowed = token_bias(constraints, logits.shape[-1])  # (R, V), (R,)
     else:
         bias, any_allowed = masks.result()
     bias = bias.to(logits.device)  # (R, V)
@@ -512,6 +554,7 @@ def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerM
         masked[rows] += bias
     for row, allowed in zip(rows, any_allowed):
         sequence = sequences[row]
+        assert sequence.constraint is not None  # rows: the constrained sequences
         if sequence.constraint.error is not None:
             sequence.fail(sequence.constraint.failure(), metrics)
         elif not allowed:
@@ -541,6 +584,7 @@ def _append(sequence: Sequence, token: int, logits: torch.Tensor | None, row: in
     if sequence.constraint is not None and not sequence.constraint.consume(token):
         sequence.fail(sequence.constraint.failure(token), metrics)
         return
+    assert sequence.served.tokenizer is not None  # a language model is served with its tokenizer
     if token == sequence.served.tokenizer.eot_token:
         sequence.finish("stop", metrics)
         return
@@ -548,6 +592,7 @@ def _append(sequence: Sequence, token: int, logits: torch.Tensor | None, row: in
     if not sequence.plain:
         logprob = None
         if sequence.request.logprobs is not None:
+            assert logits is not None  # a sequence that reads log-probabilities does not pick greedily
             logprob = token_logprobs(logits[row, None], torch.tensor([token]), sequence.request.logprobs)[0]
         text, stopped = sequence.assembler.push(token)
         sequence.send(TokenGenerated(token, text, logprob))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,7 +79,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if whole:
             tokens = picks
         else:
+            assert tokens is not None  # greedy(logits) where not whole
             tokens[index] = picks
+    assert tokens is not None  # whole: its one group drew them
     return tokens.tolist()
 
 
@@ -102,7 +105,8 @@ def drawn_logits(logits: torch.Tensor, tokens: list[int]) -> list[float]:
     """Each row's logit at its token: logits (B, V), tokens (B,) -> B values, read without the B x V (on the CPU
     through numpy: a few microseconds)."""
     if logits.device.type == "cpu":
-        return logits.detach().numpy()[np.arange(len(tokens)), tokens].tolist()
+        drawn: list[float] = logits.detach().numpy()[np.arange(len(tokens)), tokens].tolist()
+        return drawn
     rows = torch.arange(len(tokens), device=logits.device)
     return logits[rows, torch.tensor(tokens, device=logits.device)].tolist()
 
@@ -127,11 +131,14 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 class TokenHistory(Protocol):
     """What the penalties read of a sequence: its prompt (P,) int64 and its output token ids so far."""
 
-    prompt_ids: torch.Tensor
-    generated: list[int]
+    @property
+    def prompt_ids(self) -> torch.Tensor: ...
+
+    @property
+    def generated(self) -> list[int]: ...
 
 
-def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]) -> torch.Tensor:
+def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[TokenHistory]) -> torch.Tensor:
     """The logits to sample from: logits (B, V) float (on any device), adjusted per row by params[i] given the row's
     prompt and output tokens so far (module docstring). Rows without penalties or biases are left as they are;
     the input is not modified."""

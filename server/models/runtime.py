@@ -1,6 +1,6 @@
 """Models added while serving (``POST /v1/models``) and removed (``DELETE /v1/models/{id}``).
 
-A runtime model is a regular expression (over an alphabet) or a DFA (SPEC section 2) compiled into exact weights
+A runtime model is a regular expression (over an alphabet) or a DFA (docs/api.md, Automaton files) compiled into exact weights
 (automata/regex.py, automata/compiler.py): a transduce model that labels each prefix "1" when the DFA accepts it
 (for a regular expression: ``re.fullmatch`` matches it), else "0", at any length. Compiling runs in a thread of
 its own, never the engine's, one at a time, within ``runtime_compile_timeout_s``; the engine then switches the

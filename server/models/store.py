@@ -1,8 +1,9 @@
 """The served models: every checkpoint folder under a directory, loaded strictly, with what requests need to
 turn text into token ids (the alphabet of a transducer, the tokenizer of a language model).
 
-A folder that fails to load is reported with its path and reason and skipped; the caller decides what to
-do when none loads.
+The folders come from several directories (the shipped checkpoints/ and those of ``--models``); a model's id is its
+folder's name. A folder that fails to load is reported with its path and reason and skipped; the caller decides what
+to do when none loads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import re
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +40,7 @@ class ServedModel:
     tokenizer: Tokenizer | None = None
     symbol_ids: dict[int, str] = field(default_factory=dict)  # a transducer's ord(symbol) -> chr(its token id)
     outside_alphabet: re.Pattern[str] | None = None  # finds the first character that is not a symbol
-    notes: list[str] = field(default_factory=list)  # what ``model.for_serving()`` changed
+    notes: list[str] = field(default_factory=list)  # what ``model.for_serving()`` changed (logged at DEBUG)
     budget: ModelBudget | None = None  # set by the engine once the model's speed is measured
     limits: ModelLimits | None = None
     decoder: Decoder | None = None  # a generation model's decode step, set by the engine (CUDA graphs or eager)
@@ -63,7 +65,6 @@ class ServedModel:
             vocab_size=self.config.model.vocab_size,
             parameters=sum(parameter.numel() for parameter in self.model.parameters()),
             limits=None if self.limits is None else self.limits.as_dict(),
-            serving_notes=self.notes,
             decode=None if self.decoder is None else DecodeStep(**vars(self.decoder.path)),
         )
 
@@ -71,6 +72,7 @@ class ServedModel:
         """A transducer input -> its token ids; a character outside the alphabet is refused by position. No Python
         loop over the symbols: a regular expression checks them, ``str.translate`` maps each to the character of
         its id, and UTF-32 writes those as the 4-byte integers of the array."""
+        assert self.outside_alphabet is not None  # set for a transducer (``served_transducer``)
         outside = self.outside_alphabet.search(text)
         if outside is not None:
             raise InvalidInput(
@@ -88,41 +90,65 @@ class LoadReport:
     failures: list[str]  # "<path>: <reason>" per folder that did not load
 
 
-def failed_folder(failure: str, directory: Path) -> str:
+def failed_folder(failure: str, directories: Sequence[Path]) -> str:
     """The name of the folder a ``LoadReport`` failure ("<path>: <reason>") is about, for those who should not read
-    the server's paths (/health): its path less ``directory``, the folder the models were loaded from."""
-    path, _, _ = failure.removeprefix(f"{directory}{os.sep}").partition(": ")
+    the server's paths (/health): its path less the one of ``directories`` (the folders the models were loaded from)
+    it is under."""
+    for directory in directories:
+        if failure.startswith(f"{directory}{os.sep}"):
+            path, _, _ = failure.removeprefix(f"{directory}{os.sep}").partition(": ")
+            return Path(path).name or path
+    path, _, _ = failure.partition(": ")
     return Path(path).name or path
 
 
 def served_transducer(model_id: str, model: SequenceModel, config: CheckpointConfig, path: Path) -> ServedModel:
     """A transduce model with what requests need to turn its inputs into token ids."""
+    assert config.alphabet is not None  # a transducer's config has its alphabet
     served = ServedModel(id=model_id, model=model, config=config, path=path)
     served.symbol_ids = str.maketrans({symbol: chr(index) for index, symbol in enumerate(config.alphabet)})
     served.outside_alphabet = re.compile(f"[^{re.escape(config.alphabet)}]")
     return served
 
 
-def load_models(directory: Path, device: str) -> LoadReport:
-    """Load every checkpoint folder directly under ``directory`` (or ``directory`` itself if it is one)."""
-    if not directory.is_dir():
-        return LoadReport({}, [f"{directory}: not a folder"])
-    folders = (
-        [directory]
-        if (directory / CONFIG_FILE).is_file()
-        else sorted(path for path in directory.iterdir() if path.is_dir() and not path.name.startswith((".", "_")))
-    )
-    models, failures = {}, []
+def checkpoint_folders(directory: Path) -> list[Path]:
+    """``directory`` itself if it is a checkpoint folder, else its sub-folders (not those named .* or _*)."""
+    if (directory / CONFIG_FILE).is_file():
+        return [directory]
+    return sorted(path for path in directory.iterdir() if path.is_dir() and not path.name.startswith((".", "_")))
+
+
+def load_models(directories: Path | Sequence[Path], device: str) -> LoadReport:
+    """Load every checkpoint folder directly under each of ``directories`` (or the directory itself if it is one).
+    A model id (its folder's name) already loaded from an earlier folder is a failure, not a replacement. Logs one
+    INFO line before loading; each model loaded at DEBUG, each failure as a WARNING."""
+    directories = [directories] if isinstance(directories, Path) else list(directories)
+    folders, failures = [], []
+    for directory in directories:
+        if not directory.is_dir():
+            failures.append(f"{directory}: not a folder")
+            continue
+        try:
+            found = checkpoint_folders(directory)
+        except OSError as error:  # e.g. an unreadable folder: reported like a folder that failed
+            failures.append(f"{directory}: {type(error).__name__}: {error}")
+            continue
+        if not found:
+            failures.append(f"{directory}: holds no checkpoint folder")
+        folders += found
+    logger.info("loading %d models from %s", len(folders), ", ".join(map(str, directories)))
+    models: dict[str, ServedModel] = {}
     for folder in folders:
         try:
+            if folder.name in models:
+                raise CheckpointError(f"model id {folder.name!r} is served already, from {models[folder.name].path}")
             models[folder.name] = load_served_model(folder, device)
-            logger.info("loaded %s from %s", folder.name, folder)
+            logger.debug("loaded %s from %s", folder.name, folder)
         except Exception as error:  # whatever the reason, this folder is reported and skipped
             expected = isinstance(error, (CheckpointError, TokenizerError))
             failures.append(f"{folder}: {error if expected else f'{type(error).__name__}: {error}'}")
-            logger.error("skipped %s", failures[-1])
-    if not folders:
-        failures.append(f"{directory}: holds no checkpoint folder")
+    for failure in failures:
+        logger.warning("skipped %s", failure)
     return LoadReport(models, failures)
 
 
@@ -132,6 +158,7 @@ def load_served_model(folder: Path, device: str) -> ServedModel:
     if config.kind == "transduce":
         return served_transducer(folder.name, loaded.model, config, folder)
     served = ServedModel(id=folder.name, model=loaded.model, config=config, path=folder)
+    assert config.tokenizer is not None  # a language model's config names its tokenizer
     served.tokenizer = load_tokenizer(config.tokenizer, folder)
     if config.model.vocab_size < served.tokenizer.vocab_size:
         raise CheckpointError(

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from model.base import Cost, gather_last
-from server.engine.mailbox import Mailbox
 from server.metrics import RequestTimes, ServerMetrics
 from server.models.store import ServedModel
-from server.sched.work import Work
+from server.sched.work import Recipient, Work
 
 
 @dataclass
@@ -51,7 +50,7 @@ class TransduceJob(Work):
         inputs: list[array[int]],
         all_outputs: bool,
         times: RequestTimes,
-        mailbox: Mailbox,
+        mailbox: Recipient,
         flow: str = "",
     ) -> None:
         super().__init__(times, flow, mailbox)
@@ -62,6 +61,7 @@ class TransduceJob(Work):
     def items(self) -> list[TransduceItem]:
         self.outputs, self.missing = [None] * len(self.inputs), len(self.inputs)
         budget = self.served.budget
+        assert budget is not None  # measured when the model was installed, before any request
         items = []
         for index, tokens in enumerate(self.inputs):
             length = len(tokens)
@@ -111,11 +111,13 @@ def plan_batches(items: list[TransduceItem], max_batch_size: int, max_batch_symb
 
 
 def _fits_one_slice(item: TransduceItem, rows: int, longest: int) -> bool:
+    assert item.job.served.budget is not None  # measured when the model was installed
     return item.job.served.budget.fits_one_slice(batch_cost(item, rows, longest))
 
 
 def batch_cost(item: TransduceItem, rows: int, longest: int) -> Cost:
     """The call of a batch of ``rows`` inputs padded to ``longest``, of ``item``'s model and output mode."""
+    assert item.job.served.budget is not None  # measured when the model was installed
     return item.job.served.budget.cost("forward" if item.job.all_outputs else "final", rows, longest)
 
 
@@ -155,6 +157,7 @@ class LongTransduce:
         if self._slices is None:
             served = self.item.job.served
             tokens = padded([self.item.tokens]).to(served.model.device)  # (1, T)
+            assert served.budget is not None  # measured when the model was installed
             self._slices = served.model.run_in_slices(tokens, self.item.job.all_outputs, served.budget.slice_flops)
         try:
             return next(self._slices)
@@ -185,5 +188,6 @@ def _outputs(final_logits: torch.Tensor, labels: list[list[int]] | None) -> list
     """final_logits: (B, L) -> per row the label, its probability and the per-position labels (computed for all
     rows at once: a small op per row costs more than the batch's)."""
     confidence, final = final_logits.float().softmax(-1).max(-1)  # (B,), (B,)
-    rows = zip(final.tolist(), confidence.tolist(), labels or [None] * len(final_logits))
+    per_row: Sequence[list[int] | None] = labels or [None] * len(final_logits)
+    rows = zip(final.tolist(), confidence.tolist(), per_row)
     return [TransduceOutput(final=label, confidence=probability, labels=all_) for label, probability, all_ in rows]

@@ -17,7 +17,7 @@ one long input and the next one then looked short and ran whole, issue 30). From
   memory. The time limit is ``settings.max_job_seconds``, or ``settings.max_constant_state_job_seconds`` for a
   model whose state has one size at every length (:func:`has_constant_state`: the LRNNs, the LSTM): a long input
   to it holds O(1) memory and runs in slices that yield to every other client, so only its time bounds it, and
-  a million-token prompt (SPEC section 5) must fit on a loaded CPU.
+  a million-token prompt (docs/api.md, Long-context probes) must fit on a loaded CPU.
 
 The memory budget (``settings.memory_budget_bytes``, by default ``DEFAULT_MEMORY_FRACTION`` of the memory
 available once the models are loaded, less the state cache's budget) bounds what running work holds at once:
@@ -157,7 +157,7 @@ class ModelBudget:
     def limits(self, kind: str, max_input_symbols: int, max_tokens: int) -> ModelLimits:
         """The largest inputs, searched up to the server-wide limits."""
 
-        def largest(fits, high: int) -> int:
+        def largest(fits: Callable[[int], bool], high: int) -> int:
             return largest_fitting(fits, high) if high > 0 and fits(1) else 0
 
         if kind == "transduce":

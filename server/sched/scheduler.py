@@ -64,8 +64,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from server.engine.mailbox import Postman
+from server.engine.mailbox import Courier
 from server.errors import APIError, Unavailable
 from server.execution.executor import (
     DecodeResult,
@@ -87,6 +88,8 @@ from server.sched.work import RequestQueue, Status, Work
 from server.settings import Settings
 
 STOP = object()  # put into the inbox to end the loop
+T = TypeVar("T")
+W = TypeVar("W", bound=Work)
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,12 @@ class AbortAll:
 
 
 @dataclass(frozen=True)
-class OnWorker:
+class OnWorker(Generic[T]):
     """Put into the inbox to run ``work`` on the worker thread between two iterations (e.g. installing a model
     compiled while serving); its result or exception goes to ``done``."""
 
-    work: Callable[[], object]
-    done: concurrent.futures.Future
+    work: Callable[[], T]
+    done: concurrent.futures.Future[T]
 
     def run(self) -> None:
         try:
@@ -155,8 +158,8 @@ class Scheduler:
         settings: Settings,
         metrics: ServerMetrics,
         state_cache: StateCache,
-        inbox: queue.SimpleQueue,
-        postman: Postman,
+        inbox: queue.SimpleQueue[object],
+        postman: Courier,
         memory_budget: int,
         request_queue: RequestQueue | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -283,6 +286,7 @@ class Scheduler:
             elif isinstance(work, TransduceJob):
                 self._take_job(work, idle)
             else:
+                assert isinstance(work, Sequence)  # the rest of what the engine puts into the inbox
                 self.waiting.append(work)
         return True
 
@@ -441,7 +445,7 @@ class Scheduler:
         room = self.settings.max_running - self._running()
         if room <= 0:
             return []  # nothing to order while no sequence can start
-        admitted = []
+        admitted: list[Sequence] = []
         for sequence in self._fair_order(self.waiting):
             if len(admitted) >= room:
                 break
@@ -465,7 +469,7 @@ class Scheduler:
 
     def _plan_prefill(
         self, now: float, admitted: list[Sequence], starts: dict[int, tuple[int, int | None]],
-        prompting: list[Sequence] = (),
+        prompting: Iterable[Sequence] = (),
     ) -> list[PrefillGroup]:  # fmt: skip
         """Chunks for the prefilling sequences and the ``admitted`` ones, each from its ``starts`` entry (prefilled,
         snapshot_at), in fair order, within the token budget (``prefill_chunk_tokens``), grouped by model, context
@@ -514,7 +518,7 @@ class Scheduler:
 
     def _plan_decode(
         self, prefill: list[PrefillGroup], starts: dict[int, tuple[int, int | None]],
-        prompting: list[Sequence] = (),
+        prompting: Iterable[Sequence] = (),
     ) -> list[DecodeWork]:  # fmt: skip
         """One step per decode batch, joined by the sequences whose prompt the ``prefill`` chunks complete (the
         executor takes those whose first token it sampled: ``ready_work``) and by the ``prompting`` ones."""
@@ -543,7 +547,7 @@ class Scheduler:
         self.prefilling = [sequence for sequence in self.prefilling if id(sequence) not in joined]
 
 
-def _settle(works: Iterable[Work], metrics: ServerMetrics, flows: set[str], finished: dict[int, Work]) -> list[Work]:
+def _settle(works: Iterable[W], metrics: ServerMetrics, flows: set[str], finished: dict[int, Work]) -> list[W]:
     """The sweep on each of ``works``, in one loop (it runs over every running sequence twice an iteration): end it if
     its client went away, emit its answers; those that ended go into ``finished``; returns the others, whose flows go
     into ``flows``."""

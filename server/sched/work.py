@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Literal
+from typing import Literal, Protocol
 
-from server.engine.mailbox import Mailbox
 from server.errors import APIError
 from server.metrics import RequestTimes, ServerMetrics
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Recipient(Protocol):
+    """Where a request's answers go at ``emit``: its ``Mailbox`` (``server/engine/mailbox.py``), or in the engine
+    process its ``RemoteMailbox`` (``server/engine/core.py``)."""
+
+    def put_many(self, items: list[object]) -> None: ...
 
 
 class Status(enum.Enum):
@@ -40,7 +46,7 @@ class Work:
     """A request's status, its fairness (flow, service) and its timestamps. Subclasses say how an answer or an error
     reaches the request (``deliver``)."""
 
-    def __init__(self, times: RequestTimes, flow: str, mailbox: Mailbox) -> None:
+    def __init__(self, times: RequestTimes, flow: str, mailbox: Recipient) -> None:
         self.times, self.mailbox = times, mailbox
         self.flow = flow  # who asked (the scheduler's fairness key)
         self.service = 0.0  # model seconds spent on it so far (the scheduler's fairness)

@@ -40,7 +40,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import llguidance
 import llguidance.tiktoken
@@ -51,16 +51,19 @@ from server.errors import APIError, InputTooLarge, InvalidInput, ModelFailure, O
 from server.structured.regex import PatternError, literal_regex, plain_regex
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from model.tokenizer import Tokenizer
     from server.api.protocol import StructuredOutputs
     from server.settings import Settings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CACHED_CONSTRAINTS = 256  # compiled constraints kept per vocabulary (LRU)
 MAX_COMPILING = 4  # compiles still running at once (a timed-out one runs on until llguidance's limits stop it)
 MAX_LEFT_BEHIND = 4  # masks past their budget still computing (each holds a core) before constraints get 429
-JSON_OPTIONS = {"whitespace_flexible": False}  # compact: "," and ":" with no whitespace around them
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}  # compact: "," and ":" with no whitespace around them
 _MINUS_INFINITY_BITS = np.float32(-np.inf).view(np.int32)
 
 
@@ -188,7 +191,9 @@ def bias_from_bitmask(bitmask: np.ndarray, vocabulary: int) -> tuple[torch.Tenso
         bits = np.pad(bits, ((0, 0), (0, vocabulary - bits.shape[1])))
     bias = np.subtract(bits, 1, dtype=np.int32)  # (R, V) 0 or all ones
     bias &= _MINUS_INFINITY_BITS
-    return torch.from_numpy(bias.view(np.float32)), bits.any(axis=-1).tolist()  # (R, V) 0 or -inf
+    allowed = bits.any(axis=-1)  # (R,): bits is 2-D
+    assert isinstance(allowed, np.ndarray)
+    return torch.from_numpy(bias.view(np.float32)), allowed.tolist()  # (R, V) 0 or -inf
 
 
 class Masks:
@@ -234,6 +239,7 @@ class Masks:
         if late is None:
             if isinstance(self._outcome, BaseException):
                 raise self._outcome
+            assert self._outcome is not None  # every row done: run() set it
             return self._outcome
         self.constraints[late].too_slow()
         bitmask = np.zeros_like(self.bitmask[: late + 1])  # (late + 1, words): the late row allows nothing
@@ -372,6 +378,7 @@ class ConstraintCompiler:
                 raise Overloaded(f"{_MASK_THREADS.left_behind} structured_outputs masks past their time budget are "
                                  "still being computed; retry later", retry_after_s=1)  # fmt: skip
             if cached is not None:
+                assert known is not None  # cached came from it
                 known.compiled.move_to_end(key)
                 return cached
             if self._compiling >= MAX_COMPILING:
@@ -492,7 +499,7 @@ def _first_line(error: str) -> str:
     return (error.strip().splitlines() or [""])[0]
 
 
-def _settle(future: asyncio.Future, result: object) -> None:
+def _settle(future: asyncio.Future[T], result: T | BaseException) -> None:
     if future.cancelled():
         return
     if isinstance(result, BaseException):

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
+from typing import Any
 
-from automata.regex import REFUSED_CONSTRUCTS, regex_compiler, regex_constants, regex_parser, single_character_item
+from automata.regex import REFUSED_CONSTRUCTS, single_character_item
+
+# re's private parser modules (typeshed has no stubs for them), as automata/regex.py imports them on 3.10 and 3.11+
+from automata.regex import regex_compiler, regex_constants, regex_parser  # type: ignore[attr-defined]
 
 LAST_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: no UTF-8 text holds them
@@ -64,10 +69,10 @@ class _Writer:
     def __init__(self, max_length: int, deadline: float | None) -> None:
         self.max_length, self.deadline, self.length = max_length, deadline, 0
 
-    def sequence(self, items, flags: int) -> str:
+    def sequence(self, items: Iterable[tuple[object, Any]], flags: int) -> str:
         return "".join(self.item(op, argument, flags) for op, argument in items)
 
-    def item(self, op, argument, flags: int) -> str:
+    def item(self, op: object, argument: Any, flags: int) -> str:
         if op is regex_constants.SUBPATTERN:
             _group, add_flags, del_flags, items = argument
             return self._grow(f"(?:{self.sequence(items, (flags | add_flags) & ~del_flags)})")
@@ -90,7 +95,7 @@ class _Writer:
             raise PatternError("rewriting the pattern took too long", over_limit=True)
         return text
 
-    def _characters(self, op, argument, flags: int) -> Ranges:
+    def _characters(self, op: object, argument: Any, flags: int) -> Ranges:
         if op is regex_constants.LITERAL and not flags & re.IGNORECASE:
             return ((argument, argument),)
         # A key without the parser state: ranges depend only on the item and the flags that change its meaning.
@@ -102,7 +107,7 @@ _RANGES: dict[str, Ranges] = {}  # item and flags -> its ranges (cached: finding
 MAX_CACHED_ITEMS = 1024
 
 
-def _matched_ranges(key: str, single: object, flags: int) -> Ranges:
+def _matched_ranges(key: str, single: Any, flags: int) -> Ranges:
     """The code points ``re`` matches with the single-character item (compiled with ``flags``), as ranges."""
     if key in _RANGES:
         return _RANGES[key]

@@ -60,6 +60,7 @@ def test_runtime_stage_runs_the_server_as_a_user_with_models_and_a_health_check(
     assert "checkpoints/ /models/" in copies and "deploy/healthcheck.py /app/healthcheck.py" in copies
     environment = dict(re.findall(r"(REGULARLM_\w+)=(\S+)", runtime["ENV"]))
     assert environment["REGULARLM_MODELS"] == "/models" and environment["REGULARLM_HOST"] == "0.0.0.0"
+    assert environment["REGULARLM_SHIPPED_MODELS"] == "false"  # /models holds them: not the package's (none there)
     assert {name.removeprefix("REGULARLM_").lower() for name in environment} <= set(Settings.model_fields)
 
 
@@ -118,7 +119,8 @@ def healthcheck(port: int) -> subprocess.CompletedProcess:
 
 
 def test_healthcheck_is_healthy_while_serving_and_not_while_draining(tmp_path: Path) -> None:
-    with serve(Settings(models=write_checkpoints(tmp_path), device="cpu", torch_threads=1)) as live:
+    settings = Settings(models=write_checkpoints(tmp_path), shipped_models=False, device="cpu", torch_threads=1)
+    with serve(settings) as live:
         port = int(live.url.rsplit(":", 1)[1])
         assert healthcheck(port).returncode == 0
         live.engine.begin_drain()  # what SIGTERM does first: /health answers 503

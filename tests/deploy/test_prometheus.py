@@ -134,7 +134,8 @@ def is_number(value: str) -> bool:
 
 def test_promtool_lints_the_live_metrics_and_prometheus_scrapes_them(tmp_path: Path) -> None:
     deadline = time.monotonic() + DEADLINE_S
-    settings = Settings(models=write_checkpoints(tmp_path / "checkpoints"), device="cpu", torch_threads=1)
+    settings = Settings(models=write_checkpoints(tmp_path / "checkpoints"), shipped_models=False, device="cpu",
+                        torch_threads=1)
     with serve(settings) as server:
         send_requests(server.url)  # before the first scrape: every series exists from then on
         exposition = httpx.get(f"{server.url}/metrics", timeout=5.0).text

@@ -5,6 +5,8 @@ inputs in slices beside short requests and disconnects mid-slice are tests/serve
 from __future__ import annotations
 
 import asyncio
+import logging
+import shutil
 
 import httpx
 import pytest
@@ -13,7 +15,7 @@ from model.lstm.model import LSTMModel
 from server.engine import engine as engine_module
 from server.errors import Unavailable
 from server.sched.scheduler import FairShare
-from tests.server.checkpoints import LANGUAGE_MODELS
+from tests.server.checkpoints import BROKEN, LANGUAGE_MODELS
 from tests.server.driven import FakeClock, finished_at, generation, language_model, receive
 from tests.server.driven import scheduler as driven_scheduler
 from tests.server.helpers import before_each_decode_step, make_settings
@@ -160,6 +162,48 @@ def test_on_ready_runs_once_the_models_are_loaded_before_serving(checkpoints_dir
         engine.stop()
 
 
+def test_models_from_several_folders_are_served_and_start_up_says_three_things_at_info(
+    checkpoints_dir, tmp_path, caplog
+) -> None:
+    """The folders of ``models`` are served together (a checkpoint folder named itself, or a folder of them); an id
+    served already is skipped and reported, not replaced. At INFO start-up says "loading N models from ...", a warning
+    per folder skipped and "N models ready ..."; each model's serving notes are at DEBUG."""
+    more = tmp_path / "more"
+    shutil.copytree(checkpoints_dir / "parity-lrnn", more / "parity-lrnn")  # the id of a model loaded before it
+    shutil.copytree(checkpoints_dir / "parity-lrnn", tmp_path / "parity-again")
+    settings = make_settings([checkpoints_dir, more, tmp_path / "parity-again"])
+    engine = engine_module.Engine(settings, engine_module.ServerMetrics())
+    with caplog.at_level(logging.DEBUG, logger="server"):
+        engine.start()
+        engine.wait_loaded(60)
+    try:
+        assert engine.state == "ready"
+        assert {"parity-lrnn", "parity-again", "text-lrnn"} <= set(engine.models)
+        assert engine.models["parity-lrnn"].path == checkpoints_dir / "parity-lrnn"
+        duplicate = next(failure for failure in engine.load_failures if failure.startswith(str(more)))
+        assert "model id 'parity-lrnn' is served already, from " + str(checkpoints_dir / "parity-lrnn") in duplicate
+        assert sorted(engine.skipped_folders) == sorted([BROKEN, "parity-lrnn"])
+    finally:
+        engine.stop()
+    info = [  # but "batch invariance: off: ...", for the tiny LSTM and transformer
+        record
+        for record in caplog.records
+        if record.levelno == logging.INFO
+        and record.name.startswith("server")
+        and not record.getMessage().startswith("batch invariance: off: ")
+    ]
+    folders = f"{checkpoints_dir}, {more}, {tmp_path / 'parity-again'}"
+    assert [record.getMessage().split(" in ")[0] for record in info] == [
+        f"loading {len(engine.models) + 2} models from {folders}",
+        f"{len(engine.models)} models ready",
+    ], [record.getMessage() for record in info]
+    assert info[-1].getMessage().endswith("; 2 skipped (the warnings above say why)")
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all(warning.startswith("skipped ") for warning in warnings), warnings
+    notes = [record.getMessage() for record in caplog.records if record.levelno == logging.DEBUG]
+    assert any(note.startswith("parity-lrnn: ") for note in notes), notes  # for_serving's notes
+
+
 def test_requests_before_the_models_are_loaded_are_told_so(checkpoints_dir) -> None:
     engine = engine_module.Engine(make_settings(checkpoints_dir), engine_module.ServerMetrics())  # not started
     with pytest.raises(Unavailable) as refused:
@@ -193,7 +237,7 @@ def short_generation_latency(checkpoints_dir, model_id: str, beside_long_prompt:
 
 @pytest.mark.parametrize("model_id", ["text-regulargpt", "text-lrnn"])
 def test_a_short_generation_beside_a_long_prefill_waits_at_most_one_slice(model_id: str, checkpoints_dir) -> None:
-    """Issue 30 point 4: a prompt served more than a slice beyond a running sequence yields to it, so a short request
+    """A prompt served more than a slice beyond a running sequence yields to it, so a short request
     beside a long prefill runs as if alone once the slice in progress ends. (Before, every iteration ran a slice of
     the long prompt's prefill and then one decode step: 8 tokens waited 9 slices, 0.47 s here against 0.02 alone.)"""
     alone = short_generation_latency(checkpoints_dir, model_id, beside_long_prompt=False)

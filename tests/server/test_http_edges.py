@@ -467,4 +467,4 @@ def test_health_is_ok_with_nothing_skipped(idle_url: str) -> None:
     ],
 )
 def test_a_failure_names_its_folder_without_the_path(failure: str, directory: str, folder: str) -> None:
-    assert failed_folder(failure, Path(directory)) == folder
+    assert failed_folder(failure, [Path("/elsewhere"), Path(directory)]) == folder

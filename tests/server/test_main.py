@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from server.__main__ import parse_settings
+from server.settings import SHIPPED_CHECKPOINTS
+from tests.server.checkpoints import BROKEN, LANGUAGE_MODELS, TRANSDUCERS
 from tests.server.live import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +44,7 @@ def free_port() -> int:
 def test_no_loadable_model_exits_2_with_the_reasons(tmp_path) -> None:
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"format_version": 1}')
-    process = start_server("--models", str(tmp_path), "--port", str(free_port()))
+    process = start_server("--no-shipped-models", "--models", str(tmp_path), "--port", str(free_port()))
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 2
     assert f"error: no model could be loaded from {tmp_path}" in stderr
@@ -56,14 +58,41 @@ def test_bad_option_exits_2(argv: list[str], capsys) -> None:
     assert exit_info.value.code == 2 and argv[0].strip("-") in capsys.readouterr().err
 
 
+def test_models_are_served_beside_the_shipped_ones_unless_told_otherwise(tmp_path, monkeypatch) -> None:
+    assert parse_settings([]).model_folders == [SHIPPED_CHECKPOINTS]
+    one, two = tmp_path / "one", tmp_path / "two"
+    settings = parse_settings(["--models", str(one), str(two)])
+    assert settings.models == [one, two] and settings.model_folders == [SHIPPED_CHECKPOINTS, one, two]
+    assert parse_settings(["--models", str(one), "--models", str(two)]).models == [one, two]
+    assert parse_settings(["--models", str(one), "--no-shipped-models"]).model_folders == [one]
+    assert parse_settings(["--models", str(SHIPPED_CHECKPOINTS), str(one)]).model_folders == [SHIPPED_CHECKPOINTS, one]
+    monkeypatch.setenv("REGULARLM_MODELS", f"{one}{os.pathsep}{two}")  # as PATH is written; or a JSON list
+    monkeypatch.setenv("REGULARLM_SHIPPED_MODELS", "false")
+    assert parse_settings([]).model_folders == [one, two]
+    assert parse_settings(["--models", str(two)]).model_folders == [two]  # the command line wins
+    monkeypatch.setenv("REGULARLM_MODELS", json.dumps([str(two)]))
+    assert parse_settings([]).model_folders == [two]
+
+
+def test_no_shipped_models_and_no_folder_is_a_bad_option(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_settings(["--no-shipped-models"])
+    assert exit_info.value.code == 2 and "nothing to serve" in capsys.readouterr().err
+
+
 def test_enforce_eager_turns_cuda_graphs_off() -> None:
     assert parse_settings([]).cuda_graphs and not parse_settings(["--enforce-eager"]).cuda_graphs
 
 
 def test_sigterm_drains_requests_in_flight(checkpoints_dir) -> None:
+    """Also: start-up at INFO is a handful of lines, "ready on" the last, once /health is 200 (not uvicorn's "running
+    on", said as the socket opens before the models are loaded)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = start_server("--models", str(checkpoints_dir), "--port", str(port))
+    process = start_server(
+        "--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port), "--log-level", "info"
+    )
+    stderr = ""
     try:
         wait_healthy(url, timeout=300)
         body = {"model": "text-lstm", "prompt": "x", "max_tokens": 800, "stream": True}
@@ -82,7 +111,14 @@ def test_sigterm_drains_requests_in_flight(checkpoints_dir) -> None:
     finally:
         if process.poll() is None:
             process.kill()
-        process.communicate()
+        _, stderr = process.communicate()
+    lines = stderr.splitlines()
+    ready = next(index for index, line in enumerate(lines) if f"ready on http://127.0.0.1:{port}" in line)
+    startup = lines[: ready + 1]
+    assert len(startup) <= 6 and not any("Uvicorn running on" in line for line in lines), stderr
+    assert f"loading {len(TRANSDUCERS) + len(LANGUAGE_MODELS) + 1} models from {checkpoints_dir}" in startup[0]
+    assert any(f"{len(TRANSDUCERS) + len(LANGUAGE_MODELS)} models ready in " in line for line in startup), stderr
+    assert any(" WARNING " in line and f"skipped {checkpoints_dir / BROKEN}" in line for line in startup), stderr
 
 
 def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir) -> None:
@@ -91,7 +127,9 @@ def test_sigterm_past_the_drain_timeout_answers_503_and_exits_0(checkpoints_dir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     drain_timeout_s = 0.5
-    process = start_server("--models", str(checkpoints_dir), "--port", str(port), drain_timeout_s=drain_timeout_s)
+    process = start_server(
+        "--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port), drain_timeout_s=drain_timeout_s
+    )
     try:
         wait_healthy(url, timeout=300)
         body = {"model": "text-transformer", "prompt": "x", "max_tokens": 4096}
@@ -134,7 +172,7 @@ def test_the_engine_process_dying_exits_3(checkpoints_dir) -> None:
     or Kubernetes restarts it (the 503 answers and /health: tests/server/test_engine_process.py)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = start_server("--models", str(checkpoints_dir), "--port", str(port))
+    process = start_server("--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port))
     try:
         wait_healthy(url, timeout=300)
         os.kill(engine_process_of(process.pid), signal.SIGKILL)
@@ -173,7 +211,8 @@ def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
     The sockets wait 3 s: several timeouts of 0.5 s, less than the defaults (10 s) or the keep-alive (75 s)."""
     port = free_port()
     process = start_server(
-        "--models", str(checkpoints_dir), "--port", str(port), header_timeout_s=0.5, body_timeout_s=0.5
+        "--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port),
+        header_timeout_s=0.5, body_timeout_s=0.5,
     )  # fmt: skip
     try:
         wait_healthy(f"http://127.0.0.1:{port}", timeout=300)
@@ -226,7 +265,8 @@ def test_idle_connections_are_kept_alive_for_their_next_request(checkpoints_dir)
     assert parse_settings([]).keep_alive_s > httpx.Limits().keepalive_expiry
     port = free_port()
     process = start_server(
-        "--models", str(checkpoints_dir), "--port", str(port), header_timeout_s=0.5, keep_alive_s=2
+        "--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port),
+        header_timeout_s=0.5, keep_alive_s=2,
     )  # fmt: skip
     request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     try:

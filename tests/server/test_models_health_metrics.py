@@ -17,13 +17,13 @@ def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_d
     assert body["object"] == "list"
     cards = {card["id"]: card for card in body["data"]}
     assert set(cards) == set(TRANSDUCERS) | set(LANGUAGE_MODELS)
-    assert cards["parity-lrnn"] | {"parameters": 0, "limits": {}, "serving_notes": []} == {
+    assert cards["parity-lrnn"] | {"parameters": 0, "limits": {}} == {
         "id": "parity-lrnn", "object": "model", "owned_by": "regularlm", "kind": "transduce", "architecture": "lrnn",
         "task": "parity_check", "alphabet": "01", "labels": ["0", "1"], "tokenizer": None, "vocab_size": 2,
-        "parameters": 0, "limits": {}, "serving_notes": [], "decode": None,
+        "parameters": 0, "limits": {}, "decode": None,
     }  # fmt: skip
+    assert "serving_notes" not in cards["parity-lrnn"]  # model.for_serving's notes: in the server's log, at DEBUG
     assert cards["parity-lrnn"]["limits"]["max_input_symbols"] > 0  # tests/server/test_engine.py
-    assert all(isinstance(note, str) and note for note in cards["parity-lrnn"]["serving_notes"])  # model.for_serving
     assert cards["text-lstm"]["kind"] == "generate" and cards["text-lstm"]["tokenizer"] == "bytes"
     for model_id in LANGUAGE_MODELS:  # model/cuda_graphs.py: graphs on CUDA only (tests/server/test_cuda.py)
         decode = cards[model_id]["decode"]
@@ -92,4 +92,5 @@ def test_settings_come_from_the_environment(monkeypatch) -> None:
     settings = Settings()
     assert settings.port == 9123 and settings.cors_origins == ["https://a.example"]
     assert Settings(port=1).port == 1
-    assert settings.models == SHIPPED_CHECKPOINTS == Path(__file__).resolve().parents[2] / "checkpoints"
+    assert settings.models == [] and settings.shipped_models  # the shipped ones alone (tests/server/test_main.py)
+    assert settings.model_folders == [SHIPPED_CHECKPOINTS] == [Path(__file__).resolve().parents[2] / "checkpoints"]

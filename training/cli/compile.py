@@ -20,7 +20,7 @@ from model.checkpoint import CONFIG_FILE, save_checkpoint
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dfa", type=Path, nargs="?", help="DFA JSON file (SPEC section 2)")
+    parser.add_argument("dfa", type=Path, nargs="?", help="DFA JSON file (docs/api.md, Automaton files)")
     parser.add_argument("--regex", help="instead of a DFA file: a regular expression (Python syntax, matched whole)")
     parser.add_argument("--alphabet", help="with --regex: the input symbols, one character each, e.g. 01")
     parser.add_argument("--name", default="regex", help="with --regex: the automaton's name (default: regex)")

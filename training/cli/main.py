@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     width = max(map(len, COMMANDS)) + 2
     listing = "\n".join(f"  {name:<{width}}{summary}" for name, summary in COMMANDS.items())
     parser = Parser(prog=PROG, usage=f"{PROG} <command> [flags]", formatter_class=argparse.RawDescriptionHelpFormatter,
-                    description="Train and evaluate transducers on the tasks of SPEC section 1, and language models.\n\n"
+                    description="Train and evaluate transducers on the tasks of docs/api.md (Tasks), and language models.\n\n"
                                 f"commands ({PROG} <command> --help lists a command's flags):\n{listing}",
                     epilog=f"e.g. {PROG} train --help")
     commands = parser.add_subparsers(dest="command", required=True, metavar="<command>", help=argparse.SUPPRESS)
@@ -133,7 +133,7 @@ TASK_DEFAULTS = {"batch_size": 128, "lr": 3e-4, "optimizer": "adam", "beta2": 0.
 def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_train)
     what = parser.add_argument_group("what to train")
-    what.add_argument("--task", help="a task of SPEC section 1, e.g. parity_check")
+    what.add_argument("--task", help="a task of docs/api.md (Tasks), e.g. parity_check")
     what.add_argument("--arch", help=f"architecture: {', '.join(TRAINABLE_ARCHITECTURES)}")
     data = parser.add_argument_group("data")
     data.add_argument("--train-lengths", type=length_range, help="A-B (default: the task's, 1-40 or 1-50)")
@@ -189,6 +189,8 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json", action="store_true", help="print the JSON report (schema: training/evaluation/evaluate.py)")
     parser.add_argument("--plot", type=Path, help="write a PNG of accuracy against length here")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="a tqdm progress bar on stderr, at a terminal (symbols evaluated)")
     add_threads(parser)
 
 
@@ -331,7 +333,7 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     band_sets = draw_bands(task, bands, args.samples, args.seed, args.power_offsets)
     reports = [
         evaluate_checkpoint(loaded, protocol, bands, band_sets, args.seed, args.batch_size, args.chunk_symbols,
-                            args.power_offsets)
+                            args.power_offsets, progress=args.progress)
         for loaded in checkpoints
     ]
     output = reports[0] if len(reports) == 1 else combine_reports(reports)

@@ -353,7 +353,8 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-impl", choices=("auto", "reference", "fast"),
                         help="RegularGPT: evaluate through this attention implementation instead of the "
                              "checkpoint's (exact either way; reference is O(T^2), fast O(T*C))")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="a tqdm progress bar on stderr, at a terminal (tokens run)")
     add_threads(parser)
 
 

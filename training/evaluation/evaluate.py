@@ -15,6 +15,7 @@ import numpy as np
 from model.checkpoint import LoadedCheckpoint
 from training.data.batches import FinalLabelSet, count_correct_final
 from training.data.tasks import BHATTAMISHRA_TRAIN_LENGTHS, Task
+from training.evaluation.progress import progress_bar
 
 Protocol = Literal["papers", "hard", "induction", "custom"]
 HARD_LENGTHS = (501, 2000)
@@ -83,17 +84,28 @@ def evaluate_checkpoint(
     batch_size: int,
     chunk_symbols: int | None = None,
     power_offsets: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """The JSON report of one checkpoint on the drawn ``band_sets`` (``power_offsets``: drawn
-    so); ``chunk_symbols``: see :func:`training.data.batches.count_correct_final`."""
+    so); ``chunk_symbols``: see :func:`training.data.batches.count_correct_final`. ``progress``: a tqdm bar on
+    stderr at a terminal (none elsewhere), in symbols evaluated, moved after each batch, gone once done."""
     alphabet = loaded.config.alphabet
     assert alphabet is not None
     results, correct_total, sample_total = [], 0, 0
-    for band, examples in zip(bands, band_sets):
-        correct = count_correct_final(loaded.model, examples, alphabet, batch_size, chunk_symbols)
-        results.append({"lengths": list(band.lengths), "p_one": band.p_one, "samples": len(examples),
-                        "accuracy": correct / len(examples)})
-        correct_total, sample_total = correct_total + correct, sample_total + len(examples)
+    symbols = sum(len(string) for examples in band_sets for string in examples.strings)
+    with progress_bar(progress, total=symbols, desc=loaded.path.name, unit="symbol", unit_scale=True,
+                      leave=False) as bar:  # fmt: skip
+        for band, examples in zip(bands, band_sets):
+            bar.set_postfix_str(f"lengths {band.lengths[0]}-{band.lengths[1]}")
+            correct = 0
+            for first in range(0, len(examples), batch_size):  # count_correct_final's batches, one at a time
+                part = FinalLabelSet(examples.strings[first : first + batch_size],
+                                     examples.final_labels[first : first + batch_size])  # fmt: skip
+                correct += count_correct_final(loaded.model, part, alphabet, batch_size, chunk_symbols)
+                bar.update(sum(map(len, part.strings)))
+            results.append({"lengths": list(band.lengths), "p_one": band.p_one, "samples": len(examples),
+                            "accuracy": correct / len(examples)})
+            correct_total, sample_total = correct_total + correct, sample_total + len(examples)
     return {"checkpoint": str(loaded.path), "task": loaded.config.task, "architecture": loaded.config.architecture,
             "protocol": protocol, "seed": seed, "power_offsets": power_offsets, "bands": results,
             "overall": correct_total / sample_total}

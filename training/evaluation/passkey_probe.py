@@ -122,7 +122,8 @@ def probe_checkpoint(
     model = loaded.model.eval()
     prompts_per_cell = len(probe.depths) * probe.trials
     total = len(fillers) * prompts_per_cell * sum(probe.sizes)
-    bar = tqdm(total=total, desc=f"{loaded.path.name} pass key", unit="token", unit_scale=True, disable=not progress)
+    bar = tqdm(total=total, desc=f"{loaded.path.name} pass key", unit="token", unit_scale=True,
+               disable=None if progress else True)  # at a terminal only  # fmt: skip
     report_fillers = []
     for name, stream in fillers.items():
         builder = PassKeyBuilder(tokenizer, stream, probe.number_forms)

@@ -9,15 +9,16 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from model.base import SequenceModel
 from model.checkpoint import LoadedCheckpoint
+from training.evaluation.progress import progress_bar
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 
@@ -36,9 +37,11 @@ def target_positions(documents: list[np.ndarray], context: int, targets: int) ->
 
 @torch.no_grad()
 def last_token_nll(
-    model: SequenceModel, documents: list[np.ndarray], positions: list[tuple[int, int]], length: int, batch_size: int
+    model: SequenceModel, documents: list[np.ndarray], positions: list[tuple[int, int]], length: int, batch_size: int,
+    done: Callable[[int], object] | None = None,
 ) -> np.ndarray:
-    """Negative log-likelihood of each target given the ``length`` tokens before it. Returns (targets,)."""
+    """Negative log-likelihood of each target given the ``length`` tokens before it. Returns (targets,).
+    ``done(tokens)`` after each batch: the context tokens it ran (a progress bar's ``update``)."""
     losses = []
     for start in range(0, len(positions), batch_size):
         chunk = positions[start:start + batch_size]
@@ -46,6 +49,8 @@ def last_token_nll(
         targets = torch.tensor([int(documents[doc][position]) for doc, position in chunk], device=model.device)
         logits = model.final_logits(torch.from_numpy(windows).to(model.device))  # (b, V)
         losses.append(F.cross_entropy(logits.float(), targets, reduction="none").cpu().numpy())
+        if done is not None:
+            done(windows.size)
     return np.concatenate(losses)
 
 
@@ -111,20 +116,23 @@ def evaluate_text_checkpoint(
     multiples: tuple[float, ...], targets: int, batch_size: int, receptive_windows: int, receptive_multiple: float,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """The report of the module docstring for one checkpoint."""
+    """The report of the module docstring for one checkpoint. ``progress``: a tqdm bar on stderr at a terminal (none
+    elsewhere), in context tokens run, moved after each batch."""
     started = time.perf_counter()
     model = loaded.model.eval()
     lengths = [max(1, round(multiple * train_length)) for multiple in multiples]
     positions = target_positions(documents, max(lengths), targets)
     rows, per_target = [], []
-    bar = tqdm(list(zip(multiples, lengths)), desc=f"{loaded.path.name} context", unit="length", disable=not progress)
-    for multiple, length in bar:
-        losses = last_token_nll(model, documents, positions, length, batch_size)  # (targets,)
-        per_target.append(losses)
-        nll = float(losses.mean())
-        rows.append({"length": length, "multiple": multiple, "perplexity": math.exp(nll), "nll": nll,
-                     "nll_stderr": _stderr(losses), "nll_per_target": losses.tolist()})
-        bar.set_postfix(length=length, ppl=f"{math.exp(nll):.2f}")
+    with progress_bar(progress, total=len(positions) * sum(lengths), desc=f"{loaded.path.name} context",
+                      unit="token", unit_scale=True) as bar:  # fmt: skip
+        for multiple, length in zip(multiples, lengths):
+            bar.set_postfix(length=length)
+            losses = last_token_nll(model, documents, positions, length, batch_size, bar.update)  # (targets,)
+            per_target.append(losses)
+            nll = float(losses.mean())
+            rows.append({"length": length, "multiple": multiple, "perplexity": math.exp(nll), "nll": nll,
+                         "nll_stderr": _stderr(losses), "nll_per_target": losses.tolist()})
+            bar.set_postfix(length=length, ppl=f"{math.exp(nll):.2f}")
     field = None
     if receptive_windows:
         field_length = round(receptive_multiple * train_length)
