@@ -97,8 +97,9 @@ class MooreMachine:
         reachable from the start, numbered in breadth-first order."""
         block = {state: self.output[state] for state in self.states}  # a state's block: its label, then refined
         while True:
-            signature = {state: (block[state], *(block[self.delta[state][s]] for s in self.alphabet))
-                         for state in self.states}
+            signature = {
+                state: (block[state], *(block[self.delta[state][s]] for s in self.alphabet)) for state in self.states
+            }
             numbering = {key: str(i) for i, key in enumerate(dict.fromkeys(signature.values()))}
             refined = {state: numbering[signature[state]] for state in self.states}
             if len(set(refined.values())) == len(set(block.values())):
@@ -106,9 +107,12 @@ class MooreMachine:
             block = refined
         representative = {block[state]: state for state in reversed(self.states)}  # the first state of each block
         return MooreMachine.explore(
-            self.name, self.alphabet, block[self.start],
+            self.name,
+            self.alphabet,
+            block[self.start],
             step=lambda b, symbol: block[self.delta[representative[b]][symbol]],
-            output=lambda b: self.output[representative[b]], state_name=lambda b: f"q{b}",
+            output=lambda b: self.output[representative[b]],
+            state_name=lambda b: f"q{b}",
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -191,7 +195,9 @@ class DFA:
             return _dfa_from_object(data_or_path)
         path = Path(data_or_path)
         try:
-            return _dfa_from_object(json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicate_keys))
+            return _dfa_from_object(
+                json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicate_keys)
+            )
         except OSError as error:
             raise AutomatonError(f"{path}: cannot read the file: {error.strerror}") from None
         except json.JSONDecodeError as error:
@@ -246,8 +252,7 @@ def _check_delta(delta: Transitions, alphabet: str, states: tuple[str, ...]) -> 
         for symbol, target in row.items():
             if len(symbol) != 1:
                 raise AutomatonError(
-                    f"transition from state {source!r} on {symbol!r}: a symbol must be one character, "
-                    f"not {len(symbol)}"
+                    f"transition from state {source!r} on {symbol!r}: a symbol must be one character, not {len(symbol)}"
                 )
             if symbol not in alphabet:
                 raise AutomatonError(
@@ -277,8 +282,9 @@ def _dfa_from_object(data: Any) -> DFA:
     _require(_is_list_of_strings(data["accept"]), "'accept' must be a list of strings")
     _require(
         isinstance(data["delta"], Mapping)
-        and all(isinstance(row, Mapping) and all(isinstance(t, str) for t in row.values())
-                for row in data["delta"].values()),
+        and all(
+            isinstance(row, Mapping) and all(isinstance(t, str) for t in row.values()) for row in data["delta"].values()
+        ),
         "'delta' must map each state to an object from symbols to states",
     )
     repeated = _first_repeated(data["accept"])

@@ -58,7 +58,12 @@ def compile_lrnn(automaton: Automaton) -> tuple[BlockDiagonalLRNN, CheckpointCon
     label_rows = 1 if binary else len(labels)
     d_model = max(8, _next_power_of_two(vocab + 1 + label_rows))  # Hadamard rows 1..V: symbols; then the labels'
     config = LRNNConfig(
-        vocab_size=vocab, num_labels=len(labels), d_model=d_model, n_layers=1, block_size=n + 1, num_blocks=1,
+        vocab_size=vocab,
+        num_labels=len(labels),
+        d_model=d_model,
+        n_layers=1,
+        block_size=n + 1,
+        num_blocks=1,
         d_ff=1,
     )
     hadamard = _hadamard(d_model)  # (d, d)
@@ -111,8 +116,14 @@ def compile_regulargpt(automaton: Automaton) -> tuple[RegularGPT, CheckpointConf
     flat, d_model = n * n, 2 * n * n  # the residual stream: X = channels [0, n^2), O = [n^2, 2 n^2)
     product_units = len(PRODUCT_THRESHOLDS) * n**3
     config = RegularGPTConfig(
-        vocab_size=vocab, num_labels=len(labels), d_model=d_model, n_heads=1, d_ff=product_units + 2 * d_model,
-        chunk_size=2, thickness=1, out_of_range="null",
+        vocab_size=vocab,
+        num_labels=len(labels),
+        d_model=d_model,
+        n_heads=1,
+        d_ff=product_units + 2 * d_model,
+        chunk_size=2,
+        thickness=1,
+        out_of_range="null",
     )
     eps = config.layer_norm_eps
     attention_stats = _stream_stats(n, d_model, blocks_in_use=1, eps=eps)  # [X, 0]: ln_1 and ln_f
@@ -130,11 +141,14 @@ def compile_regulargpt(automaton: Automaton) -> tuple[RegularGPT, CheckpointConf
     if labels == LABELS:  # "1" scores M (sum over accepting i of A[i, q0]) - M / 2, "0" the negation
         head = _label_head(LABEL_MARGIN * labelled[1], -LABEL_MARGIN / 2)
     else:  # label k scores M (sum over the states i labelled k of A[i, q0]): M for one label, 0 for the others
-        head = {"embedding.label_head.weight": LABEL_MARGIN * labelled,
-                "embedding.label_head.bias": np.zeros(len(labels))}
+        head = {
+            "embedding.label_head.weight": LABEL_MARGIN * labelled,
+            "embedding.label_head.bias": np.zeros(len(labels)),
+        }
     weights = {
-        "embedding.embed.weight": np.concatenate([machine.transition_matrices().reshape(vocab, flat),
-                                                  np.zeros((vocab, flat))], axis=1),
+        "embedding.embed.weight": np.concatenate(
+            [machine.transition_matrices().reshape(vocab, flat), np.zeros((vocab, flat))], axis=1
+        ),
         **head,
         **_layer_norm("blocks.0.ln_1", d_model, *attention_stats),
         "blocks.0.attention.heads.c_attn.weight": qkv,
@@ -164,8 +178,12 @@ def checkpoint_config(
     metadata records the "dfa" or "moore_machine" compiled."""
     source = {"dfa": automaton.to_json()} if isinstance(automaton, DFA) else {"moore_machine": automaton.to_json()}
     return CheckpointConfig(
-        architecture=architecture, model=model_config, kind="transduce", task=task_of(automaton),
-        alphabet=automaton.alphabet, labels=labels_of(automaton),
+        architecture=architecture,
+        model=model_config,
+        kind="transduce",
+        task=task_of(automaton),
+        alphabet=automaton.alphabet,
+        labels=labels_of(automaton),
         metadata={"compiled": True, "compiler": "automata.compiler", **source},
     )
 

@@ -55,13 +55,21 @@ def regex_dfa(pattern: str, alphabet: str, name: str = "regex") -> DFA:
     def state_name(subset: frozenset[int]) -> str:  # subsets are numbered as the search meets them
         if subset not in names:
             if len(names) >= MAX_SUBSETS:
-                raise AutomatonTooLarge(f"regular expression {pattern!r}: more than {MAX_SUBSETS} states before "
-                                     "minimising")
+                raise AutomatonTooLarge(
+                    f"regular expression {pattern!r}: more than {MAX_SUBSETS} states before minimising"
+                )
             names[subset] = str(len(names))
         return names[subset]
 
-    machine = MooreMachine.explore(name, alphabet, initial, step, lambda subset: "1" if accept in subset else "0",
-                                   state_name, max_states=MAX_SUBSETS)
+    machine = MooreMachine.explore(
+        name,
+        alphabet,
+        initial,
+        step,
+        lambda subset: "1" if accept in subset else "0",
+        state_name,
+        max_states=MAX_SUBSETS,
+    )
     return DFA.from_moore(machine.minimal())
 
 
@@ -83,8 +91,9 @@ class _NFA:
 
     def new_state(self) -> int:
         if len(self.epsilon) >= MAX_NFA_STATES:
-            raise AutomatonTooLarge(f"regular expression {self.pattern!r} unrolls to more than {MAX_NFA_STATES} NFA "
-                                 "states")
+            raise AutomatonTooLarge(
+                f"regular expression {self.pattern!r} unrolls to more than {MAX_NFA_STATES} NFA states"
+            )
         self.epsilon.append([])
         self.edges.append([])
         return len(self.epsilon) - 1

@@ -12,8 +12,12 @@ from automata.automaton import DFA
 def counter(states: int) -> dict:
     """The DFA JSON of counting 1s modulo ``states`` over "01" (every state reachable), accepting at 0."""
     return {
-        "name": f"counter{states}", "alphabet": "01", "states": [f"q{i}" for i in range(states)], "start": "q0",
-        "accept": ["q0"], "delta": {f"q{i}": {"0": f"q{i}", "1": f"q{(i + 1) % states}"} for i in range(states)},
+        "name": f"counter{states}",
+        "alphabet": "01",
+        "states": [f"q{i}" for i in range(states)],
+        "start": "q0",
+        "accept": ["q0"],
+        "delta": {f"q{i}": {"0": f"q{i}", "1": f"q{(i + 1) % states}"} for i in range(states)},
     }
 
 

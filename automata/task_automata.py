@@ -27,7 +27,9 @@ def _binary(flag: bool) -> str:
 
 def parity_check() -> MooreMachine:
     return MooreMachine.explore(
-        "parity_check", "01", start=0,
+        "parity_check",
+        "01",
+        start=0,
         step=lambda ones, symbol: (ones + (symbol == "1")) % 2,
         output=str,
         state_name=lambda ones: ("even", "odd")[ones],
@@ -37,7 +39,9 @@ def parity_check() -> MooreMachine:
 def even_pairs() -> MooreMachine:
     """State: (first symbol, last symbol); the label is 1 when they are equal."""
     return MooreMachine.explore(
-        "even_pairs", "ab", start=None,
+        "even_pairs",
+        "ab",
+        start=None,
         step=lambda seen, symbol: (symbol if seen is None else seen[0], symbol),
         output=lambda seen: _binary(seen is None or seen[0] == seen[1]),
         state_name=lambda seen: "start" if seen is None else f"first_{seen[0]}_last_{seen[1]}",
@@ -47,7 +51,9 @@ def even_pairs() -> MooreMachine:
 def even_pair_mod5() -> MooreMachine:
     """State: (first symbol, whether the last symbol equals it)."""
     return MooreMachine.explore(
-        "even_pair_mod5", DIGITS, start=None,
+        "even_pair_mod5",
+        DIGITS,
+        start=None,
         step=lambda seen, symbol: (symbol, True) if seen is None else (seen[0], symbol == seen[0]),
         output=lambda seen: _binary(seen is not None and seen[1]),
         state_name=lambda seen: "start" if seen is None else f"first{seen[0]}_{'same' if seen[1] else 'other'}",
@@ -56,7 +62,9 @@ def even_pair_mod5() -> MooreMachine:
 
 def cycle_navigation() -> MooreMachine:
     return MooreMachine.explore(
-        "cycle_navigation", "012", start=0,
+        "cycle_navigation",
+        "012",
+        start=0,
         step=lambda position, symbol: (position + CYCLE_MOVES[symbol]) % 5,
         output=str,
         state_name=lambda position: f"at{position}",
@@ -65,7 +73,9 @@ def cycle_navigation() -> MooreMachine:
 
 def sum_mod5() -> MooreMachine:
     return MooreMachine.explore(
-        "sum_mod5", DIGITS, start=0,
+        "sum_mod5",
+        DIGITS,
+        start=0,
         step=lambda total, symbol: (total + int(symbol)) % 5,
         output=str,
         state_name=lambda total: f"sum{total}",
@@ -96,7 +106,10 @@ def modular_arithmetic() -> MooreMachine:
         return f"terms{finished}_product{product}{after}"
 
     return MooreMachine.explore(
-        "modular_arithmetic", DIGITS + OPERATORS, start=start, step=step,
+        "modular_arithmetic",
+        DIGITS + OPERATORS,
+        start=start,
+        step=step,
         output=lambda state: "0" if state == malformed else str(sum(state[:2]) % 5),
         state_name=state_name,
     )
@@ -105,7 +118,9 @@ def modular_arithmetic() -> MooreMachine:
 def dyck(max_depth: int) -> MooreMachine:
     """State: the nesting depth, or "dead" once the prefix closed more than it opened or nested too deep."""
     return MooreMachine.explore(
-        f"d{max_depth}", "ab", start=0,
+        f"d{max_depth}",
+        "ab",
+        start=0,
         step=lambda depth, symbol: _dyck_step(depth, symbol, max_depth),
         output=lambda depth: _binary(depth == 0),
         state_name=lambda depth: "dead" if depth is None else f"depth{depth}",
@@ -122,7 +137,8 @@ def _dyck_step(depth: int | None, symbol: str, max_depth: int) -> int | None:
 def tomita3() -> MooreMachine:
     """The last run decides: "odd_zeros" is an odd 0-run right after an odd 1-run, and a 1 after it is fatal."""
     return MooreMachine(
-        name="tomita3", alphabet="01",
+        name="tomita3",
+        alphabet="01",
         states=("clean", "odd_ones", "odd_zeros", "even_zeros", "dead"),
         start="clean",
         delta={
@@ -139,9 +155,12 @@ def tomita3() -> MooreMachine:
 def tomita4() -> MooreMachine:
     """State: the number of trailing 0s (below 3), or "dead" after 000."""
     return MooreMachine.explore(
-        "tomita4", "01", start=0,
-        step=lambda zeros, symbol: None if zeros is None or zeros + (symbol == "0") == 3 else
-        (zeros + 1 if symbol == "0" else 0),
+        "tomita4",
+        "01",
+        start=0,
+        step=lambda zeros, symbol: (
+            None if zeros is None or zeros + (symbol == "0") == 3 else (zeros + 1 if symbol == "0" else 0)
+        ),
         output=lambda zeros: _binary(zeros is not None),
         state_name=lambda zeros: "dead" if zeros is None else f"q{zeros}",
     )
@@ -150,7 +169,9 @@ def tomita4() -> MooreMachine:
 def tomita5() -> MooreMachine:
     """State: (#0 mod 2, #1 mod 2)."""
     return MooreMachine.explore(
-        "tomita5", "01", start=(0, 0),
+        "tomita5",
+        "01",
+        start=(0, 0),
         step=lambda counts, symbol: (counts[0] ^ (symbol == "0"), counts[1] ^ (symbol == "1")),
         output=lambda counts: _binary(counts == (0, 0)),
         state_name=lambda counts: f"zeros{'_odd' if counts[0] else '_even'}_ones{'_odd' if counts[1] else '_even'}",
@@ -160,7 +181,9 @@ def tomita5() -> MooreMachine:
 def tomita6() -> MooreMachine:
     """State: (#0 - #1) mod 3."""
     return MooreMachine.explore(
-        "tomita6", "01", start=0,
+        "tomita6",
+        "01",
+        start=0,
         step=lambda excess, symbol: (excess + (1 if symbol == "0" else -1)) % 3,
         output=lambda excess: _binary(excess == 0),
         state_name=lambda excess: f"excess{excess}",
@@ -169,7 +192,9 @@ def tomita6() -> MooreMachine:
 
 def first() -> MooreMachine:
     return MooreMachine.explore(
-        "first", "01", start="start",
+        "first",
+        "01",
+        start="start",
         step=lambda state, symbol: f"first_{symbol}" if state == "start" else state,
         output=lambda state: _binary(state == "first_1"),
         state_name=str,
@@ -179,7 +204,9 @@ def first() -> MooreMachine:
 def one() -> MooreMachine:
     """State: the number of 1s, counted up to 2 ("many")."""
     return MooreMachine.explore(
-        "one", "01", start=0,
+        "one",
+        "01",
+        start=0,
         step=lambda ones, symbol: min(ones + (symbol == "1"), 2),
         output=lambda ones: _binary(ones == 1),
         state_name=lambda ones: ("no_one", "one", "many")[ones],
@@ -196,7 +223,10 @@ def induction_heads() -> MooreMachine:
         return key or symbol
 
     return MooreMachine.explore(
-        "induction_heads", INDUCTION_LETTERS + INDUCTION_MARK, start=None, step=step,
+        "induction_heads",
+        INDUCTION_LETTERS + INDUCTION_MARK,
+        start=None,
+        step=step,
         output=lambda key: key or NO_KEY,
         state_name=lambda key: "before_mark" if key is None else f"key_{key}" if key else "after_mark",
     )
@@ -210,8 +240,18 @@ def task_machines() -> dict[str, MooreMachine]:
 
 def binary_task_machines() -> dict[str, MooreMachine]:
     """The machine of every regular task whose labels are "0"/"1", by task name."""
-    machines = [parity_check(), even_pairs(), even_pair_mod5(), *(dyck(depth) for depth in (2, 3, 4, 12)),
-                tomita3(), tomita4(), tomita5(), tomita6(), first(), one()]
+    machines = [
+        parity_check(),
+        even_pairs(),
+        even_pair_mod5(),
+        *(dyck(depth) for depth in (2, 3, 4, 12)),
+        tomita3(),
+        tomita4(),
+        tomita5(),
+        tomita6(),
+        first(),
+        one(),
+    ]
     return {machine.name: machine for machine in machines}
 
 

@@ -46,8 +46,15 @@ def timed(model, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[float, 
 
 def train_step_seconds(block_size: int) -> float:
     """Mean seconds of RUNS optimizer steps after one, on the model and batch of ``--train``."""
-    config = LRNNConfig(vocab_size=8192, d_model=128, n_layers=2, block_size=block_size, num_blocks=16, d_ff=512,
-                        transition_norm="stochastic")  # fmt: skip
+    config = LRNNConfig(
+        vocab_size=8192,
+        d_model=128,
+        n_layers=2,
+        block_size=block_size,
+        num_blocks=16,
+        d_ff=512,
+        transition_norm="stochastic",
+    )
     torch.manual_seed(0)
     model = build_model("lrnn", config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -115,8 +122,9 @@ def prefill_table(parser, settings: dict[str, tuple[Callable, Callable]], path: 
             seconds, logits = timed(model, tokens, positions)
             reference = logits if reference is None else reference
             difference = (logits - reference).abs().max().item()
-            print(f"| {round_} | {label} | {seconds * 1e3:.0f} | {length / seconds:,.0f} | {difference:.1e} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {round_} | {label} | {seconds * 1e3:.0f} | {length / seconds:,.0f} | {difference:.1e} |", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ def main() -> None:
     with torch.inference_mode():
         decoder = decoder_for(model, capture_sizes(64))
         print(f"decode path: {decoder.path}\n")
-        print("| rows | step eager (us) | step as served (us) | sample T=1 on the model's device (us) | through the "
-              "CPU (us) | greedy on the device (us) | through the CPU (us) |")  # fmt: skip
+        print(
+            "| rows | step eager (us) | step as served (us) | sample T=1 on the model's device (us) | through the "
+            "CPU (us) | greedy on the device (us) | through the CPU (us) |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for rows in [int(value) for value in args.rows.split(",")]:
             cache = model.new_cache(rows)

@@ -286,8 +286,9 @@ def report(built: dict[str, BlockDiagonalLRNN], batches: list[int], rounds: list
             kind = "bandwidth" if batch == 1 else "FLOP"
             read_share = "-"
             if batch == 1:  # the weights' bytes at the rate a sum reads them
-                shares = summary([parameters * 4 / cells["read_bytes_per_s"] / cells[name, 1] for cells in rounds],
-                                 100, 0)  # fmt: skip
+                shares = summary(
+                    [parameters * 4 / cells["read_bytes_per_s"] / cells[name, 1] for cells in rounds], 100, 0
+                )
                 read_share = f"{shares[0]}% ({shares[1]})"
             lines.append(
                 f"| {name} | {parameters / 1e6:.1f} M | {batch} | {step[0]} | {step[1]} "

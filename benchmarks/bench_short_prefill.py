@@ -55,8 +55,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cpu_decode.set_row_invariant(True)
-    print("| model | prompt tokens | a pass of its own (ms) | stepped alone (ms) | "
-          f"stepped, {args.rows} rows together (ms per row) |")  # fmt: skip
+    print(
+        "| model | prompt tokens | a pass of its own (ms) | stepped alone (ms) | "
+        f"stepped, {args.rows} rows together (ms per row) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for folder in args.models.split(","):
         model = load_checkpoint(folder, device="cpu").model
@@ -65,8 +67,11 @@ def main() -> None:
                 own = best_seconds(functools.partial(pass_of_its_own, model, length), 5)
                 alone = best_seconds(functools.partial(stepped, model, 1, length), 3)
                 together = best_seconds(functools.partial(stepped, model, args.rows, length), 3) / args.rows
-                print(f"| {folder.rstrip('/').split('/')[-1]} | {length} | {own * 1e3:.2f} | {alone * 1e3:.2f} | "
-                      f"{together * 1e3:.2f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {folder.rstrip('/').split('/')[-1]} | {length} | {own * 1e3:.2f} | {alone * 1e3:.2f} | "
+                    f"{together * 1e3:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

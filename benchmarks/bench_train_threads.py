@@ -26,11 +26,40 @@ from benchmarks.isolated import banner
 
 RUNS = {
     "parity_check LRNN (README recipe)": ["train", "--task", "parity_check", "--arch", "lrnn", "--eval-every", "0"],
-    "parity_check RegularGPT d32": ["train", "--task", "parity_check", "--arch", "regulargpt", "--d-model", "32",
-                                    "--heads", "2", "--d-ff", "64", "--eval-every", "0"],
-    "text LRNN (shipped shape)": ["text-train", "--arch", "lrnn", "--layers", "2", "--block-size", "8", "--num-blocks",
-                                  "16", "--d-model", "128", "--d-ff", "512", "--tokenizer",
-                                  "checkpoints/text-lrnn/tokenizer.tiktoken", "--eval-every", "0"],
+    "parity_check RegularGPT d32": [
+        "train",
+        "--task",
+        "parity_check",
+        "--arch",
+        "regulargpt",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--d-ff",
+        "64",
+        "--eval-every",
+        "0",
+    ],
+    "text LRNN (shipped shape)": [
+        "text-train",
+        "--arch",
+        "lrnn",
+        "--layers",
+        "2",
+        "--block-size",
+        "8",
+        "--num-blocks",
+        "16",
+        "--d-model",
+        "128",
+        "--d-ff",
+        "512",
+        "--tokenizer",
+        "checkpoints/text-lrnn/tokenizer.tiktoken",
+        "--eval-every",
+        "0",
+    ],
 }
 SPIN = "import time\nend = time.time() + 3600\nwhile time.time() < end: pass"
 
@@ -38,8 +67,21 @@ SPIN = "import time\nend = time.time() + 3600\nwhile time.time() < end: pass"
 def tokens_per_second(arguments: list[str], steps: int, threads: int, busy: bool) -> float:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run"
-        command = [sys.executable, "-m", "training", *arguments, "--steps", str(steps), "--threads", str(threads),
-                   "--no-progress", "--log-every", str(steps), "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "training",
+            *arguments,
+            "--steps",
+            str(steps),
+            "--threads",
+            str(threads),
+            "--no-progress",
+            "--log-every",
+            str(steps),
+            "--out",
+            str(out),
+        ]
         spinner = subprocess.Popen([sys.executable, "-c", SPIN]) if busy else None
         try:
             subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -63,8 +63,9 @@ def check(model, dfa: DFA, string: str, path: str) -> tuple[str, torch.Tensor]:
         if path == "forward":
             return f"forward, all {len(string)} positions", signed_margins(model(tokens)[0], accepted)
         prefixes = sorted({length for length in FINAL_PREFIXES if length <= len(string)} | {len(string)})
-        margins = [signed_margins(model.final_logits(tokens[:, :length]), accepted[length - 1 : length])
-                   for length in prefixes]
+        margins = [
+            signed_margins(model.final_logits(tokens[:, :length]), accepted[length - 1 : length]) for length in prefixes
+        ]
     return f"final_logits, {len(prefixes)} prefixes", torch.cat(margins)
 
 
@@ -80,19 +81,27 @@ def choose_path(arch: str, model, length: int, args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compiler_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--length", type=int, default=100_000, help="symbols of the random string")
-    parser.add_argument("--automata", nargs="+", default=["tomita3", "tomita5", "d4", "parity_check",
-                                                          "even_pair_mod5", f"counter{COUNTER_STATES}"],
-                        help="DFA files under automata/tasks, or counter<n>")
+    parser.add_argument(
+        "--automata",
+        nargs="+",
+        default=["tomita3", "tomita5", "d4", "parity_check", "even_pair_mod5", f"counter{COUNTER_STATES}"],
+        help="DFA files under automata/tasks, or counter<n>",
+    )
     parser.add_argument("--archs", nargs="+", default=sorted(COMPILERS), choices=sorted(COMPILERS))
     parser.add_argument("--regulargpt-path", choices=["auto", "forward", "final"], default="auto")
-    parser.add_argument("--forward-budget-mib", type=float, default=1024.0,
-                        help="'auto': RegularGPT per position only if length x d_ff float32 fits in this")
+    parser.add_argument(
+        "--forward-budget-mib",
+        type=float,
+        default=1024.0,
+        help="'auto': RegularGPT per position only if length x d_ff float32 fits in this",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     print(f"{args.length} symbols per string, seed {args.seed}, torch threads {torch.get_num_threads()}\n")
-    print("| automaton | states | symbols | arch | parameters | checked | labels | errors | smallest margin "
-          "| seconds |")
+    print(
+        "| automaton | states | symbols | arch | parameters | checked | labels | errors | smallest margin | seconds |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.automata:
         dfa = load_automaton(name)
@@ -104,9 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             checked, margins = check(model, dfa, string, path)
             seconds = time.perf_counter() - start
             parameters = sum(parameter.numel() for parameter in model.parameters())
-            print(f"| {name} | {len(dfa.states)} | {len(dfa.alphabet)} | {arch} | {parameters:,} | {checked} "
-                  f"| {margins.numel()} | {int((margins <= 0).sum())} | {float(margins.min()):.6f} "
-                  f"| {seconds:.1f} |", flush=True)
+            print(
+                f"| {name} | {len(dfa.states)} | {len(dfa.alphabet)} | {arch} | {parameters:,} | {checked} "
+                f"| {margins.numel()} | {int((margins <= 0).sum())} | {float(margins.min()):.6f} "
+                f"| {seconds:.1f} |",
+                flush=True,
+            )
     return 0
 
 

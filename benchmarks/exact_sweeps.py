@@ -98,8 +98,13 @@ class Sweep:
             self.failing_lengths.append(length)
 
 
-def run_sweep(model: ExactTransformer, task: Task, draw: Callable[[np.random.Generator, int], list[str]],
-              lengths: Iterable[int], stop_after_failure: bool = False) -> Sweep:
+def run_sweep(
+    model: ExactTransformer,
+    task: Task,
+    draw: Callable[[np.random.Generator, int], list[str]],
+    lengths: Iterable[int],
+    stop_after_failure: bool = False,
+) -> Sweep:
     """Final labels of ``draw(rng, length)`` against the task's labeler at each length (one seeded rng)."""
     rng, sweep = np.random.default_rng(SEED), Sweep()
     for length in lengths:
@@ -117,8 +122,10 @@ def balanced_and_edge_strings(task: Task, count: int, rng: np.random.Generator, 
 
 def accuracy(args: argparse.Namespace) -> None:
     lengths = sweep_lengths(args.dense_until, args.step, args.longest)
-    print(f"lengths: 1..{args.dense_until} every one, then every {args.step}th to {args.longest} "
-          f"({len(lengths)} lengths); {args.strings} balanced string(s) + the edge strings per length\n")
+    print(
+        f"lengths: 1..{args.dense_until} every one, then every {args.step}th to {args.longest} "
+        f"({len(lengths)} lengths); {args.strings} balanced string(s) + the edge strings per length\n"
+    )
     print("| checkpoint | construction | lengths tested | strings | errors | accuracy | failing lengths |")
     print("|---|---|---|---|---|---|---|")
     for shipped in SHIPPED:
@@ -128,9 +135,12 @@ def accuracy(args: argparse.Namespace) -> None:
         draw = partial(balanced_and_edge_strings, task, args.strings)
         model = shipped.build()
         sweep = run_sweep(model, task, draw, lengths)
-        print(f"| {shipped.task}-exact | {describe(model.config)} "
-              f"| {sweep.lengths} | {sweep.strings} | {sweep.errors} | {1 - sweep.errors / sweep.strings:.6f} "
-              f"| {', '.join(map(str, sweep.failing_lengths)) or '-'} |", flush=True)
+        print(
+            f"| {shipped.task}-exact | {describe(model.config)} "
+            f"| {sweep.lengths} | {sweep.strings} | {sweep.errors} | {1 - sweep.errors / sweep.strings:.6f} "
+            f"| {', '.join(map(str, sweep.failing_lengths)) or '-'} |",
+            flush=True,
+        )
 
 
 def describe(config: ExactTransformerConfig) -> str:
@@ -152,16 +162,18 @@ def one_flip_strings(rng: np.random.Generator, length: int, pairs: int) -> list[
             continue
         position = (0, length // 2 - 1)[index] if index < 2 else int(rng.integers(length // 2))
         position = position if rng.random() < 0.5 else length - 1 - position
-        strings.append(string[:position] + ("1" if string[position] == "0" else "0") + string[position + 1:])
+        strings.append(string[:position] + ("1" if string[position] == "0" else "0") + string[position + 1 :])
     return strings
 
 
 PALINDROME_VARIANTS: dict[str, Callable[[], ExactTransformer]] = {
     "published, float32, y = I[s = 0]": lambda: to_model(palindrome(), compute_dtype="float32"),
     "published, float32, abs(s) <= 1e-7 (the paper's code)": lambda: to_model(
-        palindrome(), compute_dtype="float32", zero_test_tolerance=PUBLISHED_ZERO_TEST_TOLERANCE),
+        palindrome(), compute_dtype="float32", zero_test_tolerance=PUBLISHED_ZERO_TEST_TOLERANCE
+    ),
     "published, float64, abs(s) <= 1e-12": lambda: to_model(
-        palindrome(), compute_dtype="float64", zero_test_tolerance=1e-12),
+        palindrome(), compute_dtype="float64", zero_test_tolerance=1e-12
+    ),
     "mirror attention, float32": lambda: to_model(palindrome_mirror(), compute_dtype="float32"),
     "mirror attention, float64 (shipped)": lambda: to_model(palindrome_mirror(), compute_dtype="float64"),
 }
@@ -170,8 +182,10 @@ PALINDROME_VARIANTS: dict[str, Callable[[], ExactTransformer]] = {
 def palindrome_sweep(args: argparse.Namespace) -> None:
     task = get_task("palindrome")
     lengths = sweep_lengths(args.dense_until, args.step, args.longest)
-    print(f"lengths: every one to {args.dense_until}, then every {args.step}th to {args.longest}; {args.pairs} "
-          f"palindromes + {args.pairs} one-flip negatives per length; a variant stops at its first error\n")
+    print(
+        f"lengths: every one to {args.dense_until}, then every {args.step}th to {args.longest}; {args.pairs} "
+        f"palindromes + {args.pairs} one-flip negatives per length; a variant stops at its first error\n"
+    )
     print("| variant | largest n tested before the first error | first failing n | lengths | strings |")
     print("|---|---|---|---|---|")
     for name, build in PALINDROME_VARIANTS.items():
@@ -209,8 +223,10 @@ def palindrome_margins(args: argparse.Namespace) -> None:
     string of lengths 1..m right iff every |s| of a palindrome there is <= it and every |s| of a flip is > it."""
     task = get_task("palindrome")
     print(f"{args.pairs} palindromes + {args.pairs} one-flip negatives per length 1..{args.longest}\n")
-    print("| dtype | largest m that one fixed margin separates (lengths 1..m) | margins that do | "
-          "largest \\|s\\| on a palindrome, lengths 1..m + 1 (at) | smallest \\|s\\| on a flip at m + 1 |")
+    print(
+        "| dtype | largest m that one fixed margin separates (lengths 1..m) | margins that do | "
+        "largest \\|s\\| on a palindrome, lengths 1..m + 1 (at) | smallest \\|s\\| on a flip at m + 1 |"
+    )
     print("|---|---|---|---|---|")
     for dtype in ("float32", "float64"):
         model = to_model(replace(palindrome(), output="logits"), compute_dtype=dtype)
@@ -225,13 +241,19 @@ def palindrome_margins(args: argparse.Namespace) -> None:
             if max(palindromes) > noise:
                 noise, noise_at = max(palindromes), length
             if min([smallest_flip, *flips]) <= noise:  # no margin separates lengths 1..length
-                print(f"| {dtype} | {separated} | [{previous_noise:.3g}, {smallest_flip:.3g}) "
-                      f"| {noise:.3g} (m = {noise_at}) | {min(flips, default=math.inf):.3g} |", flush=True)
+                print(
+                    f"| {dtype} | {separated} | [{previous_noise:.3g}, {smallest_flip:.3g}) "
+                    f"| {noise:.3g} (m = {noise_at}) | {min(flips, default=math.inf):.3g} |",
+                    flush=True,
+                )
                 break
             previous_noise, smallest_flip, separated = noise, min([smallest_flip, *flips]), length
         else:
-            print(f"| {dtype} | {separated} (no overlap up to --longest) | [{noise:.3g}, {smallest_flip:.3g}) "
-                  f"| {noise:.3g} (m = {noise_at}) | - |", flush=True)
+            print(
+                f"| {dtype} | {separated} (no overlap up to --longest) | [{noise:.3g}, {smallest_flip:.3g}) "
+                f"| {noise:.3g} (m = {noise_at}) | - |",
+                flush=True,
+            )
 
 
 CROSS_ENTROPY_LENGTHS = (10, 30, 100, 300, 1000, 3000, 10000)
@@ -245,7 +267,8 @@ def cross_entropy_models() -> dict[tuple[str, str], ExactTransformer]:
         models[task, "no layer norm"] = to_model(CONSTRUCTIONS[name]())
         for eps in (1e-5, 0.0):
             models[task, f"layer norm, eps={eps:g}"] = to_model(
-                with_layer_norm(CONSTRUCTIONS[name]()), layer_norm=True, layer_norm_eps=eps)
+                with_layer_norm(CONSTRUCTIONS[name]()), layer_norm=True, layer_norm_eps=eps
+            )
     models["first", "no layer norm, log-length scaled"] = to_model(CONSTRUCTIONS["first"](), log_length_scaling=True)
     models["first", "log-length scaled, readout scaled (Prop. 3)"] = to_model(first_log_scaled())
     models["palindrome", "mirror attention, float64"] = to_model(palindrome_mirror(), compute_dtype="float64")
@@ -261,7 +284,7 @@ def cross_entropy(args: argparse.Namespace) -> None:
             count = args.strings if length <= 1000 else args.long_strings
             strings = [task.sample(rng, length, balanced=True) for _ in range(count)]
             labels = torch.tensor([int(task.label(string)[-1]) for string in strings])
-            logits = torch.cat([_final_logits(model, strings[start:start + 100]) for start in range(0, count, 100)])
+            logits = torch.cat([_final_logits(model, strings[start : start + 100]) for start in range(0, count, 100)])
             nats = torch.nn.functional.cross_entropy(logits.double(), labels)
             values.append(float(nats) / math.log(2))
         results[task_name, variant] = values
@@ -333,8 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.add_argument("--step", type=int, default=defaults[1])
         command.add_argument("--longest", type=int, default=defaults[2])
     commands.choices["accuracy"].add_argument("--strings", type=int, default=1)
-    commands.choices["accuracy"].add_argument("--tasks", nargs="+", default=["parity_check", "first", "one"],
-                                              choices=["parity_check", "first", "one"])
+    commands.choices["accuracy"].add_argument(
+        "--tasks", nargs="+", default=["parity_check", "first", "one"], choices=["parity_check", "first", "one"]
+    )
     commands.choices["palindrome"].add_argument("--pairs", type=int, default=4)
     commands.add_parser("palindrome-curve").add_argument("--pairs", type=int, default=250)
     command = commands.add_parser("cross-entropy")
@@ -348,9 +372,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512])
     command.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    commands_run = {"accuracy": accuracy, "palindrome": palindrome_sweep, "palindrome-curve": palindrome_curve,
-                    "cross-entropy": cross_entropy, "palindrome-margins": palindrome_margins,
-                    "all-outputs": all_outputs_time}
+    commands_run = {
+        "accuracy": accuracy,
+        "palindrome": palindrome_sweep,
+        "palindrome-curve": palindrome_curve,
+        "cross-entropy": cross_entropy,
+        "palindrome-margins": palindrome_margins,
+        "all-outputs": all_outputs_time,
+    }
     commands_run[args.command](args)
     return 0
 

@@ -17,7 +17,7 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -56,7 +56,7 @@ def training_cells(checkpoint: Path) -> list[str]:
         return ["-", "-", "-"]
     metadata = read_config(checkpoint).metadata
     with safe_open(checkpoint / WEIGHTS_FILE, framework="pt") as weights:
-        parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+        parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights)
     return [str(metadata["steps"]), f"{metadata['wall_time_s']:.0f}", f"{parameters:,}"]
 
 
@@ -68,8 +68,11 @@ def rows(reports: Sequence[dict[str, Any]]) -> list[str]:
     for checkpoint, protocols in by_checkpoint.items():
         first = next(iter(protocols.values()))
         cells = [part_cell(protocols[protocol], p_one) if protocol in protocols else "-" for protocol, p_one in PARTS]
-        lines.append(f"| {first['task']} | {first['architecture']} | `{Path(checkpoint).name}` | "
-                     + " | ".join(cells + training_cells(Path(checkpoint))) + " |")
+        lines.append(
+            f"| {first['task']} | {first['architecture']} | `{Path(checkpoint).name}` | "
+            + " | ".join(cells + training_cells(Path(checkpoint)))
+            + " |"
+        )
     return lines
 
 
@@ -103,14 +106,19 @@ def seed_cell(accuracies: Sequence[float]) -> str:
 def by_p_one(reports: Sequence[dict[str, Any]]) -> list[str]:
     """One row per report (checkpoint and lengths), one accuracy (%) column per P(1)."""
     p_ones = sorted({band["p_one"] for report in reports for band in report["bands"] if band["p_one"] is not None})
-    lines = ["| model | run | lengths | " + " | ".join(f"P(1)={p:g}" for p in p_ones) + " |",
-             "|---|---|---|" + "---:|" * len(p_ones)]
+    lines = [
+        "| model | run | lengths | " + " | ".join(f"P(1)={p:g}" for p in p_ones) + " |",
+        "|---|---|---|" + "---:|" * len(p_ones),
+    ]
     for report in reports:
         accuracy = {p: 100 * _pooled([band for band in report["bands"] if band["p_one"] == p]) for p in p_ones}
         lengths = sorted({tuple(band["lengths"]) for band in report["bands"]})
         span = f"{lengths[0][0]}-{lengths[-1][1]}"
-        lines.append(f"| {report['architecture']} | `{Path(report['checkpoint']).name}` | {span} | "
-                     + " | ".join("-" if math.isnan(accuracy[p]) else f"{accuracy[p]:.1f}" for p in p_ones) + " |")
+        lines.append(
+            f"| {report['architecture']} | `{Path(report['checkpoint']).name}` | {span} | "
+            + " | ".join("-" if math.isnan(accuracy[p]) else f"{accuracy[p]:.1f}" for p in p_ones)
+            + " |"
+        )
     return lines
 
 
@@ -129,8 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pivot or args.by_p_one:
         print("\n".join(pivot(reports) if args.pivot else by_p_one(reports)))
         return 0
-    print("| task | model | run | 41-500 (papers) | 501-2000 | 501-2000, P(1)=0.1 | 501-2000, P(1)=0.9 | steps | "
-          "train wall (s) | parameters |")
+    print(
+        "| task | model | run | 41-500 (papers) | 501-2000 | 501-2000, P(1)=0.1 | 501-2000, P(1)=0.9 | steps | "
+        "train wall (s) | parameters |"
+    )
     print("|---|---|---|---|---|---|---|---:|---:|---:|")
     print("\n".join(rows(reports)))
     return 0

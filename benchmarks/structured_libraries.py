@@ -190,13 +190,18 @@ def allowed(bitmask: torch.Tensor, vocabulary: int) -> torch.Tensor:
     return ((bitmask[:, None] >> BITS) & 1).flatten()[:vocabulary].nonzero()[:, 0]
 
 
-def walk(library: Library, compiled: object, tokenizer: Tokenizer, rng: np.random.Generator, max_tokens: int = 48
-         ) -> tuple[bytes | None, list[float]]:  # fmt: skip
+def walk(
+    library: Library, compiled: object, tokenizer: Tokenizer, rng: np.random.Generator, max_tokens: int = 48
+) -> tuple[bytes | None, list[float]]:
     """A random walk: uniform over the allowed tokens, ending at the end-of-text token (chosen with probability 1/3
     when allowed) or when nothing else is allowed. Returns (the bytes, or None if cut at max_tokens; seconds per
     token of fill + consume)."""
-    matcher, bitmask, out, seconds = library.matcher(compiled), torch.zeros((tokenizer.vocab_size + 31) // 32,
-                                                                           dtype=torch.int32), [], []  # fmt: skip
+    matcher, bitmask, out, seconds = (
+        library.matcher(compiled),
+        torch.zeros((tokenizer.vocab_size + 31) // 32, dtype=torch.int32),
+        [],
+        [],
+    )
     for _ in range(max_tokens):
         started = time.perf_counter()
         library.fill(matcher, bitmask)
@@ -246,7 +251,7 @@ def speed(library: Library, tokenizer: Tokenizer, seed: int) -> dict:
     for kind, name, spec in cases:
         try:
             seconds, compiled = timed(lambda kind=kind, spec=spec: library.compile(kind, spec))
-        except Exception as error:  # noqa: BLE001 (each library raises its own types): reported, not measured
+        except Exception as error:
             compile_ms[name] = f"refused: {str(error).splitlines()[0][:80]}"
             continue
         compile_ms[name] = round(seconds * 1000, 2)
@@ -276,7 +281,7 @@ def agreement(library: Library, tokenizer: Tokenizer, patterns: int, seed: int) 
         for form, spec in (("raw", pattern), ("plain", plain_regex(pattern))):
             try:
                 compiled = library.compile("regex", spec)
-            except Exception:  # noqa: BLE001 (each library raises its own types)
+            except Exception:
                 counts[form]["refused"] += 1
                 continue
             texts = [walk(library, compiled, tokenizer, rng)[0] for _ in range(4)]
@@ -294,8 +299,12 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="checkpoints/text-lrnn")
     parser.add_argument("--patterns", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--library", choices=[library.name for library in LIBRARIES], action="append",
-                        help="only these (repeatable); default all")  # fmt: skip
+    parser.add_argument(
+        "--library",
+        choices=[library.name for library in LIBRARIES],
+        action="append",
+        help="only these (repeatable); default all",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = read_config(Path(args.checkpoint))

@@ -24,9 +24,12 @@ EXIT_ERROR = 2
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m clients", description="Talk to a regularlm server.")
-    parser.add_argument("--url", default=os.environ.get("REGULARLM_URL", DEFAULT_URL),
-                        help=f"the server (default: REGULARLM_URL if set, else {DEFAULT_URL}; here %(default)s); "
-                             "the API key, if the server wants one, is read from REGULARLM_API_KEY")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("REGULARLM_URL", DEFAULT_URL),
+        help=f"the server (default: REGULARLM_URL if set, else {DEFAULT_URL}; here %(default)s); "
+        "the API key, if the server wants one, is read from REGULARLM_API_KEY",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -59,10 +62,14 @@ def run(args: argparse.Namespace, client: Client) -> None:
             labels = f"\t{' '.join(result.all)}" if result.all is not None else ""
             print(f"{text}\t{result.final}\t{result.confidence:.4f}{labels}")
     else:
-        sampling = dict(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, stop=args.stop,
-        )  # fmt: skip
+        sampling = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "seed": args.seed,
+            "stop": args.stop,
+        }
         if args.stream:
             for chunk in client.stream_generate(args.model, args.prompt, **sampling):
                 print(chunk.text, end="", flush=True)

@@ -59,8 +59,7 @@ class InferenceCache(ABC):
         """Bytes held by the cache's tensors."""
 
     def step_state(self) -> list[torch.Tensor] | None:
-        """The tensors a step reads and replaces, rows first, if their shapes never change; else None (no CUDA graph).
-        """
+        """The tensors a step reads and replaces, rows first, if their shapes never change; else None (no CUDA graph)."""
         return None
 
 
@@ -253,9 +252,7 @@ class TokenEmbedding(nn.Module):
     def __init__(self, config: BaseModelConfig) -> None:
         super().__init__()
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.label_head = (
-            None if config.is_language_model else nn.Linear(config.d_model, config.num_labels)
-        )
+        self.label_head = None if config.is_language_model else nn.Linear(config.d_model, config.num_labels)
         nn.init.normal_(self.embed.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -241,15 +241,15 @@ class CheckpointConfig:
         _check_literals(self)
         expected = ARCHITECTURE_CONFIGS.get(self.architecture)
         if expected is None:
-            raise ConfigError(
-                f"unknown architecture {self.architecture!r}; known: {sorted(ARCHITECTURE_CONFIGS)}"
-            )
+            raise ConfigError(f"unknown architecture {self.architecture!r}; known: {sorted(ARCHITECTURE_CONFIGS)}")
         if type(self.model) is not expected:
             raise ConfigError(
                 f"architecture {self.architecture!r} needs a {expected.__name__}, got {type(self.model).__name__}"
             )
         if self.format_version != FORMAT_VERSION:
-            raise ConfigError(f"format_version must be {FORMAT_VERSION} in a config built here, got {self.format_version}")
+            raise ConfigError(
+                f"format_version must be {FORMAT_VERSION} in a config built here, got {self.format_version}"
+            )
         if self.kind == "transduce":
             self._check_transducer()
         elif not self.tokenizer:
@@ -271,9 +271,7 @@ class CheckpointConfig:
                 f"model.vocab_size is {self.model.vocab_size} but the alphabet has {len(self.alphabet)} symbols"
             )
         if self.model.num_labels != len(self.labels):
-            raise ConfigError(
-                f"model.num_labels is {self.model.num_labels} but there are {len(self.labels)} labels"
-            )
+            raise ConfigError(f"model.num_labels is {self.model.num_labels} but there are {len(self.labels)} labels")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -294,18 +292,59 @@ class CheckpointConfig:
 _V1_DEFAULTS: dict[str, dict[str, Any]] = {
     "config": {"task": None, "alphabet": None, "labels": None, "tokenizer": None, "metadata": {}},
     "model": {"num_labels": 0, "d_model": 64, "dropout": 0.0},
-    "regulargpt": {"n_heads": 4, "d_ff": 256, "chunk_size": 2, "thickness": 1, "attention_impl": "auto",
-                   "out_of_range": "null", "layer_norm_eps": 1e-5},
-    "lrnn": {"n_layers": 1, "block_size": 8, "num_blocks": 8, "p_norm": 1.2, "transition_norm": "column",
-             "d_ff": 256, "scan_impl": "auto", "scan_chunk_size": 64, "layer_norm_eps": 1e-5},
-    "diagonal_lrnn": {"n_layers": 1, "state_size": 64, "d_ff": 256, "scan_impl": "auto", "scan_chunk_size": 64,
-                      "layer_norm_eps": 1e-5},
-    "transformer": {"n_layers": 2, "n_heads": 4, "d_ff": 256, "position": "alibi", "log_length_scaling": False,
-                    "t5_num_buckets": 32, "t5_max_distance": 128, "layer_norm_eps": 1e-5},
+    "regulargpt": {
+        "n_heads": 4,
+        "d_ff": 256,
+        "chunk_size": 2,
+        "thickness": 1,
+        "attention_impl": "auto",
+        "out_of_range": "null",
+        "layer_norm_eps": 1e-5,
+    },
+    "lrnn": {
+        "n_layers": 1,
+        "block_size": 8,
+        "num_blocks": 8,
+        "p_norm": 1.2,
+        "transition_norm": "column",
+        "d_ff": 256,
+        "scan_impl": "auto",
+        "scan_chunk_size": 64,
+        "layer_norm_eps": 1e-5,
+    },
+    "diagonal_lrnn": {
+        "n_layers": 1,
+        "state_size": 64,
+        "d_ff": 256,
+        "scan_impl": "auto",
+        "scan_chunk_size": 64,
+        "layer_norm_eps": 1e-5,
+    },
+    "transformer": {
+        "n_layers": 2,
+        "n_heads": 4,
+        "d_ff": 256,
+        "position": "alibi",
+        "log_length_scaling": False,
+        "t5_num_buckets": 32,
+        "t5_max_distance": 128,
+        "layer_norm_eps": 1e-5,
+    },
     "lstm": {"n_layers": 1, "hidden_size": 128, "layer_norm_eps": 1e-5},
-    "exact": {"n_layers": 2, "n_heads": 1, "d_ff": 4, "position_features": [], "append_eos": False,
-              "layer_norm": False, "layer_norm_eps": 0.0, "log_length_scaling": False, "output": "logits",
-              "zero_test_tolerance": 0.0, "compute_dtype": "float32", "attention_block_elements": 1 << 22},
+    "exact": {
+        "n_layers": 2,
+        "n_heads": 1,
+        "d_ff": 4,
+        "position_features": [],
+        "append_eos": False,
+        "layer_norm": False,
+        "layer_norm_eps": 0.0,
+        "log_length_scaling": False,
+        "output": "logits",
+        "zero_test_tolerance": 0.0,
+        "compute_dtype": "float32",
+        "attention_block_elements": 1 << 22,
+    },
 }
 
 

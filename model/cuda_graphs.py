@@ -51,7 +51,6 @@ class Decoder:
 
 @dataclass
 class _Captured:
-
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor  # (size,) int64
     inputs: list[torch.Tensor]  # the state the step reads, each (size, ...)
@@ -60,7 +59,6 @@ class _Captured:
 
 
 class GraphedDecoder(Decoder):
-
     def __init__(self, model: SequenceModel, captured: dict[int, _Captured]) -> None:
         self.model, self.captured = model, captured
         self.sizes = sorted(captured)
@@ -73,8 +71,9 @@ class GraphedDecoder(Decoder):
         if size is None:
             if rows not in self._warned:
                 self._warned.add(rows)
-                logger.warning("decode step of %d rows: past the largest captured size %d, run eagerly", rows,
-                               self.sizes[-1])  # fmt: skip
+                logger.warning(
+                    "decode step of %d rows: past the largest captured size %d, run eagerly", rows, self.sizes[-1]
+                )
             return super().step(tokens, cache)
         captured = self.captured[size]
         state = cache.step_state()
@@ -106,8 +105,9 @@ def decoder_for(model: SequenceModel, batch_sizes: Sequence[int], enabled: bool 
             decoder = GraphedDecoder(model, _capture(model, sorted(set(batch_sizes), reverse=True)))
             disagreement = _check(decoder)
         except Exception as error:  # any op that cannot be captured: serve eagerly, and say why
-            logger.warning("CUDA graph capture of the decode step failed, decoding eagerly: %s: %s",
-                           type(error).__name__, error)  # fmt: skip
+            logger.warning(
+                "CUDA graph capture of the decode step failed, decoding eagerly: %s: %s", type(error).__name__, error
+            )
             return Decoder(model, f"capture failed: {type(error).__name__}: {error}")
     if disagreement is not None:
         logger.warning("the captured decode step disagrees with the eager one, decoding eagerly: %s", disagreement)

@@ -130,7 +130,9 @@ def _file_encoding(name: str, checkpoint_dir: Path) -> tiktoken.Encoding:
     if missing:  # tiktoken could not encode text with these bytes
         raise TokenizerError(f"tokenizer {name!r}: {path} lacks {len(missing)} single-byte tokens, e.g. {missing[0]}")
     return tiktoken.Encoding(
-        name=path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+        name=path.stem,
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
         special_tokens={ENDOFTEXT: max(ranks.values()) + 1},
     )
 

@@ -119,8 +119,13 @@ class UvicornLines(logging.Filter):
     "Shutting down" and "Finished server process" stay. Its logger "uvicorn.error" (every line of uvicorn's but the
     access log) is named "uvicorn" in the log."""
 
-    AT_DEBUG = ("Started server process", "Waiting for application", "Application startup complete",
-                "Application shutdown complete", "Uvicorn running on")  # fmt: skip
+    AT_DEBUG = (
+        "Started server process",
+        "Waiting for application",
+        "Application startup complete",
+        "Application shutdown complete",
+        "Uvicorn running on",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.name = "uvicorn"
@@ -159,7 +164,8 @@ def parse_settings(argv: list[str] | None) -> Settings:
         "--enforce-eager", action="store_true", help="decode without CUDA graphs (REGULARLM_CUDA_GRAPHS=false)"
     )
     parser.add_argument(
-        "--engine-in-process", action="store_true",
+        "--engine-in-process",
+        action="store_true",
         help="run the engine core on a thread of this process, not in a child (REGULARLM_ENGINE_PROCESS=false)",
     )
     parser.add_argument(
@@ -201,8 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     if settings.engine_process is False:
         engine = Engine(settings, ServerMetrics(), on_load_failed=stop_serving, on_ready=freeze_startup_heap)
     else:
-        engine = EngineClient(settings, ServerMetrics(), on_load_failed=stop_serving, on_ready=freeze_startup_heap,
-                              on_engine_died=engine_died)  # fmt: skip
+        engine = EngineClient(
+            settings,
+            ServerMetrics(),
+            on_load_failed=stop_serving,
+            on_ready=freeze_startup_heap,
+            on_engine_died=engine_died,
+        )
     config = uvicorn.Config(
         create_app(settings, engine),
         host=settings.host,

@@ -54,8 +54,12 @@ def modules(package: str) -> list[Path]:
 @pytest.mark.parametrize("package", PACKAGES)
 def test_each_package_imports_only_what_its_layer_allows(package: str) -> None:
     assert modules(package), f"{package}/ has no modules"
-    wrong = [f"{path.relative_to(REPO)} imports {name}" for path in modules(package)
-             for name in first_party(imported(path)) if not allows(ALLOWED[package], name)]
+    wrong = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in modules(package)
+        for name in first_party(imported(path))
+        if not allows(ALLOWED[package], name)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -70,8 +74,11 @@ MAX_MODULES = 12  # per folder, __init__.py not counted
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_folder_holds_more_than_a_readable_number_of_modules(package: str) -> None:
     folders = {path.parent for path in modules(package)}
-    crowded = {f"{folder.relative_to(REPO)}: {count}" for folder in folders
-               if (count := sum(1 for path in folder.glob("*.py") if path.name != "__init__.py")) > MAX_MODULES}
+    crowded = {
+        f"{folder.relative_to(REPO)}: {count}"
+        for folder in folders
+        if (count := sum(1 for path in folder.glob("*.py") if path.name != "__init__.py")) > MAX_MODULES
+    }
     assert not crowded, f"folders over {MAX_MODULES} modules: {sorted(crowded)}"
 
 
@@ -91,8 +98,11 @@ def import_graph() -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name
 
-    return {module_name(path): {module for name in first_party(imported(path)) if (module := module_of(name))}
-            - {module_name(path)} for path in paths}
+    return {
+        module_name(path): {module for name in first_party(imported(path)) if (module := module_of(name))}
+        - {module_name(path)}
+        for path in paths
+    }
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -154,8 +164,12 @@ def test_tests_share_helpers_only_through_helper_modules() -> None:
     uses lives in a helper module (fixtures stay in conftest.py, where pytest finds them without an import)."""
     tests = sorted((REPO / "tests").rglob("*.py"))
     assert len(tests) > 10
-    wrong = [f"{path.relative_to(REPO)} imports {name}" for path in tests
-             for name in first_party(imported(path)) if from_a_test_module(name)]
+    wrong = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in tests
+        for name in first_party(imported(path))
+        if from_a_test_module(name)
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -42,8 +42,15 @@ class LayerWeights:
     @classmethod
     def zeros(cls, width: int, heads: int = 1, ffn_width: int = 1) -> LayerWeights:
         attention = np.zeros((heads, width, width))
-        return cls(attention, attention.copy(), attention.copy(), np.zeros((ffn_width, width)), np.zeros(ffn_width),
-                   np.zeros((width, ffn_width)), np.zeros(width))
+        return cls(
+            attention,
+            attention.copy(),
+            attention.copy(),
+            np.zeros((ffn_width, width)),
+            np.zeros(ffn_width),
+            np.zeros((width, ffn_width)),
+            np.zeros(width),
+        )
 
 
 @dataclass
@@ -93,8 +100,9 @@ def parity(c: float = 1.0) -> Construction:
         second.query[head, 0, 2] = c
         second.key[head, 0, 4] = sign
         second.value[head, 8, 7] = -sign
-    return Construction("parity", _one_hots(3, d), position, ("fraction", "alternating"), [first, second],
-                        readout=_unit(d, 8))
+    return Construction(
+        "parity", _one_hots(3, d), position, ("fraction", "alternating"), [first, second], readout=_unit(d, 8)
+    )
 
 
 def first(c: float = 1.0) -> Construction:
@@ -110,8 +118,7 @@ def first(c: float = 1.0) -> Construction:
     second.query[0, 0, 2] = c
     second.key[0, 0, 3] = 1.0
     second.value[0, 5, 3], second.value[0, 5, 4] = -0.5, 1.0
-    return Construction("first", _one_hots(3, d), position, ("is_first_symbol",), [layer, second],
-                        readout=_unit(d, 5))
+    return Construction("first", _one_hots(3, d), position, ("is_first_symbol",), [layer, second], readout=_unit(d, 5))
 
 
 def first_log_scaled(cross_entropy: float = DEFAULT_CROSS_ENTROPY) -> Construction:
@@ -151,8 +158,16 @@ def palindrome(c: float = math.log(2.0)) -> Construction:
         second.query[head, 0, 2] = c
         second.key[head, 0, key_dim] = 1.0
         second.value[head, 10, value_dim] = sign
-    return Construction("palindrome", _one_hots(4, d), position, ("index", "mirror_index", "left_half", "right_half"),
-                        [layer, second], readout=_unit(d, 10), append_eos=True, output="zero_test")
+    return Construction(
+        "palindrome",
+        _one_hots(4, d),
+        position,
+        ("index", "mirror_index", "left_half", "right_half"),
+        [layer, second],
+        readout=_unit(d, 10),
+        append_eos=True,
+        output="zero_test",
+    )
 
 
 def palindrome_mirror(c: float = 20.0, cross_entropy: float = DEFAULT_CROSS_ENTROPY) -> Construction:
@@ -175,9 +190,17 @@ def palindrome_mirror(c: float = 20.0, cross_entropy: float = DEFAULT_CROSS_ENTR
     second.key[0, 0, 8] = 1.0
     second.value[0, 9, 8] = 1.0
     margin = _logit_for(cross_entropy)
-    return Construction("palindrome_mirror", _one_hots(4, d), position, ("index", "mirror_index", "index_squared"),
-                        [layer, second], readout=_unit(d, 9, -2.0 * margin), readout_bias=margin, append_eos=True,
-                        log_length_scaling=True)
+    return Construction(
+        "palindrome_mirror",
+        _one_hots(4, d),
+        position,
+        ("index", "mirror_index", "index_squared"),
+        [layer, second],
+        readout=_unit(d, 9, -2.0 * margin),
+        readout_bias=margin,
+        append_eos=True,
+        log_length_scaling=True,
+    )
 
 
 def _logit_for(cross_entropy: float) -> float:
@@ -193,8 +216,9 @@ def with_layer_norm(construction: Construction, cross_entropy: float = DEFAULT_C
         LayerWeights(
             query=_pad_attention(layer.query, 2 * d),
             key=_pad_attention(layer.key, 2 * d),
-            value=np.concatenate([_pad_attention(layer.value, d, columns=2 * d),
-                                  -_pad_attention(layer.value, d, columns=2 * d)], axis=1),
+            value=np.concatenate(
+                [_pad_attention(layer.value, d, columns=2 * d), -_pad_attention(layer.value, d, columns=2 * d)], axis=1
+            ),
             ffn_in=np.pad(layer.ffn_in, ((0, 0), (0, d))),
             ffn_in_bias=layer.ffn_in_bias,
             ffn_out=np.concatenate([layer.ffn_out, -layer.ffn_out]),
@@ -242,12 +266,21 @@ def to_model(
     heads = max(layer.query.shape[0] for layer in construction.layers)
     ffn_width = max(layer.ffn_in.shape[0] for layer in construction.layers)
     config = ExactTransformerConfig(
-        vocab_size=2, num_labels=2, d_model=d, construction=construction.name,
-        n_layers=len(construction.layers), n_heads=heads, d_ff=ffn_width,
-        position_features=construction.position_features, append_eos=construction.append_eos,
-        layer_norm=layer_norm, layer_norm_eps=layer_norm_eps,
+        vocab_size=2,
+        num_labels=2,
+        d_model=d,
+        construction=construction.name,
+        n_layers=len(construction.layers),
+        n_heads=heads,
+        d_ff=ffn_width,
+        position_features=construction.position_features,
+        append_eos=construction.append_eos,
+        layer_norm=layer_norm,
+        layer_norm_eps=layer_norm_eps,
         log_length_scaling=construction.log_length_scaling if log_length_scaling is None else log_length_scaling,
-        output=construction.output, zero_test_tolerance=zero_test_tolerance, compute_dtype=compute_dtype,
+        output=construction.output,
+        zero_test_tolerance=zero_test_tolerance,
+        compute_dtype=compute_dtype,
     )
     weights = {
         "word.weight": construction.word,
@@ -294,26 +327,56 @@ class Shipped:
         """The model and the config.json of its folder."""
         task, model = get_task(self.task), self.build()
         config = CheckpointConfig(
-            architecture="exact", model=model.config, kind="transduce", task=task.name, alphabet=task.alphabet,
-            labels=task.labels, metadata={"source": self.source, "built_by": "python -m training.exact_builders"},
+            architecture="exact",
+            model=model.config,
+            kind="transduce",
+            task=task.name,
+            alphabet=task.alphabet,
+            labels=task.labels,
+            metadata={"source": self.source, "built_by": "python -m training.exact_builders"},
         )
         return model, config
 
 
-CONSTRUCTIONS = {"parity": parity, "first": first, "one": one, "palindrome": palindrome,
-                 "palindrome_mirror": palindrome_mirror}
+CONSTRUCTIONS = {
+    "parity": parity,
+    "first": first,
+    "one": one,
+    "palindrome": palindrome,
+    "palindrome_mirror": palindrome_mirror,
+}
 
 SHIPPED = (
-    Shipped("parity_check", "parity", True, "float64",
-            "exact-parity-first.txt 3.2 with layer norm (eps = 0) and Proposition 2's output layer (section 4); "
-            "float64, as float32 sums of k/n fail on 1^n from n = 9225"),
-    Shipped("first", "first", True, "float32",
-            "exact-parity-first.txt 3.3 with layer norm (eps = 0) and Proposition 2's output layer (section 4)"),
-    Shipped("one", "one", True, "float32",
-            "exact-one-palindrome.txt 3.1 with exact-parity-first.txt section 4's layer norm (eps = 0)"),
-    Shipped("palindrome", "palindrome_mirror", False, "float64",
-            "mirror-attention PALINDROME (docs/exact_results.md): exact-one-palindrome.txt 3.2 needs n bits of "
-            "precision and fails from n = 23 in float32"),
+    Shipped(
+        "parity_check",
+        "parity",
+        True,
+        "float64",
+        "exact-parity-first.txt 3.2 with layer norm (eps = 0) and Proposition 2's output layer (section 4); "
+        "float64, as float32 sums of k/n fail on 1^n from n = 9225",
+    ),
+    Shipped(
+        "first",
+        "first",
+        True,
+        "float32",
+        "exact-parity-first.txt 3.3 with layer norm (eps = 0) and Proposition 2's output layer (section 4)",
+    ),
+    Shipped(
+        "one",
+        "one",
+        True,
+        "float32",
+        "exact-one-palindrome.txt 3.1 with exact-parity-first.txt section 4's layer norm (eps = 0)",
+    ),
+    Shipped(
+        "palindrome",
+        "palindrome_mirror",
+        False,
+        "float64",
+        "mirror-attention PALINDROME (docs/exact_results.md): exact-one-palindrome.txt 3.2 needs n bits of "
+        "precision and fails from n = 23 in float32",
+    ),
 )
 
 
@@ -328,8 +391,13 @@ def _chosen(tasks: Sequence[str] | None) -> list[Shipped]:
 
 def add_exact_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("checkpoints"), help="folder to write <task>-exact into")
-    parser.add_argument("--tasks", nargs="+", choices=[shipped.task for shipped in SHIPPED], default=None,
-                        help="tasks to write (default: all four)")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=[shipped.task for shipped in SHIPPED],
+        default=None,
+        help="tasks to write (default: all four)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace checkpoints already in the folders")
 
 

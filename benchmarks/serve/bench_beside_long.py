@@ -129,8 +129,10 @@ async def run(url: str, args: argparse.Namespace) -> None:
             print()
             for model_id in args.models:
                 await busy_core_line(client, model_id)
-        print("\n| model | long prompt (tokens) | its time (s) | 8 tokens alone, median (ms) | beside it, median (ms) "
-              "| max (ms) | requests beside | ratio | deep ratio |")  # fmt: skip
+        print(
+            "\n| model | long prompt (tokens) | its time (s) | 8 tokens alone, median (ms) | beside it, median (ms) "
+            "| max (ms) | requests beside | ratio | deep ratio |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for model_id in args.models:
             for size in args.prompt_tokens:
@@ -144,9 +146,12 @@ def main() -> None:
     parser.add_argument("--skip-transduce", action="store_true", help="only the generate table")
     parser.add_argument("--models", nargs="+", default=list(LANGUAGE_MODELS), choices=LANGUAGE_MODELS)
     parser.add_argument(
-        "--prompt-tokens", nargs="+", default=["14000"], type=_size,
+        "--prompt-tokens",
+        nargs="+",
+        default=["14000"],
+        type=_size,
         help="long prompt sizes in tokens, or 'limit' (the model's max_context_tokens less one)",
-    )  # fmt: skip
+    )
     parser.add_argument("--stop-after", type=float, help="seconds after which a long prompt is given up")
     parser.add_argument("--slice-ms", type=float, help="the server's slice_ms (default: its own default)")
     parser.add_argument("--busy-core", action="store_true", help="first, the requests beside a busy core alone")

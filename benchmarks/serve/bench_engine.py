@@ -84,10 +84,16 @@ def throughput(url: str, max_tokens: int) -> None:
         rates = {}
         for concurrency in (1, 16):
             bodies = [
-                {"model": model, "prompt": f"Chapter {i}. It was", "max_tokens": max_tokens, "seed": i,
-                 "temperature": 1.0, "stream": True}
+                {
+                    "model": model,
+                    "prompt": f"Chapter {i}. It was",
+                    "max_tokens": max_tokens,
+                    "seed": i,
+                    "temperature": 1.0,
+                    "stream": True,
+                }
                 for i in range(2 * concurrency)
-            ]  # fmt: skip
+            ]
             run_load(url, "/v1/generate", bodies[:concurrency], concurrency)  # warm-up
             records, wall = run_load(url, "/v1/generate", bodies, concurrency)
             rates[concurrency] = sum(record.output_tokens for record in records) / wall

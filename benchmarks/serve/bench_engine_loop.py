@@ -104,10 +104,12 @@ def main() -> None:
     if args.stub:
         stub_decode_steps(served.model, served.config.model.vocab_size)
         served.decoder = Decoder(served.model, "stub: zero logits at once")
-    print(f"machine: {machine(args.device)}; torch threads: {args.threads}; {args.model.name}, {args.max_tokens} "
-          f"tokens per request, temperature {args.temperature:g}, {'whole' if args.whole else 'streamed'}; decode: "
-          f"{'stub (zeros)' if args.stub else served.decoder.path}; garbage collector: "
-          f"{'CPython defaults' if args.default_gc else 'as the server'}")  # fmt: skip
+    print(
+        f"machine: {machine(args.device)}; torch threads: {args.threads}; {args.model.name}, {args.max_tokens} "
+        f"tokens per request, temperature {args.temperature:g}, {'whole' if args.whole else 'streamed'}; decode: "
+        f"{'stub (zeros)' if args.stub else served.decoder.path}; garbage collector: "
+        f"{'CPython defaults' if args.default_gc else 'as the server'}"
+    )
     for _ in range(args.repeats):
         for concurrency in concurrencies:
             requests = 2 * concurrency if concurrency > 1 else 4

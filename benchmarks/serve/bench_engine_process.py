@@ -81,13 +81,23 @@ def for_baseline(models: Path, baseline: Path, folder: Path) -> Path:
 
 def bodies(model_id: str, count: int, max_tokens: int, stream: bool, path: str = "/v1/generate") -> list[dict]:
     usage = {"stream_options": {"include_usage": True}} if stream and path == "/v1/completions" else {}
-    return [{"model": model_id, "prompt": f"Chapter {index}. It was", "max_tokens": max_tokens, "temperature": 0,
-             "stream": stream, **usage} for index in range(count)]  # fmt: skip
+    return [
+        {
+            "model": model_id,
+            "prompt": f"Chapter {index}. It was",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+            **usage,
+        }
+        for index in range(count)
+    ]
 
 
 @contextmanager
-def readme_server(models: Path, device: str, log_level: str, log: Path, cwd: Path = ROOT,
-                  **settings: object) -> Iterator[ServerURL]:  # fmt: skip
+def readme_server(
+    models: Path, device: str, log_level: str, log: Path, cwd: Path = ROOT, **settings: object
+) -> Iterator[ServerURL]:
     """``python -m server`` as the README starts it (no ``--log-level`` for info, its default), on a free port with
     REGULARLM_* settings and one torch thread, its output appended to ``log``; yields its URL (with ``.pid``) once
     /health answers 200; SIGTERM at the end. harness.server_process's, but for the log level."""
@@ -97,8 +107,18 @@ def readme_server(models: Path, device: str, log_level: str, log: Path, cwd: Pat
     env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
     env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
     env["REGULARLM_TORCH_THREADS"] = "1"
-    command = [sys.executable, "-m", "server", "--no-shipped-models", "--models", str(models), "--port", str(port),
-               "--device", device]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "server",
+        "--no-shipped-models",
+        "--models",
+        str(models),
+        "--port",
+        str(port),
+        "--device",
+        device,
+    ]
     if log_level != "info":
         command += ["--log-level", log_level]
     with log.open("ab") as output:
@@ -231,8 +251,10 @@ def main() -> None:
     if args.baseline is not None:
         modes = {"baseline": {}, **modes}
     print(f"# {machine(args.device)}, load {os.getloadavg()[0]:.1f}; {args.path}, log level {args.log_level}")
-    print("| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | server CPU us/token, "
-          "whole / streams | RSS (MiB) |")  # fmt: skip
+    print(
+        "| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | server CPU us/token, "
+        "whole / streams | RSS (MiB) |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as baseline_folder:
         models = args.model.resolve() if args.model else write_tiny_model(Path(folder))
@@ -244,13 +266,17 @@ def main() -> None:
                 if args.log_level == "warning":
                     server = server_process(served, 1, args.device, cwd=cwd, **settings)
                 else:
-                    server = readme_server(served, args.device, args.log_level, Path(folder) / f"{mode}.log", cwd,
-                                           **settings)  # fmt: skip
+                    server = readme_server(
+                        served, args.device, args.log_level, Path(folder) / f"{mode}.log", cwd, **settings
+                    )
                 with server as url:
                     figures = measure(url, model_id, args)
-                print(f"| {round_} | {mode} | {figures['whole']:,.0f} | {figures['streams']:,.0f} | "
-                      f"{figures['tpot_ms']:.3f} | {figures['cpu_whole']:.0f} / {figures['cpu_streams']:.0f} | "
-                      f"{figures['rss_mib']:.0f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {round_} | {mode} | {figures['whole']:,.0f} | {figures['streams']:,.0f} | "
+                    f"{figures['tpot_ms']:.3f} | {figures['cpu_whole']:.0f} / {figures['cpu_streams']:.0f} | "
+                    f"{figures['rss_mib']:.0f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -183,10 +183,19 @@ class Monitor:
         self.health: list[tuple[float, float, str, str]] = []  # start, latency, status, detail
         self.memory: list[tuple[float, int, int, int]] = []  # time, pid, VmRSS kB, VmHWM kB
         self.process = subprocess.Popen(
-            [sys.executable, "-c", MONITOR, parts.hostname or "127.0.0.1", str(parts.port or 80), str(interval),
-             str(timeout), *map(str, pids)],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                MONITOR,
+                parts.hostname or "127.0.0.1",
+                str(parts.port or 80),
+                str(interval),
+                str(timeout),
+                *map(str, pids),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -239,8 +248,14 @@ class Target:
             if self.args.engine_timeout is not None:
                 settings["engine_timeout_s"] = self.args.engine_timeout
             cwd = self.args.server_cwd or ROOT
-            process = server_process(self.models, self.args.threads, self.args.device, cwd=cwd,
-                                     start_timeout_s=self.args.start_timeout, **settings)  # fmt: skip
+            process = server_process(
+                self.models,
+                self.args.threads,
+                self.args.device,
+                cwd=cwd,
+                start_timeout_s=self.args.start_timeout,
+                **settings,
+            )
             url = self.stack.enter_context(process)
             self.url, self.api_pid, self.engine_pid = str(url), url.pid, None
         if self.api_pid is not None and self.engine_pid is None:
@@ -266,10 +281,8 @@ class Target:
         os.kill(pid, signal.SIGSTOP)
 
     def continue_process(self, pid: int) -> None:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
         self.stopped.discard(pid)
 
     def close(self) -> None:
@@ -313,8 +326,9 @@ def settle(url: str, limit_s: float) -> float:
 # --- requests --------------------------------------------------------------------------------------------------
 
 
-async def post(client: httpx.AsyncClient, path: str, timeout: float, body: dict | None = None,
-               content: bytes | None = None) -> Answer:  # fmt: skip
+async def post(
+    client: httpx.AsyncClient, path: str, timeout: float, body: dict | None = None, content: bytes | None = None
+) -> Answer:
     """POST with an overall deadline; the status and the error message, or what went wrong."""
     started = time.perf_counter()
     try:
@@ -365,7 +379,7 @@ def measured(target: Target, scenario: str, case: str, run: Callable[[Row], None
     start = time.monotonic()
     try:
         run(row)
-    except Exception as error:  # noqa: BLE001 (one scenario's failure is a row, not the end of the run)
+    except Exception as error:
         row.notes.append(f"benchmark error: {type(error).__name__}: {short(str(error))}")
     end = max(time.monotonic(), start + 0.25)  # a refusal in a few ms: the polls just after it
     monitor = target.monitor
@@ -414,8 +428,15 @@ def random_strings(count: int, rng: random.Random) -> list[str]:
 
 
 def stop_body(stops: list[str]) -> dict:
-    return {"model": TEXT_LRNN, "prompt": "Once upon a time", "n": 4, "max_tokens": 256, "temperature": 1.0,
-            "seed": 1, "stop": stops}  # fmt: skip
+    return {
+        "model": TEXT_LRNN,
+        "prompt": "Once upon a time",
+        "n": 4,
+        "max_tokens": 256,
+        "temperature": 1.0,
+        "seed": 1,
+        "stop": stops,
+    }
 
 
 def limit_in(message: str | None, sent: int) -> int | None:
@@ -512,8 +533,11 @@ def scenario_stall(target: Target, args: argparse.Namespace) -> list[Row]:
             return
         run_async(stalled(target, engine, row, args))
 
-    return [measured(target, "stall", f"SIGSTOP engine {args.stall_s:g} s at most; 1M-symbol transduce + 4 generates",
-                     stall)]  # fmt: skip
+    return [
+        measured(
+            target, "stall", f"SIGSTOP engine {args.stall_s:g} s at most; 1M-symbol transduce + 4 generates", stall
+        )
+    ]
 
 
 async def stalled(target: Target, engine: int, row: Row, args: argparse.Namespace) -> None:
@@ -525,8 +549,11 @@ async def stalled(target: Target, engine: int, row: Row, args: argparse.Namespac
     target.stop_process(engine)
     try:
         async with client_for(target.url, 8) as client:
-            requests = [asyncio.ensure_future(post(client, "/v1/transduce", in_flight_timeout,
-                                                   {"model": PARITY, "inputs": [symbols]}))]  # fmt: skip
+            requests = [
+                asyncio.ensure_future(
+                    post(client, "/v1/transduce", in_flight_timeout, {"model": PARITY, "inputs": [symbols]})
+                )
+            ]
             await asyncio.sleep(0.2)
             for index in range(4):
                 body = {"model": TEXT_LRNN, "prompt": f"Hello {index}", "max_tokens": 16, "temperature": 0}
@@ -534,8 +561,11 @@ async def stalled(target: Target, engine: int, row: Row, args: argparse.Namespac
             while time.monotonic() - stopped_at < args.stall_s:
                 await asyncio.sleep(0.1)
                 if unavailable_at is None and monitor is not None:
-                    ends = [start + latency for start, latency, status, _ in monitor.polls(stopped_at, time.monotonic())
-                            if status == "503"]  # fmt: skip
+                    ends = [
+                        start + latency
+                        for start, latency, status, _ in monitor.polls(stopped_at, time.monotonic())
+                        if status == "503"
+                    ]
                     unavailable_at = min(ends) if ends else None
                     if unavailable_at is not None:  # a request sent now: refused at once?
                         body = {"model": TEXT_LRNN, "prompt": "Hello late", "max_tokens": 8, "temperature": 0}
@@ -570,22 +600,32 @@ async def stalled(target: Target, engine: int, row: Row, args: argparse.Namespac
     finally:
         target.continue_process(engine)
     if unavailable_at is not None:
-        detail = next((d for start, latency, status, d in monitor.health if status == "503"
-                       and start + latency >= unavailable_at), "")  # fmt: skip
+        detail = next(
+            (
+                d
+                for start, latency, status, d in monitor.health
+                if status == "503" and start + latency >= unavailable_at
+            ),
+            "",
+        )
         row.notes.insert(0, f"/health 503 after {unavailable_at - stopped_at:.1f} s ({short(detail, 60)})")
     else:
         row.notes.insert(0, f"/health never 503 while stopped ({continued_at - stopped_at:.0f} s)")
     row.extra["health_503_after_s"] = None if unavailable_at is None else unavailable_at - stopped_at
     if monitor is not None:
         monitor.wait_past(time.monotonic())
-        ends = [start + latency for start, latency, status, _ in monitor.health
-                if status == "200" and start + latency > continued_at]  # fmt: skip
+        ends = [
+            start + latency
+            for start, latency, status, _ in monitor.health
+            if status == "200" and start + latency > continued_at
+        ]
         healthy = min(ends) - continued_at if ends else None
         row.extra["health_200_after_cont_s"] = healthy
         row.notes.insert(1, "/health 200 " + (f"{healthy:.1f} s after SIGCONT" if healthy is not None else "never"))
     row.extra["served_after_cont_s"] = None if served_at is None else served_at - continued_at
-    row.notes.insert(2, "new request served " + (f"{served_at - continued_at:.1f} s after SIGCONT" if served_at
-                                                 else "never"))  # fmt: skip
+    row.notes.insert(
+        2, "new request served " + (f"{served_at - continued_at:.1f} s after SIGCONT" if served_at else "never")
+    )
 
 
 # --- 4. body over the cap --------------------------------------------------------------------------------------
@@ -640,8 +680,7 @@ def scenario_beside_long(target: Target, args: argparse.Namespace) -> list[Row]:
     def beside(row: Row) -> None:
         run_async(beside_long(target.url, row, args))
 
-    return [measured(target, "beside-long", f"8-token {TEXT_GPT} beside a {args.prompt_words:,}-word prompt",
-                     beside)]  # fmt: skip
+    return [measured(target, "beside-long", f"8-token {TEXT_GPT} beside a {args.prompt_words:,}-word prompt", beside)]
 
 
 async def beside_long(url: str, row: Row, args: argparse.Namespace) -> None:
@@ -678,9 +717,12 @@ async def beside_long(url: str, row: Row, args: argparse.Namespace) -> None:
     row.answer_s = long_answer.seconds if long_answer else None
     if ok_alone and ok_beside:
         ratio = statistics.median(ok_beside) / statistics.median(ok_alone)
-        row.notes.insert(0, f"median alone {1e3 * statistics.median(ok_alone):.0f} ms, beside "
-                            f"{1e3 * statistics.median(ok_beside):.0f} ms (max {1e3 * max(ok_beside):.0f}, "
-                            f"{len(ok_beside)} requests): {ratio:.1f}x (target <= 3x)")  # fmt: skip
+        row.notes.insert(
+            0,
+            f"median alone {1e3 * statistics.median(ok_alone):.0f} ms, beside "
+            f"{1e3 * statistics.median(ok_beside):.0f} ms (max {1e3 * max(ok_beside):.0f}, "
+            f"{len(ok_beside)} requests): {ratio:.1f}x (target <= 3x)",
+        )
         row.extra["ratio"] = ratio
     row.extra.update(words=words, alone_s=ok_alone, beside_s=ok_beside)
 
@@ -740,8 +782,10 @@ def scenario_burst(target: Target, args: argparse.Namespace) -> list[Row]:
         refused = [seconds for status, seconds in results if status == 429]
         served = [seconds for status, seconds in results if status == 200]
         if refused:
-            row.notes.append(f"429s: p50 {1e3 * percentile(refused, 50):.0f} ms, max {1e3 * max(refused):.0f} ms "
-                             "from sending (target <= 100 ms)")  # fmt: skip
+            row.notes.append(
+                f"429s: p50 {1e3 * percentile(refused, 50):.0f} ms, max {1e3 * max(refused):.0f} ms "
+                "from sending (target <= 100 ms)"
+            )
         if served:
             row.notes.append(f"200s: p50 {percentile(served, 50):.1f} s, max {max(served):.1f} s")
         row.extra.update(refused_s=refused, served_s=served, statuses={str(k): v for k, v in statuses.items()})
@@ -756,8 +800,10 @@ async def burst_requests(url: str, args: argparse.Namespace) -> list[tuple[int |
     requests = []
     for index in range(args.burst):
         body = json.dumps({"model": TEXT_LRNN, "prompt": f"Hello {index}", "max_tokens": 16}).encode()
-        head = (f"POST /v1/generate HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")  # fmt: skip
+        head = (
+            f"POST /v1/generate HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
         requests.append(head.encode() + body)
     tasks = [asyncio.ensure_future(raw_request(host, port, request, args.cap, barrier)) for request in requests]
     done, pending = await asyncio.wait(tasks, timeout=args.cap + 40)
@@ -782,12 +828,16 @@ def format_row(row: Row) -> str:
     if row.health_timeouts:
         health = f"**{health} ({row.health_timeouts} timeout{'s' if row.health_timeouts > 1 else ''})**"
     rss = f"{number(row.rss_peak_mib, '+,.0f')} / {number(row.rss_after_mib, '+,.0f')} / {number(row.hwm_mib, '+,.0f')}"
-    return (f"| {row.scenario} | {row.case} | {row.got} | {number(row.answer_s, ',.2f')} | {health} | "
-            f"{row.health_statuses} | {rss} | {'; '.join(row.notes)} |")  # fmt: skip
+    return (
+        f"| {row.scenario} | {row.case} | {row.got} | {number(row.answer_s, ',.2f')} | {health} | "
+        f"{row.health_statuses} | {rss} | {'; '.join(row.notes)} |"
+    )
 
 
-HEADER = ("| scenario | case | client got | time to answer (s) | worst /health (ms) | /health statuses | "
-          "API RSS peak / after / VmHWM (MiB) | notes |\n|---|---|---|---:|---:|---|---:|---|")  # fmt: skip
+HEADER = (
+    "| scenario | case | client got | time to answer (s) | worst /health (ms) | /health statuses | "
+    "API RSS peak / after / VmHWM (MiB) | notes |\n|---|---|---|---:|---:|---|---:|---|"
+)
 
 
 def say(text: str) -> None:
@@ -802,20 +852,33 @@ def main() -> None:
     parser.add_argument("--api-pid", type=int, help="with --url: the API process (RSS, and its child the engine)")
     parser.add_argument("--engine-pid", type=int, help="with --url: the engine process to stop in 'stall'")
     parser.add_argument("--engine-timeout", type=float, help="REGULARLM_ENGINE_TIMEOUT_S of the started server")
-    parser.add_argument("--server-cwd", type=Path, help="run python -m server from this checkout (e.g. a git archive "
-                        "of main) instead of this one")  # fmt: skip
+    parser.add_argument(
+        "--server-cwd",
+        type=Path,
+        help="run python -m server from this checkout (e.g. a git archive of main) instead of this one",
+    )
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds the started server may take")
-    parser.add_argument("--setting", action="append", default=[], help="NAME=VALUE: a REGULARLM_* setting of the "
-                        "started server, e.g. max_job_seconds=1800")  # fmt: skip
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        help="NAME=VALUE: a REGULARLM_* setting of the started server, e.g. max_job_seconds=1800",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here as JSON")
     parser.add_argument("--cap", type=float, default=60.0, help="seconds a scenario's requests may take")
-    parser.add_argument("--settle", type=float, default=180.0, help="after each case, the longest to wait for "
-                        "/health to be fast again; then a server this benchmark started is restarted")  # fmt: skip
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=180.0,
+        help="after each case, the longest to wait for "
+        "/health to be fast again; then a server this benchmark started is restarted",
+    )
     parser.add_argument("--health-timeout", type=float, default=2.0, help="timeout of each /health poll (s)")
     parser.add_argument("--poll-interval", type=float, default=0.05, help="seconds between /health polls")
     parser.add_argument("--stops", type=int, default=100_000, help="stop strings of the 'stop' scenario")
-    parser.add_argument("--max-stop", type=int, help="stop strings the server allows (default: from its refusal, "
-                        "else 256)")  # fmt: skip
+    parser.add_argument(
+        "--max-stop", type=int, help="stop strings the server allows (default: from its refusal, else 256)"
+    )
     parser.add_argument("--token-ids", type=int, default=8_000_000)
     parser.add_argument("--one-token-prompts", type=int, default=2_000_000)
     parser.add_argument("--bias-keys", type=int, default=1_000_000)
@@ -833,8 +896,14 @@ def main() -> None:
         parser.error(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     if args.engine_timeout is not None and not args.url:
         args.stall_s = max(args.stall_s, args.engine_timeout + 10)
-    runners = {"stop": scenario_stop, "token-ids": scenario_token_ids, "stall": scenario_stall,
-               "body-cap": scenario_body_cap, "beside-long": scenario_beside_long, "burst": scenario_burst}  # fmt: skip
+    runners = {
+        "stop": scenario_stop,
+        "token-ids": scenario_token_ids,
+        "stall": scenario_stall,
+        "body-cap": scenario_body_cap,
+        "beside-long": scenario_beside_long,
+        "burst": scenario_burst,
+    }
 
     def terminate(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
@@ -853,8 +922,10 @@ def main() -> None:
         try:
             started = time.monotonic()
             target.start()
-            say(f"server up and warm in {time.monotonic() - started:.0f} s: {target.url} (API process "
-                f"{target.api_pid}, engine process {target.engine_pid})")  # fmt: skip
+            say(
+                f"server up and warm in {time.monotonic() - started:.0f} s: {target.url} (API process "
+                f"{target.api_pid}, engine process {target.engine_pid})"
+            )
             print(HEADER, flush=True)
             for name in SCENARIOS:
                 if name not in chosen:
@@ -866,8 +937,11 @@ def main() -> None:
         finally:
             target.close()
     if args.json:
-        report = {"machine": machine(args.device), "args": {k: str(v) for k, v in vars(args).items()},
-                  "rows": [asdict(row) for row in rows]}  # fmt: skip
+        report = {
+            "machine": machine(args.device),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": [asdict(row) for row in rows],
+        }
         args.json.write_text(json.dumps(report, indent=2))
 
 

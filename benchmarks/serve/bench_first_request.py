@@ -81,5 +81,6 @@ def main() -> None:
     for request, cells in rows.items():
         print(f"| {request} | " + " | ".join(cells) + " |")
 
+
 if __name__ == "__main__":
     main()

@@ -105,8 +105,10 @@ def main() -> None:
         if args.batch_1:
             with server_process(models, args.threads, args.device, module, **BATCH_1) as url:
                 batch_1 = measure(url, "batch-1 (max_running=1)", concurrencies[-1], args)
-            print(f"\nThroughput at concurrency {concurrencies[-1]}, continuous batching over batch-1 serving: "
-                  f"{batched / batch_1:.2f}x")  # fmt: skip
+            print(
+                f"\nThroughput at concurrency {concurrencies[-1]}, continuous batching over batch-1 serving: "
+                f"{batched / batch_1:.2f}x"
+            )
 
 
 if __name__ == "__main__":

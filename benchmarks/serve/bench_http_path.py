@@ -87,8 +87,10 @@ def main() -> None:
     print(f"machine: {machine()}; uvicorn picks up: {', '.join(stack) or 'neither httptools nor uvloop'}\n")
     with tempfile.TemporaryDirectory() as folder, server_process(write_model(Path(folder)), 1, module=STUB) as url:
         results = measure(url, url.pid, body, args.rounds, args.requests)
-    print(f"{args.rounds} rounds of {args.requests} requests of {args.inputs} x {args.length} symbols, outputs "
-          f"{args.outputs!r}, one at a time; per request, median of the rounds (lowest round):\n")  # fmt: skip
+    print(
+        f"{args.rounds} rounds of {args.requests} requests of {args.inputs} x {args.length} symbols, outputs "
+        f"{args.outputs!r}, one at a time; per request, median of the rounds (lowest round):\n"
+    )
     print("| E2EL (ms) | server CPU (ms) | of which the event loop's thread (ms) |\n|---:|---:|---:|")
     cells = []
     for key in ("e2el", "cpu", "loop"):

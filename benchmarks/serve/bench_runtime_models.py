@@ -50,8 +50,14 @@ def main() -> None:
         from tests.server.checkpoints import write_checkpoints  # a small served folder to start from
 
         write_checkpoints(models)
-        settings = Settings(models=models, shipped_models=False, device="cpu", torch_threads=1,
-                            runtime_model_max_states=1024, runtime_compile_timeout_s=600)
+        settings = Settings(
+            models=models,
+            shipped_models=False,
+            device="cpu",
+            torch_threads=1,
+            runtime_model_max_states=1024,
+            runtime_compile_timeout_s=600,
+        )
         app = create_app(settings)
         with TestClient(app) as client:
             app.state.engine.wait_loaded()
@@ -65,8 +71,11 @@ def main() -> None:
                         continue
                     body = {"id": f"counter{states}", "dfa": counter(states), "architecture": architecture}
                     seconds, parameters = post_seconds(client, body, args.repeats)
-                    print(f"| counter mod {states} (DFA JSON) | {states} | {architecture} | {seconds:.3f} | "
-                          f"{parameters:,} |", flush=True)
+                    print(
+                        f"| counter mod {states} (DFA JSON) | {states} | {architecture} | {seconds:.3f} | "
+                        f"{parameters:,} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

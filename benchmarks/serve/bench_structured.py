@@ -37,13 +37,30 @@ CONSTRAINTS = {
     "none": None,
     "letters": {"regex": r"[A-Za-z ,.;'!?]*"},  # thousands of allowed tokens at every step
     "digits": {"regex": r"[0-9]*"},  # a few allowed tokens
-    "json": {"json": {"type": "object", "properties": {"lines": {"type": "array", "minItems": 40, "items": {
-        "type": "object", "properties": {"who": {"enum": ["Elizabeth", "Darcy", "Jane", "Bingley"]},
-                                         "says": {"type": "string", "maxLength": 24}},
-        "required": ["who", "says"], "additionalProperties": False}}}, "required": ["lines"]}},
+    "json": {
+        "json": {
+            "type": "object",
+            "properties": {
+                "lines": {
+                    "type": "array",
+                    "minItems": 40,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "who": {"enum": ["Elizabeth", "Darcy", "Jane", "Bingley"]},
+                            "says": {"type": "string", "maxLength": 24},
+                        },
+                        "required": ["who", "says"],
+                        "additionalProperties": False,
+                    },
+                }
+            },
+            "required": ["lines"],
+        }
+    },
     # a long counted repetition: every position is a new lexer state, whose mask is computed afresh
     "letters{400}": {"regex": r"[A-Za-z ,.;'!?]{400}"},
-}  # fmt: skip
+}
 
 
 class Timer:
@@ -80,18 +97,25 @@ def instrument() -> None:
 
     DecodeBatch.step = full_step
     server.execution.generation._constrain = MASKS.wrap(server.execution.generation._constrain)
-    server.structured.outputs.Masks.run = MASKS.wrap(server.structured.outputs.Masks.run)  # on the mask thread, in a decode step
+    server.structured.outputs.Masks.run = MASKS.wrap(
+        server.structured.outputs.Masks.run
+    )  # on the mask thread, in a decode step
     server.structured.outputs.Constraint.consume = MASKS.wrap(server.structured.outputs.Constraint.consume)
 
 
 async def run(engine: Engine, served, compiler: ConstraintCompiler, kind: str, tokens: int) -> dict:
     spec = CONSTRAINTS[kind]
-    constraint = None if spec is None else await compiler.compile(StructuredOutputs.model_validate(spec),
-                                                                  served.tokenizer)  # fmt: skip
+    constraint = (
+        None if spec is None else await compiler.compile(StructuredOutputs.model_validate(spec), served.tokenizer)
+    )
     prompt = served.tokenizer.encode("Chapter 1. It is a truth universally acknowledged")
     never_end = ((served.tokenizer.eot_token, -100.0),)
-    requests = [GenerationRequest(prompt, tokens, SamplingParams(temperature=1.0, seed=seed, logit_bias=never_end),
-                                  constraint=constraint) for seed in range(BATCH)]  # fmt: skip
+    requests = [
+        GenerationRequest(
+            prompt, tokens, SamplingParams(temperature=1.0, seed=seed, logit_bias=never_end), constraint=constraint
+        )
+        for seed in range(BATCH)
+    ]
     for timer in (STEPS, MASKS):
         timer.wall, timer.cpu, timer.calls = 0.0, 0.0, 0
     handle = engine.submit_generation(served, requests)
@@ -101,8 +125,13 @@ async def run(engine: Engine, served, compiler: ConstraintCompiler, kind: str, t
     if kind == "json":
         assert all(text.startswith('{"lines":[') for text in texts), texts[0]
     steps = max(STEPS.calls, 1)
-    return {"step_ms": 1000 * STEPS.wall / steps, "step_cpu_ms": 1000 * STEPS.cpu / steps,
-            "mask_ms": 1000 * MASKS.wall / steps, "mask_cpu_ms": 1000 * MASKS.cpu / steps, "steps": STEPS.calls}
+    return {
+        "step_ms": 1000 * STEPS.wall / steps,
+        "step_cpu_ms": 1000 * STEPS.cpu / steps,
+        "mask_ms": 1000 * MASKS.wall / steps,
+        "mask_cpu_ms": 1000 * MASKS.cpu / steps,
+        "steps": STEPS.calls,
+    }
 
 
 def main() -> None:
@@ -113,16 +142,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     instrument()
-    settings = Settings(models=args.model, shipped_models=False, device="cpu", torch_threads=args.threads,
-                        max_running=BATCH)
+    settings = Settings(
+        models=args.model, shipped_models=False, device="cpu", torch_threads=args.threads, max_running=BATCH
+    )
     engine = Engine(settings, ServerMetrics())
     engine.start()
     engine.wait_loaded()
     served = engine.models[args.model.name]
-    compiler = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
-                                  MaskBudget.of(settings))
-    print(f"machine: {machine()}; torch threads: {args.threads}; {args.model.name}; batch {BATCH}, "
-          f"{args.tokens} tokens; vocabulary {served.tokenizer.vocab_size}")  # fmt: skip
+    compiler = ConstraintCompiler(
+        settings.structured_max_chars, settings.structured_compile_timeout_s, MaskBudget.of(settings)
+    )
+    print(
+        f"machine: {machine()}; torch threads: {args.threads}; {args.model.name}; batch {BATCH}, "
+        f"{args.tokens} tokens; vocabulary {served.tokenizer.vocab_size}"
+    )
     results: dict[str, list[dict]] = {kind: [] for kind in CONSTRAINTS}
     for _ in range(args.repeats):
         for kind in CONSTRAINTS:
@@ -131,12 +164,19 @@ def main() -> None:
     free = {key: statistics.median(r[key] for r in results["none"]) for key in ("step_ms", "step_cpu_ms")}
     for kind, runs in results.items():
         medians = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "steps"}
-        print(json.dumps({"constraint": kind, **{key: round(value, 3) for key, value in medians.items()},
-                          "mask_cpu_us_per_token": round(1000 * medians["mask_cpu_ms"] / BATCH, 1),
-                          "mask_cpu_of_tpot": round(medians["mask_cpu_ms"] / medians["step_ms"], 3),
-                          "tpot_over_free": round(medians["step_ms"] / free["step_ms"], 3),
-                          "step_cpu_over_free": round(medians["step_cpu_ms"] / free["step_cpu_ms"], 3),
-                          "steps": [r["steps"] for r in runs]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "constraint": kind,
+                    **{key: round(value, 3) for key, value in medians.items()},
+                    "mask_cpu_us_per_token": round(1000 * medians["mask_cpu_ms"] / BATCH, 1),
+                    "mask_cpu_of_tpot": round(medians["mask_cpu_ms"] / medians["step_ms"], 3),
+                    "tpot_over_free": round(medians["step_ms"] / free["step_ms"], 3),
+                    "step_cpu_over_free": round(medians["step_cpu_ms"] / free["step_cpu_ms"], 3),
+                    "steps": [r["steps"] for r in runs],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -119,8 +119,10 @@ def main() -> None:
         for (model_id, length), gain in gains.items():
             print(f"| {model_id} | {length} | {gain:.2f}x |")
         print(f"\nOne request of 8 inputs of T={lengths[0]}, concurrency 1, mean of {args.repeats}:\n")
-        print("| model | model calls in the server (ms) | calls | HTTP E2EL (ms) | HTTP + server overhead "
-              "| GET /health (ms) | its share of the model calls |")
+        print(
+            "| model | model calls in the server (ms) | calls | HTTP E2EL (ms) | HTTP + server overhead "
+            "| GET /health (ms) | its share of the model calls |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|")
         for model_id, (e2el, model_s, calls) in overheads.items():
             print(

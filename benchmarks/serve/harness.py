@@ -127,8 +127,18 @@ def server_process(
     env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
     env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
     env["REGULARLM_TORCH_THREADS"] = str(threads)
-    command = [sys.executable, "-m", module, "--no-shipped-models", "--models", str(models), "--port", str(port),
-               "--device", device]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        module,
+        "--no-shipped-models",
+        "--models",
+        str(models),
+        "--port",
+        str(port),
+        "--device",
+        device,
+    ]
     process = subprocess.Popen([*command, "--log-level", "warning"], cwd=cwd, env=env)
     url = ServerURL(f"http://127.0.0.1:{port}")
     url.pid = process.pid

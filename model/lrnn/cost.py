@@ -28,8 +28,14 @@ class Sizes:
 
 
 def cost(
-    config: LRNNConfig | DiagonalLRNNConfig, sizes: Sizes, dtype: torch.dtype, device: torch.device,
-    path: CallPath, rows: int, length: int, context: int = 0,
+    config: LRNNConfig | DiagonalLRNNConfig,
+    sizes: Sizes,
+    dtype: torch.dtype,
+    device: torch.device,
+    path: CallPath,
+    rows: int,
+    length: int,
+    context: int = 0,
 ) -> Cost:
     """flops: the blocks' weights per position (the tail at last positions only for "final"), :func:`scan_flops` per
     layer, the head per logit. nbytes: per position :func:`transition_bytes` and activations, plus the logits."""
@@ -46,8 +52,9 @@ def cost(
 
 
 def head_cost(config: LRNNConfig | DiagonalLRNNConfig, itemsize: int, positions: int) -> Cost:
-    return Cost(flops=float(positions * config.d_model * config.output_size),
-                nbytes=positions * config.output_size * itemsize)
+    return Cost(
+        flops=float(positions * config.d_model * config.output_size), nbytes=positions * config.output_size * itemsize
+    )
 
 
 def cache_nbytes(sizes: Sizes, itemsize: int) -> int:
@@ -55,7 +62,11 @@ def cache_nbytes(sizes: Sizes, itemsize: int) -> int:
 
 
 def scan_impl(
-    config: LRNNConfig | DiagonalLRNNConfig, sizes: Sizes, dtype: torch.dtype, device: torch.device, rows: int,
+    config: LRNNConfig | DiagonalLRNNConfig,
+    sizes: Sizes,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows: int,
     length: int,
 ) -> str:
     """The scan run on ``rows`` x ``length``: the configured one, or the "auto" choice."""

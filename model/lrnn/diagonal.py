@@ -44,6 +44,5 @@ class DiagonalRecurrence(Recurrence):
 
 
 class DiagonalLRNN(LinearRNN):
-
     def __init__(self, config: DiagonalLRNNConfig) -> None:
         super().__init__(config, [DiagonalRecurrence(config) for _ in range(config.n_layers)])

@@ -18,13 +18,17 @@ def grown_from(model: nn.Module, weights: dict[str, torch.Tensor], generated_spr
     size, readout = config.block_size, weights.get("blocks.0.recurrence.out_proj.weight")
     old_blocks = 0 if readout is None else readout.shape[-1] // size
     if not 0 < old_blocks < config.num_blocks:
-        raise ValueError(f"not an LRNN of blocks of {size} with fewer than {config.num_blocks} blocks per "
-                         f"layer (its first layer's readout: {None if readout is None else tuple(readout.shape)})")
+        raise ValueError(
+            f"not an LRNN of blocks of {size} with fewer than {config.num_blocks} blocks per "
+            f"layer (its first layer's readout: {None if readout is None else tuple(readout.shape)})"
+        )
     with torch.device("meta"):  # the smaller model's shapes, no weights drawn
         expected = type(model)(dataclasses.replace(config, num_blocks=old_blocks)).state_dict()
-    wrong = [f"{name}: {None if name not in weights else tuple(weights[name].shape)} there, "
-             f"{tuple(shape.shape)} expected" for name, shape in expected.items()
-             if name not in weights or weights[name].shape != shape.shape]  # fmt: skip
+    wrong = [
+        f"{name}: {None if name not in weights else tuple(weights[name].shape)} there, {tuple(shape.shape)} expected"
+        for name, shape in expected.items()
+        if name not in weights or weights[name].shape != shape.shape
+    ]
     if wrong or len(weights) != len(expected):
         raise ValueError(f"not this LRNN with {old_blocks} blocks per layer: {'; '.join(wrong) or 'other tensors'}")
     grown = {}

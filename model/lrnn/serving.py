@@ -70,16 +70,25 @@ def step_arrays(block: nn.Module) -> list[np.ndarray] | None:
     arrays = None
     if weights is not None:
         ln_1, ln_2, mlp = block.ln_1, block.ln_2, block.mlp
-        arrays = cpu_decode.layer_step_arrays([ln_1.weight, ln_1.bias, *weights, ln_2.weight, ln_2.bias,
-                                               mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias])
+        arrays = cpu_decode.layer_step_arrays(
+            [
+                ln_1.weight,
+                ln_1.bias,
+                *weights,
+                ln_2.weight,
+                ln_2.bias,
+                mlp.c_fc.weight,
+                mlp.c_fc.bias,
+                mlp.c_proj.weight,
+                mlp.c_proj.bias,
+            ]
+        )
     parameters = list(block.parameters())
     block.__dict__["_held_step_arrays"] = (parameters, (invariant, *map(cpu_decode.stamp, parameters)), arrays)
     return arrays
 
 
-def compiled_step(
-    block: nn.Module, x: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def compiled_step(block: nn.Module, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A block's step as one compiled call where served on the CPU with few rows, else None."""
     if block.training or not cpu_decode.compiles_step(x):
         return None

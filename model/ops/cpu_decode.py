@@ -75,13 +75,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return result if x.dim() == 2 else result.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def linear_argmax(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, in) -> (ids (R,) int64, values (R,)): :func:`rows_argmax` of ``linear(x, weight, bias)``. Under
     :func:`set_row_invariant` the panel kernel picks from its sums in registers, bitwise as the logits' argmax, without
     writing the logits."""
-    if (x.dim() == 2 and _invariant_step(x) and _applies(x, weight, bias)
-            and (kernels := _kernels or _build()) is not None):  # fmt: skip
+    if (
+        x.dim() == 2
+        and _invariant_step(x)
+        and _applies(x, weight, bias)
+        and (kernels := _kernels or _build()) is not None
+    ):
         rows = x.contiguous().numpy(force=True)
         index, value = np.empty(rows.shape[0], dtype=np.int64), np.empty(rows.shape[0], dtype=np.float32)
         offsets = _NO_BIAS if bias is None else bias.numpy(force=True)
@@ -182,9 +187,21 @@ def lrnn_layer_step(
     x_out = np.empty_like(rows)
     state_out = np.empty(state.shape, dtype=np.float32)
     _kernels.steps.lrnn(
-        rows, state.contiguous().numpy(force=True), (arrays[0], arrays[1]), arrays[2], arrays[3], arrays[4],
-        (arrays[5], arrays[6]), (arrays[7], arrays[8]), (arrays[9], arrays[10]), (arrays[11], arrays[12]),
-        np.float32(eps), np.float64(p), transitions == "stochastic", x_out, state_out,
+        rows,
+        state.contiguous().numpy(force=True),
+        (arrays[0], arrays[1]),
+        arrays[2],
+        arrays[3],
+        arrays[4],
+        (arrays[5], arrays[6]),
+        (arrays[7], arrays[8]),
+        (arrays[9], arrays[10]),
+        (arrays[11], arrays[12]),
+        np.float32(eps),
+        np.float64(p),
+        transitions == "stochastic",
+        x_out,
+        state_out,
     )
     return torch.from_numpy(x_out), torch.from_numpy(state_out)
 
@@ -243,7 +260,18 @@ def regulargpt_layer_step(
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
     _kernels.steps.regulargpt(
-        rows, windows, positions, dilation, ring, slots, packed, starts, panels, has_null, heads, np.float32(eps),
+        rows,
+        windows,
+        positions,
+        dilation,
+        ring,
+        slots,
+        packed,
+        starts,
+        panels,
+        has_null,
+        heads,
+        np.float32(eps),
         x_out,
     )
     return torch.from_numpy(x_out)
@@ -383,7 +411,7 @@ def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         x.dtype is torch.float32
         and not torch.is_grad_enabled()
         and (invariant or weight.numel() >= MIN_ELEMENTS)
-        and 0 < x.numel()
+        and x.numel() > 0
         and (invariant or x.numel() <= MAX_ROWS * x.shape[-1])
         and x.is_cpu
         and weight.dtype is torch.float32

@@ -117,8 +117,12 @@ def attend_banded(
     scores = q_blocks @ k_windows  # (B, H, δ, N, P, W + P)
     band = _band_bias(relative_bias, block, window_rows)  # (H, 1, 1, P, W + P)
     # the key indices the windows hold: (δ, N, W + P), -dilation * W + before for the first row of the first window
-    key_index = before - window_rows * dilation + torch.arange(dilation, device=q.device)[:, None, None] + dilation * (
-        block * torch.arange(blocks, device=q.device)[:, None] + torch.arange(window_rows + block, device=q.device)
+    key_index = (
+        before
+        - window_rows * dilation
+        + torch.arange(dilation, device=q.device)[:, None, None]
+        + dilation
+        * (block * torch.arange(blocks, device=q.device)[:, None] + torch.arange(window_rows + block, device=q.device))
     )
     lowest = 0 if first_key is None else first_key.to(q.device).clamp(min=0).view(-1, 1, 1, 1, 1, 1)
     columns, query_rows = torch.arange(window_rows + block, device=q.device), torch.arange(block, device=q.device)
@@ -145,8 +149,10 @@ def _residue_rows(x: torch.Tensor, dilation: int) -> torch.Tensor:
 
 def _band_bias(relative_bias: torch.Tensor, block: int, window_rows: int) -> torch.Tensor:
     chunk_size = relative_bias.shape[1]
-    slot = window_rows + torch.arange(block, device=relative_bias.device)[:, None] - torch.arange(
-        window_rows + block, device=relative_bias.device
+    slot = (
+        window_rows
+        + torch.arange(block, device=relative_bias.device)[:, None]
+        - torch.arange(window_rows + block, device=relative_bias.device)
     )  # (P, W + P)
     in_band = (slot >= 0) & (slot < chunk_size)
     bias = relative_bias[:, slot.clamp(0, chunk_size - 1)].masked_fill(~in_band, float("-inf"))
@@ -279,7 +285,7 @@ def banded_block(slots: int, rows: int) -> int:
 
 
 def cached_attention_impl(length: int, slots: int, prefix: int) -> str:
-    """"banded" for a cached chunk of n = ``length`` positions reaching J = ``slots`` keys once J >= BANDED_MIN_SLOTS
+    """ "banded" for a cached chunk of n = ``length`` positions reaching J = ``slots`` keys once J >= BANDED_MIN_SLOTS
     and n J >= max(BANDED_MIN_GATHERED, 2 (prefix + n)), else "gathered"."""
     gathered = length * slots
     if slots >= BANDED_MIN_SLOTS and gathered >= max(BANDED_MIN_GATHERED, 2 * (prefix + length)):

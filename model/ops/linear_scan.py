@@ -228,8 +228,9 @@ def linear_scan(
     raise ValueError(f"unknown scan impl {impl!r}; choose auto, sequential, parallel, chunked, triton or compiled")
 
 
-def scan_compiled(transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None
-                  ) -> ScanResult:  # fmt: skip
+def scan_compiled(
+    transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None
+) -> ScanResult:
     """The compiled reference loop with its backward; float32 CPU tensors and numba, else ValueError."""
     result = cpu_decode.linear_scan(transitions, inputs, initial_state)
     if result is None:

@@ -72,7 +72,6 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 
 class ALiBi(StaticPositionBias):
-
     def __init__(self, n_heads: int) -> None:
         super().__init__()
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads)), persistent=False)  # (H,)
@@ -108,7 +107,6 @@ def t5_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> to
 
 
 class T5Buckets(StaticPositionBias):
-
     def __init__(self, n_heads: int, num_buckets: int, max_distance: int) -> None:
         super().__init__()
         self.num_buckets = num_buckets

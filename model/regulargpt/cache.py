@@ -100,8 +100,14 @@ Plan = StepPlan | ChunkPlan | BandedPlan
 
 
 def plan_chunk(
-    start: torch.Tensor, length: int, chunk_size: int, heads: int, allocated: list[int], device: torch.device,
-    rows: torch.Tensor | None = None, first_layer: int = 0,
+    start: torch.Tensor,
+    length: int,
+    chunk_size: int,
+    heads: int,
+    allocated: list[int],
+    device: torch.device,
+    rows: torch.Tensor | None = None,
+    first_layer: int = 0,
 ) -> list[Plan]:
     """Per thick layer from ``first_layer``: a :class:`StepPlan` for n = 1, else a gathered or banded plan. start (B,)
     int64 on the CPU: each row's first new position; rows: the cache rows, or None for all."""
@@ -135,17 +141,21 @@ def plan_chunk(
             key = (start[:, None] + before_offset).clamp(min=0)  # (B, m) the position, 0 when out of range
             window_source, window_target = entries(key), before
         all_valid = int(start_host.min()) >= (slots - 1) * dilation  # every slot's key at a position >= 0
-        plans.append(ChunkPlan(
-            chunk_index=chunk_index,
-            valid=None if all_valid else (start[:, None, None] + relative >= 0)[:, None],
-            window_source=window_source,
-            window_target=window_target,
-            write_index=write_index,
-        ))
+        plans.append(
+            ChunkPlan(
+                chunk_index=chunk_index,
+                valid=None if all_valid else (start[:, None, None] + relative >= 0)[:, None],
+                window_source=window_source,
+                window_target=window_target,
+                write_index=write_index,
+            )
+        )
     return plans
 
 
-def _entries(first: torch.Tensor, dilation: int, columns: int, chunk_size: int, positions: torch.Tensor) -> torch.Tensor:
+def _entries(
+    first: torch.Tensor, dilation: int, columns: int, chunk_size: int, positions: torch.Tensor
+) -> torch.Tensor:
     return (first + ring_slot(positions, dilation, columns, chunk_size)[:, None]).flatten()
 
 
@@ -155,7 +165,12 @@ def _first_entries(rows: torch.Tensor, channels: int, slots_per_row: int) -> tor
 
 
 def _plan_step(
-    start: torch.Tensor, chunk_size: int, heads: int, allocated: list[int], device: torch.device, earliest: int,
+    start: torch.Tensor,
+    chunk_size: int,
+    heads: int,
+    allocated: list[int],
+    device: torch.device,
+    earliest: int,
     latest: int,
 ) -> list[StepPlan]:
     slots = [reachable_slots(chunk_size, chunk_size**layer, latest) for layer in range(len(allocated))]
@@ -186,9 +201,9 @@ def _step_tables(
         j = torch.arange(max(slots), device=device)
         offsets = torch.where(j < torch.tensor(slots, device=device)[:, None, None], j * dilations, 0)
         rows = torch.arange(batch, device=device)
-        firsts = torch.stack([
-            _first_entries(rows, 2 * heads, count).view(batch, 2, heads).transpose(0, 1) for count in allocated
-        ])  # (L, 2, B, H)
+        firsts = torch.stack(
+            [_first_entries(rows, 2 * heads, count).view(batch, 2, heads).transpose(0, 1) for count in allocated]
+        )  # (L, 2, B, H)
         columns = torch.tensor(allocated, device=device)[:, None, None] // dilations
         return offsets, dilations, columns, firsts[..., None]
 

@@ -26,7 +26,13 @@ class FixedCosts:
 
 
 def cost(
-    config: RegularGPTConfig, itemsize: int, impl: str, path: CallPath, rows: int, length: int, context: int = 0,
+    config: RegularGPTConfig,
+    itemsize: int,
+    impl: str,
+    path: CallPath,
+    rows: int,
+    length: int,
+    context: int = 0,
     fixed: FixedCosts = FixedCosts(),
 ) -> Cost:
     """Multiply-adds and peak bytes of one call; ValueError for an unknown path."""

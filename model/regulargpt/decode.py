@@ -117,8 +117,15 @@ class CachedBlock(NamedTuple):
         if isinstance(plan, BandedPlan):
             keys, values = window.prefixed(plan, kv)  # (B, H, prefix + n, hd) each
             out = attend_banded(
-                q, keys, values, self.relative_bias, self.chunk_size, dilation, plan.first_key,
-                self.null_key, self.null_value,
+                q,
+                keys,
+                values,
+                self.relative_bias,
+                self.chunk_size,
+                dilation,
+                plan.first_key,
+                self.null_key,
+                self.null_value,
             )
         else:
             keys, values = window.gather(plan, kv)  # (B, H, n, J, hd) each
@@ -167,7 +174,10 @@ def pack_blocks(modules: nn.ModuleList, packed: PackedBlocks | None) -> PackedBl
 
 
 def forward_chunk(
-    x: torch.Tensor, cache: RegularGPTCache, modules: nn.ModuleList, packed: PackedBlocks | None,
+    x: torch.Tensor,
+    cache: RegularGPTCache,
+    modules: nn.ModuleList,
+    packed: PackedBlocks | None,
     config: RegularGPTConfig,
 ) -> torch.Tensor:
     """x (B, n, d) embeddings continuing each cache row -> hidden states before the final LayerNorm, each position read
@@ -263,22 +273,40 @@ def _cached_thick_layer(
 def _compiles_step(x: torch.Tensor, blocks: list[CachedBlock], packed: PackedBlocks | None) -> bool:
     """Whether a decode step over x (B, 1, d) runs each thick layer as one compiled call."""
     return (
-        packed is not None and not blocks[0].dropout and not blocks[0].post_norm and cpu_decode.compiles_step(x)
+        packed is not None
+        and not blocks[0].dropout
+        and not blocks[0].post_norm
+        and cpu_decode.compiles_step(x)
         and packed.holds(blocks)
     )
 
 
 def _compiled_thick_layer(
-    x: torch.Tensor, layer: int, windows: list[KVWindow], positions: np.ndarray, latest: int, packed: PackedBlocks,
-    panels: tuple[np.ndarray, ...], config: RegularGPTConfig,
+    x: torch.Tensor,
+    layer: int,
+    windows: list[KVWindow],
+    positions: np.ndarray,
+    latest: int,
+    packed: PackedBlocks,
+    panels: tuple[np.ndarray, ...],
+    config: RegularGPTConfig,
 ) -> torch.Tensor:
     """One thick layer of a decode step as one compiled call, equal to :func:`_cached_thick_layer` up to rounding."""
     batch, _, width = x.shape
     chunk_size = config.chunk_size
     dilation = chunk_size**layer
     out = cpu_decode.regulargpt_layer_step(
-        x.view(batch, width), tuple(window.entries for window in windows), positions, dilation, windows[0].ring,
-        reachable_slots(chunk_size, dilation, latest), packed.packed, packed.starts, panels,
-        packed.has_null, config.n_heads, config.layer_norm_eps,
+        x.view(batch, width),
+        tuple(window.entries for window in windows),
+        positions,
+        dilation,
+        windows[0].ring,
+        reachable_slots(chunk_size, dilation, latest),
+        packed.packed,
+        packed.starts,
+        panels,
+        packed.has_null,
+        config.n_heads,
+        config.layer_norm_eps,
     )
     return out.view(batch, 1, width)

@@ -65,7 +65,12 @@ def block(
 
 
 def regulargpt(
-    tokens: torch.Tensor, params: Params, n_heads: int, chunk_size: int, thickness: int, eps: float = 1e-5,
+    tokens: torch.Tensor,
+    params: Params,
+    n_heads: int,
+    chunk_size: int,
+    thickness: int,
+    eps: float = 1e-5,
     post_norm: bool = False,
 ) -> torch.Tensor:
     """tokens: (B, T) -> logits (B, T, output_size). ``params``: a RegularGPT's state_dict."""

@@ -39,8 +39,16 @@ class DilatedSelfAttention(nn.Module):
         """The parallel pass: x (B, T, d_model), positions 0..T-1 -> (B, T, d_model), through ``self.impl``."""
         q, k, v = self.heads.qkv(x)  # (B, H, T, hd) each
         out = dilated_attention(
-            q, k, v, self.relative_bias, self.chunk_size, dilation, key_offset,
-            self.null_key, self.null_value, self.impl,
+            q,
+            k,
+            v,
+            self.relative_bias,
+            self.chunk_size,
+            dilation,
+            key_offset,
+            self.null_key,
+            self.null_value,
+            self.impl,
         )  # (B, H, T, hd)
         return self.heads.merge(out)
 
@@ -52,7 +60,11 @@ class RegularGPT(SequenceModel):
         self.embedding = TokenEmbedding(config)
         self.blocks = nn.ModuleList(
             Block(
-                config.d_model, config.d_ff, DilatedSelfAttention(config), config.layer_norm_eps, config.dropout,
+                config.d_model,
+                config.d_ff,
+                DilatedSelfAttention(config),
+                config.layer_norm_eps,
+                config.dropout,
                 post_norm=config.block_norm == "post",
             )
             for _ in range(config.thickness)
@@ -175,7 +187,8 @@ class RegularGPT(SequenceModel):
                 own = start + (first - start) % chunk_size  # the first kept position of the piece
                 if own < end:
                     kept[:, (own - first) // chunk_size : (end - 1 - first) // chunk_size + 1] = y[
-                        :, own - low : end - low : chunk_size]  # fmt: skip
+                        :, own - low : end - low : chunk_size
+                    ]
             x = kept
         return self._logits(x[:, -1])[0], None  # (1, d) -> (output_size,)
 

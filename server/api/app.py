@@ -216,7 +216,9 @@ def _api_router() -> APIRouter:
     def retrieve_model(model_id: str, serving: ServingDep) -> ModelCard:
         return serving.model(model_id)
 
-    @router.post("/models", status_code=201, response_model=ModelCard, responses=errors(401, 408, 409, 413, 415, 422, 503))
+    @router.post(
+        "/models", status_code=201, response_model=ModelCard, responses=errors(401, 408, 409, 413, 415, 422, 503)
+    )
     async def add_model(body: RuntimeModelRequest, serving: ServingDep) -> Any:
         """Compile a regular expression (over ``alphabet``) or a DFA into a transduce model and serve it."""
         return _json(await serving.add_model(body), status_code=201)
@@ -258,8 +260,9 @@ def _api_router() -> APIRouter:
 def _json(body: BaseModel, exclude_none: bool = False, status_code: int = 200) -> Response:
     """The body as JSON, serialized by pydantic once (``response_model`` would validate the returned model again,
     dump it to Python objects, then have ``json.dumps`` write those); ``response_model`` still documents it."""
-    return Response(body.model_dump_json(exclude_none=exclude_none), status_code=status_code,
-                    media_type="application/json")
+    return Response(
+        body.model_dump_json(exclude_none=exclude_none), status_code=status_code, media_type="application/json"
+    )
 
 
 def _respond(result: BaseModel | AsyncIterator[str]) -> Any:

@@ -36,8 +36,9 @@ def completion_id() -> str:
 class ChoiceState:
     """One choice: turns its events into deltas; tracks text offsets for the log-probabilities."""
 
-    def __init__(self, index: int, prompt: str, prompt_tokens: list[int], echo: bool, tokenizer: Tokenizer,
-                 logprobs: int | None) -> None:  # fmt: skip
+    def __init__(
+        self, index: int, prompt: str, prompt_tokens: list[int], echo: bool, tokenizer: Tokenizer, logprobs: int | None
+    ) -> None:
         self.index, self.prompt, self.prompt_tokens = index, prompt, prompt_tokens
         self.echo_pending = echo
         self.tokenizer, self.logprobs = tokenizer, logprobs

@@ -50,8 +50,11 @@ def values_outside_strings(body: bytes, limit: int) -> int:
 
 
 def _separators(body: bytes, start: int, end: int) -> int:
-    return body.count(b",", start, end) + body.count(b"[", start, end) + body.count(b"{", start, end) + body.count(
-        b":", start, end
+    return (
+        body.count(b",", start, end)
+        + body.count(b"[", start, end)
+        + body.count(b"{", start, end)
+        + body.count(b":", start, end)
     )
 
 
@@ -60,7 +63,9 @@ def check_sampling(data: dict[str, Any], settings: Settings) -> None:
     stop = data.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if len(stops) > settings.max_stop_strings:
-        raise InputTooLarge(f"stop has {len(stops)} strings; the limit is {settings.max_stop_strings} (max_stop_strings)")
+        raise InputTooLarge(
+            f"stop has {len(stops)} strings; the limit is {settings.max_stop_strings} (max_stop_strings)"
+        )
     characters = sum(len(each) for each in stops if isinstance(each, str))
     if characters > settings.max_stop_chars:
         raise InputTooLarge(
@@ -92,7 +97,9 @@ def check_completion(data: Any, settings: Settings) -> None:
         return
     if isinstance(prompt[0], (str, list)):
         if len(prompt) > settings.max_inputs:
-            raise InputTooLarge(f"the prompt lists {len(prompt)} prompts; the limit is {settings.max_inputs} (max_inputs)")
+            raise InputTooLarge(
+                f"the prompt lists {len(prompt)} prompts; the limit is {settings.max_inputs} (max_inputs)"
+            )
         token_lists = [each for each in prompt if isinstance(each, list)]
     else:
         token_lists = [prompt]

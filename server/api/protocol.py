@@ -86,8 +86,9 @@ class HealthResponse(BaseModel):
 class DecodeStep(BaseModel):
     mode: Literal["cuda_graphs", "eager"]
     batch_sizes: list[int] = Field(
-        default_factory=list, description="cuda_graphs: the captured batch sizes; a batch runs the graph of the next "
-        "size up (padded), a larger one runs eagerly"
+        default_factory=list,
+        description="cuda_graphs: the captured batch sizes; a batch runs the graph of the next "
+        "size up (padded), a larger one runs eagerly",
     )
     reason: str | None = Field(None, description="eager: why")
 
@@ -110,8 +111,9 @@ class ModelCard(BaseModel):
         "speed and the memory budget: max_input_symbols (a transduce input with outputs 'final', or a prompt), "
         "max_all_outputs_symbols (outputs 'all'), max_context_tokens (prompt + max_tokens)",
     )
-    decode: DecodeStep | None = Field(None, description="how a generation model's decode step runs (none for "
-                                      "transduce models)")  # fmt: skip
+    decode: DecodeStep | None = Field(
+        None, description="how a generation model's decode step runs (none for transduce models)"
+    )
 
 
 class ModelList(BaseModel):
@@ -127,7 +129,9 @@ class RuntimeModelRequest(BaseModel):
 
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="the new model's id")
     regex: str | None = Field(None, min_length=1, max_length=4096, description="a Python regular expression")
-    dfa: dict[str, Any] | None = Field(None, description="a DFA as in docs/api.md, Automaton files (name, alphabet, states, ...)")
+    dfa: dict[str, Any] | None = Field(
+        None, description="a DFA as in docs/api.md, Automaton files (name, alphabet, states, ...)"
+    )
     alphabet: str | None = Field(None, min_length=1, max_length=256, description="with regex: the input symbols")
     architecture: Literal["lrnn", "regulargpt"] = "lrnn"
 
@@ -215,12 +219,18 @@ class SamplingFields(RequestModel):
     (temperature, repetition_penalty) or keep only the most likely token (top_p)."""
 
     temperature: float = Field(
-        1.0, ge=0.0, le=100.0, description="0: greedy; above 0, a value below float32's smallest normal (1.2e-38) acts "
-        "as that (the most likely tokens, ties drawn among)"
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="0: greedy; above 0, a value below float32's smallest normal (1.2e-38) acts "
+        "as that (the most likely tokens, ties drawn among)",
     )
     top_p: float = Field(
-        1.0, gt=0.0, le=1.0, description="the most likely tokens up to this share of the probability, at least one and "
-        "any tied with the last; a tiny value keeps the most likely token (and its ties)"
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="the most likely tokens up to this share of the probability, at least one and "
+        "any tied with the last; a tiny value keeps the most likely token (and its ties)",
     )
     top_k: Integer = Field(0, ge=0)
     seed: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(None, description="any integer >= 0 (used modulo 2^63)")
@@ -228,9 +238,12 @@ class SamplingFields(RequestModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this once per seen token")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this per occurrence")
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=100.0, description="vLLM's (CTRL's): seen tokens' logits divided (if > 0) or multiplied by it; "
+        1.0,
+        gt=0.0,
+        le=100.0,
+        description="vLLM's (CTRL's): seen tokens' logits divided (if > 0) or multiplied by it; "
         "a value below float32's smallest normal (1.2e-38) acts as that, and a logit it pushes past float32's largest "
-        "stays at the largest"
+        "stays at the largest",
     )
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None,

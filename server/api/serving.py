@@ -82,8 +82,9 @@ async def coalesced(chunks: AsyncGenerator[str, None], handle: GenerationHandle)
 class Serving:
     def __init__(self, engine: EngineFront, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
-        self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
-                                              MaskBudget.of(settings))  # fmt: skip
+        self.constraints = ConstraintCompiler(
+            settings.structured_max_chars, settings.structured_compile_timeout_s, MaskBudget.of(settings)
+        )
         self.runtime = RuntimeCompiler(settings)
         # each language model's structured-output vocabulary is built while the engine loads, not by the first request
         # that asks for structured_outputs (30 ms for 8,192 tokens: docs/benchmarks.md, "The first requests")
@@ -161,7 +162,7 @@ class Serving:
                 if all_outputs and len(text) <= served.limits.max_input_symbols:
                     hint = f'; outputs "final" admits up to {served.limits.max_input_symbols}'
                 raise InputTooLarge(
-                    f'inputs[{i}] has {len(text)} symbols; model {served.id!r} admits at most {model_limit} with '
+                    f"inputs[{i}] has {len(text)} symbols; model {served.id!r} admits at most {model_limit} with "
                     f'outputs "{"all" if all_outputs else "final"}" on this server (limits.{name} in /v1/models: '
                     f"the path it runs must fit the memory budget and {served.budget.max_job_seconds:g} s){hint}"
                 )

@@ -27,6 +27,7 @@ exits is what an orchestrator already watches).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -207,8 +208,9 @@ class EngineClient(EngineFront):
         request = next(self._ids)
         answer: asyncio.Future[list[TransduceOutput]] = self._running_loop.create_future()
         self._transductions[request] = answer
-        self._send(("transduce", request, served.id, [tokens.tobytes() for tokens in inputs], all_outputs, flow,
-                    times.arrival))  # fmt: skip
+        self._send(
+            ("transduce", request, served.id, [tokens.tobytes() for tokens in inputs], all_outputs, flow, times.arrival)
+        )
         try:
             return await answer
         finally:
@@ -237,8 +239,9 @@ class EngineClient(EngineFront):
     async def add_model(self, served: ServedModel) -> ServedModel:
         """Serve a runtime model: its weights go to the engine process as safetensors bytes with its config."""
         self.check_serving()
-        weights = safetensors.torch.save({name: tensor.detach().cpu().contiguous().clone()
-                                          for name, tensor in served.model.state_dict().items()})  # fmt: skip
+        weights = safetensors.torch.save(
+            {name: tensor.detach().cpu().contiguous().clone() for name, tensor in served.model.state_dict().items()}
+        )
         description = await self._call("add_model", served.id, json.dumps(served.config.to_dict()), weights)
         assert isinstance(description, dict)  # the engine process's ``describe``
         _describe(served, description)
@@ -287,10 +290,8 @@ class EngineClient(EngineFront):
 
     def _send_quietly(self, message: tuple[Any, ...]) -> None:
         """A cancellation or a stop: nobody waits for it, and an engine that has gone needs none."""
-        try:
+        with contextlib.suppress(OSError, APIError):
             self._send(message, bounded=False)
-        except (OSError, APIError):
-            pass
 
     # --- the engine's messages (reader thread, then the event loop) -----------------------------------------
 
@@ -362,8 +363,9 @@ class EngineClient(EngineFront):
             if (generation := generations.get(request)) is not None:
                 generation.put(index, PromptScored(scores))
         logprobs = step.logprobs
-        for row, (request, index, token) in enumerate(zip(step.token_requests.tolist(), step.token_indexes.tolist(),
-                                                          step.token_ids.tolist())):  # fmt: skip
+        for row, (request, index, token) in enumerate(
+            zip(step.token_requests.tolist(), step.token_indexes.tolist(), step.token_ids.tolist())
+        ):
             generation = generations.get(request)
             if generation is None or generation.sequences[index].stopped:
                 continue
@@ -438,10 +440,8 @@ class EngineClient(EngineFront):
                     self._send_quietly(("cancel", request))
             self._generations, self._transductions, self._calls = {}, {}, {}
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is left to answer
             self._running_loop.call_soon_threadsafe(answer_all)
-        except RuntimeError:  # the event loop has closed: nobody is left to answer
-            pass
 
     def _died(self, detail: str) -> None:
         """The engine process has gone while serving: 503 for everything in flight, /health 503, then the callback."""

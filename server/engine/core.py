@@ -74,8 +74,9 @@ class CoreSequence(Sequence):
     """A sequence of the engine process: its tokens leave as ids. A request with stop strings gets its tokens' ids as
     they come (the API process sends back the stop when it finds one), even when it does not stream."""
 
-    def __init__(self, served: ServedModel, request: GenerationRequest, mailbox: RemoteMailbox, index: int,
-                 flow: str) -> None:  # fmt: skip
+    def __init__(
+        self, served: ServedModel, request: GenerationRequest, mailbox: RemoteMailbox, index: int, flow: str
+    ) -> None:
         super().__init__(served, request, mailbox, index, flow)
         self.assembler = IdsOnly()
 
@@ -122,8 +123,9 @@ class StepWriter:
     """The engine process's postman: ``post_many`` (the sweep, on the worker thread) fills the step; ``flush`` (once
     per iteration) sends it, if it holds anything."""
 
-    def __init__(self, send: Connection, send_lock: threading.Lock, metrics: RecordingMetrics,
-                 request_queue: ReportingQueue) -> None:  # fmt: skip
+    def __init__(
+        self, send: Connection, send_lock: threading.Lock, metrics: RecordingMetrics, request_queue: ReportingQueue
+    ) -> None:
         self.send, self.send_lock, self.metrics, self.queue = send, send_lock, metrics, request_queue
         self._lock = threading.Lock()
         self._columns, self._step = StepColumns(), Step()
@@ -145,8 +147,17 @@ class StepWriter:
                 elif isinstance(event, Finished):
                     sequence = mailbox.sequences[index]
                     tokens = list(sequence.generated) if sequence.plain else None
-                    step.finished.append(Finish(mailbox.request, index, event.reason, event.prompt_tokens,
-                                                event.completion_tokens, event.cached_tokens, tokens))  # fmt: skip
+                    step.finished.append(
+                        Finish(
+                            mailbox.request,
+                            index,
+                            event.reason,
+                            event.prompt_tokens,
+                            event.completion_tokens,
+                            event.cached_tokens,
+                            tokens,
+                        )
+                    )
                 elif isinstance(event, PromptScored):
                     step.scored.append((mailbox.request, index, event.logprobs))
                 else:
@@ -160,8 +171,17 @@ class StepWriter:
             self._columns, self._step = StepColumns(), Step()
         step.figures = figures
         step.scheduled, step.finished_waiting, step.finished_running = scheduled, finished_waiting, finished_running
-        if not (len(columns) or step.scored or step.finished or step.errors or step.transduced or figures
-                or scheduled or finished_waiting or finished_running):  # fmt: skip
+        if not (
+            len(columns)
+            or step.scored
+            or step.finished
+            or step.errors
+            or step.transduced
+            or figures
+            or scheduled
+            or finished_waiting
+            or finished_running
+        ):
             return
         message = STEP + encode_step(columns, step)
         with self.send_lock:
@@ -180,8 +200,9 @@ class EngineCore:
         self.writer = StepWriter(connection, self.send_lock, self.metrics, self.queue)
         self.engine = Engine(settings, self.metrics, on_ready=_freeze_startup_heap, postman=self.writer)
         self.engine.queue = self.queue
-        self.constraints = ConstraintCompiler(settings.structured_max_chars, settings.structured_compile_timeout_s,
-                                              MaskBudget.of(settings))  # fmt: skip
+        self.constraints = ConstraintCompiler(
+            settings.structured_max_chars, settings.structured_compile_timeout_s, MaskBudget.of(settings)
+        )
         self.engine.add_warm_up(self._warm_up)
         # request id -> its work, until it ends or is cancelled
         self.requests: dict[int, collections.abc.Sequence[Work]] = {}
@@ -254,8 +275,15 @@ class EngineCore:
         elif kind == "abort_all":
             self.engine.abort_in_flight(message[1])
 
-    def generate(self, request: int, model_id: str, requests: list[GenerationRequest], specs: list[str | None],
-                 flow: str, arrival: float) -> None:  # fmt: skip
+    def generate(
+        self,
+        request: int,
+        model_id: str,
+        requests: list[GenerationRequest],
+        specs: list[str | None],
+        flow: str,
+        arrival: float,
+    ) -> None:
         """A generation request's sequences; one with a structured-output constraint is compiled on a thread of the
         compile pool first (``compile_checked`` may take as long as the API's compile did: seconds for some schemas),
         so that this thread goes on reading the other requests and cancellations meanwhile."""
@@ -284,16 +312,24 @@ class EngineCore:
         for work in works or []:
             work.cancelled = True
 
-    def _generate(self, request: int, model_id: str, requests: list[GenerationRequest], specs: list[str | None],
-                  flow: str, arrival: float) -> None:  # fmt: skip
+    def _generate(
+        self,
+        request: int,
+        model_id: str,
+        requests: list[GenerationRequest],
+        specs: list[str | None],
+        flow: str,
+        arrival: float,
+    ) -> None:
         served = self.engine.models[model_id]
         mailbox = RemoteMailbox(request, self.writer)
         sequences: list[Sequence] = []
         for index, (each, spec) in enumerate(zip(requests, specs)):
             if spec is not None:
                 assert served.tokenizer is not None  # a language model is served with its tokenizer
-                constraint = self.constraints.compile_checked(StructuredOutputs.model_validate_json(spec),
-                                                              served.tokenizer)  # fmt: skip
+                constraint = self.constraints.compile_checked(
+                    StructuredOutputs.model_validate_json(spec), served.tokenizer
+                )
                 each = replace(each, constraint=constraint)
             sequence = CoreSequence(served, each, mailbox, index, flow)
             sequence.times.arrival = arrival
@@ -301,8 +337,9 @@ class EngineCore:
         mailbox.sequences = sequences
         self._admit(request, sequences)
 
-    def transduce(self, request: int, model_id: str, inputs: list[bytes], all_outputs: bool, flow: str,
-                  arrival: float) -> None:  # fmt: skip
+    def transduce(
+        self, request: int, model_id: str, inputs: list[bytes], all_outputs: bool, flow: str, arrival: float
+    ) -> None:
         served = self.engine.models[model_id]
         ids = []
         for data in inputs:
@@ -327,8 +364,9 @@ class EngineCore:
             for _ in range(count):
                 self.queue.finished(was_scheduled=False)
                 self.metrics.finished(RequestTimes(model_id, message[-1]), "error")
-            self.writer.post_many(RemoteMailbox(request, self.writer),
-                                  [(0, failure)] if message[0] == "generate" else [failure])  # fmt: skip
+            self.writer.post_many(
+                RemoteMailbox(request, self.writer), [(0, failure)] if message[0] == "generate" else [failure]
+            )
 
         self.engine.call_on_worker(refuse)
 
@@ -350,8 +388,9 @@ class EngineCore:
 
     def _forget_finished(self) -> None:
         """Drop the requests whose work has all ended (their cancellation or stop would change nothing)."""
-        self.requests = {key: works for key, works in self.requests.items()
-                         if not works or not all(work.done for work in works)}  # fmt: skip
+        self.requests = {
+            key: works for key, works in self.requests.items() if not works or not all(work.done for work in works)
+        }
 
     def add_model(self, call: int, model_id: str, config_text: str, weights: bytes) -> None:
         config = CheckpointConfig.from_dict(json.loads(config_text))
@@ -396,8 +435,9 @@ def _freeze_startup_heap() -> None:
 def main(settings: Settings, connection: Connection) -> None:
     """The engine process (started with ``multiprocessing``'s spawn): Ctrl-C goes to the API process, which stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
+    )
     EngineCore(settings, connection).run()
     logging.shutdown()
     os._exit(0)  # not the interpreter's shutdown: a worker still in a model call would abort it

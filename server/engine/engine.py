@@ -351,8 +351,10 @@ class Engine(EngineFront):
         started = time.monotonic()
         folders = self.settings.model_folders
         if not folders:
-            self._fail(f"no model to serve: the shipped checkpoints are not at {SHIPPED_CHECKPOINTS} (the package is "
-                       "installed without them) and no folder was named (--models, REGULARLM_MODELS)")  # fmt: skip
+            self._fail(
+                f"no model to serve: the shipped checkpoints are not at {SHIPPED_CHECKPOINTS} (the package is "
+                "installed without them) and no folder was named (--models, REGULARLM_MODELS)"
+            )
             return
         try:
             report = load_models(folders, self.settings.device)
@@ -375,8 +377,9 @@ class Engine(EngineFront):
             if self.models:
                 self._measure()
             if not self.models:
-                self._fail(f"no model could be loaded from {', '.join(map(str, folders))}: "
-                           + "; ".join(self.load_failures))  # fmt: skip
+                self._fail(
+                    f"no model could be loaded from {', '.join(map(str, folders))}: " + "; ".join(self.load_failures)
+                )
                 return
             self.metrics.register_models(sorted(self.models))
             if self._on_ready is not None:
@@ -385,14 +388,24 @@ class Engine(EngineFront):
             skipped = len(self.load_failures)
             logger.info(
                 "%d models ready in %.0f s (%s, %d torch thread%s, batch invariance %s, %.0f MiB for running work)%s",
-                len(self.models), time.monotonic() - started, next(iter(self.models.values())).model.device,
-                torch_threads, "" if torch_threads == 1 else "s", "on" if invariant else "off",
-                self.memory_budget / 2**20, f"; {skipped} skipped (the warnings above say why)" if skipped else "",
-            )  # fmt: skip
+                len(self.models),
+                time.monotonic() - started,
+                next(iter(self.models.values())).model.device,
+                torch_threads,
+                "" if torch_threads == 1 else "s",
+                "on" if invariant else "off",
+                self.memory_budget / 2**20,
+                f"; {skipped} skipped (the warnings above say why)" if skipped else "",
+            )
             self.state, self.detail = "ready", None
             with torch.inference_mode():
                 scheduler = Scheduler(
-                    self.settings, self.metrics, self.state_cache, self._inbox, self._postman, self.memory_budget,
+                    self.settings,
+                    self.metrics,
+                    self.state_cache,
+                    self._inbox,
+                    self._postman,
+                    self.memory_budget,
                     self.queue,
                 )
                 scheduler.loop()
@@ -428,8 +441,10 @@ class Engine(EngineFront):
         if model_id not in self.models:
             raise UnknownModel(model_id, sorted(self.models))
         if model_id not in self.runtime_ids:
-            raise Conflict(f"model {model_id!r} is a shipped model, loaded when the server started; only models added "
-                           "with POST /v1/models can be deleted")
+            raise Conflict(
+                f"model {model_id!r} is a shipped model, loaded when the server started; only models added "
+                "with POST /v1/models can be deleted"
+            )
         self.models = {key: served for key, served in self.models.items() if key != model_id}
         self.runtime_ids.discard(model_id)
         self.metrics.unregister_model(model_id)

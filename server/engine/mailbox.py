@@ -8,6 +8,7 @@ scheduler iteration, instead of one wake-up per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Any, Protocol
 
@@ -37,10 +38,8 @@ class Postman:
         for mailbox, item in pending:
             by_loop.setdefault(mailbox.loop, []).append((mailbox, item))
         for loop, deliveries in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_deliver, deliveries)
-            except RuntimeError:
-                pass
 
 
 def _deliver(deliveries: list[tuple[Mailbox, Any]]) -> None:

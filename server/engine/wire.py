@@ -112,21 +112,45 @@ def encode_step(columns: StepColumns, step: Step) -> bytes:
 
 
 def decode_step(message: bytes) -> Step:
-    (requests, indexes, ids, rows, values, top_counts, top_ids, top_values, scored, finished, errors, transduced,
-     figures, (scheduled, finished_waiting, finished_running)) = pickle.loads(message)  # fmt: skip
+    (
+        requests,
+        indexes,
+        ids,
+        rows,
+        values,
+        top_counts,
+        top_ids,
+        top_values,
+        scored,
+        finished,
+        errors,
+        transduced,
+        figures,
+        (scheduled, finished_waiting, finished_running),
+    ) = pickle.loads(message)
     token_ids = np.frombuffer(ids, np.int32)
     logprobs = {}
     if rows:
         starts = np.concatenate([[0], np.cumsum(np.frombuffer(top_counts, np.int32))]).tolist()
         top = list(zip(np.frombuffer(top_ids, np.int32).tolist(), np.frombuffer(top_values, np.float64).tolist()))
-        for k, (row, value) in enumerate(zip(np.frombuffer(rows, np.int32).tolist(),
-                                             np.frombuffer(values, np.float64).tolist())):  # fmt: skip
+        for k, (row, value) in enumerate(
+            zip(np.frombuffer(rows, np.int32).tolist(), np.frombuffer(values, np.float64).tolist())
+        ):
             logprobs[row] = TokenLogprob(int(token_ids[row]), value, top[starts[k] : starts[k + 1]])
     return Step(
-        np.frombuffer(requests, np.int64), np.frombuffer(indexes, np.int32), token_ids, logprobs, scored, finished,
-        [(request, index, error_from_wire(error)) for request, index, error in errors], transduced, figures,
-        scheduled, finished_waiting, finished_running,
-    )  # fmt: skip
+        np.frombuffer(requests, np.int64),
+        np.frombuffer(indexes, np.int32),
+        token_ids,
+        logprobs,
+        scored,
+        finished,
+        [(request, index, error_from_wire(error)) for request, index, error in errors],
+        transduced,
+        figures,
+        scheduled,
+        finished_waiting,
+        finished_running,
+    )
 
 
 def error_to_wire(error: BaseException) -> tuple[str, str, int | None]:

@@ -83,8 +83,9 @@ class Plan:
 
 def live_groups(groups: list[PrefillGroup]) -> list[PrefillGroup]:
     """The planned chunks less the sequences that have ended since (an admitted sequence that failed to start)."""
-    live = [PrefillGroup([sequence for sequence in group.sequences if not sequence.done], group.length)
-            for group in groups]  # fmt: skip
+    live = [
+        PrefillGroup([sequence for sequence in group.sequences if not sequence.done], group.length) for group in groups
+    ]
     return [group for group in live if group.sequences]
 
 
@@ -92,9 +93,15 @@ def ready_work(work: list[DecodeWork]) -> list[DecodeWork]:
     """The planned decode steps, each joined only by the sequences whose first token was sampled (their last chunk ran
     within the slice, and they did not end) and the prompting ones that started; a new batch that none joins has no
     step."""
-    ready = [DecodeWork(each.key, each.batch, [sequence for sequence in each.joining if sequence.ready_to_decode],
-                        [sequence for sequence in each.prompting if not sequence.done])
-             for each in work]  # fmt: skip
+    ready = [
+        DecodeWork(
+            each.key,
+            each.batch,
+            [sequence for sequence in each.joining if sequence.ready_to_decode],
+            [sequence for sequence in each.prompting if not sequence.done],
+        )
+        for each in work
+    ]
     return [each for each in ready if each.batch is not None or each.joining or each.prompting]
 
 
@@ -163,8 +170,12 @@ class Executor:
             seconds, outputs = self._timed(served, cost.flops, lambda: run_batch(batch))
         except Exception as error:
             if len(batch) > 1:
-                logger.warning("a transduce batch of %d inputs failed (%s: %s); each runs alone", len(batch),
-                               type(error).__name__, error)  # fmt: skip
+                logger.warning(
+                    "a transduce batch of %d inputs failed (%s: %s); each runs alone",
+                    len(batch),
+                    type(error).__name__,
+                    error,
+                )
                 calls: list[Call] = []
                 for item in batch:
                     if id(item.job) not in failed:  # not failed meanwhile through another of its inputs
@@ -259,13 +270,23 @@ class Executor:
         try:
             return self._timed(sequences[0].served, flops, call)[0]
         except Exception as error:
-            retry = [] if alone is None or len(sequences) == 1 else [
-                sequence for sequence, (cache, prefilled) in zip(sequences, state)
-                if not sequence.done and sequence.cache is cache and sequence.prefilled == prefilled
-            ]  # fmt: skip
+            retry = (
+                []
+                if alone is None or len(sequences) == 1
+                else [
+                    sequence
+                    for sequence, (cache, prefilled) in zip(sequences, state)
+                    if not sequence.done and sequence.cache is cache and sequence.prefilled == prefilled
+                ]
+            )
             if retry:
-                logger.warning("a model call for %d sequences failed (%s: %s); %d run again alone", len(sequences),
-                               type(error).__name__, error, len(retry))  # fmt: skip
+                logger.warning(
+                    "a model call for %d sequences failed (%s: %s); %d run again alone",
+                    len(sequences),
+                    type(error).__name__,
+                    error,
+                    len(retry),
+                )
             else:
                 logger.exception("a model call failed for %d sequence(s)", len(sequences))
             for sequence in sequences:

@@ -160,8 +160,12 @@ class Sequence(Work):
         """Its next token is always its logits' first largest (temperature 0, no penalty or bias, no structured
         output), and nothing else of them is read (no log-probabilities)."""
         request = self.request
-        return (request.sampling.temperature <= 0.0 and not request.sampling.penalizes and request.constraint is None
-                and request.logprobs is None)  # fmt: skip
+        return (
+            request.sampling.temperature <= 0.0
+            and not request.sampling.penalizes
+            and request.constraint is None
+            and request.logprobs is None
+        )
 
     @property
     def prefilling(self) -> bool:
@@ -262,8 +266,13 @@ def prompt_in_batch(sequence: Sequence, at: tuple[int, int | None], state_cache:
     bits they would get stepped, as every decode step's do; what it saves is the calls of their own, ~10% of the
     engine thread under 64 concurrent whole answers (docs/benchmarks.md, "Short prompts in the decode batch")."""
     prompt = sequence.request.prompt
-    return (at == (0, None) and 0 < len(prompt) and _stepped(sequence, len(prompt)) and sequence.request.max_tokens > 0
-            and not state_cache.keeps(len(prompt)))  # fmt: skip
+    return (
+        at == (0, None)
+        and len(prompt) > 0
+        and _stepped(sequence, len(prompt))
+        and sequence.request.max_tokens > 0
+        and not state_cache.keeps(len(prompt))
+    )
 
 
 def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
@@ -477,8 +486,7 @@ class DecodeBatch:
         return inputs, rows
 
 
-def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
-           ) -> None:  # fmt: skip
+def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None) -> None:
     """Sample each sequence's next token from its row of logits (B, V), hand the tokens to the requests,
     and finish the sequences that end. ``masks``: the constrained rows' ``token_bias``, if already under way."""
     logits = logits.float()  # (B, V) where the model runs: sampling draws on the CPU, filters and searches there
@@ -496,17 +504,25 @@ def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetri
     take(sequences, tokens, drawn_logits(logits, tokens), metrics, logits)
 
 
-def take(sequences: list[Sequence], tokens: list[int], drawn: list[float], metrics: ServerMetrics,
-         logits: torch.Tensor | None = None) -> None:  # fmt: skip
+def take(
+    sequences: list[Sequence],
+    tokens: list[int],
+    drawn: list[float],
+    metrics: ServerMetrics,
+    logits: torch.Tensor | None = None,
+) -> None:
     """Hand each sequence its next token (``drawn``: the token's logit as the model gave it; ``logits``: (B, V), where
     a sequence reads them for its log-probabilities), and finish the sequences that end. A row whose token was drawn
     at a NaN or infinite logit (e.g. an overflowed state) fails alone: the model gave no distribution there."""
     for row in unusable(drawn):
         sequence, value = sequences[row], drawn[row]
         if not sequence.done:
-            sequence.fail(ModelFailure(
-                f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
-            ), metrics)  # fmt: skip
+            sequence.fail(
+                ModelFailure(
+                    f"the model failed: its logits for output token {len(sequence.generated) + 1} are not finite ({value})"
+                ),
+                metrics,
+            )
     metrics.tokens(sequences[0].served.id, [sequence.times for sequence in sequences if not sequence.done])
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
         if sequence.done:
@@ -525,15 +541,19 @@ def _end_outside_the_vocabulary(sequences: list[Sequence], tokens: list[int], me
     vocabulary = sequences[0].served.config.model.vocab_size
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
         if not 0 <= token < vocabulary:
-            sequence.fail(ModelFailure(
-                f"the model failed: output token {len(sequence.generated) + 1} was drawn as id {token}, outside its "
-                f"vocabulary of {vocabulary}"
-            ), metrics)  # fmt: skip
+            sequence.fail(
+                ModelFailure(
+                    f"the model failed: output token {len(sequence.generated) + 1} was drawn as id {token}, outside its "
+                    f"vocabulary of {vocabulary}"
+                ),
+                metrics,
+            )
             tokens[row] = 0
 
 
-def _constrain(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
-               ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:  # fmt: skip
+def _constrain(
+    sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
+) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:
     """The structured outputs' masks: (the sequences that go on, their logits, the logits to sample from: -inf
     where a constraint forbids the token). Penalties after the masks keep -inf at -inf. A constrained row that may
     sample no token of the model ends here: "stop" at a complete match (a model without an end-of-text token), an
@@ -571,8 +591,9 @@ def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens
     drawn = adjusted[torch.arange(len(tokens)), torch.tensor(tokens)]  # (B,)
     for row in torch.nonzero(drawn == float("-inf"))[:, 0].tolist():
         if sequences[row].constraint is not None:
-            logger.warning("structured_outputs: token %d was drawn against its mask; taking the best allowed one",
-                           tokens[row])  # fmt: skip
+            logger.warning(
+                "structured_outputs: token %d was drawn against its mask; taking the best allowed one", tokens[row]
+            )
             tokens[row] = int(adjusted[row].argmax())
 
 

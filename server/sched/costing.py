@@ -74,9 +74,7 @@ def calibrate(model: SequenceModel) -> ModelSpeed:
     measure_fixed_costs = getattr(model, "measure_fixed_costs", None)
     if measure_fixed_costs is not None:
         measure_fixed_costs()
-    length = largest_fitting(
-        lambda n: model.cost("final", 1, n).flops <= CALIBRATION_FLOPS, CALIBRATION_MAX_LENGTH
-    )
+    length = largest_fitting(lambda n: model.cost("final", 1, n).flops <= CALIBRATION_FLOPS, CALIBRATION_MAX_LENGTH)
     tokens = torch.zeros(1, length, dtype=torch.long, device=model.device)  # (1, n): id 0 exists in every model
     model.final_logits(tokens)
     started = time.perf_counter()
@@ -211,9 +209,7 @@ def _meminfo_available() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        raise RuntimeError(
-            "cannot tell how much memory is available; set REGULARLM_MEMORY_BUDGET_BYTES"
-        ) from None
+        raise RuntimeError("cannot tell how much memory is available; set REGULARLM_MEMORY_BUDGET_BYTES") from None
 
 
 def _read_int(path: str) -> int | None:

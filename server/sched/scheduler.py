@@ -244,11 +244,13 @@ class Scheduler:
         admitted = self._plan_admissions(self.memory.held + sum(unit.holds for unit in transduce.units))
         starts = {id(sequence): (sequence.prefilled, sequence.snapshot_at) for sequence in self.prefilling}
         starts |= {id(sequence): start_point(sequence, self.state_cache) for sequence in admitted}
-        prompting = [sequence for sequence in admitted if prompt_in_batch(sequence, starts[id(sequence)],
-                                                                          self.state_cache)]  # fmt: skip
+        prompting = [
+            sequence for sequence in admitted if prompt_in_batch(sequence, starts[id(sequence)], self.state_cache)
+        ]
         in_batch = {id(sequence) for sequence in prompting}
-        prefill = self._plan_prefill(clock_now, [sequence for sequence in admitted if id(sequence) not in in_batch],
-                                     starts, prompting)  # fmt: skip
+        prefill = self._plan_prefill(
+            clock_now, [sequence for sequence in admitted if id(sequence) not in in_batch], starts, prompting
+        )
         return Plan(transduce, admitted, prefill, self._plan_decode(prefill, starts, prompting))
 
     # --- intake -------------------------------------------------------------------------------------------
@@ -468,9 +470,12 @@ class Scheduler:
         self.waiting = deque(sequence for sequence in self.waiting if id(sequence) not in started)
 
     def _plan_prefill(
-        self, now: float, admitted: list[Sequence], starts: dict[int, tuple[int, int | None]],
+        self,
+        now: float,
+        admitted: list[Sequence],
+        starts: dict[int, tuple[int, int | None]],
         prompting: Iterable[Sequence] = (),
-    ) -> list[PrefillGroup]:  # fmt: skip
+    ) -> list[PrefillGroup]:
         """Chunks for the prefilling sequences and the ``admitted`` ones, each from its ``starts`` entry (prefilled,
         snapshot_at), in fair order, within the token budget (``prefill_chunk_tokens``), grouped by model, context
         class and chunk length. A sequence served more than a slice beyond the least-served running one (prefilling,
@@ -517,9 +522,11 @@ class Scheduler:
                 sequence.prefill_resumes_at = result.ended + (result.ended - result.started)
 
     def _plan_decode(
-        self, prefill: list[PrefillGroup], starts: dict[int, tuple[int, int | None]],
+        self,
+        prefill: list[PrefillGroup],
+        starts: dict[int, tuple[int, int | None]],
         prompting: Iterable[Sequence] = (),
-    ) -> list[DecodeWork]:  # fmt: skip
+    ) -> list[DecodeWork]:
         """One step per decode batch, joined by the sequences whose prompt the ``prefill`` chunks complete (the
         executor takes those whose first token it sampled: ``ready_work``) and by the ``prompting`` ones."""
         joining: dict[tuple[str, int], list[Sequence]] = {}

@@ -116,8 +116,10 @@ class Constraint:
         """Count a mask's time (on the mask thread)."""
         self.spent_s += seconds
         if self.spent_s > self.budget.total_s:
-            self.over_budget = (f"computing the allowed tokens took {self.spent_s:.2f} s in all, over the "
-                                f"{self.budget.total_s:g} s a sequence may take (REGULARLM_STRUCTURED_MASK_BUDGET_S)")
+            self.over_budget = (
+                f"computing the allowed tokens took {self.spent_s:.2f} s in all, over the "
+                f"{self.budget.total_s:g} s a sequence may take (REGULARLM_STRUCTURED_MASK_BUDGET_S)"
+            )
 
     def too_slow(self) -> None:
         """Its last mask ran past the budget per token (it was left to its thread): it ends, and so does any later
@@ -153,8 +155,13 @@ class Constraint:
 class CompiledConstraint:
     """A compiled ``structured_outputs`` for one vocabulary, in its initial state."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocabulary: ConstraintVocabulary, budget: MaskBudget,
-                 spec: StructuredOutputs | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocabulary: ConstraintVocabulary,
+        budget: MaskBudget,
+        spec: StructuredOutputs | None = None,
+    ) -> None:
         self.matcher, self.vocabulary, self.budget = matcher, vocabulary, budget
         self.spec = spec  # what it was compiled from (the engine process compiles it again: a matcher is not sent)
         self.too_slow: str | None = None  # set when one of its sequences' masks ran past the budget per token
@@ -375,15 +382,19 @@ class ConstraintCompiler:
             if cached is not None and cached.too_slow is not None:
                 raise InputTooLarge(f"structured_outputs.{kind}: {cached.too_slow} for an earlier request; simplify it")
             if _MASK_THREADS.left_behind >= MAX_LEFT_BEHIND:
-                raise Overloaded(f"{_MASK_THREADS.left_behind} structured_outputs masks past their time budget are "
-                                 "still being computed; retry later", retry_after_s=1)  # fmt: skip
+                raise Overloaded(
+                    f"{_MASK_THREADS.left_behind} structured_outputs masks past their time budget are "
+                    "still being computed; retry later",
+                    retry_after_s=1,
+                )
             if cached is not None:
                 assert known is not None  # cached came from it
                 known.compiled.move_to_end(key)
                 return cached
             if self._compiling >= MAX_COMPILING:
-                raise Overloaded(f"{MAX_COMPILING} structured_outputs constraints are compiling; retry later",
-                                 retry_after_s=1)  # fmt: skip
+                raise Overloaded(
+                    f"{MAX_COMPILING} structured_outputs constraints are compiling; retry later", retry_after_s=1
+                )
             self._compiling += 1
         loop = asyncio.get_running_loop()
         future: asyncio.Future[CompiledConstraint] = loop.create_future()
@@ -445,8 +456,9 @@ class ConstraintCompiler:
                 vocabulary = self._vocabularies.setdefault(tokenizer, vocabulary)
         return vocabulary
 
-    def _compile_now(self, spec: StructuredOutputs, kind: str, tokenizer: Tokenizer, deadline: float
-                     ) -> CompiledConstraint:  # fmt: skip
+    def _compile_now(
+        self, spec: StructuredOutputs, kind: str, tokenizer: Tokenizer, deadline: float
+    ) -> CompiledConstraint:
         """Runs in a compile thread: the matcher, checked to accept some text."""
         vocabulary = self.vocabulary(tokenizer)
         try:
@@ -478,8 +490,15 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 
 # How llguidance words the errors of its limits (ParserLimits): lexer fuel, lexer states, Earley items, grammar size.
-_LIMIT_ERRORS = ("limit", "too many expressions", "too many states", "too many items", "fuel", "too big",
-                 "schema too large")  # fmt: skip
+_LIMIT_ERRORS = (
+    "limit",
+    "too many expressions",
+    "too many states",
+    "too many items",
+    "fuel",
+    "too big",
+    "schema too large",
+)
 
 
 def _over_limit(error: str | None) -> bool:

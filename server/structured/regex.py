@@ -21,10 +21,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from automata.regex import REFUSED_CONSTRUCTS, single_character_item
-
 # re's private parser modules (typeshed has no stubs for them), as automata/regex.py imports them on 3.10 and 3.11+
-from automata.regex import regex_compiler, regex_constants, regex_parser  # type: ignore[attr-defined]
+from automata.regex import REFUSED_CONSTRUCTS, regex_compiler, regex_constants, regex_parser, single_character_item  # type: ignore[attr-defined]
 
 LAST_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: no UTF-8 text holds them

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,8 +74,14 @@ INVALID_OBJECTS = {
         "missing transition from state 'dead' on symbol '0'",
     ),
     "too many states": (
-        {"name": "big", "alphabet": "0", "states": [f"s{i}" for i in range(MAX_STATES + 1)], "start": "s0",
-         "accept": [], "delta": {f"s{i}": {"0": "s0"} for i in range(MAX_STATES + 1)}},
+        {
+            "name": "big",
+            "alphabet": "0",
+            "states": [f"s{i}" for i in range(MAX_STATES + 1)],
+            "start": "s0",
+            "accept": [],
+            "delta": {f"s{i}": {"0": "s0"} for i in range(MAX_STATES + 1)},
+        },
         f"{MAX_STATES + 1} states: more than MAX_STATES = {MAX_STATES}",
     ),
     "not an object": ([1, 2], "a DFA must be a JSON object, not list"),
@@ -96,8 +103,8 @@ def test_automaton_error_is_a_value_error() -> None:
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("{\"name\": ", "invalid JSON"),
-        ("[\"q0\"]", "a DFA must be a JSON object, not list"),
+        ('{"name": ', "invalid JSON"),
+        ('["q0"]', "a DFA must be a JSON object, not list"),
         (TOMITA4_TEXT.replace('"0": "q1", "1": "q0"', '"0": "q1", "0": "q0"'), "key '0' appears more than once"),
         (TOMITA4_TEXT.replace('"q0", "q1", "q2"]', '"q0", "q1", "q7"]'), "accept state 'q7'"),
     ],

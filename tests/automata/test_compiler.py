@@ -112,9 +112,16 @@ def test_task_is_named_only_when_the_dfa_computes_it() -> None:
     assert task_of(DFA.from_json({**dfa, "name": "my_language"})) is None
     assert task_of(DFA.from_json({**dfa, "accept": dfa["accept"][:-1]})) is None  # another language
     assert task_of(DFA.from_json({**dfa, "alphabet": "10"})) is None  # other token ids
-    renamed = {**dfa, "states": [f"s{i}" for i in range(4)], "start": "s0", "accept": ["s0", "s1", "s2"],
-               "delta": {f"s{i}": {s: f"s{dfa['states'].index(t)}" for s, t in row.items()}
-                         for i, row in enumerate(dfa["delta"].values())}}
+    renamed = {
+        **dfa,
+        "states": [f"s{i}" for i in range(4)],
+        "start": "s0",
+        "accept": ["s0", "s1", "s2"],
+        "delta": {
+            f"s{i}": {s: f"s{dfa['states'].index(t)}" for s, t in row.items()}
+            for i, row in enumerate(dfa["delta"].values())
+        },
+    }
     assert task_of(DFA.from_json(renamed)) == "tomita4"  # the same transduction under other state names
 
 
@@ -180,5 +187,9 @@ def test_a_moore_machine_names_its_task_only_when_it_computes_it() -> None:
     assert task_of(machine) == "cycle_navigation" and task_of(induction_heads()) == "induction_heads"
     assert task_of(modular_arithmetic()) == "modular_arithmetic"
     other_labels = {state: str(i % 2) for i, state in enumerate(machine.states)}
-    assert task_of(MooreMachine(machine.name, machine.alphabet, machine.states, machine.start, machine.delta,
-                                other_labels)) is None
+    assert (
+        task_of(
+            MooreMachine(machine.name, machine.alphabet, machine.states, machine.start, machine.delta, other_labels)
+        )
+        is None
+    )

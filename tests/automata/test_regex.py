@@ -17,10 +17,24 @@ from automata.regex import regex_dfa
 from tests.automata.helpers import assert_transduces, random_pattern
 
 HAND_WRITTEN = [
-    ("(ab)*c?", "abc"), ("(b*ab*a)*b*", "ab"), ("a{2,4}b+", "ab"), ("[^a]*a[^a]*", "abc"), ("(a|bc)*", "abc"),
-    (".*aba.*", "ab"), ("(0|1(01*0)*1)*", "01"), ("a?b?c?", "abc"), ("x", "ab"), ("", "ab"), ("(?:ab|ba)+", "ab"),
-    ("[ab]*c[ab]*c[ab]*", "abc"), ("\\d+", "0a"), ("a.b", "ab\n"), ("(a*b*)*", "ab"),
-    ("(?i:a)b", "aAbB"), ("(?i)a(?-i:b)", "aAbB"), ("a(?s:.)b.", "ab\n"),
+    ("(ab)*c?", "abc"),
+    ("(b*ab*a)*b*", "ab"),
+    ("a{2,4}b+", "ab"),
+    ("[^a]*a[^a]*", "abc"),
+    ("(a|bc)*", "abc"),
+    (".*aba.*", "ab"),
+    ("(0|1(01*0)*1)*", "01"),
+    ("a?b?c?", "abc"),
+    ("x", "ab"),
+    ("", "ab"),
+    ("(?:ab|ba)+", "ab"),
+    ("[ab]*c[ab]*c[ab]*", "abc"),
+    ("\\d+", "0a"),
+    ("a.b", "ab\n"),
+    ("(a*b*)*", "ab"),
+    ("(?i:a)b", "aAbB"),
+    ("(?i)a(?-i:b)", "aAbB"),
+    ("a(?s:.)b.", "ab\n"),
 ]
 
 
@@ -64,10 +78,17 @@ def test_the_dfa_is_minimal() -> None:
     assert doubled.minimal().transduce("aabab") == doubled.transduce("aabab")
 
 
-@pytest.mark.parametrize(("pattern", "problem"), [
-    ("(a", "invalid regular expression"), ("a$", "anchors and word boundaries"), ("(a)\\1", "back-references"),
-    ("(?=a)a", "look-ahead"), ("a*+", "possessive"), ("a{100000}b{100000}c{100000}", "more than 200000 NFA states"),
-])
+@pytest.mark.parametrize(
+    ("pattern", "problem"),
+    [
+        ("(a", "invalid regular expression"),
+        ("a$", "anchors and word boundaries"),
+        ("(a)\\1", "back-references"),
+        ("(?=a)a", "look-ahead"),
+        ("a*+", "possessive"),
+        ("a{100000}b{100000}c{100000}", "more than 200000 NFA states"),
+    ],
+)
 def test_bad_patterns_are_refused_with_a_message(pattern: str, problem: str) -> None:
     with pytest.raises(AutomatonError, match=problem):
         regex_dfa(pattern, "ab")
@@ -77,8 +98,9 @@ def test_bad_patterns_are_refused_with_a_message(pattern: str, problem: str) -> 
 def test_a_compiled_regex_is_exact_at_a_hundred_thousand_symbols() -> None:
     dfa = regex_dfa("(0|1(01*0)*1)*", "01")  # multiples of three in binary: never dies
     string = "".join(np.random.default_rng(3).choice(["0", "1"], size=100_000))
-    expected = torch.tensor([re.fullmatch("(0|1(01*0)*1)*", string[:end]) is not None
-                             for end in (1, 2, 99_999, 100_000)])
+    expected = torch.tensor(
+        [re.fullmatch("(0|1(01*0)*1)*", string[:end]) is not None for end in (1, 2, 99_999, 100_000)]
+    )
     assert dfa.run(string[:2]) + dfa.run(string)[-2:] == expected.tolist()
     for arch in sorted(COMPILERS):
         model, _ = COMPILERS[arch](dfa)

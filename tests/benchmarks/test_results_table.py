@@ -8,9 +8,15 @@ from benchmarks.results_table import main
 
 
 def report(checkpoint: str, task: str, protocol: str, bands: list[tuple[int, int, float | None, float]]) -> dict:
-    return {"checkpoint": checkpoint, "task": task, "architecture": "lrnn", "protocol": protocol, "seed": 1,
-            "bands": [{"lengths": [lo, hi], "p_one": p, "samples": 100, "accuracy": a} for lo, hi, p, a in bands],
-            "overall": sum(band[3] for band in bands) / len(bands)}
+    return {
+        "checkpoint": checkpoint,
+        "task": task,
+        "architecture": "lrnn",
+        "protocol": protocol,
+        "seed": 1,
+        "bands": [{"lengths": [lo, hi], "p_one": p, "samples": 100, "accuracy": a} for lo, hi, p, a in bands],
+        "overall": sum(band[3] for band in bands) / len(bands),
+    }
 
 
 def write(tmp_path, reports: list[dict]) -> list[str]:
@@ -23,17 +29,23 @@ def write(tmp_path, reports: list[dict]) -> list[str]:
 
 
 def test_rows_pool_bands_and_name_the_worst(tmp_path, capsys) -> None:
-    papers = report("runs/t1-parity_check-lrnn", "parity_check", "papers",
-                    [(41, 270, None, 1.0), (271, 500, None, 0.9)])
-    hard = report("runs/t1-parity_check-lrnn", "parity_check", "hard",
-                  [(501, 2000, None, 1.0), (501, 1000, 0.1, 0.5), (1001, 2000, 0.1, 1.0), (501, 2000, 0.9, 0.99)])
+    papers = report(
+        "runs/t1-parity_check-lrnn", "parity_check", "papers", [(41, 270, None, 1.0), (271, 500, None, 0.9)]
+    )
+    hard = report(
+        "runs/t1-parity_check-lrnn",
+        "parity_check",
+        "hard",
+        [(501, 2000, None, 1.0), (501, 1000, 0.1, 0.5), (1001, 2000, 0.1, 1.0), (501, 2000, 0.9, 0.99)],
+    )
     (tmp_path / "empty.json").write_text("")
     paths = write(tmp_path, [papers, hard]) + [str(tmp_path / "empty.json")]
     assert main(paths) == 0
     out, err = capsys.readouterr()
     row = out.splitlines()[-1]
-    assert row.startswith("| parity_check | lrnn | `t1-parity_check-lrnn` | 95.0 (90.0) | 100.0 (100.0) | 75.0 (50.0) "
-                          "| 99.0 (99.0) |")
+    assert row.startswith(
+        "| parity_check | lrnn | `t1-parity_check-lrnn` | 95.0 (90.0) | 100.0 (100.0) | 75.0 (50.0) | 99.0 (99.0) |"
+    )
     assert "skipping" in err and "empty.json" in err
     assert main(["--pivot", *paths]) == 0
     grid = capsys.readouterr().out.splitlines()
@@ -43,8 +55,10 @@ def test_rows_pool_bands_and_name_the_worst(tmp_path, capsys) -> None:
 
 
 def test_pivot_pools_the_seeds_of_a_model(tmp_path, capsys) -> None:
-    reports = [report(f"runs/t1-even_pairs-lstm{suffix}", "even_pairs", "papers", [(41, 500, None, accuracy)])
-               for suffix, accuracy in (("", 0.5), ("-s1", 1.0), ("-s2", 0.9))]
+    reports = [
+        report(f"runs/t1-even_pairs-lstm{suffix}", "even_pairs", "papers", [(41, 500, None, accuracy)])
+        for suffix, accuracy in (("", 0.5), ("-s1", 1.0), ("-s2", 0.9))
+    ]
     reports.append(report("runs/t1-even_pairs-rg3", "even_pairs", "papers", [(41, 500, None, 0.635)]))
     assert main(["--pivot", *write(tmp_path, reports)]) == 0
     grid = capsys.readouterr().out.splitlines()

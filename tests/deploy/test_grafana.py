@@ -30,8 +30,9 @@ def test_dashboard_has_the_documented_panels() -> None:
         assert any(series in referenced_series(expression) for expression in queries[title]), title
     for title in [title for title in queries if "p50 / p99" in title]:
         assert [expression.split(",")[0] for expression in queries[title]] == [
-            "histogram_quantile(0.5", "histogram_quantile(0.99"
-        ]  # fmt: skip
+            "histogram_quantile(0.5",
+            "histogram_quantile(0.99",
+        ]
 
 
 def test_dashboard_and_alerts_read_only_exposed_series() -> None:
@@ -62,6 +63,10 @@ def test_what_the_alerts_and_panels_read_exists_at_0_from_load_except_histograms
 def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:
     panels = json.loads(DASHBOARD.read_text())["panels"]
     assert len({panel["id"] for panel in panels}) == len(panels)
-    cells = [(panel["gridPos"]["x"] + dx, panel["gridPos"]["y"] + dy)
-             for panel in panels for dx in range(panel["gridPos"]["w"]) for dy in range(panel["gridPos"]["h"])]  # fmt: skip
+    cells = [
+        (panel["gridPos"]["x"] + dx, panel["gridPos"]["y"] + dy)
+        for panel in panels
+        for dx in range(panel["gridPos"]["w"])
+        for dy in range(panel["gridPos"]["h"])
+    ]
     assert len(cells) == len(set(cells))

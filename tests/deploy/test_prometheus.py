@@ -69,10 +69,17 @@ def prometheus(target: str, folder: Path, deadline: float) -> Iterator[str]:
     address = f"127.0.0.1:{free_port()}"
     log = (folder / "prometheus.log").open("w")
     process = subprocess.Popen(
-        [shutil.which("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-         f"--web.listen-address={address}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=folder,
-    )  # fmt: skip
+        [
+            shutil.which("prometheus"),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address={address}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=folder,
+    )
     url = f"http://{address}"
     try:
         while True:
@@ -134,8 +141,9 @@ def is_number(value: str) -> bool:
 
 def test_promtool_lints_the_live_metrics_and_prometheus_scrapes_them(tmp_path: Path) -> None:
     deadline = time.monotonic() + DEADLINE_S
-    settings = Settings(models=write_checkpoints(tmp_path / "checkpoints"), shipped_models=False, device="cpu",
-                        torch_threads=1)
+    settings = Settings(
+        models=write_checkpoints(tmp_path / "checkpoints"), shipped_models=False, device="cpu", torch_threads=1
+    )
     with serve(settings) as server:
         send_requests(server.url)  # before the first scrape: every series exists from then on
         exposition = httpx.get(f"{server.url}/metrics", timeout=5.0).text
@@ -155,8 +163,9 @@ def test_promtool_lints_the_live_metrics_and_prometheus_scrapes_them(tmp_path: P
             by_model = query(url, "sum by (model_name) (regularlm_request_success_total)")
             counts = {item["metric"]["model_name"]: float(item["value"][1]) for item in by_model}
             assert {model: count for model, count in counts.items() if count} == {
-                "parity-lrnn": 2 * TRANSDUCE_REQUESTS, "text-lrnn": 2 * GENERATE_REQUESTS
-            }  # fmt: skip
+                "parity-lrnn": 2 * TRANSDUCE_REQUESTS,
+                "text-lrnn": 2 * GENERATE_REQUESTS,
+            }
             assert set(counts) == set(TRANSDUCERS) | set(LANGUAGE_MODELS)  # every model's series, at 0 from load
             assert [item["value"][1] for item in query(url, 'up{job="regularlm"}')] == ["1"]
 
@@ -165,6 +174,9 @@ def test_promtool_lints_the_live_metrics_and_prometheus_scrapes_them(tmp_path: P
             request_rate = grafana_to_promql(panels[0]["targets"][0]["expr"])
             wait_for(url, request_rate, lambda result: any(float(item["value"][1]) > 0 for item in result), deadline)
             for panel in panels:
-                values = [item["value"][1] for target in panel["targets"]
-                          for item in query(url, grafana_to_promql(target["expr"]))]  # fmt: skip
+                values = [
+                    item["value"][1]
+                    for target in panel["targets"]
+                    for item in query(url, grafana_to_promql(target["expr"]))
+                ]
                 assert any(map(is_number, values)), f"panel {panel['title']!r}: {values}"

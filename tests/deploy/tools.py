@@ -42,9 +42,14 @@ def executable(name: str) -> str:
 
 def run_tool(name: str, *arguments: str | Path, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [executable(name), *map(str, arguments)], check=False, cwd=REPO, input=stdin, capture_output=True,
-        text=True, timeout=TOOL_TIMEOUT_S,
-    )  # fmt: skip
+        [executable(name), *map(str, arguments)],
+        check=False,
+        cwd=REPO,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT_S,
+    )
 
 
 def load_yaml(path: Path) -> dict:

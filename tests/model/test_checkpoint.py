@@ -101,8 +101,14 @@ def test_version_1_defaults_cover_every_key(architecture: str) -> None:
     """A version 1 file with only the keys that never had defaults migrates to a complete version 2 config: a
     key added later must get its version 1 meaning in model/config.py's _V1_DEFAULTS."""
     required = {"construction": "parity"} if architecture == "exact" else {}
-    data = {"format_version": 1, "architecture": architecture, "kind": "transduce", "alphabet": "01",
-            "labels": ["0", "1"], "model": {"vocab_size": 2, "num_labels": 2, **required}}
+    data = {
+        "format_version": 1,
+        "architecture": architecture,
+        "kind": "transduce",
+        "alphabet": "01",
+        "labels": ["0", "1"],
+        "model": {"vocab_size": 2, "num_labels": 2, **required},
+    }
     config = CheckpointConfig.from_dict(migrate_config(data))
     assert config.format_version == FORMAT_VERSION
     assert CheckpointConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
@@ -215,7 +221,9 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(tmp_path: Path) -> N
 
 def test_non_finite_weights_are_refused(tmp_path: Path) -> None:
     directory, _ = saved(tmp_path)
-    rewrite_tensors(directory, lambda t: next(v for n, v in t.items() if n.endswith("embed.weight")).fill_(float("nan")))
+    rewrite_tensors(
+        directory, lambda t: next(v for n, v in t.items() if n.endswith("embed.weight")).fill_(float("nan"))
+    )
     with pytest.raises(CheckpointError, match="NaN or infinite"):
         load_checkpoint(directory, device="cpu")
 
@@ -228,8 +236,13 @@ def test_saving_with_a_config_that_does_not_describe_the_model_fails(tmp_path: P
 
 def test_config_refuses_wrong_model_class() -> None:
     with pytest.raises(ConfigError, match="needs a RegularGPTConfig"):
-        CheckpointConfig(architecture="regulargpt", model=tiny_configs(2, 2)["lrnn"], kind="transduce",
-                         alphabet="01", labels=("0", "1"))
+        CheckpointConfig(
+            architecture="regulargpt",
+            model=tiny_configs(2, 2)["lrnn"],
+            kind="transduce",
+            alphabet="01",
+            labels=("0", "1"),
+        )
 
 
 def test_upgrade_rewrites_an_old_config_once_and_keeps_its_meaning(tmp_path: Path) -> None:

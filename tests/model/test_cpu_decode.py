@@ -335,10 +335,14 @@ def test_a_layer_keeps_its_step_arrays_until_a_parameter_or_the_invariance_chang
     """The compiled layer step's arrays are made once and kept between steps; an in-place change of any parameter,
     new storage for one, or row invariance turned on makes them again, and every step still equals the torch step."""
     made = []
-    monkeypatch.setattr(cpu_decode, "layer_step_arrays", lambda weights, make=cpu_decode.layer_step_arrays: made.append(
-        len(weights)) or make(weights))  # fmt: skip
-    config = LRNNConfig(vocab_size=10, d_model=24, n_layers=1, num_blocks=5, block_size=3, d_ff=40,
-                        transition_norm=transitions)  # fmt: skip
+    monkeypatch.setattr(
+        cpu_decode,
+        "layer_step_arrays",
+        lambda weights, make=cpu_decode.layer_step_arrays: made.append(len(weights)) or make(weights),
+    )
+    config = LRNNConfig(
+        vocab_size=10, d_model=24, n_layers=1, num_blocks=5, block_size=3, d_ff=40, transition_norm=transitions
+    )
     model = BlockDiagonalLRNN(config).eval()
     block = model.blocks[0]
     x, state = torch.randn(2, 24), torch.rand(2, 5, 3)

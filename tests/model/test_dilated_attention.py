@@ -93,7 +93,7 @@ def test_banded_queries_after_a_prefix_of_keys(chunk_size: int, before: int, len
 
 
 def test_dispatch_is_explicit() -> None:
-    """"auto" is exactly the reference up to AUTO_REFERENCE_MAX_T positions; beyond, exactly the fast path when the
+    """ "auto" is exactly the reference up to AUTO_REFERENCE_MAX_T positions; beyond, exactly the fast path when the
     queries reach fewer than BANDED_MIN_SLOTS keys and exactly the banded one from there on."""
     short = make_inputs(1, 2, AUTO_REFERENCE_MAX_T, 3, torch.float64)
     auto = dilated_attention(*short, 3, 3, impl="auto")

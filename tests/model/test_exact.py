@@ -3,6 +3,7 @@ chunked attention, running in slices, costs, config."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -20,14 +21,31 @@ from tests.model.helpers import (
 from training.exact_builders import SHIPPED
 
 VOCAB = 2
-ALL_FEATURES = ("fraction", "alternating", "is_first_symbol", "index", "mirror_index", "index_squared",
-                "left_half", "right_half")
+ALL_FEATURES = (
+    "fraction",
+    "alternating",
+    "is_first_symbol",
+    "index",
+    "mirror_index",
+    "index_squared",
+    "left_half",
+    "right_half",
+)
 
 
 def make(**overrides) -> ExactTransformer:
     """A random-weight float64 model: 2 layers of 2 heads over d = 6, every position feature."""
-    fields = {"vocab_size": VOCAB, "num_labels": 2, "d_model": 6, "construction": "parity", "n_layers": 2, "n_heads": 2,
-                  "d_ff": 5, "position_features": ALL_FEATURES, "compute_dtype": "float64"}
+    fields = {
+        "vocab_size": VOCAB,
+        "num_labels": 2,
+        "d_model": 6,
+        "construction": "parity",
+        "n_layers": 2,
+        "n_heads": 2,
+        "d_ff": 5,
+        "position_features": ALL_FEATURES,
+        "compute_dtype": "float64",
+    }
     model = ExactTransformer(ExactTransformerConfig(**{**fields, **overrides})).eval()
     with torch.no_grad():  # keep the index features (up to n^2) from saturating every softmax
         model.position.weight.mul_(0.01)
@@ -36,8 +54,16 @@ def make(**overrides) -> ExactTransformer:
 
 def reference_features(i: int, n: int) -> list[float]:
     """f(i, n) of ALL_FEATURES, written from their definitions."""
-    return [i / n, math.cos(i * math.pi), float(i == 1), i, n - 1 - i, i * i, float(i <= (n - 1) / 2),
-            float(i >= (n - 1) / 2)]
+    return [
+        i / n,
+        math.cos(i * math.pi),
+        float(i == 1),
+        i,
+        n - 1 - i,
+        i * i,
+        float(i <= (n - 1) / 2),
+        float(i >= (n - 1) / 2),
+    ]
 
 
 def reference_logits(model: ExactTransformer, symbols: list[int]) -> torch.Tensor:
@@ -72,7 +98,12 @@ def reference_logits(model: ExactTransformer, symbols: list[int]) -> torch.Tenso
 CONFIGS = {
     "plain": {},
     "layer_norm_eps0": {"layer_norm": True, "layer_norm_eps": 0.0},
-    "layer_norm_log_scaled_eos": {"layer_norm": True, "layer_norm_eps": 1e-5, "log_length_scaling": True, "append_eos": True},
+    "layer_norm_log_scaled_eos": {
+        "layer_norm": True,
+        "layer_norm_eps": 1e-5,
+        "log_length_scaling": True,
+        "append_eos": True,
+    },
     "three_layers_one_head": {"n_layers": 3, "n_heads": 1},
 }
 
@@ -196,8 +227,7 @@ def test_a_slice_holds_about_slice_flops() -> None:
 
 def test_in_slices_ends_a_slice_before_the_piece_that_would_cross_slice_flops() -> None:
     def pieces():
-        for flops in (3, 3, 3, 9, 1, 2):
-            yield flops
+        yield from (3, 3, 3, 9, 1, 2)
         return "done"
 
     assert run_to_the_end(in_slices(pieces(), slice_flops=6)) == ("done", [6, 3, 9, 3])  # [3, 3], [3], [9], [1, 2]
@@ -208,7 +238,7 @@ def test_cost_grows_with_length_and_a_step_re_encodes_its_context(shipped) -> No
     model = shipped.build()
     for path in ("forward", "final", "cached"):
         costs = [model.cost(path, 2, length, context=50) for length in (1, 10, 100, 1000)]
-        assert all(0 < a.flops < b.flops and 0 < a.nbytes <= b.nbytes for a, b in zip(costs, costs[1:])), path
+        assert all(0 < a.flops < b.flops and 0 < a.nbytes <= b.nbytes for a, b in itertools.pairwise(costs)), path
     assert model.cost("cached", 1, 1, context=10_000).flops > 100 * model.cost("cached", 1, 1, context=10).flops
     # "forward" is the sum of the prefixes' "final" passes
     assert model.cost("forward", 3, 20).flops == sum(model.cost("final", 3, length).flops for length in range(1, 21))
@@ -306,6 +336,12 @@ def test_config_refuses_what_cannot_be_built(overrides: dict, message: str) -> N
 
 def test_config_survives_json() -> None:
     model_config = make(layer_norm=True, append_eos=True).config
-    config = CheckpointConfig(architecture="exact", model=model_config, kind="transduce", task="parity_check",
-                              alphabet="01", labels=("0", "1"))
+    config = CheckpointConfig(
+        architecture="exact",
+        model=model_config,
+        kind="transduce",
+        task="parity_check",
+        alphabet="01",
+        labels=("0", "1"),
+    )
     assert CheckpointConfig.from_dict(config.to_dict()) == config

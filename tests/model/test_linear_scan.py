@@ -138,7 +138,7 @@ def test_column_norm_constraint_equals_the_reference_formula(p: float) -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_column_divisors_are_max_one_and_the_column_norm(dtype: torch.dtype) -> None:
     """What the LRNN's fused step divides the state by; ``column_norm_constraint`` divides the columns by it."""
-    matrices = (torch.randn(300, 5, 5, dtype=torch.float64) * torch.tensor([0.05, 5.0]).repeat(150).view(300, 1, 1))
+    matrices = torch.randn(300, 5, 5, dtype=torch.float64) * torch.tensor([0.05, 5.0]).repeat(150).view(300, 1, 1)
     divisors = column_divisors(matrices.to(dtype), 1.2)
     assert divisors.shape == (300, 1, 5) and divisors.dtype == torch.promote_types(dtype, torch.float32)
     reference = torch.linalg.vector_norm(matrices.to(dtype).double(), ord=1.2, dim=-2, keepdim=True).clamp(min=1.0)
@@ -156,7 +156,8 @@ def test_spectral_norm_closed_form_equals_svd(dtype: torch.dtype) -> None:
     scale = torch.tensor([0.05, 0.5, 1.0, 5.0]).repeat(100).view(400, 1, 1)
     matrices = (torch.randn(400, 2, 2, dtype=torch.float64) * scale).to(dtype)  # inside and outside the ball
     rotations = torch.tensor([[0.309017, -0.951057], [0.951057, 0.309017]], dtype=dtype) * torch.tensor(
-        [0.5, 1.0, 3.0], dtype=dtype).view(3, 1, 1)  # scaled rotations: two equal singular values
+        [0.5, 1.0, 3.0], dtype=dtype
+    ).view(3, 1, 1)  # scaled rotations: two equal singular values
     matrices = torch.cat([matrices, rotations])
     svd = spectral_norm_constraint(matrices, impl="svd")
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
@@ -167,8 +168,9 @@ def test_spectral_norm_closed_form_equals_svd(dtype: torch.dtype) -> None:
     inside = torch.linalg.matrix_norm(matrices.double(), ord=2) <= 1
     assert bool(inside.any()) and bool((~inside).any())
     torch.testing.assert_close(svd[inside], matrices[inside], rtol=0, atol=0)  # unchanged inside the ball
-    torch.testing.assert_close(svd[-1].double() @ svd[-1].double().T, torch.eye(2, dtype=torch.float64),
-                               rtol=1e-5, atol=1e-5)  # a rotation stays a rotation
+    torch.testing.assert_close(
+        svd[-1].double() @ svd[-1].double().T, torch.eye(2, dtype=torch.float64), rtol=1e-5, atol=1e-5
+    )  # a rotation stays a rotation
 
 
 def test_spectral_norm_constraint_bounds_products_and_keeps_gradients_finite() -> None:

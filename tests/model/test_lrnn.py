@@ -142,7 +142,11 @@ def test_the_full_generator_keeps_the_papers_parameters_and_arithmetic() -> None
     products (bitwise), so shipped checkpoints load and give the same outputs."""
     recurrence = make("lrnn").blocks[0].recurrence
     assert sorted(recurrence.state_dict()) == [
-        "input_proj.bias", "input_proj.weight", "out_proj.bias", "out_proj.weight", "transition.bias",
+        "input_proj.bias",
+        "input_proj.weight",
+        "out_proj.bias",
+        "out_proj.weight",
+        "transition.bias",
         "transition.weight",
     ]
     u = torch.randn(3, 7, recurrence.transition.in_features, dtype=torch.float64)
@@ -248,8 +252,17 @@ def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> N
     """Format 2 files (and version 1 ones) have no transition_rank: they meant the full generator."""
     model = dataclasses.asdict(tiny_configs(2, 2)["lrnn"])
     del model["transition_rank"]
-    data = {"format_version": 2, "architecture": "lrnn", "kind": "transduce", "alphabet": "01", "labels": ["0", "1"],
-            "task": None, "tokenizer": None, "metadata": {}, "model": model}
+    data = {
+        "format_version": 2,
+        "architecture": "lrnn",
+        "kind": "transduce",
+        "alphabet": "01",
+        "labels": ["0", "1"],
+        "task": None,
+        "tokenizer": None,
+        "metadata": {},
+        "model": model,
+    }
     assert CheckpointConfig.from_dict(data).model == tiny_configs(2, 2)["lrnn"]
     with pytest.raises(ConfigError, match="missing key"):
         CheckpointConfig.from_dict({**data, "format_version": 3})  # format 3 and later write every key
@@ -259,6 +272,7 @@ def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> N
 def test_a_stochastic_layer_is_a_probabilistic_automaton(model_id: str) -> None:
     """Column-stochastic transitions, no input term, a learned h_0: every state, at every length and in the cache,
     is a distribution per block; with weights large enough, the transitions are exact 0/1 matrices."""
+
     def assert_distributions(states: list[torch.Tensor], atol: float) -> None:
         for state in states:  # (3, H, b)
             assert torch.allclose(state.sum(-1), torch.ones(3, 2, dtype=torch.float64), atol=atol)
@@ -316,8 +330,9 @@ def test_a_model_grown_to_more_blocks_computes_what_it_did_and_its_new_blocks_le
         assert torch.allclose(large(tokens), small(tokens), atol=1e-10)
         caches = small.new_cache(3), large.new_cache(3)
         for position in range(5):
-            assert torch.allclose(large.step(tokens[:, position], caches[1]), small.step(tokens[:, position],
-                                  caches[0]), atol=1e-10)  # fmt: skip
+            assert torch.allclose(
+                large.step(tokens[:, position], caches[1]), small.step(tokens[:, position], caches[0]), atol=1e-10
+            )
     old_state = small.config.num_blocks * small.config.block_size
     large.train()
     large(tokens).logsumexp(-1).sum().backward()  # the readout's new columns first: zero, they pass no gradient

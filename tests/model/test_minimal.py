@@ -29,16 +29,30 @@ def randomized(model: torch.nn.Module, std: float) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     ("chunk_size", "thickness", "out_of_range", "impl", "block_norm"),
-    [(2, 1, "mask", "auto", "pre"), (2, 2, "null", "auto", "post"), (3, 2, "mask", "fast", "post"),
-     (3, 1, "null", "fast", "pre"), (5, 1, "null", "reference", "pre"), (2, 1, "null", "reference", "post")],
+    [
+        (2, 1, "mask", "auto", "pre"),
+        (2, 2, "null", "auto", "post"),
+        (3, 2, "mask", "fast", "post"),
+        (3, 1, "null", "fast", "pre"),
+        (5, 1, "null", "reference", "pre"),
+        (2, 1, "null", "reference", "post"),
+    ],
 )
 @pytest.mark.parametrize("num_labels", [0, 3])
 def test_regulargpt_minimal_gives_the_models_logits(
     chunk_size: int, thickness: int, out_of_range: str, impl: str, block_norm: str, num_labels: int
 ) -> None:
     config = RegularGPTConfig(
-        vocab_size=VOCAB, num_labels=num_labels, d_model=8, n_heads=2, d_ff=16, chunk_size=chunk_size,
-        thickness=thickness, out_of_range=out_of_range, attention_impl=impl, block_norm=block_norm,
+        vocab_size=VOCAB,
+        num_labels=num_labels,
+        d_model=8,
+        n_heads=2,
+        d_ff=16,
+        chunk_size=chunk_size,
+        thickness=thickness,
+        out_of_range=out_of_range,
+        attention_impl=impl,
+        block_norm=block_norm,
     )
     model = randomized(RegularGPT(config), std=0.5)
     for length in LENGTHS:
@@ -46,7 +60,12 @@ def test_regulargpt_minimal_gives_the_models_logits(
         with torch.no_grad():
             expected = model(tokens)  # (B, T, V)
             got = regulargpt(
-                tokens, model.state_dict(), config.n_heads, chunk_size, thickness, config.layer_norm_eps,
+                tokens,
+                model.state_dict(),
+                config.n_heads,
+                chunk_size,
+                thickness,
+                config.layer_norm_eps,
                 post_norm=block_norm == "post",
             )
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
@@ -56,8 +75,15 @@ def test_regulargpt_minimal_gives_the_models_logits(
 @pytest.mark.parametrize("num_labels", [0, 3])
 def test_lrnn_minimal_gives_the_models_logits(p_norm: float, rank: int | None, num_labels: int) -> None:
     config = LRNNConfig(
-        vocab_size=VOCAB, num_labels=num_labels, d_model=16, n_layers=2, block_size=4, num_blocks=2, d_ff=32,
-        p_norm=p_norm, transition_rank=rank,
+        vocab_size=VOCAB,
+        num_labels=num_labels,
+        d_model=16,
+        n_layers=2,
+        block_size=4,
+        num_blocks=2,
+        d_ff=32,
+        p_norm=p_norm,
+        transition_rank=rank,
     )
     model = randomized(BlockDiagonalLRNN(config), std=0.3)  # g(u)'s columns far outside the unit p-ball
     for length in LENGTHS:

@@ -3,6 +3,8 @@ different lengths in one batch, what calls declare they cost."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -171,7 +173,7 @@ def test_cost_grows_with_length_and_a_step_reflects_its_context_where_it_matters
     model = make(model_id, num_labels=0)
     for path in ("forward", "final", "cached"):
         costs = [model.cost(path, 2, length, context=50) for length in (1, 10, 100, 1000)]
-        assert all(0 < a.flops < b.flops and 0 < a.nbytes <= b.nbytes for a, b in zip(costs, costs[1:])), path
+        assert all(0 < a.flops < b.flops and 0 < a.nbytes <= b.nbytes for a, b in itertools.pairwise(costs)), path
     short, long = (model.cost("cached", 1, 1, context) for context in (10, 100_000))
     if CONTEXT_MATTERS[ARCHITECTURE_OF[type(model.config)]]:
         assert long.flops > short.flops and long.nbytes >= short.nbytes

@@ -163,9 +163,7 @@ def test_extra_levels_read_each_position_that_many_layers_higher_in_training_onl
         for layer in range(regulargpt.adaptive_depth(19, chunk_size) + 2):
             x = model._thick_layer(x, chunk_size**layer)
             states.append(x)
-        expected = torch.stack(
-            [states[regulargpt.adaptive_depth(m, chunk_size) + 1][:, m] for m in range(20)], dim=1
-        )
+        expected = torch.stack([states[regulargpt.adaptive_depth(m, chunk_size) + 1][:, m] for m in range(20)], dim=1)
     torch.testing.assert_close(raised, model._logits(expected), rtol=1e-12, atol=1e-12)
     assert not torch.allclose(raised, plain)
 
@@ -538,7 +536,7 @@ def test_for_serving_switches_the_reference_attention_to_auto() -> None:
 
 
 def test_null_slots_have_their_own_parameters_and_change_the_output() -> None:
-    """"null" adds a null key and value per block and head, and the first positions see them; "mask" has none."""
+    """ "null" adds a null key and value per block and head, and the first positions see them; "mask" has none."""
     masked, nulled = make(2, thickness=2), make(2, thickness=2, out_of_range="null")
     names = set(nulled.state_dict()) - set(masked.state_dict())
     assert names == {f"blocks.{k}.attention.{name}" for k in range(2) for name in ("null_key", "null_value")}
@@ -561,8 +559,10 @@ def test_config_rejects_chunk_size_one() -> None:
         dataclasses.replace(make().config, chunk_size=1)
 
 
-@pytest.mark.parametrize(("chunk_size", "thickness", "out_of_range", "invariant"),
-                         [(2, 1, "null", False), (2, 2, "null", True), (3, 2, "mask", False)])
+@pytest.mark.parametrize(
+    ("chunk_size", "thickness", "out_of_range", "invariant"),
+    [(2, 1, "null", False), (2, 2, "null", True), (3, 2, "mask", False)],
+)
 def test_run_in_slices_with_final_outputs_is_the_shrinking_path_in_pieces(
     chunk_size, thickness, out_of_range, invariant, request
 ) -> None:
@@ -573,8 +573,16 @@ def test_run_in_slices_with_final_outputs_is_the_shrinking_path_in_pieces(
     cpu_decode.set_row_invariant(invariant)
     request.addfinalizer(lambda: cpu_decode.set_row_invariant(False))
     torch.manual_seed(0)
-    config = RegularGPTConfig(vocab_size=5, num_labels=3, d_model=16, n_heads=2, d_ff=32, chunk_size=chunk_size,
-                              thickness=thickness, out_of_range=out_of_range)  # fmt: skip
+    config = RegularGPTConfig(
+        vocab_size=5,
+        num_labels=3,
+        d_model=16,
+        n_heads=2,
+        d_ff=32,
+        chunk_size=chunk_size,
+        thickness=thickness,
+        out_of_range=out_of_range,
+    )
     model = RegularGPT(config).eval()
     for length in (1, 2, 7, 100, 513):
         tokens = torch.randint(0, 5, (1, length))

@@ -8,8 +8,9 @@ import torch
 from model import threads
 
 
-@pytest.mark.parametrize(("cores", "processes", "expected"), [(1, 1, 1), (2, 1, 1), (2, 2, 1), (16, 1, 15),
-                                                               (16, 8, 1), (64, 4, 15)])
+@pytest.mark.parametrize(
+    ("cores", "processes", "expected"), [(1, 1, 1), (2, 1, 1), (2, 2, 1), (16, 1, 15), (16, 8, 1), (64, 4, 15)]
+)
 def test_the_rule_leaves_one_core_and_splits_the_rest(monkeypatch, cores: int, processes: int, expected: int) -> None:
     monkeypatch.setattr(threads, "usable_cores", lambda: cores)
     assert threads.default_threads(processes) == expected

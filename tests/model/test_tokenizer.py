@@ -80,8 +80,9 @@ def test_ranks_file_merges(ranks_dir) -> None:
 
 
 def test_ranks_file_without_every_byte_is_refused(tmp_path) -> None:
-    (tmp_path / "short.tiktoken").write_text("".join(
-        f"{base64.b64encode(bytes([value])).decode()} {value}\n" for value in range(200)))
+    (tmp_path / "short.tiktoken").write_text(
+        "".join(f"{base64.b64encode(bytes([value])).decode()} {value}\n" for value in range(200))
+    )
     with pytest.raises(TokenizerError, match="lacks 56 single-byte tokens"):
         load_tokenizer("file:short.tiktoken", tmp_path)
 

@@ -19,7 +19,7 @@ from model.registry import build_model
 
 def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]:
     """One small model per architecture (and per position handling), keyed by a readable id."""
-    common = dict(vocab_size=vocab_size, num_labels=num_labels, d_model=16)
+    common = {"vocab_size": vocab_size, "num_labels": num_labels, "d_model": 16}
     configs: dict[str, BaseModelConfig] = {
         "regulargpt-c2": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="mask"),
         "regulargpt-c2-null": RegularGPTConfig(**common, n_heads=2, d_ff=32, chunk_size=2, out_of_range="null"),

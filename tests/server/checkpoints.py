@@ -27,9 +27,13 @@ def write_checkpoints(directory: Path) -> Path:
     for model_id, tiny_id in TRANSDUCERS.items():
         model = build_tiny(tiny_id, vocab_size=2, num_labels=2)
         config = CheckpointConfig(
-            architecture=ARCHITECTURE_OF[type(model.config)], model=model.config, kind="transduce",
-            task="parity_check", alphabet="01", labels=("0", "1"),
-        )  # fmt: skip
+            architecture=ARCHITECTURE_OF[type(model.config)],
+            model=model.config,
+            kind="transduce",
+            task="parity_check",
+            alphabet="01",
+            labels=("0", "1"),
+        )
         save_checkpoint(model, config, directory / model_id)
     for model_id, tiny_id in LANGUAGE_MODELS.items():
         model = build_tiny(tiny_id, vocab_size=256, num_labels=0)

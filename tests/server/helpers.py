@@ -16,8 +16,16 @@ from server.settings import Settings
 
 def make_settings(models: Path | list[Path], **overrides) -> Settings:
     """The settings of a test server on the checkpoints of ``models`` alone (not the shipped ones)."""
-    return Settings(**{"models": models, "shipped_models": False, "device": "cpu", "batch_wait_ms": 2.0,
-                       "torch_threads": 1, **overrides})  # fmt: skip
+    return Settings(
+        **{
+            "models": models,
+            "shipped_models": False,
+            "device": "cpu",
+            "batch_wait_ms": 2.0,
+            "torch_threads": 1,
+            **overrides,
+        }
+    )
 
 
 def assert_error(response, status: int, error_type: str, *fragments: str) -> dict:

@@ -126,8 +126,10 @@ def test_a_long_input_reports_the_work_of_each_slice(model_id: str, checkpoints_
             chunks.append(model.chunk_length(slice_flops, position, 95 - position))
             position += chunks[-1]
         assert len(chunks) > 5
-        assert reported[:-1] == [model.cost("cached", 1, chunk, start).flops for chunk, start in
-                                 zip(chunks, [sum(chunks[:index]) for index in range(len(chunks))])]  # fmt: skip
+        assert reported[:-1] == [
+            model.cost("cached", 1, chunk, start).flops
+            for chunk, start in zip(chunks, [sum(chunks[:index]) for index in range(len(chunks))])
+        ]
     (whole,) = run_batch(job(model_id, [95], served=served).items())
     assert long.output.final == whole.final and long.output.confidence == pytest.approx(whole.confidence, abs=1e-5)
 

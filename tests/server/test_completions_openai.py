@@ -139,8 +139,9 @@ def test_penalties_and_logit_bias(oai, live) -> None:
     """A +100 bias forces its token; with large frequency and presence penalties greedy decoding never repeats a
     token (the text models here are byte-level: an ASCII character is one token), which it does without them;
     the penalties' ranges are OpenAI's."""
-    biased = oai.completions.create(model="text-lrnn", prompt="Hello", max_tokens=5, temperature=0,
-                                    logit_bias={str(ord("q")): 100})  # fmt: skip
+    biased = oai.completions.create(
+        model="text-lrnn", prompt="Hello", max_tokens=5, temperature=0, logit_bias={str(ord("q")): 100}
+    )
     assert biased.choices[0].text == "q" * 5
     free = oai.completions.create(model="text-lrnn", prompt="Hello", max_tokens=40, temperature=0)
     penalized = oai.completions.create(

@@ -76,8 +76,9 @@ def test_the_automaton_stops_where_a_search_of_the_text_would() -> None:
             if ending:
                 assert stopped and released == text[: end - max(map(len, ending))]
                 break
-            held = max(size for size in range(end + 1) if size == 0 or any(s.startswith(text[end - size : end])
-                                                                          for s in stops))  # fmt: skip
+            held = max(
+                size for size in range(end + 1) if size == 0 or any(s.startswith(text[end - size : end]) for s in stops)
+            )
             assert not stopped and released == text[: end - held]
 
 

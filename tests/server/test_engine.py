@@ -60,7 +60,9 @@ def test_prompts_prefilled_in_many_chunks_score_and_continue_as_in_one(checkpoin
     answers = []
     for slice_ms in (50.0, 0.001):
         with serve(make_settings(checkpoints_dir, slice_ms=slice_ms, state_cache_entries=0)) as server:
-            answers.append([httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json() for body in bodies])
+            answers.append(
+                [httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json() for body in bodies]
+            )
     for whole, chunked in zip(*answers):
         assert chunked["choices"][0]["text"] == whole["choices"][0]["text"]
         expected = whole["choices"][0]["logprobs"]["token_logprobs"]
@@ -122,8 +124,10 @@ def test_a_model_whose_speed_cannot_be_measured_is_skipped_and_reported(checkpoi
     with serve(make_settings(checkpoints_dir)) as server:
         served = {card["id"] for card in httpx.get(f"{server.url}/v1/models").json()["data"]}
         assert "text-lstm" not in served and "text-lrnn" in served
-        assert any("measuring its speed failed: RuntimeError: no kernel for this" in failure
-                   for failure in server.engine.load_failures)  # fmt: skip
+        assert any(
+            "measuring its speed failed: RuntimeError: no kernel for this" in failure
+            for failure in server.engine.load_failures
+        )
 
 
 def test_models_list_their_limits(client) -> None:

@@ -36,8 +36,9 @@ class NeverReads:
 
 @pytest.fixture
 def link(checkpoints_dir, monkeypatch):
-    client = EngineClient(make_settings(checkpoints_dir, engine_heartbeat_timeout_s=5, engine_timeout_s=60),
-                          ServerMetrics())  # fmt: skip
+    client = EngineClient(
+        make_settings(checkpoints_dir, engine_heartbeat_timeout_s=5, engine_timeout_s=60), ServerMetrics()
+    )
     connection = NeverReads()
     client._connection = connection
     client.state = "ready"
@@ -100,8 +101,7 @@ def test_requests_in_flight_end_with_503_after_the_engine_timeout(link) -> None:
 
 @pytest.mark.slow
 def test_a_stopped_engine_is_found_and_served_again_once_it_resumes(checkpoints_dir) -> None:
-    settings = make_settings(checkpoints_dir, engine_process=True, engine_heartbeat_timeout_s=1.5,
-                             engine_timeout_s=4)  # fmt: skip
+    settings = make_settings(checkpoints_dir, engine_process=True, engine_heartbeat_timeout_s=1.5, engine_timeout_s=4)
     engine = EngineClient(settings, ServerMetrics())
     app = create_app(settings, engine)
     with TestClient(app) as client:

@@ -28,21 +28,61 @@ REQUESTS = [
     ("/v1/generate", {"model": "text-lrnn", "prompt": "hello", "max_tokens": 12, "temperature": 0}),
     ("/v1/generate", {"model": "text-regulargpt", "prompt": "abc", "max_tokens": 9, "seed": 4}),
     ("/v1/generate", {"model": "text-lstm", "prompt": "abc", "max_tokens": 20, "seed": 2, "stop": ["e", "o"]}),
-    ("/v1/generate", {"model": "text-lrnn", "prompt": "abc", "max_tokens": 20, "seed": 7, "stream": True,
-                      "stop": ["a"]}),
+    (
+        "/v1/generate",
+        {"model": "text-lrnn", "prompt": "abc", "max_tokens": 20, "seed": 7, "stream": True, "stop": ["a"]},
+    ),
     ("/v1/generate", {"model": "text-transformer", "prompt": "xy", "max_tokens": 10, "seed": 1, "stream": True}),
-    ("/v1/completions", {"model": "text-lrnn", "prompt": ["one", "two"], "n": 2, "max_tokens": 6, "seed": 3,
-                         "logprobs": 3}),
-    ("/v1/completions", {"model": "text-regulargpt", "prompt": "score this text", "echo": True, "logprobs": 0,
-                         "max_tokens": 0}),
-    ("/v1/completions", {"model": "text-lrnn", "prompt": "q", "max_tokens": 8, "seed": 9, "logprobs": 1,
-                         "stream": True, "stream_options": {"include_usage": True}}),
-    ("/v1/completions", {"model": "text-lrnn", "prompt": "x", "max_tokens": 30, "seed": 5,
-                         "structured_outputs": {"regex": "[0-9]{2,6}"}}),
-    ("/v1/completions", {"model": "text-regulargpt", "prompt": "x", "max_tokens": 40, "seed": 5,
-                         "structured_outputs": {"json": SCHEMA}}),
-    ("/v1/generate", {"model": "text-lstm", "prompt": "x", "max_tokens": 10, "seed": 8,
-                      "structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
+    (
+        "/v1/completions",
+        {"model": "text-lrnn", "prompt": ["one", "two"], "n": 2, "max_tokens": 6, "seed": 3, "logprobs": 3},
+    ),
+    (
+        "/v1/completions",
+        {"model": "text-regulargpt", "prompt": "score this text", "echo": True, "logprobs": 0, "max_tokens": 0},
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "text-lrnn",
+            "prompt": "q",
+            "max_tokens": 8,
+            "seed": 9,
+            "logprobs": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "text-lrnn",
+            "prompt": "x",
+            "max_tokens": 30,
+            "seed": 5,
+            "structured_outputs": {"regex": "[0-9]{2,6}"},
+        },
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "text-regulargpt",
+            "prompt": "x",
+            "max_tokens": 40,
+            "seed": 5,
+            "structured_outputs": {"json": SCHEMA},
+        },
+    ),
+    (
+        "/v1/generate",
+        {
+            "model": "text-lstm",
+            "prompt": "x",
+            "max_tokens": 10,
+            "seed": 8,
+            "structured_outputs": {"choice": ["yes", "no", "maybe"]},
+        },
+    ),
     ("/v1/transduce", {"model": "parity-lrnn", "inputs": ["0110", "1", "1" * 300], "outputs": "all"}),
     ("/v1/transduce", {"model": "parity-regulargpt", "inputs": ["01", "a"]}),  # 422
     ("/v1/generate", {"model": "nope", "prompt": "x"}),  # 404
@@ -55,8 +95,11 @@ def answers(client: TestClient) -> list:
     for path, body in REQUESTS:
         response = client.post(path, json=body)
         if body.get("stream"):
-            events = [json.loads(line.removeprefix("data: ")) for line in response.text.split("\n\n")
-                      if line.startswith("data: {")]  # fmt: skip
+            events = [
+                json.loads(line.removeprefix("data: "))
+                for line in response.text.split("\n\n")
+                if line.startswith("data: {")
+            ]
             found.append((response.status_code, [_stable(event) for event in events]))
         else:
             found.append((response.status_code, _stable(response.json())))
@@ -109,8 +152,9 @@ def test_runtime_models_and_cancellation_across_the_boundary(process_app) -> Non
     assert remote.delete("/v1/models/ends-ab").status_code == 200
     assert remote.post("/v1/transduce", json={"model": "ends-ab", "inputs": ["ab"]}).status_code == 404
     assert remote.delete("/v1/models/parity-lrnn").status_code == 409
-    with remote.stream("POST", "/v1/generate", json={"model": "text-lstm", "prompt": "x", "max_tokens": 4000,
-                                                     "stream": True}) as response:  # fmt: skip
+    with remote.stream(
+        "POST", "/v1/generate", json={"model": "text-lstm", "prompt": "x", "max_tokens": 4000, "stream": True}
+    ) as response:
         next(response.iter_lines())  # the client leaves after its first event
     wait_for(lambda: app.state.engine.in_flight == 0, timeout=30)
 
@@ -151,14 +195,18 @@ def test_a_step_message_round_trips() -> None:
     columns.add(7, 0, 42, None)
     columns.add(7, 1, 43, TokenLogprob(43, -0.5, [(43, -0.5), (2, -1.25)]))
     columns.add(9, 0, 44, TokenLogprob(44, -2.0, []))
-    step = Step(finished=[Finish(9, 0, "length", 3, 1, 0, [44])], errors=[(7, 1, InputTooLarge("too big"))],
-                figures=[("generation_tokens", ("m",), "inc", 3.0, 1)], scheduled=2)  # fmt: skip
+    step = Step(
+        finished=[Finish(9, 0, "length", 3, 1, 0, [44])],
+        errors=[(7, 1, InputTooLarge("too big"))],
+        figures=[("generation_tokens", ("m",), "inc", 3.0, 1)],
+        scheduled=2,
+    )
     decoded = decode_step(encode_step(columns, step))
     assert decoded.token_requests.tolist() == [7, 7, 9] and decoded.token_indexes.tolist() == [0, 1, 0]
     assert decoded.token_ids.dtype == np.int32 and decoded.token_ids.tolist() == [42, 43, 44]
     assert decoded.logprobs == {1: TokenLogprob(43, -0.5, [(43, -0.5), (2, -1.25)]), 2: TokenLogprob(44, -2.0, [])}
     assert decoded.finished == step.finished and decoded.figures == step.figures and decoded.scheduled == 2
-    (request, index, error), = decoded.errors
+    ((request, index, error),) = decoded.errors
     assert (request, index, type(error), error.message, error.status_code) == (7, 1, InputTooLarge, "too big", 413)
     unknown = error_from_wire(error_to_wire(UnknownModel("m", ["a"])))
     assert isinstance(unknown, UnknownModel) and "'m' does not exist" in unknown.message
@@ -180,8 +228,11 @@ def test_recorded_metrics_replay_as_observed() -> None:
     replayed.replay(recording.take())
 
     def lines(metrics: ServerMetrics) -> list[bytes]:  # but the E2E latencies' sum ("now" was read twice), creations
-        return [line for line in metrics.exposition().splitlines()
-                if b"e2e_request_latency_seconds_sum" not in line and b"_created" not in line]  # fmt: skip
+        return [
+            line
+            for line in metrics.exposition().splitlines()
+            if b"e2e_request_latency_seconds_sum" not in line and b"_created" not in line
+        ]
 
     assert lines(replayed) == lines(direct)
     assert recording.take() == []

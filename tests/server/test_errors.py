@@ -111,9 +111,11 @@ def nested_schema(levels: int) -> str:
 def test_nesting_past_the_parser_is_refused_with_the_depth_it_reaches(limited) -> None:
     """A valid body (a 500-deep JSON schema) that nests past the parser is not called invalid JSON, and the
     depth the message names is the parser's real one: one level more fails as deep, that many parses."""
-    body = '{"model": "text-lrnn", "prompt": "x", "structured_outputs": {"json": %s}}' % nested_schema(500)
+    body = f'{{"model": "text-lrnn", "prompt": "x", "structured_outputs": {{"json": {nested_schema(500)}}}}}'
     response = limited.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-    message = assert_error(response, 422, "invalid_request_error", "nests arrays and objects deeper")["error"]["message"]
+    message = assert_error(response, 422, "invalid_request_error", "nests arrays and objects deeper")["error"][
+        "message"
+    ]
     assert "not valid JSON" not in message
     reached = int(re.search(r"reaches: (\d+) levels", message).group(1))
     assert 100 < reached < 1000
@@ -206,10 +208,20 @@ def test_unknown_route_and_method_have_the_error_shape(limited) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b"null", b"[]", b'"x"', b"1e999", b'{"model": null}', b'{"model": "parity-lrnn", "inputs": [null]}',
-     b'{"model": "parity-lrnn", "inputs": ["\\ud800"]}', b'{"model": "text-lrnn", "prompt": "\\ud800"}',
-     b'{"model": "text-lrnn", "prompt": "x", "seed": -1}', b'{"model": "text-lrnn", "prompt": "x", "stop": [1]}'],
-)  # fmt: skip
+    [
+        b"",
+        b"null",
+        b"[]",
+        b'"x"',
+        b"1e999",
+        b'{"model": null}',
+        b'{"model": "parity-lrnn", "inputs": [null]}',
+        b'{"model": "parity-lrnn", "inputs": ["\\ud800"]}',
+        b'{"model": "text-lrnn", "prompt": "\\ud800"}',
+        b'{"model": "text-lrnn", "prompt": "x", "seed": -1}',
+        b'{"model": "text-lrnn", "prompt": "x", "stop": [1]}',
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/transduce", "/v1/generate", "/v1/completions"])
 def test_bad_input_never_gives_a_5xx(path: str, body: bytes, limited) -> None:
     response = limited.post(path, content=body, headers={"content-type": "application/json"})
@@ -325,11 +337,19 @@ def post(app, headers: dict[str, str], chunks: Iterable[bytes], ends: bool = Tru
         sent.setdefault(message["type"], []).append(message)
 
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/v1/transduce", "raw_path": b"/v1/transduce", "query_string": b"", "root_path": "",
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/transduce",
+        "raw_path": b"/v1/transduce",
+        "query_string": b"",
+        "root_path": "",
         "headers": [(name.encode(), value.encode()) for name, value in headers.items()],
-        "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
-    }  # fmt: skip
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
     body = b"".join(message.get("body", b"") for message in sent["http.response.body"])
     return sent["http.response.start"][0]["status"], json.loads(body), pulled

@@ -215,7 +215,6 @@ def test_log_probabilities_come_from_each_rows_own_logits(client) -> None:
     assert together[0] == pytest.approx(logprobs([[65, 66]])[0], abs=1e-5)
 
 
-
 class ScriptedHandle:
     """Stands in for a GenerationHandle: ``ready`` answers from a script, one answer per call."""
 
@@ -388,8 +387,9 @@ def test_under_batch_invariance_short_prompts_prefill_together_as_decode_steps(c
     def prefilled(served, prompts: list[str], scored: tuple[int, ...] = ()) -> list[Sequence]:
         sequences = []
         for index, prompt in enumerate(prompts):
-            request = GenerationRequest(list(prompt.encode()), 3, SamplingParams(temperature=0.0),
-                                        prompt_logprobs=index in scored)  # fmt: skip
+            request = GenerationRequest(
+                list(prompt.encode()), 3, SamplingParams(temperature=0.0), prompt_logprobs=index in scored
+            )
             sequences.append(Sequence(served, request, Recorder(clock), flow="client"))
             start(sequences[-1], StateCache(0, 0, 1), metrics)
         calls.clear()
@@ -461,9 +461,13 @@ def test_under_batch_invariance_short_prompts_run_as_rows_of_the_decode_batch(ch
         """A 19-token prompt, then 6-token ones (greedy; sampled; with log-probabilities; to be cancelled), each with
         31 or 18 tokens of context: one context class, one decode batch."""
         scored = GenerationRequest(list(b"It was"), 12, SamplingParams(temperature=0.0), logprobs=2)
-        return [generation(served, "It was a dark night", 12, clock), generation(served, "Nights", 12, clock),
-                generation(served, "A dark", 12, clock, temperature=1.0, seed=5),
-                Sequence(served, scored, Recorder(clock), flow="client"), generation(served, "Gone!!", 12, clock)]
+        return [
+            generation(served, "It was a dark night", 12, clock),
+            generation(served, "Nights", 12, clock),
+            generation(served, "A dark", 12, clock, temperature=1.0, seed=5),
+            Sequence(served, scored, Recorder(clock), flow="client"),
+            generation(served, "Gone!!", 12, clock),
+        ]
 
     running = requests()
     long, *short = running
@@ -570,14 +574,17 @@ def test_greedy_rows_take_the_picks_alone_and_get_the_tokens_the_logits_give(che
         plain = [generation(served, prompt, 8, clock) for prompt in prompts]
         run_until_done(receive_into(driven_scheduler(clock), *plain), plain)
         assert calls[:3] == [4, 4, 4]
-        scored = [Sequence(served, GenerationRequest(prompt, 8, SamplingParams(temperature=0.0), logprobs=0),
-                           Recorder(clock)) for prompt in prompts]  # fmt: skip
+        scored = [
+            Sequence(served, GenerationRequest(prompt, 8, SamplingParams(temperature=0.0), logprobs=0), Recorder(clock))
+            for prompt in prompts
+        ]
         run_until_done(receive_into(driven_scheduler(clock), *scored), scored)
     finally:
         cpu_decode.set_row_invariant(False)
     nan_at = first + 2  # the third call's
     assert failure(plain[1]) == f"the model failed: its logits for output token {nan_at} are not finite (nan)"
     assert [sequence.generated for sequence in plain if sequence is not plain[1]] == [
-        sequence.generated for sequence in scored if sequence is not scored[1]]
-    assert plain[1].generated == scored[1].generated[:nan_at - 1]
+        sequence.generated for sequence in scored if sequence is not scored[1]
+    ]
+    assert plain[1].generated == scored[1].generated[: nan_at - 1]
     assert len(calls) == 9 - first  # a call for each token from the first'th; the scored rows: none

@@ -120,8 +120,9 @@ def one_response(sock: socket.socket) -> tuple[bytes, dict]:
     while b"\r\n\r\n" not in received:
         received += sock.recv(65536)
     response_head, _, body = received.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in response_head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))  # fmt: skip
+    length = next(
+        int(line.split(b":")[1]) for line in response_head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+    )
     while len(body) < length:
         body += sock.recv(65536)
     return response_head, json.loads(body)
@@ -162,8 +163,9 @@ def test_a_client_that_sends_its_whole_body_first_reads_the_413(http: str, tmp_p
 
 
 def test_urllib_posting_40_mb_reads_the_413(idle_url: str) -> None:
-    request = urllib.request.Request(f"{idle_url}/v1/transduce", data=b" " * (40 * MB),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{idle_url}/v1/transduce", data=b" " * (40 * MB), headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 413
@@ -296,14 +298,22 @@ def test_only_posts_to_the_queued_endpoints_arrive() -> None:
 
     guard = guard_around(app, lambda: arrivals.append("arrived") or (lambda: None))
     counted = {}
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/models"), ("POST", "/v1/chat/completions"),
-                         ("POST", "/v1/transduce"), ("POST", "/v1/generate"), ("POST", "/v1/completions")]:  # fmt: skip
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/transduce"),
+        ("POST", "/v1/generate"),
+        ("POST", "/v1/completions"),
+    ]:
         before = len(arrivals)
         call(guard, method, path)
         counted[method, path] = len(arrivals) - before
     assert [request for request, count in counted.items() if count] == [
-        ("POST", "/v1/transduce"), ("POST", "/v1/generate"), ("POST", "/v1/completions")
-    ]  # fmt: skip
+        ("POST", "/v1/transduce"),
+        ("POST", "/v1/generate"),
+        ("POST", "/v1/completions"),
+    ]
 
 
 def test_a_refusal_from_the_arrival_is_a_429_without_calling_the_app() -> None:

@@ -31,8 +31,12 @@ def start_server(*args: str, **settings: object) -> subprocess.Popen:
     env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
     return subprocess.Popen(
         [sys.executable, "-m", "server", "--log-level", "warning", *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def free_port() -> int:
@@ -211,9 +215,14 @@ def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
     The sockets wait 3 s: several timeouts of 0.5 s, less than the defaults (10 s) or the keep-alive (75 s)."""
     port = free_port()
     process = start_server(
-        "--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port),
-        header_timeout_s=0.5, body_timeout_s=0.5,
-    )  # fmt: skip
+        "--no-shipped-models",
+        "--models",
+        str(checkpoints_dir),
+        "--port",
+        str(port),
+        header_timeout_s=0.5,
+        body_timeout_s=0.5,
+    )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", timeout=300)
         with socket.create_connection(("127.0.0.1", port), timeout=3) as slow_headers:
@@ -228,8 +237,9 @@ def test_slow_clients_are_cut_off(checkpoints_dir) -> None:
         assert response.startswith(b"HTTP/1.1 408 ")
         assert b"connection: close" in response.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
         assert json.loads(response.partition(b"\r\n\r\n")[2])["error"] == {
-            "message": "the body took longer than 0.5 s to arrive (body_timeout_s)", "type": "request_timeout"
-        }  # fmt: skip
+            "message": "the body took longer than 0.5 s to arrive (body_timeout_s)",
+            "type": "request_timeout",
+        }
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
     finally:
         process.terminate()
@@ -265,9 +275,14 @@ def test_idle_connections_are_kept_alive_for_their_next_request(checkpoints_dir)
     assert parse_settings([]).keep_alive_s > httpx.Limits().keepalive_expiry
     port = free_port()
     process = start_server(
-        "--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port),
-        header_timeout_s=0.5, keep_alive_s=2,
-    )  # fmt: skip
+        "--no-shipped-models",
+        "--models",
+        str(checkpoints_dir),
+        "--port",
+        str(port),
+        header_timeout_s=0.5,
+        keep_alive_s=2,
+    )
     request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     try:
         wait_healthy(f"http://127.0.0.1:{port}", timeout=300)

@@ -60,7 +60,9 @@ def test_a_models_counters_and_gauges_exist_from_load_its_histograms_from_its_fi
     metrics.register_models(["served", "idle"])
     at_load = model_lines(metrics, "idle")
     assert len(at_load) == 20  # 5 counters and 4 finish reasons (_total, _created), 2 gauges; was 174
-    assert not any(line.startswith(("regularlm_e2e_request_latency", "regularlm_time_to_first_token")) for line in at_load)
+    assert not any(
+        line.startswith(("regularlm_e2e_request_latency", "regularlm_time_to_first_token")) for line in at_load
+    )
     for line in [line for line in at_load if "_created{" not in line]:
         assert line.endswith(" 0.0"), line
     assert 'regularlm_num_requests_waiting{model_name="idle"} 0.0' in at_load
@@ -73,8 +75,12 @@ def test_a_models_counters_and_gauges_exist_from_load_its_histograms_from_its_fi
     metrics.model_executed("served", 0.002)
     metrics.finished(times, "stop")
     served = model_lines(metrics, "served")
-    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds",
-                 "model_execute_time_seconds"):
+    for name in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "time_to_first_token_seconds",
+        "model_execute_time_seconds",
+    ):
         assert f'regularlm_{name}_count{{model_name="served"}} 1.0' in served, name
     assert not any(line.startswith("regularlm_time_per_output_token") for line in served)  # one token: no TPOT yet
     assert model_lines(metrics, "idle") == at_load

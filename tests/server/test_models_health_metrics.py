@@ -18,10 +18,20 @@ def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_d
     cards = {card["id"]: card for card in body["data"]}
     assert set(cards) == set(TRANSDUCERS) | set(LANGUAGE_MODELS)
     assert cards["parity-lrnn"] | {"parameters": 0, "limits": {}} == {
-        "id": "parity-lrnn", "object": "model", "owned_by": "regularlm", "kind": "transduce", "architecture": "lrnn",
-        "task": "parity_check", "alphabet": "01", "labels": ["0", "1"], "tokenizer": None, "vocab_size": 2,
-        "parameters": 0, "limits": {}, "decode": None,
-    }  # fmt: skip
+        "id": "parity-lrnn",
+        "object": "model",
+        "owned_by": "regularlm",
+        "kind": "transduce",
+        "architecture": "lrnn",
+        "task": "parity_check",
+        "alphabet": "01",
+        "labels": ["0", "1"],
+        "tokenizer": None,
+        "vocab_size": 2,
+        "parameters": 0,
+        "limits": {},
+        "decode": None,
+    }
     assert "serving_notes" not in cards["parity-lrnn"]  # model.for_serving's notes: in the server's log, at DEBUG
     assert cards["parity-lrnn"]["limits"]["max_input_symbols"] > 0  # tests/server/test_engine.py
     assert cards["text-lstm"]["kind"] == "generate" and cards["text-lstm"]["tokenizer"] == "bytes"

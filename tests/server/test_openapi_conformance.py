@@ -87,7 +87,7 @@ def test_the_schema_lists_models_and_static_limits(api_schema) -> None:
     assert transduce["properties"]["model"]["enum"] == ["parity-lrnn", "parity-regulargpt", "parity-transformer"]
     assert transduce["properties"]["inputs"]["maxItems"] == LIMITS["max_inputs"]
     assert transduce["properties"]["inputs"]["items"]["maxLength"] == LIMITS["max_input_symbols"]
-    assert {"pattern": "^[01]*$"} == transduce["anyOf"][0]["properties"]["inputs"]["items"]
+    assert transduce["anyOf"][0]["properties"]["inputs"]["items"] == {"pattern": "^[01]*$"}
     assert components["GenerateRequest"]["properties"]["max_tokens"]["maximum"] == LIMITS["max_tokens"]
     assert "x-regularlm-setting" not in str(api_schema.raw_schema)
 

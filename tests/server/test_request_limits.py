@@ -13,8 +13,15 @@ from server.api.limits import count_values, values_outside_strings
 from server.settings import Settings
 from tests.server.helpers import assert_error, make_settings
 
-LIMITS = {"max_stop_strings": 3, "max_stop_chars": 10, "max_logit_bias": 2, "max_inputs": 4,
-          "max_input_symbols": 50, "max_request_symbols": 80, "max_body_values": 200}  # fmt: skip
+LIMITS = {
+    "max_stop_strings": 3,
+    "max_stop_chars": 10,
+    "max_logit_bias": 2,
+    "max_inputs": 4,
+    "max_input_symbols": 50,
+    "max_request_symbols": 80,
+    "max_body_values": 200,
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +52,14 @@ def test_a_request_past_a_bound_is_413_naming_it(path: str, fields: dict, fragme
 
 
 def test_a_request_at_every_bound_is_served(bounded) -> None:
-    body = {"model": "text-lrnn", "prompt": [[1] * 40, [2] * 40], "max_tokens": 2, "stop": ["ab", "cde", "fghij"],
-            "logit_bias": {"1": 1, "2": -1}, "n": 2}  # fmt: skip
+    body = {
+        "model": "text-lrnn",
+        "prompt": [[1] * 40, [2] * 40],
+        "max_tokens": 2,
+        "stop": ["ab", "cde", "fghij"],
+        "logit_bias": {"1": 1, "2": -1},
+        "n": 2,
+    }
     response = bounded.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 4
@@ -67,11 +80,16 @@ def test_commas_in_strings_do_not_count_against_the_bound(bounded) -> None:
 
 
 def test_token_ids_written_as_integral_numbers_are_integers(bounded) -> None:
-    response = bounded.post("/v1/completions", json={"model": "text-lrnn", "prompt": [1.0, 2], "max_tokens": 1,
-                                                     "echo": True})  # fmt: skip
+    response = bounded.post(
+        "/v1/completions", json={"model": "text-lrnn", "prompt": [1.0, 2], "max_tokens": 1, "echo": True}
+    )
     assert response.status_code == 200, response.text
-    assert_error(bounded.post("/v1/completions", json={"model": "text-lrnn", "prompt": [1.5]}), 422,
-                 "invalid_request_error", "prompt.tokens.0")  # fmt: skip
+    assert_error(
+        bounded.post("/v1/completions", json={"model": "text-lrnn", "prompt": [1.5]}),
+        422,
+        "invalid_request_error",
+        "prompt.tokens.0",
+    )
 
 
 def test_a_large_body_parses_as_a_small_one(checkpoints_dir) -> None:
@@ -81,14 +99,23 @@ def test_a_large_body_parses_as_a_small_one(checkpoints_dir) -> None:
     with TestClient(app) as client:
         app.state.engine.wait_loaded()
         for small, large in [
-            (b'{"model": "text-lrnn", "prompt": "x", "temperature": NaN}',
-             b'{"model": "text-lrnn", "prompt": "x", "temperature": NaN, "user": "' + padding.encode() + b'"}'),
-            (b'{"model": "text-lrnn", "prompt": "x", "seed": 1' + b"0" * 30 + b', "max_tokens": 1}',
-             b'{"model": "text-lrnn", "prompt": "x", "seed": 1' + b"0" * 30 + b', "max_tokens": 1, "user": "'
-             + padding.encode() + b'"}'),
-        ]:  # fmt: skip
-            answers = [client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-                       for body in (small, large)]  # fmt: skip
+            (
+                b'{"model": "text-lrnn", "prompt": "x", "temperature": NaN}',
+                b'{"model": "text-lrnn", "prompt": "x", "temperature": NaN, "user": "' + padding.encode() + b'"}',
+            ),
+            (
+                b'{"model": "text-lrnn", "prompt": "x", "seed": 1' + b"0" * 30 + b', "max_tokens": 1}',
+                b'{"model": "text-lrnn", "prompt": "x", "seed": 1'
+                + b"0" * 30
+                + b', "max_tokens": 1, "user": "'
+                + padding.encode()
+                + b'"}',
+            ),
+        ]:
+            answers = [
+                client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                for body in (small, large)
+            ]
             assert answers[0].status_code == answers[1].status_code, answers[1].text
             if answers[0].status_code != 200:
                 assert answers[0].json() == answers[1].json()
@@ -96,6 +123,8 @@ def test_a_large_body_parses_as_a_small_one(checkpoints_dir) -> None:
 
 def test_the_default_value_bound_holds_a_request_at_the_other_limits() -> None:
     settings = Settings()
-    at_limits = settings.max_request_symbols + settings.max_inputs + settings.max_stop_strings + 2 * settings.max_logit_bias
+    at_limits = (
+        settings.max_request_symbols + settings.max_inputs + settings.max_stop_strings + 2 * settings.max_logit_bias
+    )
     # a schema of structured_max_chars characters holds fewer values and keys than characters
     assert settings.max_body_values >= at_limits + settings.structured_max_chars

@@ -51,12 +51,16 @@ def test_a_regex_becomes_a_served_model_that_labels_every_prefix_like_re_fullmat
     rng = np.random.default_rng(0)
     inputs = ["".join(rng.choice(["0", "1"], size=length)) for length in (1, 7, 40, 300)]
     for string, labels in zip(inputs, transduce(runtime_client, model_id, inputs), strict=True):
-        assert labels == ["1" if re.fullmatch(MULTIPLE_OF_3, string[:end]) else "0"
-                          for end in range(1, len(string) + 1)]
+        assert labels == [
+            "1" if re.fullmatch(MULTIPLE_OF_3, string[:end]) else "0" for end in range(1, len(string) + 1)
+        ]
     long = "".join(rng.choice(["0", "1"], size=20_000))
     assert transduce(runtime_client, model_id, [long], "final") == [str(int(int(long, 2) % 3 == 0))]
-    assert runtime_client.delete(f"/v1/models/{model_id}").json() == {"id": model_id, "object": "model",
-                                                                       "deleted": True}
+    assert runtime_client.delete(f"/v1/models/{model_id}").json() == {
+        "id": model_id,
+        "object": "model",
+        "deleted": True,
+    }
 
 
 def test_a_dfa_becomes_a_served_model_and_deleting_it_stops_serving_it(runtime_client):

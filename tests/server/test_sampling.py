@@ -184,8 +184,9 @@ PARAMS = st.builds(
     seed=st.integers(0, 2**63 - 1),
     presence_penalty=st.floats(-2.0, 2.0),
     frequency_penalty=st.floats(-2.0, 2.0),
-    repetition_penalty=st.one_of(st.sampled_from([*POSITIVE_EDGES, 1.1754943508222875e-38, 100.0]),
-                                 st.floats(5e-324, 100.0)),  # fmt: skip
+    repetition_penalty=st.one_of(
+        st.sampled_from([*POSITIVE_EDGES, 1.1754943508222875e-38, 100.0]), st.floats(5e-324, 100.0)
+    ),
     logit_bias=st.lists(st.tuples(st.integers(0, 0), st.floats(-100.0, 100.0)), max_size=1).map(tuple),
 )
 
@@ -198,8 +199,9 @@ def batches(draw_from) -> tuple[torch.Tensor, list[SamplingParams], list[SimpleN
     logits = torch.tensor(draw_from(st.lists(LOGIT, min_size=rows * vocabulary, max_size=rows * vocabulary)))
     params = draw_from(st.lists(PARAMS, min_size=rows, max_size=rows))
     token = st.integers(0, vocabulary - 1)
-    histories = [history(draw_from(st.lists(token, max_size=4)), draw_from(st.lists(token, max_size=6)))
-                 for _ in range(rows)]  # fmt: skip
+    histories = [
+        history(draw_from(st.lists(token, max_size=4)), draw_from(st.lists(token, max_size=6))) for _ in range(rows)
+    ]
     return logits.view(rows, vocabulary), params, histories
 
 
@@ -274,8 +276,14 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -
         {"model": "text-lrnn", "prompt": "__main__", "max_tokens": 8, "temperature": 0, "seed": 100 + i}
         for i in range(10)
     ]  # prompt + max_tokens: the decode batch class of the extreme ones (16-31 tokens), never 17 tokens in the cache
-    extreme = {"model": "text-lrnn", "max_tokens": 12, "temperature": 31.05, "top_k": 269, "top_p": 1.4e-45,
-               "repetition_penalty": 1.1754943508222875e-38}  # fmt: skip
+    extreme = {
+        "model": "text-lrnn",
+        "max_tokens": 12,
+        "temperature": 31.05,
+        "top_k": 269,
+        "top_p": 1.4e-45,
+        "repetition_penalty": 1.1754943508222875e-38,
+    }
     overflowing = [{**extreme, "prompt": "x" * 12}, {**extreme, "prompt": "y" * 12, "stream": True}]
     with httpx.Client(base_url=live.url, timeout=60) as client:
         alone = [client.post("/v1/generate", json=body).json() for body in greedy_bodies]
@@ -299,7 +307,7 @@ def test_a_sequence_whose_logits_are_not_finite_fails_alone(live, monkeypatch) -
     assert max(sizes) > 2  # they shared decode steps
     message = "the model failed: its logits for output token 6 are not finite (nan)"
     assert failed.status_code == 500 and failed.json()["error"]["message"] == message
-    events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
 
 
@@ -334,15 +342,23 @@ def test_a_seeded_request_samples_beside_others_what_it_samples_alone(
     seeded = {"model": model_id, "prompt": prompt, "max_tokens": 40, "temperature": 0.8, "seed": 7, "logprobs": 3}
     prompts = [prompt.upper(), prompt[::-1], "?" * len(prompt)] + ["an other prompt, " * (1 + i % 4) for i in range(7)]
     others = [
-        {"model": model_id, "prompt": other, "max_tokens": 40 - 2 * i, "seed": i, "temperature": [0.0, 1.0, 0.7][i % 3],
-         "top_p": [1.0, 0.9][i % 2], "repetition_penalty": [1.0, 1.3][i % 2]}
+        {
+            "model": model_id,
+            "prompt": other,
+            "max_tokens": 40 - 2 * i,
+            "seed": i,
+            "temperature": [0.0, 1.0, 0.7][i % 3],
+            "top_p": [1.0, 0.9][i % 2],
+            "repetition_penalty": [1.0, 1.3][i % 2],
+        }
         for i, other in enumerate(prompts)
-    ]  # fmt: skip
+    ]
     with httpx.Client(base_url=invariant.url, timeout=60) as client:
         alone = client.post("/v1/completions", json=seeded).json()["choices"]
     sizes: list[int] = []
-    before_each_decode_step(monkeypatch, invariant.engine.models[model_id].model,
-                            lambda tokens: sizes.append(tokens.shape[0]))  # fmt: skip
+    before_each_decode_step(
+        monkeypatch, invariant.engine.models[model_id].model, lambda tokens: sizes.append(tokens.shape[0])
+    )
 
     async def together() -> list[dict]:
         async with httpx.AsyncClient(base_url=invariant.url, timeout=60) as client:
@@ -380,7 +396,10 @@ def test_batch_invariant_refuses_to_serve_models_it_does_not_hold_for(model_id: 
 
 def test_batch_invariant_auto_serves_models_it_does_not_hold_for_without_it(checkpoints_dir, tmp_path, caplog) -> None:
     folder = models_folder(checkpoints_dir, tmp_path, ["text-lrnn", "text-lstm"])
-    with caplog.at_level(logging.INFO, logger="server.engine.engine"), TestClient(create_app(make_settings(folder))) as client:
+    with (
+        caplog.at_level(logging.INFO, logger="server.engine.engine"),
+        TestClient(create_app(make_settings(folder))) as client,
+    ):
         client.app.state.engine.wait_loaded()
         assert client.get("/health").status_code == 200
     assert "batch invariance: off: batch_invariant holds for float32 LRNN and RegularGPT language models only" in (
@@ -406,8 +425,12 @@ def test_sampling_on_cuda_draws_what_the_cpu_draws() -> None:
     generators (the sums' rounding differs: a draw within ~1e-7 of a boundary could differ; these seeds have none)."""
     torch.manual_seed(0)
     logits = torch.randn(64, 1000) * 3  # (B, V)
-    rows = [SamplingParams(temperature=0.0), SamplingParams(seed=1), SamplingParams(temperature=0.7, top_k=20, seed=2),
-            SamplingParams(top_p=0.8, seed=3)] * 16  # fmt: skip
+    rows = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=1),
+        SamplingParams(temperature=0.7, top_k=20, seed=2),
+        SamplingParams(top_p=0.8, seed=3),
+    ] * 16
     for device_logits in (logits, logits[::4]):  # mixed groups; one group holding every row
         chosen = rows if device_logits.shape[0] == 64 else rows[1::4]
         on_cpu = [params.generator() for params in chosen]

@@ -169,8 +169,17 @@ def make_scheduler(clock: FakeClock, memory_budget: int = 2**40, **settings) -> 
     metrics = ServerMetrics()
     settings = Settings(models=Path("unused"), **{"batch_wait_ms": 0.0, "decode_steps": 1, **settings})
     executor = FakeExecutor(clock, metrics, settings.slice_ms / 1000)
-    return Scheduler(settings, metrics, executor.state_cache, queue.SimpleQueue(), Postman(), memory_budget,
-                     RequestQueue(settings.max_waiting), clock, executor)  # fmt: skip
+    return Scheduler(
+        settings,
+        metrics,
+        executor.state_cache,
+        queue.SimpleQueue(),
+        Postman(),
+        memory_budget,
+        RequestQueue(settings.max_waiting),
+        clock,
+        executor,
+    )
 
 
 def language_model(model_id: str = "lm", tokens_per_slice: int = 1000) -> SimpleNamespace:
@@ -219,8 +228,11 @@ def test_under_batch_invariance_a_short_prompt_is_planned_into_its_decode_batch(
         plan = worker.plan(time.monotonic(), clock.now)
         return [group.sequences for group in plan.prefill], [row for each in plan.decode for row in each.prompting]
 
-    short, long, asks = sequence(served, 8, 4, clock), sequence(served, 9, 4, clock), Sequence(
-        served, scored, Recorder(clock))  # fmt: skip
+    short, long, asks = (
+        sequence(served, 8, 4, clock),
+        sequence(served, 9, 4, clock),
+        Sequence(served, scored, Recorder(clock)),
+    )
     worker = make_scheduler(clock)
     admitted(worker, short, long, asks)
     assert planned(worker) == ([[short], [long], [asks]], [])
@@ -383,7 +395,7 @@ def test_a_long_prompt_yields_to_a_short_one_for_no_longer_than_its_last_round(c
 def test_a_long_prompt_yields_to_a_short_one_admitted_into_its_decode_batch(clock) -> None:
     """Under batch invariance a short prompt runs in its decode batch from the iteration that admits it: it is running
     then, so the long prompt yields to it in that iteration already, not after one more round of its own."""
-    worker, long, short = short_beside_long(clock)
+    worker, _long, short = short_beside_long(clock)
     with cpu_decode.row_invariance():
         plan = worker.plan(time.monotonic(), clock.now)
     assert plan.admitted == [short] and [row for each in plan.decode for row in each.prompting] == [short]
@@ -479,6 +491,7 @@ def test_where_a_pass_s_fixed_work_fills_the_slice_a_deep_chunk_runs_as_the_deco
         charged = [seconds(prefill_call_cost([chunk], steps).flops) for steps in (deep, deep + 1)]
         assert charged[0] <= SLICE_S < charged[1]
 
+
 # --- cancellation and drain -------------------------------------------------------------------------------------
 
 
@@ -551,15 +564,27 @@ def test_planning_changes_nothing(clock) -> None:
     worker.iteration()
 
     def state() -> tuple:
-        return (worker.memory.held, dict(worker.fair.service), worker.queue.waiting, worker.jobs_waiting,
-                worker.last_run_jobs, len(worker.short), len(worker.long), list(worker.waiting),
-                list(worker.prefilling), dict(worker.decoding),
-                [(each.status, each.service, each.prefilled, each.snapshot_at) for each in work])  # fmt: skip
+        return (
+            worker.memory.held,
+            dict(worker.fair.service),
+            worker.queue.waiting,
+            worker.jobs_waiting,
+            worker.last_run_jobs,
+            len(worker.short),
+            len(worker.long),
+            list(worker.waiting),
+            list(worker.prefilling),
+            dict(worker.decoding),
+            [(each.status, each.service, each.prefilled, each.snapshot_at) for each in work],
+        )
 
     def shape(plan) -> tuple:
-        return ([(unit.items, unit.holds) for unit in plan.transduce.units], plan.admitted,
-                [(group.sequences, group.length) for group in plan.prefill],
-                [(each.key, each.batch, each.joining) for each in plan.decode])  # fmt: skip
+        return (
+            [(unit.items, unit.holds) for unit in plan.transduce.units],
+            plan.admitted,
+            [(group.sequences, group.length) for group in plan.prefill],
+            [(each.key, each.batch, each.joining) for each in plan.decode],
+        )
 
     before = state()
     plans = [shape(worker.plan(time.monotonic(), clock.now)) for _ in range(2)]

@@ -57,16 +57,21 @@ def write_models(directory: Path) -> Path:
     torch.manual_seed(0)
     for model_id, tiny_id in ((BPE, "lrnn"), (BPE_GPT, "regulargpt-c2")):
         model = build_tiny(tiny_id, vocab_size=8192, num_labels=0)
-        config = CheckpointConfig(architecture=ARCHITECTURE_OF[type(model.config)], model=model.config,
-                                  kind="generate", tokenizer="file:tokenizer.tiktoken")  # fmt: skip
+        config = CheckpointConfig(
+            architecture=ARCHITECTURE_OF[type(model.config)],
+            model=model.config,
+            kind="generate",
+            tokenizer="file:tokenizer.tiktoken",
+        )
         save_checkpoint(model, config, directory / model_id)
         shutil.copy(BPE_RANKS, directory / model_id / "tokenizer.tiktoken")
     model = build_tiny("lstm", vocab_size=256, num_labels=0)
     config = CheckpointConfig(architecture="lstm", model=model.config, kind="generate", tokenizer="bytes")
     save_checkpoint(model, config, directory / BYTES)
     model = build_tiny("lrnn", vocab_size=2, num_labels=2)
-    config = CheckpointConfig(architecture="lrnn", model=model.config, kind="transduce", task="parity_check",
-                              alphabet="01", labels=("0", "1"))  # fmt: skip
+    config = CheckpointConfig(
+        architecture="lrnn", model=model.config, kind="transduce", task="parity_check", alphabet="01", labels=("0", "1")
+    )
     save_checkpoint(model, config, directory / "parity-lrnn")
     return directory
 
@@ -109,8 +114,14 @@ SAMPLINGS = [
     {"temperature": 0.7, "top_p": 0.5, "seed": 3, "stream": True},
     {"temperature": 1.0, "stream": True},  # no seed: a random one
 ]
-REGEXES = [r"[0-9]{3}-[a-z]{2,4}", r"(cat|dog)s? (and|or) [a-z]{1,5}\.", r"\d{1,6}(\.\d\d)?", r"(?i)yes|no",
-           r"\w{1,8}@\w{1,8}\.(com|org)", r"[A-Z][a-z]{0,6}( [a-z]{1,6}){0,3}\."]  # fmt: skip
+REGEXES = [
+    r"[0-9]{3}-[a-z]{2,4}",
+    r"(cat|dog)s? (and|or) [a-z]{1,5}\.",
+    r"\d{1,6}(\.\d\d)?",
+    r"(?i)yes|no",
+    r"\w{1,8}@\w{1,8}\.(com|org)",
+    r"[A-Z][a-z]{0,6}( [a-z]{1,6}){0,3}\.",
+]
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
@@ -148,8 +159,10 @@ def test_generate_endpoint_streamed_and_not(client) -> None:
 
 def test_ends_as_soon_as_nothing_longer_can_match(client) -> None:
     """The text is complete after "abc": no end-of-text token is sampled, nothing runs to max_tokens."""
-    response = client.post("/v1/generate", json={"model": BPE, "prompt": "x", "max_tokens": 40, "temperature": 0,
-                                                 "structured_outputs": {"regex": "abc"}}).json()  # fmt: skip
+    response = client.post(
+        "/v1/generate",
+        json={"model": BPE, "prompt": "x", "max_tokens": 40, "temperature": 0, "structured_outputs": {"regex": "abc"}},
+    ).json()
     assert response["text"] == "abc" and response["finish_reason"] == "stop"
     assert response["usage"]["completion_tokens"] <= 3
 
@@ -164,7 +177,9 @@ def test_end_of_text_only_where_the_text_matches(client) -> None:
 
 def test_a_token_drawn_against_its_mask_is_replaced(client, monkeypatch) -> None:
     """Should the sampler ever return a forbidden token (a numerical corner), the row takes its best allowed one."""
-    monkeypatch.setattr(server.execution.generation, "sample", lambda logits, params, generators: [0] * len(params))  # "!"
+    monkeypatch.setattr(
+        server.execution.generation, "sample", lambda logits, params, generators: [0] * len(params)
+    )  # "!"
     results = complete(client, {"regex": "[a-c]{3}"}, n=2, seed=1)
     assert [reason for _, reason in results] == ["stop", "stop"]
     assert all(re.fullmatch("[a-c]{3}", text) for text, _ in results)
@@ -258,16 +273,22 @@ def test_a_limit_met_while_decoding_is_413_not_500(client, monkeypatch) -> None:
         return False
 
     monkeypatch.setattr(server.structured.outputs.Constraint, "consume", consume)
-    monkeypatch.setattr(server.structured.outputs.Constraint, "error", property(lambda self: getattr(self, "limit_met", None)))
+    monkeypatch.setattr(
+        server.structured.outputs.Constraint, "error", property(lambda self: getattr(self, "limit_met", None))
+    )
     # 40 letters: no two tokens of the model complete it (with 10, a sample of two long tokens matched before the third)
-    response = client.post("/v1/generate", json={"model": BPE, "prompt": "x", "max_tokens": 60,
-                                                 "structured_outputs": {"regex": "[a-z]{40}"}})  # fmt: skip
+    response = client.post(
+        "/v1/generate",
+        json={"model": BPE, "prompt": "x", "max_tokens": 60, "structured_outputs": {"regex": "[a-z]{40}"}},
+    )
     assert response.status_code == 413, response.text
     assert "too many expressions constructed (a limit of llguidance's)" in response.json()["error"]["message"]
 
 
 def test_llguidance_limit_errors_are_413_and_others_500() -> None:
-    vocabulary = server.structured.outputs.ConstraintVocabulary(load_tokenizer("file:tokenizer.tiktoken", BPE_RANKS.parent))
+    vocabulary = server.structured.outputs.ConstraintVocabulary(
+        load_tokenizer("file:tokenizer.tiktoken", BPE_RANKS.parent)
+    )
     text = llguidance.LLMatcher.grammar_from_regex(plain_regex("(ab{500}){200}"))
     limits = llguidance.LLParserLimits(initial_lexer_fuel=10_000, verbose_errors=False)  # spent on the start
     matcher = llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0, limits=limits)
@@ -278,8 +299,9 @@ def test_llguidance_limit_errors_are_413_and_others_500() -> None:
     assert not constraint.consume(ab)
     failure = constraint.failure(ab)
     assert isinstance(failure, InputTooLarge) and "too many expressions constructed" in failure.message
-    other = server.structured.outputs.CompiledConstraint(llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0),
-                                                 vocabulary, budget).start()  # fmt: skip
+    other = server.structured.outputs.CompiledConstraint(
+        llguidance.LLMatcher(vocabulary.lltokenizer, text, log_level=0), vocabulary, budget
+    ).start()
     assert not other.consume(vocabulary.lltokenizer.tokenize_str("b")[0])  # not allowed: the sampler's bug, a 500
     assert isinstance(other.failure(), ModelFailure)
 
@@ -378,8 +400,9 @@ def test_constrained_and_free_sequences_share_decode_steps(client, monkeypatch) 
     monkeypatch.setattr(server.execution.generation, "_constrain", recording)
     constrained_body = {**free_body, "structured_outputs": {"regex": "[0-9]{30,40}"}, "seed": 9}
     with ThreadPoolExecutor(2) as pool:
-        free, constrained = pool.map(lambda body: client.post("/v1/completions", json=body).json()["choices"],
-                                     [free_body, constrained_body])  # fmt: skip
+        free, constrained = pool.map(
+            lambda body: client.post("/v1/completions", json=body).json()["choices"], [free_body, constrained_body]
+        )
     assert [choice["text"] for choice in free] == [choice["text"] for choice in alone]  # masks stay in their rows
     assert all(re.fullmatch("[0-9]{30,40}", choice["text"]) for choice in constrained)
     assert any(rows > constrained_rows > 0 for rows, constrained_rows in steps), steps
@@ -421,8 +444,15 @@ def test_random_regexes_constrained_samples_all_fullmatch(client) -> None:
     for index in range(220):
         pattern = random_regex(rng, ["ab", "abc", "a b", "xy.", "AbC"][index % 5])
         sampling = {"seed": index, **SAMPLINGS[index % len(SAMPLINGS)]}
-        results = complete(client, {"regex": pattern}, model=BPE if index % 3 else BPE_GPT, n=2, max_tokens=64,
-                           logit_bias={str(BPE_END): 4}, **sampling)  # fmt: skip
+        results = complete(
+            client,
+            {"regex": pattern},
+            model=BPE if index % 3 else BPE_GPT,
+            n=2,
+            max_tokens=64,
+            logit_bias={str(BPE_END): 4},
+            **sampling,
+        )
         for text, reason in results:
             if reason == "length":  # a character cut in the middle by max_tokens decodes as U+FFFD
                 assert regex.fullmatch(pattern, text.rstrip("\ufffd"), partial=True), (pattern, text, sampling)
@@ -435,11 +465,23 @@ def test_random_regexes_constrained_samples_all_fullmatch(client) -> None:
 def test_openai_client_sends_structured_outputs_through_extra_body(models_dir) -> None:
     with serve(make_settings(models_dir)) as live:
         oai = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
-        completion = oai.completions.create(model=BPE, prompt="Answer:", max_tokens=16, n=3, seed=1,
-                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
+        completion = oai.completions.create(
+            model=BPE,
+            prompt="Answer:",
+            max_tokens=16,
+            n=3,
+            seed=1,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )
         assert [choice.text in ("yes", "no") for choice in completion.choices] == [True] * 3
-        stream = oai.completions.create(model=BPE, prompt="{", max_tokens=64, stream=True, seed=2,
-                                        extra_body={"structured_outputs": {"json": PERSON}})  # fmt: skip
+        stream = oai.completions.create(
+            model=BPE,
+            prompt="{",
+            max_tokens=64,
+            stream=True,
+            seed=2,
+            extra_body={"structured_outputs": {"json": PERSON}},
+        )
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         jsonschema.validate(json.loads(text), PERSON)
         with pytest.raises(openai.UnprocessableEntityError, match="look-ahead"):

@@ -17,8 +17,7 @@ from server.structured.regex import PatternError, literal_regex, plain_regex
 from tests.automata.helpers import random_pattern
 
 BYTES = llguidance.tiktoken.lltokenizer_from_encoding(byte_encoding(), n_vocab=257, eos_token=256)
-TRICKY = ["", "a", "K", "k", "\u212a", "\x1c", " ", "\u2028", "\n", "é", "É", "٣", "3", "_", "ß", "SS", "ǅ",
-          "😀"]
+TRICKY = ["", "a", "K", "k", "\u212a", "\x1c", " ", "\u2028", "\n", "é", "É", "٣", "3", "_", "ß", "SS", "ǅ", "😀"]
 
 
 def matcher(plain: str) -> llguidance.LLMatcher:
@@ -42,10 +41,34 @@ def assert_same_language(pattern: str, probes: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "pattern",
-    [r"\s", r"\S+", r"(?i)k", r"(?i:a)b", r"a{,3}", r"x*?y?", r".", r"(?s).", r"\d", r"(?a)\w", r"\w", r"[^a-c]",
-     r"[\W\d]", r"(?i)[é-ê]", r"(?i)ß", r"é+|😀{2}", r"a|", r"(a|b)*c{2,}", r"\u212a",
-     r"(?x) a  b # comment", r"[\s\S]", r"\x1c|\n", r"(?i)ǆ", r"(?i)a(?-i:b)k", r"(?s:.)(?a:\w)\w"],
-)  # fmt: skip
+    [
+        r"\s",
+        r"\S+",
+        r"(?i)k",
+        r"(?i:a)b",
+        r"a{,3}",
+        r"x*?y?",
+        r".",
+        r"(?s).",
+        r"\d",
+        r"(?a)\w",
+        r"\w",
+        r"[^a-c]",
+        r"[\W\d]",
+        r"(?i)[é-ê]",
+        r"(?i)ß",
+        r"é+|😀{2}",
+        r"a|",
+        r"(a|b)*c{2,}",
+        r"\u212a",
+        r"(?x) a  b # comment",
+        r"[\s\S]",
+        r"\x1c|\n",
+        r"(?i)ǆ",
+        r"(?i)a(?-i:b)k",
+        r"(?s:.)(?a:\w)\w",
+    ],
+)
 def test_plain_form_matches_what_re_fullmatch_matches(pattern: str) -> None:
     probes = TRICKY + [a + b for a in TRICKY[:12] for b in TRICKY[:12]] + ["aaa", "aaaa", "xy", "ccc", "ab", "Ab"]
     assert_same_language(pattern, probes)
@@ -68,10 +91,19 @@ def test_literals_are_taken_literally() -> None:
 
 @pytest.mark.parametrize(
     ("pattern", "words"),
-    [("(?=a)a", "look-ahead"), ("(?<!a)b", "look-behind"), (r"(a)\1", "back-references"), ("^a", "anchors"),
-     (r"a\b", "word boundaries"), ("(a)?(?(1)b|c)", "conditional"), ("a*+", "possessive"), ("(?>a)", "atomic"),
-     ("(ab", "missing )"), ("a{2,1}", "min repeat greater than max repeat")],
-)  # fmt: skip
+    [
+        ("(?=a)a", "look-ahead"),
+        ("(?<!a)b", "look-behind"),
+        (r"(a)\1", "back-references"),
+        ("^a", "anchors"),
+        (r"a\b", "word boundaries"),
+        ("(a)?(?(1)b|c)", "conditional"),
+        ("a*+", "possessive"),
+        ("(?>a)", "atomic"),
+        ("(ab", "missing )"),
+        ("a{2,1}", "min repeat greater than max repeat"),
+    ],
+)
 def test_what_cannot_be_a_constraint_is_refused_by_name(pattern: str, words: str) -> None:
     with pytest.raises(PatternError, match=re.escape(words)) as refused:
         plain_regex(pattern)

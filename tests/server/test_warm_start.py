@@ -42,8 +42,11 @@ def test_the_first_requests_build_nothing(checkpoints_dir: Path, tmp_path: Path,
         tokenizers = [engine.models[model_id].tokenizer for model_id in SERVED[:2]]
         assert all("_token_bytes" in vars(tokenizer) for tokenizer in tokenizers)  # the detokenizer's table
         monkeypatch.setattr(pydantic.TypeAdapter, "__init__", counted("adapters", pydantic.TypeAdapter.__init__))
-        monkeypatch.setattr(structured.ConstraintVocabulary, "__init__",
-                            counted("vocabularies", structured.ConstraintVocabulary.__init__))  # fmt: skip
+        monkeypatch.setattr(
+            structured.ConstraintVocabulary,
+            "__init__",
+            counted("vocabularies", structured.ConstraintVocabulary.__init__),
+        )
         with event.install_recorder("numba:compile") as compiled:
             for model_id in SERVED[:2]:
                 greedy = {"model": model_id, "prompt": "It was", "max_tokens": 4, "temperature": 0}

@@ -27,8 +27,9 @@ def read_log(folder: Path) -> list[dict]:
 def run_module(*arguments: str) -> subprocess.CompletedProcess:
     """``python *arguments`` from the repository root, one OpenMP thread, output captured."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def edit_resume_state(run: Path, edit: Callable[[dict], None]) -> None:

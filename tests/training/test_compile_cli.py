@@ -114,7 +114,8 @@ def test_regulargpt_refuses_too_many_states_and_lrnn_takes_them(tmp_path: Path, 
 
 BAD_DFAS = {
     "unknown state": (
-        tomita4_with(delta={**tomita4_with()["delta"], "q0": {"0": "nowhere", "1": "q0"}}), "unknown state 'nowhere'"
+        tomita4_with(delta={**tomita4_with()["delta"], "q0": {"0": "nowhere", "1": "q0"}}),
+        "unknown state 'nowhere'",
     ),
     "missing transition": (
         tomita4_with(delta={**tomita4_with()["delta"], "q1": {"0": "q2"}}),
@@ -126,9 +127,7 @@ BAD_DFAS = {
         "a symbol must be one character",
     ),
     "empty alphabet": (tomita4_with(alphabet=""), "the alphabet is empty"),
-    "too many states": (
-        {**counter(MAX_STATES + 1), "name": "huge"}, f"more than MAX_STATES = {MAX_STATES}"
-    ),
+    "too many states": ({**counter(MAX_STATES + 1), "name": "huge"}, f"more than MAX_STATES = {MAX_STATES}"),
     "unknown start state": (tomita4_with(start="q9"), "start state 'q9' is not one of the states"),
 }
 
@@ -173,14 +172,17 @@ def test_compile_regex_writes_an_exact_model(arch: str, tmp_path: Path) -> None:
     assert_transduces(loaded.model, dfa, [live_string(dfa, 3000, rng)])
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--regex", "a"], "--regex needs --alphabet"),
-    (["--alphabet", "ab"], "give a DFA JSON file, --regex PATTERN or --task NAME, one of the three"),
-    (["--regex", "(a", "--alphabet", "ab"], "invalid regular expression '(a'"),
-    (["--task", "palindrome"], "no regular task 'palindrome'; the regular tasks: parity_check, "),
-    (["--task", "d2", "--alphabet", "ab"], "--alphabet goes with --regex"),
-    (["--task", "d2", str(AUTOMATA_DIR / "d2.json")], "one of the three"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--regex", "a"], "--regex needs --alphabet"),
+        (["--alphabet", "ab"], "give a DFA JSON file, --regex PATTERN or --task NAME, one of the three"),
+        (["--regex", "(a", "--alphabet", "ab"], "invalid regular expression '(a'"),
+        (["--task", "palindrome"], "no regular task 'palindrome'; the regular tasks: parity_check, "),
+        (["--task", "d2", "--alphabet", "ab"], "--alphabet goes with --regex"),
+        (["--task", "d2", str(AUTOMATA_DIR / "d2.json")], "one of the three"),
+    ],
+)
 def test_compile_regex_refuses_bad_input_with_exit_2(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
     assert compile_(*argv, "--arch", "lrnn", "--out", str(tmp_path / "out")) == 2
     err = capsys.readouterr().err

@@ -78,8 +78,9 @@ def test_final_labels_in_chunks_equal_final_logits() -> None:
 
     task = get_task("induction_heads")
     torch.manual_seed(0)
-    model = build_model("lrnn", LRNNConfig(vocab_size=17, num_labels=18, d_model=16, block_size=2, num_blocks=4,
-                                           d_ff=16, n_layers=2)).eval()
+    model = build_model(
+        "lrnn", LRNNConfig(vocab_size=17, num_labels=18, d_model=16, block_size=2, num_blocks=4, d_ff=16, n_layers=2)
+    ).eval()
     examples = FinalLabelSet.draw(task, np.random.default_rng(3), 9, (3, 40))
     expected = count_correct_final(model, examples, task.alphabet, batch_size=4)
     for chunk_symbols in (1, 7, 1000):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -25,11 +26,13 @@ REPORT_KEYS = {"checkpoint", "task", "architecture", "protocol", "seed", "power_
 
 def write_transducer(folder: Path, task_name: str, seed: int = 0) -> Path:
     task = get_task(task_name)
-    config = LRNNConfig(vocab_size=len(task.alphabet), num_labels=len(task.labels), d_model=8, block_size=2,
-                        num_blocks=2, d_ff=16)
+    config = LRNNConfig(
+        vocab_size=len(task.alphabet), num_labels=len(task.labels), d_model=8, block_size=2, num_blocks=2, d_ff=16
+    )
     torch.manual_seed(seed)
-    checkpoint = CheckpointConfig(architecture="lrnn", model=config, kind="transduce", task=task.name,
-                                  alphabet=task.alphabet, labels=task.labels)
+    checkpoint = CheckpointConfig(
+        architecture="lrnn", model=config, kind="transduce", task=task.name, alphabet=task.alphabet, labels=task.labels
+    )
     return save_checkpoint(build_model("lrnn", config), checkpoint, folder)
 
 
@@ -48,13 +51,17 @@ def run_eval(capsys: pytest.CaptureFixture, *arguments: str) -> tuple[int, str, 
 def test_split_lengths_covers_the_range_in_contiguous_bands() -> None:
     bands = split_lengths((41, 500), 10)
     assert bands[0][0] == 41 and bands[-1][1] == 500 and len(bands) == 10
-    assert all(previous[1] + 1 == following[0] for previous, following in zip(bands, bands[1:]))
+    assert all(previous[1] + 1 == following[0] for previous, following in itertools.pairwise(bands))
     assert split_lengths((5, 7), 10) == [(5, 5), (6, 6), (7, 7)]
 
 
 def test_papers_protocol_uses_each_suite_s_lengths() -> None:
-    for name, lengths in [("parity_check", (41, 500)), ("modular_arithmetic", (41, 500)), ("d12", (51, 100)),
-                          ("tomita6", (51, 100))]:
+    for name, lengths in [
+        ("parity_check", (41, 500)),
+        ("modular_arithmetic", (41, 500)),
+        ("d12", (51, 100)),
+        ("tomita6", (51, 100)),
+    ]:
         bands = protocol_bands(get_task(name), "papers", 5, 100)
         assert (bands[0].lengths[0], bands[-1].lengths[1]) == lengths
         assert {band.p_one for band in bands} == {None}
@@ -81,8 +88,19 @@ def test_induction_protocol_evaluates_through_the_cache(tmp_path: Path, capsys: 
     folder = write_transducer(tmp_path / "induction", "induction_heads")
     reports = []
     for chunking in ([], ["--chunk-symbols", "50"]):
-        status, out, _ = run_eval(capsys, "--checkpoint", str(folder), "--bands", "64-64,100-130", "--samples", "6",
-                                  "--batch-size", "4", "--json", *chunking)
+        status, out, _ = run_eval(
+            capsys,
+            "--checkpoint",
+            str(folder),
+            "--bands",
+            "64-64,100-130",
+            "--samples",
+            "6",
+            "--batch-size",
+            "4",
+            "--json",
+            *chunking,
+        )
         assert status == 0
         reports.append(json.loads(out))
     assert reports[0]["bands"] == reports[1]["bands"]
@@ -103,15 +121,19 @@ def test_power_offsets_draw_the_mark_a_power_of_two_before_the_end(tmp_path: Pat
     uniform = draw_bands(task, bands[1:2], 30, seed=1)[0].strings
     assert any((offset := len(string) - 1 - string.index("#")) & (offset - 1) for string in uniform)
     folder = write_transducer(tmp_path / "induction", "induction_heads")
-    status, out, _ = run_eval(capsys, "--checkpoint", str(folder), "--bands", "64-64", "--samples", "4", "--json",
-                              "--power-offsets")
+    status, out, _ = run_eval(
+        capsys, "--checkpoint", str(folder), "--bands", "64-64", "--samples", "4", "--json", "--power-offsets"
+    )
     assert status == 0 and json.loads(out)["power_offsets"] is True
-    status, out, _ = run_eval(capsys, "--checkpoint", str(folder), "--bands", "64-64", "--samples", "4",
-                              "--power-offsets")
+    status, out, _ = run_eval(
+        capsys, "--checkpoint", str(folder), "--bands", "64-64", "--samples", "4", "--power-offsets"
+    )
     assert status == 0 and out.splitlines()[0].endswith("strings: the mark a power of two before the end")
     for arguments, message in [
-        (["--checkpoint", str(write_transducer(tmp_path / "parity", "parity_check"))],
-         "--power-offsets: parity_check has no such strings (only induction_heads has)"),
+        (
+            ["--checkpoint", str(write_transducer(tmp_path / "parity", "parity_check"))],
+            "--power-offsets: parity_check has no such strings (only induction_heads has)",
+        ),
         (["--checkpoint", str(folder), "--lengths", "64-80", "--p-one", "0.5"], "cannot be combined with --p-one"),
     ]:
         status, out, err = run_eval(capsys, *arguments, "--power-offsets")
@@ -119,8 +141,20 @@ def test_power_offsets_draw_the_mark_a_power_of_two_before_the_end(tmp_path: Pat
 
 
 def test_json_report_schema(checkpoints: list[Path], capsys: pytest.CaptureFixture) -> None:
-    status, out, _ = run_eval(capsys, "--checkpoint", str(checkpoints[0]), "--lengths", "41-60", "--bands", "2",
-                              "--samples", "5", "--p-one", "0.9", "--json")
+    status, out, _ = run_eval(
+        capsys,
+        "--checkpoint",
+        str(checkpoints[0]),
+        "--lengths",
+        "41-60",
+        "--bands",
+        "2",
+        "--samples",
+        "5",
+        "--p-one",
+        "0.9",
+        "--json",
+    )
     assert status == 0
     report = json.loads(out)
     assert set(report) == REPORT_KEYS
@@ -146,8 +180,21 @@ def test_several_checkpoints_give_max_and_mean(checkpoints: list[Path], capsys: 
 
 def test_text_report_and_plot(checkpoints: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     plot = tmp_path / "accuracy.png"
-    status, out, _ = run_eval(capsys, "--checkpoint", str(checkpoints[0]), "--checkpoint", str(checkpoints[1]),
-                              "--lengths", "41-50", "--bands", "2", "--samples", "3", "--plot", str(plot))
+    status, out, _ = run_eval(
+        capsys,
+        "--checkpoint",
+        str(checkpoints[0]),
+        "--checkpoint",
+        str(checkpoints[1]),
+        "--lengths",
+        "41-50",
+        "--bands",
+        "2",
+        "--samples",
+        "3",
+        "--plot",
+        str(plot),
+    )
     assert status == 0
     lines = out.splitlines()
     assert lines[0] == "task parity_check  protocol custom  seed 0"
@@ -179,7 +226,11 @@ def test_bad_eval_input_exits_2_with_one_line(
         "is a text model (kind 'generate')": ["--checkpoint", good, "--checkpoint", str(text_model)],
         "no train_length in its metadata; give --train-length": ["--checkpoint", str(text_model)],  # text-eval
         "the checkpoints are of different tasks": [
-            "--checkpoint", good, "--checkpoint", str(write_transducer(tmp_path / "sum", "sum_mod5"))],
+            "--checkpoint",
+            good,
+            "--checkpoint",
+            str(write_transducer(tmp_path / "sum", "sum_mod5")),
+        ],
         "not allowed with argument --protocol": ["--checkpoint", good, "--protocol", "hard", "--lengths", "41-50"],
         "--p-one goes with --lengths": ["--checkpoint", good, "--protocol", "hard", "--p-one", "0.1"],
         "--p-one goes with --lengths or": ["--checkpoint", good, "--p-one", "0.1"],
@@ -193,9 +244,26 @@ def test_bad_eval_input_exits_2_with_one_line(
 
 def test_entry_point_runs_eval(checkpoints: list[Path]) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "training", "eval", "--checkpoint", str(checkpoints[0]), "--lengths", "41-50",
-         "--bands", "1", "--samples", "2", "--json"],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "eval",
+            "--checkpoint",
+            str(checkpoints[0]),
+            "--lengths",
+            "41-50",
+            "--bands",
+            "1",
+            "--samples",
+            "2",
+            "--json",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["bands"][0]["samples"] == 2

@@ -56,7 +56,7 @@ def final_predictions(model, strings: list[str]) -> list[str]:
 
 def one_flip(palindrome_string: str, position: int) -> str:
     flipped = "1" if palindrome_string[position] == "0" else "0"
-    return palindrome_string[:position] + flipped + palindrome_string[position + 1:]
+    return palindrome_string[:position] + flipped + palindrome_string[position + 1 :]
 
 
 @pytest.mark.parametrize("shipped", SHIPPED, ids=lambda shipped: shipped.task)
@@ -140,7 +140,11 @@ def test_layer_norm_with_eps_0_keeps_cross_entropy_at_its_target_at_every_length
 def test_written_checkpoints_load_back_and_compute_the_same(tmp_path) -> None:
     folders = write_checkpoints(tmp_path)
     assert sorted(folder.name for folder in folders) == [
-        "first-exact", "one-exact", "palindrome-exact", "parity_check-exact"]
+        "first-exact",
+        "one-exact",
+        "palindrome-exact",
+        "parity_check-exact",
+    ]
     strings = ["0110", "1", "10001"]
     for shipped, folder in zip(SHIPPED, folders):
         loaded = load_checkpoint(folder, device="cpu")
@@ -179,7 +183,9 @@ def test_command_line_replaces_checkpoints_only_with_overwrite(tmp_path, capsys)
     capsys.readouterr()
     assert main(["--out", str(tmp_path), "--tasks", "first", "one"]) == 2
     captured = capsys.readouterr()
-    assert captured.err == f"error: {tmp_path / 'one-exact'} already holds a checkpoint; pass --overwrite to replace it\n"
+    assert (
+        captured.err == f"error: {tmp_path / 'one-exact'} already holds a checkpoint; pass --overwrite to replace it\n"
+    )
     assert captured.out == "" and weights.read_bytes() == b"stale" and not (tmp_path / "first-exact").exists()
     assert main(["--out", str(tmp_path), "--tasks", "first", "one", "--overwrite"]) == 0
     assert load_checkpoint(tmp_path / "one-exact", device="cpu").config.task == "one"

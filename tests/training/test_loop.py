@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -46,28 +47,70 @@ TINY_LRNN = ["--arch", "lrnn", "--d-model", "8", "--block-size", "2", "--num-blo
 
 
 def task_run(
-    out: Path, steps: int, stop_at: int | None = None, resume: bool = False, transition_norm: str = "column",
-    regulargpt: bool = False, stop_requested: Callable[[], bool] | None = None, **overrides,
+    out: Path,
+    steps: int,
+    stop_at: int | None = None,
+    resume: bool = False,
+    transition_norm: str = "column",
+    regulargpt: bool = False,
+    stop_requested: Callable[[], bool] | None = None,
+    **overrides,
 ) -> dict:
     """A parity_check run of a tiny LRNN (or ``regulargpt``) with dropout (so the torch random stream matters too)
     through the API; ``stop_at`` cuts it after that many steps of this invocation, as a signal would
     (``stop_requested``: the loop's hook itself instead)."""
     architecture = "regulargpt" if regulargpt else "lrnn"
-    settings = TrainSettings(**{"architecture": architecture, "steps": steps, "batch_size": 6, "lr": 3e-3,
-                                "optimizer": "adamw", "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 3,
-                                "eval_every": 4, "save_every": 5, "log_every": 3, **overrides})
+    settings = TrainSettings(
+        **{
+            "architecture": architecture,
+            "steps": steps,
+            "batch_size": 6,
+            "lr": 3e-3,
+            "optimizer": "adamw",
+            "weight_decay": 0.1,
+            "schedule": "cosine",
+            "warmup_steps": 3,
+            "eval_every": 4,
+            "save_every": 5,
+            "log_every": 3,
+            **overrides,
+        }
+    )
     config = (
         RegularGPTConfig(vocab_size=2, num_labels=2, d_model=8, n_heads=2, d_ff=16, chunk_size=2, dropout=0.1)
         if regulargpt
-        else LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16, dropout=0.1,
-                        transition_norm=transition_norm)
+        else LRNNConfig(
+            vocab_size=2,
+            num_labels=2,
+            d_model=8,
+            block_size=2,
+            num_blocks=2,
+            d_ff=16,
+            dropout=0.1,
+            transition_norm=transition_norm,
+        )
     )
-    data = TaskData(task="parity_check", train_lengths=(1, 12), eval_lengths=(20, 30), curriculum="growing",
-                    curriculum_start=4, eval_samples=8, eval_batch_size=4)
+    data = TaskData(
+        task="parity_check",
+        train_lengths=(1, 12),
+        eval_lengths=(20, 30),
+        curriculum="growing",
+        curriculum_start=4,
+        eval_samples=8,
+        eval_batch_size=4,
+    )
     dist = setup_distributed("cpu")
     objective = TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
-    return train(settings, objective, config, out, "test", dist, resume="test resume" if resume else None,
-                 stop_requested=stop_requested or stop_after(stop_at))
+    return train(
+        settings,
+        objective,
+        config,
+        out,
+        "test",
+        dist,
+        resume="test resume" if resume else None,
+        stop_requested=stop_requested or stop_after(stop_at),
+    )
 
 
 def stop_after(steps: int | None):
@@ -94,13 +137,18 @@ def log_records(out: Path) -> list[dict]:
 
 
 def without_timing(records: list[dict]) -> list[dict]:
-    return [{key: value for key, value in record.items() if key not in TIMING} for record in records
-            if record["event"] != "resume"]
+    return [
+        {key: value for key, value in record.items() if key not in TIMING}
+        for record in records
+        if record["event"] != "resume"
+    ]
 
 
 def final_tensors(out: Path) -> dict[str, torch.Tensor]:
-    return {**load_file(str(out / "model.safetensors")),
-            **{f"resume.{name}": tensor for name, tensor in load_file(str(out / RESUME_FILE)).items()}}
+    return {
+        **load_file(str(out / "model.safetensors")),
+        **{f"resume.{name}": tensor for name, tensor in load_file(str(out / RESUME_FILE)).items()},
+    }
 
 
 def assert_same_run(one: Path, other: Path) -> None:
@@ -136,7 +184,9 @@ def test_a_run_cut_twice_resumes_to_the_same_end(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dies_at", [8, 12])  # between saves (5, 10), and the last step's evaluation
 def test_an_evaluation_that_dies_loses_no_steps_and_the_resumed_run_evaluates_first(
-    dies_at: int, tmp_path: Path, monkeypatch,
+    dies_at: int,
+    tmp_path: Path,
+    monkeypatch,
 ) -> None:
     task_run(tmp_path / "whole", steps=12)
     evaluate, calls = TransductionObjective.evaluate, [0]
@@ -160,7 +210,8 @@ def test_an_evaluation_that_dies_loses_no_steps_and_the_resumed_run_evaluates_fi
 
 
 def test_a_step_that_evaluates_is_saved_once_before_its_evaluation_which_a_resume_repeats(
-    tmp_path: Path, monkeypatch,
+    tmp_path: Path,
+    monkeypatch,
 ) -> None:
     task_run(tmp_path / "whole", steps=9, save_every=4)
     monkeypatch.setattr(loop, "_stop_signals", lambda: contextlib.nullcontext(crash_at_step(6)))
@@ -208,8 +259,9 @@ def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch
 def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_resumes(
     tmp_path: Path, monkeypatch
 ) -> None:
-    settings = TrainSettings(architecture="lrnn", steps=9, batch_size=6, lr=1e-3, soft_transition_steps=4,
-                             determinism_weight=2.0)
+    settings = TrainSettings(
+        architecture="lrnn", steps=9, batch_size=6, lr=1e-3, soft_transition_steps=4, determinism_weight=2.0
+    )
     assert [losses.determinism_weight(settings, step) for step in range(1, 7)] == [0.5, 1.0, 1.5, 2.0, 0.0, 0.0]
     taken: list[float] = []
     impurity = loop.impurity
@@ -272,8 +324,10 @@ def test_soft_transition_steps_default_to_half_the_run_and_belong_to_the_stochas
     assert "--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only" in err
     assert err.count("\n") == 1
     assert main(cli_run(tmp_path / "third", 6, "--determinism-weight", "1")) == 2
-    assert main(cli_run(tmp_path / "fourth", 6, *stochastic, "--soft-transition-steps", "0",
-                        "--determinism-weight", "1")) == 2
+    assert (
+        main(cli_run(tmp_path / "fourth", 6, *stochastic, "--soft-transition-steps", "0", "--determinism-weight", "1"))
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic") == 2
 
@@ -289,8 +343,9 @@ def test_extending_a_finished_constant_rate_run_equals_running_it_longer(tmp_pat
 
 
 def _constant_run(out: Path, steps: int, resume: bool = False) -> dict:
-    settings = TrainSettings(architecture="regulargpt", steps=steps, batch_size=4, lr=1e-3, eval_every=5,
-                             save_every=3, log_every=2)
+    settings = TrainSettings(
+        architecture="regulargpt", steps=steps, batch_size=4, lr=1e-3, eval_every=5, save_every=3, log_every=2
+    )
     config = RegularGPTConfig(vocab_size=2, num_labels=2, d_model=8, n_heads=2, d_ff=8, dropout=0.1)
     data = TaskData(task="parity_check", train_lengths=(1, 10), eval_lengths=(12, 16), eval_samples=4)
     dist = setup_distributed("cpu")
@@ -298,14 +353,27 @@ def _constant_run(out: Path, steps: int, resume: bool = False) -> dict:
     return train(settings, objective, config, out, "test", dist, resume="resume" if resume else None)
 
 
-def text_objective(length: int = 12, batch_size: int = 4, state_passing: bool = False,
-                   passkey_fraction: float = 0.0, steps: int = 9, **passkey: Any) -> LanguageModelObjective:
+def text_objective(
+    length: int = 12,
+    batch_size: int = 4,
+    state_passing: bool = False,
+    passkey_fraction: float = 0.0,
+    steps: int = 9,
+    **passkey: Any,
+) -> LanguageModelObjective:
     """A language model's objective on a made token array (in memory, no tokenizer file needed for the loop)."""
     from model.tokenizer import load_tokenizer
 
     objective = LanguageModelObjective.__new__(LanguageModelObjective)
-    objective.data = TextData(corpus="made", tokenizer="bytes", length=length, validation_windows=4,
-                              passkey_fraction=passkey_fraction, state_passing=state_passing, **passkey)
+    objective.data = TextData(
+        corpus="made",
+        tokenizer="bytes",
+        length=length,
+        validation_windows=4,
+        passkey_fraction=passkey_fraction,
+        state_passing=state_passing,
+        **passkey,
+    )
     objective.tokenizer, objective.ranks_file, objective.batch_size = load_tokenizer("bytes", "."), None, batch_size
     objective.steps = steps
     tokens = np.random.default_rng(5).integers(0, 257, size=2000)
@@ -332,8 +400,9 @@ class Oracle(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
         assert cache is None and (positions is None or self.selects_positions)
-        index = [next((i for i, row in enumerate(self.rows) if torch.equal(row[:-1], prompt)), None)
-                 for prompt in tokens]  # None: a validation window of text
+        index = [
+            next((i for i, row in enumerate(self.rows) if torch.equal(row[:-1], prompt)), None) for prompt in tokens
+        ]  # None: a validation window of text
         if None in index:
             logits = torch.zeros(*tokens.shape, 257)  # (b, T, V)
         else:
@@ -362,26 +431,56 @@ def test_passkey_validation_counts_a_row_right_only_when_its_whole_answer_is(sel
         model = Oracle(tokens, wrong={1, 4}, selects_positions=selects_positions)
         figures = objective.evaluate(model, setup_distributed("cpu")).figures
         assert figures["passkey_accuracy_320"] == 4 / 6
-        assert [rows for rows, _ in model.calls[-6 // per_call:]] == [per_call] * (6 // per_call)
+        assert [rows for rows, _ in model.calls[-6 // per_call :]] == [per_call] * (6 // per_call)
         answers = [int((target != IGNORE_INDEX).sum()) for target in targets]
-        logits_rows = [count for _, count in model.calls[-6 // per_call:]]
+        logits_rows = [count for _, count in model.calls[-6 // per_call :]]
         if selects_positions:  # the answer's positions only
-            assert logits_rows == [sum(answers[i:i + per_call]) for i in range(0, 6, per_call)]
+            assert logits_rows == [sum(answers[i : i + per_call]) for i in range(0, 6, per_call)]
         else:
             assert logits_rows == [per_call * 320] * (6 // per_call)
 
 
-def text_run(out: Path, steps: int, stop_at: int | None = None, resume: bool = False, accumulation: int = 1,
-             state_passing: bool = False, transition_norm: str = "column", state_reset: float = 0.0) -> dict:
-    settings = TrainSettings(architecture="lrnn", steps=steps, batch_size=4, lr=1e-3, optimizer="adamw",
-                             beta2=0.95, weight_decay=0.1, schedule="cosine", warmup_steps=2, min_lr_fraction=0.1,
-                             eval_every=3, save_every=4, log_every=2, grad_accumulation=accumulation)
-    config = LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16,
-                        transition_norm=transition_norm)
+def text_run(
+    out: Path,
+    steps: int,
+    stop_at: int | None = None,
+    resume: bool = False,
+    accumulation: int = 1,
+    state_passing: bool = False,
+    transition_norm: str = "column",
+    state_reset: float = 0.0,
+) -> dict:
+    settings = TrainSettings(
+        architecture="lrnn",
+        steps=steps,
+        batch_size=4,
+        lr=1e-3,
+        optimizer="adamw",
+        beta2=0.95,
+        weight_decay=0.1,
+        schedule="cosine",
+        warmup_steps=2,
+        min_lr_fraction=0.1,
+        eval_every=3,
+        save_every=4,
+        log_every=2,
+        grad_accumulation=accumulation,
+    )
+    config = LRNNConfig(
+        vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16, transition_norm=transition_norm
+    )
     dist = setup_distributed("cpu")
     objective = text_objective(state_passing=state_passing, state_reset=state_reset)
-    return train(settings, objective, config, out, "test", dist, resume="resume" if resume else None,
-                 stop_requested=stop_after(stop_at))
+    return train(
+        settings,
+        objective,
+        config,
+        out,
+        "test",
+        dist,
+        resume="resume" if resume else None,
+        stop_requested=stop_after(stop_at),
+    )
 
 
 def test_a_resumed_language_model_run_is_bitwise_equal_too(tmp_path: Path) -> None:
@@ -443,15 +542,18 @@ def test_passkey_fresh_starts_exactly_the_rows_given_an_example_from_the_initial
     windows are those drawn without the option."""
     plain = text_objective(length=320, batch_size=16, passkey_fraction=0.3, state_passing=True)
     fresh = text_objective(length=320, batch_size=16, passkey_fraction=0.3, state_passing=True, passkey_fresh=True)
-    both = text_objective(length=320, batch_size=16, passkey_fraction=0.3, state_passing=True, passkey_fresh=True,
-                          state_reset=0.5)
+    both = text_objective(
+        length=320, batch_size=16, passkey_fraction=0.3, state_passing=True, passkey_fresh=True, state_reset=0.5
+    )
     rngs = [np.random.default_rng(4) for _ in range(3)]
     examples_seen = extra_resets = 0
     for step in range(1, 13):
         batches = [objective.batch(rng, step) for objective, rng in zip((plain, fresh, both), rngs)]
         assert batches[0].fresh is None and torch.equal(batches[0].tokens, batches[1].tokens)
-        given, given_both = (torch.tensor([QUESTION in plain.tokenizer.decode(row.tolist()) for row in batch.tokens])
-                             for batch in batches[1:])
+        given, given_both = (
+            torch.tensor([QUESTION in plain.tokenizer.decode(row.tolist()) for row in batch.tokens])
+            for batch in batches[1:]
+        )
         assert torch.equal(batches[1].fresh, given)
         assert bool((batches[2].fresh | ~given_both).all())  # with --state-reset: the drawn rows are added
         examples_seen += int(given.sum())
@@ -473,8 +575,9 @@ def test_state_passing_starts_each_row_from_the_state_its_last_window_ended_in()
 def carried_after(first: Batch) -> tuple[torch.nn.Module, Any]:
     """A tiny LRNN (training mode) and the states its 4 rows end ``first``'s windows in, from the initial ones."""
     torch.manual_seed(0)
-    model = build_model("lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2,
-                                           d_ff=16)).train()
+    model = build_model(
+        "lrnn", LRNNConfig(vocab_size=257, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16)
+    ).train()
     carried = new_carried_state(model, 4)
     with torch.no_grad():
         model(first.tokens, carried)
@@ -492,8 +595,9 @@ def assert_step_from(model: torch.nn.Module, batch: Batch, carried: Any, start: 
         settings = TrainSettings(architecture="lrnn", steps=1, batch_size=4, lr=0.0, grad_accumulation=parts)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         run = RunState(step=1)
-        _, _, ended = loop._train_step(model, optimizer, batch, settings, run, setup_distributed("cpu"), False,
-                                       carried.select(range(4)))
+        _, _, ended = loop._train_step(
+            model, optimizer, batch, settings, run, setup_distributed("cpu"), False, carried.select(range(4))
+        )
         assert run.window[0] == pytest.approx(float(loss), rel=1e-5)
         for got, want in zip(ended.step_state(), expected.step_state()):
             torch.testing.assert_close(got, want)
@@ -512,7 +616,7 @@ def test_passkey_rows_are_prompts_scored_on_their_needle_and_answer() -> None:
     starts = set()
     for row in passkey_rows:
         text = decode(batch.tokens[row].tolist() + [int(batch.targets[row, -1])])  # the whole row
-        key = first_number(text[text.index("The pass key is"):])
+        key = first_number(text[text.index("The pass key is") :])
         assert text.endswith(f"{QUESTION} {key}.") and len(key) == 5
         start = text.index("There is an important info")
         starts.add(start)
@@ -525,8 +629,9 @@ def test_passkey_rows_are_prompts_scored_on_their_needle_and_answer() -> None:
 def test_the_passkey_fraction_falls_linearly_to_its_final_value_and_rows_hold_distractors() -> None:
     """``passkey_fraction_final``: the share of pass-key rows moves from the first fraction at step 1 to the final
     one at the run's last step and stays there; the rows' filler holds other numbers than the key."""
-    objective = text_objective(length=320, batch_size=64, passkey_fraction=1.0, passkey_fraction_final=0.25,
-                               steps=101, passkey_distractors=3)
+    objective = text_objective(
+        length=320, batch_size=64, passkey_fraction=1.0, passkey_fraction_final=0.25, steps=101, passkey_distractors=3
+    )
     assert [objective.passkey_fraction(step) for step in (1, 51, 101, 500)] == [1.0, 0.625, 0.25, 0.25]
     rng = np.random.default_rng(0)
     shares = {}
@@ -539,7 +644,7 @@ def test_the_passkey_fraction_falls_linearly_to_its_final_value_and_rows_hold_di
     batch = objective.batch(rng, 1)
     for row in range(64):  # the row's own text has no digits: every number but the key is a distractor
         text = objective.tokenizer.decode(batch.tokens[row].tolist())
-        key = first_number(text[text.index("The pass key is"):])
+        key = first_number(text[text.index("The pass key is") :])
         counts.append(sum(number != key for number in re.findall(r"\d+", text)))
     assert set(counts) == {0, 1, 2, 3}  # 0 to passkey_distractors a row
     assert text_objective(length=320, passkey_fraction=0.5).passkey_fraction(1000) == 0.5  # no final: constant
@@ -551,8 +656,9 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
     spans cover 1 to passkey_span windows, the longest growing over the run; the text is scored but for the introduction, the needle's first token,
     the token after it and the question; the open examples are kept with the data state."""
     span, rows = 6, 32
-    objective = text_objective(length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True,
-                               passkey_span=span, steps=21)
+    objective = text_objective(
+        length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True, passkey_span=span, steps=21
+    )
     assert [objective.longest_span(step) for step in (1, 6, 11, 16, 21, 40)] == [1, 2, 2, 4, 6, 6]  # 6 ** progress
     text = objective.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 9000)
     objective.windows = TokenArray(np.asarray(text))  # no row runs out of text (and starts anew elsewhere)
@@ -578,7 +684,7 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
                     question = len(objective.tokenizer.encode(f"{QUESTION} {key}."))
                     answer = len(objective.passkey.answer(key))
                     tail = scored[row, -question:]
-                    assert not tail[:question - answer].any() and tail[question - answer:].all()
+                    assert not tail[: question - answer].any() and tail[question - answer :].all()
                     text_scored += int(scored[row, :-question].sum())
                 elif previous.targets[row, -1] != IGNORE_INDEX:  # inside the span: the row's text goes on
                     assert int(batch.tokens[row, 0]) == int(previous.targets[row, -1])
@@ -588,8 +694,8 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
                 assert len(needles) == 1 and needles[0][0] == needles[0][1] and not ask
                 opened[row] = (needles[0][0], step)
                 intro = text.index("There is an important info")
-                assert not scored[row, max(intro - 1, 0):intro + 100].any()
-                assert scored[row, text.index("Remember it"):text.index(" is the pass key")].all()
+                assert not scored[row, max(intro - 1, 0) : intro + 100].any()
+                assert scored[row, text.index("Remember it") : text.index(" is the pass key")].all()
             else:
                 assert not ask
         previous = batch
@@ -597,8 +703,9 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
     assert lengths >= {1, 2} and max(lengths) > 3 and max(lengths) <= span
     state = objective.data_state()
     assert sum(open_span is not None for open_span in state["spans"]) == len(opened)
-    resumed = text_objective(length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True,
-                             passkey_span=span, steps=21)
+    resumed = text_objective(
+        length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True, passkey_span=span, steps=21
+    )
     resumed.windows = objective.windows
     resumed.load_data_state(json.loads(json.dumps(state)))
     assert resumed.spans == objective.spans
@@ -610,8 +717,10 @@ def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
     """The same batch in 1 or 3 micro-batches: the same gradients up to float rounding."""
     text_run(tmp_path / "one", steps=3)
     text_run(tmp_path / "three", steps=3, accumulation=3)
-    one, three = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(
-        str(tmp_path / "three" / "model.safetensors"))
+    one, three = (
+        load_file(str(tmp_path / "one" / "model.safetensors")),
+        load_file(str(tmp_path / "three" / "model.safetensors")),
+    )
     for name in one:
         torch.testing.assert_close(one[name], three[name], rtol=1e-4, atol=1e-5)
 
@@ -637,11 +746,12 @@ def test_the_progress_bar_counts_to_the_step_the_time_budget_ends_at_when_it_com
 
 
 def test_the_schedule() -> None:
-    settings = TrainSettings(architecture="lrnn", steps=10, batch_size=1, lr=1.0, schedule="cosine",
-                             warmup_steps=2, min_lr_fraction=0.1)
+    settings = TrainSettings(
+        architecture="lrnn", steps=10, batch_size=1, lr=1.0, schedule="cosine", warmup_steps=2, min_lr_fraction=0.1
+    )
     factors = [lr_factor(settings, step) for step in range(1, 11)]
     assert factors[:2] == [0.5, 1.0] and factors[-1] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(factors[1:], factors[2:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(factors))
 
 
 # ---------------------------------------------------------------- the command line
@@ -649,14 +759,44 @@ def test_the_schedule() -> None:
 
 def run_module(*arguments: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "training", *arguments], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "training", *arguments],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def cli_run(out: Path, steps: int, *extra: str) -> list[str]:
-    return ["train", "--task", "parity_check", "--steps", str(steps), "--out", str(out), "--batch-size", "4",
-            "--eval-lengths", "20-30", "--eval-samples", "6", "--eval-every", "40", "--log-every", "5",
-            "--threads", "1", "--no-progress", "--dropout", "0.1", *TINY_LRNN, *extra]
+    return [
+        "train",
+        "--task",
+        "parity_check",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--batch-size",
+        "4",
+        "--eval-lengths",
+        "20-30",
+        "--eval-samples",
+        "6",
+        "--eval-every",
+        "40",
+        "--log-every",
+        "5",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--dropout",
+        "0.1",
+        *TINY_LRNN,
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -692,8 +832,22 @@ def test_the_time_budget_stops_within_a_step_and_saves(tmp_path: Path, capsys) -
     metadata = load_checkpoint(tmp_path / "run").config.metadata
     assert metadata["stopped"] == "time" and 0 < metadata["steps"] < 100_000
     assert "stopped: time" in capsys.readouterr().out
-    assert main(["train", "--resume", "--out", str(tmp_path / "run"), "--time-budget", "0.5", "--threads", "1",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--resume",
+                "--out",
+                str(tmp_path / "run"),
+                "--time-budget",
+                "0.5",
+                "--threads",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert load_checkpoint(tmp_path / "run").config.metadata["steps"] > metadata["steps"]
 
 
@@ -762,8 +916,9 @@ def test_a_run_starts_by_removing_the_temporary_files_of_saves_killed_midway_and
     and says so on stderr. A file of any other name stays, however close its name."""
     out = tmp_path / "run"
     config = LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16)
-    checkpoint = CheckpointConfig(architecture="lrnn", model=config, kind="transduce", task="parity_check",
-                                  alphabet="01", labels=("0", "1"))
+    checkpoint = CheckpointConfig(
+        architecture="lrnn", model=config, kind="transduce", task="parity_check", alphabet="01", labels=("0", "1")
+    )
     with monkeypatch.context() as patch:
         patch.setattr(os, "replace", killed_at_rename)
         with pytest.raises(SystemExit, match="killed"):
@@ -788,8 +943,10 @@ def test_a_run_starts_by_removing_the_temporary_files_of_saves_killed_midway_and
         seen.clear()
         task_run(out, steps=steps, resume=resume, stop_requested=look)
         assert stale.isdisjoint(seen[0]) and others <= seen[0], seen[0]
-        assert (f"removed 3 temporary file(s) of saves killed before their rename from {out}: "
-                ".resume.safetensors.tmp, .model.safetensors.tmp, .config.json.tmp\n") in capsys.readouterr().err
+        assert (
+            f"removed 3 temporary file(s) of saves killed before their rename from {out}: "
+            ".resume.safetensors.tmp, .model.safetensors.tmp, .config.json.tmp\n"
+        ) in capsys.readouterr().err
     assert all((out / name).read_text() == "not a save's" for name in others)
     assert [record["event"] for record in log_records(out)].count("resume") == 1
 
@@ -805,10 +962,12 @@ def test_a_run_retried_with_resume_appended_goes_on_and_a_differing_flag_is_name
     assert main(differing) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    for named in ("--balanced is given here but was not given when the run started",
-                  "--dropout is 0.2 here but was 0.1 when the run started",
-                  "--eval-lengths is 20-31 here but was 20-30 when the run started",
-                  "--lr is 0.1 here but was 0.0003 when the run started"):
+    for named in (
+        "--balanced is given here but was not given when the run started",
+        "--dropout is 0.2 here but was 0.1 when the run started",
+        "--eval-lengths is 20-31 here but was 20-30 when the run started",
+        "--lr is 0.1 here but was 0.0003 when the run started",
+    ):
         assert named in err, err
     assert main(cli_run(run, 6, "--resume", "--task", "even_pairs")) == 2
     assert "--task is even_pairs here but was parity_check when the run started" in capsys.readouterr().err
@@ -823,7 +982,9 @@ def test_the_arguments_of_a_recorded_command_are_found_in_either_launcher_form()
     from training.cli.train import _training_arguments, command_line
 
     for world_size, local_world_size in ((1, 1), (2, 2), (4, 2)):
-        recorded = command_line(["train", "--task", "parity_check", "--corpus", "text:a b"], world_size, local_world_size)
+        recorded = command_line(
+            ["train", "--task", "parity_check", "--corpus", "text:a b"], world_size, local_world_size
+        )
         assert _training_arguments(recorded) == ["train", "--task", "parity_check", "--corpus", "text:a b"]
 
 
@@ -859,11 +1020,25 @@ def test_a_new_run_does_not_overwrite_a_resumable_one(tmp_path: Path, capsys) ->
 def test_torchrun_resume_continues_every_process_where_it_stopped(tmp_path: Path) -> None:
     """Two processes, each with its own data stream: cut after the first step by the time budget (every process
     stops at the same step), resumed, they end where an uncut two-process run ends."""
+
     def torchrun(*arguments: str) -> None:
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "training",
-             *arguments], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-            timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "training",
+                *arguments,
+            ],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-8000:]  # the ranks' own errors come before torchrun's summary
 
     torchrun(*cli_run(tmp_path / "whole", 12, "--device", "cpu"))
@@ -878,8 +1053,12 @@ def test_torchrun_resume_continues_every_process_where_it_stopped(tmp_path: Path
 def test_the_head_at_scored_positions_only_gives_the_full_passes_logits_there(transition_norm) -> None:
     """What the loop asks of an LRNN when a batch scores few positions (pass-key rows, padding)."""
     torch.manual_seed(0)
-    model = build_model("lrnn", LRNNConfig(vocab_size=50, num_labels=0, d_model=8, block_size=2, num_blocks=2,
-                                           d_ff=16, transition_norm=transition_norm))
+    model = build_model(
+        "lrnn",
+        LRNNConfig(
+            vocab_size=50, num_labels=0, d_model=8, block_size=2, num_blocks=2, d_ff=16, transition_norm=transition_norm
+        ),
+    )
     tokens = torch.randint(0, 50, (3, 11))
     positions = torch.rand(3, 11) < 0.3
     selected = model(tokens, positions=positions)  # (N, V)
@@ -899,7 +1078,8 @@ def test_passkey_rows_fit_every_key_in_the_shipped_bpe() -> None:
     assert max(builder.shortest(key) for key in keys) <= builder.shortest()
     for _ in range(200):
         tokens, targets = LanguageModelObjective._passkey_row(
-            builder, 129, float(rng.random()), rng, builder.shortest() + 8, np.zeros(129, dtype=np.int64))
+            builder, 129, float(rng.random()), rng, builder.shortest() + 8, np.zeros(129, dtype=np.int64)
+        )
         assert tokens.shape == (129,) and targets.shape == (128,)
 
 
@@ -975,8 +1155,12 @@ def test_the_distilled_loss_and_its_gradient_are_the_mixture_of_two_cross_entrop
     torch.testing.assert_close(target, want_target, rtol=1e-5, atol=1e-4)
     assert not bool(gradient[0, 1].any()) and not bool(gradient[2, 4].any())
     plain, _ = losses.masked_loss(logits.clone().requires_grad_(), targets)
-    torch.testing.assert_close(losses.target_loss(plain), torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), targets.flatten(), reduction="sum"), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        losses.target_loss(plain),
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 def test_with_a_teacher_the_rows_given_a_pass_key_example_are_not_distilled() -> None:

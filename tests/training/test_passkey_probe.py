@@ -50,8 +50,13 @@ def checkpoint(tmp_path_factory) -> Path:
     """A tiny untrained LRNN language model with the bytes tokenizer, as text-train would write it."""
     folder = tmp_path_factory.mktemp("tiny-lrnn")
     model = tiny_model("lrnn")
-    save_checkpoint(model, CheckpointConfig(architecture="lrnn", model=model.config, kind="generate",
-                                            tokenizer="bytes", metadata={"train_length": 16}), folder)
+    save_checkpoint(
+        model,
+        CheckpointConfig(
+            architecture="lrnn", model=model.config, kind="generate", tokenizer="bytes", metadata={"train_length": 16}
+        ),
+        folder,
+    )
     return folder
 
 
@@ -62,8 +67,11 @@ def corpus(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("tokenizer", [BYTES, load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")],
-                         ids=["bytes", "austen-8k"])
+@pytest.mark.parametrize(
+    "tokenizer",
+    [BYTES, load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")],
+    ids=["bytes", "austen-8k"],
+)
 def test_a_prompt_is_size_tokens_with_the_needle_at_its_depth(tokenizer: Tokenizer) -> None:
     builder = PassKeyBuilder(tokenizer, grass_filler(tokenizer))
     introduction = len(tokenizer.encode(INTRODUCTION))
@@ -75,15 +83,18 @@ def test_a_prompt_is_size_tokens_with_the_needle_at_its_depth(tokenizer: Tokeniz
         for prompt in prompts:
             assert prompt.tokens.shape == (size,)
             needle = tokenizer.encode(NEEDLE.format(key=prompt.key))
-            starts = [i for i in range(size - len(needle) + 1) if prompt.tokens[i:i + len(needle)].tolist() == needle]
+            starts = [i for i in range(size - len(needle) + 1) if prompt.tokens[i : i + len(needle)].tolist() == needle]
             filler = size - builder.fixed_tokens - len(needle)
             assert starts == [introduction + round(prompt.depth * filler)]
         again = cell_prompts(builder, probe, "grass", size)  # the same seed, filler and size: the same prompts
         assert all((a.tokens == b.tokens).all() for a, b in zip(prompts, again))
 
 
-@pytest.mark.parametrize("tokenizer", [BYTES, load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")],
-                         ids=["bytes", "austen-8k"])
+@pytest.mark.parametrize(
+    "tokenizer",
+    [BYTES, load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")],
+    ids=["bytes", "austen-8k"],
+)
 def test_distractors_are_other_numbers_in_the_filler_and_keep_the_size(tokenizer: Tokenizer) -> None:
     """``distractors`` numbers other than the key, before and after the needle; the prompt keeps its size and
     its needle; the grass filler has no digits of its own."""
@@ -95,14 +106,14 @@ def test_distractors_are_other_numbers_in_the_filler_and_keep_the_size(tokenizer
         assert prompt.tokens.shape == (400,)
         needle = tokenizer.decode(prompt.tokens[prompt.needle].tolist())
         assert needle == NEEDLE.format(key=prompt.key)
-        head = tokenizer.decode(prompt.tokens[:prompt.needle.start].tolist())
-        tail = tokenizer.decode(prompt.tokens[prompt.needle.stop:].tolist())
+        head = tokenizer.decode(prompt.tokens[: prompt.needle.start].tolist())
+        tail = tokenizer.decode(prompt.tokens[prompt.needle.stop :].tolist())
         numbers = re.findall(r"\d+", head) + re.findall(r"\d+", tail)
         assert len(numbers) == 3 and prompt.key not in numbers
         sides.add((len(re.findall(r"\d+", head)), len(re.findall(r"\d+", tail))))
     assert len(sides) > 1  # on either side of the needle
     plain = builder.prompt(400, 0.5, np.random.default_rng(0))
-    assert not re.findall(r"\d+", tokenizer.decode(plain.tokens[plain.needle.stop:].tolist()))
+    assert not re.findall(r"\d+", tokenizer.decode(plain.tokens[plain.needle.stop :].tolist()))
     tight = builder.prompt(builder.shortest(plain.key) + 2, 0.0, rng, key=plain.key, distractors=5)
     assert tight.tokens.shape == (builder.shortest(plain.key) + 2,)  # fewer numbers when the filler is short
 
@@ -118,13 +129,20 @@ def test_number_forms_put_numbers_as_prose_has_them_never_the_key() -> None:
         prompt = builder.prompt(300, 0.5, rng, key="12345" if not texts else None, distractors=4)
         assert prompt.tokens.shape == (300,)
         assert tokenizer.decode(prompt.tokens[prompt.needle].tolist()) == NEEDLE.format(key=prompt.key)
-        filler = np.concatenate([prompt.tokens[:prompt.needle.start], prompt.tokens[prompt.needle.stop:]])
+        filler = np.concatenate([prompt.tokens[: prompt.needle.start], prompt.tokens[prompt.needle.stop :]])
         text = tokenizer.decode(filler.tolist())
         assert prompt.key not in re.findall(r"\d+", text)
         texts.append(text)
     joined = "".join(texts)
-    for pattern in [r"CHAPTER \d+\n", r" in 1[5-9]\d\d\b", r" in \d{4}-\d\d", r" No\. \d", r"£\d", r"\d,\d\d0\b",
-                    r" \d+-\d\d"]:
+    for pattern in [
+        r"CHAPTER \d+\n",
+        r" in 1[5-9]\d\d\b",
+        r" in \d{4}-\d\d",
+        r" No\. \d",
+        r"£\d",
+        r"\d,\d\d0\b",
+        r" \d+-\d\d",
+    ]:
         assert re.search(pattern, joined), pattern
     builder._number = lambda rng: " No. 12345-98"  # a form that holds the key: the key's first four digits instead
     text = tokenizer.decode(builder.with_numbers(grass_filler(tokenizer)[:100], 2, "12345", rng).tolist())
@@ -149,16 +167,54 @@ def test_cached_chunked_prefill_decodes_as_the_parallel_pass(architecture: str) 
 
 def test_passkey_report_plot_and_table(checkpoint: Path, corpus: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "probe"
-    assert main(["text-eval", "--checkpoint", str(checkpoint), "--checkpoint", str(checkpoint), "--probe", "passkey",
-                 "--sizes", "300,400", "--depths", "0,0.5,1", "--filler", "grass", "--filler", f"text:{corpus}",
-                 "--trials", "2", "--max-new-tokens", "4", "--out", str(out), "--plots", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "text-eval",
+                "--checkpoint",
+                str(checkpoint),
+                "--checkpoint",
+                str(checkpoint),
+                "--probe",
+                "passkey",
+                "--sizes",
+                "300,400",
+                "--depths",
+                "0,0.5,1",
+                "--filler",
+                "grass",
+                "--filler",
+                f"text:{corpus}",
+                "--trials",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--out",
+                str(out),
+                "--plots",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert sorted(path.name for path in out.iterdir()) == ["passkey.json", "passkey.png"]
     assert (out / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     reports = json.loads((out / "passkey.json").read_text())
     assert len(reports) == 2 and reports[0]["fillers"] == reports[1]["fillers"]  # same prompts, same model
     report = reports[0]
-    assert set(report) == {"checkpoint", "architecture", "probe", "trials", "seed", "max_new_tokens", "distractors",
-                           "distractors_at", "number_forms", "fillers", "wall_time_s"}
+    assert set(report) == {
+        "checkpoint",
+        "architecture",
+        "probe",
+        "trials",
+        "seed",
+        "max_new_tokens",
+        "distractors",
+        "distractors_at",
+        "number_forms",
+        "fillers",
+        "wall_time_s",
+    }
     assert (report["distractors"], report["distractors_at"], report["number_forms"]) == (0, "either", False)
     assert (report["architecture"], report["probe"], report["trials"], report["seed"]) == ("lrnn", "passkey", 2, 0)
     assert [filler["filler"] for filler in report["fillers"]] == ["grass", f"text:{corpus}"]
@@ -187,13 +243,17 @@ class TranscriptCache(InferenceCache):
 
     @classmethod
     def stack(cls, caches):
-        return cls(torch.cat([cache.lengths for cache in caches]), [row for cache in caches for row in cache.tokens],
-                   [row for cache in caches for row in cache.answers])
+        return cls(
+            torch.cat([cache.lengths for cache in caches]),
+            [row for cache in caches for row in cache.tokens],
+            [row for cache in caches for row in cache.answers],
+        )
 
     def select(self, rows):
         rows = list(rows)
-        return TranscriptCache(self.lengths[rows], [list(self.tokens[row]) for row in rows],
-                               [list(self.answers[row]) for row in rows])
+        return TranscriptCache(
+            self.lengths[rows], [list(self.tokens[row]) for row in rows], [list(self.answers[row]) for row in rows]
+        )
 
     @property
     def nbytes(self) -> int:
@@ -204,8 +264,14 @@ class Answerer(SequenceModel):
     """A hand-made language model: after a prompt it reads the key from the needle and says ``answer(key)``, one
     token at a time; a perfect retriever when ``answer`` is the key."""
 
-    def __init__(self, config: BaseModelConfig, tokenizer: Tokenizer, answer, cache_bytes_per_token: int = 8,
-                 read=lambda text: (re.findall(r"The pass key is (\d+)\.", text) or [None])[0]) -> None:
+    def __init__(
+        self,
+        config: BaseModelConfig,
+        tokenizer: Tokenizer,
+        answer,
+        cache_bytes_per_token: int = 8,
+        read=lambda text: (re.findall(r"The pass key is (\d+)\.", text) or [None])[0],
+    ) -> None:
         """``read``: the text read so far -> the key it answers (None: nothing yet)."""
         super().__init__()
         self.config = config
@@ -215,8 +281,9 @@ class Answerer(SequenceModel):
         self.chunks: list[int] = []
 
     def new_cache(self, batch_size: int) -> TranscriptCache:
-        return TranscriptCache(long_tensor(0, batch_size), [[] for _ in range(batch_size)],
-                               [[] for _ in range(batch_size)])
+        return TranscriptCache(
+            long_tensor(0, batch_size), [[] for _ in range(batch_size)], [[] for _ in range(batch_size)]
+        )
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         assert isinstance(cache, TranscriptCache)
@@ -248,44 +315,57 @@ class Answerer(SequenceModel):
         return self.cache_bytes_per_token * length
 
 
-@pytest.mark.parametrize("answer, right", [(lambda key: f" {key}.", True),
-                                           (lambda key: f" {int(key) + 1}.", False),
-                                           (lambda key: f" {key}0", False),
-                                           (lambda key: " It is", False)])
+@pytest.mark.parametrize(
+    "answer, right",
+    [
+        (lambda key: f" {key}.", True),
+        (lambda key: f" {int(key) + 1}.", False),
+        (lambda key: f" {key}0", False),
+        (lambda key: " It is", False),
+    ],
+)
 def test_the_key_scores_right_and_any_other_answer_wrong(checkpoint: Path, answer, right: bool) -> None:
     loaded = load_checkpoint(checkpoint)
     loaded.model = Answerer(loaded.config.model, BYTES, answer)
-    probe = PassKeyProbe(sizes=(300, 500), depths=(0.0, 0.5, 1.0), fillers=("grass",), trials=2,
-                         max_memory=2**20)  # the logits of 168 tokens of 6 rows and their caches
+    probe = PassKeyProbe(
+        sizes=(300, 500), depths=(0.0, 0.5, 1.0), fillers=("grass",), trials=2, max_memory=2**20
+    )  # the logits of 168 tokens of 6 rows and their caches
     report = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)
     sizes = report["fillers"][0]["sizes"]
     assert [(row["right"], row["total"]) for row in sizes] == [(6 if right else 0, 6)] * 2
-    assert all(trial["completion"].startswith(answer(trial["key"]))
-               for row in sizes for cell in row["depths"] for trial in cell["trials"])
+    assert all(
+        trial["completion"].startswith(answer(trial["key"]))
+        for row in sizes
+        for cell in row["depths"]
+        for trial in cell["trials"]
+    )
     assert max(loaded.model.chunks) < 300 and sum(loaded.model.chunks) == 300 + 500
 
 
 def test_distractors_tell_the_key_from_the_last_number_read(checkpoint: Path) -> None:
     """``distractors``: a model that answers the number the needle names stays right; one that answers the last
     number it read is right exactly on the prompts where no distractor follows the needle."""
-    probe = PassKeyProbe(sizes=(300, 500), depths=(0.0, 0.5, 1.0), fillers=("grass",), trials=4, max_memory=2**20,
-                         distractors=3)
+    probe = PassKeyProbe(
+        sizes=(300, 500), depths=(0.0, 0.5, 1.0), fillers=("grass",), trials=4, max_memory=2**20, distractors=3
+    )
     builder = PassKeyBuilder(BYTES, grass_filler(BYTES))
     loaded = load_checkpoint(checkpoint)
     loaded.model = Answerer(loaded.config.model, BYTES, lambda key: f" {key}.")
     report = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)
     assert report["distractors"] == 3 and "| grass + 3 numbers | 12/12 | 12/12 |" in format_passkey_table([report])
     assert [(row["right"], row["total"]) for row in report["fillers"][0]["sizes"]] == [(12, 12)] * 2
-    last = Answerer(loaded.config.model, BYTES, lambda key: f" {key}.", read=lambda text: (re.findall(r"\d+", text)
-                                                                                           or [None])[-1])
+    last = Answerer(
+        loaded.config.model, BYTES, lambda key: f" {key}.", read=lambda text: (re.findall(r"\d+", text) or [None])[-1]
+    )
     loaded.model = last
     for distractors in (0, 3):
         probe = PassKeyProbe(**{**vars(probe), "distractors": distractors})
         sizes = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)["fillers"][0]["sizes"]
         for size, row in zip(probe.sizes, sizes):
             prompts = cell_prompts(builder, probe, "grass", size)  # the probe's own prompts, drawn again
-            clear = [not re.search(r"\d", BYTES.decode(prompt.tokens[prompt.needle.stop:].tolist()))
-                     for prompt in prompts]
+            clear = [
+                not re.search(r"\d", BYTES.decode(prompt.tokens[prompt.needle.stop :].tolist())) for prompt in prompts
+            ]
             assert [trial["right"] for cell in row["depths"] for trial in cell["trials"]] == clear
             assert all(clear) if distractors == 0 else 0 < sum(clear) < len(clear)
     # all before the needle, the last number read is the key (right on every prompt); all after it, never (but at
@@ -307,29 +387,47 @@ def test_a_size_whose_cache_does_not_fit_is_skipped(checkpoint: Path) -> None:
     sizes = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)["fillers"][0]["sizes"]
     assert (sizes[0]["right"], sizes[0]["total"], sizes[0]["skipped"]) == (2, 2, None)  # 1.2 MB a row: one at a time
     assert (sizes[1]["total"], sizes[1]["accuracy"]) == (0, None)
-    assert sizes[1]["skipped"] == ("one row at 600 tokens needs 0.00229 GiB (its cache and a one-token prefill), over "
-                                  "--max-memory 0.00195 GiB")
+    assert sizes[1]["skipped"] == (
+        "one row at 600 tokens needs 0.00229 GiB (its cache and a one-token prefill), over --max-memory 0.00195 GiB"
+    )
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--sizes", "100"], "--sizes 100: a pass-key prompt takes at least"),
-    (["--sizes", "8x"], "argument --sizes: expected token counts like 1k,8k,64k,1M"),
-    (["--sizes", "8k,1k"], "token counts must increase"),
-    (["--depths", "0,1.5"], "argument --depths: must be a probability in [0, 1], got 1.5"),
-    (["--trials", "0"], "argument --trials: must be a positive integer, got 0"),
-    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer"),
-    (["--distractors", "-1"], "argument --distractors: must be 0 or more"),
-    (["--distractors-at", "after"], "give --distractors N (N > 0)"),
-    (["--number-forms"], "give --distractors N (N > 0)"),
-    (["--distractors", "2", "--distractors-at", "middle"], "argument --distractors-at: invalid choice: 'middle'"),
-    (["--filler", "grass,web"], "unknown filler 'web': use 'austen', 'grass', 'text:PATH' or 'owt2:PATH'"),
-    (["--filler", "text:missing-folder"], "missing-folder"),
-    (["--multiples", "1,2"], "--multiples does not apply to --probe passkey"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sizes", "100"], "--sizes 100: a pass-key prompt takes at least"),
+        (["--sizes", "8x"], "argument --sizes: expected token counts like 1k,8k,64k,1M"),
+        (["--sizes", "8k,1k"], "token counts must increase"),
+        (["--depths", "0,1.5"], "argument --depths: must be a probability in [0, 1], got 1.5"),
+        (["--trials", "0"], "argument --trials: must be a positive integer, got 0"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer"),
+        (["--distractors", "-1"], "argument --distractors: must be 0 or more"),
+        (["--distractors-at", "after"], "give --distractors N (N > 0)"),
+        (["--number-forms"], "give --distractors N (N > 0)"),
+        (["--distractors", "2", "--distractors-at", "middle"], "argument --distractors-at: invalid choice: 'middle'"),
+        (["--filler", "grass,web"], "unknown filler 'web': use 'austen', 'grass', 'text:PATH' or 'owt2:PATH'"),
+        (["--filler", "text:missing-folder"], "missing-folder"),
+        (["--multiples", "1,2"], "--multiples does not apply to --probe passkey"),
+    ],
+)
 def test_bad_probe_flags_exit_2_with_one_line(checkpoint: Path, flags, message, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert main(["text-eval", "--checkpoint", str(checkpoint), "--probe", "passkey", "--filler", "grass", "--no-progress",
-                 *flags]) == 2
+    assert (
+        main(
+            [
+                "text-eval",
+                "--checkpoint",
+                str(checkpoint),
+                "--probe",
+                "passkey",
+                "--filler",
+                "grass",
+                "--no-progress",
+                *flags,
+            ]
+        )
+        == 2
+    )
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1, error
     assert not (tmp_path / "runs").exists()
@@ -346,10 +444,30 @@ def test_probe_flags_without_the_probe_and_the_probe_of_a_transducer_exit_2(chec
 def test_without_filler_the_probe_reads_austen_and_grass(checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
     """No --filler: the default fillers, Austen's held-out text and the grass text, each read as one filler name.
     Austen's text is not installed here: its stream is stood in for by the grass text."""
-    monkeypatch.setattr("training.cli.text.filler_tokens",
-                        lambda name, tokenizer, fraction: grass_filler(tokenizer))  # fmt: skip
+    monkeypatch.setattr("training.cli.text.filler_tokens", lambda name, tokenizer, fraction: grass_filler(tokenizer))
     out = tmp_path / "probe"
-    assert main(["text-eval", "--checkpoint", str(checkpoint), "--probe", "passkey", "--sizes", "300", "--depths",
-                 "0.5", "--trials", "1", "--max-new-tokens", "2", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "text-eval",
+                "--checkpoint",
+                str(checkpoint),
+                "--probe",
+                "passkey",
+                "--sizes",
+                "300",
+                "--depths",
+                "0.5",
+                "--trials",
+                "1",
+                "--max-new-tokens",
+                "2",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "passkey.json").read_text())[0]
     assert [filler["filler"] for filler in report["fillers"]] == ["austen", "grass"]

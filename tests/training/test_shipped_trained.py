@@ -14,9 +14,9 @@ from training.data.tasks import get_task
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 TRAINED = sorted(
-    path for path in CHECKPOINTS.iterdir()
-    if (path / "config.json").exists() and (path / "train.jsonl").exists()
-    and not path.name.startswith("text-")
+    path
+    for path in CHECKPOINTS.iterdir()
+    if (path / "config.json").exists() and (path / "train.jsonl").exists() and not path.name.startswith("text-")
 )
 
 

@@ -16,8 +16,23 @@ from training.data.batches import LengthCurriculum, TrainingData
 from training.data.tasks import TASKS, Task, get_task, sample_batch
 
 CONTRACT_TASKS = [
-    "parity_check", "even_pairs", "cycle_navigation", "modular_arithmetic", "sum_mod5", "even_pair_mod5",
-    "d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita5", "tomita6", "first", "one", "palindrome",
+    "parity_check",
+    "even_pairs",
+    "cycle_navigation",
+    "modular_arithmetic",
+    "sum_mod5",
+    "even_pair_mod5",
+    "d2",
+    "d3",
+    "d4",
+    "d12",
+    "tomita3",
+    "tomita4",
+    "tomita5",
+    "tomita6",
+    "first",
+    "one",
+    "palindrome",
     "induction_heads",
 ]
 SPARSE_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita6", "first", "one", "palindrome"]
@@ -332,8 +347,10 @@ def test_training_batches_mix_in_power_offset_strings_and_keep_the_stream_withou
     task = TASKS["induction_heads"]
     curriculum = LengthCurriculum(64, 64)
     plain = TrainingData(task, 200, curriculum).batch(np.random.default_rng(5), 1)
-    assert torch.equal(TrainingData(task, 200, curriculum, power_offset_fraction=0.0).batch(
-        np.random.default_rng(5), 1).tokens, plain.tokens)
+    assert torch.equal(
+        TrainingData(task, 200, curriculum, power_offset_fraction=0.0).batch(np.random.default_rng(5), 1).tokens,
+        plain.tokens,
+    )
     mixed = TrainingData(task, 200, curriculum, power_offset_fraction=0.5).batch(np.random.default_rng(5), 1)
     mark = task.alphabet.index("#")
     offsets = [63 - row.tolist().index(mark) for row in mixed.tokens]

@@ -11,8 +11,10 @@ import pytest
 from model.tokenizer import load_tokenizer
 from training.data.bpe import count_pieces, train_bpe, write_ranks
 
-CORPUS = ["the cat sat on the mat. the cat ate the rat.\n\nThe mat was flat; the rat was fat. " * 20,
-          "naïve café — 日本語 👋 the the the"]
+CORPUS = [
+    "the cat sat on the mat. the cat ate the rat.\n\nThe mat was flat; the rat was fat. " * 20,
+    "naïve café — 日本語 👋 the the the",
+]
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -52,7 +54,9 @@ def test_merges_stop_when_no_pair_repeats() -> None:
     assert len(tokens) == 256
 
 
-@pytest.mark.parametrize("text", CORPUS + ["", "\x00\t\r\n  ", "<|endoftext|>"] + [random_unicode(s, 400) for s in range(5)])
+@pytest.mark.parametrize(
+    "text", CORPUS + ["", "\x00\t\r\n  ", "<|endoftext|>"] + [random_unicode(s, 400) for s in range(5)]
+)
 def test_round_trip(trained, text: str) -> None:
     _, tokenizer = trained
     tokens = tokenizer.encode(text)

@@ -46,7 +46,12 @@ def owt2_dir(tmp_path):
 def test_owt2_reader_streams_every_document_in_order(owt2_dir) -> None:
     documents = list(corpus_documents(f"owt2:{owt2_dir}"))
     assert [document.text for document in documents] == [
-        "first doc ☃", "second doc\nwith lines", "third", "fourth 👋", "fifth"]  # the empty text is skipped
+        "first doc ☃",
+        "second doc\nwith lines",
+        "third",
+        "fourth 👋",
+        "fifth",
+    ]  # the empty text is skipped
     assert documents[0].source.endswith("RS_2019-01.jsonl.zst:1")
 
 
@@ -97,14 +102,24 @@ def r_strings(lines: list[str | None]) -> bytes:
 
 def test_r_lazy_load_database_reader(tmp_path) -> None:
     database = tmp_path / "Rdata.rdb"
-    novel = ["EMMA", "", "By Jane Austen", "", "Emma Woodhouse, handsome, clever,", "and rich, with a", None,
-             "comfortable home — naïve."]
+    novel = [
+        "EMMA",
+        "",
+        "By Jane Austen",
+        "",
+        "Emma Woodhouse, handsome, clever,",
+        "and rich, with a",
+        None,
+        "comfortable home — naïve.",
+    ]
     integers = struct.pack(">ii", 13, 2) + struct.pack(">ii", 1, 2)  # an integer vector: skipped
     database.write_bytes(r_record(r_strings(novel)) + r_record(integers) + r_record(r_strings(["Persuasion", "x"])))
     assert read_r_string_vectors(database) == [[line or "" for line in novel], ["Persuasion", "x"]]
     emma, persuasion = austen_novels(database)
-    assert emma.text == "EMMA\n\nBy Jane Austen\n\nEmma Woodhouse, handsome, clever, and rich, with a\n\n" \
-                        "comfortable home — naïve."
+    assert (
+        emma.text == "EMMA\n\nBy Jane Austen\n\nEmma Woodhouse, handsome, clever, and rich, with a\n\n"
+        "comfortable home — naïve."
+    )
     assert emma.source.endswith("EMMA") and persuasion.text == "Persuasion x"
 
 

@@ -35,7 +35,23 @@ ARCHITECTURES = {
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "a", "naïve", "cat", "watches", "👀"]
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "while",
+        "a",
+        "naïve",
+        "cat",
+        "watches",
+        "👀",
+    ]
     rng = np.random.default_rng(0)
     for name in ("one", "two"):
         paragraphs = [" ".join(rng.choice(words, size=30)) for _ in range(40)]
@@ -51,10 +67,37 @@ def ranks(corpus, tmp_path_factory):
 
 
 def train(out, corpus_spec, ranks, architecture, *extra):
-    return main(["text-train", "--arch", architecture, "--corpus", corpus_spec, "--tokenizer", str(ranks),
-                 "--out", str(out), "--length", "16", "--batch-size", "4", "--steps", "6", "--warmup-steps", "2",
-                 "--eval-every", "3", "--log-every", "2", "--no-progress", "--threads", "1",
-                 *TINY, *ARCHITECTURES[architecture], *extra])
+    return main(
+        [
+            "text-train",
+            "--arch",
+            architecture,
+            "--corpus",
+            corpus_spec,
+            "--tokenizer",
+            str(ranks),
+            "--out",
+            str(out),
+            "--length",
+            "16",
+            "--batch-size",
+            "4",
+            "--steps",
+            "6",
+            "--warmup-steps",
+            "2",
+            "--eval-every",
+            "3",
+            "--log-every",
+            "2",
+            "--no-progress",
+            "--threads",
+            "1",
+            *TINY,
+            *ARCHITECTURES[architecture],
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -84,17 +127,45 @@ def test_training_on_streamed_owt2_shards(tmp_path, ranks) -> None:
         lines = [json.dumps({"text": f"document {index} {n} " + "the lazy dog " * 10, "meta": {}}) for n in range(5)]
         (shards / f"part{index}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress("\n".join(lines).encode()))
     out = tmp_path / "owt2-model"
-    assert train(out, f"owt2:{shards}", ranks, "transformer", "--validation-corpus",
-                 f"owt2:{shards / 'part1.jsonl.zst'}") == 0
+    assert (
+        train(out, f"owt2:{shards}", ranks, "transformer", "--validation-corpus", f"owt2:{shards / 'part1.jsonl.zst'}")
+        == 0
+    )
     events = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert events[0]["train_tokens"] is None and any(e["event"] == "eval" for e in events)
 
 
 def test_time_budget_stops_training(tmp_path, corpus, ranks) -> None:
     out = tmp_path / "timed"
-    assert main(["text-train", "--arch", "lstm", "--corpus", f"text:{corpus}", "--tokenizer", str(ranks),
-                 "--out", str(out), "--length", "8", "--steps", "100000", "--time-budget", "0.5",
-                 "--eval-every", "0", "--no-progress", "--d-model", "8", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "text-train",
+                "--arch",
+                "lstm",
+                "--corpus",
+                f"text:{corpus}",
+                "--tokenizer",
+                str(ranks),
+                "--out",
+                str(out),
+                "--length",
+                "8",
+                "--steps",
+                "100000",
+                "--time-budget",
+                "0.5",
+                "--eval-every",
+                "0",
+                "--no-progress",
+                "--d-model",
+                "8",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert load_checkpoint(out).config.metadata["stopped"] == "time"
 
 
@@ -220,8 +291,24 @@ def test_the_progress_bar_counts_to_the_time_budget_when_it_ends_first_and_shows
     tmp_path, corpus, ranks, capsys
 ) -> None:
     out = tmp_path / "timed"
-    assert train(out, f"text:{corpus}", ranks, "lrnn", "--steps", "100000", "--time-budget", "1", "--eval-every", "0",
-                 "--log-every", "1", "--progress") == 0
+    assert (
+        train(
+            out,
+            f"text:{corpus}",
+            ranks,
+            "lrnn",
+            "--steps",
+            "100000",
+            "--time-budget",
+            "1",
+            "--eval-every",
+            "0",
+            "--log-every",
+            "1",
+            "--progress",
+        )
+        == 0
+    )
     steps = load_checkpoint(out).config.metadata["steps"]
     bar = capsys.readouterr().err
     assert "/100000" not in bar
@@ -233,18 +320,51 @@ def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks, capsys) -> N
     out = tmp_path / "model"
     assert train(out, f"text:{corpus}", ranks, "regulargpt") == 0
     folder = tmp_path / "eval"
-    assert main(["text-eval", "--checkpoint", str(out), "--checkpoint", str(out), "--multiples", "1,2,4",
-                 "--targets", "10", "--receptive-field", "3", "--receptive-multiple", "2", "--out", str(folder),
-                 "--plots", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "text-eval",
+                "--checkpoint",
+                str(out),
+                "--checkpoint",
+                str(out),
+                "--multiples",
+                "1,2,4",
+                "--targets",
+                "10",
+                "--receptive-field",
+                "3",
+                "--receptive-multiple",
+                "2",
+                "--out",
+                str(folder),
+                "--plots",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "| longest: NLL - the first's (paired) | - | +0.000 ± 0.000 |" in capsys.readouterr().out
     assert sorted(path.name for path in folder.iterdir()) == ["eval.json", "perplexity.png", "receptive_field.png"]
     report_path, plot, field_plot = folder / "eval.json", folder / "perplexity.png", folder / "receptive_field.png"
     reports = json.loads(report_path.read_text())
     assert len(reports) == 2 and reports[0]["perplexity"] == reports[1]["perplexity"]
     report = reports[0]
-    assert set(report) == {"checkpoint", "architecture", "train_length", "corpus", "targets", "target_digest",
-                           "perplexity", "ratio_16x", "log_ratio_stderr", "receptive_field", "context_gain",
-                           "wall_time_s"}
+    assert set(report) == {
+        "checkpoint",
+        "architecture",
+        "train_length",
+        "corpus",
+        "targets",
+        "target_digest",
+        "perplexity",
+        "ratio_16x",
+        "log_ratio_stderr",
+        "receptive_field",
+        "context_gain",
+        "wall_time_s",
+    }
     assert report["architecture"] == "regulargpt C=4 K=2" and report["train_length"] == 16
     assert [row["length"] for row in report["perplexity"]] == [16, 32, 64]
     for row in report["perplexity"]:
@@ -252,7 +372,9 @@ def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks, capsys) -> N
         assert len(row["nll_per_target"]) == 10
         assert math.isclose(np.mean(row["nll_per_target"]), row["nll"], rel_tol=1e-6)
         assert math.isclose(row["perplexity"], math.exp(row["nll"])) and 1 < row["perplexity"] < 302
-    assert math.isclose(report["ratio_16x"], report["perplexity"][-1]["perplexity"] / report["perplexity"][0]["perplexity"])
+    assert math.isclose(
+        report["ratio_16x"], report["perplexity"][-1]["perplexity"] / report["perplexity"][0]["perplexity"]
+    )
     gain = report["context_gain"]  # the two parts together are every target, their NLLs the rows' means
     assert gain["near"] == 16 and gain["far"] == 64
     parts = [gain["seen_only_far"], gain["other"]]
@@ -266,22 +388,60 @@ def test_text_eval_report_schema_and_plots(tmp_path, corpus, ranks, capsys) -> N
     assert all(a >= b - 1e-6 for a, b in zip(field["cumulative"], field["cumulative"][1:]))  # non-increasing
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and field_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fast_path = tmp_path / "fast"  # another attention implementation: the same figures
-    assert main(["text-eval", "--checkpoint", str(out), "--multiples", "1,2,4", "--targets", "10",
-                 "--attention-impl", "fast", "--out", str(fast_path), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "text-eval",
+                "--checkpoint",
+                str(out),
+                "--multiples",
+                "1,2,4",
+                "--targets",
+                "10",
+                "--attention-impl",
+                "fast",
+                "--out",
+                str(fast_path),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     fast = json.loads((fast_path / "eval.json").read_text())[0]
     for row, fast_row in zip(report["perplexity"], fast["perplexity"]):
         assert math.isclose(row["nll"], fast_row["nll"], rel_tol=1e-4)
 
 
-def test_spec_spelling_train_corpus_and_eval_of_a_text_checkpoint(
-    tmp_path, corpus, ranks, capsys, monkeypatch
-) -> None:
+def test_spec_spelling_train_corpus_and_eval_of_a_text_checkpoint(tmp_path, corpus, ranks, capsys, monkeypatch) -> None:
     """docs/api.md, Command line: ``train --corpus PATH`` trains a text model; ``eval`` of one prints perplexity by
     length and writes its report into runs/text-eval/<checkpoint name>, not the working directory."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "spec"
-    assert main(["train", "--arch", "lstm", "--corpus", f"text:{corpus}", "--tokenizer", str(ranks), "--out", str(out),
-                 "--length", "8", "--steps", "2", "--eval-every", "0", "--no-progress", "--d-model", "8"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--arch",
+                "lstm",
+                "--corpus",
+                f"text:{corpus}",
+                "--tokenizer",
+                str(ranks),
+                "--out",
+                str(out),
+                "--length",
+                "8",
+                "--steps",
+                "2",
+                "--eval-every",
+                "0",
+                "--no-progress",
+                "--d-model",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert load_checkpoint(out).config.kind == "generate"
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(out), "--multiples", "1,2", "--targets", "4", "--no-progress"]) == 0
@@ -306,40 +466,233 @@ def test_token_windows(ranks) -> None:
     assert all(row.shape == (3, 8) for row in rows)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["text-train", "--arch", "exact", "--tokenizer", "bytes", "--out", "X", "--steps", "1"], "built by hand"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--heads", "2"],
-     "does not apply"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "nope", "--out", "X", "--steps", "1"], "unknown tokenizer"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--corpus", "web", "--out", "X", "--steps", "1"],
-     "unknown corpus"),
-    (["text-eval", "--checkpoint", "missing-folder"], "missing"),
-    (["text-train", "--arch", "regulargpt", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing"],
-     "--state-passing needs a recurrent model"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "64",
-      "--passkey-fraction", "0.5"], "pass-key examples need windows of at least"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--passkey-fraction",
-      "1.5"], "--passkey-fraction"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1",
-      "--passkey-fraction-final", "0.5"], "--passkey-fraction-final needs --passkey-fraction"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--passkey-fraction",
-      "1", "--passkey-distractors", "-1"], "--passkey-distractors"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "320",
-      "--passkey-fraction", "0.5", "--passkey-span", "8"], "--passkey-span needs --state-passing"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing",
-      "--passkey-span", "0"], "--passkey-span"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-reset", "0.5"],
-     "--state-reset needs --state-passing"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing",
-      "--state-reset", "2"], "--state-reset"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "320",
-      "--passkey-fraction", "0.5", "--state-passing", "--passkey-span", "4", "--state-reset", "0.5"],
-     "--state-reset with --passkey-span"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "320",
-      "--passkey-fraction", "0.5", "--passkey-fresh"], "--passkey-fresh needs --state-passing"),
-    (["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--state-passing",
-      "--passkey-fresh"], "--passkey-fresh needs --state-passing and --passkey-fraction"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["text-train", "--arch", "exact", "--tokenizer", "bytes", "--out", "X", "--steps", "1"], "built by hand"),
+        (
+            ["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--heads", "2"],
+            "does not apply",
+        ),
+        (["text-train", "--arch", "lrnn", "--tokenizer", "nope", "--out", "X", "--steps", "1"], "unknown tokenizer"),
+        (
+            ["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--corpus", "web", "--out", "X", "--steps", "1"],
+            "unknown corpus",
+        ),
+        (["text-eval", "--checkpoint", "missing-folder"], "missing"),
+        (
+            [
+                "text-train",
+                "--arch",
+                "regulargpt",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--state-passing",
+            ],
+            "--state-passing needs a recurrent model",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--length",
+                "64",
+                "--passkey-fraction",
+                "0.5",
+            ],
+            "pass-key examples need windows of at least",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--passkey-fraction",
+                "1.5",
+            ],
+            "--passkey-fraction",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--passkey-fraction-final",
+                "0.5",
+            ],
+            "--passkey-fraction-final needs --passkey-fraction",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--passkey-fraction",
+                "1",
+                "--passkey-distractors",
+                "-1",
+            ],
+            "--passkey-distractors",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--length",
+                "320",
+                "--passkey-fraction",
+                "0.5",
+                "--passkey-span",
+                "8",
+            ],
+            "--passkey-span needs --state-passing",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--state-passing",
+                "--passkey-span",
+                "0",
+            ],
+            "--passkey-span",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--state-reset",
+                "0.5",
+            ],
+            "--state-reset needs --state-passing",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--state-passing",
+                "--state-reset",
+                "2",
+            ],
+            "--state-reset",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--length",
+                "320",
+                "--passkey-fraction",
+                "0.5",
+                "--state-passing",
+                "--passkey-span",
+                "4",
+                "--state-reset",
+                "0.5",
+            ],
+            "--state-reset with --passkey-span",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--length",
+                "320",
+                "--passkey-fraction",
+                "0.5",
+                "--passkey-fresh",
+            ],
+            "--passkey-fresh needs --state-passing",
+        ),
+        (
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                "X",
+                "--steps",
+                "1",
+                "--state-passing",
+                "--passkey-fresh",
+            ],
+            "--passkey-fresh needs --state-passing and --passkey-fraction",
+        ),
+    ],
+)
 def test_bad_input_exits_2(argv, message, capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
@@ -353,15 +706,18 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, corpus,
     assert train(first, f"text:{corpus}", ranks, "lrnn") == 0
     weights = load_checkpoint(first).model.state_dict()
     for name, init in (("from-first", ["--init-from", str(first)]), ("from-seed", [])):
-        assert train(tmp_path / name, f"text:{corpus}", ranks, "lrnn", "--steps", "1", "--lr", "1e-30",
-                     "--seed", "7", *init) == 0
+        assert (
+            train(
+                tmp_path / name, f"text:{corpus}", ranks, "lrnn", "--steps", "1", "--lr", "1e-30", "--seed", "7", *init
+            )
+            == 0
+        )
     started = load_checkpoint(tmp_path / "from-first").model.state_dict()
     seeded = load_checkpoint(tmp_path / "from-seed").model.state_dict()
     assert all(torch.allclose(started[name], weights[name]) for name in weights)
     assert not all(torch.allclose(seeded[name], weights[name]) for name in weights)
     capsys.readouterr()
-    assert train(tmp_path / "wider", f"text:{corpus}", ranks, "lrnn", "--init-from", str(first), "--d-model",
-                 "24") == 2
+    assert train(tmp_path / "wider", f"text:{corpus}", ranks, "lrnn", "--init-from", str(first), "--d-model", "24") == 2
     assert "holds another model: d_model 16 there, 24 here" in capsys.readouterr().err
     assert train(tmp_path / "other", f"text:{corpus}", ranks, "transformer", "--init-from", str(first)) == 2
     assert "is a lrnn checkpoint, not transformer" in capsys.readouterr().err
@@ -372,16 +728,42 @@ def test_init_from_an_lrnn_with_fewer_blocks_grows_it(tmp_path, corpus, ranks, c
     grown (the same logits), with the run's blocks; fewer blocks than the checkpoint's are refused."""
     first = tmp_path / "first"
     assert train(first, f"text:{corpus}", ranks, "lrnn") == 0  # 4 blocks
-    assert train(tmp_path / "grown", f"text:{corpus}", ranks, "lrnn", "--num-blocks", "6", "--steps", "1", "--lr",
-                 "1e-30", "--init-from", str(first)) == 0
+    assert (
+        train(
+            tmp_path / "grown",
+            f"text:{corpus}",
+            ranks,
+            "lrnn",
+            "--num-blocks",
+            "6",
+            "--steps",
+            "1",
+            "--lr",
+            "1e-30",
+            "--init-from",
+            str(first),
+        )
+        == 0
+    )
     small, grown = load_checkpoint(first).model, load_checkpoint(tmp_path / "grown").model
     assert grown.config.num_blocks == 6
     tokens = torch.randint(0, 301, (2, 40))
     with torch.no_grad():
         assert torch.allclose(grown(tokens), small(tokens), atol=1e-5)
     capsys.readouterr()
-    assert train(tmp_path / "fewer", f"text:{corpus}", ranks, "lrnn", "--num-blocks", "2", "--init-from",
-                 str(tmp_path / "grown")) == 2
+    assert (
+        train(
+            tmp_path / "fewer",
+            f"text:{corpus}",
+            ranks,
+            "lrnn",
+            "--num-blocks",
+            "2",
+            "--init-from",
+            str(tmp_path / "grown"),
+        )
+        == 2
+    )
     assert "holds another model: num_blocks 6 there, 2 here" in capsys.readouterr().err
 
 
@@ -416,8 +798,26 @@ def test_a_teacher_teaches_the_text_rows_and_a_run_with_one_resumes_bitwise(tmp_
     norms = {}
     for weight in ("1", "0.5"):
         out = tmp_path / f"self-{weight}"
-        assert train(out, f"text:{corpus}", ranks, "lrnn", "--init-from", str(teacher), "--teacher", str(teacher),
-                     "--teacher-weight", weight, "--steps", "1", "--log-every", "1", "--state-passing") == 0
+        assert (
+            train(
+                out,
+                f"text:{corpus}",
+                ranks,
+                "lrnn",
+                "--init-from",
+                str(teacher),
+                "--teacher",
+                str(teacher),
+                "--teacher-weight",
+                weight,
+                "--steps",
+                "1",
+                "--log-every",
+                "1",
+                "--state-passing",
+            )
+            == 0
+        )
         norms[weight] = next(r["grad_norm"] for r in train_records(out) if r["event"] == "train")
     assert norms["1"] < 1e-4 and norms["0.5"] > 1e-2
     taught = ["--teacher", str(teacher), "--state-passing", "--save-every", "1"]
@@ -439,18 +839,66 @@ def test_a_teacher_that_cannot_teach_the_run_exits_2(tmp_path, corpus, ranks, ca
     attention = tmp_path / "attention"
     assert train(attention, f"text:{corpus}", ranks, "transformer", "--steps", "1", "--eval-every", "0") == 0
     transducer = tmp_path / "transducer"
-    assert main(["train", "--task", "parity_check", "--arch", "lrnn", "--out", str(transducer), "--steps", "1",
-                 "--eval-every", "0", "--no-progress", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--task",
+                "parity_check",
+                "--arch",
+                "lrnn",
+                "--out",
+                str(transducer),
+                "--steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--no-progress",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     other = tmp_path / "bytes-teacher"
-    assert main(["text-train", "--arch", "lrnn", "--corpus", f"text:{corpus}", "--tokenizer", "bytes", "--out",
-                 str(other), "--length", "16", "--batch-size", "2", "--steps", "1", "--eval-every", "0",
-                 "--no-progress", "--threads", "1", *TINY, *ARCHITECTURES["lrnn"]]) == 0
+    assert (
+        main(
+            [
+                "text-train",
+                "--arch",
+                "lrnn",
+                "--corpus",
+                f"text:{corpus}",
+                "--tokenizer",
+                "bytes",
+                "--out",
+                str(other),
+                "--length",
+                "16",
+                "--batch-size",
+                "2",
+                "--steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--no-progress",
+                "--threads",
+                "1",
+                *TINY,
+                *ARCHITECTURES["lrnn"],
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     for extra, message in [
         (["--teacher-weight", "0.5"], "--teacher-weight needs --teacher"),
         (["--teacher", str(other), "--teacher-weight", "0"], "--teacher-weight 0 would learn nothing"),
         (["--teacher", str(tmp_path / "nowhere")], f"--teacher {tmp_path / 'nowhere'}: "),
-        (["--teacher", str(other)], "uses another tokenizer (bytes, 256 tokens) than this run (file:tiny.tiktoken, 301)"),
+        (
+            ["--teacher", str(other)],
+            "uses another tokenizer (bytes, 256 tokens) than this run (file:tiny.tiktoken, 301)",
+        ),
         (["--teacher", str(transducer)], "is a transduce checkpoint, not a language model"),
         (["--teacher", str(attention), "--state-passing"], "cache grows with the context"),
     ]:
@@ -475,12 +923,28 @@ def test_the_paired_row_compares_only_reports_on_the_same_targets() -> None:
     from training.evaluation.text_eval import format_text_table
 
     def report(name: str, digest: str, nlls: list[float]) -> dict:
-        rows = [{"length": 8, "multiple": 1, "perplexity": math.exp(np.mean(nlls)), "nll": float(np.mean(nlls)),
-                 "nll_stderr": 0.0, "nll_per_target": nlls}]
-        return {"checkpoint": name, "architecture": "lrnn", "perplexity": rows, "ratio_16x": None,
-                "log_ratio_stderr": None, "context_gain": None, "target_digest": digest}
+        rows = [
+            {
+                "length": 8,
+                "multiple": 1,
+                "perplexity": math.exp(np.mean(nlls)),
+                "nll": float(np.mean(nlls)),
+                "nll_stderr": 0.0,
+                "nll_per_target": nlls,
+            }
+        ]
+        return {
+            "checkpoint": name,
+            "architecture": "lrnn",
+            "perplexity": rows,
+            "ratio_16x": None,
+            "log_ratio_stderr": None,
+            "context_gain": None,
+            "target_digest": digest,
+        }
 
-    table = format_text_table([report("a", "x", [1.0, 2.0, 3.0]), report("b", "x", [1.5, 2.0, 3.5]),
-                               report("c", "y", [0.0, 0.0, 0.0])])
+    table = format_text_table(
+        [report("a", "x", [1.0, 2.0, 3.0]), report("b", "x", [1.5, 2.0, 3.5]), report("c", "y", [0.0, 0.0, 0.0])]
+    )
     paired = table.splitlines()[-1]
     assert paired == "| longest: NLL - the first's (paired) | - | +0.333 ± 0.167 | other targets |", paired

@@ -11,21 +11,49 @@ from tests.training.helpers import TINY_LRNN, TINY_RUN, edit_resume_state, read_
 from training.cli.main import main
 from training.objectives.checkpointing import LOG_FILE, RESUME_FILE, weights_digest
 
-TRAIN_RECORD_KEYS = {"event", "step", "loss", "accuracy", "max_length", "lr", "grad_norm", "elapsed_s", "tokens",
-                     "tokens_per_s"}
+TRAIN_RECORD_KEYS = {
+    "event",
+    "step",
+    "loss",
+    "accuracy",
+    "max_length",
+    "lr",
+    "grad_norm",
+    "elapsed_s",
+    "tokens",
+    "tokens_per_s",
+}
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("run") / "parity"
-    argv = ["train", "--task", "parity_check", "--steps", "5", "--out", str(out), "--eval-every", "2",
-            "--log-every", "2", *TINY_LRNN, *TINY_RUN]
+    argv = [
+        "train",
+        "--task",
+        "parity_check",
+        "--steps",
+        "5",
+        "--out",
+        str(out),
+        "--eval-every",
+        "2",
+        "--log-every",
+        "2",
+        *TINY_LRNN,
+        *TINY_RUN,
+    ]
     assert main(argv) == 0
     return out
 
 
 def test_tiny_run_writes_a_checkpoint_that_loads_beside_its_log(tiny_run: Path) -> None:
-    assert sorted(path.name for path in tiny_run.iterdir()) == ["config.json", "model.safetensors", RESUME_FILE, LOG_FILE]
+    assert sorted(path.name for path in tiny_run.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        RESUME_FILE,
+        LOG_FILE,
+    ]
     loaded = load_checkpoint(tiny_run, device="cpu")  # train.jsonl is not read
     config = loaded.config
     assert (config.kind, config.task, config.architecture) == ("transduce", "parity_check", "lrnn")
@@ -38,8 +66,9 @@ def test_export_best_writes_the_weights_the_checkpoint_holds(tiny_run: Path, tmp
     saved step's, each a checkpoint that loads."""
     assert main(["export", str(tiny_run), "--out", str(tmp_path / "best"), "--best"]) == 0
     assert main(["export", str(tiny_run), "--out", str(tmp_path / "last")]) == 0
-    checkpoint, best, last = (load_checkpoint(folder, device="cpu") for folder in (tiny_run, tmp_path / "best",
-                                                                                   tmp_path / "last"))  # fmt: skip
+    checkpoint, best, last = (
+        load_checkpoint(folder, device="cpu") for folder in (tiny_run, tmp_path / "best", tmp_path / "last")
+    )
     assert weights_digest(best.model) == weights_digest(checkpoint.model)
     assert best.config.metadata["steps"] == last.config.metadata["steps"] == 5
     assert (best.config.task, last.config.metadata["exported"]["best"]) == ("parity_check", False)
@@ -73,8 +102,21 @@ def test_log_has_one_record_per_logging_step(tiny_run: Path) -> None:
 
 
 def test_early_stopping_at_the_target_accuracy(tmp_path: Path) -> None:
-    argv = ["train", "--task", "parity_check", "--steps", "50", "--out", str(tmp_path / "run"), "--eval-every", "1",
-            "--target-accuracy", "0", *TINY_LRNN, *TINY_RUN]
+    argv = [
+        "train",
+        "--task",
+        "parity_check",
+        "--steps",
+        "50",
+        "--out",
+        str(tmp_path / "run"),
+        "--eval-every",
+        "1",
+        "--target-accuracy",
+        "0",
+        *TINY_LRNN,
+        *TINY_RUN,
+    ]
     assert main(argv) == 0
     metadata = load_checkpoint(tmp_path / "run", device="cpu").config.metadata
     assert (metadata["steps"], metadata["stopped"]) == (1, "target")
@@ -92,18 +134,26 @@ BAD_TRAIN = {
     "out_of_range on lrnn": (["--out-of-range", "null"], "--out-of-range does not apply to --arch lrnn"),
     "out_of_range choice": (["--arch", "regulargpt", "--out-of-range", "pad"], "invalid choice: 'pad'"),
     "bad config": (["--arch", "regulargpt", "--d-model", "10", "--heads", "3"], "must be divisible by n_heads"),
-    "p_one and balanced": (["--task", "d2", "--p-one", "0.2", "--balanced"],
-                           "--balanced and --p-one cannot be combined"),
+    "p_one and balanced": (
+        ["--task", "d2", "--p-one", "0.2", "--balanced"],
+        "--balanced and --p-one cannot be combined",
+    ),
     "p_one range order": (["--p-one", "0.9-0.1"], "invalid probability range '0.9-0.1': 0.9 > 0.1"),
     "p_one range bounds": (["--p-one", "0.1-1.5"], "must be a probability in [0, 1], got 1.5"),
     "stopping without eval": (["--eval-every", "0", "--patience", "2"], "need evaluations: set --eval-every above 0"),
     "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
-    "too short for the task": (["--task", "induction_heads", "--train-lengths", "1-256"],
-                               "induction_heads strings have at least 3 symbols; length range 1-256 starts below"),
-    "power offsets elsewhere": (["--power-offset-fraction", "0.5"],
-                                "--power-offset-fraction: parity_check has no such strings"),
-    "power offsets and p_one": (["--task", "induction_heads", "--power-offset-fraction", "0.5", "--p-one", "0.2"],
-                                "it cannot be combined with --p-one or --balanced"),
+    "too short for the task": (
+        ["--task", "induction_heads", "--train-lengths", "1-256"],
+        "induction_heads strings have at least 3 symbols; length range 1-256 starts below",
+    ),
+    "power offsets elsewhere": (
+        ["--power-offset-fraction", "0.5"],
+        "--power-offset-fraction: parity_check has no such strings",
+    ),
+    "power offsets and p_one": (
+        ["--task", "induction_heads", "--power-offset-fraction", "0.5", "--p-one", "0.2"],
+        "it cannot be combined with --p-one or --balanced",
+    ),
     "power offsets out of range": (["--power-offset-fraction", "1.5"], "must be a probability in [0, 1], got 1.5"),
 }
 
@@ -118,8 +168,26 @@ def test_bad_train_input_exits_2_with_one_line(case: str, tmp_path: Path, capsys
 
 
 def test_regulargpt_trains_with_null_out_of_range_slots(tmp_path: Path) -> None:
-    argv = ["train", "--task", "parity_check", "--arch", "regulargpt", "--out-of-range", "null", "--d-model", "8",
-            "--heads", "2", "--d-ff", "8", "--steps", "2", "--out", str(tmp_path / "run"), *TINY_RUN]
+    argv = [
+        "train",
+        "--task",
+        "parity_check",
+        "--arch",
+        "regulargpt",
+        "--out-of-range",
+        "null",
+        "--d-model",
+        "8",
+        "--heads",
+        "2",
+        "--d-ff",
+        "8",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        *TINY_RUN,
+    ]
     assert main(argv) == 0
     model = load_checkpoint(tmp_path / "run", device="cpu").config.model
     assert model.out_of_range == "null"
@@ -132,8 +200,9 @@ def test_an_existing_checkpoint_is_kept_without_overwrite(tiny_run: Path, capsys
 
 
 def test_entry_point_exits_2_without_a_traceback() -> None:
-    result = run_module("-m", "training", "train", "--task", "parity_check", "--arch", "lrnn", "--steps", "0",
-                        "--out", "unused")
+    result = run_module(
+        "-m", "training", "train", "--task", "parity_check", "--arch", "lrnn", "--steps", "0", "--out", "unused"
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: python -m training train: argument --steps: must be a positive integer, got 0"
@@ -159,9 +228,27 @@ def test_top_level_help_has_a_summary_per_command_and_says_where_its_flags_are(c
 def test_torchrun_two_processes_agree_and_write_once(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
     result = run_module(
-        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "training", "train", "--task", "parity_check", "--steps", "4", "--out", str(out),
-        "--eval-every", "2", "--log-every", "1", "--device", "cpu", *TINY_LRNN, *TINY_RUN,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "training",
+        "train",
+        "--task",
+        "parity_check",
+        "--steps",
+        "4",
+        "--out",
+        str(out),
+        "--eval-every",
+        "2",
+        "--log-every",
+        "1",
+        "--device",
+        "cpu",
+        *TINY_LRNN,
+        *TINY_RUN,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors", RESUME_FILE, LOG_FILE]
@@ -208,8 +295,25 @@ def test_closing_the_group_stops_its_threads_before_exit(tmp_path: Path) -> None
 def test_power_offsets_and_final_only_change_the_run_and_a_run_saved_before_them_resumes(tmp_path: Path) -> None:
     """--power-offset-fraction and --final-only reach the batches (other runs than without them, saved for resume);
     a resume file without their keys (every run before them) resumes as a run without them."""
-    flags = ["train", "--task", "induction_heads", "--train-lengths", "3-40", "--eval-lengths", "50-60", "--steps",
-             "4", "--eval-every", "2", "--log-every", "2", "--threads", "1", *TINY_LRNN, *TINY_RUN]
+    flags = [
+        "train",
+        "--task",
+        "induction_heads",
+        "--train-lengths",
+        "3-40",
+        "--eval-lengths",
+        "50-60",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--log-every",
+        "2",
+        "--threads",
+        "1",
+        *TINY_LRNN,
+        *TINY_RUN,
+    ]
     digests = {}
     for name, extra in {"plain": [], "powers": ["--power-offset-fraction", "1"], "final": ["--final-only"]}.items():
         assert main([*flags, "--out", str(tmp_path / name), *extra]) == 0

@@ -26,7 +26,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def length_range(text: str) -> tuple[int, int]:
-    """"A-B" -> (A, B) with 1 <= A <= B."""
+    """ "A-B" -> (A, B) with 1 <= A <= B."""
     parts = text.split("-")
     if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
         raise argparse.ArgumentTypeError(f"invalid length range {text!r}: expected A-B, e.g. 41-500")
@@ -39,7 +39,7 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def band_spec(text: str) -> int | list[tuple[int, int]]:
-    """"N" (that many bands) or "A-B,C-D,..." (explicit bands)."""
+    """ "N" (that many bands) or "A-B,C-D,..." (explicit bands)."""
     if text.isdigit():
         return positive_int(text)
     return [length_range(part) for part in text.split(",")]
@@ -65,7 +65,7 @@ probability = _checked_number(float, lambda value: 0.0 <= value <= 1.0, "a proba
 
 
 def probability_or_range(text: str) -> float | tuple[float, float]:
-    """"P" -> P, or "A-B" -> (A, B) with 0 <= A <= B <= 1."""
+    """ "P" -> P, or "A-B" -> (A, B) with 0 <= A <= B <= 1."""
     if "-" not in text:
         return probability(text)
     parts = text.split("-")
@@ -86,7 +86,7 @@ def _number(text: str, kind: type) -> Any:
 
 
 def multiples(text: str) -> tuple[float, ...]:
-    """"1,2,4": positive, increasing numbers."""
+    """ "1,2,4": positive, increasing numbers."""
     try:
         values = tuple(float(part) for part in text.split(","))
     except ValueError:
@@ -97,7 +97,7 @@ def multiples(text: str) -> tuple[float, ...]:
 
 
 def token_counts(text: str) -> tuple[int, ...]:
-    """"1k,8k,64k,1M": positive token counts, k = 1024 and M = 1048576 (plain integers too), increasing."""
+    """ "1k,8k,64k,1M": positive token counts, k = 1024 and M = 1048576 (plain integers too), increasing."""
     units = {"k": 2**10, "M": 2**20}
     values = []
     for part in text.split(","):
@@ -111,7 +111,7 @@ def token_counts(text: str) -> tuple[int, ...]:
 
 
 def fractions(text: str) -> tuple[float, ...]:
-    """"0,0.5,1": distinct numbers in [0, 1]."""
+    """ "0,0.5,1": distinct numbers in [0, 1]."""
     values = tuple(probability(part) for part in text.split(","))
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"fractions must differ, got {text!r}")
@@ -119,5 +119,8 @@ def fractions(text: str) -> tuple[float, ...]:
 
 
 def add_threads(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    parser.add_argument("--threads", type=positive_int,
-                        help="torch intra-op threads (default: max(1, (cores - 1) // processes), model/threads.py)")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="torch intra-op threads (default: max(1, (cores - 1) // processes), model/threads.py)",
+    )

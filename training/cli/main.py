@@ -103,15 +103,20 @@ COMMANDS = {  # each command's one-line summary: ``python -m training --help`` l
 def _parser() -> argparse.ArgumentParser:
     width = max(map(len, COMMANDS)) + 2
     listing = "\n".join(f"  {name:<{width}}{summary}" for name, summary in COMMANDS.items())
-    parser = Parser(prog=PROG, usage=f"{PROG} <command> [flags]", formatter_class=argparse.RawDescriptionHelpFormatter,
-                    description="Train and evaluate transducers on the tasks of docs/api.md (Tasks), and language models.\n\n"
-                                f"commands ({PROG} <command> --help lists a command's flags):\n{listing}",
-                    epilog=f"e.g. {PROG} train --help")
+    parser = Parser(
+        prog=PROG,
+        usage=f"{PROG} <command> [flags]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train and evaluate transducers on the tasks of docs/api.md (Tasks), and language models.\n\n"
+        f"commands ({PROG} <command> --help lists a command's flags):\n{listing}",
+        epilog=f"e.g. {PROG} train --help",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="<command>", help=argparse.SUPPRESS)
 
     def command(name: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, prog=f"{PROG} {name}",
-                                   description=COMMANDS[name][0].upper() + COMMANDS[name][1:] + ".")
+        return commands.add_parser(
+            name, prog=f"{PROG} {name}", description=COMMANDS[name][0].upper() + COMMANDS[name][1:] + "."
+        )
 
     _add_train_parser(command("train"))
     _add_eval_parser(command("eval"))
@@ -125,9 +130,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-TASK_DEFAULTS = {"batch_size": 128, "lr": 3e-4, "optimizer": "adam", "beta2": 0.999, "weight_decay": 0.0,
-                 "schedule": "constant", "warmup_steps": 0, "min_lr_fraction": 0.0, "eval_every": 500,
-                 "dtype": "float32"}
+TASK_DEFAULTS = {
+    "batch_size": 128,
+    "lr": 3e-4,
+    "optimizer": "adam",
+    "beta2": 0.999,
+    "weight_decay": 0.0,
+    "schedule": "constant",
+    "warmup_steps": 0,
+    "min_lr_fraction": 0.0,
+    "eval_every": 500,
+    "dtype": "float32",
+}
 
 
 def _add_train_parser(parser: argparse.ArgumentParser) -> None:
@@ -137,23 +151,37 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--arch", help=f"architecture: {', '.join(TRAINABLE_ARCHITECTURES)}")
     data = parser.add_argument_group("data")
     data.add_argument("--train-lengths", type=length_range, help="A-B (default: the task's, 1-40 or 1-50)")
-    data.add_argument("--curriculum", choices=("uniform", "growing"), default="uniform",
-                      help="uniform: lengths uniform over the range throughout; growing: the longest length rises "
-                           "linearly from --curriculum-start to the maximum over --curriculum-fraction of the steps")
+    data.add_argument(
+        "--curriculum",
+        choices=("uniform", "growing"),
+        default="uniform",
+        help="uniform: lengths uniform over the range throughout; growing: the longest length rises "
+        "linearly from --curriculum-start to the maximum over --curriculum-fraction of the steps",
+    )
     data.add_argument("--curriculum-start", type=positive_int, default=10)
     data.add_argument("--curriculum-fraction", type=probability, default=0.5)
-    data.add_argument("--p-one", type=probability_or_range,
-                      help="P(second symbol: '1' or 'b'; modular_arithmetic: of the digit '1'), the other symbols "
-                           "sharing the rest; A-B: each string draws its own P uniformly "
-                           "from [A, B] (mixes dense and sparse strings, for skewed inputs at test time)")
+    data.add_argument(
+        "--p-one",
+        type=probability_or_range,
+        help="P(second symbol: '1' or 'b'; modular_arithmetic: of the digit '1'), the other symbols "
+        "sharing the rest; A-B: each string draws its own P uniformly "
+        "from [A, B] (mixes dense and sparse strings, for skewed inputs at test time)",
+    )
     data.add_argument("--balanced", action="store_true", help="draw the final label uniformly, then the string")
-    data.add_argument("--power-offset-fraction", type=probability, default=0.0,
-                      help="the fraction of training strings whose decisive symbol lies a power of two before the "
-                           "last one, where dilated attention reads it in one hop (induction_heads: the '#'; such "
-                           "strings are rare when drawn uniformly); the evaluation keeps the task's own strings")
-    data.add_argument("--final-only", action="store_true",
-                      help="the loss on each training string's last position only, as the RegularGPT authors' code "
-                           "trains (default: every position's label)")
+    data.add_argument(
+        "--power-offset-fraction",
+        type=probability,
+        default=0.0,
+        help="the fraction of training strings whose decisive symbol lies a power of two before the "
+        "last one, where dilated attention reads it in one hop (induction_heads: the '#'; such "
+        "strings are rare when drawn uniformly); the evaluation keeps the task's own strings",
+    )
+    data.add_argument(
+        "--final-only",
+        action="store_true",
+        help="the loss on each training string's last position only, as the RegularGPT authors' code "
+        "trains (default: every position's label)",
+    )
     checks = parser.add_argument_group("extrapolation evaluation")
     checks.add_argument("--eval-lengths", type=length_range, help="A-B (default: the papers protocol's range)")
     checks.add_argument("--eval-samples", type=positive_int, default=200)
@@ -164,33 +192,61 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
 
 def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_eval)
-    parser.add_argument("--checkpoint", required=True, action="append", type=Path,
-                        help="checkpoint folder; repeat it (e.g. one per seed) for max and mean")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        action="append",
+        type=Path,
+        help="checkpoint folder; repeat it (e.g. one per seed) for max and mean",
+    )
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--protocol", choices=("papers", "hard", "induction"),
-                       help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000, plus P(1)=0.1 and 0.9; "
-                            "induction: lengths 2^6, 2^7, ..., 2^20, fewer samples past 2^14 (default: papers)")
+    which.add_argument(
+        "--protocol",
+        choices=("papers", "hard", "induction"),
+        help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000, plus P(1)=0.1 and 0.9; "
+        "induction: lengths 2^6, 2^7, ..., 2^20, fewer samples past 2^14 (default: papers)",
+    )
     which.add_argument("--lengths", type=length_range, help="A-B: a custom length range, e.g. 41-500")
-    parser.add_argument("--bands", type=band_spec, default=10,
-                        help="N bands over the range (default 10), or an explicit list A-B,C-D,...")
-    parser.add_argument("--p-one", type=probability, action="append",
-                        help="with --lengths or a list of --bands: sample with P(second symbol) = P instead of the "
-                             "task's generator (repeatable: one set of bands per value)")
-    parser.add_argument("--power-offsets", action="store_true",
-                        help="draw every string with its decisive symbol a power of two before the end (induction_heads:"
-                             " the mark 2^k before the final '#', what RegularGPT's last position reads in one hop)")
+    parser.add_argument(
+        "--bands",
+        type=band_spec,
+        default=10,
+        help="N bands over the range (default 10), or an explicit list A-B,C-D,...",
+    )
+    parser.add_argument(
+        "--p-one",
+        type=probability,
+        action="append",
+        help="with --lengths or a list of --bands: sample with P(second symbol) = P instead of the "
+        "task's generator (repeatable: one set of bands per value)",
+    )
+    parser.add_argument(
+        "--power-offsets",
+        action="store_true",
+        help="draw every string with its decisive symbol a power of two before the end (induction_heads:"
+        " the mark 2^k before the final '#', what RegularGPT's last position reads in one hop)",
+    )
     parser.add_argument("--samples", type=positive_int, default=100, help="samples per band")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=positive_int, default=64)
-    parser.add_argument("--chunk-symbols", type=positive_int,
-                        help="run each batch through the model's cache in chunks of at most this many symbols "
-                             "(bounded memory at any length, e.g. 2^20-symbol inputs to an LRNN; default: "
-                             "final_logits over whole batches)")
+    parser.add_argument(
+        "--chunk-symbols",
+        type=positive_int,
+        help="run each batch through the model's cache in chunks of at most this many symbols "
+        "(bounded memory at any length, e.g. 2^20-symbol inputs to an LRNN; default: "
+        "final_logits over whole batches)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json", action="store_true", help="print the JSON report (schema: training/evaluation/evaluate.py)")
+    parser.add_argument(
+        "--json", action="store_true", help="print the JSON report (schema: training/evaluation/evaluate.py)"
+    )
     parser.add_argument("--plot", type=Path, help="write a PNG of accuracy against length here")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="a tqdm progress bar on stderr, at a terminal (symbols evaluated)")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a tqdm progress bar on stderr, at a terminal (symbols evaluated)",
+    )
     add_threads(parser)
 
 
@@ -201,12 +257,17 @@ def _add_upgrade_parser(parser: argparse.ArgumentParser) -> None:
 
 def _add_export_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_export, threads=None)
-    parser.add_argument("folder", metavar="RUN", type=Path,
-                        help="a training run's folder (train or text-train --out), once it has evaluated: its "
-                             "config.json is the checkpoint's")
+    parser.add_argument(
+        "folder",
+        metavar="RUN",
+        type=Path,
+        help="a training run's folder (train or text-train --out), once it has evaluated: its "
+        "config.json is the checkpoint's",
+    )
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder to write")
-    parser.add_argument("--best", action="store_true",
-                        help="the best weights the run has kept so far, not the last saved step's")
+    parser.add_argument(
+        "--best", action="store_true", help="the best weights the run has kept so far, not the last saved step's"
+    )
 
 
 def _run_export(args: argparse.Namespace, argv: list[str]) -> int:
@@ -214,8 +275,10 @@ def _run_export(args: argparse.Namespace, argv: list[str]) -> int:
         metadata = export_weights(args.folder, args.out, args.best)
     except (ResumeError, CheckpointError, TokenizerError) as error:
         raise UsageError(str(error)) from None
-    print(f"wrote {args.out}: the {'best' if args.best else 'current'} weights of {args.folder} at step "
-          f"{metadata['steps']}")
+    print(
+        f"wrote {args.out}: the {'best' if args.best else 'current'} weights of {args.folder} at step "
+        f"{metadata['steps']}"
+    )
     return 0
 
 
@@ -240,8 +303,10 @@ def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
         summary = "no evaluation"
         if best is not None:
             summary = f"best extrapolation accuracy {best['accuracy']:.4f} at step {best['step']}"
-        print(f"wrote {args.out}: {metadata['steps']} steps in {metadata['wall_time_s']:.1f} s "
-              f"(stopped: {metadata['stopped']}), {summary}")
+        print(
+            f"wrote {args.out}: {metadata['steps']} steps in {metadata['wall_time_s']:.1f} s "
+            f"(stopped: {metadata['stopped']}), {summary}"
+        )
     return 0
 
 
@@ -254,8 +319,9 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         raise UsageError(f"architecture {args.arch!r} {kind}; trainable: {', '.join(TRAINABLE_ARCHITECTURES)}")
     _check_sampling(task, args.p_one, args.balanced)
     if args.power_offset_fraction:
-        _check_power_offsets(task, "--power-offset-fraction", ["--p-one", "--balanced"],
-                             args.p_one is not None or args.balanced)  # fmt: skip
+        _check_power_offsets(
+            task, "--power-offset-fraction", ["--p-one", "--balanced"], args.p_one is not None or args.balanced
+        )
     _check_lengths(task, [args.train_lengths or task.train_lengths, args.eval_lengths or papers_lengths(task)])
     check_new_run(args)
     try:
@@ -264,14 +330,24 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         raise UsageError(str(error)) from None
     settings = settings_from_args(args, args.arch, target=args.target_accuracy)
     data = TaskData(
-        task=task.name, train_lengths=args.train_lengths or task.train_lengths,
-        eval_lengths=args.eval_lengths or papers_lengths(task), curriculum=args.curriculum,
-        curriculum_start=args.curriculum_start, curriculum_fraction=args.curriculum_fraction, p_one=args.p_one,
-        balanced=args.balanced, power_offset_fraction=args.power_offset_fraction, final_only=args.final_only,
-        eval_samples=args.eval_samples, eval_batch_size=args.eval_batch_size,
+        task=task.name,
+        train_lengths=args.train_lengths or task.train_lengths,
+        eval_lengths=args.eval_lengths or papers_lengths(task),
+        curriculum=args.curriculum,
+        curriculum_start=args.curriculum_start,
+        curriculum_fraction=args.curriculum_fraction,
+        p_one=args.p_one,
+        balanced=args.balanced,
+        power_offset_fraction=args.power_offset_fraction,
+        final_only=args.final_only,
+        eval_samples=args.eval_samples,
+        eval_batch_size=args.eval_batch_size,
     )
-    return settings, config, lambda settings, dist: TransductionObjective(
-        data, settings.steps, settings.batch_size, settings.seed, dist)
+    return (
+        settings,
+        config,
+        lambda settings, dist: TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist),
+    )
 
 
 def _task(name: str) -> Task:
@@ -284,8 +360,10 @@ def _task(name: str) -> Task:
 def _check_lengths(task: Task, ranges: list[tuple[int, int]]) -> None:
     too_short = [lengths for lengths in ranges if lengths[0] < task.shortest_length]
     if too_short:
-        raise UsageError(f"{task.name} strings have at least {task.shortest_length} symbols; "
-                         f"length range {too_short[0][0]}-{too_short[0][1]} starts below")
+        raise UsageError(
+            f"{task.name} strings have at least {task.shortest_length} symbols; "
+            f"length range {too_short[0][0]}-{too_short[0][1]} starts below"
+        )
 
 
 def _check_power_offsets(task: Task, flag: str, exclusive: list[str], excluded_given: bool) -> None:
@@ -332,8 +410,17 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     _check_lengths(task, [band.lengths for band in bands])
     band_sets = draw_bands(task, bands, args.samples, args.seed, args.power_offsets)
     reports = [
-        evaluate_checkpoint(loaded, protocol, bands, band_sets, args.seed, args.batch_size, args.chunk_symbols,
-                            args.power_offsets, progress=args.progress)
+        evaluate_checkpoint(
+            loaded,
+            protocol,
+            bands,
+            band_sets,
+            args.seed,
+            args.batch_size,
+            args.chunk_symbols,
+            args.power_offsets,
+            progress=args.progress,
+        )
         for loaded in checkpoints
     ]
     output = reports[0] if len(reports) == 1 else combine_reports(reports)
@@ -352,7 +439,8 @@ def _load_transducer(path: Path, device: str) -> LoadedCheckpoint:
         raise UsageError(str(error)) from None
     if loaded.config.kind != "transduce":
         raise UsageError(
-            f"{path} is a text model (kind {loaded.config.kind!r}); evaluate text models apart from transducers")
+            f"{path} is a text model (kind {loaded.config.kind!r}); evaluate text models apart from transducers"
+        )
     if loaded.config.task is None:
         raise UsageError(f"{path} names no task (a compiled automaton?), so there is no generator to sample from")
     return loaded

@@ -32,18 +32,31 @@ MODEL_FLAGS = (
     ModelFlag("chunk_size", int, "RegularGPT chunk size C: layer l attends m - j*C**l, j in [C]"),
     ModelFlag("thickness", int, "RegularGPT thickness K: distinct blocks per thick layer, shared over depth"),
     ModelFlag("attention_impl", str, "RegularGPT attention implementation", ("auto", "reference", "fast")),
-    ModelFlag("out_of_range", str, "RegularGPT: a dilated key before position 0 is masked out, or is a learned null "
-              "key/value (the paper's padding; lets a layer tell 'no partner' from 'equal partner')",
-              ("mask", "null")),
-    ModelFlag("block_norm", str, "RegularGPT: LayerNorm before each block's attention and MLP (pre, GPT-2's) or after "
-              "each residual sum (post, the authors' code)", ("pre", "post")),
+    ModelFlag(
+        "out_of_range",
+        str,
+        "RegularGPT: a dilated key before position 0 is masked out, or is a learned null "
+        "key/value (the paper's padding; lets a layer tell 'no partner' from 'equal partner')",
+        ("mask", "null"),
+    ),
+    ModelFlag(
+        "block_norm",
+        str,
+        "RegularGPT: LayerNorm before each block's attention and MLP (pre, GPT-2's) or after "
+        "each residual sum (post, the authors' code)",
+        ("pre", "post"),
+    ),
     ModelFlag("block_size", int, "LRNN block size b of the block-diagonal transition"),
     ModelFlag("num_blocks", int, "LRNN number of blocks H (state size H*b)"),
     ModelFlag("p_norm", float, "LRNN p of the column p-norm constraint"),
-    ModelFlag("transition_norm", str, "LRNN constraint on A: the paper's column p-norm, each block's spectral norm "
-              "<= 1 (stable at any length, rotations allowed), or columns projected onto the simplex (sparsemax) with "
-              "no input term and a learned initial state (a probabilistic automaton)",
-              ("column", "spectral", "stochastic")),
+    ModelFlag(
+        "transition_norm",
+        str,
+        "LRNN constraint on A: the paper's column p-norm, each block's spectral norm "
+        "<= 1 (stable at any length, rotations allowed), or columns projected onto the simplex (sparsemax) with "
+        "no input term and a learned initial state (a probabilistic automaton)",
+        ("column", "spectral", "stochastic"),
+    ),
     ModelFlag("transition_rank", int, "LRNN: rank r of the transition generator, d -> r -> H*b*b (default: full)"),
     ModelFlag("state_size", int, "diagonal LRNN state size"),
     ModelFlag("scan_impl", str, "LRNN scan implementation", ("auto", "sequential", "parallel", "chunked")),
@@ -58,21 +71,41 @@ _COMMON_FIELDS = {"d_model": "d_model", "dropout": "dropout"}
 # flag dest -> config field, per architecture
 CONFIG_FIELDS: dict[str, dict[str, str]] = {
     "regulargpt": {
-        **_COMMON_FIELDS, "heads": "n_heads", "d_ff": "d_ff", "chunk_size": "chunk_size",
-        "thickness": "thickness", "attention_impl": "attention_impl", "out_of_range": "out_of_range",
+        **_COMMON_FIELDS,
+        "heads": "n_heads",
+        "d_ff": "d_ff",
+        "chunk_size": "chunk_size",
+        "thickness": "thickness",
+        "attention_impl": "attention_impl",
+        "out_of_range": "out_of_range",
         "block_norm": "block_norm",
     },
     "lrnn": {
-        **_COMMON_FIELDS, "layers": "n_layers", "block_size": "block_size", "num_blocks": "num_blocks",
-        "p_norm": "p_norm", "transition_norm": "transition_norm", "transition_rank": "transition_rank", "d_ff": "d_ff",
-        "scan_impl": "scan_impl", "scan_chunk_size": "scan_chunk_size",
+        **_COMMON_FIELDS,
+        "layers": "n_layers",
+        "block_size": "block_size",
+        "num_blocks": "num_blocks",
+        "p_norm": "p_norm",
+        "transition_norm": "transition_norm",
+        "transition_rank": "transition_rank",
+        "d_ff": "d_ff",
+        "scan_impl": "scan_impl",
+        "scan_chunk_size": "scan_chunk_size",
     },
     "diagonal_lrnn": {
-        **_COMMON_FIELDS, "layers": "n_layers", "state_size": "state_size", "d_ff": "d_ff",
-        "scan_impl": "scan_impl", "scan_chunk_size": "scan_chunk_size",
+        **_COMMON_FIELDS,
+        "layers": "n_layers",
+        "state_size": "state_size",
+        "d_ff": "d_ff",
+        "scan_impl": "scan_impl",
+        "scan_chunk_size": "scan_chunk_size",
     },
     "transformer": {
-        **_COMMON_FIELDS, "layers": "n_layers", "heads": "n_heads", "d_ff": "d_ff", "position": "position",
+        **_COMMON_FIELDS,
+        "layers": "n_layers",
+        "heads": "n_heads",
+        "d_ff": "d_ff",
+        "position": "position",
         "log_length_scaling": "log_length_scaling",
     },
     "lstm": {**_COMMON_FIELDS, "layers": "n_layers", "hidden_size": "hidden_size"},

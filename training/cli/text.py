@@ -91,10 +91,18 @@ def _guarded(run: Runner) -> Runner:
 def _add_bpe_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_guarded(_run_bpe))
     parser.add_argument("--corpus", default=DEFAULT_CORPUS, help="austen (default), text:PATH or owt2:PATH")
-    parser.add_argument("--ranks", type=positive_int, default=8191,
-                        help="tokens in the file, the 256 bytes included (<|endoftext|> comes on top)")
-    parser.add_argument("--validation-fraction", type=float, default=0.1,
-                        help="tail of each document left out (in-memory corpora), as text-train holds it out")
+    parser.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=8191,
+        help="tokens in the file, the 256 bytes included (<|endoftext|> comes on top)",
+    )
+    parser.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.1,
+        help="tail of each document left out (in-memory corpora), as text-train holds it out",
+    )
     parser.add_argument("--max-chars", type=positive_int, help="read at most this many characters")
     parser.add_argument("--out", required=True, type=Path, help="the .tiktoken file to write")
     add_threads(parser)
@@ -108,8 +116,11 @@ def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
     def texts():
         budget = args.max_chars or float("inf")
         for document in corpus_documents(args.corpus):
-            text = document.text if is_streamed(args.corpus) else split_document(
-                document.text, args.validation_fraction, "train")
+            text = (
+                document.text
+                if is_streamed(args.corpus)
+                else split_document(document.text, args.validation_fraction, "train")
+            )
             yield text[: int(min(len(text), budget))]
             budget -= len(text)
             if budget <= 0:
@@ -123,8 +134,10 @@ def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
     if tokenizer.decode(tokenizer.encode(sample)) != sample:
         raise ValueError(f"{args.out}: the ranks do not round-trip the corpus")
     bytes_per_token = len(sample.encode()) / max(1, len(tokenizer.encode(sample)))
-    print(f"wrote {args.out}: {len(tokens)} ranks from {len(counts)} distinct pieces; "
-          f"{bytes_per_token:.2f} bytes per token on the corpus")
+    print(
+        f"wrote {args.out}: {len(tokens)} ranks from {len(counts)} distinct pieces; "
+        f"{bytes_per_token:.2f} bytes per token on the corpus"
+    )
     return 0
 
 
@@ -133,8 +146,18 @@ def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
 
 RECURRENT_ARCHITECTURES = ("lrnn", "diagonal_lrnn", "lstm")  # a fixed-size state: what --state-passing carries
 
-TEXT_DEFAULTS = {"batch_size": 16, "lr": 1e-3, "optimizer": "adamw", "beta2": 0.95, "weight_decay": 0.1,
-                 "schedule": "cosine", "warmup_steps": 100, "min_lr_fraction": 0.1, "eval_every": 200, "dtype": "auto"}
+TEXT_DEFAULTS = {
+    "batch_size": 16,
+    "lr": 1e-3,
+    "optimizer": "adamw",
+    "beta2": 0.95,
+    "weight_decay": 0.1,
+    "schedule": "cosine",
+    "warmup_steps": 100,
+    "min_lr_fraction": 0.1,
+    "eval_every": 200,
+    "dtype": "auto",
+}
 
 
 def _add_train_parser(parser: argparse.ArgumentParser) -> None:
@@ -142,40 +165,79 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to train")
     what.add_argument("--arch", help=f"architecture: {', '.join(TRAINABLE_ARCHITECTURES)}")
     what.add_argument("--corpus", default=DEFAULT_CORPUS, help="austen (default), text:PATH or owt2:PATH")
-    what.add_argument("--tokenizer",
-                      help="a .tiktoken ranks file (copied into the checkpoint), 'bytes', or an offline tiktoken name")
+    what.add_argument(
+        "--tokenizer", help="a .tiktoken ranks file (copied into the checkpoint), 'bytes', or an offline tiktoken name"
+    )
     what.add_argument("--length", type=positive_int, default=128, help="training context length L_tr")
-    what.add_argument("--passkey-fraction", type=probability, default=0.0,
-                      help="each training row ends, with this probability, in a pass-key prompt (filler: the "
-                           "training text) scored on its needle and answer only (training/objectives/language_model.py)")
-    what.add_argument("--passkey-fraction-final", type=probability,
-                      help="the pass-key fraction at the last step (--steps), moving linearly from --passkey-fraction: "
-                           "mix text in gradually into a model that learned the key from pass-key rows")
-    what.add_argument("--passkey-distractors", type=non_negative_int, default=2,
-                      help="a pass-key example's filler holds 0 to this many other numbers (default 2)")
-    what.add_argument("--passkey-number-forms", action="store_true",
-                      help="the distractor numbers take the forms numbers have in prose ('CHAPTER 31', 'in 1797-98', "
-                           "'No. 97', '20,000', '£45'), not only ' 4521'")
-    what.add_argument("--state-passing", action="store_true",
-                      help="recurrent models: each row reads consecutive windows, starting from the state its last "
-                           "one ended in (the gradient cut between steps)")
-    what.add_argument("--passkey-span", type=positive_int, default=1, metavar="WINDOWS",
-                      help="with --state-passing: a pass-key example stretches over 1 to this many consecutive "
-                           "windows of its row (log-uniform up to a longest span growing from 1 to this over --steps; "
-                           "default 1: within one window), the needle in the first, the question in the last")
-    what.add_argument("--state-reset", type=probability, default=0.0, metavar="P",
-                      help="with --state-passing: each row starts each step, with this chance, from the model's "
-                           "initial state instead of the one it carries (its text reads on); default 0")
-    what.add_argument("--passkey-fresh", action="store_true",
-                      help="with --state-passing: a row given a pass-key example starts it from the model's initial "
-                           "state, while text rows carry theirs (no example begins in a state holding an earlier key)")
-    what.add_argument("--teacher", type=Path, metavar="DIR",
-                      help="a trained language model (same tokenizer) whose next-token distributions the text rows "
-                           "learn beside their next tokens (knowledge distillation; with --state-passing it carries "
-                           "its states too); pass-key rows learn their targets alone")
-    what.add_argument("--teacher-weight", type=probability, metavar="W",
-                      help="with --teacher: a text row's loss is (1 - W) times its next token's cross-entropy plus W "
-                           "times the teacher's (default 0.5); the logged loss is the next token's")
+    what.add_argument(
+        "--passkey-fraction",
+        type=probability,
+        default=0.0,
+        help="each training row ends, with this probability, in a pass-key prompt (filler: the "
+        "training text) scored on its needle and answer only (training/objectives/language_model.py)",
+    )
+    what.add_argument(
+        "--passkey-fraction-final",
+        type=probability,
+        help="the pass-key fraction at the last step (--steps), moving linearly from --passkey-fraction: "
+        "mix text in gradually into a model that learned the key from pass-key rows",
+    )
+    what.add_argument(
+        "--passkey-distractors",
+        type=non_negative_int,
+        default=2,
+        help="a pass-key example's filler holds 0 to this many other numbers (default 2)",
+    )
+    what.add_argument(
+        "--passkey-number-forms",
+        action="store_true",
+        help="the distractor numbers take the forms numbers have in prose ('CHAPTER 31', 'in 1797-98', "
+        "'No. 97', '20,000', '£45'), not only ' 4521'",
+    )
+    what.add_argument(
+        "--state-passing",
+        action="store_true",
+        help="recurrent models: each row reads consecutive windows, starting from the state its last "
+        "one ended in (the gradient cut between steps)",
+    )
+    what.add_argument(
+        "--passkey-span",
+        type=positive_int,
+        default=1,
+        metavar="WINDOWS",
+        help="with --state-passing: a pass-key example stretches over 1 to this many consecutive "
+        "windows of its row (log-uniform up to a longest span growing from 1 to this over --steps; "
+        "default 1: within one window), the needle in the first, the question in the last",
+    )
+    what.add_argument(
+        "--state-reset",
+        type=probability,
+        default=0.0,
+        metavar="P",
+        help="with --state-passing: each row starts each step, with this chance, from the model's "
+        "initial state instead of the one it carries (its text reads on); default 0",
+    )
+    what.add_argument(
+        "--passkey-fresh",
+        action="store_true",
+        help="with --state-passing: a row given a pass-key example starts it from the model's initial "
+        "state, while text rows carry theirs (no example begins in a state holding an earlier key)",
+    )
+    what.add_argument(
+        "--teacher",
+        type=Path,
+        metavar="DIR",
+        help="a trained language model (same tokenizer) whose next-token distributions the text rows "
+        "learn beside their next tokens (knowledge distillation; with --state-passing it carries "
+        "its states too); pass-key rows learn their targets alone",
+    )
+    what.add_argument(
+        "--teacher-weight",
+        type=probability,
+        metavar="W",
+        help="with --teacher: a text row's loss is (1 - W) times its next token's cross-entropy plus W "
+        "times the teacher's (default 0.5); the logged loss is the next token's",
+    )
     checks = parser.add_argument_group("validation")
     checks.add_argument("--validation-fraction", type=probability, default=0.1, help="held-out tail of each document")
     checks.add_argument("--validation-corpus", help="for owt2 training: a held-out corpus spec, e.g. owt2:val/")
@@ -211,9 +273,11 @@ def _run_train(args: argparse.Namespace, argv: list[str]) -> int:
     if metadata["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         loss = metadata.get("validation_loss")
         summary = "no validation" if loss is None else f"validation perplexity {math.exp(loss):.2f}"
-        print(f"wrote {args.out}: {metadata['steps']} steps, {metadata['tokens']:,} tokens in "
-              f"{metadata['wall_time_s']:.0f} s ({metadata['tokens_per_s']:,.0f} tokens/s; stopped: "
-              f"{metadata['stopped']}), {summary}")
+        print(
+            f"wrote {args.out}: {metadata['steps']} steps, {metadata['tokens']:,} tokens in "
+            f"{metadata['wall_time_s']:.0f} s ({metadata['tokens_per_s']:,.0f} tokens/s; stopped: "
+            f"{metadata['stopped']}), {summary}"
+        )
     return 0
 
 
@@ -235,35 +299,65 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
     if args.passkey_fraction:  # before the corpus is read
         check_passkey_length(tokenizer, args.length)
     if args.state_passing and args.arch not in RECURRENT_ARCHITECTURES:
-        raise UsageError(f"--state-passing needs a recurrent model ({', '.join(RECURRENT_ARCHITECTURES)}); "
-                         f"{args.arch}'s cache grows with the context")
+        raise UsageError(
+            f"--state-passing needs a recurrent model ({', '.join(RECURRENT_ARCHITECTURES)}); "
+            f"{args.arch}'s cache grows with the context"
+        )
     if args.passkey_span > 1 and not (args.state_passing and args.passkey_fraction):
-        raise UsageError("--passkey-span needs --state-passing and --passkey-fraction (an example across windows "
-                         "is read from carried states)")
+        raise UsageError(
+            "--passkey-span needs --state-passing and --passkey-fraction (an example across windows "
+            "is read from carried states)"
+        )
     if args.state_reset and not args.state_passing:
         raise UsageError("--state-reset needs --state-passing (it resets carried states)")
     if args.state_reset and args.passkey_span > 1:
-        raise UsageError("--state-reset with --passkey-span over 1 would cut examples across windows in their middle "
-                         "(a reset row forgets its key): use one of them")
+        raise UsageError(
+            "--state-reset with --passkey-span over 1 would cut examples across windows in their middle "
+            "(a reset row forgets its key): use one of them"
+        )
     if args.passkey_fresh and not (args.state_passing and args.passkey_fraction):
-        raise UsageError("--passkey-fresh needs --state-passing and --passkey-fraction (it starts pass-key rows from "
-                         "the initial state instead of their carried one)")
+        raise UsageError(
+            "--passkey-fresh needs --state-passing and --passkey-fraction (it starts pass-key rows from "
+            "the initial state instead of their carried one)"
+        )
     if args.teacher_weight is not None and args.teacher is None:
         raise UsageError("--teacher-weight needs --teacher (the model whose distributions are learned)")
     teacher_weight = 0.0 if args.teacher is None else 0.5 if args.teacher_weight is None else args.teacher_weight
     if args.teacher is not None and teacher_weight == 0.0:
         raise UsageError("--teacher-weight 0 would learn nothing from --teacher: give a weight in (0, 1]")
     settings = settings_from_args(args, args.arch)
-    data = TextData(corpus=args.corpus, tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
-                    length=args.length, validation_fraction=args.validation_fraction,
-                    validation_corpus=args.validation_corpus, validation_windows=args.validation_windows,
-                    passkey_fraction=args.passkey_fraction, passkey_fraction_final=args.passkey_fraction_final,
-                    passkey_distractors=args.passkey_distractors, passkey_number_forms=args.passkey_number_forms,
-                    state_passing=args.state_passing, passkey_span=args.passkey_span, state_reset=args.state_reset,
-                    passkey_fresh=args.passkey_fresh, teacher=None if args.teacher is None else str(args.teacher),
-                    teacher_weight=teacher_weight)
-    return settings, config, lambda settings, dist: LanguageModelObjective(
-        data, tokenizer, ranks_file, settings.steps, settings.batch_size, settings.seed, settings.eval_every > 0, dist)
+    data = TextData(
+        corpus=args.corpus,
+        tokenizer=checkpoint_tokenizer_name(ranks_file, tokenizer.name),
+        length=args.length,
+        validation_fraction=args.validation_fraction,
+        validation_corpus=args.validation_corpus,
+        validation_windows=args.validation_windows,
+        passkey_fraction=args.passkey_fraction,
+        passkey_fraction_final=args.passkey_fraction_final,
+        passkey_distractors=args.passkey_distractors,
+        passkey_number_forms=args.passkey_number_forms,
+        state_passing=args.state_passing,
+        passkey_span=args.passkey_span,
+        state_reset=args.state_reset,
+        passkey_fresh=args.passkey_fresh,
+        teacher=None if args.teacher is None else str(args.teacher),
+        teacher_weight=teacher_weight,
+    )
+    return (
+        settings,
+        config,
+        lambda settings, dist: LanguageModelObjective(
+            data,
+            tokenizer,
+            ranks_file,
+            settings.steps,
+            settings.batch_size,
+            settings.seed,
+            settings.eval_every > 0,
+            dist,
+        ),
+    )
 
 
 # ---------------------------------------------------------------- text-eval
@@ -282,17 +376,33 @@ def _with_attention_impl(model: torch.nn.Module, attention_impl: str) -> torch.n
 REPORT_FILE, PERPLEXITY_PLOT, RECEPTIVE_PLOT = "eval.json", "perplexity.png", "receptive_field.png"  # in --out
 PASSKEY_REPORT, PASSKEY_PLOT = "passkey.json", "passkey.png"  # in --out, with --probe passkey
 PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is refused with the other
-    "perplexity": {"corpus": None, "train_length": None, "multiples": (1, 2, 4, 8, 16), "targets": 256,
-                   "batch_size": 8, "receptive_field": 0, "receptive_multiple": 4.0},
-    "passkey": {"sizes": (2**10, 2**13, 2**16, 2**20), "depths": (0.0, 0.25, 0.5, 0.75, 1.0),
-                "filler": [[DEFAULT_CORPUS, GRASS_FILLER]], "trials": 2, "seed": 0, "max_new_tokens": 8,
-                "batch_size": 16, "max_memory": 4.0, "distractors": 0, "distractors_at": "either",
-                "number_forms": False},
+    "perplexity": {
+        "corpus": None,
+        "train_length": None,
+        "multiples": (1, 2, 4, 8, 16),
+        "targets": 256,
+        "batch_size": 8,
+        "receptive_field": 0,
+        "receptive_multiple": 4.0,
+    },
+    "passkey": {
+        "sizes": (2**10, 2**13, 2**16, 2**20),
+        "depths": (0.0, 0.25, 0.5, 0.75, 1.0),
+        "filler": [[DEFAULT_CORPUS, GRASS_FILLER]],
+        "trials": 2,
+        "seed": 0,
+        "max_new_tokens": 8,
+        "batch_size": 16,
+        "max_memory": 4.0,
+        "distractors": 0,
+        "distractors_at": "either",
+        "number_forms": False,
+    },
 }
 
 
 def filler_names(text: str) -> list[str]:
-    """"austen,grass": filler names (a corpus spec or ``grass``)."""
+    """ "austen,grass": filler names (a corpus spec or ``grass``)."""
     names = text.split(",")
     unknown = [name for name in names if not is_filler_name(name)]
     if unknown:
@@ -303,58 +413,108 @@ def filler_names(text: str) -> list[str]:
 def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_guarded(_run_eval))
     parser.add_argument("--checkpoint", required=True, action="append", type=Path, help="repeat to compare")
-    parser.add_argument("--probe", choices=tuple(PROBE_DEFAULTS), default="perplexity",
-                        help="perplexity (default): last-token perplexity against context length; passkey: "
-                             "pass-key retrieval by prompt size and key depth")
-    parser.add_argument("--batch-size", type=positive_int,
-                        help="rows per forward pass (default: perplexity 8, passkey 16)")
+    parser.add_argument(
+        "--probe",
+        choices=tuple(PROBE_DEFAULTS),
+        default="perplexity",
+        help="perplexity (default): last-token perplexity against context length; passkey: "
+        "pass-key retrieval by prompt size and key depth",
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, help="rows per forward pass (default: perplexity 8, passkey 16)"
+    )
     perplexity = parser.add_argument_group("--probe perplexity")
-    perplexity.add_argument("--corpus", help="held-out text (default: the corpus each checkpoint was trained on, "
-                                             "its validation tails)")
-    perplexity.add_argument("--train-length", type=positive_int,
-                            help="L_tr (default: the checkpoint's metadata.train_length)")
-    perplexity.add_argument("--multiples", type=multiples,
-                            help="context lengths as multiples of L_tr (default 1,2,4,8,16)")
+    perplexity.add_argument(
+        "--corpus", help="held-out text (default: the corpus each checkpoint was trained on, its validation tails)"
+    )
+    perplexity.add_argument(
+        "--train-length", type=positive_int, help="L_tr (default: the checkpoint's metadata.train_length)"
+    )
+    perplexity.add_argument(
+        "--multiples", type=multiples, help="context lengths as multiples of L_tr (default 1,2,4,8,16)"
+    )
     perplexity.add_argument("--targets", type=positive_int, help="target tokens, the same at every length (256)")
-    perplexity.add_argument("--receptive-field", type=int, metavar="N",
-                            help="also the cumulative gradient-norm curve over N windows (default 0: skip)")
-    perplexity.add_argument("--receptive-multiple", type=positive_float,
-                            help="length of the receptive-field windows in multiples of L_tr (default 4)")
+    perplexity.add_argument(
+        "--receptive-field",
+        type=int,
+        metavar="N",
+        help="also the cumulative gradient-norm curve over N windows (default 0: skip)",
+    )
+    perplexity.add_argument(
+        "--receptive-multiple",
+        type=positive_float,
+        help="length of the receptive-field windows in multiples of L_tr (default 4)",
+    )
     passkey = parser.add_argument_group("--probe passkey (training/evaluation/passkey_probe.py)")
-    passkey.add_argument("--sizes", type=token_counts,
-                         help="prompt sizes in tokens, k = 1024, M = 1048576 (default 1k,8k,64k,1M)")
-    passkey.add_argument("--depths", type=fractions,
-                         help="where the key sits in the filler, 0: first, 1: last (default 0,0.25,0.5,0.75,1)")
-    passkey.add_argument("--filler", type=filler_names, action="append",
-                         help="repeat or comma-separate: austen (its held-out tails), grass (the classic "
-                              "'The grass is green. ...'), text:PATH or owt2:PATH (default austen,grass)")
+    passkey.add_argument(
+        "--sizes", type=token_counts, help="prompt sizes in tokens, k = 1024, M = 1048576 (default 1k,8k,64k,1M)"
+    )
+    passkey.add_argument(
+        "--depths",
+        type=fractions,
+        help="where the key sits in the filler, 0: first, 1: last (default 0,0.25,0.5,0.75,1)",
+    )
+    passkey.add_argument(
+        "--filler",
+        type=filler_names,
+        action="append",
+        help="repeat or comma-separate: austen (its held-out tails), grass (the classic "
+        "'The grass is green. ...'), text:PATH or owt2:PATH (default austen,grass)",
+    )
     passkey.add_argument("--trials", type=positive_int, help="keys per size, depth and filler (default 2)")
     passkey.add_argument("--seed", type=int, help="draws the keys and filler offsets (default 0)")
     passkey.add_argument("--max-new-tokens", type=positive_int, help="greedy tokens decoded (default 8)")
-    passkey.add_argument("--distractors", type=non_negative_int, metavar="N",
-                         help="other numbers (never the key) put in each prompt's filler, on either side of the "
-                              "needle (default 0)")
-    passkey.add_argument("--distractors-at", choices=DISTRACTOR_PLACES,
-                         help="with --distractors: on either side of the needle (default), or all before or all after "
-                              "it (a model that answers the last number it read fails every prompt of 'after')")
-    passkey.add_argument("--number-forms", action="store_const", const=True,
-                         help="with --distractors: the numbers take the forms numbers have in prose ('CHAPTER 31', "
-                              "'in 1797-98', 'No. 97', ...), as text-train's --passkey-number-forms")
-    passkey.add_argument("--max-memory", type=positive_float, metavar="GIB",
-                         help="for a batch's caches and one prefill call's peak, as the model estimates them; "
-                              "a size at which one row does not fit is skipped (default 4)")
+    passkey.add_argument(
+        "--distractors",
+        type=non_negative_int,
+        metavar="N",
+        help="other numbers (never the key) put in each prompt's filler, on either side of the needle (default 0)",
+    )
+    passkey.add_argument(
+        "--distractors-at",
+        choices=DISTRACTOR_PLACES,
+        help="with --distractors: on either side of the needle (default), or all before or all after "
+        "it (a model that answers the last number it read fails every prompt of 'after')",
+    )
+    passkey.add_argument(
+        "--number-forms",
+        action="store_const",
+        const=True,
+        help="with --distractors: the numbers take the forms numbers have in prose ('CHAPTER 31', "
+        "'in 1797-98', 'No. 97', ...), as text-train's --passkey-number-forms",
+    )
+    passkey.add_argument(
+        "--max-memory",
+        type=positive_float,
+        metavar="GIB",
+        help="for a batch's caches and one prefill call's peak, as the model estimates them; "
+        "a size at which one row does not fit is skipped (default 4)",
+    )
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--out", type=Path,
-                        help=f"folder for {REPORT_FILE} ({PASSKEY_REPORT} with --probe passkey: the reports, a "
-                             "list) and the plots (default: runs/text-eval/<checkpoint names joined by '+'>)")
-    parser.add_argument("--plots", action="store_true",
-                        help=f"also write {PERPLEXITY_PLOT} and, with --receptive-field, {RECEPTIVE_PLOT} "
-                             f"({PASSKEY_PLOT} with --probe passkey; matplotlib: the plots extra)")
-    parser.add_argument("--attention-impl", choices=("auto", "reference", "fast"),
-                        help="RegularGPT: evaluate through this attention implementation instead of the "
-                             "checkpoint's (exact either way; reference is O(T^2), fast O(T*C))")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="a tqdm progress bar on stderr, at a terminal (tokens run)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"folder for {REPORT_FILE} ({PASSKEY_REPORT} with --probe passkey: the reports, a "
+        "list) and the plots (default: runs/text-eval/<checkpoint names joined by '+'>)",
+    )
+    parser.add_argument(
+        "--plots",
+        action="store_true",
+        help=f"also write {PERPLEXITY_PLOT} and, with --receptive-field, {RECEPTIVE_PLOT} "
+        f"({PASSKEY_PLOT} with --probe passkey; matplotlib: the plots extra)",
+    )
+    parser.add_argument(
+        "--attention-impl",
+        choices=("auto", "reference", "fast"),
+        help="RegularGPT: evaluate through this attention implementation instead of the "
+        "checkpoint's (exact either way; reference is O(T^2), fast O(T*C))",
+    )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a tqdm progress bar on stderr, at a terminal (tokens run)",
+    )
     add_threads(parser)
 
 
@@ -370,8 +530,13 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
 def _fill_probe_defaults(args: argparse.Namespace) -> None:
     """Refuse the flags of the probe not run; give those of the probe run that were not given their defaults."""
     own = PROBE_DEFAULTS[args.probe]
-    foreign = [dest for probe, defaults in PROBE_DEFAULTS.items() if probe != args.probe for dest in defaults
-               if dest not in own and getattr(args, dest) is not None]
+    foreign = [
+        dest
+        for probe, defaults in PROBE_DEFAULTS.items()
+        if probe != args.probe
+        for dest in defaults
+        if dest not in own and getattr(args, dest) is not None
+    ]
     if foreign:
         flags = ", ".join("--" + dest.replace("_", "-") for dest in foreign)
         raise UsageError(f"{flags} {'does' if len(foreign) == 1 else 'do'} not apply to --probe {args.probe}")
@@ -396,8 +561,9 @@ def _validation_fraction(loaded: LoadedCheckpoint) -> float:
     return loaded.config.metadata.get("settings", {}).get("validation_fraction", 0.1)
 
 
-def _run_perplexity(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpoint, Tokenizer]],
-                    out: Path) -> list[Path]:
+def _run_perplexity(
+    args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpoint, Tokenizer]], out: Path
+) -> list[Path]:
     from training.evaluation.text_eval import evaluate_text_checkpoint, format_text_table
     from training.objectives.language_model import validation_tokens
 
@@ -408,11 +574,25 @@ def _run_perplexity(args: argparse.Namespace, checkpoints: list[tuple[LoadedChec
         if train_length is None:
             raise ValueError(f"{loaded.path}: no train_length in its metadata; give --train-length")
         documents = validation_tokens(corpus, _validation_fraction(loaded), tokenizer)
-        reports.append(evaluate_text_checkpoint(
-            loaded, documents, corpus, train_length, args.multiples, args.targets, args.batch_size,
-            args.receptive_field, args.receptive_multiple, progress=args.progress))
-        print(f"{loaded.path}: " + ", ".join(f"{row['length']}: {row['perplexity']:.2f}"
-                                             for row in reports[-1]["perplexity"]), file=sys.stderr)
+        reports.append(
+            evaluate_text_checkpoint(
+                loaded,
+                documents,
+                corpus,
+                train_length,
+                args.multiples,
+                args.targets,
+                args.batch_size,
+                args.receptive_field,
+                args.receptive_multiple,
+                progress=args.progress,
+            )
+        )
+        print(
+            f"{loaded.path}: "
+            + ", ".join(f"{row['length']}: {row['perplexity']:.2f}" for row in reports[-1]["perplexity"]),
+            file=sys.stderr,
+        )
     print(format_text_table(reports))
     plots = []
     if args.plots:
@@ -424,15 +604,26 @@ def _run_perplexity(args: argparse.Namespace, checkpoints: list[tuple[LoadedChec
     return _write_reports(out, REPORT_FILE, reports, plots)
 
 
-def _run_passkey(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpoint, Tokenizer]],
-                 out: Path) -> list[Path]:
-    probe = PassKeyProbe(sizes=args.sizes, depths=args.depths, fillers=tuple(dict.fromkeys(
-        name for names in args.filler for name in names)), trials=args.trials, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_memory=int(args.max_memory * 2**30),
-        distractors=args.distractors, distractors_at=args.distractors_at, number_forms=args.number_forms)
+def _run_passkey(
+    args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpoint, Tokenizer]], out: Path
+) -> list[Path]:
+    probe = PassKeyProbe(
+        sizes=args.sizes,
+        depths=args.depths,
+        fillers=tuple(dict.fromkeys(name for names in args.filler for name in names)),
+        trials=args.trials,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        max_memory=int(args.max_memory * 2**30),
+        distractors=args.distractors,
+        distractors_at=args.distractors_at,
+        number_forms=args.number_forms,
+    )
     if not probe.distractors and (probe.distractors_at != "either" or probe.number_forms):
-        raise UsageError("--distractors-at and --number-forms place or shape the --distractors numbers: give "
-                         "--distractors N (N > 0)")
+        raise UsageError(
+            "--distractors-at and --number-forms place or shape the --distractors numbers: give --distractors N (N > 0)"
+        )
     fillers = []  # every checkpoint's filler token streams, all read (and the sizes checked) before any runs
     for loaded, tokenizer in checkpoints:
         streams = {name: filler_tokens(name, tokenizer, _validation_fraction(loaded)) for name in probe.fillers}
@@ -441,8 +632,10 @@ def _run_passkey(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpo
             raise UsageError(f"--filler {empty[0]}: no held-out text")
         shortest = PassKeyBuilder(tokenizer, streams[probe.fillers[0]]).shortest()
         if probe.sizes[0] < shortest:
-            raise UsageError(f"--sizes {probe.sizes[0]}: a pass-key prompt takes at least {shortest} tokens of "
-                             f"{loaded.path}'s tokenizer")
+            raise UsageError(
+                f"--sizes {probe.sizes[0]}: a pass-key prompt takes at least {shortest} tokens of "
+                f"{loaded.path}'s tokenizer"
+            )
         fillers.append(streams)
     reports = []
     for (loaded, tokenizer), streams in zip(checkpoints, fillers):
@@ -456,8 +649,9 @@ def _run_passkey(args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpo
     return _write_reports(out, PASSKEY_REPORT, reports, plots)
 
 
-def _write_reports(out: Path, name: str, reports: list[dict], plots: list[tuple[str, Callable[[list, Path], None]]]
-                   ) -> list[Path]:
+def _write_reports(
+    out: Path, name: str, reports: list[dict], plots: list[tuple[str, Callable[[list, Path], None]]]
+) -> list[Path]:
     """``reports`` as JSON in ``out/name`` and each plot of them in ``out/plot name``; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(reports, indent=2) + "\n")

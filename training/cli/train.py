@@ -39,8 +39,7 @@ from training.objectives.run import Objective, TrainSettings
 from training.objectives.transduction import TaskData, TransductionObjective
 
 # Flags that may come with --resume: they do not change what the run computes (--steps only extends it).
-RESUME_FLAGS = {"--resume", "--out", "--threads", "--time-budget", "--device", "--progress", "--no-progress",
-                "--steps"}
+RESUME_FLAGS = {"--resume", "--out", "--threads", "--time-budget", "--device", "--progress", "--no-progress", "--steps"}
 
 # a new run: its settings, its model's config, and how to build its objective once the process group is up
 NewRun = tuple[TrainSettings, BaseModelConfig, Callable[[TrainSettings, Distributed], Objective]]
@@ -51,17 +50,28 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     what = parser.add_argument_group("run folder")
     what.add_argument("--out", required=True, type=Path, help="checkpoint folder to write (train.jsonl beside)")
     what.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
-    what.add_argument("--resume", action="store_true",
-                      help="continue the run in --out from its resume.safetensors, with the settings it started with")
+    what.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its resume.safetensors, with the settings it started with",
+    )
     what.add_argument("--steps", type=positive_int, help="optimizer steps (at most)")
-    what.add_argument("--init-from", type=Path, metavar="DIR",
-                      help="start from the weights of the checkpoint in DIR (same architecture and model flags, but an "
-                           "LRNN's --num-blocks may be larger: the new blocks start out of the output), e.g. a "
-                           "curriculum's next stage; the optimizer and data start afresh")
+    what.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="DIR",
+        help="start from the weights of the checkpoint in DIR (same architecture and model flags, but an "
+        "LRNN's --num-blocks may be larger: the new blocks start out of the output), e.g. a "
+        "curriculum's next stage; the optimizer and data start afresh",
+    )
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--batch-size", type=positive_int, help="sequences per step and process")
-    optim.add_argument("--grad-accumulation", type=positive_int, default=1,
-                       help="split each step's batch into this many micro-batches (same gradient, less memory)")
+    optim.add_argument(
+        "--grad-accumulation",
+        type=positive_int,
+        default=1,
+        help="split each step's batch into this many micro-batches (same gradient, less memory)",
+    )
     optim.add_argument("--lr", type=positive_float, help="peak learning rate")
     optim.add_argument("--optimizer", choices=("adam", "adamw"))
     optim.add_argument("--beta2", type=probability, help="Adam's second-moment decay")
@@ -71,27 +81,45 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     optim.add_argument("--min-lr-fraction", type=probability, help="where the cosine ends, over the peak")
     optim.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
     optim.add_argument("--seed", type=int, default=0, help="weights, data (keyed by rank too) and evaluation set")
-    optim.add_argument("--soft-transition-steps", type=non_negative_int,
-                       help="LRNN with --transition-norm stochastic: train this many first steps with softmax columns, "
-                       "then with the sparsemax it is served with (default: half of --steps)")
-    optim.add_argument("--determinism-weight", type=non_negative_float,
-                       help="LRNN with --transition-norm stochastic: over the soft steps, add this (rising from 0) "
-                       "times the mean impurity 1 - sum_i A_ij^2 of the softmax columns to the loss (default 0)")
-    optim.add_argument("--extra-levels", type=non_negative_int,
-                       help="RegularGPT: read each training position after up to this many thick layers above its "
-                       "depth, drawn per step (default 0); trains the state a long input's early positions carry")
+    optim.add_argument(
+        "--soft-transition-steps",
+        type=non_negative_int,
+        help="LRNN with --transition-norm stochastic: train this many first steps with softmax columns, "
+        "then with the sparsemax it is served with (default: half of --steps)",
+    )
+    optim.add_argument(
+        "--determinism-weight",
+        type=non_negative_float,
+        help="LRNN with --transition-norm stochastic: over the soft steps, add this (rising from 0) "
+        "times the mean impurity 1 - sum_i A_ij^2 of the softmax columns to the loss (default 0)",
+    )
+    optim.add_argument(
+        "--extra-levels",
+        type=non_negative_int,
+        help="RegularGPT: read each training position after up to this many thick layers above its "
+        "depth, drawn per step (default 0); trains the state a long input's early positions carry",
+    )
     checks = parser.add_argument_group("evaluation, early stopping, saving")
     checks.add_argument("--eval-every", type=non_negative_int, help="steps between evaluations (0: none)")
     checks.add_argument("--patience", type=positive_int, help="stop after this many evaluations without a new best")
-    checks.add_argument("--save-every", type=positive_int,
-                        help="steps between resumable saves (default: --eval-every, else 500); also at every stop")
+    checks.add_argument(
+        "--save-every",
+        type=positive_int,
+        help="steps between resumable saves (default: --eval-every, else 500); also at every stop",
+    )
     checks.add_argument("--log-every", type=positive_int, default=10, help="steps between train.jsonl records")
     run = parser.add_argument_group("run")
-    run.add_argument("--time-budget", type=positive_float,
-                     help="seconds for this invocation: then save a resumable checkpoint and stop (--resume goes on)")
+    run.add_argument(
+        "--time-budget",
+        type=positive_float,
+        help="seconds for this invocation: then save a resumable checkpoint and stop (--resume goes on)",
+    )
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (torchrun: the local rank's)")
-    run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
-                     help="bfloat16: autocast for the forward pass (weights stay float32); auto: bfloat16 on CUDA")
+    run.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        help="bfloat16: autocast for the forward pass (weights stay float32); auto: bfloat16 on CUDA",
+    )
     run.add_argument("--compile", action="store_true", help="torch.compile the model for training")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
     add_threads(run)
@@ -99,8 +127,9 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     parser.set_defaults(**defaults)
 
 
-def check_resume_flags(args: argparse.Namespace, argv: list[str],
-                       parse: Callable[[list[str]], argparse.Namespace]) -> None:
+def check_resume_flags(
+    args: argparse.Namespace, argv: list[str], parse: Callable[[list[str]], argparse.Namespace]
+) -> None:
     """With --resume, a flag outside :data:`RESUME_FLAGS` must have the value it had in the command that started
     the run (``parse``: that command's arguments, as ``argv`` is parsed); one that differs is a UsageError naming
     the flag, the run's value and the value given."""
@@ -114,11 +143,12 @@ def check_resume_flags(args: argparse.Namespace, argv: list[str],
     try:
         started = parse(_training_arguments(command))
     except UsageError as error:
-        raise UsageError(f"the command that started the run in {args.out} ({command}) does not parse here ({error}); "
-                         f"give only {', '.join(sorted(RESUME_FLAGS))} with --resume") from None
+        raise UsageError(
+            f"the command that started the run in {args.out} ({command}) does not parse here ({error}); "
+            f"give only {', '.join(sorted(RESUME_FLAGS))} with --resume"
+        ) from None
     if started.command != args.command:
-        raise UsageError(f"the run in {args.out} was started by {started.command!r}, not {args.command!r} "
-                         f"({command})")
+        raise UsageError(f"the run in {args.out} was started by {started.command!r}, not {args.command!r} ({command})")
     differing = []
     for flag in given:
         dest = flag[2:].replace("-", "_")
@@ -126,15 +156,17 @@ def check_resume_flags(args: argparse.Namespace, argv: list[str],
         if ran != asked:
             differing.append(f"{flag} is {_shown(asked)} here but was {_shown(ran)} when the run started")
     if differing:
-        raise UsageError(f"{'; '.join(differing)}: a resumed run goes on with the settings it started with (give "
-                         f"the same values or leave them out; {', '.join(sorted(RESUME_FLAGS))} may differ)")
+        raise UsageError(
+            f"{'; '.join(differing)}: a resumed run goes on with the settings it started with (give "
+            f"the same values or leave them out; {', '.join(sorted(RESUME_FLAGS))} may differ)"
+        )
 
 
 def _training_arguments(command: str) -> list[str]:
     """The arguments after ``-m training`` in a run's recorded command (``python -m training ...`` or torchrun's)."""
     words = shlex.split(command)
-    starts = [index + 2 for index in range(len(words) - 1) if words[index:index + 2] == ["-m", "training"]]
-    return words[starts[0]:] if starts else []
+    starts = [index + 2 for index in range(len(words) - 1) if words[index : index + 2] == ["-m", "training"]]
+    return words[starts[0] :] if starts else []
 
 
 def _shown(value: Any) -> str:
@@ -172,8 +204,9 @@ def check_new_run(args: argparse.Namespace) -> None:
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} exists and is not a folder")
     if holds_save(args.out) and not args.overwrite:
-        raise UsageError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it, "
-                         f"or --resume to continue its run")
+        raise UsageError(
+            f"{args.out} already holds a checkpoint; pass --overwrite to replace it, or --resume to continue its run"
+        )
     require_new_run_flags(args, "--steps")
     if args.eval_every == 0 and (args.patience or getattr(args, "target_accuracy", None) is not None):
         raise UsageError("--patience and --target-accuracy need evaluations: set --eval-every above 0")
@@ -188,17 +221,34 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         raise UsageError("--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only")
     soft_steps = args.soft_transition_steps if args.soft_transition_steps is not None else args.steps // 2
     if args.determinism_weight is not None and not (stochastic and soft_steps):
-        raise UsageError("--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic "
-                         "only")
+        raise UsageError(
+            "--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic only"
+        )
     if args.extra_levels and architecture != "regulargpt":
         raise UsageError("--extra-levels applies to --arch regulargpt only")
     return TrainSettings(
-        architecture=architecture, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        optimizer=args.optimizer, beta2=args.beta2, weight_decay=args.weight_decay, schedule=args.schedule,
-        warmup_steps=args.warmup_steps, min_lr_fraction=args.min_lr_fraction, grad_clip=args.grad_clip,
-        grad_accumulation=args.grad_accumulation, seed=args.seed, eval_every=args.eval_every, save_every=save_every,
-        patience=args.patience, target=target, log_every=args.log_every, dtype=args.dtype, compile=args.compile,
-        soft_transition_steps=soft_steps if stochastic else 0, determinism_weight=args.determinism_weight or 0.0,
+        architecture=architecture,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        beta2=args.beta2,
+        weight_decay=args.weight_decay,
+        schedule=args.schedule,
+        warmup_steps=args.warmup_steps,
+        min_lr_fraction=args.min_lr_fraction,
+        grad_clip=args.grad_clip,
+        grad_accumulation=args.grad_accumulation,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        save_every=save_every,
+        patience=args.patience,
+        target=target,
+        log_every=args.log_every,
+        dtype=args.dtype,
+        compile=args.compile,
+        soft_transition_steps=soft_steps if stochastic else 0,
+        determinism_weight=args.determinism_weight or 0.0,
         extra_levels=args.extra_levels or 0,
     )
 
@@ -219,8 +269,9 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             initial = None if args.init_from is None else initial_weights(args.init_from, settings, model_config)
             objective = _built(lambda: make_objective(settings, dist))
             if args.resume and dist.is_main:
-                print(f"nothing to resume in {args.out} (no {RESUME_FILE}): starting the run from step 0",
-                      file=sys.stderr)
+                print(
+                    f"nothing to resume in {args.out} (no {RESUME_FILE}): starting the run from step 0", file=sys.stderr
+                )
             return train(settings, objective, model_config, args.out, command, dist, options, initial=initial)
         state, _ = read_resume_state(args.out, with_tensors=False)
         for option in ("soft_transition_steps", "determinism_weight", "extra_levels"):  # saved before the options
@@ -229,12 +280,15 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
         steps = args.steps or saved.steps
         evaluation_left = state["run"].get("evaluation_pending", False) and state["run"]["step"] == steps
         if state["run"]["step"] >= steps and not evaluation_left:
-            raise UsageError(f"the run in {args.out} is at step {state['run']['step']} of {saved.steps} "
-                             f"(stopped: {state['run']['stopped']}); give --steps above {state['run']['step']} "
-                             "to go on")
+            raise UsageError(
+                f"the run in {args.out} is at step {state['run']['step']} of {saved.steps} "
+                f"(stopped: {state['run']['stopped']}); give --steps above {state['run']['step']} "
+                "to go on"
+            )
         settings = dataclasses.replace(saved, steps=steps)
-        model_config = dataclass_from_dict(ARCHITECTURE_CONFIGS[state["architecture"]], state["model"],
-                                           where="resume model")
+        model_config = dataclass_from_dict(
+            ARCHITECTURE_CONFIGS[state["architecture"]], state["model"], where="resume model"
+        )
         objective = _built(lambda: _resumed_objective(state["objective"], settings, args.out, dist))
         return train(settings, objective, model_config, args.out, state["command"], dist, options, resume=command)
     except ResumeError as error:
@@ -251,7 +305,9 @@ def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseMod
     except ValueError as error:  # CheckpointError, ConfigError: missing, unreadable
         raise UsageError(f"--init-from {folder}: {error}") from None
     if loaded.config.architecture != settings.architecture:
-        raise UsageError(f"--init-from {folder} is a {loaded.config.architecture} checkpoint, not {settings.architecture}")
+        raise UsageError(
+            f"--init-from {folder} is a {loaded.config.architecture} checkpoint, not {settings.architecture}"
+        )
     theirs, ours = dataclasses.asdict(loaded.config.model), dataclasses.asdict(model_config)
     differing = [name for name in ours if theirs.get(name) != ours[name]]
     if differing == ["num_blocks"] and settings.architecture == "lrnn" and theirs["num_blocks"] < ours["num_blocks"]:
@@ -277,14 +333,31 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
         fields = {"power_offset_fraction": 0.0, "final_only": False, **fields}  # runs saved before the options
         data = dataclass_from_dict(TaskData, fields, where="resume task data")
         return TransductionObjective(data, settings.steps, settings.batch_size, settings.seed, dist)
-    fields = {"passkey_fraction": 0.0, "state_passing": False, "passkey_distractors": 0, "passkey_span": 1,
-              "state_reset": 0.0, "passkey_number_forms": False, "passkey_fresh": False, "teacher": None,
-              "teacher_weight": 0.0, **fields}  # runs saved before these options
+    fields = {
+        "passkey_fraction": 0.0,
+        "state_passing": False,
+        "passkey_distractors": 0,
+        "passkey_span": 1,
+        "state_reset": 0.0,
+        "passkey_number_forms": False,
+        "passkey_fresh": False,
+        "teacher": None,
+        "teacher_weight": 0.0,
+        **fields,
+    }  # runs saved before these options
     fields.pop("passkey_steps", None)  # in older saves; the schedule follows the run's --steps
     data = dataclass_from_dict(TextData, fields, where="resume text data")
     tokenizer = load_tokenizer(data.tokenizer, out)  # a ranks file was copied into the run folder
-    return LanguageModelObjective(data, tokenizer, None, settings.steps, settings.batch_size, settings.seed,
-                                  evaluate=settings.eval_every > 0, dist=dist)
+    return LanguageModelObjective(
+        data,
+        tokenizer,
+        None,
+        settings.steps,
+        settings.batch_size,
+        settings.seed,
+        evaluate=settings.eval_every > 0,
+        dist=dist,
+    )
 
 
 def command_line(argv: list[str], world_size: int, local_world_size: int) -> str:

@@ -31,15 +31,19 @@ class Batch:
     distilled: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.tokens.to(device), self.targets.to(device), self.lengths.to(device), self.fresh,
-                     self.distilled)
+        return Batch(
+            self.tokens.to(device), self.targets.to(device), self.lengths.to(device), self.fresh, self.distilled
+        )
 
     def split(self, parts: int) -> list[Batch]:
         """The rows in ``parts`` consecutive groups of nearly equal size (no empty one), each cut to its own
         longest row."""
         groups = zip(*(tensor.tensor_split(parts) for tensor in (self.tokens, self.targets, self.lengths)))
-        return [Batch(tokens[:, : int(lengths.max())], targets[:, : int(lengths.max())], lengths)
-                for tokens, targets, lengths in groups if len(lengths)]
+        return [
+            Batch(tokens[:, : int(lengths.max())], targets[:, : int(lengths.max())], lengths)
+            for tokens, targets, lengths in groups
+            if len(lengths)
+        ]
 
 
 def encode_strings(strings: Sequence[str], alphabet: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +112,10 @@ class TrainingData:
         strings = sample_batch(self.task, rng, self.batch_size, lengths, self.p_one, self.balanced)
         if self.power_offset_fraction:  # no draw at 0: runs without it keep their random stream
             chosen = rng.random(len(strings)) < self.power_offset_fraction
-            strings = [self.task.draw_power_offset(rng, len(string)) if pick else string
-                       for string, pick in zip(strings, chosen)]  # fmt: skip
+            strings = [
+                self.task.draw_power_offset(rng, len(string)) if pick else string
+                for string, pick in zip(strings, chosen)
+            ]
         batch = label_batch(self.task, strings)
         if self.final_only:
             last = batch.lengths - 1  # (B,)
@@ -127,7 +133,12 @@ class FinalLabelSet:
 
     @classmethod
     def draw(
-        cls, task: Task, rng: np.random.Generator, n: int, length_range: tuple[int, int], p_one: float | None = None,
+        cls,
+        task: Task,
+        rng: np.random.Generator,
+        n: int,
+        length_range: tuple[int, int],
+        p_one: float | None = None,
         power_offsets: bool = False,
     ) -> FinalLabelSet:
         """``n`` strings of lengths uniform in ``length_range``; ``power_offsets``: each drawn by the task's

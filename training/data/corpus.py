@@ -118,7 +118,7 @@ def read_r_string_vectors(database: Path) -> list[list[str]]:
         (expected,) = struct.unpack_from(">I", data, position)
         inflater = zlib.decompressobj()
         try:
-            raw = inflater.decompress(data[position + 4:])
+            raw = inflater.decompress(data[position + 4 :])
         except zlib.error as error:
             raise CorpusError(f"{database}: record at byte {position} is not zlib-compressed: {error}") from None
         if len(raw) != expected:
@@ -152,7 +152,7 @@ def _r_string_vector(raw: bytes) -> list[str] | None:
         if size == R_NA_LENGTH:
             strings.append("")
             continue
-        strings.append(raw[offset:offset + size].decode("utf-8", errors="replace"))
+        strings.append(raw[offset : offset + size].decode("utf-8", errors="replace"))
         offset += size
     return strings
 

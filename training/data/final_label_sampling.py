@@ -18,8 +18,9 @@ class FinalLabelSampler:
         self.machine = machine
         self._index = {state: i for i, state in enumerate(machine.states)}
         # _successors[i][k]: index of the state reached from state i on symbol k of the alphabet
-        self._successors = [[self._index[machine.delta[state][symbol]] for symbol in machine.alphabet]
-                            for state in machine.states]
+        self._successors = [
+            [self._index[machine.delta[state][symbol]] for symbol in machine.alphabet] for state in machine.states
+        ]
         # _completions[label][r][i]: strings of length r that lead from state i to a state labelled ``label``
         self._completions: dict[str, list[list[int]]] = {}
 

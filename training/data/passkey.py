@@ -13,8 +13,10 @@ import numpy as np
 
 from model.tokenizer import Tokenizer
 
-INTRODUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-                "I will quiz you about the important information there.")
+INTRODUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
+)
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 GRASS = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -58,8 +60,15 @@ class PassKeyBuilder:
             return self.fixed_tokens + len(self.needle(key))
         return self.shortest("0" * KEY_DIGITS) + 2 * KEY_DIGITS
 
-    def prompt(self, size: int, depth: float, rng: np.random.Generator, key: str | None = None,
-               distractors: int = 0, distractors_at: str = "either") -> PassKeyPrompt:
+    def prompt(
+        self,
+        size: int,
+        depth: float,
+        rng: np.random.Generator,
+        key: str | None = None,
+        distractors: int = 0,
+        distractors_at: str = "either",
+    ) -> PassKeyPrompt:
         """A prompt of exactly ``size`` tokens with the needle at ``depth`` in [0, 1] of the filler, with up to
         ``distractors`` other numbers "either" side of it (a fair coin each), "before" or "after" it. ValueError on
         a bad depth, place or size."""
@@ -72,7 +81,7 @@ class PassKeyBuilder:
         filler_tokens = size - self.fixed_tokens - len(needle)
         if filler_tokens < 0:
             raise ValueError(f"a pass-key prompt needs at least {self.fixed_tokens + len(needle)} tokens, not {size}")
-        before = int(round(depth * filler_tokens))
+        before = round(depth * filler_tokens)
         filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
         head, tail = filler[:before], filler[before:]
         if distractors:
@@ -103,7 +112,7 @@ class PassKeyBuilder:
             numbers.append(encoded)
         if not numbers:
             return filler
-        kept = filler[:len(filler) - sum(map(len, numbers))]
+        kept = filler[: len(filler) - sum(map(len, numbers))]
         places = np.sort(rng.integers(0, len(kept) + 1, size=len(numbers)))
         pieces, start = [], 0
         for place, number in zip(places, numbers):

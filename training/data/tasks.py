@@ -60,9 +60,7 @@ class Task:
                 )
         return self.labeler(string)
 
-    def sample(
-        self, rng: np.random.Generator, length: int, p_one: float | None = None, balanced: bool = False
-    ) -> str:
+    def sample(self, rng: np.random.Generator, length: int, p_one: float | None = None, balanced: bool = False) -> str:
         """A string of ``length`` symbols (modular_arithmetic: rounded down to an odd length), skewed by ``p_one``
         or label-balanced; ValueError on a short length, both options, or a task without balanced sampling."""
         if length < self.shortest_length:
@@ -97,8 +95,10 @@ def sample_batch(
     or a range (lo, hi) each string draws its own from."""
     shortest, longest = length_range
     if not task.shortest_length <= shortest <= longest:
-        raise ValueError(f"length_range must satisfy {task.shortest_length} <= shortest <= longest for {task.name}, "
-                         f"got {length_range}")
+        raise ValueError(
+            f"length_range must satisfy {task.shortest_length} <= shortest <= longest for {task.name}, "
+            f"got {length_range}"
+        )
     lengths = rng.integers(shortest, longest + 1, size=n)
     if isinstance(p_one, tuple):
         lo, hi = p_one
@@ -178,39 +178,78 @@ def _regular(
     automaton: MooreMachine,
     train_lengths: tuple[int, int] = DELETANG_TRAIN_LENGTHS,
 ) -> Task:
-    return Task(name, alphabet, labels, train_lengths, labeler, automaton,
-                draw=_uniform_symbols(alphabet), draw_with_final_label=FinalLabelSampler(automaton).sample,
-                draw_skewed=partial(_skewed_symbols, alphabet))
+    return Task(
+        name,
+        alphabet,
+        labels,
+        train_lengths,
+        labeler,
+        automaton,
+        draw=_uniform_symbols(alphabet),
+        draw_with_final_label=FinalLabelSampler(automaton).sample,
+        draw_skewed=partial(_skewed_symbols, alphabet),
+    )
 
 
 def _build_tasks() -> dict[str, Task]:
     tasks = [
         _regular("parity_check", "01", BINARY_LABELS, labelers.parity_check, task_automata.parity_check()),
         _regular("even_pairs", "ab", BINARY_LABELS, labelers.even_pairs, task_automata.even_pairs()),
-        _regular("cycle_navigation", "012", MOD5_LABELS, labelers.cycle_navigation,
-                 task_automata.cycle_navigation()),
-        Task("modular_arithmetic", DIGITS + OPERATORS, MOD5_LABELS, DELETANG_TRAIN_LENGTHS,
-             labelers.modular_arithmetic, task_automata.modular_arithmetic(),
-             draw=_expression, draw_with_final_label=None,  # conditioning would count malformed strings too
-             draw_skewed=_expression),
+        _regular("cycle_navigation", "012", MOD5_LABELS, labelers.cycle_navigation, task_automata.cycle_navigation()),
+        Task(
+            "modular_arithmetic",
+            DIGITS + OPERATORS,
+            MOD5_LABELS,
+            DELETANG_TRAIN_LENGTHS,
+            labelers.modular_arithmetic,
+            task_automata.modular_arithmetic(),
+            draw=_expression,
+            draw_with_final_label=None,  # conditioning would count malformed strings too
+            draw_skewed=_expression,
+        ),
         _regular("sum_mod5", DIGITS, MOD5_LABELS, labelers.sum_mod5, task_automata.sum_mod5()),
-        _regular("even_pair_mod5", DIGITS, BINARY_LABELS, labelers.even_pair_mod5,
-                 task_automata.even_pair_mod5()),
-        *(_regular(f"d{depth}", "ab", BINARY_LABELS, labelers.dyck(depth), task_automata.dyck(depth),
-                   BHATTAMISHRA_TRAIN_LENGTHS) for depth in (2, 3, 4, 12)),
+        _regular("even_pair_mod5", DIGITS, BINARY_LABELS, labelers.even_pair_mod5, task_automata.even_pair_mod5()),
+        *(
+            _regular(
+                f"d{depth}",
+                "ab",
+                BINARY_LABELS,
+                labelers.dyck(depth),
+                task_automata.dyck(depth),
+                BHATTAMISHRA_TRAIN_LENGTHS,
+            )
+            for depth in (2, 3, 4, 12)
+        ),
         _regular("tomita3", "01", BINARY_LABELS, labelers.tomita3, task_automata.tomita3(), BHATTAMISHRA_TRAIN_LENGTHS),
         _regular("tomita4", "01", BINARY_LABELS, labelers.tomita4, task_automata.tomita4(), BHATTAMISHRA_TRAIN_LENGTHS),
         _regular("tomita5", "01", BINARY_LABELS, labelers.tomita5, task_automata.tomita5(), BHATTAMISHRA_TRAIN_LENGTHS),
         _regular("tomita6", "01", BINARY_LABELS, labelers.tomita6, task_automata.tomita6(), BHATTAMISHRA_TRAIN_LENGTHS),
         _regular("first", "01", BINARY_LABELS, labelers.first, task_automata.first()),
         _regular("one", "01", BINARY_LABELS, labelers.one, task_automata.one()),
-        Task("palindrome", "01", BINARY_LABELS, DELETANG_TRAIN_LENGTHS, labelers.palindrome, automaton=None,
-             draw=_uniform_symbols("01"), draw_with_final_label=_palindrome_with_final_label,
-             draw_skewed=partial(_skewed_symbols, "01")),
-        Task("induction_heads", INDUCTION_LETTERS + INDUCTION_MARK, INDUCTION_LABELS, INDUCTION_TRAIN_LENGTHS,
-             labelers.induction_heads, task_automata.induction_heads(), draw=_induction_heads,
-             draw_with_final_label=None, draw_skewed=_induction_heads, shortest_length=3,
-             draw_power_offset=_induction_heads_power_offset),
+        Task(
+            "palindrome",
+            "01",
+            BINARY_LABELS,
+            DELETANG_TRAIN_LENGTHS,
+            labelers.palindrome,
+            automaton=None,
+            draw=_uniform_symbols("01"),
+            draw_with_final_label=_palindrome_with_final_label,
+            draw_skewed=partial(_skewed_symbols, "01"),
+        ),
+        Task(
+            "induction_heads",
+            INDUCTION_LETTERS + INDUCTION_MARK,
+            INDUCTION_LABELS,
+            INDUCTION_TRAIN_LENGTHS,
+            labelers.induction_heads,
+            task_automata.induction_heads(),
+            draw=_induction_heads,
+            draw_with_final_label=None,
+            draw_skewed=_induction_heads,
+            shortest_length=3,
+            draw_power_offset=_induction_heads_power_offset,
+        ),
     ]
     return {task.name: task for task in tasks}
 

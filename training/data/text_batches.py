@@ -56,8 +56,12 @@ class StreamedWindows:
 
     def state(self) -> dict:
         """Where the stream is (JSON values): restored by :meth:`load_state`, the same windows follow."""
-        return {"documents_read": self._documents_read, "windows_this_pass": self._windows_this_pass,
-                "pending": self._pending.tolist(), "buffer": [window.tolist() for window in self._buffer]}
+        return {
+            "documents_read": self._documents_read,
+            "windows_this_pass": self._windows_this_pass,
+            "pending": self._pending.tolist(),
+            "buffer": [window.tolist() for window in self._buffer],
+        }
 
     def load_state(self, state: dict) -> None:
         """Go back to a position saved by :meth:`state`: the stream is reopened and read up to it again."""
@@ -97,7 +101,7 @@ class StreamedWindows:
             windows = self._pending[: count * window].reshape(count, window)
             self._buffer.extend(windows)
             self._windows_this_pass += count
-            self._pending = self._pending[count * window:]
+            self._pending = self._pending[count * window :]
 
     def _next_document(self) -> str | None:
         """The next document's text; None once per pass, at the end of the stream."""

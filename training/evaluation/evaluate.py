@@ -69,8 +69,9 @@ def draw_bands(
     """``samples`` fresh examples per band (``band.samples`` where set), band i from the random stream (seed, i);
     ``power_offsets``: the task's ``draw_power_offset`` strings."""
     return [
-        FinalLabelSet.draw(task, np.random.default_rng([seed, index]), band.samples or samples, band.lengths,
-                           band.p_one, power_offsets)
+        FinalLabelSet.draw(
+            task, np.random.default_rng([seed, index]), band.samples or samples, band.lengths, band.p_one, power_offsets
+        )
         for index, band in enumerate(bands)
     ]
 
@@ -93,22 +94,37 @@ def evaluate_checkpoint(
     assert alphabet is not None
     results, correct_total, sample_total = [], 0, 0
     symbols = sum(len(string) for examples in band_sets for string in examples.strings)
-    with progress_bar(progress, total=symbols, desc=loaded.path.name, unit="symbol", unit_scale=True,
-                      leave=False) as bar:  # fmt: skip
+    with progress_bar(
+        progress, total=symbols, desc=loaded.path.name, unit="symbol", unit_scale=True, leave=False
+    ) as bar:
         for band, examples in zip(bands, band_sets):
             bar.set_postfix_str(f"lengths {band.lengths[0]}-{band.lengths[1]}")
             correct = 0
             for first in range(0, len(examples), batch_size):  # count_correct_final's batches, one at a time
-                part = FinalLabelSet(examples.strings[first : first + batch_size],
-                                     examples.final_labels[first : first + batch_size])  # fmt: skip
+                part = FinalLabelSet(
+                    examples.strings[first : first + batch_size], examples.final_labels[first : first + batch_size]
+                )
                 correct += count_correct_final(loaded.model, part, alphabet, batch_size, chunk_symbols)
                 bar.update(sum(map(len, part.strings)))
-            results.append({"lengths": list(band.lengths), "p_one": band.p_one, "samples": len(examples),
-                            "accuracy": correct / len(examples)})
+            results.append(
+                {
+                    "lengths": list(band.lengths),
+                    "p_one": band.p_one,
+                    "samples": len(examples),
+                    "accuracy": correct / len(examples),
+                }
+            )
             correct_total, sample_total = correct_total + correct, sample_total + len(examples)
-    return {"checkpoint": str(loaded.path), "task": loaded.config.task, "architecture": loaded.config.architecture,
-            "protocol": protocol, "seed": seed, "power_offsets": power_offsets, "bands": results,
-            "overall": correct_total / sample_total}
+    return {
+        "checkpoint": str(loaded.path),
+        "task": loaded.config.task,
+        "architecture": loaded.config.architecture,
+        "protocol": protocol,
+        "seed": seed,
+        "power_offsets": power_offsets,
+        "bands": results,
+        "overall": correct_total / sample_total,
+    }
 
 
 def combine_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -117,12 +133,26 @@ def combine_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     bands = []
     for index, band in enumerate(first["bands"]):
         accuracies = [report["bands"][index]["accuracy"] for report in reports]
-        bands.append({"lengths": band["lengths"], "p_one": band["p_one"], "samples": band["samples"],
-                      "max": max(accuracies), "mean": sum(accuracies) / len(accuracies)})
+        bands.append(
+            {
+                "lengths": band["lengths"],
+                "p_one": band["p_one"],
+                "samples": band["samples"],
+                "max": max(accuracies),
+                "mean": sum(accuracies) / len(accuracies),
+            }
+        )
     overall = [report["overall"] for report in reports]
-    return {"task": first["task"], "protocol": first["protocol"], "seed": first["seed"],
-            "power_offsets": first["power_offsets"], "checkpoints": list(reports),
-            "bands": bands, "max": max(overall), "mean": sum(overall) / len(overall)}
+    return {
+        "task": first["task"],
+        "protocol": first["protocol"],
+        "seed": first["seed"],
+        "power_offsets": first["power_offsets"],
+        "checkpoints": list(reports),
+        "bands": bands,
+        "max": max(overall),
+        "mean": sum(overall) / len(overall),
+    }
 
 
 def format_table(reports: Sequence[dict[str, Any]]) -> str:

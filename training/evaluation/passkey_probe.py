@@ -44,7 +44,9 @@ class PassKeyProbe:
     max_memory: int = 4 * 2**30  # bytes: a batch's caches and one prefill call's peak
     distractors: int = 0  # other numbers put in each prompt's filler, before and after the needle
     distractors_at: str = "either"  # on either side of the needle, or only "before" or "after" it
-    number_forms: bool = False  # the distractors take the forms numbers have in prose (training.data.passkey.NUMBER_FORMS)
+    number_forms: bool = (
+        False  # the distractors take the forms numbers have in prose (training.data.passkey.NUMBER_FORMS)
+    )
 
 
 def is_filler_name(name: str) -> bool:
@@ -67,13 +69,19 @@ def cell_prompts(builder: PassKeyBuilder, probe: PassKeyProbe, filler: str, size
     """The prompts of one (filler, size) cell: ``probe.trials`` per depth, depth by depth, each with its own key
     and filler offset drawn from a stream keyed by the seed, the filler's name and the size."""
     rng = np.random.default_rng([probe.seed, zlib.crc32(filler.encode()), size])
-    return [builder.prompt(size, depth, rng, distractors=probe.distractors, distractors_at=probe.distractors_at)
-            for depth in probe.depths for _ in range(probe.trials)]
+    return [
+        builder.prompt(size, depth, rng, distractors=probe.distractors, distractors_at=probe.distractors_at)
+        for depth in probe.depths
+        for _ in range(probe.trials)
+    ]
 
 
 @torch.no_grad()
 def greedy_completions(
-    model: SequenceModel, prompts: torch.Tensor, max_new_tokens: int, chunk_tokens: int,
+    model: SequenceModel,
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    chunk_tokens: int,
     on_prefill: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Greedy decoding of ``max_new_tokens`` tokens after each prompt: the prompts go through a new cache
@@ -84,7 +92,7 @@ def greedy_completions(
     rows, length = prompts.shape
     cache = model.new_cache(rows)
     for start in range(0, length, chunk_tokens):
-        chunk = prompts[:, start:start + chunk_tokens]  # (B, c)
+        chunk = prompts[:, start : start + chunk_tokens]  # (B, c)
         if model.selects_positions:  # the head on the prompt's last position only (none before the last chunk)
             positions = torch.zeros_like(chunk, dtype=torch.bool)
             positions[:, -1] = start + chunk_tokens >= length
@@ -107,14 +115,19 @@ def batch_plan(model: SequenceModel, rows: int, size: int, max_memory: int) -> t
         return rows * model.cache_nbytes(size) + model.cost("cached", rows, chunk, size).nbytes
 
     if need(1, 1) > max_memory:
-        return (f"one row at {size} tokens needs {need(1, 1) / 2**30:.3g} GiB (its cache and a one-token prefill), "
-                f"over --max-memory {max_memory / 2**30:.3g} GiB")
+        return (
+            f"one row at {size} tokens needs {need(1, 1) / 2**30:.3g} GiB (its cache and a one-token prefill), "
+            f"over --max-memory {max_memory / 2**30:.3g} GiB"
+        )
     rows = largest_fitting(lambda count: need(count, 1) <= max_memory, rows)
     return rows, largest_fitting(lambda chunk: need(rows, chunk) <= max_memory, size)
 
 
 def probe_checkpoint(
-    loaded: LoadedCheckpoint, tokenizer: Tokenizer, fillers: dict[str, np.ndarray], probe: PassKeyProbe,
+    loaded: LoadedCheckpoint,
+    tokenizer: Tokenizer,
+    fillers: dict[str, np.ndarray],
+    probe: PassKeyProbe,
     progress: bool = False,
 ) -> dict[str, Any]:
     """The report of the module docstring for one checkpoint; ``fillers``: name -> token stream."""
@@ -122,8 +135,13 @@ def probe_checkpoint(
     model = loaded.model.eval()
     prompts_per_cell = len(probe.depths) * probe.trials
     total = len(fillers) * prompts_per_cell * sum(probe.sizes)
-    bar = tqdm(total=total, desc=f"{loaded.path.name} pass key", unit="token", unit_scale=True,
-               disable=None if progress else True)  # at a terminal only  # fmt: skip
+    bar = tqdm(
+        total=total,
+        desc=f"{loaded.path.name} pass key",
+        unit="token",
+        unit_scale=True,
+        disable=None if progress else True,
+    )  # at a terminal only
     report_fillers = []
     for name, stream in fillers.items():
         builder = PassKeyBuilder(tokenizer, stream, probe.number_forms)
@@ -141,41 +159,63 @@ def probe_checkpoint(
         report_fillers.append({"filler": name, "filler_tokens": len(stream), "sizes": sizes})
     bar.close()
     return {
-        "checkpoint": str(loaded.path), "architecture": describe_architecture(loaded), "probe": "passkey",
-        "trials": probe.trials, "seed": probe.seed, "max_new_tokens": probe.max_new_tokens,
-        "distractors": probe.distractors, "distractors_at": probe.distractors_at,
-        "number_forms": probe.number_forms, "fillers": report_fillers,
+        "checkpoint": str(loaded.path),
+        "architecture": describe_architecture(loaded),
+        "probe": "passkey",
+        "trials": probe.trials,
+        "seed": probe.seed,
+        "max_new_tokens": probe.max_new_tokens,
+        "distractors": probe.distractors,
+        "distractors_at": probe.distractors_at,
+        "number_forms": probe.number_forms,
+        "fillers": report_fillers,
         "wall_time_s": round(time.perf_counter() - started, 3),
     }
 
 
 def _complete(
-    model: SequenceModel, tokenizer: Tokenizer, prompts: Sequence[PassKeyPrompt], plan: tuple[int, int],
-    max_new_tokens: int, on_prefill: Callable[[int], None],
+    model: SequenceModel,
+    tokenizer: Tokenizer,
+    prompts: Sequence[PassKeyPrompt],
+    plan: tuple[int, int],
+    max_new_tokens: int,
+    on_prefill: Callable[[int], None],
 ) -> list[str]:
     """The decoded greedy completion of each prompt (all of one length), ``plan[0]`` rows at a time."""
     rows, chunk = plan
     texts = []
     for start in range(0, len(prompts), rows):
-        batch = np.stack([prompt.tokens for prompt in prompts[start:start + rows]])  # (b, size)
-        tokens = greedy_completions(model, torch.from_numpy(batch).to(model.device), max_new_tokens, chunk,
-                                    on_prefill)  # (b, max_new_tokens)
+        batch = np.stack([prompt.tokens for prompt in prompts[start : start + rows]])  # (b, size)
+        tokens = greedy_completions(
+            model, torch.from_numpy(batch).to(model.device), max_new_tokens, chunk, on_prefill
+        )  # (b, max_new_tokens)
         texts.extend(tokenizer.decode(row) for row in tokens.tolist())
     return texts
 
 
-def _size_row(size: int, probe: PassKeyProbe, answered: list[tuple[PassKeyPrompt, str]],
-              skipped: str | None) -> dict[str, Any]:
+def _size_row(
+    size: int, probe: PassKeyProbe, answered: list[tuple[PassKeyPrompt, str]], skipped: str | None
+) -> dict[str, Any]:
     """One size's entry of the report: right/total per depth and over all depths."""
     depths = []
     for depth in probe.depths:
-        trials = [{"key": prompt.key, "completion": text, "right": first_number(text) == prompt.key}
-                  for prompt, text in answered if prompt.depth == depth]
-        depths.append({"depth": depth, "right": sum(trial["right"] for trial in trials), "total": len(trials),
-                       "trials": trials})
+        trials = [
+            {"key": prompt.key, "completion": text, "right": first_number(text) == prompt.key}
+            for prompt, text in answered
+            if prompt.depth == depth
+        ]
+        depths.append(
+            {"depth": depth, "right": sum(trial["right"] for trial in trials), "total": len(trials), "trials": trials}
+        )
     right, total = sum(row["right"] for row in depths), sum(row["total"] for row in depths)
-    return {"size": size, "skipped": skipped, "right": right, "total": total,
-            "accuracy": right / total if total else None, "depths": depths}
+    return {
+        "size": size,
+        "skipped": skipped,
+        "right": right,
+        "total": total,
+        "accuracy": right / total if total else None,
+        "depths": depths,
+    }
 
 
 def size_label(size: int) -> str:

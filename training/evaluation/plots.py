@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+import matplotlib.pyplot as plt
 
 
 def plot_accuracy(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:

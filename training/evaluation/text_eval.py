@@ -26,26 +26,31 @@ DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 def target_positions(documents: list[np.ndarray], context: int, targets: int) -> list[tuple[int, int]]:
     """(document, position) of ``targets`` targets spread evenly over every position that has at least
     ``context`` tokens before it in its document."""
-    eligible = [(index, position) for index, tokens in enumerate(documents)
-                for position in range(context, len(tokens))]
+    eligible = [(index, position) for index, tokens in enumerate(documents) for position in range(context, len(tokens))]
     if len(eligible) < targets:
-        raise ValueError(f"the held-out text has {len(eligible)} positions with {context} tokens before them; "
-                         f"{targets} targets asked for")
+        raise ValueError(
+            f"the held-out text has {len(eligible)} positions with {context} tokens before them; "
+            f"{targets} targets asked for"
+        )
     picks = np.linspace(0, len(eligible) - 1, targets).round().astype(int)
     return [eligible[pick] for pick in picks]
 
 
 @torch.no_grad()
 def last_token_nll(
-    model: SequenceModel, documents: list[np.ndarray], positions: list[tuple[int, int]], length: int, batch_size: int,
+    model: SequenceModel,
+    documents: list[np.ndarray],
+    positions: list[tuple[int, int]],
+    length: int,
+    batch_size: int,
     done: Callable[[int], object] | None = None,
 ) -> np.ndarray:
     """Negative log-likelihood of each target given the ``length`` tokens before it. Returns (targets,).
     ``done(tokens)`` after each batch: the context tokens it ran (a progress bar's ``update``)."""
     losses = []
     for start in range(0, len(positions), batch_size):
-        chunk = positions[start:start + batch_size]
-        windows = np.stack([documents[doc][position - length:position] for doc, position in chunk])  # (b, L)
+        chunk = positions[start : start + batch_size]
+        windows = np.stack([documents[doc][position - length : position] for doc, position in chunk])  # (b, L)
         targets = torch.tensor([int(documents[doc][position]) for doc, position in chunk], device=model.device)
         logits = model.final_logits(torch.from_numpy(windows).to(model.device))  # (b, V)
         losses.append(F.cross_entropy(logits.float(), targets, reduction="none").cpu().numpy())
@@ -65,20 +70,32 @@ def seen_only_far(documents: list[np.ndarray], positions: list[tuple[int, int]],
     flags = []
     for doc, position in positions:
         tokens, target = documents[doc], documents[doc][position]
-        flags.append(bool((tokens[position - far:position - near] == target).any()
-                          and not (tokens[position - near:position] == target).any()))
+        flags.append(
+            bool(
+                (tokens[position - far : position - near] == target).any()
+                and not (tokens[position - near : position] == target).any()
+            )
+        )
     return np.array(flags, dtype=bool)
 
 
-def context_gain(documents: list[np.ndarray], positions: list[tuple[int, int]], near: int, far: int,
-                 nll_near: np.ndarray, nll_far: np.ndarray) -> dict[str, Any]:
+def context_gain(
+    documents: list[np.ndarray],
+    positions: list[tuple[int, int]],
+    near: int,
+    far: int,
+    nll_near: np.ndarray,
+    nll_far: np.ndarray,
+) -> dict[str, Any]:
     """The report's ``context_gain`` (module docstring) from the per-target NLLs at the two lengths."""
     far_only = seen_only_far(documents, positions, near, far)
     report: dict[str, Any] = {"near": near, "far": far}
     for name, part in (("seen_only_far", far_only), ("other", ~far_only)):
-        report[name] = {"targets": int(part.sum()),
-                        "nll_near": float(nll_near[part].mean()) if part.any() else None,
-                        "nll_far": float(nll_far[part].mean()) if part.any() else None}
+        report[name] = {
+            "targets": int(part.sum()),
+            "nll_near": float(nll_near[part].mean()) if part.any() else None,
+            "nll_far": float(nll_far[part].mean()) if part.any() else None,
+        }
     return report
 
 
@@ -97,10 +114,11 @@ def receptive_field(
     try:
         for doc, position in positions:
             embeddings.clear()
-            window = torch.from_numpy(documents[doc][position - length:position][None]).to(model.device)  # (1, T)
+            window = torch.from_numpy(documents[doc][position - length : position][None]).to(model.device)  # (1, T)
             logits = model(window)  # (1, T, V)
-            loss = F.cross_entropy(logits[:, -1].float(), torch.tensor([int(documents[doc][position])],
-                                                                       device=model.device))
+            loss = F.cross_entropy(
+                logits[:, -1].float(), torch.tensor([int(documents[doc][position])], device=model.device)
+            )
             model.zero_grad(set_to_none=True)
             loss.backward()
             norms = embeddings[0].grad[0].float().norm(dim=-1)  # (T,)
@@ -112,8 +130,15 @@ def receptive_field(
 
 
 def evaluate_text_checkpoint(
-    loaded: LoadedCheckpoint, documents: list[np.ndarray], corpus: str, train_length: int,
-    multiples: tuple[float, ...], targets: int, batch_size: int, receptive_windows: int, receptive_multiple: float,
+    loaded: LoadedCheckpoint,
+    documents: list[np.ndarray],
+    corpus: str,
+    train_length: int,
+    multiples: tuple[float, ...],
+    targets: int,
+    batch_size: int,
+    receptive_windows: int,
+    receptive_multiple: float,
     progress: bool = False,
 ) -> dict[str, Any]:
     """The report of the module docstring for one checkpoint. ``progress``: a tqdm bar on stderr at a terminal (none
@@ -123,15 +148,24 @@ def evaluate_text_checkpoint(
     lengths = [max(1, round(multiple * train_length)) for multiple in multiples]
     positions = target_positions(documents, max(lengths), targets)
     rows, per_target = [], []
-    with progress_bar(progress, total=len(positions) * sum(lengths), desc=f"{loaded.path.name} context",
-                      unit="token", unit_scale=True) as bar:  # fmt: skip
+    with progress_bar(
+        progress, total=len(positions) * sum(lengths), desc=f"{loaded.path.name} context", unit="token", unit_scale=True
+    ) as bar:
         for multiple, length in zip(multiples, lengths):
             bar.set_postfix(length=length)
             losses = last_token_nll(model, documents, positions, length, batch_size, bar.update)  # (targets,)
             per_target.append(losses)
             nll = float(losses.mean())
-            rows.append({"length": length, "multiple": multiple, "perplexity": math.exp(nll), "nll": nll,
-                         "nll_stderr": _stderr(losses), "nll_per_target": losses.tolist()})
+            rows.append(
+                {
+                    "length": length,
+                    "multiple": multiple,
+                    "perplexity": math.exp(nll),
+                    "nll": nll,
+                    "nll_stderr": _stderr(losses),
+                    "nll_per_target": losses.tolist(),
+                }
+            )
             bar.set_postfix(length=length, ppl=f"{math.exp(nll):.2f}")
     field = None
     if receptive_windows:
@@ -143,8 +177,9 @@ def evaluate_text_checkpoint(
     first = next((index for index, row in enumerate(rows) if row["multiple"] == 1), None)
     gain = None
     if first is not None and rows[-1]["length"] > rows[first]["length"]:
-        gain = context_gain(documents, positions, rows[first]["length"], rows[-1]["length"], per_target[first],
-                            per_target[-1])
+        gain = context_gain(
+            documents, positions, rows[first]["length"], rows[-1]["length"], per_target[first], per_target[-1]
+        )
     return {
         "checkpoint": str(loaded.path),
         "architecture": describe_architecture(loaded),
@@ -167,7 +202,7 @@ def _stderr(values: np.ndarray) -> float:
 
 
 def describe_architecture(loaded: LoadedCheckpoint) -> str:
-    """"regulargpt C=64 K=4", "transformer alibi", "lrnn" ..."""
+    """ "regulargpt C=64 K=4", "transformer alibi", "lrnn" ..."""
     config = loaded.model.config
     if loaded.config.architecture == "regulargpt":
         return f"regulargpt C={config.chunk_size} K={config.thickness}"
@@ -183,8 +218,12 @@ def format_text_table(reports: list[dict[str, Any]]) -> str:
     for index, row in enumerate(reports[0]["perplexity"]):
         cells = [f"{report['perplexity'][index]['perplexity']:.2f}" for report in reports]
         lines.append(f"| {row['length']} ({row['multiple']:g}x) | " + " | ".join(cells) + " |")
-    ratios = ["-" if report["ratio_16x"] is None else f"{report['ratio_16x']:.3f} ± {report['ratio_16x'] * report['log_ratio_stderr']:.3f}"
-              for report in reports]
+    ratios = [
+        "-"
+        if report["ratio_16x"] is None
+        else f"{report['ratio_16x']:.3f} ± {report['ratio_16x'] * report['log_ratio_stderr']:.3f}"
+        for report in reports
+    ]
     lines.append("| longest / 1x | " + " | ".join(ratios) + " |")
     for part, label in (("seen_only_far", "token seen only beyond 1x"), ("other", "other tokens")):
         cells = []

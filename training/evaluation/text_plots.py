@@ -24,8 +24,9 @@ def plot_perplexity(reports: Sequence[dict[str, Any]], path: str | os.PathLike) 
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for report in reports:
         rows = report["perplexity"]
-        axes.plot([row["length"] for row in rows], [row["perplexity"] for row in rows], marker="o",
-                  label=_label(report))
+        axes.plot(
+            [row["length"] for row in rows], [row["perplexity"] for row in rows], marker="o", label=_label(report)
+        )
     rows = reports[0]["perplexity"]
     values = [row["perplexity"] for report in reports for row in report["perplexity"]]
     if max(values) > 10 * min(values):  # an exploding baseline would flatten the others
@@ -65,23 +66,35 @@ def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> 
     for axes, (report, filler) in zip(axes_grid.flat, panels):
         sizes = filler["sizes"]
         depths = [row["depth"] for row in sizes[0]["depths"]]
-        accuracy = np.ma.masked_invalid([[row["depths"][d]["right"] / row["depths"][d]["total"]
-                                          if row["depths"][d]["total"] else np.nan for row in sizes]
-                                         for d in range(len(depths))])  # (depths, sizes)
+        accuracy = np.ma.masked_invalid(
+            [
+                [
+                    row["depths"][d]["right"] / row["depths"][d]["total"] if row["depths"][d]["total"] else np.nan
+                    for row in sizes
+                ]
+                for d in range(len(depths))
+            ]
+        )  # (depths, sizes)
         colours = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
         image = axes.imshow(accuracy, cmap=colours, vmin=0, vmax=1, aspect="auto")
         for d in range(len(depths)):
             for s, row in enumerate(sizes):
                 cell = row["depths"][d]
-                axes.text(s, d, f"{cell['right']}/{cell['total']}" if cell["total"] else "skipped",
-                          ha="center", va="center", fontsize="small")
+                axes.text(
+                    s,
+                    d,
+                    f"{cell['right']}/{cell['total']}" if cell["total"] else "skipped",
+                    ha="center",
+                    va="center",
+                    fontsize="small",
+                )
         axes.set_xticks(range(len(sizes)), [size_label(row["size"]) for row in sizes])
         axes.set_yticks(range(len(depths)), [f"{depth:g}" for depth in depths])
         axes.set_xlabel("prompt size (tokens)")
         axes.set_ylabel("key depth")
         axes.set_title(f"{_label(report)}, filler {filler['filler']}", fontsize="medium")
         figure.colorbar(image, ax=axes, label="accuracy")
-    for axes in list(axes_grid.flat)[len(panels):]:
+    for axes in list(axes_grid.flat)[len(panels) :]:
         axes.set_visible(False)
     figure.suptitle(f"pass key: greedy answers, {reports[0]['trials']} per size, depth and filler")
     figure.tight_layout()

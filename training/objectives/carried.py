@@ -11,8 +11,9 @@ def reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tenso
     """``carried`` with the rows where ``fresh`` (B,) holds back at the model's initial state."""
     with torch.no_grad():
         initial = model.new_cache(len(fresh))
-    return type(carried).stack([(initial if reset else carried).select([row])
-                                for row, reset in enumerate(fresh.tolist())])  # fmt: skip
+    return type(carried).stack(
+        [(initial if reset else carried).select([row]) for row, reset in enumerate(fresh.tolist())]
+    )
 
 
 def carried_values(carried: InferenceCache | None) -> list | None:
@@ -33,6 +34,8 @@ def new_carried_state(model: SequenceModel, rows: int) -> InferenceCache:
     with torch.no_grad():
         cache = model.new_cache(rows)
     if cache.step_state() is None:
-        raise ValueError(f"a {type(model).__name__}'s cache grows with the context: state passing needs a model "
-                         "with a fixed-size recurrent state")
+        raise ValueError(
+            f"a {type(model).__name__}'s cache grows with the context: state passing needs a model "
+            "with a fixed-size recurrent state"
+        )
     return cache

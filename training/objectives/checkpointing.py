@@ -36,8 +36,14 @@ class ResumeError(ValueError):
 
 
 def save_run_checkpoint(
-    model: SequenceModel, best_state: dict[str, torch.Tensor] | None, objective: Objective,
-    settings: TrainSettings, model_config: BaseModelConfig, out: Path, command: str, dist: Distributed,
+    model: SequenceModel,
+    best_state: dict[str, torch.Tensor] | None,
+    objective: Objective,
+    settings: TrainSettings,
+    model_config: BaseModelConfig,
+    out: Path,
+    command: str,
+    dist: Distributed,
     run: RunState,
 ) -> None:
     """The served checkpoint: the best weights when the objective keeps them, else the current ones."""
@@ -70,22 +76,40 @@ def run_metadata(
 
 def _run_figures(run: RunState) -> dict[str, Any]:
     """The checkpoint metadata's figures of where the run is."""
-    return {"steps": run.step, "stopped": run.stopped, "wall_time_s": round(run.elapsed_s, 3), "tokens": run.tokens,
-            "tokens_per_s": round(run.tokens / max(run.elapsed_s, 1e-9), 1)}
+    return {
+        "steps": run.step,
+        "stopped": run.stopped,
+        "wall_time_s": round(run.elapsed_s, 3),
+        "tokens": run.tokens,
+        "tokens_per_s": round(run.tokens / max(run.elapsed_s, 1e-9), 1),
+    }
 
 
 def save_resume(
-    out: Path, model: SequenceModel, optimizer: torch.optim.Optimizer, rng: np.random.Generator,
-    objective: Objective, run: RunState, best_state: dict[str, torch.Tensor] | None, settings: TrainSettings,
-    model_config: BaseModelConfig, command: str, log: TextIO | None, dist: Distributed,
+    out: Path,
+    model: SequenceModel,
+    optimizer: torch.optim.Optimizer,
+    rng: np.random.Generator,
+    objective: Objective,
+    run: RunState,
+    best_state: dict[str, torch.Tensor] | None,
+    settings: TrainSettings,
+    model_config: BaseModelConfig,
+    command: str,
+    log: TextIO | None,
+    dist: Distributed,
     carried: InferenceCache | None = None,
 ) -> None:
     """Write ``resume.safetensors`` (rank 0; every process's random streams, data position, carried states and log
     figures since the last record gathered to it)."""
-    own = {"window": run.window, "numpy": rng.bit_generator.state, "torch": torch.get_rng_state().tolist(),
-           "cuda": [state.tolist() for state in torch.cuda.get_rng_state_all()] if dist.device.type == "cuda" else [],
-           "data": objective.data_state(),
-           "carried": carried_values(carried)}
+    own = {
+        "window": run.window,
+        "numpy": rng.bit_generator.state,
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [state.tolist() for state in torch.cuda.get_rng_state_all()] if dist.device.type == "cuda" else [],
+        "data": objective.data_state(),
+        "carried": carried_values(carried),
+    }
     if objective.teacher is not None:
         own["teacher_carried"] = carried_values(objective.teacher.carried)
     processes = [json.loads(text) for text in dist.gather(json.dumps(own))]
@@ -168,14 +192,16 @@ def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
         raise ResumeError(f"--out {out} is the run's own folder; export into another one")
     state, tensors = read_resume_state(run)
     if not (run / CONFIG_FILE).is_file():
-        raise ResumeError(f"{run} has no {CONFIG_FILE} yet (a run writes it at its first evaluation): it says what the "
-                          f"checkpoint serves (its tokenizer or task)")
+        raise ResumeError(
+            f"{run} has no {CONFIG_FILE} yet (a run writes it at its first evaluation): it says what the "
+            f"checkpoint serves (its tokenizer or task)"
+        )
     config = read_config(run)
     tokenizer = None
     if config.tokenizer is not None and config.tokenizer.startswith(FILE_PREFIX):
         tokenizer = ranks_file(config.tokenizer, run)  # checked before anything is written
     prefix = "best." if best else "model."
-    weights = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+    weights = {name[len(prefix) :]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
     if not weights:
         raise ResumeError(f"{run / RESUME_FILE} holds no best weights (the run keeps none, or has not evaluated)")
     model = build_model(state["architecture"], config.model)
@@ -194,18 +220,26 @@ def export_weights(run: Path, out: Path, best: bool = False) -> dict[str, Any]:
 
 
 def load_resume(
-    out: Path, model: SequenceModel, optimizer: torch.optim.Optimizer, rng: np.random.Generator,
-    objective: Objective, dist: Distributed, carried: InferenceCache | None = None,
+    out: Path,
+    model: SequenceModel,
+    optimizer: torch.optim.Optimizer,
+    rng: np.random.Generator,
+    objective: Objective,
+    dist: Distributed,
+    carried: InferenceCache | None = None,
 ) -> tuple[RunState, dict[str, torch.Tensor] | None]:
     """Restore the run in ``out`` into the model, optimizer, random stream, objective and ``carried`` (in place)."""
     state, tensors = read_resume_state(out)
     if state["world_size"] != dist.world_size:
-        raise ResumeError(f"{out} was trained by {state['world_size']} process(es); resume it with as many "
-                          f"(each one's data stream is its own), not {dist.world_size}")
+        raise ResumeError(
+            f"{out} was trained by {state['world_size']} process(es); resume it with as many "
+            f"(each one's data stream is its own), not {dist.world_size}"
+        )
     device = dist.device
-    model.load_state_dict({name[len("model."):]: tensor for name, tensor in tensors.items()
-                           if name.startswith("model.")})
-    best = {name[len("best."):]: tensor.to(device) for name, tensor in tensors.items() if name.startswith("best.")}
+    model.load_state_dict(
+        {name[len("model.") :]: tensor for name, tensor in tensors.items() if name.startswith("model.")}
+    )
+    best = {name[len("best.") :]: tensor.to(device) for name, tensor in tensors.items() if name.startswith("best.")}
     optimizer_state: dict[str, Any] = {"state": {}, "param_groups": state["optimizer"]["param_groups"]}
     for name, tensor in tensors.items():
         if name.startswith("optimizer."):

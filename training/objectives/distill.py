@@ -25,8 +25,9 @@ class Teacher:
         self._ended: list[InferenceCache] = []
 
     @classmethod
-    def load(cls, folder: Path, weight: float, tokenizer: Tokenizer, rows: int, carries_state: bool,
-             device: torch.device) -> Teacher:  # fmt: skip
+    def load(
+        cls, folder: Path, weight: float, tokenizer: Tokenizer, rows: int, carries_state: bool, device: torch.device
+    ) -> Teacher:
         """The language model in ``folder``; a ValueError saying why where it cannot teach this run: not a
         language model, or another tokenizer than ``tokenizer`` (every token's bytes must be the same)."""
         try:
@@ -37,8 +38,10 @@ class Teacher:
             raise ValueError(f"--teacher {folder} is a {loaded.config.kind} checkpoint, not a language model")
         theirs = load_tokenizer(loaded.config.tokenizer, folder)
         if not same_tokens(theirs, tokenizer):
-            raise ValueError(f"--teacher {folder} uses another tokenizer ({loaded.config.tokenizer}, "
-                             f"{theirs.vocab_size} tokens) than this run ({tokenizer.name}, {tokenizer.vocab_size})")
+            raise ValueError(
+                f"--teacher {folder} uses another tokenizer ({loaded.config.tokenizer}, "
+                f"{theirs.vocab_size} tokens) than this run ({tokenizer.name}, {tokenizer.vocab_size})"
+            )
         for parameter in loaded.model.parameters():
             parameter.requires_grad_(False)
         try:
@@ -78,5 +81,8 @@ def same_tokens(first: Tokenizer, second: Tokenizer) -> bool:
     if one._special_tokens != two._special_tokens:  # tiktoken keeps no public accessor for them
         return False
     special = set(one._special_tokens.values())
-    return all(one.decode_single_token_bytes(token) == two.decode_single_token_bytes(token)
-               for token in range(one.n_vocab) if token not in special)
+    return all(
+        one.decode_single_token_bytes(token) == two.decode_single_token_bytes(token)
+        for token in range(one.n_vocab)
+        if token not in special
+    )

@@ -70,8 +70,15 @@ class LanguageModelObjective(Objective):
     keep_best = False
 
     def __init__(
-        self, data: TextData, tokenizer: Tokenizer, ranks_file: Path | None, steps: int, batch_size: int, seed: int,
-        evaluate: bool, dist: Distributed,
+        self,
+        data: TextData,
+        tokenizer: Tokenizer,
+        ranks_file: Path | None,
+        steps: int,
+        batch_size: int,
+        seed: int,
+        evaluate: bool,
+        dist: Distributed,
     ) -> None:
         """``steps``: the run's, over which the pass-key fraction and span move. ValueError on a streamed corpus
         with pass-key examples or state passing, or one without a validation corpus when ``evaluate``."""
@@ -79,16 +86,21 @@ class LanguageModelObjective(Objective):
         self.steps = steps
         if is_streamed(data.corpus):
             self.windows: TokenArray | StreamedWindows = StreamedWindows(
-                lambda: corpus_documents(data.corpus, dist.rank, dist.world_size), tokenizer)
+                lambda: corpus_documents(data.corpus, dist.rank, dist.world_size), tokenizer
+            )
             self.train_tokens = None
         else:
-            texts = [split_document(document.text, data.validation_fraction, "train")
-                     for document in corpus_documents(data.corpus)]
+            texts = [
+                split_document(document.text, data.validation_fraction, "train")
+                for document in corpus_documents(data.corpus)
+            ]
             tokens = tokenize_documents(texts, tokenizer)
             self.windows, self.train_tokens = TokenArray(tokens), len(tokens)
         if (data.passkey_fraction or data.state_passing) and not isinstance(self.windows, TokenArray):
-            raise ValueError(f"{data.corpus} is streamed: pass-key examples and state passing need an in-memory "
-                             "corpus (austen or text:PATH)")
+            raise ValueError(
+                f"{data.corpus} is streamed: pass-key examples and state passing need an in-memory "
+                "corpus (austen or text:PATH)"
+            )
         self.carries_state = data.state_passing
         self.cursors: np.ndarray | None = None  # with state passing: where each row reads next
         self.spans: list[tuple[str, int] | None] | None = None  # with passkey_span: each row's open example
@@ -97,8 +109,9 @@ class LanguageModelObjective(Objective):
             self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
             self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens, data.passkey_number_forms)
         if data.teacher is not None:
-            self.teacher = Teacher.load(Path(data.teacher), data.teacher_weight, tokenizer, batch_size,
-                                        data.state_passing, dist.device)  # fmt: skip
+            self.teacher = Teacher.load(
+                Path(data.teacher), data.teacher_weight, tokenizer, batch_size, data.state_passing, dist.device
+            )
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
 
@@ -106,8 +119,10 @@ class LanguageModelObjective(Objective):
         """Fixed (N, length + 1) validation windows, the same on every process."""
         corpus = self.data.validation_corpus or self.data.corpus
         if is_streamed(corpus) and self.data.validation_corpus is None:
-            raise ValueError(f"{corpus} is streamed and has no held-out tail: give a validation corpus "
-                             "(--validation-corpus owt2:...) or turn evaluation off (--eval-every 0)")
+            raise ValueError(
+                f"{corpus} is streamed and has no held-out tail: give a validation corpus "
+                "(--validation-corpus owt2:...) or turn evaluation off (--eval-every 0)"
+            )
         tokens = np.concatenate(validation_tokens(corpus, self.data.validation_fraction, self.tokenizer))
         rng = np.random.default_rng([seed, VALIDATION_STREAM])
         return TokenArray(tokens).batch(rng, self.data.validation_windows, self.data.length)
@@ -120,15 +135,23 @@ class LanguageModelObjective(Objective):
         prompts = {}
         for multiple in PASSKEY_VALIDATION_MULTIPLES:
             size = self.data.length * multiple
-            rows = [self._passkey_row(builder, size + 1, depth, rng)
-                    for depth in np.linspace(0.0, 1.0, PASSKEY_VALIDATION_PROMPTS)]
+            rows = [
+                self._passkey_row(builder, size + 1, depth, rng)
+                for depth in np.linspace(0.0, 1.0, PASSKEY_VALIDATION_PROMPTS)
+            ]
             prompts[size] = (torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows]))
         return prompts
 
     @staticmethod
-    def _passkey_row(builder: PassKeyBuilder, size: int, depth: float, rng: np.random.Generator,
-                     prompt_size: int | None = None, text: np.ndarray | None = None, distractors: int = 0,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _passkey_row(
+        builder: PassKeyBuilder,
+        size: int,
+        depth: float,
+        rng: np.random.Generator,
+        prompt_size: int | None = None,
+        text: np.ndarray | None = None,
+        distractors: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(size,) tokens and (size - 1,) targets: ``text``, then a pass-key prompt of ``prompt_size`` tokens
         (None: the whole row) with its answer; scored on the answer, and with ``text`` the needle too."""
         key = draw_key(rng)
@@ -137,10 +160,10 @@ class LanguageModelObjective(Objective):
         prompt = builder.prompt(size - head - len(answer), depth, rng, key=key, distractors=distractors)
         tokens = torch.from_numpy(np.concatenate([text[:head] if head else [], prompt.tokens, answer]).astype(np.int64))
         targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
-        targets[-len(answer):] = tokens[-len(answer):]
+        targets[-len(answer) :] = tokens[-len(answer) :]
         if text is not None:  # target j is token j + 1
             needle = slice(head + prompt.needle.start, head + prompt.needle.stop)
-            targets[needle.start:needle.stop - 1] = tokens[needle.start + 1:needle.stop]
+            targets[needle.start : needle.stop - 1] = tokens[needle.start + 1 : needle.stop]
         return tokens, targets
 
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
@@ -170,8 +193,9 @@ class LanguageModelObjective(Objective):
                 if self.spans is not None and (span := self._span_windows(rng, step)) > 1:
                     self._span_start(row, span, windows[row], targets[row], rng)
                     continue
-                windows[row], targets[row] = self._passkey_row(self.passkey, length + 1, float(rng.random()), rng,
-                                                               prompt_size, windows[row].numpy(), distractors)
+                windows[row], targets[row] = self._passkey_row(
+                    self.passkey, length + 1, float(rng.random()), rng, prompt_size, windows[row].numpy(), distractors
+                )
                 examples[row] = True
                 if self.cursors is not None:  # the row's text goes on after the example
                     self.cursors[row] -= length
@@ -195,8 +219,9 @@ class LanguageModelObjective(Objective):
         span = self.longest_span(step)
         return min(int(math.exp(rng.uniform(0.0, math.log(span + 1)))), span)
 
-    def _span_start(self, row: int, span: int, window: torch.Tensor, targets: torch.Tensor,
-                    rng: np.random.Generator) -> None:
+    def _span_start(
+        self, row: int, span: int, window: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator
+    ) -> None:
         """Row ``row``'s window (in place) begins an example of ``span`` windows: the introduction and the needle
         put in at a uniform place of its text, scored on the needle after its first token."""
         assert self.passkey is not None and self.spans is not None and self.cursors is not None
@@ -208,7 +233,7 @@ class LanguageModelObjective(Objective):
         window.copy_(torch.from_numpy(np.concatenate([text[:place], inserted, text[place:room]]).astype(np.int64)))
         targets.copy_(window[1:])
         needle, after = place + len(self.passkey.introduction), place + len(inserted)
-        targets[max(place - 1, 0):needle] = IGNORE_INDEX  # the introduction and the needle's first token
+        targets[max(place - 1, 0) : needle] = IGNORE_INDEX  # the introduction and the needle's first token
         targets[after - 1] = IGNORE_INDEX  # the text token after the needle
         self.cursors[row] -= len(inserted)  # the row's text goes on where the window's text stopped
         self.spans[row] = (key, span - 1)
@@ -227,7 +252,7 @@ class LanguageModelObjective(Objective):
         text = self.passkey.with_numbers(window.numpy()[:room], distractors, key, rng)
         window.copy_(torch.from_numpy(np.concatenate([text, question, answer]).astype(np.int64)))
         targets.copy_(window[1:])
-        targets[room - 1:room - 1 + len(question)] = IGNORE_INDEX
+        targets[room - 1 : room - 1 + len(question)] = IGNORE_INDEX
         self.cursors[row] -= len(question) + len(answer)
         self.spans[row] = None
 
@@ -261,7 +286,7 @@ class LanguageModelObjective(Objective):
         total = 0.0
         rows = evaluation_rows(model, self.data.length, batch_size)
         for start in range(0, len(self.validation), rows):
-            chunk = self.validation[start:start + rows].to(dist.device)  # (b, L + 1)
+            chunk = self.validation[start : start + rows].to(dist.device)  # (b, L + 1)
             logits = model(chunk[:, :-1])  # (b, L, V)
             total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
         loss = total / self.validation[:, 1:].numel()
@@ -269,8 +294,8 @@ class LanguageModelObjective(Objective):
         for size, (tokens, targets) in (self.passkey_validation or {}).items():
             right, rows = 0, evaluation_rows(model, size, batch_size)
             for start in range(0, len(tokens), rows):
-                prompts = tokens[start:start + rows, :-1].to(dist.device)  # (b, size)
-                chunk = targets[start:start + rows].to(dist.device)  # (b, size)
+                prompts = tokens[start : start + rows, :-1].to(dist.device)  # (b, size)
+                chunk = targets[start : start + rows].to(dist.device)  # (b, size)
                 scored = chunk != IGNORE_INDEX  # (b, size)
                 if model.selects_positions:
                     wrong = model(prompts, positions=scored).argmax(dim=-1) != chunk[scored]  # (N,) row-major
@@ -283,10 +308,16 @@ class LanguageModelObjective(Objective):
             figures[f"passkey_accuracy_{size}"] = right / len(tokens)
         return Evaluation(figures, score=-loss)
 
-    def checkpoint_config(self, architecture: str, model_config: BaseModelConfig,
-                          metadata: dict[str, Any]) -> CheckpointConfig:
-        return CheckpointConfig(architecture=architecture, model=model_config, kind="generate",
-                                tokenizer=self.data.tokenizer, metadata=metadata)
+    def checkpoint_config(
+        self, architecture: str, model_config: BaseModelConfig, metadata: dict[str, Any]
+    ) -> CheckpointConfig:
+        return CheckpointConfig(
+            architecture=architecture,
+            model=model_config,
+            kind="generate",
+            tokenizer=self.data.tokenizer,
+            metadata=metadata,
+        )
 
     def write_files(self, out: Path) -> None:
         if self.ranks_file is not None and self.ranks_file.resolve() != (out / RANKS_FILE).resolve():
@@ -332,7 +363,9 @@ def check_passkey_length(tokenizer: Tokenizer, length: int) -> int:
     of ``length`` tokens hold it."""
     shortest = PassKeyBuilder(tokenizer, np.zeros(1, dtype=np.int64)).shortest() + PASSKEY_ANSWER_TOKENS
     if shortest > length + 1:
-        raise ValueError(f"pass-key examples need windows of at least {shortest} tokens; --length {length} is too short")
+        raise ValueError(
+            f"pass-key examples need windows of at least {shortest} tokens; --length {length} is too short"
+        )
     return shortest
 
 

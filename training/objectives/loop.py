@@ -88,8 +88,11 @@ def train(
         run, best_state = load_resume(out, model, optimizer, rng, objective, dist, carried)
         run.stopped = None
     if dist.is_main and (removed := remove_stale_temporaries(out)):
-        print(f"removed {len(removed)} temporary file(s) of saves killed before their rename from {out}: "
-              f"{', '.join(path.name for path in removed)}", file=sys.stderr)
+        print(
+            f"removed {len(removed)} temporary file(s) of saves killed before their rename from {out}: "
+            f"{', '.join(path.name for path in removed)}",
+            file=sys.stderr,
+        )
     trained = dist.wrap(torch.compile(model, dynamic=True) if settings.compile else model)  # lengths vary
     use_bfloat16 = settings.dtype == "bfloat16" or (settings.dtype == "auto" and dist.device.type == "cuda")
 
@@ -99,15 +102,29 @@ def train(
     if resume is not None:
         write_record(log, event="resume", command=resume, step=run.step, threads=options.threads)
     else:
-        write_record(log, event="start", command=command, architecture=settings.architecture,
-               model=dataclasses.asdict(model_config), parameters=sum(p.numel() for p in model.parameters()),
-               world_size=dist.world_size, device=str(dist.device), dtype="bfloat16" if use_bfloat16 else "float32",
-               threads=options.threads, **objective.start_figures())
+        write_record(
+            log,
+            event="start",
+            command=command,
+            architecture=settings.architecture,
+            model=dataclasses.asdict(model_config),
+            parameters=sum(p.numel() for p in model.parameters()),
+            world_size=dist.world_size,
+            device=str(dist.device),
+            dtype="bfloat16" if use_bfloat16 else "float32",
+            threads=options.threads,
+            **objective.start_figures(),
+        )
     elapsed_before = run.elapsed_s
     window_started, window_tokens = time.perf_counter(), 0
-    bar = tqdm(total=settings.steps if options.time_budget_s is None else None,  # under a budget: after a step
-               initial=run.step, desc=f"{objective.name} {settings.architecture}", unit="step", dynamic_ncols=True,
-               disable=not (dist.is_main and options.progress))
+    bar = tqdm(
+        total=settings.steps if options.time_budget_s is None else None,  # under a budget: after a step
+        initial=run.step,
+        desc=f"{objective.name} {settings.architecture}",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not (dist.is_main and options.progress),
+    )
     first_step, loop_started = run.step, time.perf_counter()
     with _stop_signals() as signalled:
         while (run.step < settings.steps or run.evaluation_pending) and run.stopped is None:
@@ -117,23 +134,31 @@ def train(
                 for group in optimizer.param_groups:
                     group["lr"] = settings.lr * lr_factor(settings, run.step)
                 if settings.soft_transition_steps:
-                    set_soft_transitions(model, run.step <= settings.soft_transition_steps,
-                                          track_impurity=settings.determinism_weight > 0)
+                    set_soft_transitions(
+                        model,
+                        run.step <= settings.soft_transition_steps,
+                        track_impurity=settings.determinism_weight > 0,
+                    )
                 if settings.extra_levels:
                     model.extra_levels = extra_levels(settings, run.step)
                 batch = objective.batch(rng, run.step)
-                grad_norm, step_tokens, carried = _train_step(trained, optimizer, batch, settings, run, dist,
-                                                              use_bfloat16, carried, objective.teacher)
+                grad_norm, step_tokens, carried = _train_step(
+                    trained, optimizer, batch, settings, run, dist, use_bfloat16, carried, objective.teacher
+                )
                 window_tokens += step_tokens
                 if options.time_budget_s is not None:
                     now = time.perf_counter()
-                    bar.total = progress_total(settings.steps, run.step,
-                                               (now - loop_started) / (run.step - first_step),
-                                               options.time_budget_s - (now - started))
+                    bar.total = progress_total(
+                        settings.steps,
+                        run.step,
+                        (now - loop_started) / (run.step - first_step),
+                        options.time_budget_s - (now - started),
+                    )
                 bar.update(1)
                 run.elapsed_s = elapsed_before + time.perf_counter() - started
-                out_of_time = (options.time_budget_s is not None
-                               and time.perf_counter() - started >= options.time_budget_s)
+                out_of_time = (
+                    options.time_budget_s is not None and time.perf_counter() - started >= options.time_budget_s
+                )
                 cut = signalled() or bool(stop_requested and stop_requested())
                 # every process stops at the same step; a cut run logs and evaluates as if it went on (bitwise resume)
                 cut, out_of_time = (value > 0 for value in dist.sum([float(cut), float(out_of_time)]))
@@ -142,18 +167,45 @@ def train(
                     run.window = [0.0, 0.0, 0.0]
                     now = time.perf_counter()
                     speed = dist.sum([float(window_tokens)])[0] / max(now - window_started, 1e-9)
-                    write_record(log, event="train", step=run.step, loss=loss_sum / positions,
-                           accuracy=correct / positions, tokens=run.tokens, tokens_per_s=speed,
-                           lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm, elapsed_s=run.elapsed_s,
-                           **objective.train_figures(run.step))
-                    bar.set_postfix({"loss": f"{loss_sum / positions:.4f}", "acc": f"{correct / positions:.3f}",
-                                     "tokens/s": f"{speed:,.0f}"})
+                    write_record(
+                        log,
+                        event="train",
+                        step=run.step,
+                        loss=loss_sum / positions,
+                        accuracy=correct / positions,
+                        tokens=run.tokens,
+                        tokens_per_s=speed,
+                        lr=optimizer.param_groups[0]["lr"],
+                        grad_norm=grad_norm,
+                        elapsed_s=run.elapsed_s,
+                        **objective.train_figures(run.step),
+                    )
+                    bar.set_postfix(
+                        {
+                            "loss": f"{loss_sum / positions:.4f}",
+                            "acc": f"{correct / positions:.3f}",
+                            "tokens/s": f"{speed:,.0f}",
+                        }
+                    )
                     window_started, window_tokens = now, 0
                 if settings.eval_every and (run.step % settings.eval_every == 0 or run.step == settings.steps):
                     # saved first, so that an evaluation that dies (out of memory) loses none of the steps
                     run.evaluation_pending = True
-                    save_resume(out, model, optimizer, rng, objective, run, best_state, settings, model_config,
-                                 command, log, dist, carried)
+                    save_resume(
+                        out,
+                        model,
+                        optimizer,
+                        rng,
+                        objective,
+                        run,
+                        best_state,
+                        settings,
+                        model_config,
+                        command,
+                        log,
+                        dist,
+                        carried,
+                    )
             last, evaluated = run.step == settings.steps, run.evaluation_pending
             if evaluated:
                 best_state = _evaluate(model, objective, settings, run, dist, log, best_state)
@@ -164,16 +216,38 @@ def train(
                 run.stopped = "steps" if last else "signal" if cut else "time" if out_of_time else None
             # a step that evaluated was saved just before (a resume repeats the evaluation): not a second time
             if run.stopped is not None or (run.step % settings.save_every == 0 and not evaluated):
-                save_resume(out, model, optimizer, rng, objective, run, best_state, settings, model_config,
-                             command, log, dist, carried)
+                save_resume(
+                    out,
+                    model,
+                    optimizer,
+                    rng,
+                    objective,
+                    run,
+                    best_state,
+                    settings,
+                    model_config,
+                    command,
+                    log,
+                    dist,
+                    carried,
+                )
     bar.close()
 
     metadata = run_metadata(settings, objective, command, dist, run)
     digests = dist.gather(weights_digest(model))
     if dist.is_main:
         save_run_checkpoint(model, best_state, objective, settings, model_config, out, command, dist, run)
-        write_record(log, event="end", step=run.step, stopped=run.stopped, best_score=run.best_score,
-               best_step=run.best_step, wall_time_s=run.elapsed_s, tokens=run.tokens, param_sha256=digests)
+        write_record(
+            log,
+            event="end",
+            step=run.step,
+            stopped=run.stopped,
+            best_score=run.best_score,
+            best_step=run.best_step,
+            wall_time_s=run.elapsed_s,
+            tokens=run.tokens,
+            param_sha256=digests,
+        )
         log.close()
     return metadata
 
@@ -185,8 +259,14 @@ def progress_total(steps: int, step: int, seconds_per_step: float, seconds_left:
 
 
 def _train_step(
-    trained: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, settings: TrainSettings,
-    run: RunState, dist: Distributed, use_bfloat16: bool, carried: InferenceCache | None = None,
+    trained: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    settings: TrainSettings,
+    run: RunState,
+    dist: Distributed,
+    use_bfloat16: bool,
+    carried: InferenceCache | None = None,
     teacher: Teacher | None = None,
 ) -> tuple[float, int, InferenceCache | None]:
     """One optimizer step over ``batch`` in ``grad_accumulation`` micro-batches (the loss the mean over all real
@@ -243,8 +323,13 @@ def _train_step(
 
 
 def _evaluate(
-    model: SequenceModel, objective: Objective, settings: TrainSettings, run: RunState, dist: Distributed,
-    log: TextIO | None, best_state: dict[str, torch.Tensor] | None,
+    model: SequenceModel,
+    objective: Objective,
+    settings: TrainSettings,
+    run: RunState,
+    dist: Distributed,
+    log: TextIO | None,
+    best_state: dict[str, torch.Tensor] | None,
 ) -> dict[str, torch.Tensor] | None:
     """Evaluate, update the best score (a tie keeps the later weights, trained longer, but does not reset the
     patience) and decide early stopping. Returns the best weights (held only when the objective keeps them)."""
@@ -260,8 +345,9 @@ def _evaluate(
             best_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     run.evaluations_since_best = 0 if improved else run.evaluations_since_best + 1
     run.last_evaluation = {"step": run.step, **evaluation.figures}
-    write_record(log, event="eval", step=run.step, **evaluation.figures, best_score=run.best_score,
-           best_step=run.best_step)
+    write_record(
+        log, event="eval", step=run.step, **evaluation.figures, best_score=run.best_score, best_step=run.best_step
+    )
     if settings.target is not None and run.best_score >= settings.target:
         run.stopped = "target"
     elif settings.patience is not None and run.evaluations_since_best >= settings.patience:

@@ -15,8 +15,12 @@ if TYPE_CHECKING:
     from training.objectives.run import TrainSettings
 
 
-def masked_loss(logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
-                soft_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+def masked_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    soft: torch.Tensor | None = None,
+    soft_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
     """logits (B, T, V), targets (B, T) (or (N, V), (N,)) -> summed cross-entropy over the real positions, correct
     argmaxes. With a gradient to take, ``soft`` and ``soft_weights`` w make each position's loss (1 - w) times its
     target's cross-entropy plus w times the teacher's."""
@@ -42,8 +46,13 @@ class SummedCrossEntropy(torch.autograd.Function):
     :func:`masked_loss`, the targets' own sum kept as ``target_loss``. logits (N, V), targets (N,) -> () sum."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, soft: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        soft: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         real = targets != IGNORE_INDEX  # (N,)
         index = targets.clamp(min=0).unsqueeze(1)  # (N, 1)
         gradient = torch.softmax(logits, dim=-1)  # (N, V): becomes the gradient in place

@@ -85,8 +85,9 @@ class Objective(ABC):
         """Evaluate ``model`` (every process takes part; figures summed over them); None: nothing to evaluate."""
 
     @abstractmethod
-    def checkpoint_config(self, architecture: str, model_config: BaseModelConfig,
-                          metadata: dict[str, Any]) -> CheckpointConfig:
+    def checkpoint_config(
+        self, architecture: str, model_config: BaseModelConfig, metadata: dict[str, Any]
+    ) -> CheckpointConfig:
         """The config.json of a checkpoint of this run."""
 
     def start_figures(self) -> dict[str, Any]:

@@ -34,7 +34,9 @@ class TaskData:
     curriculum_fraction: float = 0.5
     p_one: float | tuple[float, float] | None = None  # one P(second symbol), or a per-string range
     balanced: bool = False
-    power_offset_fraction: float = 0.0  # training strings drawn by the task's draw_power_offset (training/data/tasks.py)
+    power_offset_fraction: float = (
+        0.0  # training strings drawn by the task's draw_power_offset (training/data/tasks.py)
+    )
     final_only: bool = False  # the loss on each training string's last position only (the authors' code's)
     eval_samples: int = 200
     eval_batch_size: int = 64
@@ -48,14 +50,16 @@ class TransductionObjective(Objective):
         self.data = data
         self.task = get_task(data.task)
         ramp_steps = max(1, round(data.curriculum_fraction * steps))
-        curriculum = LengthCurriculum(*data.train_lengths, kind=data.curriculum, start=data.curriculum_start,
-                                      ramp_steps=ramp_steps)
+        curriculum = LengthCurriculum(
+            *data.train_lengths, kind=data.curriculum, start=data.curriculum_start, ramp_steps=ramp_steps
+        )
         self.training = TrainingData(
             self.task, batch_size, curriculum, data.p_one, data.balanced, data.power_offset_fraction, data.final_only
         )
         eval_rng = np.random.default_rng([seed, EVAL_STREAM])
         self.eval_set = FinalLabelSet.draw(self.task, eval_rng, data.eval_samples, data.eval_lengths).shard(
-            dist.rank, dist.world_size)
+            dist.rank, dist.world_size
+        )
 
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
         return self.training.batch(rng, step)
@@ -67,10 +71,18 @@ class TransductionObjective(Objective):
         figures = {"accuracy": accuracy, "lengths": list(self.data.eval_lengths), "samples": self.data.eval_samples}
         return Evaluation(figures, score=accuracy)
 
-    def checkpoint_config(self, architecture: str, model_config: BaseModelConfig,
-                          metadata: dict[str, Any]) -> CheckpointConfig:
-        return CheckpointConfig(architecture=architecture, model=model_config, kind="transduce", task=self.task.name,
-                                alphabet=self.task.alphabet, labels=self.task.labels, metadata=metadata)
+    def checkpoint_config(
+        self, architecture: str, model_config: BaseModelConfig, metadata: dict[str, Any]
+    ) -> CheckpointConfig:
+        return CheckpointConfig(
+            architecture=architecture,
+            model=model_config,
+            kind="transduce",
+            task=self.task.name,
+            alphabet=self.task.alphabet,
+            labels=self.task.labels,
+            metadata=metadata,
+        )
 
     def start_figures(self) -> dict[str, Any]:
         return {"task": self.task.name}
@@ -81,8 +93,12 @@ class TransductionObjective(Objective):
     def metadata(self, run: RunState) -> dict[str, Any]:
         best_eval = None
         if run.best_score is not None:
-            best_eval = {"step": run.best_step, "accuracy": run.best_score, "lengths": list(self.data.eval_lengths),
-                         "samples": self.data.eval_samples}
+            best_eval = {
+                "step": run.best_step,
+                "accuracy": run.best_score,
+                "lengths": list(self.data.eval_lengths),
+                "samples": self.data.eval_samples,
+            }
         return {"best_eval": best_eval}
 
     def settings(self) -> dict[str, Any]:

@@ -73,34 +73,45 @@ def tile_best(numba, height: int) -> Callable[..., None]:
 
         def codegen(context, builder, signature, args):
             sums = tile_sums(context, builder, signature, args, height)
-            bias_array, best_array, where_array = (context.make_array(signature.args[at])(context, builder, args[at])
-                                                   for at in (4, 6, 7))  # fmt: skip
+            bias_array, best_array, where_array = (
+                context.make_array(signature.args[at])(context, builder, args[at]) for at in (4, 6, 7)
+            )
             index = context.get_value_type(types.intp)
             lanes = sums[0][0].type.count
             vector, int32 = sums[0][0].type, ir.IntType(32)
             base = builder.mul(args[2], ir.Constant(index, PANEL))
             offsets = ir.Constant(ir.VectorType(int32, lanes), list(range(lanes)))
-            spread = builder.insert_element(ir.Constant(ir.VectorType(int32, lanes), ir.Undefined),
-                                            builder.trunc(base, int32), ir.Constant(int32, 0))  # fmt: skip
+            spread = builder.insert_element(
+                ir.Constant(ir.VectorType(int32, lanes), ir.Undefined),
+                builder.trunc(base, int32),
+                ir.Constant(int32, 0),
+            )
             spread = builder.shuffle_vector(spread, spread, ir.Constant(ir.VectorType(int32, lanes), [0] * lanes))
             for half in (0, 1):
-                outputs = builder.add(spread, builder.add(offsets, ir.Constant(ir.VectorType(int32, lanes),
-                                                                               [lanes * half] * lanes)))  # fmt: skip
+                outputs = builder.add(
+                    spread, builder.add(offsets, ir.Constant(ir.VectorType(int32, lanes), [lanes * half] * lanes))
+                )
                 offset = builder.add(base, ir.Constant(index, lanes * half))
-                bias_vector = builder.load(builder.bitcast(builder.gep(bias_array.data, [offset]),
-                                                           vector.as_pointer()), align=4)  # fmt: skip
-                values = [builder.select(args[5], builder.fadd(total[half], bias_vector), total[half])
-                          for total in sums]  # fmt: skip
+                bias_vector = builder.load(
+                    builder.bitcast(builder.gep(bias_array.data, [offset]), vector.as_pointer()), align=4
+                )
+                values = [
+                    builder.select(args[5], builder.fadd(total[half], bias_vector), total[half]) for total in sums
+                ]
                 for k, value in enumerate(values):
-                    at = builder.add(builder.mul(builder.add(args[3], ir.Constant(index, k)),
-                                                 ir.Constant(index, PANEL)), ir.Constant(index, lanes * half))
+                    at = builder.add(
+                        builder.mul(builder.add(args[3], ir.Constant(index, k)), ir.Constant(index, PANEL)),
+                        ir.Constant(index, lanes * half),
+                    )
                     best_pointer = builder.bitcast(builder.gep(best_array.data, [at]), vector.as_pointer())
-                    where_pointer = builder.bitcast(builder.gep(where_array.data, [at]),
-                                                    ir.VectorType(int32, lanes).as_pointer())  # fmt: skip
+                    where_pointer = builder.bitcast(
+                        builder.gep(where_array.data, [at]), ir.VectorType(int32, lanes).as_pointer()
+                    )
                     held, held_at = builder.load(best_pointer, align=4), builder.load(where_pointer, align=4)
                     larger = builder.fcmp_ordered(">", value, held)
-                    first_nan = builder.and_(builder.fcmp_unordered("uno", value, value),
-                                             builder.fcmp_ordered("ord", held, held))  # fmt: skip
+                    first_nan = builder.and_(
+                        builder.fcmp_unordered("uno", value, value), builder.fcmp_ordered("ord", held, held)
+                    )
                     take = builder.or_(larger, first_nan)
                     builder.store(builder.select(take, value, held), best_pointer, align=4)
                     builder.store(builder.select(take, outputs, held_at), where_pointer, align=4)
@@ -124,18 +135,24 @@ def tile_sums(context, builder, signature, args, height: int) -> list[list]:
     index = context.get_value_type(types.intp)
     vector = ir.VectorType(ir.FloatType(), lanes)
     width = builder.extract_value(x_array.shape, 1)
-    starts = [builder.gep(x_array.data, [builder.mul(builder.add(args[3], ir.Constant(index, k)), width)])
-              for k in range(height)]  # each tile row's first element in x  # fmt: skip
+    starts = [
+        builder.gep(x_array.data, [builder.mul(builder.add(args[3], ir.Constant(index, k)), width)])
+        for k in range(height)
+    ]  # each tile row's first element in x
     panel = builder.gep(panel_array.data, [builder.mul(args[2], builder.mul(width, ir.Constant(index, PANEL)))])
     sums = [cgutils.alloca_once_value(builder, ir.Constant(vector, None)) for _ in range(2 * height)]
     undefined, first = ir.Constant(vector, ir.Undefined), ir.Constant(ir.IntType(32), 0)
     broadcast = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)  # lane 0 into every lane
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
-                                         f"llvm.fma.v{lanes}f32")  # fmt: skip
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{lanes}f32")
     with cgutils.for_range(builder, width) as loop:
         weights_row = builder.gep(panel, [builder.mul(loop.index, ir.Constant(index, PANEL))])
-        halves = [builder.load(builder.bitcast(builder.gep(weights_row, [ir.Constant(index, lanes * half)]),
-                                               vector.as_pointer()), align=4) for half in (0, 1)]  # fmt: skip
+        halves = [
+            builder.load(
+                builder.bitcast(builder.gep(weights_row, [ir.Constant(index, lanes * half)]), vector.as_pointer()),
+                align=4,
+            )
+            for half in (0, 1)
+        ]
         for k in range(height):
             value = builder.load(builder.gep(starts[k], [loop.index]))
             lane = builder.insert_element(undefined, value, first)
@@ -164,8 +181,10 @@ def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[...
             index = context.get_value_type(types.intp)
             vector = ir.VectorType(ir.FloatType(), size)
             base = builder.gep(array.data, [args[1]])
-            pointers = [builder.bitcast(builder.gep(base, [ir.Constant(index, m * size)]), vector.as_pointer())
-                        for m in range(size)]  # fmt: skip
+            pointers = [
+                builder.bitcast(builder.gep(base, [ir.Constant(index, m * size)]), vector.as_pointer())
+                for m in range(size)
+            ]
             rows = [builder.load(pointer, align=4) for pointer in pointers]  # row m: entry m of every column
             zero, one = ir.Constant(vector, [0.0] * size), ir.Constant(vector, [1.0] * size)
             support = total = zero
@@ -175,17 +194,20 @@ def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[...
                     taken = builder.uitofp(builder.fcmp_ordered(">=", rows[m], rows[i]), vector)
                     count = builder.fadd(count, taken)
                     partial = builder.fadd(partial, builder.fmul(taken, rows[m]))
-                inside = builder.uitofp(builder.fcmp_ordered(">", builder.fmul(count, rows[i]),
-                                                              builder.fsub(partial, one)), vector)  # fmt: skip
+                inside = builder.uitofp(
+                    builder.fcmp_ordered(">", builder.fmul(count, rows[i]), builder.fsub(partial, one)), vector
+                )
                 support = builder.fadd(support, inside)
                 total = builder.fadd(total, builder.fmul(inside, rows[i]))
             found = builder.fdiv(builder.fsub(total, one), support)
-            tau = builder.select(builder.fcmp_ordered(">", support, zero), found,
-                                 ir.Constant(vector, [float("nan")] * size))  # fmt: skip
+            tau = builder.select(
+                builder.fcmp_ordered(">", support, zero), found, ir.Constant(vector, [float("nan")] * size)
+            )
             for i in range(size):  # max(v - tau, 0) as Python's max: NaN stays NaN
                 difference = builder.fsub(rows[i], tau)
-                builder.store(builder.select(builder.fcmp_ordered(">", zero, difference), zero, difference),
-                              pointers[i], align=4)  # fmt: skip
+                builder.store(
+                    builder.select(builder.fcmp_ordered(">", zero, difference), zero, difference), pointers[i], align=4
+                )
             return context.get_dummy_value()
 
         return signature, codegen
@@ -197,10 +219,17 @@ def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[...
         def codegen(context, builder, signature, args):
             index = context.get_value_type(types.intp)
             vector = ir.VectorType(ir.FloatType(), size)
-            bases = [builder.gep(context.make_array(signature.args[at])(context, builder, args[at]).data, [args[2]])
-                     for at in (0, 1)]  # fmt: skip
-            outputs, grads = ([builder.bitcast(builder.gep(base, [ir.Constant(index, m * size)]), vector.as_pointer())
-                               for m in range(size)] for base in bases)  # fmt: skip
+            bases = [
+                builder.gep(context.make_array(signature.args[at])(context, builder, args[at]).data, [args[2]])
+                for at in (0, 1)
+            ]
+            outputs, grads = (
+                [
+                    builder.bitcast(builder.gep(base, [ir.Constant(index, m * size)]), vector.as_pointer())
+                    for m in range(size)
+                ]
+                for base in bases
+            )
             zero, one = ir.Constant(vector, [0.0] * size), ir.Constant(vector, [1.0] * size)
             inside = [builder.fcmp_ordered(">", builder.load(pointer, align=4), zero) for pointer in outputs]
             values = [builder.load(pointer, align=4) for pointer in grads]
@@ -228,11 +257,13 @@ def bit_casts(numba) -> tuple[Callable[[float], int], Callable[[int], float]]:
     @intrinsic
     def float_bits(typingctx, value):
         return types.int32(types.float32), lambda context, builder, signature, args: builder.bitcast(
-            args[0], ir.IntType(32))
+            args[0], ir.IntType(32)
+        )
 
     @intrinsic
     def bits_float(typingctx, value):
         return types.float32(types.int32), lambda context, builder, signature, args: builder.bitcast(
-            args[0], ir.FloatType())
+            args[0], ir.FloatType()
+        )
 
     return float_bits, bits_float

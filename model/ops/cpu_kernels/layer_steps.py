@@ -42,12 +42,20 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
         y = p * (exponent + 2.0 * s * series * 1.4426950408889634)  # p log2 |value|
         n = np.floor(y + 0.5)
         t = (y - n) * 0.6931471805599453  # 2 ** (y - n) = exp(t), |t| <= ln(2) / 2
-        e = 1.0 + t * (1.0 + t * (0.5 + t * (1.0 / 6 + t * (1.0 / 24 + t * (1.0 / 120 + t * (1.0 / 720 + t * (
-            1.0 / 5040 + t * (1.0 / 40320))))))))
+        e = 1.0 + t * (
+            1.0
+            + t
+            * (
+                0.5
+                + t
+                * (1.0 / 6 + t * (1.0 / 24 + t * (1.0 / 120 + t * (1.0 / 720 + t * (1.0 / 5040 + t * (1.0 / 40320))))))
+            )
+        )
         whole = np.int32(min(max(n, -160.0), 129.0))  # from 2 ** 129 x e >= 2 ** 128.5 the product is inf
         half = whole >> 1  # 2 ** whole as 2 ** half times 2 ** (whole - half), both in float32's normal range
-        result = np.float32(e) * bits_float(np.int32((half + 127) << 23)) * bits_float(
-            np.int32((whole - half + 127) << 23))
+        result = (
+            np.float32(e) * bits_float(np.int32((half + 127) << 23)) * bits_float(np.int32((whole - half + 127) << 23))
+        )
         normal = np.float32(magnitude >= np.float32(1.17549435e-38))
         return result * normal if bits < 0x7F800000 else magnitude  # inf and NaN: themselves (inf ** p is inf)
 
@@ -83,7 +91,7 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
                         for i in range(size):
                             total += powered[h * size * size + i * size + j]
                         # max(1, total) keeping a NaN, as torch's clamp does (Python's max(1, NaN) is 1)
-                        norms[h * size + j] = np.float32(1.0) if total < np.float32(1.0) else total  # noqa: FURB136
+                        norms[h * size + j] = np.float32(1.0) if total < np.float32(1.0) else total
                 for k in range(heads * size):
                     norms[k] = power(norms[k], inverse)
             for h in range(heads):
@@ -116,8 +124,9 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
         return lambda packed, start, i, columns, panels, slot: matrix(packed, start, i, columns)
 
     @jit(inline="always")
-    def block_step(x, window, positions, dilation, where, slots, packed, start, panels, block, has_null, heads, eps,
-                   x_out):  # fmt: skip
+    def block_step(
+        x, window, positions, dilation, where, slots, packed, start, panels, block, has_null, heads, eps, x_out
+    ):
         """One block over x (R, d) -> x_out: its tensors at ``start`` in ``packed``, its matrices' panels from
         panels[4*block:]; where[r, j]: the ring slot of position positions[r] - j * dilation."""
         width = x.shape[1]
@@ -203,8 +212,9 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
         residual_tail(x, attended, c_proj, ln_2, c_fc, mlp_proj, eps, x_out)
 
     @jit
-    def regulargpt_layer(x, windows, positions, dilation, ring, slots, packed, starts, panels, has_null, heads, eps,
-                         x_out):  # fmt: skip
+    def regulargpt_layer(
+        x, windows, positions, dilation, ring, slots, packed, starts, panels, has_null, heads, eps, x_out
+    ):
         blocks, rows = starts.shape[0], x.shape[0]
         columns = windows[0].shape[0] // (rows * 2 * heads) // dilation  # K of ring_slot
         period = ring // dilation  # C - 1
@@ -216,8 +226,22 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
         current = x
         for k in range(blocks):  # the last block writes x_out; the others alternate between two buffers
             out = x_out if (blocks - 1 - k) % 2 == 0 else np.empty_like(x)
-            block_step(current, windows[k], positions, dilation, where, slots, packed, starts[k], panels, k, has_null,
-                       heads, eps, out)  # fmt: skip
+            block_step(
+                current,
+                windows[k],
+                positions,
+                dilation,
+                where,
+                slots,
+                packed,
+                starts[k],
+                panels,
+                k,
+                has_null,
+                heads,
+                eps,
+                out,
+            )
             current = out
 
     return LayerSteps(layer_step, regulargpt_layer)

@@ -40,8 +40,9 @@ def build_scan(numba) -> Scan:
                 final[r, h] = state
 
     @jit
-    def scan_backward(transitions, initial, states, grad_states, grad_final, grad_transitions, grad_inputs,
-                      grad_initial):  # fmt: skip
+    def scan_backward(
+        transitions, initial, states, grad_states, grad_final, grad_transitions, grad_inputs, grad_initial
+    ):
         """``_CompiledScan``'s backward: the gradients of ``scan_states``' outputs in, of its inputs out."""
         batch, length, heads, size = states.shape
         carried = np.empty(size, dtype=np.float32)  # G_(t+1) carried back: A_(t+1)^T G_(t+1)
