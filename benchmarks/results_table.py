@@ -56,7 +56,7 @@ def training_cells(checkpoint: Path) -> list[str]:
         return ["-", "-", "-"]
     metadata = read_config(checkpoint).metadata
     with safe_open(checkpoint / WEIGHTS_FILE, framework="pt") as weights:
-        parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights)
+        parameters = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118 (safe_open is not iterable)
     return [str(metadata["steps"]), f"{metadata['wall_time_s']:.0f}", f"{parameters:,}"]
 
 

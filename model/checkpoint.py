@@ -117,7 +117,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-            tensors = {name: handle.get_tensor(name) for name in handle}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupted?): {error}") from None
     digests = _parse_digests(path, metadata)
