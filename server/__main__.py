@@ -1,31 +1,9 @@
 """``python -m server [--host H] [--port P] [--models DIR [DIR ...]] [--no-shipped-models] [--device auto|cpu|cuda]``
 
-Serves the shipped checkpoints (the repository's checkpoints/) and every checkpoint folder under each DIR beside
-them (a DIR may also be one checkpoint folder); ``--no-shipped-models`` serves those of the DIRs only. A model's id
-is its folder's name; a folder whose id is served already is skipped and reported. Options not given on the command
-line come from REGULARLM_* environment variables (``server/settings.py``: ``REGULARLM_MODELS``,
-``REGULARLM_SHIPPED_MODELS=false``).
-
-At INFO, start-up says "loading N models from ...", a warning per folder skipped, "N models ready ..." and, once
-requests are served, "ready on http://HOST:PORT"; each model's serving path (``for_serving``'s notes, its decode
-step) is at DEBUG (``--log-level debug``). uvicorn's own start-up lines ("Uvicorn running on ...", said as the socket
-opens, before the models are loaded) are at DEBUG too. On SIGTERM or
-Ctrl-C the server stops taking requests (/health answers 503 "draining") and finishes those in flight,
-for at most ``drain_timeout_s``; then every request still in flight gets a JSON 503 (a stream: an SSE error
-event, then ``data: [DONE]``), running work stops at its next slice, and the process exits 0 within
-``drain_timeout_s`` + 5 s (``ANSWER_WAIT_S`` + ``CLOSE_WAIT_S`` + the engine's ``STOP_TIMEOUT_S``, plus
-polling). Exit codes: 0 after a shutdown, 2 on bad options or when no model could be loaded (each failure is
-printed with its path and reason), 3 when the engine process died while serving (its requests in flight were answered
-503 first), so that Docker or Kubernetes restarts the server.
-
-The engine core runs in a child process (``server/engine/client.py``, ``server/engine/core.py``) unless
-``--engine-in-process`` (or ``REGULARLM_ENGINE_PROCESS=false``) keeps it on a thread of this one.
-
-uvicorn's access log (a line per request) is off unless ``--access-log`` (or ``REGULARLM_ACCESS_LOG=true``) turns it
-on: each line is formatted and written on the event loop, which every request goes through.
-
-A connection that has not sent a request's headers ``header_timeout_s`` after it opened or after the first byte of a
-later request is closed (``server/api/guard.py``); an idle one, ``keep_alive_s`` after its last response.
+Serves the shipped checkpoints and those under each DIR; other options come from REGULARLM_* variables
+(``server/settings.py``). On SIGTERM or Ctrl-C it drains (/health 503) for at most ``drain_timeout_s``, answers what is
+left 503 and exits 0 within ``drain_timeout_s`` + 5 s. Exit codes: 2 on bad options or when no model loads, 3 when the
+engine process died.
 """
 
 from __future__ import annotations
@@ -59,9 +37,9 @@ CLOSE_WAIT_S = 2  # then: uvicorn's graceful shutdown of open connections (whole
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server with a drain phase: the first SIGTERM/SIGINT marks the engine draining (/health 503,
-    new requests 503) while the socket stays open, until the requests in flight are done or ``drain_timeout_s``
-    has passed; then uvicorn shuts down as usual. A second signal skips the wait, a third forces the exit."""
+    """uvicorn's server with a drain phase: the first SIGTERM/SIGINT marks the engine draining (/health 503, new
+    requests 503) with the socket open until nothing is in flight or ``drain_timeout_s`` passes; then uvicorn shuts
+    down. A second signal skips the wait, a third forces the exit."""
 
     def __init__(self, config: uvicorn.Config, engine: EngineFront, drain_timeout_s: float) -> None:
         super().__init__(config)
@@ -114,10 +92,8 @@ class DrainingServer(uvicorn.Server):
 
 
 class UvicornLines(logging.Filter):
-    """uvicorn's lines of its lifespan at DEBUG: "Uvicorn running on ..." is said as the socket opens, about a minute
-    before the models are ready; "ready on ..." (``DrainingServer.announce_when_ready``) says when requests are served.
-    "Shutting down" and "Finished server process" stay. Its logger "uvicorn.error" (every line of uvicorn's but the
-    access log) is named "uvicorn" in the log."""
+    """Moves uvicorn's lifespan lines to DEBUG ("Uvicorn running on ..." comes before the models are ready; "ready on
+    ..." says when requests are served) and names its logger "uvicorn"."""
 
     AT_DEBUG = (
         "Started server process",

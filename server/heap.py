@@ -8,11 +8,8 @@ GC_THRESHOLDS = (50_000, 20, 20)  # the collector's generations 0, 1, 2 (tune_ga
 
 
 def tune_garbage_collector() -> None:
-    """A serving process's collector: higher thresholds than CPython's 700 / 10 / 10 (every generated token allocates
-    a few objects, and with the defaults the engine loop spent about half its time in collections), and the heap of
-    start-up (models, tokenizers, modules: never garbage) frozen once loaded, :func:`freeze_startup_heap`, so that
-    full collections do not walk it (vLLM freezes its start-up heap too). docs/benchmarks.md, "The engine's own cost
-    per token"."""
+    """A serving process's collector: thresholds higher than CPython's (every generated token allocates a few objects),
+    and the start-up heap frozen once loaded (:func:`freeze_startup_heap`) so that full collections do not walk it."""
     gc.set_threshold(*GC_THRESHOLDS)
 
 

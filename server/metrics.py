@@ -1,22 +1,11 @@
-"""Prometheus metrics with vLLM's names (prefix ``regularlm_``: Prometheus reserves ':' for recording rules, so
-``vllm:time_to_first_token_seconds`` is ``regularlm_time_to_first_token_seconds`` here; ``promtool check metrics``
-passes), definitions and buckets. A model's counters and gauges exist, at 0, from the moment it is loaded
-(``register_models``), so that rates, the queue, the alert on it and the dashboard's list of models have data
-before the first request. Its histograms (25 or 26 lines each, 154 of a model's 174) appear with its first
-observation: at 0 their quantiles are NaN, which tells a dashboard what no series does, and the 30 shipped models'
-empty histograms made /metrics 5,220 lines (600 without them).
+"""Prometheus metrics with vLLM's names, definitions and buckets, prefixed ``regularlm_`` (Prometheus reserves ':' for
+recording rules).
 
-Definitions (as vLLM's): queue time = arrival -> first scheduled; TTFT = arrival -> first generated token;
-inter-token latency (ITL) = the gap between consecutive generated tokens; time per output token (TPOT) =
-(last token - first token) / (generated tokens - 1) per request; E2E = arrival -> finished; model execute
-time = one engine call of a model (vLLM's model_execute_time, in seconds here). The TPOT/ITL buckets start
-lower than vLLM's (1 ms) because small models on a CPU decode in about a millisecond.
-
-Each app has its own registry: nothing is registered at import time. With the engine core in a process of its own
-(``server/engine/core.py``), the engine observes into a :class:`RecordingMetrics`, whose figures (a few per step: the
-step's inter-token gap, its token count, its model call's time, each request's queue time, TTFT, E2E and TPOT when
-they happen) leave with the step's message and are replayed into the API process's registry
-(``ServerMetrics.replay``): one registry, the same names, labels and buckets.
+Definitions: queue time = arrival -> first scheduled; TTFT = arrival -> first token; ITL = the gap between consecutive
+tokens; TPOT = (last token - first token) / (tokens - 1); E2E = arrival -> finished; model execute time = one engine
+call of a model. A model's counters and gauges exist at 0 from its load, its histograms from their first observation.
+Each app has its own registry; the engine process's updates are recorded (:class:`RecordingMetrics`) and replayed into
+it.
 """
 
 from __future__ import annotations
@@ -54,6 +43,7 @@ TTFT_BUCKETS = (
     640.0,
     2560.0,
 )
+# From 1 ms, lower than vLLM's: small models on a CPU decode a token in about a millisecond.
 TOKEN_LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -176,8 +166,7 @@ class ServerMetrics:
         }
 
     def child(self, collector: Histogram | Counter | Gauge, *labels: str) -> Any:
-        """``collector.labels(*labels)``, remembered: prometheus_client checks the labels on every call (a few us,
-        several times per request)."""
+        """``collector.labels(*labels)``, remembered."""
         key = (id(collector), labels)
         found = self._children.get(key)
         if found is None:
@@ -185,8 +174,8 @@ class ServerMetrics:
         return found
 
     def register_models(self, model_ids: list[str]) -> None:
-        """Create the models' counters and gauges at 0 (each finish reason of ``request_success`` too); their
-        histograms come with their first observation (module docstring)."""
+        """Create the models' counters and gauges at 0 (each finish reason of ``request_success`` too); not their
+        histograms."""
         for collector in self._from_load:
             for model in model_ids:
                 collector.labels(model)
@@ -209,7 +198,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def queued(self, requests: list[RequestTimes]) -> None:
-        """The requests were admitted (the scheduler's queue counts them: ``server/sched/work.py``)."""
+        """The requests were admitted."""
         for times in requests:
             self.child(self.requests_waiting, times.model).inc()
 
@@ -220,9 +209,7 @@ class ServerMetrics:
         self.child(self.requests_running, times.model).inc()
 
     def tokens(self, model: str, requests: list[RequestTimes]) -> None:
-        """One generated token for each of the requests, all of ``model`` and at one time (a decode step or the first
-        tokens after a prefill). The inter-token latencies are counted per distinct gap, mostly one per step: the rows
-        that were in the previous step share it (one histogram update per step instead of one per token)."""
+        """One generated token for each of the requests, all of ``model`` and at one time."""
         now = time.monotonic()
         gaps: dict[float, int] = {}
         for times in requests:
@@ -258,11 +245,10 @@ class ServerMetrics:
         self.child(self.request_success, times.model, reason).inc()
 
     def observe_many(self, histogram: Any, value: float, count: int) -> None:
-        """``count`` observations of ``value`` in a child of a histogram (:func:`observe_many`)."""
         observe_many(histogram, value, count)
 
     def replay(self, figures: list[Figure]) -> None:
-        """Apply what a :class:`RecordingMetrics` recorded (the engine process's step figures)."""
+        """Apply the figures a :class:`RecordingMetrics` recorded."""
         for name, labels, operation, value, count in figures:
             child = self.child(self.collectors[name], *labels)
             if operation == "observe":
@@ -278,9 +264,8 @@ Figure = tuple[str, tuple[str, ...], str, float, int]
 
 
 class RecordingMetrics(ServerMetrics):
-    """The engine process's metrics: the same computations as :class:`ServerMetrics` (queue time, TTFT, gaps, TPOT,
-    E2E, counters), each update recorded as a :data:`Figure` instead of applied, until ``take`` hands them to the
-    step's message. Models are registered where the registry is (the API process)."""
+    """The engine process's metrics: each update recorded as a :data:`Figure` until ``take``; registering models is the
+    API process's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -304,14 +289,12 @@ class RecordingMetrics(ServerMetrics):
         pass
 
     def take(self) -> list[Figure]:
-        """The figures recorded since the last call (on the engine's worker thread, which records them)."""
+        """The figures recorded since the last call (worker thread)."""
         figures, self.figures[:] = list(self.figures), []
         return figures
 
 
 class _RecordedChild:
-    """A labelled child of a collector whose updates are recorded (:class:`RecordingMetrics`)."""
-
     def __init__(self, figures: list[Figure], name: str, labels: tuple[str, ...]) -> None:
         self.figures, self.name, self.labels = figures, name, labels
 
@@ -326,10 +309,8 @@ class _RecordedChild:
 
 
 def observe_many(histogram: Any, value: float, count: int) -> None:
-    """``count`` observations of ``value`` in a labelled histogram child, at the cost of one. prometheus_client's
-    ``observe`` takes one value (two locked increments and a scan of the buckets each), so this adds to the child's own
-    sum and bucket as ``observe`` does (``_sum``, ``_upper_bounds``, ``_buckets``: stable since prometheus_client 0.4;
-    tests/server/test_metrics.py checks the exposition against ``observe``'s)."""
+    """``count`` observations of ``value`` in a labelled histogram child at the cost of one (through prometheus_client's
+    private fields; tests/server/test_metrics.py checks it against ``observe``)."""
     histogram._raise_if_not_observable()
     histogram._sum.inc(value * count)
     histogram._buckets[bisect.bisect_left(histogram._upper_bounds, value)].inc(count)

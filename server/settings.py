@@ -1,12 +1,8 @@
-"""Server settings: environment variables with the prefix ``REGULARLM_`` (``REGULARLM_PORT=9000``), overridden
-by the command line of ``python -m server``. Lists are JSON in the environment
-(``REGULARLM_CORS_ORIGINS='["https://example.org"]'``); ``REGULARLM_MODELS`` also takes a path, or paths separated by
-``os.pathsep`` as ``PATH`` does (``REGULARLM_MODELS=/srv/models:/srv/more``).
-
-The models served: the shipped ``checkpoints/`` and the folders of ``models`` beside them
-(``python -m server --models DIR [DIR ...]``); ``shipped_models=False`` (``--no-shipped-models``,
-``REGULARLM_SHIPPED_MODELS=false``) serves those of ``models`` only. ``Settings.model_folders`` lists what is
-loaded."""
+"""Server settings: ``REGULARLM_*`` environment variables (``REGULARLM_PORT=9000``), overridden by the command line of
+``python -m server``. Lists are JSON in the environment; ``REGULARLM_MODELS`` also takes paths separated by
+``os.pathsep``. The models served: the shipped ``checkpoints/`` (unless ``shipped_models`` is false) and the folders of
+``models`` (``Settings.model_folders``).
+"""
 
 from __future__ import annotations
 
@@ -263,8 +259,7 @@ class Settings(BaseSettings):
     @field_validator("models", mode="before")
     @classmethod
     def _model_paths(cls, value: object) -> object:
-        """One path (a ``Path`` or a string) is a list of one; a string may also hold several, separated by
-        ``os.pathsep``, or a JSON list (the environment's forms)."""
+        """A ``Path`` or string is a list of one; a string may hold several (``os.pathsep``), or a JSON list."""
         if isinstance(value, os.PathLike):
             return [value]
         if isinstance(value, str):
@@ -281,9 +276,8 @@ class Settings(BaseSettings):
 
     @property
     def model_folders(self) -> list[Path]:
-        """The folders loaded, in order: the shipped checkpoints/ (unless shipped_models is false, or the package runs
-        from an installation without them: pip install without -e, the Docker images), then those of models (one
-        named twice, or the shipped folder named again, once)."""
+        """The folders loaded, in order, each once: the shipped checkpoints/ (unless ``shipped_models`` is false or the
+        installation has none), then those of ``models``."""
         folders = [SHIPPED_CHECKPOINTS] if self.shipped_models and SHIPPED_CHECKPOINTS.is_dir() else []
         for folder in self.models:
             if all(folder.resolve() != seen.resolve() for seen in folders):

@@ -1,11 +1,9 @@
-"""The app factory: routes (thin), error bodies, API key, CORS, and the lifespan that starts and stops the
-engine. Build an app with ``create_app(settings)``; nothing is created at import time.
+"""The app factory (``create_app``; nothing is created at import time): thin routes, error bodies, API key, CORS, and
+the lifespan that starts and stops the engine.
 
-/health sits outside the API key; /v1/* need it when one is configured, /metrics too with
-``metrics_need_api_key``, and /openapi.json, /docs and /redoc with ``docs_need_api_key``. The key, the body's
-size and the queue's room are checked from the headers before the body is read (``server/api/guard.py``).
-A path with a trailing slash the route does not have is 404 (no redirect: one built from the Host header would send
-the client wherever that header says).
+/health needs no API key; /v1/* need it when one is set, /metrics with ``metrics_need_api_key``, /openapi.json, /docs
+and /redoc with ``docs_need_api_key``. A path with a trailing slash the route does not have is 404 (no redirect built
+from the Host header).
 """
 
 from __future__ import annotations
@@ -109,9 +107,8 @@ def create_app(settings: Settings | None = None, engine: EngineFront | None = No
 
 
 def _build_routes(app: FastAPI) -> None:
-    """Match a request against every route once: FastAPI (0.165) builds the state of an included router's routes (their
-    parameters' pydantic adapters: 72 for this app, ~21 ms) on the first request that reaches them, which would
-    otherwise be the first /v1 request's (docs/benchmarks.md, "The first requests")."""
+    """Match a request against every route once, so that FastAPI builds its routes' state at start-up rather than on the
+    first /v1 request."""
     scope = {"type": "http", "path": "/", "method": "GET", "root_path": "", "headers": []}
     for route in app.router.routes:
         route.matches(scope)
@@ -132,8 +129,8 @@ def _paths_that_need_the_key(app: FastAPI, settings: Settings) -> Callable[[str]
 # --- dependencies -------------------------------------------------------------------------------------
 
 
-# ``async def``, all of them: FastAPI runs a plain ``def`` dependency in a worker thread, a hand-off that cost more
-# than the rest of a small request (docs/benchmarks.md, "HTTP path per request").
+# ``async def``, all of them: FastAPI runs a plain ``def`` dependency in a worker thread, a hand-off that costs more
+# than the rest of a small request.
 
 
 async def get_engine(request: Request) -> EngineFront:
@@ -258,8 +255,7 @@ def _api_router() -> APIRouter:
 
 
 def _json(body: BaseModel, exclude_none: bool = False, status_code: int = 200) -> Response:
-    """The body as JSON, serialized by pydantic once (``response_model`` would validate the returned model again,
-    dump it to Python objects, then have ``json.dumps`` write those); ``response_model`` still documents it."""
+    """The body as JSON, serialized by pydantic once (``response_model`` still documents it)."""
     return Response(
         body.model_dump_json(exclude_none=exclude_none), status_code=status_code, media_type="application/json"
     )
@@ -282,9 +278,8 @@ class _ClientGone(Exception):
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it (which stops its transduce or generation at the engine's next slice) if the
-    client disconnects first. The disconnect is awaited (the ASGI ``http.disconnect`` message), not polled; a
-    stream's is awaited by its ``StreamingResponse``."""
+    """Await ``work``; cancel it (its engine work stops at the next slice) if the client disconnects first (awaited, not
+    polled)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -307,8 +302,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def _allowed_methods(request: Request, path: str | None = None) -> list[str]:
-    """Every method some route serves on ``path`` (by default the request's), asked of the router itself: GET and
-    POST /v1/models are two routes, and FastAPI keeps an included router's routes behind one entry of ``app.routes``."""
+    """Every method some route serves on ``path`` (by default the request's), asked of the router itself."""
     scope = {**request.scope, "path": request.scope["path"] if path is None else path}
     return [
         method

@@ -1,9 +1,7 @@
 """OpenAI-compatible /v1/completions on top of ``Serving``: several prompts and ``n`` choices each, echo,
-log-probabilities (of the prompt too, so that ``echo: true, logprobs: 0, max_tokens: 0`` scores any text),
-and streaming with ``stream_options.include_usage``.
-
-Every engine event of a choice becomes a delta (the streamed chunk); a non-streamed answer is the deltas
-of each choice merged.
+log-probabilities (of the prompt too: ``echo: true, logprobs: 0, max_tokens: 0`` scores any text), and streaming with
+``stream_options.include_usage``. Each engine event of a choice becomes a delta; a whole answer merges each choice's
+deltas.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from server.execution.generation import Finished, GenerationRequest, PromptScore
 from server.execution.sampling import TokenLogprob
 
 # Completion ids: 128 random bits from a generator seeded once from the OS (again in a forked child), not uuid4, whose
-# os.urandom releases the GIL on the event loop just after the request was handed to the engine's thread: the loop then
-# waited for that thread to give it back (up to the interpreter's switch interval, 5 ms, behind an engine thread).
+# os.urandom releases the GIL on the event loop, which then waits for the engine's thread to give it back.
 _ids = random.Random()
 os.register_at_fork(after_in_child=_ids.seed)
 
@@ -88,8 +85,8 @@ class CompletionServing:
         self.serving = serving
 
     async def create(self, body: CompletionRequest, flow: str = "") -> CompletionResponse | AsyncIterator[str]:
-        """The response, or (``stream``) the events of an SSE stream; refusals raise before either starts.
-        ``flow``: who asks (the scheduler's fairness key)."""
+        """The response, or (``stream``) an SSE stream's events; refusals raise before either starts. ``flow``: the
+        fairness key."""
         served = self.serving.generation_model(body)
         limit = self.serving.settings.max_inputs
         if len(body.prompts) * body.n > limit:

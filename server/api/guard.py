@@ -1,27 +1,10 @@
-"""What a request must pass before the app reads its body, the time a client may take to send it, and what is done
-with a body the app answered without reading.
+"""What a request must pass before the app reads its body, and what is done with a body answered unread.
 
-``RequestGuard`` (ASGI middleware) decides from the headers alone, before a byte of the body is read: the API key
-where a path needs one (401), then the body's declared size (413, ``max_body_bytes``), then, for a POST to an endpoint
-that queues work (/v1/generate, /v1/completions, /v1/transduce), whether the engine's queue has room for it with the
-requests already arriving (429, ``EngineFront.arrive``): a refusal under a burst costs no parsing or tokenizing, and
-the requests let through go on into the app one per turn of the event loop (:class:`Turnstile`), so that the
-refusals are not held up behind their work. A body without a ``Content-Length`` (chunked) is counted as it is read
-and refused once it passes the limit, and a body that takes longer than ``body_timeout_s`` to arrive gets 408.
-Either way the server holds at most the limit plus one chunk.
-
-Each such answer closes the connection (the rest of the body is on it), but not at once: a client that sends its
-body without waiting for ``Expect: 100-continue`` (urllib, requests) is still sending it, and a close under it makes
-the client's next send fail with "connection reset" before it reads the answer. Like nginx's lingering close, the
-guard reads and discards what is left of the body (:class:`Linger`: a bounded number of bytes, for a bounded time)
-after the answer is written and before the connection closes.
-
-``with_header_timeout`` gives uvicorn's HTTP protocol a deadline for a request's headers, which uvicorn does not
-have: a connection whose headers are not complete ``header_timeout_s`` after it opened, or after the first byte of
-a later request, is closed (without a response: a client reusing an idle connection would read an unasked-for 408 as
-the answer to its next request). An idle kept-alive connection, between a response and the next request, is
-uvicorn's keep-alive timeout's (``keep_alive_s``), not this one's: a deadline counted from the end of a response
-closed connections that a slow reader was about to reuse (below).
+:class:`RequestGuard` (ASGI middleware) decides from the headers alone: 401 (API key), 413 (declared size over
+``max_body_bytes``), 429 (no room in the queue for a POST to a queued path); while reading, a body over the limit gets
+413 and one slower than ``body_timeout_s`` 408. Each such answer closes its connection after discarding the rest of the
+body within :class:`Linger`'s bounds. ``with_header_timeout`` closes connections whose headers are late. Why:
+``docs/architecture.md``, "Design notes".
 """
 
 from __future__ import annotations
@@ -45,9 +28,8 @@ QUEUED_PATHS = frozenset({"/v1/generate", "/v1/completions", "/v1/transduce"})  
 
 @dataclass(frozen=True)
 class Linger:
-    """How much of a body the app answered without reading is read and discarded before its connection closes: at
-    most ``max_bytes``, for at most ``timeout_s`` in all and ``read_timeout_s`` without a byte arriving. A client
-    still sending past these bounds meets the close (a reset), as it would without lingering."""
+    """Bounds on discarding an unread body before its connection closes: ``max_bytes``, ``timeout_s`` in all,
+    ``read_timeout_s`` between bytes."""
 
     max_bytes: int = 64 * 2**20
     timeout_s: float = 10.0
@@ -66,10 +48,9 @@ class RequestGuard:
         arrive: Callable[[], Callable[[], None]] | None = None,
         linger: Linger = Linger(),
     ) -> None:
-        """``needs_key(path)``: whether that path needs the API key (when one is set); ``refuse(error)``: the
-        response to an error found here, the app's own error body. ``arrive()``: called for a POST to a queued path
-        once its headers have passed; it raises an ``APIError`` to refuse the request at once (429), or returns the
-        function that ends its arrival, which the guard calls when the request ends if nothing has before."""
+        """``needs_key(path)``: whether the path needs the API key (when set); ``refuse(error)``: the response to an
+        error found here; ``arrive()``: called for a POST to a queued path once its headers pass, raising an
+        ``APIError`` (429) or returning the function that ends its arrival."""
         self.app, self.needs_key, self.refuse, self.arrive = app, needs_key, refuse, arrive
         self.api_key = None if api_key is None else api_key.get_secret_value().encode()
         self.max_body_bytes, self.body_timeout_s, self.linger = max_body_bytes, body_timeout_s, linger
@@ -110,12 +91,7 @@ class RequestGuard:
 
 
 class Turnstile:
-    """Lets requests on into the app one per turn of the event loop, in the order they came. A request's first steps
-    in the app (reading, parsing, validating and tokenizing its body) run without a break, and a burst of admitted
-    requests let on together would run all of theirs before the loop reads the next connections' headers: the cheap
-    refusals from the headers (429) would wait behind all that work. One per turn, each is followed by the loop's I/O,
-    where uvicorn reads the headers that have come meanwhile. Each request waits at least one turn, so the requests
-    whose headers came with its own are checked first."""
+    """Lets requests on into the app one per turn of the event loop, in arrival order. Event loop only."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,7 +110,6 @@ class Turnstile:
         await turn
 
     def _turn(self) -> None:
-        """Let the first request waiting on, and come back on the loop's next turn for the next one."""
         while self._waiting:
             turn = self._waiting.popleft()
             if not turn.done():  # done: its request was cancelled while it waited
@@ -146,18 +121,13 @@ class Turnstile:
 
 
 def closing(response: Response) -> Response:
-    """``response`` with ``Connection: close``: for an answer given before its request's body was read to the end
-    (a refusal from the headers, a body too large or too slow), whose connection holds the rest of that body where
-    the next request would begin. The connection closes once the response is sent and what is left of the body has
-    been discarded (:class:`LingeringSend`); RFC 9110 section 15.5.9: a 408's server "SHOULD send the close
-    connection option"."""
+    """``response`` with ``Connection: close``, for an answer given before its request's body was read to the end."""
     response.headers["Connection"] = "close"
     return response
 
 
 class RequestBody:
-    """The request's ``receive``, noting when the body has been read to its end or the client has gone
-    (``complete``). A request that declares no body (no ``Content-Length`` or 0, not chunked) is complete at once."""
+    """The request's ``receive``, noting in ``complete`` when the body has been read or the client has gone."""
 
     def __init__(self, receive: Receive, headers: Headers) -> None:
         self.receive = receive
@@ -185,9 +155,8 @@ class RequestBody:
 
 
 class LingeringSend:
-    """An ASGI ``send`` that holds a ``Connection: close`` response (but a 408) open after its last byte while the
-    request's body, unread, is discarded (``RequestBody.discard``): its last body message goes out with ``more_body`` (uvicorn
-    writes the bytes and waits), then an empty last one ends the response and uvicorn closes the connection."""
+    """An ASGI ``send`` holding a ``Connection: close`` response (but a 408) open after its last byte while the unread
+    body is discarded."""
 
     def __init__(self, send: Send, body: RequestBody, linger: Linger) -> None:
         self.send, self.body, self.linger = send, body, linger
@@ -207,9 +176,8 @@ class LingeringSend:
 
 
 class LimitedBody:
-    """An ASGI ``receive`` that refuses (``BodyRefused``, which FastAPI lets through its body reading) a body over
-    ``max_bytes`` (413) or one still arriving ``timeout_s`` after it was first asked for (408). Once the body is
-    complete it passes messages through untimed: a response watches for the client's disconnect with it."""
+    """An ASGI ``receive`` raising ``BodyRefused`` for a body over ``max_bytes`` (413) or still arriving ``timeout_s``
+    after first asked for (408)."""
 
     def __init__(self, receive: Receive, max_bytes: int, timeout_s: float) -> None:
         self.receive, self.max_bytes, self.timeout_s = receive, max_bytes, timeout_s
@@ -239,15 +207,8 @@ class LimitedBody:
 
 
 def with_header_timeout(protocol: type[asyncio.Protocol], timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP ``protocol`` (its httptools or h11 one: both keep the request in progress as ``cycle``)
-    closing a connection whose request headers are not complete ``timeout_s`` after the connection opened or after
-    the first byte of a later request arrived.
-
-    Not from the end of the previous response, as before: a client that reads a response late (a loaded load
-    generator was ~5 s behind its 64 streams) sends its next request on the connection about when such a deadline
-    closes it, and a request that meets the close is reset (httpx ``ReadError``; 1 run in 8 of 384 streams at 64).
-    The idle time between requests is bounded by uvicorn's keep-alive timeout instead, which the server sets longer
-    than clients keep idle connections (``Settings.keep_alive_s``)."""
+    """uvicorn's HTTP ``protocol`` closing, without a response, a connection whose request headers are not complete
+    ``timeout_s`` after it opened or after a later request's first byte."""
 
     class HeaderTimeoutProtocol(protocol):  # type: ignore[valid-type, misc]
         header_timer: asyncio.TimerHandle | None = None

@@ -1,8 +1,7 @@
-"""Routes that read a JSON body (FastAPI's "custom Request and APIRoute class"): a body sent as anything but
-JSON is refused with 415, and a body that is not JSON with 422 and the usual error body, whatever the parser
-fails on (FastAPI answers 400 to invalid UTF-8 or an integer of more than 4,300 digits). A body that nests arrays
-and objects deeper than the parser can follow is 422 too, with a message that says so and names the depth it
-reaches. NaN and Infinity parse; the request models refuse them by field ("Input should be a finite number")."""
+"""Routes that read a JSON body: a body sent as anything but JSON is 415; one that is not JSON, whatever the parser
+fails on, or that nests deeper than the parser reaches, is 422 with the usual error body. NaN and Infinity parse; the
+request models refuse them by field.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ from server.errors import APIError, InvalidInput, UnsupportedMediaType
 
 
 class BodyRefused(HTTPException):
-    """An ``APIError`` met while FastAPI reads a body (too large, too slow, nested too deeply), raised as the one
-    kind of exception FastAPI passes on from there (it answers 400 to any other); the app answers ``error``, and closes
-    the connection where ``body_unread`` (the rest of the body is still on it)."""
+    """An ``APIError`` met while FastAPI reads a body, raised as the one exception FastAPI passes on from there; the app
+    answers ``error``, closing the connection where ``body_unread``."""
 
     def __init__(self, error: APIError, body_unread: bool = False) -> None:
         super().__init__(error.status_code, error.message)
@@ -33,13 +31,13 @@ class BodyRefused(HTTPException):
 
 
 # Bodies of at least this many bytes are parsed on a thread by orjson (smaller: inline, by json, whose errors and
-# depth message the 422s quote): a body at the limits (2^20 token ids) takes ~90 ms of orjson and ~200 ms of json.
+# depth message the 422s quote), so that a large body does not hold the event loop.
 THREADED_PARSE_BYTES = 256 * 1024
 
 
 class JSONBodyRequest(Request):
-    """A request whose body is JSON: its size in JSON values is bounded before it is parsed (413), and ``check``
-    refuses fields past their limits before the request model validates them (``server/api/limits.py``)."""
+    """A request whose JSON body is bounded in values before it is parsed (413), and whose fields ``check`` refuses past
+    their limits before the request model validates them."""
 
     def __init__(self, scope: Scope, receive: Receive, check: BodyCheck | None = None) -> None:
         super().__init__(scope, receive)
@@ -60,8 +58,8 @@ class JSONBodyRequest(Request):
 
 
 async def parse_large_json(body: bytes) -> Any:
-    """``parse_json`` of a large body, on a thread by orjson; a body orjson refuses (NaN, integers past 64 bits, a
-    parse error) goes to ``parse_json`` on the thread, for its semantics and messages."""
+    """``parse_json`` of a large body, on a thread by orjson; what orjson refuses goes to ``parse_json`` (on the thread)
+    for its semantics and messages."""
     try:
         return await asyncio.to_thread(orjson.loads, body)
     except orjson.JSONDecodeError:
@@ -69,10 +67,8 @@ async def parse_large_json(body: bytes) -> Any:
 
 
 def parse_json(body: bytes) -> Any:
-    """``json.loads``, with its ValueErrors as JSONDecodeError (FastAPI turns only that into a 422) and nesting
-    past its reach refused with the depth it reaches from here. The parser recurses once per level of arrays and
-    objects within Python's recursion limit, so that depth is the limit less the calls that lead here; it is
-    measured in this frame, where the body was parsed, by parsing nested arrays."""
+    """``json.loads``, its ValueErrors raised as JSONDecodeError (which FastAPI answers 422), and nesting past its reach
+    refused (:class:`BodyRefused`, 422) naming the depth reachable from this frame."""
     try:
         return json.loads(body)
     except json.JSONDecodeError:

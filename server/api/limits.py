@@ -1,7 +1,7 @@
-"""Size limits of a request body, checked on the parsed JSON before the request model validates it, so that a body
-far past a limit costs a few ``len`` calls, not its validation (413 naming the setting). Fields of the wrong type
-are left to the request model (422). The limits that need the served model (its context length) are checked
-after validation, in ``server/api/serving.py``."""
+"""Size limits of a request body, checked on the parsed JSON before the request model validates it (413 naming the
+setting); wrong types are left to the request model (422), limits that need the served model to
+``server/api/serving.py``.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +19,12 @@ JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def count_values(body: bytes) -> int:
-    """An upper bound on the JSON values in ``body``, object keys included: a value after the first of an array or
-    object follows a comma, the first follows its bracket, and a key's value follows its colon (commas, brackets and
-    colons inside strings are counted too). C speed: ~3 ms a MB."""
+    """An upper bound on the JSON values in ``body``, object keys included (separators inside strings counted too)."""
     return body.count(b",") + body.count(b"[") + body.count(b"{") + body.count(b":") + 1
 
 
 async def check_body_values(body: bytes, settings: Settings) -> None:
-    """413 if the body holds more than ``max_body_values`` JSON values: :func:`count_values`, and where that bound is
-    over the limit, :func:`values_outside_strings` on a thread (a Python loop: the event loop runs between its steps)."""
+    """413 if the body holds more than ``max_body_values`` JSON values (the exact count, when needed, on a thread)."""
     limit = settings.max_body_values
     if count_values(body) <= limit:
         return
@@ -36,8 +33,8 @@ async def check_body_values(body: bytes, settings: Settings) -> None:
 
 
 def values_outside_strings(body: bytes, limit: int) -> int:
-    """:func:`count_values` of ``body`` without what its strings hold: exact up to ``limit``; a count over ``limit``
-    as soon as the part read so far holds more (what strings hold is only taken away as they are read)."""
+    """:func:`count_values` without what strings hold: exact up to ``limit``; some count over ``limit`` once the part
+    read so far exceeds it."""
     inside = prefix = read = 0
     for number, match in enumerate(JSON_STRING.finditer(body)):
         start, end = match.span()
@@ -85,8 +82,8 @@ def check_generate(data: Any, settings: Settings) -> None:
 
 
 def check_completion(data: Any, settings: Settings) -> None:
-    """Also: prompts in a list and ``n`` (each at most ``max_inputs``), a token-id prompt's length (at most
-    ``max_input_symbols``) and the token ids of all prompts together (at most ``max_request_symbols``)."""
+    """Also: ``n`` and the prompts in a list (each at most ``max_inputs``), a token-id prompt's length
+    (``max_input_symbols``) and all prompts' token ids together (``max_request_symbols``)."""
     if not isinstance(data, dict):
         return
     check_sampling(data, settings)

@@ -1,7 +1,6 @@
-"""The OpenAPI schema (/openapi.json): every error status a route answers, with the error body, and what a
-request may hold where that is static: the limits of the settings the app is built with, and, once the models
-are loaded, what each served model accepts (its id, a transducer's alphabet, a language model's token ids).
-The limits that depend on a model's measured speed and the memory budget are its ``limits`` in /v1/models.
+"""The OpenAPI schema (/openapi.json): every error status a route answers, with the error body, the settings' limits,
+and once the models are loaded what each served model accepts. Limits that depend on measured speed and memory are in
+each model's ``limits`` in /v1/models.
 """
 
 from __future__ import annotations
@@ -83,8 +82,8 @@ def _write_settings(node: Any, settings: Settings) -> None:
 
 
 def _describe_models(schema: dict[str, Any], models: list[ServedModel]) -> None:
-    """Each request's ``model`` lists the served ids of its kind, and one ``anyOf`` branch per model states what
-    that model accepts: a transducer's alphabet, a language model's token ids (prompts, logit_bias keys)."""
+    """Each request's ``model`` lists the served ids of its kind, with one ``anyOf`` branch per model stating what it
+    accepts."""
     components = schema["components"]["schemas"]
     transducers = [served for served in models if served.kind == "transduce"]
     language_models = [served for served in models if served.kind == "generate"]
@@ -130,8 +129,7 @@ def _accepts_token_ids(served: ServedModel) -> dict[str, Any]:
 
 
 def decimals_below(bound: int) -> str:
-    """A pattern that matches the decimals 0 .. bound - 1 without leading zeros, as ``TOKEN_ID_PATTERN`` writes
-    them: shorter numbers, then per digit of the largest one a smaller digit there and any digits after."""
+    """A pattern matching the decimals 0 .. bound - 1 without leading zeros."""
     top = str(bound - 1)
     branches = ["0"]
     if len(top) > 1:

@@ -29,14 +29,13 @@ TOKEN_ID_PATTERN = "^(0|[1-9][0-9]*)$"
 
 
 def schema_only(**keywords: Any) -> dict[str, Any]:
-    """JSON-schema keywords the serving code checks itself (with the documented status and a message naming the
-    position); in the schema so that clients and schemathesis know them."""
+    """JSON-schema keywords the serving code checks itself, in the schema so that clients know them."""
     return keywords
 
 
 def setting_limit(**keywords: str) -> dict[str, Any]:
-    """JSON-schema keywords whose values are server settings, e.g. ``maxItems="max_inputs"``; the serving code
-    checks them (413 for a size, docs/api.md, Limits) and ``server/api/openapi.py`` writes the app's settings in."""
+    """JSON-schema keywords whose values are settings (``maxItems="max_inputs"``), checked by the serving code (413) and
+    written in by ``server/api/openapi.py``."""
     return {SETTING: keywords}
 
 
@@ -305,8 +304,7 @@ PROMPTS_LIMIT = setting_limit(maxItems="max_inputs")  # prompts x n is checked t
 
 
 def _integral_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """Token ids validated as one strict list of integers (in pydantic's core: 2^20 ids in ~30 ms, where a validator
-    per item took a second); only a list that fails pays a pass turning 2.0 into 2."""
+    """Token ids validated as one strict list of integers; only a list that fails pays a pass turning 2.0 into 2."""
     try:
         return handler(value)
     except ValidationError:
@@ -316,8 +314,7 @@ def _integral_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 
 def _prompt_kind(value: Any) -> str:
-    """Which form a prompt takes, from its type and its first item: one member of the union is tried, not four
-    (a failed member's errors, one per item, cost as much as a long prompt's validation)."""
+    """Which form a prompt takes, from its type and first item, so that one member of the union is tried."""
     if isinstance(value, str):
         return "text"
     first = value[0] if isinstance(value, list) and value else None

@@ -40,15 +40,15 @@ from server.settings import Settings
 from server.structured.outputs import CompiledConstraint, ConstraintCompiler, MaskBudget
 
 SSE_DONE = "data: [DONE]\n\n"
-# Text prompts of at least this many characters are tokenized on a thread (shorter: inline, ~1 us a character: a hop
-# to a thread would cost more than it frees the event loop).
+# Text prompts of at least this many characters are tokenized on a thread (shorter: inline, where a hop to a thread
+# would cost more than it frees the event loop).
 THREADED_TOKENIZE_CHARS = 65_536
 TOKEN_ID = re.compile(TOKEN_ID_PATTERN)
 
 
 def sse(body: BaseModel | dict[str, Any]) -> str:
-    """One Server-Sent Event carrying a JSON body, on one line for any line splitter: the line breaks of Python's
-    str.splitlines (httpx's iter_lines, our client) that JSON leaves unescaped in strings are escaped."""
+    """One Server-Sent Event carrying a JSON body, on one line for any line splitter (the line breaks of
+    ``str.splitlines`` that JSON leaves unescaped are escaped)."""
     payload = body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)
     payload = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
     return f"data: {payload}\n\n"
@@ -59,11 +59,8 @@ def sse_error(error: APIError) -> str:
 
 
 async def coalesced(chunks: AsyncGenerator[str, None], handle: GenerationHandle) -> AsyncIterator[str]:
-    """The SSE ``chunks`` of ``handle``'s stream, those made without waiting joined into one write: where the event
-    loop falls behind the engine, a stream's queued tokens leave in one send instead of one each (and a finished
-    stream's last events with its [DONE]). Nothing is held back: what is pending goes out as soon as nothing more is
-    ready. ``chunks`` must yield once for every event it takes from ``handle`` ("" for one it writes nothing for):
-    an event taken silently could leave the next one to wait for, with text still pending."""
+    """``handle``'s SSE ``chunks``, those ready without waiting joined into one write, nothing held back. ``chunks``
+    must yield once per event it takes ("" for one it writes nothing for)."""
     pending: list[str] = []
     try:
         async for chunk in chunks:
@@ -87,7 +84,7 @@ class Serving:
         )
         self.runtime = RuntimeCompiler(settings)
         # each language model's structured-output vocabulary is built while the engine loads, not by the first request
-        # that asks for structured_outputs (30 ms for 8,192 tokens: docs/benchmarks.md, "The first requests")
+        # that asks for structured_outputs
         engine.add_warm_up(self._warm_up)
 
     def _warm_up(self, served: ServedModel) -> None:
@@ -179,23 +176,23 @@ class Serving:
         return self.served(body.model, "generate")
 
     async def constraint(self, served: ServedModel, fields: SamplingFields) -> CompiledConstraint | None:
-        """The request's structured_outputs compiled for the model's vocabulary, off the engine thread (None
-        without one); 422 if invalid, 413 over a size or time limit (``server/structured/outputs.py``)."""
+        """The request's structured_outputs compiled for the model's vocabulary off the engine thread (None without
+        one); 422 if invalid, 413 over a size or time limit."""
         if fields.structured_outputs is None:
             return None
         assert served.tokenizer is not None  # a language model is served with its tokenizer
         return await self.constraints.compile(fields.structured_outputs, served.tokenizer)
 
     async def prompt_tokens(self, served: ServedModel, prompt: str | list[int]) -> list[int]:
-        """A text prompt's token ids (a long one tokenized on a thread: a million tokens took 0.3-1.2 s, during which
-        the event loop would answer nobody), or token ids checked against the vocabulary."""
+        """A text prompt's token ids (a long one tokenized off the event loop), or token ids checked against the
+        vocabulary."""
         assert served.tokenizer is not None  # a language model is served with its tokenizer
         if isinstance(prompt, str):
             if len(prompt) < THREADED_TOKENIZE_CHARS:
                 return served.tokenizer.encode(prompt)
             return await asyncio.to_thread(served.tokenizer.encode, prompt)
         vocabulary = served.tokenizer.vocab_size
-        if min(prompt) >= 0 and max(prompt) < vocabulary:  # C speed: a loop here took 60 ms for 2^20 ids
+        if min(prompt) >= 0 and max(prompt) < vocabulary:  # min and max run at C speed
             return prompt
         position, token = next((i, token) for i, token in enumerate(prompt) if not 0 <= token < vocabulary)
         raise InvalidInput(
@@ -213,8 +210,7 @@ class Serving:
         prompt_logprobs: bool = False,
         constraint: CompiledConstraint | None = None,
     ) -> GenerationRequest:
-        """Validate one prompt's tokens (``prompt_tokens``) and the sampling fields against the limits; a request
-        that does not stream gets its tokens' events at the end."""
+        """Validate one prompt's tokens and the sampling fields against the limits."""
         if max_tokens > self.settings.max_tokens:
             raise InvalidInput(f"max_tokens is {max_tokens}; the limit is {self.settings.max_tokens}")
         assert served.tokenizer is not None  # a language model is served with its tokenizer
@@ -248,8 +244,8 @@ class Serving:
         )
 
     def max_tokens(self, body: GenerateRequest | CompletionRequest) -> int:
-        """max_tokens as asked; null: the server's limit; left out: the field's default, or the limit if lower
-        (so that a request without it is never refused for it)."""
+        """max_tokens as asked; null: the server's limit; left out: the field's default or the limit, whichever is
+        lower."""
         if "max_tokens" not in body.model_fields_set:
             assert body.max_tokens is not None  # the field's default
             return min(body.max_tokens, self.settings.max_tokens)

@@ -1,27 +1,11 @@
-"""The API process's side of an engine core in a child process (``engine_process``; vLLM's EngineCoreClient, SGLang's
-TokenizerManager): the same interface as the in-process :class:`~server.engine.engine.Engine` (``EngineFront``), so that the
-app, ``Serving`` and ``python -m server`` do not know which one they hold.
+"""The API process's side of an engine core in a child process (vLLM's EngineCoreClient): :class:`EngineClient`, an
+``EngineFront`` like the in-process ``Engine``.
 
-It starts the child (``multiprocessing``, spawn: ``server/engine/core.py``), learns the served models from it once they
-are loaded and measured (their cards and limits; it reads their configs and tokenizers itself, never their weights),
-admits requests into its copy of the queue (413 / 429 / 503 at once, as in process), and sends them. A reader thread
-receives one message per engine step (``server/engine/wire.py``) and hands it to the event loop in one call, where each
-sequence's token ids become text (detokenizing, stop strings: a stop string found here is sent back, and the engine
-finishes the sequence "stop" at its next iteration; the tokens it made meanwhile are dropped), the metrics' figures are
-replayed into the one registry, and the queue's copy follows the engine's.
-
-**The link**: messages to the engine are pickled on the event loop and written by a thread of their own from a
-queue bounded in bytes (a full one answers 503), so that an engine that stops reading never blocks the loop. The
-engine sends a heartbeat every second, from a thread that first waits for its worker thread to turn; with none for
-``engine_heartbeat_timeout_s`` the engine is "unresponsive" (/health 503, new requests 503) until the next one, and
-once it has been silent (or its worker stuck) for ``engine_timeout_s`` every request in flight ends with 503 and is
-cancelled there.
-
-**Faults**: if the child dies (killed, out of memory, a crash in a native library), every request in flight is
-answered 503 (a stream: an SSE error event, then ``data: [DONE]``), /health answers 503 ("failed") and
-``on_engine_died`` is called: ``python -m server`` then exits non-zero, so that Docker or Kubernetes restarts the whole
-server (a restart of the engine alone would lose its runtime models and state cache just the same, and a server that
-exits is what an orchestrator already watches).
+It starts the child, learns the served models from it (configs and tokenizers here, never weights), admits requests
+against its copy of the queue and sends them from a writer thread through a queue bounded in bytes, so that the event
+loop never blocks on the pipe. A reader thread hands each step message to the event loop, where token ids become text
+and stop strings are found. A late heartbeat makes the engine "unresponsive" (503); a dead child answers everything in
+flight 503 and calls ``on_engine_died``. Why: ``docs/serving.md``, "The engine in its own process".
 """
 
 from __future__ import annotations
@@ -74,13 +58,13 @@ NO_WEIGHTS = cast(SequenceModel, None)
 
 @dataclass(frozen=True)
 class EngineBudget:
-    """What the API process knows of a model's budget: the longest computation one input may take (error messages)."""
+    """What the API process knows of a model's budget: the longest computation one input may take."""
 
     max_job_seconds: float
 
 
 class SequenceText:
-    """One sequence's text in the API process: its token ids decoded as they arrive, stop strings looked for."""
+    """One sequence's text in the API process: token ids decoded as they arrive, stop strings found."""
 
     def __init__(self, request: GenerationRequest, served: ServedModel) -> None:
         assert served.tokenizer is not None  # a language model is served with its tokenizer
@@ -127,9 +111,8 @@ class EngineClient(EngineFront):
         on_ready: Callable[[], None] | None = None,
         on_engine_died: Callable[[str], None] | None = None,
     ) -> None:
-        """``on_load_failed(message)``: no model could be loaded; ``on_ready()``: the engine has reported its models
-        (before the server is ready); ``on_engine_died(message)``: the engine process ended while serving. All are
-        called on the reader thread."""
+        """``on_load_failed(message)``: no model loaded; ``on_ready()``: the engine reported its models;
+        ``on_engine_died(message)``: the engine process ended while serving. All called on the reader thread."""
         super().__init__(settings, metrics)
         self._on_load_failed, self._on_ready, self._on_engine_died = on_load_failed, on_ready, on_engine_died
         self._warm_ups: list[Callable[[ServedModel], None]] = []
@@ -173,16 +156,15 @@ class EngineClient(EngineFront):
         return self._loop
 
     def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
-        """Call ``prepare(served)`` for each language model once the engine has loaded them, here (e.g. this
-        process's structured-output vocabulary, which the compile before admission needs), before ready."""
+        """Call ``prepare(served)`` for each language model here once the engine has reported them, before ready."""
         self._warm_ups.append(prepare)
 
     def abort_in_flight(self, message: str) -> None:
         self._send(("abort_all", message))
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
-        """Stop the engine process: it answers what is still queued 503 and exits. Returns whether it ended within
-        ``timeout`` (else it is terminated)."""
+        """Stop the engine process (it answers what is queued 503), terminating it past ``timeout``; returns whether it
+        ended in time."""
         self.begin_drain()
         self._stopping = True
         if self.process.is_alive():
@@ -237,7 +219,7 @@ class EngineClient(EngineFront):
         return GenerationHandle(len(requests), mailbox, cancel)
 
     async def add_model(self, served: ServedModel) -> ServedModel:
-        """Serve a runtime model: its weights go to the engine process as safetensors bytes with its config."""
+        """Serve a runtime model: its config and safetensors weights go to the engine process."""
         self.check_serving()
         weights = safetensors.torch.save(
             {name: tensor.detach().cpu().contiguous().clone() for name, tensor in served.model.state_dict().items()}
@@ -264,8 +246,8 @@ class EngineClient(EngineFront):
         return await answer
 
     def _send(self, message: tuple[Any, ...], bounded: bool = True) -> None:
-        """Queue ``message`` for the writer thread; 503 if the engine has failed, or (``bounded``) if more than
-        ``SEND_BUFFER_BYTES`` wait already (an engine that does not read)."""
+        """Queue ``message`` for the writer thread; 503 if the engine has failed or (``bounded``) ``SEND_BUFFER_BYTES``
+        wait already."""
         if self.state == "failed":
             raise Unavailable(f"the server is failed: {self.detail}", retry_after_s=self.settings.retry_after_s)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -279,7 +261,7 @@ class EngineClient(EngineFront):
         self._outbox.put(data)
 
     def _write(self) -> None:
-        """The writer thread: sends the queued messages in order until told to stop or the pipe has closed."""
+        """The writer thread: sends the queued messages in order until stopped or the pipe closes."""
         while (data := self._outbox.get()) is not None:
             try:
                 self._connection.send_bytes(data)
@@ -289,7 +271,7 @@ class EngineClient(EngineFront):
                 self._outbox_bytes -= len(data)
 
     def _send_quietly(self, message: tuple[Any, ...]) -> None:
-        """A cancellation or a stop: nobody waits for it, and an engine that has gone needs none."""
+        """Send a cancellation or stop, ignoring a gone engine."""
         with contextlib.suppress(OSError, APIError):
             self._send(message, bounded=False)
 
@@ -354,8 +336,7 @@ class EngineClient(EngineFront):
         logger.debug("the engine process serves %s", ", ".join(sorted(models)))
 
     def _apply_step(self, step: Step) -> None:
-        """One engine step's answers, on the event loop: prompt scores, tokens, then finishes and errors (the order
-        in which a sequence meets them within one step)."""
+        """One engine step's answers, on the event loop: prompt scores, tokens, finishes, errors, in that order."""
         self.metrics.replay(step.figures)
         self.queue.moved(step.scheduled, step.finished_waiting, step.finished_running)
         generations = self._generations
@@ -404,9 +385,8 @@ class EngineClient(EngineFront):
             self.check_engine(time.monotonic())
 
     def check_engine(self, now: float) -> None:
-        """Mark the engine unresponsive when its heartbeat is late (``engine_heartbeat_timeout_s``), and end the
-        requests in flight with 503 once it has been silent, or its worker stuck, for ``engine_timeout_s``. The next
-        heartbeat of a turning worker makes it ready again (:meth:`_control`)."""
+        """Watcher thread: "unresponsive" once the heartbeat is later than ``engine_heartbeat_timeout_s``; past
+        ``engine_timeout_s`` of silence or a stuck worker, 503 for the requests in flight."""
         settings = self.settings
         if self.state not in ("ready", "unresponsive"):
             return
@@ -424,8 +404,8 @@ class EngineClient(EngineFront):
             self._answer_all(Unavailable(message, retry_after_s=settings.retry_after_s), cancel=True)
 
     def _answer_all(self, error: APIError, cancel: bool = False) -> None:
-        """Answer every request in flight ``error`` (on the event loop), forgetting it here; ``cancel``: and tell the
-        engine to drop it (it reads the cancellations when it runs again)."""
+        """Answer every request in flight ``error`` on the event loop, forgetting it (``cancel``: in the engine too).
+        Any thread."""
 
         def answer_all() -> None:
             for request, generation in self._generations.items():
@@ -444,7 +424,7 @@ class EngineClient(EngineFront):
             self._running_loop.call_soon_threadsafe(answer_all)
 
     def _died(self, detail: str) -> None:
-        """The engine process has gone while serving: 503 for everything in flight, /health 503, then the callback."""
+        """The engine process has gone: 503 for everything in flight and /health, then ``on_engine_died``."""
         logger.error("%s: answering the requests in flight 503", detail)
         self.state, self.detail = "failed", detail
         self._answer_all(Unavailable(f"the server failed: {detail}", retry_after_s=self.settings.retry_after_s))
@@ -454,7 +434,6 @@ class EngineClient(EngineFront):
 
 
 def _describe(served: ServedModel, description: dict[str, Any]) -> None:
-    """What the engine process measured of a model: its card, limits and budget."""
     served.engine_card = ModelCard(**description["card"])
     served.notes = list(description.get("notes", []))  # for_serving's, logged at DEBUG by the engine process
     served.limits = ModelLimits(**description["limits"])
@@ -473,7 +452,7 @@ def _settle(answer: asyncio.Future[object], ok: bool, payload: object) -> None:
 
 
 def _spec_json(constraint: CompiledConstraint | None) -> str | None:
-    """What the engine process compiles a request's constraint from again (a matcher is not sent); None: none."""
+    """The constraint's spec as JSON for the engine process, or None."""
     if constraint is None:
         return None
     assert constraint.spec is not None  # compiled here from the request's structured_outputs

@@ -1,19 +1,8 @@
-"""The engine core in a process of its own (``engine_process``; vLLM's EngineCoreProc, SGLang's Scheduler process):
-the same :class:`~server.engine.engine.Engine` (models, scheduler, executor, state cache, structured-output masks) as in
-process, run by :func:`main` in a child the API process starts (``server/engine/client.py``), so that its model calls,
-sampling and scheduling do not share a GIL with HTTP, tokenizing, detokenizing and streaming.
-
-Its main thread reads the API's messages (``server/engine/wire.py``) and turns them into work for the engine's worker thread:
-a generation request's sequences (:class:`CoreSequence`: token ids only, no text), a transduce request, a
-cancellation (the work's ``cancelled`` flag, as in process), a stop string that the API process found (the sequence
-finishes "stop" between two iterations), a runtime model to install or remove, abort-all, stop. The worker's postman
-(:class:`StepWriter`) writes one :class:`~server.engine.wire.Step` per iteration that answered anything: every token of
-the iteration, the finishes, errors and transduce answers, the metrics' figures and the queue's movements.
-
-Where things live: the structured-output matchers here (a mask is needed at every step, beside the model call; the
-API process compiles each constraint too, to refuse a bad one with 422/413 before admitting it, and this process
-compiles it again on a thread of its compile pool, so that its main thread goes on reading meanwhile); the prefix-state
-cache here (it holds model states); the queue's admission in the API process (429 at once), mirrored from the steps.
+"""The engine core in a process of its own (vLLM's EngineCoreProc): the in-process
+:class:`~server.engine.engine.Engine`, run by :func:`main` in the child ``server/engine/client.py`` starts. Its main
+thread (:class:`EngineCore`) turns the API process's messages into work, compiling constraints on a pool of their own so
+that reading goes on; the worker's postman (:class:`StepWriter`) sends one :class:`~server.engine.wire.Step` per
+iteration that answered anything. Sequences here carry token ids only.
 """
 
 from __future__ import annotations
@@ -58,7 +47,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 class IdsOnly:
-    """A sequence's text in the engine process: none (the API process detokenizes and looks for stop strings)."""
+    """A sequence's text in the engine process: none (the API process makes it)."""
 
     def push(self, token: int) -> tuple[str, bool]:
         return "", False
@@ -71,8 +60,7 @@ class IdsOnly:
 
 
 class CoreSequence(Sequence):
-    """A sequence of the engine process: its tokens leave as ids. A request with stop strings gets its tokens' ids as
-    they come (the API process sends back the stop when it finds one), even when it does not stream."""
+    """A sequence of the engine process, whose tokens leave as ids."""
 
     def __init__(
         self, served: ServedModel, request: GenerationRequest, mailbox: RemoteMailbox, index: int, flow: str
@@ -82,7 +70,7 @@ class CoreSequence(Sequence):
 
 
 class RemoteMailbox:
-    """A request's mailbox in the engine process: what its work emits goes into the step being written."""
+    """A request's mailbox in the engine process: what its work emits goes into the current step."""
 
     def __init__(self, request: int, writer: StepWriter) -> None:
         self.request, self.writer = request, writer
@@ -93,7 +81,7 @@ class RemoteMailbox:
 
 
 class ReportingQueue(RequestQueue):
-    """The engine's queue, whose movements the steps carry to the API process's copy (which admits)."""
+    """The engine's queue, whose movements the steps carry to the API process's copy."""
 
     def __init__(self, max_waiting: int) -> None:
         super().__init__(max_waiting)
@@ -108,7 +96,7 @@ class ReportingQueue(RequestQueue):
         self._moved[2 if was_scheduled else 1] += 1
 
     def add(self, count: int) -> None:
-        """Count requests the API process admitted (its copy counts at least as many as this queue: no check)."""
+        """Count requests the API process admitted (no check: its copy counts at least as many)."""
         with self._lock:
             self.waiting += count
             self.in_flight += count
@@ -120,8 +108,7 @@ class ReportingQueue(RequestQueue):
 
 
 class StepWriter:
-    """The engine process's postman: ``post_many`` (the sweep, on the worker thread) fills the step; ``flush`` (once
-    per iteration) sends it, if it holds anything."""
+    """The engine process's postman: ``post_many`` (worker thread) fills the step, ``flush`` sends it if not empty."""
 
     def __init__(
         self, send: Connection, send_lock: threading.Lock, metrics: RecordingMetrics, request_queue: ReportingQueue
@@ -189,8 +176,8 @@ class StepWriter:
 
 
 class EngineCore:
-    """The engine process's main thread: starts the engine, reports when it is ready, then reads the API's messages
-    until told to stop or until the API process has gone."""
+    """The engine process's main thread: starts the engine, reports it ready, then reads messages until stopped or the
+    API process is gone."""
 
     def __init__(self, settings: Settings, connection: Connection) -> None:
         self.settings, self.connection = settings, connection
@@ -238,8 +225,7 @@ class EngineCore:
         self.engine.stop()
 
     def _beat(self) -> None:
-        """Send ("heartbeat", seconds the worker thread has not answered a no-op put to it) every
-        ``HEARTBEAT_INTERVAL_S``: 0 while it turns, growing while it is stuck in one call."""
+        """Send ("heartbeat", seconds the worker thread has not answered a no-op) every ``HEARTBEAT_INTERVAL_S``."""
         ping: concurrent.futures.Future[None] | None = None
         asked = time.monotonic()
         while True:
@@ -284,9 +270,8 @@ class EngineCore:
         flow: str,
         arrival: float,
     ) -> None:
-        """A generation request's sequences; one with a structured-output constraint is compiled on a thread of the
-        compile pool first (``compile_checked`` may take as long as the API's compile did: seconds for some schemas),
-        so that this thread goes on reading the other requests and cancellations meanwhile."""
+        """A generation request's sequences; constraints are compiled on the compile pool, so that reading goes on
+        meanwhile."""
         if all(spec is None for spec in specs):
             self._generate(request, model_id, requests, specs, flow, arrival)
             return
@@ -351,7 +336,7 @@ class EngineCore:
         self._admit(request, [job])
 
     def _refuse(self, message: tuple[Any, ...], error: Exception) -> None:
-        """Answer a request that could not be turned into work with a 500, and count it in and out of the queue."""
+        """Answer a request that could not become work with a 500, counting it in and out of the queue."""
         _, request, model_id, payload = message[:4]
         count = len(payload) if message[0] == "generate" else 1
         with self._lock:
@@ -371,8 +356,7 @@ class EngineCore:
         self.engine.call_on_worker(refuse)
 
     def _admit(self, request: int, works: collections.abc.Sequence[Work]) -> None:
-        """Count the work into the queue (the API process admitted it against its copy, which counts at least as
-        many) and hand it to the worker."""
+        """Count the work into the queue and hand it to the worker."""
         self.queue.add(len(works))
         with self._lock:
             if request in self._cancelled:  # cancelled while its constraint compiled: the sweep ends it
@@ -387,7 +371,7 @@ class EngineCore:
             self.engine.put(work)
 
     def _forget_finished(self) -> None:
-        """Drop the requests whose work has all ended (their cancellation or stop would change nothing)."""
+        """Drop the requests whose work has all ended."""
         self.requests = {
             key: works for key, works in self.requests.items() if not works or not all(work.done for work in works)
         }
@@ -412,8 +396,7 @@ class EngineCore:
 
 
 def describe(served: ServedModel) -> dict[str, Any]:
-    """What the API process needs of a served model: its card (with its limits), and what requests are checked
-    against."""
+    """What the API process needs of a served model: card, limits, notes, ``max_job_seconds``."""
     assert served.limits is not None and served.budget is not None  # set by the engine when it measured the model
     return {
         "id": served.id,
@@ -433,7 +416,7 @@ def _freeze_startup_heap() -> None:
 
 
 def main(settings: Settings, connection: Connection) -> None:
-    """The engine process (started with ``multiprocessing``'s spawn): Ctrl-C goes to the API process, which stops it."""
+    """The engine process's entry (spawned); it ignores Ctrl-C, which the API process handles."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"

@@ -1,14 +1,9 @@
-"""The engine: owns the served models and runs every model call on one worker thread, so that the event
-loop (health, metrics, streaming) never waits on torch. No HTTP here.
+"""The engine: owns the served models and runs every model call on one worker thread, so that the event loop never waits
+on torch. No HTTP here.
 
-Requests enter on the event loop through ``transduce`` and ``submit_generation``: a request with more
-sequences than the queue can ever hold is refused with :class:`InputTooLarge` (413), a full queue
-(``max_waiting`` requests not yet scheduled) at once with :class:`Overloaded` (429), and nothing is taken
-while loading or draining (:class:`Unavailable`). A request is counted from its headers too (``arrive``: the
-requests still being read, parsed and tokenized), so that a burst past the queue's room is refused before any of
-that work is done. The worker thread loads the models, measures each one's speed and computes its limits
-(``server/sched/costing.py``), then runs the scheduler loop (``server/sched/scheduler.py``).
-``abort_in_flight`` ends every request in flight with an error (the drain timeout's 503).
+Admission (:class:`EngineFront`, on the event loop): 413 for more sequences than the queue can ever hold, 429 when
+``max_waiting`` requests wait or arrive (counted from their headers), 503 while loading or draining. The worker thread
+loads and measures the models, then runs the scheduler.
 """
 
 from __future__ import annotations
@@ -59,8 +54,8 @@ EngineState = Literal["loading", "ready", "draining", "failed", "stopped", "unre
 
 
 class GenerationHandle:
-    """The sequences of one request; ``events`` yields (sequence index, event) until all have finished. ``cancel``
-    stops them (in process: their ``cancelled`` flags; the engine process's client sends a cancellation)."""
+    """The sequences of one request: ``events`` yields (sequence index, event) until all have finished, raising the
+    :class:`APIError` that ends them; ``cancel`` stops them."""
 
     def __init__(self, count: int, mailbox: Mailbox, cancel: Callable[[], None]) -> None:
         self._mailbox, self._cancel = mailbox, cancel
@@ -96,8 +91,7 @@ def _cancel_all(sequences: list[Sequence]) -> Callable[[], None]:
 
 
 class Arrival:
-    """A request counted in its engine's ``arriving`` from its headers until it is admitted or refused
-    (``EngineFront._admit``) or ends, whichever comes first: ``leave`` counts it out once, however often called."""
+    """A request counted in ``arriving`` from its headers; ``leave`` counts it out once, however often called."""
 
     def __init__(self, engine: EngineFront) -> None:
         self._engine: EngineFront | None = engine
@@ -113,9 +107,8 @@ _ARRIVAL: contextvars.ContextVar[Arrival | None] = contextvars.ContextVar("regul
 
 
 class EngineFront(abc.ABC):
-    """What the API side asks of an engine, whether it runs in this process (:class:`Engine`) or in a child
-    (``server/engine/client.py``'s ``EngineClient``): its state for /health, the served models, admission into the
-    queue (413 / 429 / 503), drain; and the requests, each kind's own."""
+    """What the API side asks of an engine, in process (:class:`Engine`) or in a child (``EngineClient``). Called on the
+    event loop unless said otherwise."""
 
     def __init__(self, settings: Settings, metrics: ServerMetrics) -> None:
         self.settings, self.metrics = settings, metrics
@@ -157,14 +150,12 @@ class EngineFront(abc.ABC):
 
     @property
     def skipped_folders(self) -> list[str]:
-        """The names of the checkpoint folders that were skipped at load (not their paths on the server)."""
+        """The names (not paths) of the checkpoint folders skipped at load."""
         return [failed_folder(failure, self.settings.model_folders) for failure in self.load_failures]
 
     def arrive(self) -> Arrival:
-        """Count a request to a queued endpoint from its headers (``server/api/guard.py``) until it is admitted or
-        refused by ``_admit`` or ends (``Arrival.leave``), or refuse it at once (:class:`Overloaded`, 429) where the
-        queue's waiting requests and those arriving fill it already: before its body is read, parsed and tokenized.
-        On the event loop, in the request's context, where ``_admit`` finds the arrival to end."""
+        """Count a request to a queued endpoint from its headers until ``_admit`` or its end; raises :class:`Overloaded`
+        (429) at once if the queue is full with the arriving ones. Event loop, in the request's context."""
         if self.queue.waiting + self.arriving >= self.queue.max_waiting:
             raise self._overloaded()
         arrival = Arrival(self)
@@ -201,7 +192,7 @@ class EngineFront(abc.ABC):
 
     @abc.abstractmethod
     def abort_in_flight(self, message: str) -> None:
-        """End every request in flight with a 503 carrying ``message``."""
+        """End every request in flight with a 503 carrying ``message``; running work stops at its next slice."""
 
     @abc.abstractmethod
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
@@ -217,15 +208,16 @@ class EngineFront(abc.ABC):
     def submit_generation(
         self, served: ServedModel, requests: list[GenerationRequest], flow: str = ""
     ) -> GenerationHandle:
-        """Queue one sequence per request (all or none: a full queue raises :class:`Overloaded`)."""
+        """Queue one sequence per request, all or none: 413, 429 or 503 raised at once."""
 
     @abc.abstractmethod
     async def add_model(self, served: ServedModel) -> ServedModel:
-        """Serve a model compiled while serving (409 if the id is taken, 413 past ``runtime_models_max``)."""
+        """Serve a model compiled while serving (409 if the id is taken, 413 past ``runtime_models_max``, 503 unless
+        ready)."""
 
     @abc.abstractmethod
     async def remove_model(self, model_id: str) -> None:
-        """Stop serving a runtime model (404 unknown, 409 shipped)."""
+        """Stop serving a runtime model (404 unknown, 409 shipped); requests already running on it finish."""
 
 
 class Engine(EngineFront):
@@ -237,10 +229,8 @@ class Engine(EngineFront):
         on_ready: Callable[[], None] | None = None,
         postman: Courier | None = None,
     ) -> None:
-        """``on_load_failed(message)`` is called on the worker thread if no model loads; ``on_ready()`` on it once the
-        models are loaded and measured, before the first request is scheduled. ``postman``: what hands the answers
-        over once per iteration (by default to the requests' event loops; the engine process's writes its step
-        message, ``server/engine/core.py``)."""
+        """``on_load_failed(message)``: called on the worker thread if no model loads; ``on_ready()``: on it once the
+        models are measured, before any request is scheduled. ``postman``: what hands each iteration's answers over."""
         super().__init__(settings, metrics)
         self._on_load_failed, self._on_ready = on_load_failed, on_ready
         self.memory_budget = 0  # bytes running work may hold (server/sched/costing.py)
@@ -258,21 +248,15 @@ class Engine(EngineFront):
     # --- lifecycle ----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Load the models and start serving, on the worker thread (health says "loading" meanwhile)."""
         self._thread.start()
 
     def add_warm_up(self, prepare: Callable[[ServedModel], None]) -> None:
-        """Call ``prepare(served)`` for each loaded language model on the worker thread, after its own warm-up and
-        before the server reports ready (e.g. the structured-output vocabulary of its tokenizer). Before ``start``."""
         self._warm_ups.append(prepare)
 
     def abort_in_flight(self, message: str) -> None:
-        """End every request in flight with a 503 carrying ``message``; running work stops at its next slice."""
         self._inbox.put(AbortAll(Unavailable(message, retry_after_s=self.settings.retry_after_s)))
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
-        """Stop the worker thread (it finishes the slice it is in); requests still queued are answered 503.
-        Returns whether the thread ended within ``timeout``."""
         self.begin_drain()
         if self._thread.is_alive():
             self._inbox.put(STOP)
@@ -286,7 +270,6 @@ class Engine(EngineFront):
     async def transduce(
         self, served: ServedModel, inputs: list[array[int]], all_outputs: bool, flow: str = ""
     ) -> list[TransduceOutput]:
-        """Token ids of each input -> its labels; batched with other requests' inputs. ``flow``: who asks."""
         mailbox = self._mailbox()
         job = TransduceJob(served, inputs, all_outputs, RequestTimes(served.id), mailbox, flow)
         self._admit([job.times])
@@ -303,7 +286,6 @@ class Engine(EngineFront):
     def submit_generation(
         self, served: ServedModel, requests: list[GenerationRequest], flow: str = ""
     ) -> GenerationHandle:
-        """Queue one sequence per request (all or none: a full queue raises :class:`Overloaded`)."""
         mailbox = self._mailbox()
         sequences = [Sequence(served, request, mailbox, index, flow) for index, request in enumerate(requests)]
         self._admit([sequence.times for sequence in sequences])
@@ -312,20 +294,15 @@ class Engine(EngineFront):
         return GenerationHandle(len(sequences), mailbox, _cancel_all(sequences))
 
     def _mailbox(self) -> Mailbox:
-        """A request's mailbox. Requests come to an engine whose postman is a :class:`Postman`: the engine process's
-        (its ``StepWriter``) takes its requests from the API process, with mailboxes of their own."""
         assert isinstance(self._postman, Postman)
         return Mailbox(self._postman)
 
     async def add_model(self, served: ServedModel) -> ServedModel:
-        """Serve a model compiled while serving (``server/models/runtime.py``): the worker thread measures it
-        between two iterations and adds it, unless the id is taken (409) or ``runtime_models_max`` are served
-        (413)."""
+        """The worker thread measures and adds it between two iterations."""
         self.check_serving()
         return await self._on_worker(lambda: self.install(served))
 
     async def remove_model(self, model_id: str) -> None:
-        """Stop serving a runtime model (404 unknown, 409 shipped); requests already running on it finish."""
         self.check_serving()
         await self._on_worker(lambda: self.uninstall(model_id))
 
@@ -339,15 +316,14 @@ class Engine(EngineFront):
         return done
 
     def put(self, work: Work) -> None:
-        """Hand admitted work to the scheduler (the engine process: work the API process admitted)."""
+        """Hand admitted work to the scheduler (in the engine process: what the API process admitted)."""
         self._inbox.put(work)
 
     # --- worker thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Load, measure and warm up the models, then schedule. At INFO it says "loading N models from ..."
-        (``load_models``), a warning per folder skipped, and one line once the models are ready; what each model's
-        serving path is (``for_serving``'s notes, its decode step) and the models' ids are at DEBUG."""
+        """Worker thread: load, measure and warm up the models, then schedule until stopped; ``state`` becomes "ready"
+        or "failed"."""
         started = time.monotonic()
         folders = self.settings.model_folders
         if not folders:
@@ -451,8 +427,7 @@ class Engine(EngineFront):
         logger.info("stopped serving runtime model %s", model_id)
 
     def _decoder(self, served: ServedModel) -> Decoder:
-        """Its decode step: captured as CUDA graphs where it can be (before the memory budget is measured, which
-        then leaves out the graphs' memory), else eager; logged either way."""
+        """Its decode step: CUDA graphs where they can be captured, else eager."""
         settings = self.settings
         decoder = decoder_for(served.model, capture_sizes(settings.max_running), settings.cuda_graphs)
         path = decoder.path
@@ -471,9 +446,7 @@ class Engine(EngineFront):
         served.limits = served.budget.limits(served.kind, settings.max_input_symbols, settings.max_tokens)
 
     def _measure(self) -> None:
-        """Switch each model to its scalable paths, measure its speed (a model whose measurement fails is dropped
-        and reported like a folder that failed to load), and compute the memory budget and the models' limits
-        (``server/sched/costing.py``)."""
+        """Measure each model (one that fails is dropped as a load failure), then set the memory budget and limits."""
         speeds = {}
         for served in list(self.models.values()):
             try:
@@ -505,11 +478,8 @@ class Engine(EngineFront):
 
 
 def _warm_up(served: ServedModel) -> None:
-    """Prefill one token and take one decode step through the served decoder, and build the tokenizer's table of token
-    bytes, so that what is built on its first use is built before the server is ready, not inside the first request
-    while every other request waits: model/ops/cpu_decode.py's layer steps (numba: 2.6 s for text-lrnn, 6.0 s for
-    text-regulargpt on a loaded 2-core machine, 8-19 s seen), the table (4-7 ms for 8,192 tokens;
-    docs/benchmarks.md, "The first requests")."""
+    """Run one prefill and one decode step and build the tokenizer's byte table, so that what is built on first use is
+    built before the server is ready."""
     model = served.model
     with torch.inference_mode():
         cache = model.new_cache(batch_size=1)
@@ -528,8 +498,7 @@ ROW_INVARIANT_ARCHITECTURES = frozenset({"lrnn", "regulargpt"})
 
 
 def _batch_invariance_obstacle(models: dict[str, ServedModel]) -> str | None:
-    """Why ``batch_invariant`` cannot hold for these models, or None where it holds: every language model must decode
-    through the CPU kernels (model/ops/cpu_decode.py, "Batch invariance")."""
+    """Why ``batch_invariant`` cannot hold for these models, or None."""
     elsewhere = sorted(model_id for model_id, served in models.items() if served.model.device.type != "cpu")
     if elsewhere:
         return f"batch_invariant holds on the CPU only, and {', '.join(elsewhere)} run on another device"

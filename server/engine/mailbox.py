@@ -1,8 +1,6 @@
-"""Delivery from the engine's worker thread to requests waiting on the event loop.
-
-The scheduler's sweep posts what each request was answered into its mailbox (``server/sched/work.py``: a request's
-outbox); ``Postman.flush`` hands everything posted since the last flush to the event loop in one call, once per
-scheduler iteration, instead of one wake-up per token.
+"""Delivery from the engine's worker thread to requests waiting on the event loop: the sweep posts each request's
+answers into its :class:`Mailbox`, and ``Postman.flush`` hands everything posted to each event loop in one call per
+scheduler iteration.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""What crosses the boundary between the API process and the engine process (``server/engine/core.py``,
-``server/engine/client.py``), over one ``multiprocessing`` pipe each way.
+"""What crosses the pipes between the API process and the engine process.
 
-**In** (API -> engine), one message per request or command, pickled (a few per request, never per token): a
-generation request's token ids and sampling parameters (its structured-output constraint as its spec, compiled again
-there), a transduce request's inputs as int32 bytes, a cancellation, a stop string reached, a runtime model to add
-(its config and safetensors bytes: no pickled module) or remove, abort-all, stop.
-
-**Out** (engine -> API), one :class:`Step` per scheduler iteration that answered anything: every token generated in
-it as three numpy columns (request id, sequence index, token id) and their log-probabilities as five more (only the
-rows that asked); then the events that happen once per request or sequence (a prompt's scores, a finish, an error,
-a transduce answer); the metrics' figures of the step (``server/metrics.py``: ``RecordingMetrics``); and the queue's
-movements (requests scheduled, finished). :func:`encode_step` writes it as one bytes message, :func:`decode_step`
-reads it back; the per-token columns are buffers, not Python objects.
+In: one pickled message per request or command (token ids and sampling parameters, a constraint as its spec, transduce
+inputs as int32 bytes, cancellations, stop strings found, runtime models as config and safetensors bytes, abort-all,
+stop). Out: one :class:`Step` per scheduler iteration that answered anything, its tokens as numpy columns (never a
+Python object per token), then the once-per-request events, the metrics' figures and the queue's movements;
+:func:`encode_step` and :func:`decode_step` write and read it.
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ STEP, CONTROL = b"S", b"C"  # the first byte of an engine message: a step, or a 
 @dataclass
 class Finish:
     """A sequence's end: its reason and counts; ``tokens``: every generated id, for a whole answer that had no token
-    events (``Sequence.plain``), whose text the API process decodes at once."""
+    events."""
 
     request: int
     index: int
@@ -49,7 +42,7 @@ class Finish:
 
 @dataclass
 class Step:
-    """What one scheduler iteration answered (module docstring)."""
+    """What one scheduler iteration answered."""
 
     token_requests: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # (N,)
     token_indexes: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))  # (N,)
@@ -87,8 +80,7 @@ class StepColumns:
 
 
 def encode_step(columns: StepColumns, step: Step) -> bytes:
-    """One message: the columns as buffers (log-probabilities as rows, values, top counts, top ids, top values), the
-    rest (a few objects per finished request, not per token) pickled around them."""
+    """One message: the columns as buffers, the rest (a few objects per finished request) pickled around them."""
     rows = np.array([row for row, _ in columns.logprobs], np.int32)
     top_counts = np.array([len(entry.top) for _, entry in columns.logprobs], np.int32)
     top = [pair for _, entry in columns.logprobs for pair in entry.top]

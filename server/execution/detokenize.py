@@ -1,12 +1,8 @@
 """Generated tokens -> text deltas, with stop strings.
 
-Text is released as soon as it can neither split a UTF-8 character (``StreamDecoder``) nor be the start of
-a stop string: a tail that matches the beginning of some stop string is held back until the next token
-decides. When a stop string appears, the text before it is released and generation stops; the stop string
-itself is not part of the output (as in OpenAI's API).
-
-Stop strings are matched by an Aho-Corasick automaton (:class:`StopStrings`): each generated character costs O(1)
-amortized whatever the number and length of the strings, and the automaton's state is the held-back tail.
+Text is released as soon as it can neither split a UTF-8 character nor be the start of a stop string. When a stop string
+appears, the text before it is released and generation stops; the stop string is not part of the output (as in OpenAI's
+API). Matching (:class:`StopStrings`, Aho-Corasick) costs O(1) amortized per character.
 """
 
 from __future__ import annotations
@@ -17,11 +13,9 @@ from model.tokenizer import Tokenizer
 
 
 class StopStrings:
-    """An Aho-Corasick automaton over non-empty stop strings; build cost O(total characters).
-
-    State 0 is the root. ``depth[s]``: the length of the text state ``s`` stands for, which is the longest tail of
-    the text read so far that begins some stop string; ``match[s]``: the length of the longest stop string that ends
-    the text read so far, 0 for none."""
+    """An Aho-Corasick automaton over non-empty stop strings; state 0 is the root. ``depth[s]``: the length of the
+    longest tail of the text read that begins some stop string; ``match[s]``: the length of the longest stop string
+    ending the text read, 0 for none."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         goto: list[dict[str, int]] = [{}]
@@ -100,8 +94,8 @@ class TextAssembler:
         return released, False
 
     def whole_answer(self, tokens: list[int]) -> str:
-        """A whole answer's text, decoded at its end (``GenerationRequest.whole_answer``: no stop strings): its
-        tokens' text, but for a final end-of-text token, then what :meth:`finish` releases."""
+        """A whole answer's text (no stop strings), decoded at its end: its tokens' text but a final end-of-text token,
+        then :meth:`finish`'s."""
         assert self._stop is None, "stop strings are looked for token by token"
         return self._decoder.push_many(tokens[:-1] if tokens[-1:] == [self._eot] else tokens) + self.finish()
 

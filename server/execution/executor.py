@@ -1,13 +1,7 @@
-"""The engine's executor: it runs what the scheduler planned (``server/sched/scheduler.py``), on the worker thread, and
-reports what ran: the model calls, their timing (the metrics' model execute time and each model's measured speed)
-and the sampling (``server/execution/generation.py``, which ends the sequences that stop and sends their tokens). It decides
-nothing the scheduler's plan did not, but what only running can tell: when about one slice of time has been spent (a
-phase runs its planned units in order until then, one at least), what fails, and so which planned work can still run
-(:func:`live_groups`, :func:`ready_work`: a sequence that failed to start prefills nothing, one whose last chunk did
-not run joins no decode step). A model call that raises
-fails only what fails alone: a transduce batch's inputs, and the sequences of a prefill chunk (whose stacked call
-works on a copy of their caches), run again one by one; a decode step advances its batch's stacked cache in place,
-so a step that raises fails its batch.
+"""The engine's executor: runs what the scheduler planned, on the worker thread, and reports what ran (model calls,
+timing, sampling). It decides only what running tells: when about one slice has been spent (each phase runs at least one
+unit), what fails, and so which planned work still runs. A call that raises fails only what fails alone: transduce
+inputs and prefill sequences run again one by one; a decode step that raises fails its batch.
 """
 
 from __future__ import annotations
@@ -61,8 +55,7 @@ class PrefillGroup:
 
 @dataclass(frozen=True)
 class DecodeWork:
-    """One decode step of a model's context class: its batch (None: a new one), after ``joining`` and ``prompting``
-    join it."""
+    """One decode step of a model's context class: its batch (None: new), joined by ``joining`` and ``prompting``."""
 
     key: tuple[str, int]
     batch: DecodeBatch | None
@@ -82,7 +75,7 @@ class Plan:
 
 
 def live_groups(groups: list[PrefillGroup]) -> list[PrefillGroup]:
-    """The planned chunks less the sequences that have ended since (an admitted sequence that failed to start)."""
+    """The planned chunks less the sequences that have ended since."""
     live = [
         PrefillGroup([sequence for sequence in group.sequences if not sequence.done], group.length) for group in groups
     ]
@@ -90,9 +83,7 @@ def live_groups(groups: list[PrefillGroup]) -> list[PrefillGroup]:
 
 
 def ready_work(work: list[DecodeWork]) -> list[DecodeWork]:
-    """The planned decode steps, each joined only by the sequences whose first token was sampled (their last chunk ran
-    within the slice, and they did not end) and the prompting ones that started; a new batch that none joins has no
-    step."""
+    """The planned decode steps, joined only by sequences whose first token was sampled and prompting ones started."""
     ready = [
         DecodeWork(
             each.key,
@@ -110,7 +101,7 @@ def ready_work(work: list[DecodeWork]) -> list[DecodeWork]:
 
 @dataclass
 class Call:
-    """One model call that ran for ``items`` (a batch, one input alone, or a long input's slice)."""
+    """One model call that ran for ``items``."""
 
     items: list[TransduceItem]
     seconds: float
@@ -146,8 +137,8 @@ class Executor:
     # --- transduce --------------------------------------------------------------------------------------------
 
     def transduce(self, plan: TransducePlan) -> TransduceResult:
-        """The units in order until about one slice has run (one at least); an input of a request that failed
-        meanwhile is not computed."""
+        """The units in order until about one slice has run (one at least), skipping inputs of requests that failed
+        meanwhile."""
         ran: list[tuple[TransduceUnit, list[Call]]] = []
         failed: set[int] = set()  # the requests that failed in this phase
         started = self.clock()
@@ -163,8 +154,7 @@ class Executor:
         return TransduceResult(ran)
 
     def _batch(self, batch: list[TransduceItem], cost: Cost, failed: set[int]) -> list[Call]:
-        """One batch's call (``cost``); if it raises, each input runs alone, and only those that fail alone fail (a
-        batch has no state to roll back)."""
+        """One batch's call; if it raises, each input runs alone, and only those that fail alone fail."""
         served = batch[0].job.served
         try:
             seconds, outputs = self._timed(served, cost.flops, lambda: run_batch(batch))
@@ -224,7 +214,7 @@ class Executor:
         prefill([sequence], length, self.state_cache, self.metrics)
 
     def decode(self, work: list[DecodeWork]) -> DecodeResult:
-        """Each batch takes in its joining and prompting sequences (their caches become its rows) and steps once."""
+        """Each batch takes in its joining and prompting sequences and steps once."""
         ran = []
         for each in ready_work(work):
             batch = each.batch or DecodeBatch()
@@ -238,8 +228,7 @@ class Executor:
     # --- calls ------------------------------------------------------------------------------------------------
 
     def _timed(self, served: ServedModel, flops: float, call: Callable[[], T]) -> tuple[float, T]:
-        """Run a model call of about ``flops`` multiply-adds; record its time (metrics and the model's measured
-        speed). Returns (seconds, its result)."""
+        """Run and record a model call of about ``flops`` multiply-adds; returns (seconds, its result)."""
         seconds, result = self._clocked(call)
         self._record(served, flops, seconds)
         return seconds, result
@@ -250,7 +239,6 @@ class Executor:
         return self.clock() - started, result
 
     def _record(self, served: ServedModel, flops: float, seconds: float) -> None:
-        """A model call of ``flops`` multiply-adds took ``seconds``: metrics and the model's measured speed."""
         self.metrics.model_executed(served.id, seconds)
         assert served.budget is not None  # measured when the model was installed
         served.budget.speed.observe(flops, seconds)
@@ -262,10 +250,8 @@ class Executor:
         flops: float = 0.0,
         alone: Callable[[Sequence], object] | None = None,
     ) -> float:
-        """Run a model call for ``sequences``; if it raises, only they fail, and given ``alone`` (the call for one
-        of them) only those that fail alone: a sequence the failed call left as it found it (same cache, same
-        position: e.g. a prefill whose stacked call raised works on a copy of the rows) runs again by itself.
-        Returns the seconds spent."""
+        """Run a model call for ``sequences``; if it raises only they fail, and given ``alone`` each sequence the call
+        left unchanged runs again by itself. Returns the seconds spent."""
         state = [(sequence.cache, sequence.prefilled) for sequence in sequences]
         try:
             return self._timed(sequences[0].served, flops, call)[0]

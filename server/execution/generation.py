@@ -1,12 +1,10 @@
-"""One generated sequence's life in the engine: prefill (from a state-cache snapshot when one matches) in
-chunks through its own cache, then one token per decode step in its model's :class:`DecodeBatch`, until
-max_tokens, the end-of-text token or a stop string.
+"""One generated sequence's life in the engine: prefill (from a state-cache snapshot when one matches) in chunks through
+its own cache, then one token per decode step in its model's :class:`DecodeBatch`, until max_tokens, the end-of-text
+token or a stop string.
 
-Prefill chunks of several sequences of one model and one chunk length run as one call on their caches
-stacked (``InferenceCache.stack``; rows may hold different lengths), then split back. Once its prompt is
-done a sequence joins its model's decode batch, which keeps the running sequences' caches stacked, so that a
-decode step is one call per model whatever the architecture and the rows' lengths; finished sequences leave
-it (``InferenceCache.select``). The engine never looks at a cache's class.
+Prefill chunks of one model and length run as one call on stacked caches (``InferenceCache.stack``); a decode batch
+keeps its rows' caches stacked, so a decode step is one call per model whatever the architecture and the rows' lengths.
+The engine never looks at a cache's class.
 """
 
 from __future__ import annotations
@@ -39,26 +37,19 @@ from server.sched.work import FinishReason, Recipient, Work
 from server.structured.outputs import CompiledConstraint, Masks, token_bias, token_bias_later
 
 logger = logging.getLogger(__name__)
-# Logits of at most this many elements are sampled on the CPU, more where the model runs. On an H100 machine
-# (docs/benchmarks.md, "Sampling and the exact models' softmax": python -m benchmarks.bench_decode_path) one row of 8,192
-# logits sampled at temperature 1 took 101-154 us through the CPU against 176-264 us on the GPU (each op a launch), 8 rows
-# 285-463 against 169-289 us, 64 rows 1.8-2.3 ms against 0.35-0.67 ms.
+# Logits of at most this many elements are sampled on the CPU, more where the model runs (fewer cost more in op
+# launches than in computing; docs/benchmarks.md, "Sampling and the exact models' softmax").
 HOST_SAMPLING_ELEMENTS = 16_384
-# A prefill chunk that stops short of its prompt's end (cut by the slice or the iteration's token budget) is a multiple
-# of this many tokens, or below it a power of two, so that a long prompt runs a few input shapes: each new one costs
-# memory that stays (~0.8 MiB a shape for text-lrnn: oneDNN's primitive cache, allocator retention), and a 2^20-token
-# prompt in chunks sized by the moving speed estimate took the server from 458 to 1,294 MiB (docs/benchmarks.md).
+# A prefill chunk that stops short of its prompt's end is a multiple of this many tokens, or below it a power of two,
+# so that a long prompt runs few input shapes (each new shape holds memory for good: docs/serving.md).
 PREFILL_QUANTUM = 64
-# Under batch invariance, a prompt chunk of at most this many tokens that is not scored runs as decode steps, all such
-# rows of a call together: the steps' products are row-invariant at any row count, and a pass of its own per row (what
-# a longer chunk gets) cost text-lrnn 1.5-1.7 ms a prompt of 2-6 tokens, against 0.27-0.74 ms stepped 64 rows
-# together (alone 0.9-2.5 ms; docs/benchmarks.md, "Short prompts stepped").
+# Under batch invariance, an unscored prompt chunk of at most this many tokens runs as decode steps, all such rows of a
+# call together (row-invariant at any row count, and cheaper than a pass of its own per row).
 STEPPED_PREFILL_TOKENS = 8
 
 
 class Assembler(Protocol):
-    """What a sequence asks of its text: a :class:`TextAssembler`, or in the engine process none (``IdsOnly``,
-    ``server/engine/core.py``: the API process makes the text)."""
+    """A sequence's text: a :class:`TextAssembler`, or ``IdsOnly`` in the engine process."""
 
     def push(self, token: int) -> tuple[str, bool]: ...
 
@@ -68,8 +59,7 @@ class Assembler(Protocol):
 
 
 class SelectsPositions(Protocol):
-    """A model whose ``selects_positions`` is true: its ``forward`` takes ``positions``, a (B, T) bool mask, and returns
-    the (N, output_size) logits there only (``SequenceModel.selects_positions``)."""
+    """A model whose ``forward`` takes a (B, T) bool mask ``positions`` and returns the logits there only."""
 
     def forward(
         self, tokens: torch.Tensor, cache: InferenceCache | None = None, positions: torch.Tensor | None = None
@@ -87,13 +77,11 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none; k: the chosen token's and k alternatives'
     prompt_logprobs: bool = False  # score every prompt token (then the state cache is not used)
     constraint: CompiledConstraint | None = None  # structured_outputs: what every text must match
-    stream: bool = True  # False: its tokens' events are held and posted with the last one (a whole answer: no wake-up
-    # of the request's coroutine per token, which at tens of thousands of tokens/s is the event loop's main work)
+    stream: bool = True  # False: its tokens' events are held and posted with the last one (no wake-up per token)
 
     @property
     def whole_answer(self) -> bool:
-        """Nothing is needed per token (not streamed; no stop strings, no log-probabilities): there are no token
-        events at all, and the text is decoded once, into the Finished event."""
+        """Nothing is needed per token (no stream, stop strings or log-probabilities)."""
         return not self.stream and not self.stop and self.logprobs is None
 
 
@@ -119,8 +107,7 @@ class Finished:
 
 
 class Sequence(Work):
-    """A sequence's state. Its events go to ``mailbox`` as (index, event), through its outbox (``Work.emit``): the
-    sequences of one HTTP request (several prompts, n choices) share a mailbox."""
+    """A sequence's state. Its events go to ``mailbox`` as (index, event) through its outbox."""
 
     def __init__(
         self, served: ServedModel, request: GenerationRequest, mailbox: Recipient, index: int = 0, flow: str = ""
@@ -145,20 +132,18 @@ class Sequence(Work):
 
     @functools.cached_property
     def cache_bytes(self) -> int:
-        """The memory its cache may take while it runs (``ModelBudget.context_cost``; computed once: admission
-        looks at it on every iteration the sequence waits)."""
+        """The memory its cache may take while it runs (``ModelBudget.context_cost``)."""
         assert self.served.budget is not None  # measured when the model was installed
         return self.served.budget.context_cost(len(self.request.prompt) + self.request.max_tokens).nbytes
 
     @functools.cached_property
     def prompt_ids(self) -> torch.Tensor:
-        """The prompt as an int64 tensor, (P,) on the CPU: built once, for the repetition penalty's every step."""
+        """The prompt as a (P,) int64 CPU tensor, for the repetition penalty."""
         return torch.tensor(self.request.prompt, dtype=torch.long)
 
     @functools.cached_property
     def picks_greedily(self) -> bool:
-        """Its next token is always its logits' first largest (temperature 0, no penalty or bias, no structured
-        output), and nothing else of them is read (no log-probabilities)."""
+        """Its next token is always its logits' first largest and nothing else of them is read."""
         request = self.request
         return (
             request.sampling.temperature <= 0.0
@@ -173,9 +158,7 @@ class Sequence(Work):
 
     @property
     def ready_to_decode(self) -> bool:
-        """Its first token is sampled (by its prompt's last chunk) and it has not ended: a decode step reads each row's
-        last token. A prompt taken whole from the state cache is no longer prefilling from its start, but has no token
-        until its empty chunk runs."""
+        """Its first token is sampled and it has not ended."""
         return bool(self.generated) and not self.done
 
     def finish(self, reason: Literal["stop", "length"], metrics: ServerMetrics) -> None:
@@ -207,8 +190,7 @@ class Sequence(Work):
 
 
 def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -> None:
-    """Begin a sequence the scheduler admitted: an empty cache, or a clone of the longest cached prefix of its
-    prompt (where :func:`start_point` said it would begin)."""
+    """Begin an admitted sequence: an empty cache, or a clone of the longest cached prefix of its prompt."""
     model, prompt = sequence.served.model, sequence.request.prompt
     metrics.child(metrics.prompt_tokens, sequence.served.id).inc(len(prompt))
     snapshot = None
@@ -225,28 +207,21 @@ def start(sequence: Sequence, state_cache: StateCache, metrics: ServerMetrics) -
 
 
 def start_point(sequence: Sequence, state_cache: StateCache) -> tuple[int, int | None]:
-    """(prefilled, snapshot_at) of a sequence once :func:`start` runs: the prompt tokens it will take from the state
-    cache, and where its prefill will stop to snapshot its state. Changes nothing: the scheduler plans an admitted
-    sequence's first chunk with it before it starts."""
+    """(prefilled, snapshot_at) that :func:`start` will give the sequence, without changing anything."""
     prompt = sequence.request.prompt
     cached = 0 if sequence.request.prompt_logprobs else state_cache.peek(sequence.served.id, prompt)
     return cached, _snapshot_at(state_cache, len(prompt), cached)
 
 
 def _snapshot_at(state_cache: StateCache, prompt_tokens: int, prefilled: int) -> int | None:
-    """The prompt position past ``prefilled`` where the state is also snapshotted on the way, or None."""
     position = state_cache.tail_position(prompt_tokens)
     return position if position is not None and position > prefilled else None
 
 
 def prefill_calls(sequences: list[Sequence], length: int) -> list[list[Sequence]]:
-    """The model calls in which a prefill of the next ``length`` tokens of ``sequences`` runs: one over them all,
-    unless batch invariance is asked for (``cpu_decode.row_invariant``). Then a chunk runs as it would alone: stacked
-    in one pass, a prompt's first logits came out other in the last bits (shipped text models: prompts of 2-3 tokens,
-    RegularGPT's of 40), so each sequence's chunk is a call of its own, except that chunks of at most
-    ``STEPPED_PREFILL_TOKENS`` that are not scored run in one call together, as decode steps, whose products are
-    row-invariant (which way a row goes depends on its chunk alone). A caller that guards each call apart (the
-    executor) keeps a failing call's harm to its own sequences."""
+    """The calls in which the next ``length`` tokens of ``sequences`` prefill: one, unless batch invariance is on; then
+    one per sequence, but unscored chunks of at most ``STEPPED_PREFILL_TOKENS`` run together as (row-invariant) decode
+    steps."""
     if not length or not cpu_decode.row_invariant():
         return [sequences]
     stepped = [sequence for sequence in sequences if _stepped(sequence, length)]
@@ -259,12 +234,9 @@ def _stepped(sequence: Sequence, length: int) -> bool:
 
 
 def prompt_in_batch(sequence: Sequence, at: tuple[int, int | None], state_cache: StateCache) -> bool:
-    """Whether an admitted sequence's whole prompt runs as its first steps in its model's decode batch, rows beside the
-    sequences decoding there, rather than as prefill calls: a prompt that would be stepped from its start
-    (:func:`_stepped`; ``at``: :func:`start_point`'s), that asks for a token, and that the state cache would not keep
-    (a decode step leaves neither the row's cache apart nor, for greedy rows, its logits to snapshot). Its rows get the
-    bits they would get stepped, as every decode step's do; what it saves is the calls of their own, ~10% of the
-    engine thread under 64 concurrent whole answers (docs/benchmarks.md, "Short prompts in the decode batch")."""
+    """Whether an admitted sequence's whole prompt runs as its first steps in its decode batch rather than as prefill
+    calls: a prompt stepped from its start (``at``: :func:`start_point`'s), asking for a token, that the state cache
+    would not keep."""
     prompt = sequence.request.prompt
     return (
         at == (0, None)
@@ -276,10 +248,9 @@ def prompt_in_batch(sequence: Sequence, at: tuple[int, int | None], state_cache:
 
 
 def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, metrics: ServerMetrics) -> None:
-    """Consume the next ``length`` prompt tokens of each sequence (one model), in the calls of
-    :func:`prefill_calls`: a forward pass over their stacked caches, or decode steps. A sequence then at its
-    ``snapshot_at`` is snapshotted there; one whose prompt is then done is snapshotted, scored if asked, and gets its
-    first token. ``length`` 0 only completes prompts taken whole from the state cache."""
+    """Consume the next ``length`` prompt tokens of each sequence (one model). A sequence at its ``snapshot_at`` is
+    snapshotted; one whose prompt is done is snapshotted, scored if asked, and gets its first token. ``length`` 0 only
+    completes prompts taken whole from the state cache."""
     for call in prefill_calls(sequences, length) if length else []:
         _prefill_call(call, length)
     for sequence in sequences:
@@ -299,20 +270,17 @@ def prefill(sequences: list[Sequence], length: int, state_cache: StateCache, met
 
 
 def _cache(sequence: Sequence) -> InferenceCache:
-    """Its own cache: set by :func:`start`, and kept until it joins a decode batch or ends."""
     assert sequence.cache is not None
     return sequence.cache
 
 
 def _next_logits(sequence: Sequence) -> torch.Tensor:
-    """Its logits predicting the next token: set once a prompt token has been prefilled (prompts are not empty)."""
     assert sequence.next_logits is not None
     return sequence.next_logits
 
 
 def prefill_call_cost(sequences: list[Sequence], length: int) -> Cost:
-    """What one call of :func:`prefill_calls` costs (:func:`_prefill_call`): the head on each row's last position
-    only where the pass runs it so, else at every position; decode steps cost one step each (:func:`_stepped_cost`)."""
+    """What one call of :func:`prefill_calls` costs."""
     model, context = sequences[0].served.model, min(sequence.prefilled for sequence in sequences)
     if length and _stepped(sequences[0], length):
         return _stepped_cost(model.cost, len(sequences), length, context)
@@ -322,24 +290,20 @@ def prefill_call_cost(sequences: list[Sequence], length: int) -> Cost:
 
 
 def _stepped_cost(cost: Callable[..., Cost], rows: int, length: int, context: int) -> Cost:
-    """``length`` decode steps of ``rows`` rows after ``context`` tokens (``cost``: the model's or a memo of it): a
-    step's fixed work is not a chunk's (RegularGPT: a compiled call per thick layer, against K block passes)."""
+    """``length`` decode steps of ``rows`` rows after ``context`` tokens."""
     steps = [cost("cached", rows, 1, context + step) for step in range(length)]
     return Cost(flops=sum(step.flops for step in steps), nbytes=max(step.nbytes for step in steps))
 
 
 def _head_on_last(sequences: list[Sequence], length: int) -> bool:
-    """Whether a call's forward pass runs its head on each row's last position only: a model that can
-    (``selects_positions``), no sequence of the call scoring its prompt, and not run as decode steps."""
+    """Whether a call's pass may run its head on each row's last position only."""
     scoring = any(sequence.request.prompt_logprobs for sequence in sequences)
     return sequences[0].served.model.selects_positions and not scoring and not _stepped(sequences[0], length)
 
 
 def _prefill_call(sequences: list[Sequence], length: int) -> None:
-    """The next ``length`` prompt tokens of each sequence over their stacked caches: as ``length`` decode steps where
-    :func:`_stepped` (no sequence of the call scores its prompt), else in one forward pass. Unless a sequence scores
-    its prompt, a model that can (``selects_positions``) runs that pass's head on each row's last position only: the
-    head over every position was ~45% of text-lrnn's prefill (6.3k against 11.8k tokens/s on 4,096)."""
+    """The next ``length`` prompt tokens of each sequence over their stacked caches, as decode steps or one pass; sets
+    ``next_logits``, advances ``prefilled`` and scores the chunk where asked."""
     model = sequences[0].served.model
     chunks = torch.tensor(
         [sequence.request.prompt[sequence.prefilled : sequence.prefilled + length] for sequence in sequences],
@@ -369,11 +333,9 @@ def _prefill_call(sequences: list[Sequence], length: int) -> None:
 
 
 def prefill_length(sequence: Sequence, budget: int, at: tuple[int, int | None] | None = None) -> int:
-    """How many prompt tokens the sequence prefills next: what remains (up to its ``snapshot_at`` first), within
-    ``budget`` tokens and one slice of its model's work at the chunk's place in the prompt (the cost formulas count
-    the depth it reaches: RegularGPT's fixed work per thick layer); short of that end, rounded down
-    (``PREFILL_QUANTUM``); where that runs as decode steps (:func:`prefill_calls`), as many steps as fit.
-    ``at``: (prefilled, snapshot_at) of a sequence not started yet (:func:`start_point`); by default its own."""
+    """How many prompt tokens the sequence prefills next: what remains (up to ``snapshot_at``), within ``budget`` and
+    one slice of work at that depth; short of the end, a multiple of ``PREFILL_QUANTUM``. ``at``: (prefilled,
+    snapshot_at) if not started."""
     prefilled, snapshot_at = at or (sequence.prefilled, sequence.snapshot_at)
     end = len(sequence.request.prompt)
     if snapshot_at is not None and prefilled < snapshot_at:
@@ -420,8 +382,7 @@ class DecodeBatch:
         return len(self.sequences)
 
     def join(self, joining: list[Sequence]) -> None:
-        """Add sequences whose prefill is done, or whose prompt is to run here (:func:`prompt_in_batch`); their caches
-        become rows of the batch's."""
+        """Add sequences whose prefill is done, or whose prompt runs here; their caches become rows of the batch's."""
         caches = ([] if self.cache is None else [self.cache]) + [_cache(sequence) for sequence in joining]
         self.cache = caches[0] if len(caches) == 1 else type(caches[0]).stack(caches)
         self.sequences += joining
@@ -440,11 +401,8 @@ class DecodeBatch:
             self.prompting = sum(sequence.prefilling for sequence in self.sequences)
 
     def step(self, metrics: ServerMetrics) -> None:
-        """One token for every sequence: one call of the model (through its decoder: CUDA graphs where captured). Where
-        every row picks greedily and reads nothing else of its logits (:attr:`Sequence.picks_greedily`), the model
-        gives the picks alone (``Decoder.greedy_step``: on the CPU under batch invariance the head never writes the
-        logits), the same tokens as sampling its logits. A row still in its prompt takes its next prompt token and
-        samples nothing until that token is the prompt's last; while every row is, the head does not run."""
+        """One token for every sequence in one call of the model's decoder (greedy rows: the picks alone, the same
+        tokens). A row still in its prompt takes its next prompt token and samples nothing until its prompt's last."""
         served, sampling, rows = self.sequences[0].served, self.sequences, None
         if self.prompting:
             inputs, rows = self._prompt_inputs()
@@ -471,8 +429,7 @@ class DecodeBatch:
         accept(sampling, logits if rows is None else logits[rows], metrics, masks)
 
     def _prompt_inputs(self) -> tuple[list[int], list[int]]:
-        """(each row's input token: its prompt's next one while it has one, else its last token; the rows that sample
-        after this step: those past their prompt, or at its last token). Counts the prompt tokens as consumed."""
+        """(each row's input token, the rows that sample after this step); consumes the prompt tokens."""
         inputs, rows = [], []
         for row, sequence in enumerate(self.sequences):
             if sequence.prefilling:
@@ -487,8 +444,8 @@ class DecodeBatch:
 
 
 def accept(sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None) -> None:
-    """Sample each sequence's next token from its row of logits (B, V), hand the tokens to the requests,
-    and finish the sequences that end. ``masks``: the constrained rows' ``token_bias``, if already under way."""
+    """Sample each sequence's next token from its row of ``logits`` (B, V) and :func:`take` them. ``masks``: the
+    constrained rows' masks, if already under way."""
     logits = logits.float()  # (B, V) where the model runs: sampling draws on the CPU, filters and searches there
     if logits.numel() <= HOST_SAMPLING_ELEMENTS:
         logits = logits.cpu()  # unless there are so few that launching the ops costs more than computing them
@@ -511,9 +468,8 @@ def take(
     metrics: ServerMetrics,
     logits: torch.Tensor | None = None,
 ) -> None:
-    """Hand each sequence its next token (``drawn``: the token's logit as the model gave it; ``logits``: (B, V), where
-    a sequence reads them for its log-probabilities), and finish the sequences that end. A row whose token was drawn
-    at a NaN or infinite logit (e.g. an overflowed state) fails alone: the model gave no distribution there."""
+    """Hand each sequence its next token (``drawn``: its logit; ``logits``: (B, V), for log-probabilities) and finish
+    those that end. A row drawn at a non-finite logit, or whose text or constraint raises, fails alone (500)."""
     for row in unusable(drawn):
         sequence, value = sequences[row], drawn[row]
         if not sequence.done:
@@ -535,9 +491,7 @@ def take(
 
 
 def _end_outside_the_vocabulary(sequences: list[Sequence], tokens: list[int], metrics: ServerMetrics) -> None:
-    """Defence in depth: a drawn id outside the model's vocabulary would make the next batched call (indexing the
-    logits, the decode step's embedding) fail for every row; it ends its own sequence instead, and its place in
-    ``tokens`` takes id 0, which nothing reads further."""
+    """A drawn id outside the vocabulary ends its own sequence; its place in ``tokens`` becomes 0."""
     vocabulary = sequences[0].served.config.model.vocab_size
     for row, (sequence, token) in enumerate(zip(sequences, tokens)):
         if not 0 <= token < vocabulary:
@@ -554,10 +508,8 @@ def _end_outside_the_vocabulary(sequences: list[Sequence], tokens: list[int], me
 def _constrain(
     sequences: list[Sequence], logits: torch.Tensor, metrics: ServerMetrics, masks: Masks | None = None
 ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:
-    """The structured outputs' masks: (the sequences that go on, their logits, the logits to sample from: -inf
-    where a constraint forbids the token). Penalties after the masks keep -inf at -inf. A constrained row that may
-    sample no token of the model ends here: "stop" at a complete match (a model without an end-of-text token), an
-    error if its matcher failed or ran past its time budget (``Constraint.failure``). logits: (B, V)."""
+    """Apply the constraints' masks to ``logits`` (B, V): (the sequences that go on, their logits, the masked logits). A
+    row that may sample nothing ends: "stop" at a complete match, else its ``Constraint.failure``."""
     rows = [row for row, sequence in enumerate(sequences) if sequence.constraint is not None]
     if not rows:
         return sequences, logits, logits
@@ -586,8 +538,7 @@ def _constrain(
 
 
 def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens: list[int]) -> None:
-    """Defence in depth: a constrained row that drew a token its mask forbids (-inf: only a numerical corner of the
-    sampler could) takes its best allowed token instead, so that its text still matches. adjusted: (B, V)."""
+    """A constrained row that drew a forbidden token takes its best allowed one instead."""
     drawn = adjusted[torch.arange(len(tokens)), torch.tensor(tokens)]  # (B,)
     for row in torch.nonzero(drawn == float("-inf"))[:, 0].tolist():
         if sequences[row].constraint is not None:
@@ -598,9 +549,7 @@ def _keep_to_the_masks(sequences: list[Sequence], adjusted: torch.Tensor, tokens
 
 
 def _append(sequence: Sequence, token: int, logits: torch.Tensor | None, row: int, metrics: ServerMetrics) -> None:
-    """``token`` was sampled from ``logits[row]`` (logits: (B, V), None where the sequence does not read them:
-    :attr:`Sequence.picks_greedily`; a row's view is taken only for log-probabilities).
-    Its metrics are counted in :func:`accept`, for all rows at once."""
+    """Append ``token`` (sampled from ``logits[row]``, None where not read) and send or finish accordingly."""
     sequence.generated.append(token)
     if sequence.constraint is not None and not sequence.constraint.consume(token):
         sequence.fail(sequence.constraint.failure(token), metrics)

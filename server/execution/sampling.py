@@ -1,20 +1,10 @@
 """Next-token sampling and log-probabilities.
 
-Each request samples with its own CPU ``torch.Generator`` seeded from the request's seed (a random one when
-none is given), and every step below works row by row, so a row's token depends only on its logits, its parameters
-and its generator, whatever else is sampled beside it. Its logits are the same bits in any batch only where the
-server's ``batch_invariant`` holds (model/ops/cpu_decode.py, "Batch invariance"); elsewhere they differ by float
-rounding with the batch, and a seeded text may diverge from its solo run where a draw falls that close to the
-boundary between two tokens (issue 30). Before the filters, ``penalize`` adjusts the logits as vLLM and OpenAI
-define it: the repetition penalty (vLLM's, as in CTRL: a logit of a token seen in the prompt or the output is
-divided by it when positive, multiplied when negative), then OpenAI's ``logit -= frequency_penalty * count +
-presence_penalty * (count > 0)`` over the output tokens, then ``logit_bias``. Filters are applied in vLLM's order:
-temperature, then top-k, then top-p (the smallest set of tokens whose probability reaches top_p, at least one, and
-any tied with its least likely; top-k likewise keeps ties with its k-th). A decode step samples all its rows at once
-(``sample``); constrained and free rows share the call. Where the logits are on the CPU, the argmax, the k-th
-largest and the sort are numpy's (torch's are 10-20x slower there on one thread: docs/benchmarks.md, "Sampling and
-the exact models' softmax"). Any logits give an id of the vocabulary: NaN is never drawn while anything else can
-be, +inf counts as float32's largest, and a row with no finite logit gets 0 (``unusable_rows`` tells the engine).
+Each request samples with its own CPU ``torch.Generator`` seeded from its seed (random when none), row by row: a row's
+token depends only on its logits, parameters and generator. ``penalize`` applies vLLM's repetition penalty, then
+OpenAI's ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``, then ``logit_bias``; filters go in
+vLLM's order (temperature, top-k, top-p), keeping ties. Any logits give an id in the vocabulary; NaN is never drawn
+while anything else can be.
 """
 
 from __future__ import annotations
@@ -55,14 +45,8 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """One token per row. logits: (B, V) float, on the model's device; row i samples with params[i] and
-    generators[i].
-
-    Rows with the same filters are filtered together; each row then draws one uniform number from its own (CPU)
-    generator and takes the token where the cumulative probability first exceeds it (inverse CDF, :func:`draw`).
-    The filters and the search run where the logits are: on a GPU only the uniforms go there and only the B tokens
-    come back.
-    """
+    """One token per row from logits (B, V) on the model's device; row i samples with params[i] and generators[i]
+    (temperature 0: greedy), by inverse CDF (:func:`draw`)."""
     groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
     for row, row_params in enumerate(params):
         if row_params.temperature > 0.0:
@@ -86,24 +70,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def unusable_rows(logits: torch.Tensor, tokens: list[int]) -> list[int]:
-    """The rows whose token was drawn at a logit that is NaN or infinite: logits (B, V) as the model gave them, tokens
-    (B,) sampled from them (with any masks and penalties). :func:`sample` draws such a token only where the row had
-    no finite logit to draw (all NaN or -inf; a greedy row: any NaN, which wins as in torch's argmax) or had +inf
-    ones (an overflow): the model gave no distribution there."""
+    """The rows whose token was drawn at a NaN or infinite logit of ``logits`` (B, V); ``tokens`` (B,)."""
     return unusable(drawn_logits(logits, tokens))
 
 
 def unusable(drawn: list[float]) -> list[int]:
-    """The rows whose drawn logit (:func:`drawn_logits`, or a greedy pick's value) is NaN or infinite. One sum where
-    all are finite (it is not finite where any is not, or where large ones overflow it: then row by row)."""
+    """The rows whose drawn logit (:func:`drawn_logits`, or a greedy pick's value) is NaN or infinite."""
     if math.isfinite(sum(drawn)):
         return []
     return [row for row, value in enumerate(drawn) if not math.isfinite(value)]
 
 
 def drawn_logits(logits: torch.Tensor, tokens: list[int]) -> list[float]:
-    """Each row's logit at its token: logits (B, V), tokens (B,) -> B values, read without the B x V (on the CPU
-    through numpy: a few microseconds)."""
+    """Each row's logit at its token: logits (B, V), tokens (B,) -> B values."""
     if logits.device.type == "cpu":
         drawn: list[float] = logits.detach().numpy()[np.arange(len(tokens)), tokens].tolist()
         return drawn
@@ -112,16 +91,14 @@ def drawn_logits(logits: torch.Tensor, tokens: list[int]) -> list[float]:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's largest logit, the first of ties: logits (B, V) -> (B,) int64 (``cpu_decode.rows_argmax``)."""
+    """Each row's largest logit, the first of ties: (B, V) -> (B,) int64."""
     return rows_argmax(logits)[0]
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: per row, the first token whose cumulative weight exceeds its uniform times the row's total weight.
-    weights: (R, V), non-negative, summed in place; uniforms: (R,) in [0, 1) -> (R,) token ids, always in [0, V).
-    Rounding may put a draw at the total: then the last token with a weight, never a filtered one after it. A row with
-    nothing to draw from (a total of 0) gets 0; weights that break the contract (NaN) still give an id in range."""
-    cdf = weights.cumsum_(-1)  # (R, V); in place: on the CPU a new 64 x 8,192 result took ~1.7x as long
+    """Inverse CDF per row: the first token whose cumulative weight exceeds its uniform times the total. weights (R, V),
+    non-negative, summed in place; uniforms (R,) in [0, 1) -> (R,) ids in [0, V); a row of total 0 gets 0."""
+    cdf = weights.cumsum_(-1)  # (R, V), in place
     total = cdf[:, -1:].contiguous()  # (R, 1)
     picks = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)[:, 0]  # (R,)
     last = torch.searchsorted(cdf, total)[:, 0]  # (R,) the first index where the sum reaches its total (V if NaN)
@@ -139,9 +116,8 @@ class TokenHistory(Protocol):
 
 
 def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[TokenHistory]) -> torch.Tensor:
-    """The logits to sample from: logits (B, V) float (on any device), adjusted per row by params[i] given the row's
-    prompt and output tokens so far (module docstring). Rows without penalties or biases are left as they are;
-    the input is not modified."""
+    """The logits (B, V) adjusted per row by params[i] given its history; rows without penalties are left as they are,
+    the input unchanged."""
     rows = [row for row, row_params in enumerate(params) if row_params.penalizes]
     if not rows:
         return logits
@@ -169,15 +145,13 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], histories: Sequ
 
 
 def filtered_weights(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: (R, V) -> weights (R, V) proportional to the probabilities after temperature, top-k and top-p: each
-    row's largest is 1, filtered tokens get 0. Not normalised: :func:`draw` scales its uniforms by the total."""
+    """logits (R, V) -> weights (R, V) proportional to the probabilities after temperature, top-k and top-p, each row's
+    largest 1, filtered 0, never NaN."""
     # Shifted so that each row's largest score is 0, and the temperature at least the smallest normal float: a tiny one
     # cannot make NaN weights (inf - inf, 0 / 0) or every score -inf. Whatever the logits, no weight is NaN: a NaN
     # logit is never drawn (-inf), +inf is the largest float (inf - inf is NaN), and a row with no finite logit keeps
-    # every score at -inf (its shift is the lowest float, not -inf) and gets all-zero weights (:func:`draw`). amax, not
-    # max: torch's max also finds the indices (~20x slower on the CPU). Base 2, the temperature and log2(e) in one
-    # product: on the CPU torch's exp took 20x longer where it underflows (below -87, e.g. any score at temperature
-    # 0.1) and 3x at -inf, its exp2 never more.
+    # every score at -inf (its shift is the lowest float, not -inf) and gets all-zero weights (:func:`draw`). amax
+    # (max also finds the indices) and exp2 (exp is slow where it underflows), the temperature and log2(e) in one product.
     limits = torch.finfo(logits.dtype)
     temperature = max(temperature, limits.tiny)
     scores = logits.nan_to_num(-math.inf, limits.max, -math.inf)  # (R, V), a new tensor: the steps below work in place
@@ -199,8 +173,7 @@ def filtered_weights(logits: torch.Tensor, temperature: float, top_k: int, top_p
 
 
 def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Each row's k-th largest value: (R, V) -> (R, 1). On the CPU through numpy's partition (0.3-0.5 ms for 64 x 8,192
-    floats on one thread at any k; torch 2.13's topk 2.2 ms at k = 50, 6.4 ms at 500)."""
+    """Each row's k-th largest value: (R, V) -> (R, 1) (numpy's partition on the CPU)."""
     if values.device.type != "cpu":
         return torch.topk(values, k, dim=-1).values[:, -1:]
     position = values.shape[-1] - k
@@ -208,8 +181,7 @@ def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _descending(values: torch.Tensor) -> torch.Tensor:
-    """Each row sorted from its largest value: (R, V) -> (R, V). On the CPU through numpy: torch 2.13's sort took 36 ms
-    for 64 x 8,192 floats on one thread, numpy's 1.7 ms."""
+    """Each row sorted from its largest value: (R, V) -> (R, V) (numpy's sort on the CPU)."""
     if values.device.type != "cpu":
         return values.sort(dim=-1, descending=True).values
     negated = np.negative(values.detach().numpy())
@@ -219,8 +191,8 @@ def _descending(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TokenLogprob:
-    """A token's log-probability under the model (no temperature or filters) and the ``top`` most likely
-    alternatives as (token, log-probability), most likely first."""
+    """A token's log-probability under the model (no temperature or filters) and the ``top`` alternatives, most likely
+    first."""
 
     token: int
     logprob: float

@@ -1,13 +1,7 @@
-"""Models added while serving (``POST /v1/models``) and removed (``DELETE /v1/models/{id}``).
-
-A runtime model is a regular expression (over an alphabet) or a DFA (docs/api.md, Automaton files) compiled into exact weights
-(automata/regex.py, automata/compiler.py): a transduce model that labels each prefix "1" when the DFA accepts it
-(for a regular expression: ``re.fullmatch`` matches it), else "0", at any length. Compiling runs in a thread of
-its own, never the engine's, one at a time, within ``runtime_compile_timeout_s``; the engine then switches the
-model to its serving paths, measures its speed and sets its limits between two of its slices, like a model loaded
-at start-up. Limits (413 beyond): ``runtime_models_max`` runtime models at once, ``runtime_model_max_states``
-states of the minimal DFA (RegularGPT: at most 16, its weights grow as n^5). Shipped models cannot be deleted
-(409); a request already running on a deleted model finishes.
+"""Models added while serving (``POST /v1/models``) and removed (``DELETE /v1/models/{id}``): a regular expression or a
+DFA compiled into an exact transduce model labelling each prefix "1" when accepted, else "0". Compiling runs on a thread
+of its own, one at a time, within ``runtime_compile_timeout_s``. 413 past ``runtime_models_max`` models or
+``runtime_model_max_states`` states; 409 for a taken id or a shipped model.
 """
 
 from __future__ import annotations

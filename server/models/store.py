@@ -1,9 +1,6 @@
-"""The served models: every checkpoint folder under a directory, loaded strictly, with what requests need to
-turn text into token ids (the alphabet of a transducer, the tokenizer of a language model).
-
-The folders come from several directories (the shipped checkpoints/ and those of ``--models``); a model's id is its
-folder's name. A folder that fails to load is reported with its path and reason and skipped; the caller decides what
-to do when none loads.
+"""The served models: every checkpoint folder under the given directories, loaded strictly, with what requests need to
+turn text into token ids (a transducer's alphabet, a language model's tokenizer). A model's id is its folder's name; a
+folder that fails to load is reported with its path and reason and skipped.
 """
 
 from __future__ import annotations
@@ -69,9 +66,8 @@ class ServedModel:
         )
 
     def encode_symbols(self, text: str, where: str) -> array[int]:
-        """A transducer input -> its token ids; a character outside the alphabet is refused by position. No Python
-        loop over the symbols: a regular expression checks them, ``str.translate`` maps each to the character of
-        its id, and UTF-32 writes those as the 4-byte integers of the array."""
+        """A transducer input -> its token ids (no Python loop over the symbols); a character outside the alphabet
+        raises :class:`InvalidInput` (422) naming its position."""
         assert self.outside_alphabet is not None  # set for a transducer (``served_transducer``)
         outside = self.outside_alphabet.search(text)
         if outside is not None:
@@ -91,9 +87,7 @@ class LoadReport:
 
 
 def failed_folder(failure: str, directories: Sequence[Path]) -> str:
-    """The name of the folder a ``LoadReport`` failure ("<path>: <reason>") is about, for those who should not read
-    the server's paths (/health): its path less the one of ``directories`` (the folders the models were loaded from)
-    it is under."""
+    """The folder name a ``LoadReport`` failure ("<path>: <reason>") is about, without the server's paths."""
     for directory in directories:
         if failure.startswith(f"{directory}{os.sep}"):
             path, _, _ = failure.removeprefix(f"{directory}{os.sep}").partition(": ")
@@ -119,9 +113,8 @@ def checkpoint_folders(directory: Path) -> list[Path]:
 
 
 def load_models(directories: Path | Sequence[Path], device: str) -> LoadReport:
-    """Load every checkpoint folder directly under each of ``directories`` (or the directory itself if it is one).
-    A model id (its folder's name) already loaded from an earlier folder is a failure, not a replacement. Logs one
-    INFO line before loading; each model loaded at DEBUG, each failure as a WARNING."""
+    """Load every checkpoint folder directly under each of ``directories`` (or the directory itself if it is one). A
+    model id already loaded from an earlier folder is a failure, not a replacement."""
     directories = [directories] if isinstance(directories, Path) else list(directories)
     folders, failures = [], []
     for directory in directories:

@@ -1,21 +1,8 @@
-"""/v1/transduce work as units of bounded size: batches of short inputs across requests, and long inputs run
-slice by slice.
+"""/v1/transduce work as units of bounded size: batches of short inputs across requests, and long inputs slice by slice.
 
-Every input of every request is an item, costed when it arrives (``ModelBudget.transduce_cost``):
-
-- an input whose whole call fits one slice (``settings.slice_ms`` of its model's measured speed) is **short**:
-  short items are gathered for ``batch_wait_ms`` after the oldest arrived (or until ``max_batch_symbols`` are
-  waiting), then planned into batches: items of one model and one output mode ("final" or "all") only,
-  bucketed by length class, powers of two ([1], [2, 3], [4, 7], ...), so that right padding at most doubles
-  a row, sorted by length inside a bucket, and cut at ``max_batch_size`` rows, ``max_batch_symbols`` padded
-  symbols (rows x the longest row), or when the batch's call would outgrow one slice;
-- a longer input is a :class:`LongTransduce`: ``model.run_in_slices`` (a causal model prefills it chunk by
-  chunk through its cache; the exact encoders resume between attention blocks), one slice per turn, holding
-  its memory (``cost.nbytes``) from its first slice to its last.
-
-A batch runs on the cheapest exact path for what was asked: ``model.final_logits`` for "final" (RegularGPT's
-shrinking path, the LRNN's scan with the head on the last positions only) and the parallel ``forward`` for
-"all".
+Each input is costed on arrival (``ModelBudget.transduce_cost``). Inputs whose whole call fits a slice are gathered for
+``batch_wait_ms`` (or until ``max_batch_symbols`` wait) and batched (:func:`plan_batches`); a longer one is a
+:class:`LongTransduce`, one slice per turn, holding its memory from its first slice to its last.
 """
 
 from __future__ import annotations
@@ -41,8 +28,7 @@ class TransduceOutput:
 
 
 class TransduceJob(Work):
-    """One /v1/transduce request: its inputs as token ids (``ServedModel.encode_symbols``), answered once all of
-    them are computed."""
+    """One /v1/transduce request, answered once all its inputs are computed."""
 
     def __init__(
         self,
@@ -92,7 +78,8 @@ class TransduceItem:
 
 
 def plan_batches(items: list[TransduceItem], max_batch_size: int, max_batch_symbols: int) -> list[list[TransduceItem]]:
-    """The batching policy of the module docstring, for short items."""
+    """Short items as batches of one model and output mode, bucketed by power-of-two length class, sorted by length, cut
+    at ``max_batch_size`` rows, ``max_batch_symbols`` padded symbols, or one slice."""
     buckets: dict[tuple[str, bool, int], list[TransduceItem]] = defaultdict(list)
     for item in items:
         buckets[(item.job.served.id, item.job.all_outputs, item.length.bit_length())].append(item)
@@ -116,7 +103,7 @@ def _fits_one_slice(item: TransduceItem, rows: int, longest: int) -> bool:
 
 
 def batch_cost(item: TransduceItem, rows: int, longest: int) -> Cost:
-    """The call of a batch of ``rows`` inputs padded to ``longest``, of ``item``'s model and output mode."""
+    """The call of ``rows`` inputs padded to ``longest``, of ``item``'s model and output mode."""
     assert item.job.served.budget is not None  # measured when the model was installed
     return item.job.served.budget.cost("forward" if item.job.all_outputs else "final", rows, longest)
 
@@ -151,9 +138,8 @@ class LongTransduce:
 
     @torch.inference_mode()
     def advance(self) -> float:
-        """Run the next slice; returns the multiply-adds it did (what the caller times it against: the slice planned
-        when the input started, not the slice the speed measured since gives). The call after the last slice does no
-        model work (0.0) and sets ``output``."""
+        """Run the next slice; returns the multiply-adds it did. The call after the last slice does no work (0.0) and
+        sets ``output``."""
         if self._slices is None:
             served = self.item.job.served
             tokens = padded([self.item.tokens]).to(served.model.device)  # (1, T)
@@ -175,8 +161,7 @@ class LongTransduce:
 
 
 def padded(rows: list[array[int]]) -> torch.Tensor:
-    """Token-id arrays (``model_store.TOKEN_ID_TYPE``: 4-byte integers) -> (B, T) int64, right-padded with 0, built
-    in one buffer: no conversion per element (torch.tensor of Python ints costs ~0.4 us each)."""
+    """4-byte token-id arrays -> (B, T) int64, right-padded with 0, built in one buffer."""
     longest = max(map(len, rows))
     buffer = bytearray(4 * longest * len(rows))
     for row, ids in enumerate(rows):
@@ -185,8 +170,7 @@ def padded(rows: list[array[int]]) -> torch.Tensor:
 
 
 def _outputs(final_logits: torch.Tensor, labels: list[list[int]] | None) -> list[TransduceOutput]:
-    """final_logits: (B, L) -> per row the label, its probability and the per-position labels (computed for all
-    rows at once: a small op per row costs more than the batch's)."""
+    """final_logits: (B, L) -> per row the label, its probability and the per-position labels."""
     confidence, final = final_logits.float().softmax(-1).max(-1)  # (B,), (B,)
     per_row: Sequence[list[int] | None] = labels or [None] * len(final_logits)
     rows = zip(final.tolist(), confidence.tolist(), per_row)

@@ -1,27 +1,9 @@
-"""What the server may give each model: a measured speed, the memory budget, and from both the per-model
-limits that admission enforces (413) and the slices the scheduler cuts work into.
+"""Per-model speed, memory budget, limits and slices.
 
-Every model declares what its calls cost (``model.base.Cost``: multiply-adds and peak bytes, for the path it
-really runs at that size). The server turns multiply-adds into seconds with a rate it measures per model: a
-calibration call at load, then an exponential average over every model call it times that is large enough to
-be compute-bound (``MIN_TIMED_FLOPS``), each against the work it did (a slice of a long input reports its own:
-timed against the slice the speed gives now, which moves with every observation, the average ran away to 0 over
-one long input and the next one then looked short and ran whole, issue 30). From these:
-
-- a **slice** is about ``settings.slice_ms`` of one model's work: transduce batches are planned to fit one, a
-  longer input runs through ``model.run_in_slices`` with ``slice_flops`` per slice, and prefill chunks are cut
-  to fit one;
-- a model's **limits** are the largest inputs whose path fits the memory budget and its time limit (transduce:
-  one input with outputs "final" and with "all"; generate: prompt + max_tokens, the context whose cache must
-  fit). They are computed at load and listed in /v1/models; they depend on this machine's measured speed and
-  memory. The time limit is ``settings.max_job_seconds``, or ``settings.max_constant_state_job_seconds`` for a
-  model whose state has one size at every length (:func:`has_constant_state`: the LRNNs, the LSTM): a long input
-  to it holds O(1) memory and runs in slices that yield to every other client, so only its time bounds it, and
-  a million-token prompt (docs/api.md, Long-context probes) must fit on a loaded CPU.
-
-The memory budget (``settings.memory_budget_bytes``, by default ``DEFAULT_MEMORY_FRACTION`` of the memory
-available once the models are loaded, less the state cache's budget) bounds what running work holds at once:
-the caches of running sequences and long transduce jobs, plus the one model call in progress.
+Each model declares its calls' cost (``model.base.Cost``: multiply-adds, peak bytes); :class:`ModelSpeed` turns
+multiply-adds into seconds at a rate calibrated at load and averaged over every compute-bound call. A slice is about
+``settings.slice_ms`` of a model's work. A model's limits (:class:`ModelLimits`, enforced with 413) are the largest
+inputs that fit the memory budget (what running work may hold at once) and its time limit.
 """
 
 from __future__ import annotations
@@ -67,10 +49,8 @@ class ModelSpeed:
 
 @torch.inference_mode()
 def calibrate(model: SequenceModel) -> ModelSpeed:
-    """Time ``final_logits`` on one input of about ``CALIBRATION_FLOPS`` multiply-adds (after a warm-up call). A model
-    whose calls do work their multiply-adds do not show, growing with where a chunk lies in its input (RegularGPT's
-    cached path: a fixed cost per block pass, K blocks at each thick layer the chunk reaches), first measures it
-    (``measure_fixed_costs``), so that its cost formulas, and the slices sized from them, count it."""
+    """Time ``final_logits`` on an input of about ``CALIBRATION_FLOPS`` multiply-adds, after a warm-up call and the
+    model's ``measure_fixed_costs`` if it has one."""
     measure_fixed_costs = getattr(model, "measure_fixed_costs", None)
     if measure_fixed_costs is not None:
         measure_fixed_costs()
@@ -86,9 +66,8 @@ def calibrate(model: SequenceModel) -> ModelSpeed:
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """The largest inputs one model is ever given (0: none fits). Transduce models: ``max_input_symbols`` per
-    input with outputs "final", ``max_all_outputs_symbols`` with "all". Generate models: ``max_input_symbols``
-    prompt tokens and ``max_context_tokens`` for prompt + max_tokens."""
+    """The largest inputs one model is ever given (0: none fits): per transduce input with outputs "final" or "all"
+    (``max_all_outputs_symbols``), or prompt tokens and prompt + max_tokens (``max_context_tokens``)."""
 
     max_input_symbols: int
     max_all_outputs_symbols: int | None = None
@@ -109,8 +88,7 @@ class ModelBudget:
     max_job_seconds: float
 
     def __post_init__(self) -> None:
-        # A call's cost depends on its shape only, and is asked for every input and every batch the scheduler plans
-        # (tens of microseconds a call: the formulas read the model's modules): remembered per shape.
+        # A call's cost depends on its shape only and is asked for every planned input and batch: remembered per shape.
         self.cost: Callable[..., Cost] = functools.lru_cache(maxsize=COST_CACHE_SIZE)(self.model.cost)
 
     @functools.cached_property
@@ -129,24 +107,16 @@ class ModelBudget:
         return cost.nbytes <= self.memory_budget and self.speed.seconds(cost.flops) <= self.max_job_seconds
 
     def transduce_cost(self, length: int, all_outputs: bool) -> tuple[Cost, bool]:
-        """The cost of one input and whether it runs in slices: whole in one call (batched with others) when that
-        call fits one slice, else through ``run_in_slices``."""
+        """One input's cost, and whether it runs in slices (its whole call would not fit one)."""
         whole = self.cost("forward" if all_outputs else "final", 1, length)
         if self.fits_one_slice(whole):
             return whole, False
         return self.model.slices_cost(length, all_outputs, self.slice_flops, self.cost), True
 
     def context_cost(self, length: int) -> Cost:
-        """A sequence that may reach ``length`` tokens (a language model is causal: its prompt is prefilled in slices
-        through its cache): the multiply-adds of the whole, and the bytes of its cache padded to the longest row
-        of its decode batch (``context_class``: at most ``class_length``) plus one chunk's activations. Padded
-        layouts (the transformer's KV, RegularGPT's windows) give every row of a stacked cache the longest row's
-        room, which is why decode batches are formed per context class. A cache of one size at every length
-        (``constant_state``) is never padded: its multiply-adds are its own length's (those of ``cached_slices_cost``,
-        one cached pass over it), its bytes its class's (the same but for short contexts, where the chunk may be longer),
-        so that the bisection below stays in the memo."""
-        # Through the memo of the cost formulas: asked once per generated sequence, and its bisection over chunk
-        # lengths took ~0.75 ms through the formulas themselves.
+        """A sequence that may reach ``length`` tokens: its prefill's multiply-adds and its cache's bytes padded to its
+        context class, plus one chunk's activations (a constant-size cache: its own length's multiply-adds)."""
+        # Through the memo of the cost formulas: the bisection over chunk lengths asks for many shapes.
         padded = self.model.cached_slices_cost(class_length(context_class(length)), self.slice_flops, self.cost)
         if self.constant_state:
             return Cost(flops=self.cost("cached", 1, length).flops, nbytes=padded.nbytes)
@@ -168,14 +138,13 @@ class ModelBudget:
 
 
 def has_constant_state(model: SequenceModel) -> bool:
-    """Whether one row's cache (``cache_nbytes``) has the same size after one token and after
-    ``STATE_PROBE_LENGTH``: an O(1)-state model (LRNN, LSTM), whose long inputs hold no memory that grows."""
+    """Whether one row's cache has one size at every length (LRNN, LSTM)."""
     return model.cache_nbytes(1) == model.cache_nbytes(STATE_PROBE_LENGTH)
 
 
 def context_class(length: int) -> int:
-    """The decode batch class of a sequence that may reach ``length`` tokens: its bit length, so that the rows
-    of one batch differ in final length by less than 2x."""
+    """The decode batch class of a sequence that may reach ``length`` tokens: its bit length (rows differ by less than
+    2x)."""
     return length.bit_length()
 
 
@@ -185,8 +154,8 @@ def class_length(context_class: int) -> int:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes this process could still allocate: free GPU memory on CUDA; on the CPU, the smaller of the kernel's
-    MemAvailable and what the cgroup (container) limit leaves."""
+    """Bytes this process could still allocate: free GPU memory, or on the CPU the lesser of MemAvailable and the
+    cgroup's room."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)

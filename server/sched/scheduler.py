@@ -1,59 +1,11 @@
-"""The engine's worker loop: what runs when, on the one thread that calls the models.
+"""The engine's worker loop (:class:`Scheduler`): what runs when, on the one thread that calls the models.
 
-All work is cut into bounded units, so that no request holds the engine for long: transduce batches planned
-to fit one slice (``settings.slice_ms`` of the model's measured speed) and long inputs run one slice per turn
-(``server/sched/batching.py``), prefill chunks of at most one slice and ``prefill_chunk_tokens`` tokens per
-iteration, and one decode step per model per iteration (``server/execution/generation.py``). Each iteration
-
-1. takes new work from the inbox (blocking only when idle, or until the transduce gathering window ends);
-2. sweeps: ends work whose client went away (a long transduce stops before its next slice), takes out what ended;
-3. plans the whole iteration (``plan``), then runs and applies it phase by phase:
-4. transduce units for about one slice in all, in fair order;
-5. the waiting sequences admitted, in fair order, up to ``max_running`` and while their memory fits, start;
-6. up to ``prefill_chunk_tokens`` prompt tokens prefilled for about one slice, in fair order, chunks of one model
-   and length batched (the sequences just admitted among them, from where the state cache lets each begin);
-7. one decode step per model and context class over its decoding sequences (continuous batching: a
-   sequence joins the batch once its prefill has sampled its first token, or at once where its whole prompt runs
-   there, a few tokens under batch invariance (``server.execution.generation.prompt_in_batch``), and leaves it when it
-   finishes, whatever its length and architecture; a class holds the sequences whose prompt + max_tokens have one
-   bit length, so that the padded caches of a batch hold at most 2x what their rows need, as
-   ``ModelBudget.context_cost`` reserves);
-8. sweeps again, and hands every event of the iteration to the event loop at once.
-
-``plan`` decides what runs, in which order, from the scheduler's state alone (no model call, no change): one
-:class:`server.execution.executor.Plan` of every phase, before any of them runs. The executor (``server/execution/executor.py``) runs each
-phase of it (the model calls, their timing, the sampling), stopping when about one slice has been spent, and drops
-only what running has made moot (a sequence that failed to start, one whose last chunk did not run yet); ``apply_*``
-charges fairness and memory and moves the work's status (``server/sched/work.py``: waiting, prefilling, decoding, slicing,
-finished with a reason), each phase's before the next phase runs (so that a sequence has left the queue before its
-first chunk can end it). What the plan cannot know is left to the next iteration: memory that transduce work ending
-in this one releases, and the service this one charges. The sweep (step 2 and last) is the only place work leaves
-the scheduler and answers leave the work: there each request is handed what it was answered (its outbox), memory is
-released, and a finished request leaves the queue that admission counts (``RequestQueue``: 429 when full), which the
-scheduler owns; the metrics only observe.
-
-**Fairness** (``FairShare``): every request belongs to a flow, its client (the peer address). Transduce work
-is taken least-served flow first, then, within a flow, least-served request first, then oldest: a flow's
-service is the model seconds spent on its work while it had work queued (a batch charges its flows and
-requests in proportion to their symbols); a flow with nothing queued is forgotten. So a short request goes
-ahead of a 100k-symbol input that is running, whoever sent them, and two heavy clients alternate. Admission
-and prefill take the least-served flow first, then the least-served sequence (its prefill chunks and its share
-of the decode steps), then the oldest; and a prefilling sequence served more than a slice beyond the least-served
-running sequence yields to it, so that a short request beside a long prompt is prefilled and decoded as if alone
-once the slice in progress ends, but for no longer than the prompt's last round took: a long prompt keeps half
-the engine however many short requests come. Decode is not rationed: every running sequence steps every
-iteration.
-
-**Memory** (``MemoryLedger``): running work holds its cache (a sequence: the cache at prompt + max_tokens,
-padded to its context class; a long transduce: what its slices keep) and the call in progress its activations,
-within the budget of ``server/sched/costing.py``; work that does not fit now waits, and admission (the engine)
-refuses with 413 what could never fit, or a request with more sequences than the queue can ever hold.
-
-**Failures**: a model call that raises fails only what fails alone (``server/execution/executor.py``). A transduce batch's
-inputs, and the sequences of a prefill chunk (whose stacked call works on a copy of their caches), run again one by
-one, and only those that raise by themselves fail. A decode step advances its batch's stacked cache in place, so a
-step that raises fails its batch; what one row could bring into it, a token outside the model's vocabulary, ends
-that sequence when it is sampled (``server/execution/generation.py``).
+Each iteration takes new work from the inbox, sweeps, makes one pure :class:`~server.execution.executor.Plan`, has the
+executor run it phase by phase (transduce, admissions, prefill, decode), applies each result before the next phase,
+sweeps and flushes. Guarantees: each unit of work is about one slice (``settings.slice_ms``); transduce, admission and
+prefill go least-served flow first (:class:`FairShare`); running work holds its memory within the budget
+(:class:`MemoryLedger`); only the sweep takes work out and hands answers over. Policy and reasons: ``docs/serving.md``,
+"The engine: slices, fairness, limits".
 """
 
 from __future__ import annotations
@@ -94,15 +46,15 @@ W = TypeVar("W", bound=Work)
 
 @dataclass(frozen=True)
 class AbortAll:
-    """Put into the inbox to end every request in flight with ``error`` (e.g. 503 past the drain timeout)."""
+    """Put into the inbox to end every request in flight with ``error``."""
 
     error: APIError
 
 
 @dataclass(frozen=True)
 class OnWorker(Generic[T]):
-    """Put into the inbox to run ``work`` on the worker thread between two iterations (e.g. installing a model
-    compiled while serving); its result or exception goes to ``done``."""
+    """Put into the inbox to run ``work`` on the worker thread between two iterations; its result or exception goes to
+    ``done``."""
 
     work: Callable[[], T]
     done: concurrent.futures.Future[T]
@@ -121,7 +73,7 @@ class FairShare:
         self.service: dict[str, float] = {}
 
     def charge(self, flows: dict[str, float], seconds: float) -> None:
-        """``flows``: flow -> its share (weights, summing to anything positive) of a call of ``seconds``."""
+        """Charge a call of ``seconds`` to ``flows`` in proportion to their weights."""
         total = sum(flows.values()) or 1.0
         for flow, weight in flows.items():
             self.service[flow] = self.service.get(flow, 0.0) + seconds * weight / total
@@ -165,9 +117,8 @@ class Scheduler:
         clock: Callable[[], float] = time.perf_counter,
         executor: Executor | None = None,
     ) -> None:
-        """``request_queue``: what admission counts (the engine's; a new one by default). ``clock``: seconds, what model
-        calls and slices are timed with (a test drives a fake one). ``executor``: what runs the plans (by default the
-        models', on ``clock``; a test gives a fake one)."""
+        """``request_queue``: what admission counts; ``clock``: what calls and slices are timed with; ``executor``: what
+        runs the plans (by default the models')."""
         self.settings, self.metrics, self.inbox, self.postman = settings, metrics, inbox, postman
         self.queue = request_queue or RequestQueue(settings.max_waiting)
         self.clock = clock
@@ -186,7 +137,7 @@ class Scheduler:
 
     @property
     def state_cache(self) -> StateCache:
-        """The executor's prefix states (one cache: it takes from it what the plan found there)."""
+        """The executor's prompt-state cache."""
         return self.executor.state_cache
 
     def loop(self) -> None:
@@ -196,8 +147,7 @@ class Scheduler:
         self.postman.flush()
 
     def iteration(self) -> None:
-        """Steps 2-8 of the module docstring, on the work already received: the sweep, one plan, each of its phases
-        run by the executor and its result applied, the sweep."""
+        """One iteration on the work already received: sweep, plan, run and apply each phase, sweep, flush."""
         self.sweep()
         plan = self.plan(time.monotonic(), self.clock())
         self.apply_transduce(plan.transduce, self.executor.transduce(plan.transduce))
@@ -211,17 +161,8 @@ class Scheduler:
         self.postman.flush()
 
     def _decode_on(self, started: float) -> None:
-        """More decode steps in this iteration (up to ``decode_steps`` in all, and about one slice of time since the
-        first ``started``), while decoding is all there is to do: nothing prefills now (a prompt that yields to
-        less-served sequences counts from when it may resume: :meth:`_prefills_now`) or transduces, nothing waits that
-        ``max_running`` would let start (a row that ends makes room: the run stops there), and nothing
-        new has come into the inbox (which is looked at before each step: a new request, or a stop string the engine
-        process's API side found, ends the run of steps at once). The per-iteration work (planning every phase, the
-        sweeps, the postman's flush: in the engine process, one message to the API process) is then shared by
-        several steps, as vLLM's multi-step scheduling shares it; a sweep between two steps takes out what ended or
-        whose client went away (a cancellation sets a flag, not an inbox entry), and the tokens leave together at the
-        flush. So a short request beside a long prompt that yields to it takes its steps as it would alone, within the
-        yield."""
+        """Further decode steps (up to ``decode_steps``, within one slice since ``started``) while decoding is all there
+        is to do and the inbox stays empty."""
         slice_seconds = self.settings.slice_ms / 1000
         for _ in range(self.settings.decode_steps - 1):
             if self.clock() - started >= slice_seconds:
@@ -234,12 +175,9 @@ class Scheduler:
             self.apply_decode(self.executor.decode(self._plan_decode([], {})))
 
     def plan(self, now: float, clock_now: float) -> Plan:
-        """The iteration's work, from the scheduler's state alone (no model call, no change): transduce units, the
-        sequences to admit (within the memory the planned units leave), prefill chunks (the admitted sequences'
-        first ones from where :func:`server.execution.generation.start_point` says each will begin), and one decode step per
-        batch, joined by the sequences whose prompt the planned chunks complete and by the admitted ones whose
-        prompt runs in the batch (:func:`server.execution.generation.prompt_in_batch`). ``now``: ``time.monotonic()``, what
-        arrivals are stamped with; ``clock_now``: the scheduler's clock."""
+        """The iteration's work from the scheduler's state alone (no model call, no change): transduce units, admissions
+        within the memory left, prefill chunks, one decode step per batch with the sequences joining it. ``now``:
+        ``time.monotonic()``; ``clock_now``: the scheduler's clock."""
         transduce = self._plan_transduce(now)
         admitted = self._plan_admissions(self.memory.held + sum(unit.holds for unit in transduce.units))
         starts = {id(sequence): (sequence.prefilled, sequence.snapshot_at) for sequence in self.prefilling}
@@ -259,8 +197,7 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.decoding or self.long)
 
     def _receive(self) -> bool:
-        """Move new work from the inbox (blocking only when idle, or until the gathering window ends); False once
-        asked to stop."""
+        """Move new work from the inbox (blocking only when idle or gathering); False once asked to stop."""
         timeout: float | None = 0.0
         idle = not (self._busy() or self.short) and self.inbox.empty()  # new work will wake us
         if not self._busy():
@@ -276,8 +213,7 @@ class Scheduler:
         return self.take(received, idle)
 
     def take(self, received: list[object], idle: bool = False) -> bool:
-        """New work, in order of arrival; ``idle``: it reached a worker with nothing else to do (blocked on the
-        inbox). False once asked to stop."""
+        """New work, in order of arrival; ``idle``: it found the worker idle. False once asked to stop."""
         for work in received:
             if work is STOP:
                 return False
@@ -303,11 +239,8 @@ class Scheduler:
             self.jobs_waiting += 1
 
     def gather_window(self) -> float:
-        """Seconds to gather short transduce inputs after the oldest arrived: ``batch_wait_ms``, or 0 when requests
-        come one at a time: a single request is waiting, it reached a worker with nothing else to do, and the
-        previous run served a single request. A request that arrives while other work runs (other clients are
-        active), or after a run of several requests (their clients are about to send their next ones together),
-        waits."""
+        """Seconds to gather short transduce inputs after the oldest arrived: ``batch_wait_ms``, or 0 when requests come
+        one at a time."""
         if self.jobs_waiting == 1 and self.first_job_found_idle and self.last_run_jobs <= 1:
             return 0.0
         return self.settings.batch_wait_ms / 1000
@@ -321,9 +254,8 @@ class Scheduler:
     # --- the sweep ----------------------------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """The one pass over the work: ends the work whose client went away, hands each request what it was answered
-        (``Work.emit``), takes out what has ended or been computed (its memory released, finished requests counted
-        out of the queue), and forgets the flows that have nothing left."""
+        """End the work whose client went away, emit answers, take out what ended (releasing its memory and queue
+        place), forget idle flows."""
         flows: set[str] = set()
         finished: dict[int, Work] = {}
 
@@ -357,7 +289,7 @@ class Scheduler:
             self.jobs_waiting = 0
 
     def _schedule(self, work: Work, status: Status) -> None:
-        """Move ``work`` on to ``status``; leaving ``WAITING``, it leaves the queue's waiting count."""
+        """Move ``work`` on to ``status``, keeping the queue's waiting count."""
         if work.status is Status.WAITING:
             self.queue.scheduled()
         work.schedule(status, self.metrics)
@@ -373,9 +305,8 @@ class Scheduler:
     # --- transduce ----------------------------------------------------------------------------------------
 
     def _plan_transduce(self, now: float) -> TransducePlan:
-        """Batches (once the gathering window is over) and long-input slices, least-served flow first, then
-        least-served request, then oldest; a unit whose memory does not fit now waits (a long input holds its
-        memory from its first slice). ``now``: ``time.monotonic()``, what arrivals are stamped with."""
+        """Batches (once the gathering window is over) and long-input slices in fair order, each only while its memory
+        fits."""
         units: list[tuple[tuple[float, float, float], TransduceUnit]] = []  # (flow's, job's service, arrival), unit
         batched_jobs = None
         if self._short_due(now):
@@ -404,8 +335,8 @@ class Scheduler:
         return TransducePlan(planned, batched_jobs)
 
     def apply_transduce(self, plan: TransducePlan, result: TransduceResult) -> None:
-        """Hold the memory of the long inputs that started, charge each call's flows and requests (in proportion to
-        their symbols), and answer the inputs computed or fail their requests."""
+        """Hold the memory of long inputs that started, charge each call's flows and requests by symbols, answer or
+        fail."""
         if plan.batched_jobs is not None:
             self.last_run_jobs, self.jobs_waiting = plan.batched_jobs, 0
         for unit, calls in result.ran:
@@ -442,8 +373,8 @@ class Scheduler:
         )
 
     def _plan_admissions(self, held: int) -> list[Sequence]:
-        """The waiting sequences to start, least-served flow first, while there is room (``max_running``) and
-        their memory fits beside ``held`` bytes."""
+        """The waiting sequences to start, in fair order, within ``max_running`` and the memory left beside ``held``
+        bytes."""
         room = self.settings.max_running - self._running()
         if room <= 0:
             return []  # nothing to order while no sequence can start
@@ -458,8 +389,7 @@ class Scheduler:
         return admitted
 
     def apply_admissions(self, admitted: list[Sequence]) -> None:
-        """The admitted sequences that started hold their memory and prefill (one that failed to start has ended:
-        the sweep takes it out)."""
+        """The admitted sequences that started hold their memory and prefill."""
         started = {id(sequence) for sequence in admitted if not sequence.done}
         for sequence in admitted:
             if id(sequence) in started:
@@ -476,13 +406,9 @@ class Scheduler:
         starts: dict[int, tuple[int, int | None]],
         prompting: Iterable[Sequence] = (),
     ) -> list[PrefillGroup]:
-        """Chunks for the prefilling sequences and the ``admitted`` ones, each from its ``starts`` entry (prefilled,
-        snapshot_at), in fair order, within the token budget (``prefill_chunk_tokens``), grouped by model, context
-        class and chunk length. A sequence served more than a slice beyond the least-served running one (prefilling,
-        decoding, or ``prompting``: admitted into its decode batch in this iteration) yields to it, so that a short
-        request is prefilled and decoded beside a long prompt as if alone, once the slice in progress ends; but it waits
-        no longer than its last round took (``prefill_resumes_at``), so that a long prompt keeps half the engine however
-        many short requests come. The executor runs the groups for about one slice."""
+        """Chunks for the prefilling and ``admitted`` sequences from their ``starts``, in fair order, within
+        ``prefill_chunk_tokens``, grouped by model, context class and length; a sequence that :meth:`_yields` gets none.
+        """
         prefilling = [*self.prefilling, *admitted]
         least_served = self._least_served([*prefilling, *prompting])
         budget = self.settings.prefill_chunk_tokens
@@ -503,18 +429,17 @@ class Scheduler:
         return min((sequence.service for sequence in [*running, *self._decoding_sequences()]), default=0.0)
 
     def _yields(self, sequence: Sequence, least_served: float, now: float) -> bool:
-        """Whether a prefilling sequence waits now (the scheduler's clock) for less-served ones (:meth:`_plan_prefill`):
-        served more than a slice beyond the ``least_served``, until its ``prefill_resumes_at``."""
+        """Whether a prefilling sequence waits for less-served ones: served more than a slice beyond ``least_served``,
+        until its ``prefill_resumes_at`` (the scheduler's clock)."""
         return sequence.service > least_served + self.settings.slice_ms / 1000 and now < sequence.prefill_resumes_at
 
     def _prefills_now(self) -> bool:
-        """Whether a prefilling sequence would have a chunk planned now: one that does not yield."""
+        """Whether some prefilling sequence does not yield now."""
         least_served = self._least_served(self.prefilling)
         return any(not self._yields(sequence, least_served, self.clock()) for sequence in self.prefilling)
 
     def apply_prefill(self, result: PrefillResult) -> None:
-        """Charge each group's flows and sequences; a sequence prefilled now waits, if it must yield, no longer than
-        this round took."""
+        """Charge each group's flows and sequences; a sequence that must yield waits no longer than this round took."""
         for group, seconds in result.ran:
             self.fair.charge({sequence.flow: 1.0 for sequence in group.sequences}, seconds)
             for sequence in group.sequences:
@@ -527,8 +452,8 @@ class Scheduler:
         starts: dict[int, tuple[int, int | None]],
         prompting: Iterable[Sequence] = (),
     ) -> list[DecodeWork]:
-        """One step per decode batch, joined by the sequences whose prompt the ``prefill`` chunks complete (the
-        executor takes those whose first token it sampled: ``ready_work``) and by the ``prompting`` ones."""
+        """One step per decode batch, joined by the sequences whose prompt the ``prefill`` chunks complete and the
+        ``prompting`` ones."""
         joining: dict[tuple[str, int], list[Sequence]] = {}
         for group in prefill:
             for sequence in group.sequences:
@@ -541,8 +466,7 @@ class Scheduler:
         return [DecodeWork(key, self.decoding.get(key), joining.get(key, []), in_prompt.get(key, [])) for key in keys]
 
     def apply_decode(self, result: DecodeResult) -> None:
-        """The joined sequences decode (a prompting one from its prompt's first token); each stepped sequence is
-        charged its share of its step."""
+        """The joined sequences decode; each stepped sequence is charged its share of its step."""
         joined = set()
         for work, batch, sequences, seconds in result.ran:
             self.decoding[work.key] = batch
@@ -555,9 +479,8 @@ class Scheduler:
 
 
 def _settle(works: Iterable[W], metrics: ServerMetrics, flows: set[str], finished: dict[int, Work]) -> list[W]:
-    """The sweep on each of ``works``, in one loop (it runs over every running sequence twice an iteration): end it if
-    its client went away, emit its answers; those that ended go into ``finished``; returns the others, whose flows go
-    into ``flows``."""
+    """The sweep over ``works``: end those whose client went away, emit answers; the ended go into ``finished``, the
+    rest are returned and their flows added to ``flows``."""
     kept = []
     for work in works:
         if work.cancelled and not work.done:
@@ -573,5 +496,5 @@ def _settle(works: Iterable[W], metrics: ServerMetrics, flows: set[str], finishe
 
 
 def _decode_key(sequence: Sequence) -> tuple[str, int]:
-    """The decode batch of a sequence: its model and context class."""
+    """A sequence's decode batch: its model and context class (padded caches hold at most 2x their rows' need)."""
     return sequence.served.id, context_class(len(sequence.request.prompt) + sequence.request.max_tokens)

@@ -1,13 +1,10 @@
-"""Prompt-state cache: token prefix -> a snapshot of the model's decoding state after that prefix.
+"""Prompt-state cache: token prefix -> a snapshot of the model's state after that prefix (``cache.clone()`` and the
+logits predicting the next token).
 
-A snapshot is ``cache.clone()`` taken when a prompt's prefill ends, with the logits that predict the next
-token; a prompt that leaves at least ``min_tokens`` and ``tail_tokens`` before its last ``tail_tokens`` is also
-snapshotted there (:meth:`StateCache.tail_position`), so that another prompt that shares all but its last tokens
-(another question on the same document) finds a prefix too. A later prompt that starts with a stored prefix (the
-longest one wins) starts from a clone of the snapshot and prefills only its new suffix. For the LRNNs and the LSTM a
-snapshot is O(1) in the prefix length; for KV caches it grows with it; its key, the prefix's token ids, grows
-with it for every model (8 bytes a token: a million-token prefix 8 MiB). The byte budget counts both. Entries
-are evicted least recently used first, by count and by bytes. Only the engine's worker thread touches it.
+A prompt is snapshotted when its prefill ends, and also ``tail_tokens`` before its end where long enough
+(:meth:`StateCache.tail_position`); a later prompt starting with a stored prefix (the longest wins) prefills only the
+rest. Entries are evicted least recently used first, by count and by bytes (snapshot and key). Only the engine's worker
+thread touches it.
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ class StateCache:
         return Snapshot(snapshot.cache.clone(), snapshot.logits, snapshot.length)
 
     def peek(self, model_id: str, tokens: list[int]) -> int:
-        """How many tokens :meth:`lookup` would take from the cache now (0: none); changes nothing (the scheduler plans
-        with it)."""
+        """How many tokens :meth:`lookup` would take from the cache now (0: none); changes nothing."""
         best = self._longest(model_id, tokens)
         return 0 if best is None else self._entries[best].length
 
@@ -82,8 +78,8 @@ class StateCache:
         return best
 
     def tail_position(self, prompt_tokens: int) -> int | None:
-        """Where a prompt of ``prompt_tokens`` tokens is also snapshotted on its way: ``tail_tokens`` before its end,
-        or None (off, or a prompt too short for the snapshot to save more than its tail)."""
+        """Where a prompt of ``prompt_tokens`` tokens is also snapshotted: ``tail_tokens`` before its end, or None (off,
+        or too short)."""
         position = prompt_tokens - self.tail_tokens
         if self.tail_tokens == 0 or self.max_entries == 0 or position < max(self.min_tokens, self.tail_tokens):
             return None

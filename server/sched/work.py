@@ -1,18 +1,9 @@
-"""What the scheduler schedules, one status and one set of lifecycle verbs for both kinds (vLLM's ``RequestStatus``):
-a /v1/transduce request (``server/sched/batching.py``'s :class:`TransduceJob`) and a generated sequence
-(``server/execution/generation.py``'s :class:`Sequence`).
+"""What the scheduler schedules (a :class:`TransduceJob` or a :class:`Sequence`): one status and one set of lifecycle
+verbs (vLLM's ``RequestStatus``).
 
-A request is admitted ``WAITING``. The scheduler moves it on: a sequence to ``PREFILLING`` when it is admitted
-(its memory held), then to ``DECODING`` when its prompt is done and it joins its model's decode batch (a short
-prompt that runs in the batch, ``server.execution.generation.prompt_in_batch``, joins it at once: its tokens are its first
-steps); a transduce request to ``SLICING`` when its first batch or slice runs. It ends ``FINISHED`` with a reason:
-"stop" or "length" (answered), "abort" (the client went away: no answer) or "error" (the answer is the error). The
-request's side only sets ``cancelled``; the scheduler ends the work at its next pass. What a request is answered (a
-transduce request's outputs or error, a sequence's events) waits in its ``outbox`` until the scheduler's sweep hands
-it over (``emit``), once per step: the work never posts to its mailbox itself.
-
-The queue that admission counts (:class:`RequestQueue`: 429 when full) belongs to the scheduler; the metrics only
-observe the same transitions (``ServerMetrics.queued``, ``scheduled``, ``finished``).
+Admitted ``WAITING``; a sequence goes ``PREFILLING`` then ``DECODING``, a transduce request ``SLICING``; it ends
+``FINISHED`` with "stop", "length", "abort" (no answer) or "error". The request's side only sets ``cancelled``; answers
+wait in ``outbox`` until the scheduler's sweep hands them over (``emit``).
 """
 
 from __future__ import annotations
@@ -28,8 +19,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class Recipient(Protocol):
-    """Where a request's answers go at ``emit``: its ``Mailbox`` (``server/engine/mailbox.py``), or in the engine
-    process its ``RemoteMailbox`` (``server/engine/core.py``)."""
+    """Where a request's answers go at ``emit``: its ``Mailbox``, or in the engine process its ``RemoteMailbox``."""
 
     def put_many(self, items: list[object]) -> None: ...
 
@@ -43,23 +33,21 @@ class Status(enum.Enum):
 
 
 class Work:
-    """A request's status, its fairness (flow, service) and its timestamps. Subclasses say how an answer or an error
-    reaches the request (``deliver``)."""
+    """A request's status, fairness (flow, service) and timestamps; subclasses say how an answer reaches the request
+    (``deliver``)."""
 
     def __init__(self, times: RequestTimes, flow: str, mailbox: Recipient) -> None:
         self.times, self.mailbox = times, mailbox
         self.flow = flow  # who asked (the scheduler's fairness key)
         self.service = 0.0  # model seconds spent on it so far (the scheduler's fairness)
         self.status = Status.WAITING
-        self.done = False  # status is FINISHED (an attribute: read for every row of every step, ~6% of the engine's
-        # thread as a property in a profile of 64 whole answers)
+        self.done = False  # status is FINISHED (an attribute, not a property: read for every row of every step)
         self.finish_reason: FinishReason | None = None
         self.cancelled = False  # set by the request's side when the client goes away
         self.outbox: list[object] = []  # the mailbox's next items, in order, until ``emit``
 
     def schedule(self, status: Status, metrics: ServerMetrics) -> None:
-        """Move on to ``status``; leaving ``WAITING`` is its first scheduling. Work that has finished stays finished
-        (a sequence can end in the very call that its new status names: its first decode step)."""
+        """Move on to ``status``; leaving ``WAITING`` is its first scheduling. Finished work stays finished."""
         if self.done:
             return
         if self.status is Status.WAITING:
@@ -95,8 +83,7 @@ class Work:
 
 
 class RequestQueue:
-    """The requests admitted and not finished, and those of them not scheduled yet (``waiting``): the requests' side
-    admits into it (the event loop), the scheduler takes out of it (the worker thread)."""
+    """The requests admitted and not finished, and those not scheduled yet (``waiting``); thread-safe."""
 
     def __init__(self, max_waiting: int) -> None:
         self.max_waiting = max_waiting
@@ -105,7 +92,7 @@ class RequestQueue:
         self.in_flight = 0
 
     def admit(self, count: int) -> bool:
-        """Count ``count`` new requests as waiting if the queue has room for all of them; False if it has not."""
+        """Count ``count`` new requests as waiting if all fit; False if not."""
         with self._lock:
             if self.waiting + count > self.max_waiting:
                 return False
@@ -123,7 +110,7 @@ class RequestQueue:
             self.in_flight -= 1
 
     def moved(self, scheduled: int, finished_waiting: int, finished_running: int) -> None:
-        """The movements of the engine process's queue, on this copy (``server/engine/client.py``)."""
+        """Apply the engine process's queue movements to this copy."""
         with self._lock:
             self.waiting -= scheduled + finished_waiting
             self.in_flight -= finished_waiting + finished_running

@@ -1,32 +1,12 @@
 """Structured outputs (vLLM's ``structured_outputs``): a regex, a choice of strings or a JSON schema that every
-generated text matches, enforced token by token by llguidance over the model's own tiktoken vocabulary
-(docs/benchmarks.md compares it with xgrammar and outlines-core and says why this one).
+generated text matches, enforced token by token by llguidance over the model's tiktoken vocabulary.
 
-**Compiling** (``ConstraintCompiler.compile``, awaited on the event loop, run in a thread of its own, never on the
-engine's): a regex is first rewritten by ``server/structured/regex.py`` so that it means what ``re.fullmatch``
-means; a choice is the alternation of its strings, taken literally; a JSON schema goes to llguidance's JSON
-compiler, compact (no whitespace outside strings). llguidance then builds a matcher for the vocabulary, within its
-own limits (lexer fuel, grammar size) and ``structured_compile_timeout_s``, and one allowed token is consumed on a
-copy (llguidance finds a lexer that spent its fuel on the start only then: ``(x{1000}){1000}``). An invalid pattern
-or schema, or one that no text matches, is a 422 naming the problem; one over a size or time limit a 413. Compiled
-constraints are kept (LRU) per vocabulary; a request's sequences each get a copy of one
-(``CompiledConstraint.start``).
-
-**Decoding** (``token_bias``, ``Constraint.consume``): a step writes the allowed tokens of every constrained row
-into one bitmask (a decode step on a thread of its own while the model runs: ``token_bias_later``), and the logits
-of the other tokens become -inf before the penalties and filters, so constrained and free rows sample in the same
-call. The end-of-text token is allowed only where the text so far matches. A sequence ends ("stop") as soon as its
-text matches and nothing longer could (``Constraint.finished``), or when no token of the model may follow (a model
-without an end-of-text token, at a complete match).
-
-**Budget** (``MaskBudget``): llguidance's limits bound the expressions its lexer builds, not the time it takes, so a
-16-character regex (``(ab{500}){200}``) could take seconds per token. The engine waits for a row's mask no longer
-than ``structured_mask_timeout_s``; a row past it ends its sequence with a 413 (an SSE error once streaming), its
-computation is left to finish on its thread (llguidance cannot be interrupted), a new thread takes over the other
-rows, and its compiled constraint is refused from then on (its other sequences end at their next mask, without
-computing it: n sequences cost one wait, not n). A sequence whose masks take more than
-``structured_mask_budget_s`` in all ends the same way. While ``MAX_LEFT_BEHIND`` such computations still run, new
-constrained requests get a 429.
+:class:`ConstraintCompiler` compiles off the engine thread within llguidance's limits and
+``structured_compile_timeout_s``: 422 for an invalid constraint or one no text matches, 413 over a size or time limit.
+:func:`token_bias` masks a step's constrained rows on the mask thread; end-of-text is allowed only where the text
+matches. A mask over ``structured_mask_timeout_s`` (or a sequence's masks over ``structured_mask_budget_s``) ends the
+sequence with 413 and its constraint is refused from then on; while ``MAX_LEFT_BEHIND`` late masks still run (llguidance
+cannot be interrupted), new constraints get 429.
 """
 
 from __future__ import annotations
@@ -68,8 +48,8 @@ _MINUS_INFINITY_BITS = np.float32(-np.inf).view(np.int32)
 
 
 class ConstraintVocabulary:
-    """llguidance's view of one tiktoken vocabulary. A tokenizer without an end-of-text token gets one past its last
-    id, which the model can never sample: its constrained sequences end when nothing else may follow."""
+    """llguidance's view of one tiktoken vocabulary; one without an end-of-text token gets one past its last id, never
+    sampled."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.size = tokenizer.vocab_size  # the tokenizer's ids (a model may have more: never allowed)
@@ -83,7 +63,7 @@ class ConstraintVocabulary:
 
 @dataclass(frozen=True)
 class MaskBudget:
-    """How long computing one constrained sequence's allowed tokens may take: for one token, and in all."""
+    """How long one sequence's masks may take: per token, and in all."""
 
     per_token_s: float
     total_s: float
@@ -103,9 +83,7 @@ class Constraint:
         self.over_budget: str | None = None  # set once past its budget: then its matcher is not touched again
 
     def fill(self, bitmask: np.ndarray) -> None:
-        """Write the allowed next tokens into ``bitmask``, one row: (words,) int32, contiguous (a bit per token).
-        Row by row: llguidance's LLExecutor, which spreads rows over threads, took 3-20 ms for 32 rows whose masks
-        take 0.07 ms in turn here."""
+        """Write the allowed next tokens into one (words,) int32 row of ``bitmask``."""
         self.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
 
     def consume(self, token: int) -> bool:
@@ -122,8 +100,7 @@ class Constraint:
             )
 
     def too_slow(self) -> None:
-        """Its last mask ran past the budget per token (it was left to its thread): it ends, and so does any later
-        request for the same constraint."""
+        """Its last mask ran past the budget per token: it ends, as will any later request for the same constraint."""
         self.over_budget = self.compiled.too_slow = (
             f"computing the allowed next tokens took longer than {self.budget.per_token_s:g} s "
             "(REGULARLM_STRUCTURED_MASK_TIMEOUT_S)"
@@ -136,14 +113,14 @@ class Constraint:
 
     @property
     def error(self) -> str | None:
-        """Why the sequence cannot go on (its budget spent, a limit of llguidance's reached at this step), or None."""
+        """Why the sequence cannot go on (budget spent, a limit of llguidance's reached), or None."""
         if self.over_budget is not None:
             return self.over_budget
         return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def failure(self, token: int | None = None) -> APIError:
-        """The error that ends the sequence once ``error`` is set, after a mask or when ``token`` was not consumed:
-        413 for a limit (the budget, or llguidance's), 500 for anything else (a token its mask allowed, refused)."""
+        """The error that ends the sequence once ``error`` is set: 413 for a limit, else 500 (``token`` allowed by its
+        mask, then refused)."""
         error = self.error
         if self.over_budget is not None:
             return InputTooLarge(f"structured_outputs: {error}; simplify the constraint")
@@ -172,27 +149,21 @@ class CompiledConstraint:
 
 
 def token_bias(constraints: list[Constraint], vocabulary: int) -> tuple[torch.Tensor, list[bool]]:
-    """What each constrained row may sample next, as a bias to add to its logits: (R, V) float32, 0 where allowed,
-    -inf where not (V: the model's logits); and whether each row may sample any token of the model at all. Computed
-    on the mask thread, within the budget (``Masks.result``)."""
+    """What each constrained row may sample next: a (R, V) float32 bias, 0 where allowed, -inf where not, and whether
+    each row may sample any token; computed on the mask thread within the budget."""
     return token_bias_later(constraints, vocabulary).result()
 
 
 def token_bias_later(constraints: list[Constraint], vocabulary: int) -> Masks:
-    """``token_bias`` on the mask thread, to run while the model computes the step's logits (the constraints must not
-    advance meanwhile). llguidance and numpy let go of the GIL for their work, as torch does for its."""
+    """:func:`token_bias` started on the mask thread, to overlap the model's step; the constraints must not advance
+    meanwhile."""
     masks = Masks(constraints, vocabulary)
     _MASK_THREADS.submit(masks)
     return masks
 
 
 def bias_from_bitmask(bitmask: np.ndarray, vocabulary: int) -> tuple[torch.Tensor, list[bool]]:
-    """``token_bias`` from llguidance's bitmasks: (R, words) int32, one little-endian word per 32 tokens.
-
-    Branch-free: the bitmasks are unpacked to one 0/1 byte per token, and (bit - 1) & bits(-inf) is the bias's float
-    bits. A masked_fill or where with the mask took 4 ms for 32 x 8,192 tokens on this 2-core machine (a mispredicted
-    branch per token), this 0.2 ms.
-    """
+    """:func:`token_bias` from llguidance's (R, words) int32 bitmasks, one little-endian word per 32 tokens."""
     bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocabulary]  # (R, V) 0 or 1
     if bits.shape[1] < vocabulary:  # a model with more ids than its tokenizer: those are never allowed
         bits = np.pad(bits, ((0, 0), (0, vocabulary - bits.shape[1])))
@@ -204,8 +175,7 @@ def bias_from_bitmask(bitmask: np.ndarray, vocabulary: int) -> tuple[torch.Tenso
 
 
 class Masks:
-    """One decode step's masks, filled row by row on the mask thread. ``result`` waits for each row no longer than
-    its budget per token; a row past it is left to its thread, which is replaced (module docstring)."""
+    """One decode step's masks, filled row by row on the mask thread."""
 
     def __init__(self, constraints: list[Constraint], vocabulary: int) -> None:
         self.constraints, self.vocabulary = constraints, vocabulary
@@ -240,8 +210,8 @@ class Masks:
             self._done.set()
 
     def result(self) -> tuple[torch.Tensor, list[bool]]:
-        """``token_bias``: (R, V) bias, and whether each row may sample any token. A row past its budget per token
-        allows nothing and its constraint is ``over_budget``; the rows after it are computed on a new thread."""
+        """:func:`token_bias`'s result. A row past its budget per token allows nothing and its constraint is
+        ``over_budget``; the rows after it run on a new thread. Re-raises the library's failures."""
         late = self._wait()
         if late is None:
             if isinstance(self._outcome, BaseException):
@@ -263,8 +233,8 @@ class Masks:
         return self._left
 
     def _wait(self) -> int | None:
-        """Wait until every row is done (None), or until the row being filled is past its budget per token: that
-        row, left to its thread, which a new one replaces."""
+        """Wait until every row is done (None), or return the row being filled once past its budget (left to its thread,
+        which is replaced)."""
         while True:
             with self._lock:
                 if self._done.is_set():
@@ -282,9 +252,8 @@ class Masks:
 
 
 class MaskThreads:
-    """The thread that computes masks, from one queue. One whose mask the engine stopped waiting for is left to
-    finish it (llguidance cannot be interrupted) and then ends, and a new one takes its place; ``left_behind`` counts
-    those still running."""
+    """The mask thread, fed from one queue. One left computing a late mask ends after it, a new one taking over;
+    ``left_behind`` counts those."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -322,7 +291,7 @@ _MASK_THREADS = MaskThreads()
 
 
 def grammar(spec: StructuredOutputs, deadline: float) -> str:
-    """llguidance's grammar for the spec (module docstring); :class:`PatternError` if the regex cannot be one."""
+    """llguidance's grammar for the spec; raises :class:`PatternError` if the regex cannot be one."""
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(plain_regex(spec.regex, deadline=deadline))
     if spec.choice is not None:
@@ -353,13 +322,13 @@ def _kind(spec: StructuredOutputs) -> str:
 
 
 def _key(spec: StructuredOutputs) -> str:
-    """``spec``'s key in a vocabulary's cache of compiled constraints (ASCII: lone surrogates escaped too)."""
+    """``spec``'s key in a vocabulary's cache of compiled constraints."""
     return json.dumps(spec.model_dump(by_alias=True), sort_keys=True)
 
 
 class ConstraintCompiler:
-    """Compiles ``structured_outputs`` off the engine thread, with size and time limits, and keeps the results;
-    their sequences' masks get ``mask_budget``."""
+    """Compiles ``structured_outputs`` off the engine thread within size and time limits and caches the results (LRU per
+    vocabulary)."""
 
     def __init__(self, max_chars: int, timeout_s: float, mask_budget: MaskBudget) -> None:
         self.max_chars, self.timeout_s, self.mask_budget = max_chars, timeout_s, mask_budget
@@ -422,8 +391,7 @@ class ConstraintCompiler:
         return compiled
 
     def compile_checked(self, spec: StructuredOutputs, tokenizer: Tokenizer) -> CompiledConstraint:
-        """A constraint the API process compiled already, within its limits, compiled again here (the engine process:
-        llguidance's matchers do not cross processes); kept as ``compile`` keeps them. Blocks while it compiles."""
+        """Compile again, blocking, a constraint the API process checked already (matchers do not cross processes)."""
         key = _key(spec)
         vocabulary = self.vocabulary(tokenizer)
         with self._lock:
@@ -434,8 +402,6 @@ class ConstraintCompiler:
         return cached
 
     def _keep(self, key: str, compiled: CompiledConstraint) -> None:
-        """Keep ``compiled`` under ``key`` in its vocabulary's cache, the least recently used leaving past
-        ``CACHED_CONSTRAINTS``."""
         with self._lock:
             compiled.vocabulary.compiled[key] = compiled
             while len(compiled.vocabulary.compiled) > CACHED_CONSTRAINTS:
@@ -450,7 +416,7 @@ class ConstraintCompiler:
     def vocabulary(self, tokenizer: Tokenizer) -> ConstraintVocabulary:
         with self._lock:
             vocabulary = self._vocabularies.get(tokenizer)
-        if vocabulary is None:  # built outside the lock (~0.1 s for 8k tokens); two threads may both build it
+        if vocabulary is None:  # built outside the lock (it is slow); two threads may both build it
             vocabulary = ConstraintVocabulary(tokenizer)
             with self._lock:
                 vocabulary = self._vocabularies.setdefault(tokenizer, vocabulary)
@@ -479,7 +445,7 @@ class ConstraintCompiler:
         _check(matcher, kind)
         allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))  # token ids
         first = next((int(token) for token in allowed if token != vocabulary.lltokenizer.eos_token), None)
-        if first is not None:  # a lexer out of fuel says so only when a token is consumed (module docstring)
+        if first is not None:  # a lexer out of fuel says so only once a token is consumed
             probe = matcher.deep_copy()
             probe.consume_token(first)
             _check(probe, kind)

@@ -1,17 +1,10 @@
 """Python regular expressions -> the same language in a plain dialect every constraint library reads alike.
 
-``structured_outputs.regex`` means what ``re.fullmatch`` means. The constraint libraries parse patterns with their
-own dialects (Rust's ``regex-syntax``, or an EBNF translation), which differ from Python's in places: what ``\\s``,
-``\\w`` and ``\\d`` contain, case folding, ``{,n}``, scoped flags. So the pattern is parsed here by Python's own
-parser (``re._parser``, as ``automata/regex.py`` reads it) and written back with nothing left to interpret:
-groups, alternation, counted repetition, and every single-character item (a literal, ``.``, a class, any flag
-applied) as the explicit code-point ranges that ``re`` itself matches, e.g. ``(?i)\\w`` becomes
-``[0-9A-Z_a-z\\u{aa}...]``.
-Lazy quantifiers match the same strings whole as greedy ones, so they become greedy.
-
-Refused with :class:`PatternError` naming the construct: what is not regular or has no meaning for a whole match
-(back-references, look-arounds, anchors and word boundaries, conditionals), possessive quantifiers and atomic
-groups (they change which strings match), and patterns whose plain form is longer than ``max_length``.
+``structured_outputs.regex`` means what ``re.fullmatch`` means, whatever the library's dialect: the pattern is parsed by
+Python's own parser and written back with groups, alternation, counted repetition and every single-character item as the
+explicit code-point ranges ``re`` matches (``(?i)\\w`` becomes ``[0-9A-Z_a-z\\u{aa}...]``); lazy quantifiers become
+greedy. :class:`PatternError` names what is refused: back-references, look-arounds, anchors, word boundaries,
+conditionals, possessive quantifiers, atomic groups, and plain forms over ``max_length``.
 """
 
 from __future__ import annotations
@@ -47,8 +40,8 @@ class PatternError(ValueError):
 
 
 def plain_regex(pattern: str, max_length: int = 1 << 20, deadline: float | None = None) -> str:
-    """``pattern`` (Python syntax) as a plain regex matching the same strings whole (module docstring), refused
-    once longer than ``max_length`` characters or past ``deadline`` (``time.monotonic()``)."""
+    """``pattern`` (Python syntax) as a plain regex matching the same strings whole; raises :class:`PatternError` if
+    refused, longer than ``max_length`` characters or past ``deadline`` (``time.monotonic()``)."""
     try:
         parsed = regex_parser.parse(pattern)
         return _Writer(max_length, deadline).sequence(parsed, parsed.state.flags)
