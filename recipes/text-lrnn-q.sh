@@ -2,7 +2,7 @@
 # Recipe of Q (recipes/stages/text-lrnn-q): the text-lrnn shipped from 2026-11-26 22:50 to 2026-11-30, now the
 # teacher of the shipped text-lrnn's last two stages (recipes/text-lrnn.sh, `--teacher`; the shipped checkpoint's
 # config.json names it checkpoints/text-lrnn, where Q was when they ran). A language model that keeps a pass key
-# (SPEC section 5). LRNN with stochastic transitions (every block's state a distribution: it holds a symbol exactly
+# (docs/api.md, Long-context probes). LRNN with stochastic transitions (every block's state a distribution: it holds a symbol exactly
 # and cannot overflow), 2 layers of 16 blocks of 8, d_model 128, d_ff 512, on the Austen corpus with the shipped 8k
 # BPE, in ten stages, each started from the last one's weights (--init-from):
 #

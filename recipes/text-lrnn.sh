@@ -1,6 +1,6 @@
 #!/bin/sh
-# Recipe of checkpoints/text-lrnn (shipped since 2026-11-30): a language model that keeps a pass key (SPEC section
-# 5), also where other numbers come after it. LRNN with stochastic transitions, 2 layers of 16 blocks of 16 (state
+# Recipe of checkpoints/text-lrnn (shipped since 2026-11-30): a language model that keeps a pass key (docs/api.md,
+# Long-context probes), also where other numbers come after it. LRNN with stochastic transitions, 2 layers of 16 blocks of 16 (state
 # 256 a layer), d_model 128, d_ff 512, on the Austen corpus with the shipped 8k BPE. Its last two stages are taught
 # by Q, the text-lrnn shipped before it (16 blocks of 8: recipes/text-lrnn-q.sh, weights in
 # recipes/stages/text-lrnn-q; Q answers with the last number it read, even inside one window): `--teacher`, the
