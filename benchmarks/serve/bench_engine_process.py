@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.serve.harness import ROOT, Record, ServerURL, machine, run_load, server_process
+from benchmarks.serve.harness import ROOT, Record, ServerURL, machine, models_arguments, run_load, server_process
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig
 from model.registry import build_model
@@ -111,9 +111,7 @@ def readme_server(
         sys.executable,
         "-m",
         "server",
-        "--no-shipped-models",
-        "--models",
-        str(models),
+        *models_arguments(models, cwd),
         "--port",
         str(port),
         "--device",

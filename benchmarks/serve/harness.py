@@ -108,6 +108,14 @@ def peak_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
 
 
+def models_arguments(models: Path, cwd: Path) -> list[str]:
+    """The options that serve ``models`` alone with the checkout at ``cwd``: ``--no-shipped-models --models`` where it
+    serves ``--models`` beside its shipped checkpoints, ``--models`` in an older checkout, where it replaced them."""
+    settings = cwd / "server" / "settings.py"
+    beside = settings.exists() and "shipped_models" in settings.read_text()
+    return ["--no-shipped-models", "--models", str(models)] if beside else ["--models", str(models)]
+
+
 @contextmanager
 def server_process(
     models: Path,
@@ -131,9 +139,7 @@ def server_process(
         sys.executable,
         "-m",
         module,
-        "--no-shipped-models",
-        "--models",
-        str(models),
+        *models_arguments(models, cwd),
         "--port",
         str(port),
         "--device",

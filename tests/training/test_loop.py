@@ -751,7 +751,7 @@ def test_the_schedule() -> None:
     )
     factors = [lr_factor(settings, step) for step in range(1, 11)]
     assert factors[:2] == [0.5, 1.0] and factors[-1] == pytest.approx(0.1)
-    assert all(a >= b for a, b in itertools.pairwise(factors))
+    assert all(a >= b for a, b in itertools.pairwise(factors[1:]))  # from the end of the warm-up
 
 
 # ---------------------------------------------------------------- the command line
