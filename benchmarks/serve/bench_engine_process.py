@@ -30,22 +30,16 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import ssl
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import torch
 
-from benchmarks.serve.harness import ROOT, Record, ServerURL, machine, models_arguments, run_load, server_process
+from benchmarks.serve.harness import ROOT, Record, machine, run_load, server_process
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig
 from model.registry import build_model
@@ -92,54 +86,6 @@ def bodies(model_id: str, count: int, max_tokens: int, stream: bool, path: str =
         }
         for index in range(count)
     ]
-
-
-@contextmanager
-def readme_server(
-    models: Path, device: str, log_level: str, log: Path, cwd: Path = ROOT, **settings: object
-) -> Iterator[ServerURL]:
-    """``python -m server`` as the README starts it (no ``--log-level`` for info, its default), on a free port with
-    REGULARLM_* settings and one torch thread, its output appended to ``log``; yields its URL (with ``.pid``) once
-    /health answers 200; SIGTERM at the end. harness.server_process's, but for the log level."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("REGULARLM_")}
-    env.update({f"REGULARLM_{key.upper()}": str(value) for key, value in settings.items()})
-    env["REGULARLM_TORCH_THREADS"] = "1"
-    command = [
-        sys.executable,
-        "-m",
-        "server",
-        *models_arguments(models, cwd),
-        "--port",
-        str(port),
-        "--device",
-        device,
-    ]
-    if log_level != "info":
-        command += ["--log-level", log_level]
-    with log.open("ab") as output:
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT)
-    url = ServerURL(f"http://127.0.0.1:{port}")
-    url.pid = process.pid
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server at {url} did not start (its log: {log})")
-            time.sleep(0.1)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def load(url: str, path: str, bodies: list[dict], concurrency: int) -> tuple[list[Record], float]:
@@ -261,12 +207,8 @@ def main() -> None:
         for round_ in range(1, args.rounds + 1):
             for mode, settings in modes.items():
                 cwd, served = (args.baseline, baseline_models) if mode == "baseline" else (ROOT, models)
-                if args.log_level == "warning":
-                    server = server_process(served, 1, args.device, cwd=cwd, **settings)
-                else:
-                    server = readme_server(
-                        served, args.device, args.log_level, Path(folder) / f"{mode}.log", cwd, **settings
-                    )
+                log = None if args.log_level == "warning" else Path(folder) / f"{mode}.log"
+                server = server_process(served, 1, args.device, cwd=cwd, log_level=args.log_level, log=log, **settings)
                 with server as url:
                     figures = measure(url, model_id, args)
                 print(

@@ -124,11 +124,14 @@ def server_process(
     module: str = "server",
     cwd: Path = ROOT,
     start_timeout_s: float = 120,
+    log_level: str = "warning",
+    log: Path | None = None,
     **settings: object,
 ) -> Iterator[ServerURL]:
     """``python -m server`` (or ``module``, which takes its arguments) on a free port with REGULARLM_* settings, run
     from ``cwd`` (another checkout serves its own code); yields its URL (with ``.pid``) once /health answers 200, which
-    it may take ``start_timeout_s`` to; SIGTERM at the end."""
+    it may take ``start_timeout_s`` to; SIGTERM at the end. ``log_level`` "info" passes no ``--log-level`` (the
+    README's command); ``log``: a file its output is appended to (by default it goes to this process's)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -145,14 +148,20 @@ def server_process(
         "--device",
         device,
     ]
-    process = subprocess.Popen([*command, "--log-level", "warning"], cwd=cwd, env=env)
+    if log_level != "info":
+        command += ["--log-level", log_level]
+    if log is None:
+        process = subprocess.Popen(command, cwd=cwd, env=env)
+    else:
+        with log.open("ab") as output:
+            process = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT)
     url = ServerURL(f"http://127.0.0.1:{port}")
     url.pid = process.pid
     try:
         deadline = time.monotonic() + start_timeout_s
         while not _healthy(url):
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server at {url} did not start")
+                raise RuntimeError(f"the server at {url} did not start" + (f" (its log: {log})" if log else ""))
             time.sleep(0.1)
         yield url
     finally:
