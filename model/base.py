@@ -175,6 +175,10 @@ class SequenceModel(nn.Module, ABC):
             nbytes=self.cache_nbytes(length) + cost("cached", 1, chunk, context=length).nbytes,
         )
 
+    def measure_fixed_costs(self) -> None:
+        """Measure, on this device, work that :meth:`cost`'s multiply-adds do not show, so that :meth:`cost` counts
+        it (RegularGPT's per-block fixed work); nothing for a model whose multiply-adds say it all."""
+
     def chunk_length(
         self, flops: float, context: int, limit: int, cost: Callable[..., Cost] | None = None, scored: bool = True
     ) -> int:

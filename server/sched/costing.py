@@ -50,10 +50,8 @@ class ModelSpeed:
 @torch.inference_mode()
 def calibrate(model: SequenceModel) -> ModelSpeed:
     """Time ``final_logits`` on an input of about ``CALIBRATION_FLOPS`` multiply-adds, after a warm-up call and the
-    model's ``measure_fixed_costs`` if it has one."""
-    measure_fixed_costs = getattr(model, "measure_fixed_costs", None)
-    if measure_fixed_costs is not None:
-        measure_fixed_costs()
+    model's ``measure_fixed_costs``."""
+    model.measure_fixed_costs()
     length = largest_fitting(lambda n: model.cost("final", 1, n).flops <= CALIBRATION_FLOPS, CALIBRATION_MAX_LENGTH)
     tokens = torch.zeros(1, length, dtype=torch.long, device=model.device)  # (1, n): id 0 exists in every model
     model.final_logits(tokens)
