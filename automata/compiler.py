@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -271,7 +272,10 @@ def _mlp(prefix: str, fc: np.ndarray, fc_bias: np.ndarray, proj: np.ndarray) -> 
     }
 
 
-def _assemble(model: SequenceModel, weights: dict[str, np.ndarray]) -> SequenceModel:
+Model = TypeVar("Model", bound=SequenceModel)
+
+
+def _assemble(model: Model, weights: dict[str, np.ndarray]) -> Model:
     """Load every tensor of the model from ``weights`` (strict: none left at its random init), as float32."""
     model.load_state_dict({name: torch.tensor(value, dtype=torch.float32) for name, value in weights.items()})
     return model.eval()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from automata.automaton import DFA, AutomatonError, AutomatonTooLarge, MooreMachine
 
-try:  # Python 3.11+
-    from re import _compiler as regex_compiler
-    from re import _constants as regex_constants
-    from re import _parser as regex_parser
+try:  # Python 3.11+ (typeshed has no stubs for re's private modules: they are Any here)
+    from re import _compiler as regex_compiler  # type: ignore[attr-defined]
+    from re import _constants as regex_constants  # type: ignore[attr-defined]
+    from re import _parser as regex_parser  # type: ignore[attr-defined]
 except ImportError:  # Python 3.10
     import sre_compile as regex_compiler
     import sre_constants as regex_constants
@@ -73,7 +74,7 @@ def regex_dfa(pattern: str, alphabet: str, name: str = "regex") -> DFA:
     return DFA.from_moore(machine.minimal())
 
 
-def single_character_item(op, argument, flags: int) -> object:
+def single_character_item(op: Any, argument: Any, flags: int) -> object:
     """A parsed single-character item in a parser state of its own holding exactly ``flags`` (re's compiler ORs the
     state's flags in: the pattern's state would put a global (?i) back into a (?-i:...) group)."""
     state = regex_parser.State()
@@ -98,7 +99,7 @@ class _NFA:
         self.edges.append([])
         return len(self.epsilon) - 1
 
-    def fragment(self, items: Iterable[tuple]) -> tuple[int, int]:
+    def fragment(self, items: Iterable[tuple[Any, Any]]) -> tuple[int, int]:
         """The (start, accept) of an NFA for the concatenation of parsed ``items``."""
         start = end = self.new_state()
         for op, argument in items:
@@ -107,7 +108,7 @@ class _NFA:
             end = last
         return start, end
 
-    def _item(self, op, argument) -> tuple[int, int]:
+    def _item(self, op: Any, argument: Any) -> tuple[int, int]:
         if op in _SINGLE_CHARACTER:
             start, end = self.new_state(), self.new_state()
             self.edges[start].append((self._symbols(op, argument), end))
@@ -131,7 +132,7 @@ class _NFA:
         reason = REFUSED_CONSTRUCTS.get(str(op), f"the construct {op}")
         raise AutomatonError(f"regular expression {self.pattern!r}: {reason} cannot be compiled into an automaton")
 
-    def _repeat(self, least: int, most: int, body) -> tuple[int, int]:
+    def _repeat(self, least: int, most: int, body: Iterable[tuple[Any, Any]]) -> tuple[int, int]:
         """``body`` at least ``least`` and at most ``most`` times (MAXREPEAT: unbounded), unrolled."""
         start = end = self.new_state()
         unbounded = most is regex_constants.MAXREPEAT
@@ -150,7 +151,7 @@ class _NFA:
             end = exit
         return start, end
 
-    def _symbols(self, op, argument) -> frozenset[int]:
+    def _symbols(self, op: Any, argument: Any) -> frozenset[int]:
         """The alphabet indices one single-character item matches, decided by ``re`` itself."""
         matcher = regex_compiler.compile(single_character_item(op, argument, self.flags), self.flags)
         return frozenset(i for i, symbol in enumerate(self.alphabet) if matcher.fullmatch(symbol))

@@ -4,12 +4,14 @@ walks that never enter a rejecting sink. Used by the tests and benchmarks/compil
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from automata.automaton import DFA
 
 
-def counter(states: int) -> dict:
+def counter(states: int) -> dict[str, Any]:
     """The DFA JSON of counting 1s modulo ``states`` over "01" (every state reachable), accepting at 0."""
     return {
         "name": f"counter{states}",

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Hashable
 from pathlib import Path
+from typing import Any
 
 from automata.automaton import DFA, MooreMachine
 
@@ -87,7 +89,7 @@ def modular_arithmetic() -> MooreMachine:
     "0+" had been read. A symbol in the wrong place leads to a "malformed" sink labelled "0"."""
     start, malformed = (0, 0, "+"), "malformed"
 
-    def step(state, symbol):
+    def step(state: Any, symbol: str) -> Hashable:
         if state == malformed or (symbol in OPERATORS) != (state[2] is None):
             return malformed
         finished, product, operator = state
@@ -98,7 +100,7 @@ def modular_arithmetic() -> MooreMachine:
             return finished, product * digit % 5, None
         return finished, (digit if operator == "+" else -digit) % 5, None
 
-    def state_name(state) -> str:
+    def state_name(state: Any) -> str:
         if state == malformed:
             return malformed
         finished, product, operator = state

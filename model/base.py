@@ -7,7 +7,7 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -16,6 +16,9 @@ from torch import nn
 from model.config import BaseModelConfig
 from model.ops import prepacked
 from model.ops.cpu_decode import linear, linear_argmax, rows_argmax
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the annotations are strings at run time
+    from typing_extensions import Self
 
 
 @dataclass
@@ -38,8 +41,8 @@ class InferenceCache(ABC):
 
     @classmethod
     @abstractmethod
-    def stack(cls, caches: Sequence[InferenceCache]) -> InferenceCache:
-        """One cache whose rows are those of ``caches`` in order; the inputs are left unchanged."""
+    def stack(cls, caches: Sequence[Self]) -> Self:
+        """One cache whose rows are those of ``caches`` (of this kind) in order; the inputs are left unchanged."""
 
     @abstractmethod
     def select(self, rows: Sequence[int]) -> InferenceCache:
@@ -66,6 +69,7 @@ class InferenceCache(ABC):
 def long_tensor(values: Sequence[int] | int, batch_size: int | None = None) -> torch.Tensor:
     """(B,) int64 on the CPU: ``values`` per row, or the int ``values`` repeated ``batch_size`` times."""
     if isinstance(values, int):
+        assert batch_size is not None, "an int value needs batch_size"
         return torch.full((batch_size,), values, dtype=torch.long)
     return torch.from_numpy(np.array(list(values), dtype=np.int64))
 
@@ -149,7 +153,8 @@ class SequenceModel(nn.Module, ABC):
         logits, per-position argmax (T,) or None), equal to ``final_logits``/``forward``."""
         length = tokens.shape[1]
         cache = self.new_cache(1)
-        labels, position, last = [], 0, None
+        labels: list[torch.Tensor] = []
+        position, last = 0, None
         while position < length:
             chunk = self.chunk_length(slice_flops, context=position, limit=length - position)
             logits = self.forward(tokens[:, position : position + chunk], cache=cache)  # (1, chunk, V)
@@ -158,6 +163,7 @@ class SequenceModel(nn.Module, ABC):
             last = logits[0, -1]
             yield self.cost("cached", 1, chunk, context=position).flops
             position += chunk
+        assert last is not None, "an input of at least one token"
         return last, torch.cat(labels) if all_outputs else None
 
     def slices_cost(
@@ -261,7 +267,8 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (B, T) -> (B, T, d_model)."""
-        return self.embed(tokens)
+        embedded: torch.Tensor = self.embed(tokens)
+        return embedded
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (..., d_model) -> (..., output_size)."""

@@ -35,7 +35,7 @@ class LoadedCheckpoint:
     path: Path
 
 
-def save_checkpoint(model: SequenceModel, config: CheckpointConfig, directory: str | os.PathLike) -> Path:
+def save_checkpoint(model: SequenceModel, config: CheckpointConfig, directory: str | os.PathLike[str]) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (float tensors as stored in the model) into directory."""
     if model.config != config.model:
         raise CheckpointError("the model's hyper-parameters differ from config.model")
@@ -56,7 +56,7 @@ def save_checkpoint(model: SequenceModel, config: CheckpointConfig, directory: s
     return directory
 
 
-def upgrade_config(directory: str | os.PathLike) -> bool:
+def upgrade_config(directory: str | os.PathLike[str]) -> bool:
     """Rewrite an older ``config.json`` in the current format; returns whether it changed."""
     directory = Path(directory)
     config = read_config(directory)
@@ -77,7 +77,7 @@ def _config_text(config: CheckpointConfig) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
-def read_config(directory: str | os.PathLike) -> CheckpointConfig:
+def read_config(directory: str | os.PathLike[str]) -> CheckpointConfig:
     """Parse and validate ``config.json`` of a checkpoint folder."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
@@ -93,7 +93,7 @@ def read_config(directory: str | os.PathLike) -> CheckpointConfig:
 
 
 def load_checkpoint(
-    directory: str | os.PathLike, device: str = "auto", dtype: torch.dtype | None = None
+    directory: str | os.PathLike[str], device: str = "auto", dtype: torch.dtype | None = None
 ) -> LoadedCheckpoint:
     """Load a checkpoint folder strictly onto ``device``, in the stored floating dtype or ``dtype``."""
     directory = Path(directory)

@@ -285,7 +285,8 @@ class CheckpointConfig:
         model_class = ARCHITECTURE_CONFIGS[data["architecture"]]
         fields = dict(data)
         fields["model"] = dataclass_from_dict(model_class, data.get("model"), where="model")
-        return dataclass_from_dict(cls, fields, where="config")
+        config: CheckpointConfig = dataclass_from_dict(cls, fields, where="config")
+        return config
 
 
 # What a format_version 1 file meant by a key it left out: the defaults of the builds that wrote version 1.
@@ -360,7 +361,7 @@ def migrate_config(data: Any) -> dict[str, Any]:
     or unknown architecture."""
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
-    version = data.get("format_version")
+    version: Any = data.get("format_version")  # a JSON value: checked against the range below
     if "format_version" not in data:
         raise ConfigError("config: missing key 'format_version'")
     if version not in range(1, FORMAT_VERSION + 1) or isinstance(version, bool):

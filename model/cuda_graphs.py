@@ -77,6 +77,7 @@ class GraphedDecoder(Decoder):
             return super().step(tokens, cache)
         captured = self.captured[size]
         state = cache.step_state()
+        assert state is not None  # (decoder_for captured only a cache of fixed shapes)
         with torch.inference_mode():  # few ops: on a GPU each costs a launch, as many as the graph saves
             captured.tokens[:rows].copy_(tokens, non_blocking=True)
             torch._foreach_copy_([buffer[:rows] for buffer in captured.inputs], state)
@@ -128,12 +129,16 @@ def _capture(model: SequenceModel, sizes: list[int]) -> dict[int, _Captured]:
                 model.step(tokens, warm)
         torch.cuda.current_stream(device).wait_stream(side)
         cache = model.new_cache(size)
-        inputs = list(cache.step_state())
+        state = cache.step_state()
+        assert state is not None  # (decoder_for checked)
+        inputs = list(state)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = model.step(tokens, cache)
         pool = graph.pool()
-        captured[size] = _Captured(graph, tokens, inputs, list(cache.step_state()), logits)
+        outputs = cache.step_state()
+        assert outputs is not None
+        captured[size] = _Captured(graph, tokens, inputs, list(outputs), logits)
     torch.cuda.synchronize(device)
     return captured
 

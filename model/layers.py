@@ -22,7 +22,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(linear(x, self.c_fc.weight, self.c_fc.bias))  # (..., d_ff)
-        return self.dropout(linear(hidden, self.c_proj.weight, self.c_proj.bias))
+        out: torch.Tensor = self.dropout(linear(hidden, self.c_proj.weight, self.c_proj.bias))
+        return out
 
 
 class HeadProjections(nn.Module):
@@ -47,7 +48,8 @@ class HeadProjections(nn.Module):
         """heads: (B, n_heads, T, head_dim) -> (B, T, d_model), through the output projection."""
         batch, _, length, _ = heads.shape
         merged = heads.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim)
-        return self.dropout(self.c_proj(merged))
+        out: torch.Tensor = self.dropout(self.c_proj(merged))
+        return out
 
 
 class Block(nn.Module):
@@ -66,9 +68,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, **attention_kwargs: object) -> torch.Tensor:
         if self.post_norm:
             x = self.ln_1(x + self.attention(x, **attention_kwargs))
-            return self.ln_2(x + self.mlp(x))
+            out: torch.Tensor = self.ln_2(x + self.mlp(x))
+            return out
         x = x + self.attention(self.ln_1(x), **attention_kwargs)
-        return x + self.mlp(self.ln_2(x))
+        out = x + self.mlp(self.ln_2(x))
+        return out
 
 
 def init_gpt2(model: nn.Module, n_residual_layers: int) -> None:

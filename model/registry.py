@@ -23,7 +23,8 @@ def model_class(architecture: str) -> type[SequenceModel]:
         module_name, class_name = MODEL_CLASSES[architecture].split(":")
     except KeyError:
         raise ConfigError(f"unknown architecture {architecture!r}; known: {sorted(MODEL_CLASSES)}") from None
-    return getattr(importlib.import_module(module_name), class_name)
+    cls: type[SequenceModel] = getattr(importlib.import_module(module_name), class_name)
+    return cls
 
 
 def build_model(architecture: str, config: BaseModelConfig) -> SequenceModel:

@@ -90,7 +90,7 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def load_tokenizer(name: str, checkpoint_dir: str | os.PathLike) -> Tokenizer:
+def load_tokenizer(name: str, checkpoint_dir: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer ``name``, resolving ``file:`` paths inside ``checkpoint_dir``."""
     if name == BYTES_TOKENIZER:
         return Tokenizer(name, byte_encoding())
@@ -108,7 +108,7 @@ def byte_encoding() -> tiktoken.Encoding:
     )
 
 
-def ranks_file(name: str, checkpoint_dir: str | os.PathLike) -> Path:
+def ranks_file(name: str, checkpoint_dir: str | os.PathLike[str]) -> Path:
     """The ranks file ``name`` names inside ``checkpoint_dir``; TokenizerError if outside or missing."""
     relative = Path(name.removeprefix(FILE_PREFIX))
     folder = Path(checkpoint_dir).resolve()

@@ -71,7 +71,7 @@ def scan_impl(
 ) -> str:
     """The scan run on ``rows`` x ``length``: the configured one, or the "auto" choice."""
     heads, block = sizes.state_shape
-    impl = config.scan_impl
+    impl: str = config.scan_impl
     if impl == "auto":
         triton = not torch.is_grad_enabled() and dtype != torch.float64
         compiled = dtype == torch.float32

@@ -32,15 +32,17 @@ class DiagonalRecurrence(Recurrence):
         """u (..., d_model) -> lambda's blocks (..., N, 2, 2), a stride-0 view."""
         radius = torch.exp(-torch.exp(self.nu))  # (N,)
         cos, sin = radius * torch.cos(self.theta), radius * torch.sin(self.theta)  # (N,), (N,)
-        blocks = torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))  # (N, 2, 2)
+        blocks: torch.Tensor = torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))  # (N, 2, 2)
         return blocks.expand(*u.shape[:-1], *blocks.shape)  # (..., N, 2, 2)
 
     def inputs(self, u: torch.Tensor) -> torch.Tensor:
         gamma = torch.sqrt(-torch.expm1(-2 * torch.exp(self.nu)))  # (N,): sqrt(1 - |lambda|^2)
-        return self.input_proj(u).unflatten(-1, self.state_shape) * gamma.unsqueeze(-1)  # (..., N, 2)
+        projected: torch.Tensor = self.input_proj(u).unflatten(-1, self.state_shape)  # (..., N, 2)
+        return projected * gamma.unsqueeze(-1)
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(states.flatten(-2)) + self.skip * u  # (..., d_model)
+        read: torch.Tensor = self.out_proj(states.flatten(-2))
+        return read + self.skip * u  # (..., d_model)
 
 
 class DiagonalLRNN(LinearRNN):

@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
+from model.config import LRNNConfig
+from model.lrnn.serving import Generator
+
 GROWN_SPREAD = 0.3  # how far g(u)'s entries vary with the input in a stochastic block added by grown_from
 
 
-def grown_from(model: nn.Module, weights: dict[str, torch.Tensor], generated_spread: float) -> dict[str, torch.Tensor]:
+class Growable(Protocol):
+    """What :func:`grown_from` reads of a ``BlockDiagonalLRNN`` (model/lrnn/model.py, which imports this module)."""
+
+    blocks: nn.ModuleList  # of RecurrentBlock
+
+    def __init__(self, config: LRNNConfig) -> None: ...
+
+    @property
+    def config(self) -> LRNNConfig: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+def grown_from(model: Growable, weights: dict[str, torch.Tensor], generated_spread: float) -> dict[str, torch.Tensor]:
     """A state dict for ``model`` computing what ``weights`` (the same LRNN with fewer blocks per layer) did: old
     tensors lead, new readout columns are zero; new "stochastic" blocks start inside their sparsemax's support.
     ValueError for other weights."""
@@ -40,7 +57,7 @@ def grown_from(model: nn.Module, weights: dict[str, torch.Tensor], generated_spr
     for index, block in enumerate(model.blocks):
         prefix = f"blocks.{index}.recurrence."
         grown[prefix + "out_proj.weight"][:, old_state:] = 0
-        if block.recurrence.stochastic:
+        if cast(Generator, block.recurrence).stochastic:
             grown[prefix + "transition.bias"][old_state * size :] = diagonal.flatten()
             grown[prefix + "transition.weight"][old_state * size :] *= GROWN_SPREAD / generated_spread
     return grown

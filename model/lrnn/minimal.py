@@ -33,7 +33,9 @@ def inputs(u: torch.Tensor, p: Params, num_blocks: int) -> torch.Tensor:
     return projected.view(u.shape[0], num_blocks, -1)
 
 
-def recurrent_block(x: torch.Tensor, p: Params, num_blocks: int, block_size: int, p_norm: float, eps: float):
+def recurrent_block(
+    x: torch.Tensor, p: Params, num_blocks: int, block_size: int, p_norm: float, eps: float
+) -> torch.Tensor:
     """x: (B, T, d) -> (B, T, d). ``p``: names after ``blocks.i.``."""
     batch, length, d = x.shape
     recurrence = {name.removeprefix("recurrence."): value for name, value in p.items()}

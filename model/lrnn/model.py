@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ class LRNNCache(InferenceCache):
     states: list[torch.Tensor]
 
     @classmethod
-    def stack(cls, caches: Sequence[InferenceCache]) -> LRNNCache:
+    def stack(cls, caches: Sequence[LRNNCache]) -> LRNNCache:
         states = [torch.cat(layer) for layer in zip(*(cache.states for cache in caches))]  # each (B, H, b)
         return LRNNCache(torch.cat([cache.lengths for cache in caches]), states)
 
@@ -68,6 +69,7 @@ class Recurrence(nn.Module):
     equal the scan's update."""
 
     state_shape: tuple[int, int]
+    out_proj: nn.Linear  # the readout's projection, counted in the cost of a layer's tail
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
         """u: (..., d_model) -> A: (..., H, b, b)."""
@@ -187,6 +189,7 @@ class BlockDiagonalRecurrence(Recurrence):
     def _generate(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u -> g(u) as blocks (..., H, b, b), unconstrained, and B u (..., H, b)."""
         joint = None if torch.is_grad_enabled() else self.joint_weight()  # (H b^2 + H b, d_model)
+        inputs: torch.Tensor | None
         if joint is not None:  # after for_serving: g(u) and B u from one product
             products = linear(u, joint)  # (..., H b^2 + H b)
             size = self.transition.out_features
@@ -203,6 +206,7 @@ class BlockDiagonalRecurrence(Recurrence):
         generated = generated.unflatten(-1, (*self.state_shape, self.block_size))  # (..., H, b, b)
         if self.stochastic:
             return generated, generated.new_zeros(generated.shape[:-1])  # no input term: (..., H, b)
+        assert inputs is not None
         return generated, inputs.unflatten(-1, self.state_shape)
 
     def initial_state(self, rows: int) -> torch.Tensor:
@@ -241,7 +245,8 @@ class RecurrentBlock(nn.Module):
         u, states, _ = self._scan(x, None)
         x, u, states = (gather_last(values, lengths) for values in (x, u, states))  # (B, d), (B, d), (B, H, b)
         x = x + self.dropout(self.recurrence.readout(states, u))  # (B, d_model)
-        return x + self.mlp(self.ln_2(x))
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))
+        return out
 
     def _scan(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, d_model) -> LN(x), every state (B, T, H, b), the last state."""
@@ -268,6 +273,7 @@ class RecurrentBlock(nn.Module):
 class LinearRNN(SequenceModel):
     """Embedding -> one :class:`RecurrentBlock` per recurrence -> LayerNorm -> head."""
 
+    config: LRNNConfig | DiagonalLRNNConfig
     selects_positions = True
 
     def __init__(self, config: LRNNConfig | DiagonalLRNNConfig, recurrences: list[Recurrence]) -> None:
@@ -291,7 +297,9 @@ class LinearRNN(SequenceModel):
         x = self.embedding(tokens)  # (B, T, d_model)
         for block in self.blocks[:-1]:
             x, _ = block(x, None)  # (B, T, d_model)
-        return self.embedding.logits(self.ln_f(self.blocks[-1].forward_last(x, lengths)))  # (B, V)
+        last = self.blocks[-1]
+        assert isinstance(last, RecurrentBlock)
+        return self.embedding.logits(self.ln_f(last.forward_last(x, lengths)))  # (B, V)
 
     def for_serving(self) -> list[str]:
         """On the CPU, lay out and pack the weights; on CUDA nothing changes."""
@@ -305,7 +313,7 @@ class LinearRNN(SequenceModel):
     def new_cache(self, batch_size: int) -> LRNNCache:
         states = [
             block.recurrence.initial_state(batch_size).to(device=self.device, dtype=self.dtype).contiguous()
-            for block in self.blocks
+            for block in cast("Iterable[RecurrentBlock]", self.blocks)
         ]  # each (B, H, b)
         return LRNNCache(long_tensor(0, batch_size), states)
 
@@ -322,8 +330,8 @@ class LinearRNN(SequenceModel):
     def _blocks_step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """tokens (B,) -> the last block's output (B, d_model); advances ``cache``."""
         assert isinstance(cache, LRNNCache)
-        x = self.embedding(tokens)  # (B, d_model)
-        for i, block in enumerate(self.blocks):
+        x: torch.Tensor = self.embedding(tokens)  # (B, d_model)
+        for i, block in enumerate(cast("Iterable[RecurrentBlock]", self.blocks)):
             x, cache.states[i] = block.step(x, cache.states[i])  # (B, d_model), (B, H, b)
         cache.lengths = cache.lengths + 1
         return x
@@ -340,10 +348,11 @@ class LinearRNN(SequenceModel):
     @functools.cached_property
     def _sizes(self) -> lrnn_cost.Sizes:
         """What the cost formulas read off the layers."""
-        last = self.blocks[-1]
+        first, last = self.blocks[0], self.blocks[-1]
+        assert isinstance(first, RecurrentBlock) and isinstance(last, RecurrentBlock)
         return lrnn_cost.Sizes(
             layers=len(self.blocks),
-            state_shape=self.blocks[0].recurrence.state_shape,
+            state_shape=first.recurrence.state_shape,
             weights=parameter_count(self.blocks),
             tail=parameter_count(last.recurrence.out_proj, last.mlp),
         )
@@ -351,7 +360,7 @@ class LinearRNN(SequenceModel):
     def _hidden(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         """tokens (B, T) -> hidden states before the final LayerNorm."""
         assert cache is None or isinstance(cache, LRNNCache)
-        x = self.embedding(tokens)  # (B, T, d_model)
+        x: torch.Tensor = self.embedding(tokens)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
             x, final_state = block(x, None if cache is None else cache.states[i])  # (B, T, d_model), (B, H, b)
             if cache is not None:
@@ -363,6 +372,8 @@ class LinearRNN(SequenceModel):
 
 class BlockDiagonalLRNN(LinearRNN):
     """:class:`LinearRNN` with :class:`BlockDiagonalRecurrence` layers."""
+
+    config: LRNNConfig
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__(config, [BlockDiagonalRecurrence(config) for _ in range(config.n_layers)])

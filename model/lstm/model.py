@@ -30,7 +30,7 @@ class LSTMCache(InferenceCache):
     cell: torch.Tensor
 
     @classmethod
-    def stack(cls, caches: Sequence[InferenceCache]) -> LSTMCache:
+    def stack(cls, caches: Sequence[LSTMCache]) -> LSTMCache:
         hidden = torch.cat([cache.hidden for cache in caches], dim=1)  # (n_layers, B, hidden_size)
         cell = torch.cat([cache.cell for cache in caches], dim=1)  # (n_layers, B, hidden_size)
         return LSTMCache(torch.cat([cache.lengths for cache in caches]), hidden, cell)
@@ -50,6 +50,8 @@ class LSTMCache(InferenceCache):
 
 class LSTMModel(SequenceModel):
     """Dropout acts between LSTM layers and on the last layer's output."""
+
+    config: LSTMConfig
 
     def __init__(self, config: LSTMConfig) -> None:
         super().__init__()
@@ -73,9 +75,11 @@ class LSTMModel(SequenceModel):
         if cache is not None:
             cache.hidden, cache.cell = hidden, cell  # (n_layers, B, hidden_size) each
             cache.lengths = cache.lengths + tokens.shape[1]
-        return self.ln_f(self.proj(self.dropout(out)))  # (B, T, d_model)
+        normed: torch.Tensor = self.ln_f(self.proj(self.dropout(out)))  # (B, T, d_model)
+        return normed
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
+        assert cache is None or isinstance(cache, LSTMCache)
         return self.embedding.logits(self.hidden(tokens, cache))  # (B, T, output_size)
 
     def new_cache(self, batch_size: int) -> LSTMCache:

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -186,6 +186,7 @@ def lrnn_layer_step(
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
     state_out = np.empty(state.shape, dtype=np.float32)
+    assert _kernels is not None, "call only where compiles_step holds"
     _kernels.steps.lrnn(
         rows,
         state.contiguous().numpy(force=True),
@@ -259,6 +260,7 @@ def regulargpt_layer_step(
     where :func:`compiles_step` holds."""
     rows = x.contiguous().numpy(force=True)
     x_out = np.empty_like(rows)
+    assert _kernels is not None, "call only where compiles_step holds"
     _kernels.steps.regulargpt(
         rows,
         windows,
@@ -290,12 +292,15 @@ def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor | None:
     if matrices.dtype is not torch.float32 or not matrices.is_cpu or matrices.numel() == 0 or not _compiles():
         return None
     if matrices.requires_grad and torch.is_grad_enabled():
-        return _CompiledSparsemax.apply(matrices)
+        # torch's Function.apply is unannotated
+        projected: torch.Tensor = _CompiledSparsemax.apply(matrices)  # type: ignore[no-untyped-call]
+        return projected
     return _sparsemax_forward(matrices)
 
 
 def _sparsemax_forward(matrices: torch.Tensor) -> torch.Tensor:
     flat = matrices.detach().reshape(-1).numpy(force=True).copy()  # (N b b,): a copy the kernel overwrites
+    assert _kernels is not None
     _kernels.sparsemax.columns(flat, matrices.shape[-1])
     return torch.from_numpy(flat).view(matrices.shape)
 
@@ -304,15 +309,16 @@ class _CompiledSparsemax(torch.autograd.Function):
     """Backward: on a column's support (positive outputs) the gradient less its mean there, else 0."""
 
     @staticmethod
-    def forward(ctx, matrices: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, matrices: torch.Tensor) -> torch.Tensor:
         output = _sparsemax_forward(matrices)
         ctx.save_for_backward(output)
         return output
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (output,) = ctx.saved_tensors
         flat = grad.reshape(-1).numpy(force=True).copy()
+        assert _kernels is not None
         _kernels.sparsemax.backward(output.reshape(-1).numpy(force=True), flat, output.shape[-1])
         return torch.from_numpy(flat).view(output.shape)
 
@@ -329,7 +335,11 @@ def linear_scan(
         batch, _, heads, size = inputs.shape
         initial_state = inputs.new_zeros((batch, heads, size))
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (transitions, inputs, initial_state)):
-        return _CompiledScan.apply(transitions, inputs, initial_state)
+        # torch's Function.apply is unannotated
+        scanned: tuple[torch.Tensor, torch.Tensor] = _CompiledScan.apply(  # type: ignore[no-untyped-call]
+            transitions, inputs, initial_state
+        )
+        return scanned
     return _scan_forward(transitions, inputs, initial_state)
 
 
@@ -340,6 +350,7 @@ def _scan_forward(
     states = np.empty((batch, length, heads, size), dtype=np.float32)
     final = np.empty((batch, heads, size), dtype=np.float32)
     arrays = [tensor.detach().contiguous().numpy(force=True) for tensor in (transitions, inputs, initial_state)]
+    assert _kernels is not None
     _kernels.scan.states(*arrays, states, final)
     return torch.from_numpy(states), torch.from_numpy(final)
 
@@ -349,13 +360,17 @@ class _CompiledScan(torch.autograd.Function):
     state_(t-1)^T, d initial = A_0^T G_0."""
 
     @staticmethod
-    def forward(ctx, transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor):
+    def forward(
+        ctx: Any, transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         states, final = _scan_forward(transitions, inputs, initial_state)
         ctx.save_for_backward(transitions, initial_state, states)
         return states, final
 
     @staticmethod
-    def backward(ctx, grad_states: torch.Tensor | None, grad_final: torch.Tensor | None):
+    def backward(
+        ctx: Any, grad_states: torch.Tensor | None, grad_final: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         transitions, initial_state, states = ctx.saved_tensors
         grad_states = torch.zeros_like(states) if grad_states is None else grad_states
         grad_final = torch.zeros_like(initial_state) if grad_final is None else grad_final
@@ -366,6 +381,7 @@ class _CompiledScan(torch.autograd.Function):
             tensor.detach().contiguous().numpy(force=True)
             for tensor in (transitions, initial_state, states, grad_states, grad_final)
         ]
+        assert _kernels is not None
         _kernels.scan.backward(*arrays, grad_transitions, grad_inputs, grad_initial)
         return torch.from_numpy(grad_transitions), torch.from_numpy(grad_inputs), torch.from_numpy(grad_initial)
 
@@ -430,13 +446,14 @@ def _panels(weight: torch.Tensor) -> np.ndarray:
     key = stamp(weight)
     held = getattr(weight, "_row_invariant_panels", None)
     if held is not None and held[0] == key:
-        return held[1]
+        cached: np.ndarray = held[1]
+        return cached
     outputs, width = weight.shape
     count = -(-outputs // PANEL)
     panels = np.zeros((count * PANEL, width), dtype=np.float32)  # (P PANEL, in)
     panels[:outputs] = weight.detach().numpy(force=True)
     panels = np.ascontiguousarray(panels.reshape(count, PANEL, width).transpose(0, 2, 1))  # (P, in, PANEL)
-    weight._row_invariant_panels = (key, panels)
+    setattr(weight, "_row_invariant_panels", (key, panels))  # an attribute Tensor does not declare
     return panels
 
 

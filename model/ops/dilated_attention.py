@@ -43,6 +43,7 @@ def dilated_attention_reference(
     null_scores = _null_scores(q, null_key, relative_bias).masked_fill(in_range, float("-inf"))  # (B, H, T, C)
     probs = torch.cat([scores, null_scores], dim=-1).softmax(dim=-1)  # (B, H, T, T + C): one null column per j
     null_weight = probs[..., length:].sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    assert null_value is not None, "null_key and null_value come together"
     return probs[..., :length] @ v + null_weight * null_value[:, None, :]  # (B, H, T, hd)
 
 
@@ -111,7 +112,7 @@ def attend_banded(
     k_rows = _residue_rows(F.pad(k[:, :, before - kept :], (0, 0, front, back)), dilation)  # (B, H, δ, W + N P, hd)
     v_rows = _residue_rows(F.pad(v[:, :, before - kept :], (0, 0, front, back)), dilation)
     q_rows = _residue_rows(F.pad(q / math.sqrt(head_dim), (0, 0, 0, back)), dilation)  # (B, H, δ, N P, hd)
-    q_blocks = q_rows.unflatten(3, (blocks, block))  # (B, H, δ, N, P, hd)
+    q_blocks: torch.Tensor = q_rows.unflatten(3, (blocks, block))  # (B, H, δ, N, P, hd)
     k_windows = k_rows.unfold(3, window_rows + block, block)  # (B, H, δ, N, hd, W + P)
     v_windows = v_rows.unfold(3, window_rows + block, block).transpose(-1, -2)  # (B, H, δ, N, W + P, hd)
     scores = q_blocks @ k_windows  # (B, H, δ, N, P, W + P)
@@ -132,6 +133,7 @@ def attend_banded(
         probs = (scores.masked_fill(~valid, float("-inf")) + band).softmax(dim=-1)
         out = probs @ v_windows  # (B, H, δ, N, P, hd)
     else:
+        assert null_value is not None, "null_key and null_value come together"
         null_scores = torch.einsum("bhrnpd,hd->bhrnp", q_blocks, null_key)[..., None]  # (B, H, δ, N, P, 1)
         scores = torch.where(valid, scores, null_scores) + band
         missing = _missing_null_bias(relative_bias, block, slots)  # (H, 1, 1, P, C - J): slots before every key
@@ -144,7 +146,8 @@ def attend_banded(
 
 
 def _residue_rows(x: torch.Tensor, dilation: int) -> torch.Tensor:
-    return x.unflatten(2, (-1, dilation)).transpose(2, 3)
+    rows: torch.Tensor = x.unflatten(2, (-1, dilation)).transpose(2, 3)
+    return rows
 
 
 def _band_bias(relative_bias: torch.Tensor, block: int, window_rows: int) -> torch.Tensor:
@@ -191,7 +194,10 @@ def attend_gathered(
     null_scores = None if null_key is None else _null_scores(q / math.sqrt(head_dim), null_key, relative_bias)
     weights, null_weight = _slot_weights(scores, valid, null_scores)  # (B, H, T, J), (B, H, T, 1) or None
     out = torch.bmm(weights.reshape(rows[0], 1, slots), values.reshape(rows)).view(q.shape)  # (B, H, T, hd)
-    return out if null_weight is None else out + null_weight * null_value[:, None, :]
+    if null_weight is None:
+        return out
+    assert null_value is not None, "null_key and null_value come together"
+    return out + null_weight * null_value[:, None, :]
 
 
 def attend_slots(
@@ -218,7 +224,10 @@ def attend_slots(
         null_scores = _null_scores(q.view(batch, heads, 1, head_dim) * scale, null_key, relative_bias)  # (B, H, 1, C)
     weights, null_weight = _slot_weights(scores, valid, null_scores)  # (B, H, 1, J), (B, H, 1, 1) or None
     out = torch.bmm(weights.view(batch * heads, 1, count), values).view(batch, heads, head_dim)  # (B, H, hd)
-    return out if null_weight is None else out + null_weight[:, :, 0] * null_value
+    if null_weight is None:
+        return out
+    assert null_value is not None, "null_key and null_value come together"
+    return out + null_weight[:, :, 0] * null_value
 
 
 def _slot_weights(

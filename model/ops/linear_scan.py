@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -61,7 +61,7 @@ def spectral_norm_constraint(matrices: torch.Tensor, impl: SpectralImpl = "auto"
         impl = "closed_form" if matrices.shape[-1] == 2 else "svd"
     blocks = matrices.to(_compute_dtype(matrices.dtype))  # (..., b, b)
     if impl == "svd":
-        squared = torch.linalg.matrix_norm(blocks, ord=2).square()  # (...,)
+        squared: torch.Tensor = torch.linalg.matrix_norm(blocks, ord=2).square()  # (...,)
     elif impl == "closed_form":
         if blocks.shape[-2:] != (2, 2):
             raise ValueError(f"the closed form is for 2 x 2 blocks, got {tuple(blocks.shape[-2:])}")
@@ -84,7 +84,7 @@ def _scan_signature(scan: Callable[..., ScanResult]) -> Callable[..., ScanResult
 
     @functools.wraps(scan)
     def checked(
-        transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None, **kwargs
+        transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None, **kwargs: Any
     ) -> ScanResult:
         batch, length, heads, block = inputs.shape
         if transitions.shape != (batch, length, heads, block, block):
@@ -214,7 +214,8 @@ def linear_scan(
         # only on CUDA: asking imports Triton, which a CPU process has no use for
         triton = inputs.device.type == "cuda" and refusal(transitions, inputs, initial_state, chunk_size) is None
         compiled = inputs.device.type == "cpu" and cpu_decode.compiles_scan(transitions, inputs, initial_state)
-        impl = choose_scan_impl(*inputs.shape, inputs.device, triton, compiled)  # type: ignore[assignment]
+        batch, length, heads, block = inputs.shape
+        impl = choose_scan_impl(batch, length, heads, block, inputs.device, triton, compiled)  # type: ignore[assignment]
     if impl == "sequential":
         return scan_sequential(transitions, inputs, initial_state)
     if impl == "parallel":

@@ -72,6 +72,8 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 
 class ALiBi(StaticPositionBias):
+    slopes: torch.Tensor
+
     def __init__(self, n_heads: int) -> None:
         super().__init__()
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads)), persistent=False)  # (H,)

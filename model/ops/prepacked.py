@@ -22,7 +22,9 @@ Key = tuple[int, tuple[int, ...], tuple[int, ...]]  # a weight's data_ptr, shape
 @dataclass(frozen=True)
 class Pack:
     blocked: torch.Tensor  # the weight in oneDNN's layout (layout torch._mkldnn)
-    owners: tuple[tuple[weakref.ref, int, int], ...]  # per owner: a reference, its data_ptr and version at packing
+    owners: tuple[
+        tuple[weakref.ref[torch.Tensor], int, int], ...
+    ]  # per owner: a reference, its data_ptr and version at packing
 
     def valid(self) -> bool:
         """Whether every owner is alive, at the same memory, and unchanged in place since packing."""
@@ -76,7 +78,8 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     pack = _packs.get(_key(weight))
     if pack is None or not pack.valid():
         return None
-    return torch.ops.mkldnn._linear_pointwise(x, pack.blocked, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, pack.blocked, bias, "none", [], "")
+    return out
 
 
 def packed_bytes() -> int:

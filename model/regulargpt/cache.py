@@ -42,7 +42,9 @@ def capacity(length: int) -> int:
     return 0 if length == 0 else 1 << (length - 1).bit_length()
 
 
-def ring_slot(position, dilation, columns, chunk_size: int):
+def ring_slot(
+    position: torch.Tensor, dilation: int | torch.Tensor, columns: int | torch.Tensor, chunk_size: int
+) -> torch.Tensor:
     """Slot of position p >= 0 in a ring at dilation D with K = ``columns`` <= C - 1 columns: (p mod D) K + (p div D)
     mod (C - 1). A position's keys share its residue, so lie in one run; any (C - 1) D consecutive positions take
     distinct slots."""
@@ -118,7 +120,7 @@ def plan_chunk(
     start_host, start = start, start.to(device)
     rows = torch.arange(batch, device=device) if rows is None else rows.to(device)
     own = start[:, None] + torch.arange(length, device=device)  # (B, n) the chunk's positions
-    plans: list[ChunkPlan | BandedPlan] = []
+    plans: list[Plan] = []
     for layer, slots_per_row in enumerate(allocated, start=first_layer):
         dilation = chunk_size**layer
         ring, slots = (chunk_size - 1) * dilation, reachable_slots(chunk_size, dilation, last)
@@ -172,7 +174,7 @@ def _plan_step(
     device: torch.device,
     earliest: int,
     latest: int,
-) -> list[StepPlan]:
+) -> list[Plan]:
     slots = [reachable_slots(chunk_size, chunk_size**layer, latest) for layer in range(len(allocated))]
     offsets, dilations, columns, firsts = _step_tables(
         chunk_size, heads, tuple(slots), tuple(allocated), start.shape[0], device
@@ -186,7 +188,7 @@ def _plan_step(
         StepPlan(
             ring_index=index[layer, ..., :count].reshape(-1),
             write_index=index[layer, ..., 0].transpose(0, 1).reshape(-1),  # (B, 2, H): the new key's layout
-            valid=None if all_valid[layer] else valid[layer, :, None, None, :count],
+            valid=None if all_valid[layer] or valid is None else valid[layer, :, None, None, :count],
         )
         for layer, count in enumerate(slots)
     ]
@@ -236,6 +238,7 @@ class KVWindow:
         chunk = kv.view(batch, length, channels, head_dim).transpose(1, 2)  # (B, 2 H, n, hd)
         gathered = chunk.index_select(2, plan.chunk_index)  # (B, 2 H, n * J, hd) in the chunk
         if plan.window_source is not None:  # the keys before the chunk, from the ring
+            assert plan.window_target is not None  # (set together)
             ring = self.kv.view(-1, head_dim).index_select(0, plan.window_source).view(batch, channels, -1, head_dim)
             gathered.index_copy_(2, plan.window_target, ring)
         keys, values = gathered.view(batch, channels, length, -1, head_dim).split(channels // 2, dim=1)
@@ -306,7 +309,7 @@ class RegularGPTCache(InferenceCache):
         lengths = torch.cat([cache.lengths for cache in caches])
         room = capacity(int(lengths.max()) if lengths.numel() else 0)
         deepest = max(caches, key=lambda cache: cache.depth)
-        windows = []
+        windows: list[list[KVWindow]] = []
         for layer, blocks in enumerate(deepest.windows):
             windows.append([])
             for k, template in enumerate(blocks):
@@ -319,11 +322,11 @@ class RegularGPTCache(InferenceCache):
         return cls(lengths=lengths, chunk_size=caches[0].chunk_size, top_hidden=top_hidden, windows=windows)
 
     def select(self, rows: Sequence[int]) -> RegularGPTCache:
-        rows = torch.as_tensor(list(rows), dtype=torch.long)
-        lengths = self.lengths[rows]
+        selected = torch.as_tensor(list(rows), dtype=torch.long)
+        lengths = self.lengths[selected]
         longest = int(lengths.max()) if lengths.numel() else 0
         depth = int(row_depths(lengths, self.chunk_size).max()) if longest else 0
-        room, index = capacity(longest), rows.to(self.top_hidden.device)
+        room, index = capacity(longest), selected.to(self.top_hidden.device)
         windows = [[window.fit(room, index) for window in layer] for layer in self.windows[:depth]]
         top_hidden = resized(self.top_hidden, 1, room)[index]
         return RegularGPTCache(lengths=lengths, chunk_size=self.chunk_size, top_hidden=top_hidden, windows=windows)

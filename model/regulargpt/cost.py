@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from model.base import CallPath, Cost
+from model.base import CallPath, Cost, InferenceCache
 from model.config import RegularGPTConfig
 from model.ops.dilated_attention import banded_block, cached_attention_impl, reachable_slots, resolve_impl
 from model.regulargpt.cache import adaptive_depth, capacity, ring_columns
@@ -65,7 +68,7 @@ def cache_nbytes(config: RegularGPTConfig, itemsize: int, length: int) -> int:
         return 0
     chunk_size, room = config.chunk_size, capacity(length)
     dilations = [chunk_size**layer for layer in range(adaptive_depth(length - 1, chunk_size))]
-    slots = sum(dilation * ring_columns((chunk_size - 1) * dilation, dilation, room) for dilation in dilations)
+    slots: int = sum(dilation * ring_columns((chunk_size - 1) * dilation, dilation, room) for dilation in dilations)
     return (room + 2 * config.thickness * slots) * config.d_model * itemsize
 
 
@@ -114,6 +117,7 @@ def _pass_cost(
             chosen = "gathered" if count == 1 else cached_attention_impl(count, slots, prefix)
         else:
             chosen, prefix = resolve_impl(impl, count, slots), 0
+        attention: float
         if chosen == "reference":
             attention = 2 * count * d
             scratch = 6 * rows * heads * count * count * item + heads * count * count * item
@@ -148,8 +152,31 @@ def _logits_nbytes(config: RegularGPTConfig, itemsize: int, rows: int, positions
     return rows * positions * (config.output_size + 2 * config.d_model) * itemsize
 
 
+class Measured(Protocol):
+    """What :func:`measure_fixed_costs` uses of a ``RegularGPT`` (model/regulargpt/model.py, which imports this
+    module)."""
+
+    @property
+    def config(self) -> RegularGPTConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def _impl(self) -> str: ...
+
+    def new_cache(self, batch_size: int) -> InferenceCache: ...
+
+    def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor: ...
+
+    def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor: ...
+
+
 @torch.inference_mode()
-def measure_fixed_costs(model, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
+def measure_fixed_costs(model: Measured, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
     """Time a served language model's chunks and a decode step and fit seconds per multiply-add and the
     :class:`FixedCosts` (zeros for transducers)."""
     config, itemsize = model.config, model.dtype.itemsize
@@ -160,22 +187,23 @@ def measure_fixed_costs(model, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
     def flops(length: int, context: int = 0) -> float:
         return cost(config, itemsize, model._impl, "cached", 1, length, context).flops
 
-    def fastest(call) -> float:
+    def fastest(call: Callable[[], object]) -> float:
         call()  # a warm-up: a first call builds what later ones reuse (kernels, the compiled step)
         return min(_timed(model, call) for _ in range(repeats))
 
     lengths = list(FIXED_COST_CHUNKS)
     while adaptive_depth(lengths[-1] - 1, chunk_size) != adaptive_depth(lengths[-1], chunk_size):
         lengths[-1] += 1  # the step after the longest chunk then needs no new layer
-    caches = {}
+    caches: dict[int, InferenceCache] = {}
 
-    def chunk(length: int):
+    def chunk(length: int) -> None:
         caches[length] = model.new_cache(1)
         model.forward(_zeros(model, length), cache=caches[length])
 
-    rows = []  # per chunk (f multiply-adds, P block passes, t seconds): (f / t, P / t), with s f / t + s B P / t = 1
+    # per chunk (f multiply-adds, P block passes, t seconds): (f / t, P / t), with s f / t + s B P / t = 1
+    rows: list[tuple[float, float]] = []
     for length in lengths:
-        seconds = fastest(lambda length=length: chunk(length))
+        seconds = fastest(functools.partial(chunk, length))
         rows.append((flops(length) / seconds, thickness * adaptive_depth(length - 1, chunk_size) / seconds))
     aa, ab, bb = sum(a * a for a, _ in rows), sum(a * b for a, b in rows), sum(b * b for _, b in rows)
     determinant = aa * bb - ab * ab
@@ -194,11 +222,11 @@ def measure_fixed_costs(model, repeats: int = FIXED_COST_REPEATS) -> FixedCosts:
     return FixedCosts(block=block, layer_step=layer_step)
 
 
-def _zeros(model, length: int) -> torch.Tensor:
+def _zeros(model: Measured, length: int) -> torch.Tensor:
     return torch.zeros(1, length, dtype=torch.long, device=model.device)
 
 
-def _timed(model, call) -> float:
+def _timed(model: Measured, call: Callable[[], object]) -> float:
     """Seconds ``call`` takes: this thread's CPU time on the CPU, wall time to completion on CUDA."""
     if model.device.type != "cuda":
         started = time.thread_time()

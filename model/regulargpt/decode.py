@@ -4,7 +4,8 @@ reaching a new depth first runs its consumed positions through the new layers (:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -81,7 +82,10 @@ class CachedBlock(NamedTuple):
 
     def tensors(self) -> list[torch.Tensor]:
         """The block's parameters in the order :func:`model.ops.cpu_decode.regulargpt_layer_step` packs them."""
-        nulls = [] if self.null_key is None else [self.null_key, self.null_value]
+        nulls: list[torch.Tensor] = []
+        if self.null_key is not None:
+            assert self.null_value is not None  # (both or neither)
+            nulls = [self.null_key, self.null_value]
         matrices = [*self.ln_1, *self.c_attn, *self.c_proj, *self.ln_2, *self.c_fc, *self.mlp_proj]
         return [*matrices, self.relative_bias, *nulls]
 
@@ -146,9 +150,10 @@ class PackedBlocks(NamedTuple):
         return self.pointers == tuple(tensor.data_ptr() for block in blocks for tensor in block.tensors())
 
 
-def _children(module: nn.Module) -> dict[str, nn.Module]:
+def _children(module: nn.Module) -> dict[str, Any]:
     """A module's submodules by name, read from its dict (no nn.Module.__getattr__)."""
-    return vars(module)["_modules"]
+    children: dict[str, Any] = vars(module)["_modules"]
+    return children
 
 
 def _weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +162,7 @@ def _weight_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_blocks(modules: nn.ModuleList, packed: PackedBlocks | None) -> PackedBlocks:
-    blocks = [CachedBlock.of(block) for block in modules]
+    blocks = [CachedBlock.of(block) for block in cast("Iterable[Block]", modules)]
     if packed is not None and packed.holds(blocks):
         return packed
     tensors = [tensor for block in blocks for tensor in block.tensors()]
@@ -185,7 +190,7 @@ def forward_chunk(
     if x.shape[1] == 0:
         return x
     chunk_size, length, start = config.chunk_size, x.shape[1], cache.lengths
-    blocks = [CachedBlock.of(block) for block in modules]
+    blocks = [CachedBlock.of(block) for block in cast("Iterable[Block]", modules)]
     first_depths = _reserve(cache, length, blocks, config)  # each row's depth at its first new position
     mixed = min(first_depths) < cache.depth  # some outputs are read below the top layer
     positions = start.to(x.device)[:, None] + torch.arange(length, device=x.device)  # (B, n)
@@ -202,6 +207,7 @@ def forward_chunk(
         plans = plan_chunk(start, length, chunk_size, config.n_heads, allocated, x.device)
     for layer, windows in enumerate(cache.windows):
         if compiled:
+            assert packed is not None  # (_compiles_step holds)
             x = _compiled_thick_layer(x, layer, windows, step_positions, latest, packed, panels, config)  # (B, 1, d)
         else:
             x = _cached_thick_layer(x, chunk_size**layer, windows, plans[layer], blocks)  # (B, n, d)
@@ -227,9 +233,9 @@ def _reserve(cache: RegularGPTCache, length: int, blocks: list[CachedBlock], con
     room = capacity(max(lengths) + length)
     if room != cache.top_hidden.shape[1]:
         cache.top_hidden = resized(cache.top_hidden, 1, room)
-        for layer in cache.windows:  # one at a time: the old tensor goes before the next is copied
-            for k, window in enumerate(layer):
-                layer[k] = window.fit(room)
+        for layer_windows in cache.windows:  # one at a time: the old tensor goes before the next is copied
+            for k, window in enumerate(layer_windows):
+                layer_windows[k] = window.fit(room)
     while cache.depth < max(new):
         cache.windows.append(_new_layer(cache.batch_size, cache.depth, room, blocks, config))
     for layer in range(1, cache.depth):

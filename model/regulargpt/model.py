@@ -5,11 +5,12 @@ model is causal and decoding reproduces the parallel pass (docs/models.md)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from typing import cast
 
 import torch
 from torch import nn
 
-from model.base import CallPath, Cost, SequenceModel, TokenEmbedding, check_lengths, long_tensor
+from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, check_lengths, long_tensor
 from model.config import RegularGPTConfig
 from model.layers import Block, HeadProjections, init_gpt2
 from model.ops import cpu_decode
@@ -23,6 +24,9 @@ from model.transformer.exact import Pieces, in_slices
 class DilatedSelfAttention(nn.Module):
     """Multi-head Sliding-Dilated-Attention with per-head scalars r_j, and for ``out_of_range="null"`` a learned null
     key and value per head."""
+
+    null_key: nn.Parameter | None
+    null_value: nn.Parameter | None
 
     def __init__(self, config: RegularGPTConfig) -> None:
         super().__init__()
@@ -54,6 +58,8 @@ class DilatedSelfAttention(nn.Module):
 
 
 class RegularGPT(SequenceModel):
+    config: RegularGPTConfig
+
     def __init__(self, config: RegularGPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -76,8 +82,9 @@ class RegularGPT(SequenceModel):
         # Training only (set by the trainer): read every position this many thick layers above its depth D(m).
         self.extra_levels = 0
 
-    def forward(self, tokens: torch.Tensor, cache: RegularGPTCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         """tokens (B, T) -> (B, T, output_size); with ``cache``, continue each row and advance the cache by T."""
+        assert cache is None or isinstance(cache, RegularGPTCache)
         x = self.embedding(tokens)  # (B, T, d)
         if cache is not None:
             return self._logits(forward_chunk(x, cache, self.blocks, self.packed, self.config))
@@ -119,7 +126,7 @@ class RegularGPT(SequenceModel):
             top_hidden=torch.zeros((batch_size, 0, self.config.d_model), device=self.device, dtype=self.dtype),
         )
 
-    def step(self, tokens: torch.Tensor, cache: RegularGPTCache) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """tokens: (B,) -> (B, output_size): a chunk of one position per row, each read after its own depth."""
         return self.forward(tokens[:, None], cache)[:, 0]
 
@@ -127,9 +134,9 @@ class RegularGPT(SequenceModel):
         """Switch to what scales and decodes fast ("reference" attention -> "auto"; on the CPU, packed blocks for the
         compiled step or a transposed tied head, then oneDNN packs); returns a note per change."""
         notes = []
-        if any(block.attention.impl == "reference" for block in self.blocks):
+        if any(cast(DilatedSelfAttention, block.attention).impl == "reference" for block in self.blocks):
             for block in self.blocks:
-                block.attention.impl = "auto"
+                cast(DilatedSelfAttention, block.attention).impl = "auto"
             notes.append(
                 f"attention_impl reference -> auto (the T x T mask would not fit long inputs; the reference is kept "
                 f"up to {AUTO_REFERENCE_MAX_T} positions)"
@@ -212,7 +219,7 @@ class RegularGPT(SequenceModel):
     @property
     def _impl(self) -> str:
         """The parallel passes' attention implementation, as configured or switched by :meth:`for_serving`."""
-        return self.blocks[0].attention.impl
+        return cast(DilatedSelfAttention, self.blocks[0].attention).impl
 
     def _thick_layer(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
         """The K blocks in order, all at ``dilation``, over positions 0..T-1. x: (B, T, d) -> (B, T, d)."""

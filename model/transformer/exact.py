@@ -59,7 +59,8 @@ def drain(pieces: Pieces[R]) -> R:
         try:
             next(pieces)
         except StopIteration as stop:
-            return stop.value
+            result: R = stop.value
+            return result
 
 
 def in_slices(pieces: Pieces[R], slice_flops: float) -> Generator[float, None, R]:
@@ -70,7 +71,8 @@ def in_slices(pieces: Pieces[R], slice_flops: float) -> Generator[float, None, R
             flops = next(pieces)  # the next piece's multiply-adds; it runs at the following next()
         except StopIteration as stop:
             yield done
-            return stop.value
+            result: R = stop.value
+            return result
         if done and done + flops > slice_flops:
             yield done
             done = 0.0
@@ -187,7 +189,7 @@ class ExactCache(InferenceCache):
     symbols: torch.Tensor
 
     @classmethod
-    def stack(cls, caches: Sequence[InferenceCache]) -> ExactCache:
+    def stack(cls, caches: Sequence[ExactCache]) -> ExactCache:
         width = max(cache.symbols.shape[1] for cache in caches)
         symbols = torch.cat([F.pad(cache.symbols, (0, width - cache.symbols.shape[1])) for cache in caches])
         return ExactCache(torch.cat([cache.lengths for cache in caches]), symbols)  # symbols: (B, width)
@@ -213,6 +215,7 @@ class ExactCache(InferenceCache):
 class ExactTransformer(SequenceModel):
     """Symbols in, label logits out; CLS (and EOS) are token ids vocab_size (and + 1)."""
 
+    config: ExactTransformerConfig
     max_all_outputs_symbols = 256
     """``forward`` encodes every prefix, O(T^3) for PARITY and PALINDROME (timings: docs/exact_results.md)."""
 
@@ -245,6 +248,7 @@ class ExactTransformer(SequenceModel):
         x = self.word(tokens) + self.position(features)  # (B, n, d)
         logit_scale = math.log(n) if self.config.log_length_scaling else 1.0
         for layer, cls_only in zip(self.layers, self._cls_only_layers()):
+            assert isinstance(layer, ExactEncoderLayer)
             x = yield from layer.pieces(x, logit_scale, cls_only, piece_flops)
         return self._output(self.head(x[:, 0]))  # (B, L)
 
@@ -252,6 +256,7 @@ class ExactTransformer(SequenceModel):
         """Per layer, whether only its CLS output is ever read."""
         cls_only, flags = True, []
         for layer in reversed(self.layers):
+            assert isinstance(layer, ExactEncoderLayer)
             flags.append(cls_only)
             cls_only = cls_only and not bool(layer.active_heads().any())
         return flags[::-1]
@@ -336,6 +341,7 @@ class ExactTransformer(SequenceModel):
         flops = n * self.position.in_features * self.position.out_features
         positions = n
         for layer, cls_only in zip(self.layers, self._cls_only_layers()):
+            assert isinstance(layer, ExactEncoderLayer)
             queries = 1 if cls_only else positions
             flops += layer.flops(queries, positions)
             positions = queries
@@ -356,6 +362,7 @@ class ExactTransformer(SequenceModel):
         config = self.config
         heads, weights, positions = 0, 0, n
         for layer, cls_only in zip(self.layers, self._cls_only_layers()):
+            assert isinstance(layer, ExactEncoderLayer)
             queries, layer_heads = 1 if cls_only else positions, int(layer.active_heads().sum())
             one_query = rows * layer_heads * positions  # weights of one query against every key
             weights = max(weights, min(one_query * queries, max(one_query, config.attention_block_elements)))

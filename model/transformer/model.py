@@ -86,7 +86,7 @@ class TransformerCache(InferenceCache):
     layers: list[KVBuffer]
 
     @classmethod
-    def stack(cls, caches: Sequence[InferenceCache]) -> TransformerCache:
+    def stack(cls, caches: Sequence[TransformerCache]) -> TransformerCache:
         capacity = max(cache.layers[0].capacity for cache in caches)
         layers = [KVBuffer.stack(buffers, capacity) for buffers in zip(*(cache.layers for cache in caches))]
         return TransformerCache(torch.cat([cache.lengths for cache in caches]), layers)
@@ -159,6 +159,8 @@ def build_position_bias(config: TransformerConfig) -> nn.Module | None:
 class Transformer(SequenceModel):
     """Embedding (+ sinusoids) -> n_layers pre-norm blocks -> LayerNorm -> head."""
 
+    config: TransformerConfig
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
@@ -183,9 +185,11 @@ class Transformer(SequenceModel):
             x = block(x, offset=offset, kv=None if cache is None else cache.layers[index])
         if cache is not None:
             cache.lengths = cache.lengths + tokens.shape[1]
-        return self.ln_f(x)
+        hidden: torch.Tensor = self.ln_f(x)
+        return hidden
 
     def forward(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
+        assert cache is None or isinstance(cache, TransformerCache)
         return self.embedding.logits(self.hidden(tokens, cache))  # (B, T, output_size)
 
     def new_cache(self, batch_size: int) -> TransformerCache:

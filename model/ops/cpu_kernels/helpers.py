@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 PANEL = 32  # outputs per panel of the row-invariant product (tile_product: two vectors of 16 lanes per row)
 
 
-def reassociating_jit(numba) -> Callable[..., Callable]:
+def reassociating_jit(numba: ModuleType) -> Callable[..., Callable[..., Any]]:
     """``numba.njit`` for every kernel but the panel product: sums may be reassociated, NaN and inf keep their meaning,
     no bounds checks, no GIL, numpy's error model."""
     # reassoc only: sums may run in any order (what vectorises the dot products); NaN and inf keep their meaning
@@ -18,7 +20,7 @@ def reassociating_jit(numba) -> Callable[..., Callable]:
     return functools.partial(numba.njit, fastmath={"reassoc"}, boundscheck=False, nogil=True, error_model="numpy")
 
 
-def tile_rows(numba) -> int:
+def tile_rows(numba: ModuleType) -> int:
     """Rows per tile of the panel product: 4 where numba targets this host and it has AVX-512 (32 vector registers),
     else 2."""
     import llvmlite.binding
@@ -28,7 +30,7 @@ def tile_rows(numba) -> int:
     return 4 if llvmlite.binding.get_host_cpu_features().get("avx512f", False) else 2
 
 
-def tile_product(numba, height: int) -> Callable[..., None]:
+def tile_product(numba: ModuleType, height: int) -> Callable[..., None]:
     """Numba intrinsic ``tile_product(x, panels, p, r, out, row, column)``: out[row + k, column : column + PANEL] =
     :func:`tile_sums` of row r + k of x (R, in) with panel p of panels (P, in, PANEL), for k < ``height``; all
     C-contiguous float32."""
@@ -37,10 +39,12 @@ def tile_product(numba, height: int) -> Callable[..., None]:
     from numba.extending import intrinsic
 
     @intrinsic
-    def tile_product(typingctx, x, panels, p, r, out, row, column):
+    def tile_product(
+        typingctx: Any, x: Any, panels: Any, p: Any, r: Any, out: Any, row: Any, column: Any
+    ) -> tuple[Any, Callable[..., Any]]:
         signature = types.void(x, panels, types.intp, types.intp, out, types.intp, types.intp)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             sums = tile_sums(context, builder, signature, args, height)
             out_array = context.make_array(signature.args[4])(context, builder, args[4])
             index = context.get_value_type(types.intp)
@@ -58,7 +62,7 @@ def tile_product(numba, height: int) -> Callable[..., None]:
     return tile_product
 
 
-def tile_best(numba, height: int) -> Callable[..., None]:
+def tile_best(numba: ModuleType, height: int) -> Callable[..., None]:
     """Numba intrinsic ``tile_best(x, panels, p, r, bias, has_bias, best, where)``: :func:`tile_product`'s sums for the
     whole panel p, plus bias[p PANEL + j] where ``has_bias`` (bias: P PANEL entries), each taken into best[row, j]
     (float32) and its output into where[row, j] (int32), both (R, PANEL), where larger or the first NaN. No logit is
@@ -68,10 +72,12 @@ def tile_best(numba, height: int) -> Callable[..., None]:
     from numba.extending import intrinsic
 
     @intrinsic
-    def tile_best(typingctx, x, panels, p, r, bias, has_bias, best, where):
+    def tile_best(
+        typingctx: Any, x: Any, panels: Any, p: Any, r: Any, bias: Any, has_bias: Any, best: Any, where: Any
+    ) -> tuple[Any, Callable[..., Any]]:
         signature = types.void(x, panels, types.intp, types.intp, bias, types.boolean, best, where)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             sums = tile_sums(context, builder, signature, args, height)
             bias_array, best_array, where_array = (
                 context.make_array(signature.args[at])(context, builder, args[at]) for at in (4, 6, 7)
@@ -122,7 +128,7 @@ def tile_best(numba, height: int) -> Callable[..., None]:
     return tile_best
 
 
-def tile_sums(context, builder, signature, args, height: int) -> list[list]:
+def tile_sums(context: Any, builder: Any, signature: Any, args: Any, height: int) -> list[list[Any]]:
     """The tile intrinsics' shared LLVM code: for rows args[3] + k < ``height`` of x (args[0]), two 16-lane accumulators
     over panel args[2] of args[1], one ``llvm.fma`` per i, in order: a row's bits do not depend on the height. Returns
     per row its two vectors."""
@@ -163,7 +169,7 @@ def tile_sums(context, builder, signature, args, height: int) -> list[list]:
     return [[builder.load(sums[2 * k + half]) for half in (0, 1)] for k in range(height)]
 
 
-def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[..., None]]:
+def block_sparsemax(numba: ModuleType, size: int) -> tuple[Callable[..., None], Callable[..., None]]:
     """Two numba intrinsics on the row-major ``size`` x ``size`` block at flat[start:] (C-contiguous float32), in place,
     columns in vector lanes: ``block_sparsemax(flat, start)``, each column's sparsemax;
     ``block_sparsemax_backward(output, grad, start)``, its backward into grad. The same operations in the same order as
@@ -173,10 +179,10 @@ def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[...
     from numba.extending import intrinsic
 
     @intrinsic
-    def block_sparsemax(typingctx, flat, start):
+    def block_sparsemax(typingctx: Any, flat: Any, start: Any) -> tuple[Any, Callable[..., Any]]:
         signature = types.void(flat, types.intp)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             array = context.make_array(signature.args[0])(context, builder, args[0])
             index = context.get_value_type(types.intp)
             vector = ir.VectorType(ir.FloatType(), size)
@@ -213,10 +219,10 @@ def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[...
         return signature, codegen
 
     @intrinsic
-    def block_sparsemax_backward(typingctx, output, grad, start):
+    def block_sparsemax_backward(typingctx: Any, output: Any, grad: Any, start: Any) -> tuple[Any, Callable[..., Any]]:
         signature = types.void(output, grad, types.intp)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             index = context.get_value_type(types.intp)
             vector = ir.VectorType(ir.FloatType(), size)
             bases = [
@@ -247,7 +253,7 @@ def block_sparsemax(numba, size: int) -> tuple[Callable[..., None], Callable[...
     return block_sparsemax, block_sparsemax_backward
 
 
-def bit_casts(numba) -> tuple[Callable[[float], int], Callable[[int], float]]:
+def bit_casts(numba: ModuleType) -> tuple[Callable[..., int], Callable[..., float]]:
     """Two numba intrinsics: a float32's bits as an int32, and back (LLVM bitcasts: a loop over them still
     vectorises)."""
     from llvmlite import ir
@@ -255,13 +261,13 @@ def bit_casts(numba) -> tuple[Callable[[float], int], Callable[[int], float]]:
     from numba.extending import intrinsic
 
     @intrinsic
-    def float_bits(typingctx, value):
+    def float_bits(typingctx: Any, value: Any) -> tuple[Any, Callable[..., Any]]:
         return types.int32(types.float32), lambda context, builder, signature, args: builder.bitcast(
             args[0], ir.IntType(32)
         )
 
     @intrinsic
-    def bits_float(typingctx, value):
+    def bits_float(typingctx: Any, value: Any) -> tuple[Any, Callable[..., Any]]:
         return types.float32(types.int32), lambda context, builder, signature, args: builder.bitcast(
             args[0], ir.FloatType()
         )

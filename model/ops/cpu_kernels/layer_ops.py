@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -23,7 +24,7 @@ class LayerOps(NamedTuple):
     residual_tail: Callable[..., None]  # (x, mixed, mixer, ln_2, c_fc, c_proj, eps, out): a pre-norm block's tail
 
 
-def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
+def build_layer_ops(numba: ModuleType, panel_product: Callable[..., None]) -> LayerOps:
     """The dot-product kernel (compiled now) and the inline pieces. ``matmul`` multiplies by a weight (out, in) with
     reassociated dot products, or by panels (P, in, PANEL) with ``panel_product``, compiled apart so that its sums keep
     their order."""
@@ -32,7 +33,8 @@ def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
     jit = reassociating_jit(numba)
 
     @jit(inline="always")
-    def product(x, weight, bias, has_bias, out):  # (R, in), (out, in), (out,) or (0,), (R, out)
+    def product(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, has_bias: bool, out: np.ndarray) -> None:
+        # (R, in), (out, in), (out,) or (0,), (R, out)
         rows, width = x.shape
         for o in range(weight.shape[0]):  # each weight row is read from memory once, for every x row
             for r in range(rows):
@@ -42,20 +44,23 @@ def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
                 out[r, o] = total + bias[o] if has_bias else total
 
     @jit("void(float32[:, ::1], float32[:, ::1], float32[::1], boolean, float32[:, ::1])")
-    def kernel(x, weight, bias, has_bias, out):
+    def kernel(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, has_bias: bool, out: np.ndarray) -> None:
         product(x, weight, bias, has_bias, out)
 
-    def matmul(x, weight, bias, has_bias, out):  # typed by the overload below, in compiled code only
+    def matmul(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, has_bias: bool, out: np.ndarray) -> None:
+        # typed by the overload below, in compiled code only
         raise NotImplementedError
 
     @overload(matmul)
-    def matmul_by_layout(x, weight, bias, has_bias, out):
+    # unannotated: numba compares this signature, annotations included, with the returned lambdas'
+    def matmul_by_layout(x, weight, bias, has_bias, out):  # type: ignore[no-untyped-def]
         if weight.ndim == 3:  # panels: the row-invariant product
             return lambda x, weight, bias, has_bias, out: panel_product(x, weight, bias, has_bias, out)
         return lambda x, weight, bias, has_bias, out: product(x, weight, bias, has_bias, out)
 
     @jit(inline="always")
-    def layer_norm(x, weight, bias, eps, out):  # (R, d) -> (R, d), as F.layer_norm (biased variance)
+    def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray) -> None:
+        # (R, d) -> (R, d), as F.layer_norm (biased variance)
         rows, width = x.shape
         for r in range(rows):
             mean = np.float32(0.0)
@@ -70,7 +75,7 @@ def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
                 out[r, i] = (x[r, i] - mean) * scale * weight[i] + bias[i]
 
     @jit(inline="always")
-    def erf(value):  # float32 -> float32, within 4.5e-7 of erf: no call, so a loop over it vectorises
+    def erf(value: np.float32) -> np.float32:  # within 4.5e-7 of erf: no call, so a loop over it vectorises
         """Eigen's and XLA's float32 erf: x P(x^2) / Q(x^2) on x clamped to [-4, 4]."""
         x = min(max(value, np.float32(-4.0)), np.float32(4.0))
         x2 = x * x
@@ -87,14 +92,23 @@ def build_layer_ops(numba, panel_product: Callable[..., None]) -> LayerOps:
         return x * p / q
 
     @jit(inline="always")
-    def gelu(values):  # (R, n) in place: exact GELU, as F.gelu (erf above)
+    def gelu(values: np.ndarray) -> None:  # (R, n) in place: exact GELU, as F.gelu (erf above)
         for r in range(values.shape[0]):
             for i in range(values.shape[1]):
                 value = values[r, i]
                 values[r, i] = np.float32(0.5) * value * (np.float32(1.0) + erf(value * _SQRT_HALF))
 
     @jit(inline="always")
-    def residual_tail(x, mixed, mixer, ln_2, c_fc, c_proj, eps, out):
+    def residual_tail(
+        x: np.ndarray,
+        mixed: np.ndarray,
+        mixer: tuple[np.ndarray, np.ndarray],
+        ln_2: tuple[np.ndarray, np.ndarray],
+        c_fc: tuple[np.ndarray, np.ndarray],
+        c_proj: tuple[np.ndarray, np.ndarray],
+        eps: float,
+        out: np.ndarray,
+    ) -> None:
         """out = y + MLP(LN_2(y)), y = x + mixer(mixed): a pre-norm block's tail, (R, d_model)."""
         matmul(mixed, mixer[0], mixer[1], True, out)
         rows, width = x.shape

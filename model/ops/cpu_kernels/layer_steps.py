@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +19,7 @@ class LayerSteps(NamedTuple):
     regulargpt: Callable[..., None]  # regulargpt_layer(x, windows, positions, dilation, ring, slots, packed, ...)
 
 
-def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]) -> LayerSteps:
+def build_layer_steps(numba: ModuleType, ops: LayerOps, sparsemax_block: Callable[..., None]) -> LayerSteps:
     """The LRNN layer step (``sparsemax_block`` for stochastic transitions) and the RegularGPT thick layer step, on
     ``ops``' products."""
     from numba.extending import overload
@@ -28,7 +29,7 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
     float_bits, bits_float = bit_casts(numba)
 
     @jit(inline="always")
-    def power(value, p):  # float32 |value| ** p (p float64), within 1 ulp: no call, so a loop over it vectorises
+    def power(value: np.float32, p: np.float64) -> np.float32:  # within 1 ulp: no call, so a loop vectorises
         """float32 |value| ** p (p float64), within 6e-8 of the float64 power over 1e-30 .. 1e30: series from the bits,
         no call, so loops over it vectorise. Subnormals give 0 (right for p >= 1); inf and NaN stay."""
         magnitude = abs(value)
@@ -61,8 +62,22 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
 
     @jit
     def layer_step(
-        x, state, ln_1, joint, g_bias, b_bias, out_proj, ln_2, c_fc, c_proj, eps, p, stochastic, x_out, state_out
-    ):
+        x: np.ndarray,
+        state: np.ndarray,
+        ln_1: tuple[np.ndarray, np.ndarray],
+        joint: np.ndarray,
+        g_bias: np.ndarray,
+        b_bias: np.ndarray,
+        out_proj: tuple[np.ndarray, np.ndarray],
+        ln_2: tuple[np.ndarray, np.ndarray],
+        c_fc: tuple[np.ndarray, np.ndarray],
+        c_proj: tuple[np.ndarray, np.ndarray],
+        eps: np.float32,
+        p: np.float64,
+        stochastic: bool,
+        x_out: np.ndarray,
+        state_out: np.ndarray,
+    ) -> None:
         rows = x.shape[0]
         heads, size = state.shape[1], state.shape[2]
         u = np.empty_like(x)
@@ -110,14 +125,18 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
         residual_tail(x, state_out.reshape(rows, heads * size), out_proj, ln_2, c_fc, c_proj, eps, x_out)
 
     @jit(inline="always")
-    def matrix(packed, start, i, columns):  # tensor i of a block in the pack, as (rows, columns)
+    def matrix(packed: np.ndarray, start: np.ndarray, i: int, columns: int) -> np.ndarray:
+        # tensor i of a block in the pack, as (rows, columns)
         return packed[start[i] : start[i + 1]].reshape(((start[i + 1] - start[i]) // columns, columns))
 
-    def weight_of(packed, start, i, columns, panels, slot):  # typed by the overload below, in compiled code only
+    def weight_of(  # typed by the overload below, in compiled code only
+        packed: np.ndarray, start: np.ndarray, i: int, columns: int, panels: tuple[np.ndarray, ...], slot: int
+    ) -> np.ndarray:
         raise NotImplementedError
 
     @overload(weight_of)
-    def weight_by_kind(packed, start, i, columns, panels, slot):
+    # unannotated: numba compares this signature, annotations included, with the returned lambdas'
+    def weight_by_kind(packed, start, i, columns, panels, slot):  # type: ignore[no-untyped-def]
         """A block's matrix i: panels[slot] where the step got panels, else the matrix in the pack."""
         if isinstance(panels, numba.types.UniTuple):
             return lambda packed, start, i, columns, panels, slot: panels[slot]
@@ -125,8 +144,21 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
 
     @jit(inline="always")
     def block_step(
-        x, window, positions, dilation, where, slots, packed, start, panels, block, has_null, heads, eps, x_out
-    ):
+        x: np.ndarray,
+        window: np.ndarray,
+        positions: np.ndarray,
+        dilation: int,
+        where: np.ndarray,
+        slots: int,
+        packed: np.ndarray,
+        start: np.ndarray,
+        panels: tuple[np.ndarray, ...],
+        block: int,
+        has_null: bool,
+        heads: int,
+        eps: np.float32,
+        x_out: np.ndarray,
+    ) -> None:
         """One block over x (R, d) -> x_out: its tensors at ``start`` in ``packed``, its matrices' panels from
         panels[4*block:]; where[r, j]: the ring slot of position positions[r] - j * dilation."""
         width = x.shape[1]
@@ -213,8 +245,20 @@ def build_layer_steps(numba, ops: LayerOps, sparsemax_block: Callable[..., None]
 
     @jit
     def regulargpt_layer(
-        x, windows, positions, dilation, ring, slots, packed, starts, panels, has_null, heads, eps, x_out
-    ):
+        x: np.ndarray,
+        windows: tuple[np.ndarray, ...],
+        positions: np.ndarray,
+        dilation: int,
+        ring: int,
+        slots: int,
+        packed: np.ndarray,
+        starts: np.ndarray,
+        panels: tuple[np.ndarray, ...],
+        has_null: bool,
+        heads: int,
+        eps: np.float32,
+        x_out: np.ndarray,
+    ) -> None:
         blocks, rows = starts.shape[0], x.shape[0]
         columns = windows[0].shape[0] // (rows * 2 * heads) // dilation  # K of ring_slot
         period = ring // dilation  # C - 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,18 +20,21 @@ class Panels(NamedTuple):
     tile_rows: int  # rows of x per tile
 
 
-def build_panels(numba, tile_rows: int) -> Panels:
+def build_panels(numba: ModuleType, tile_rows: int) -> Panels:
     """Compiled now: ``panel_product(x, panels, bias, has_bias, out)``: x (R, in) times panels (P, in, PANEL), plus bias
     where ``has_bias``, into out (R, n), n <= P PANEL; ``panel_argmax(x, panels, bias, has_bias, n, index (R,) int64,
     value (R,) float32)``: each row's first largest of its n outputs (a NaN first), compared in registers.
 
     Each output's sum runs over i in order, one fused multiply-add a step, then adds the bias: the same operations
     whatever the other rows, so a row's result is the same bits in any batch."""
-    jit = functools.partial(numba.njit, boundscheck=False, nogil=True)
+    jit: Callable[..., Callable[..., Any]] = functools.partial(numba.njit, boundscheck=False, nogil=True)
     one, two, three, four = (tile_product(numba, height) for height in (1, 2, 3, 4))
 
     @jit(inline="always")
-    def tile_of(x, panels, p, r, height, out, row, column):  # the tile's sums at its height (its rows alone)
+    def tile_of(
+        x: np.ndarray, panels: np.ndarray, p: int, r: int, height: int, out: np.ndarray, row: int, column: int
+    ) -> None:
+        # the tile's sums at its height (its rows alone)
         if height == 4:
             four(x, panels, p, r, out, row, column)
         elif height == 3:
@@ -40,7 +44,7 @@ def build_panels(numba, tile_rows: int) -> Panels:
         else:
             one(x, panels, p, r, out, row, column)
 
-    def panel_product(x, panels, bias, has_bias, out):
+    def panel_product(x: np.ndarray, panels: np.ndarray, bias: np.ndarray, has_bias: bool, out: np.ndarray) -> None:
         rows, n = x.shape[0], out.shape[1]
         tile = np.empty((tile_rows, PANEL), dtype=np.float32)
         for p in range(panels.shape[0]):
@@ -61,7 +65,15 @@ def build_panels(numba, tile_rows: int) -> Panels:
 
     best_one, best_two, best_three, best_four = (tile_best(numba, height) for height in (1, 2, 3, 4))
 
-    def panel_argmax(x, panels, bias, has_bias, n, index, value):
+    def panel_argmax(
+        x: np.ndarray,
+        panels: np.ndarray,
+        bias: np.ndarray,
+        has_bias: bool,
+        n: int,
+        index: np.ndarray,
+        value: np.ndarray,
+    ) -> None:
         rows = x.shape[0]
         tile = np.empty((tile_rows, PANEL), dtype=np.float32)
         padded = np.zeros(panels.shape[0] * PANEL, dtype=np.float32)  # what tile_best reads, bias or not

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -17,12 +18,14 @@ class Scan(NamedTuple):
     backward: Callable[..., None]  # scan_backward(transitions, initial, states, grad_states, grad_final, ...)
 
 
-def build_scan(numba) -> Scan:
+def build_scan(numba: ModuleType) -> Scan:
     """The scan forward (every state and the last) and backward (the loop in reverse), on float32 arrays."""
     jit = reassociating_jit(numba)
 
     @jit
-    def scan_states(transitions, inputs, initial, states, final):
+    def scan_states(
+        transitions: np.ndarray, inputs: np.ndarray, initial: np.ndarray, states: np.ndarray, final: np.ndarray
+    ) -> None:
         """state_t = A_t state_(t-1) + u_t: (B, T, H, b, b), (B, T, H, b), (B, H, b)
         -> states (B, T, H, b), final (B, H, b)."""
         batch, length, heads, size = inputs.shape
@@ -41,8 +44,15 @@ def build_scan(numba) -> Scan:
 
     @jit
     def scan_backward(
-        transitions, initial, states, grad_states, grad_final, grad_transitions, grad_inputs, grad_initial
-    ):
+        transitions: np.ndarray,
+        initial: np.ndarray,
+        states: np.ndarray,
+        grad_states: np.ndarray,
+        grad_final: np.ndarray,
+        grad_transitions: np.ndarray,
+        grad_inputs: np.ndarray,
+        grad_initial: np.ndarray,
+    ) -> None:
         """``_CompiledScan``'s backward: the gradients of ``scan_states``' outputs in, of its inputs out."""
         batch, length, heads, size = states.shape
         carried = np.empty(size, dtype=np.float32)  # G_(t+1) carried back: A_(t+1)^T G_(t+1)

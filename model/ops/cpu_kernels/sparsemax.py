@@ -4,6 +4,7 @@ sparsemax, compiled by :func:`build_sparsemax`."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -19,7 +20,7 @@ class Sparsemax(NamedTuple):
     backward: Callable[..., None]  # sparsemax_columns_backward(output, grad, size): the input's gradient, in grad
 
 
-def build_sparsemax(numba) -> Sparsemax:
+def build_sparsemax(numba: ModuleType) -> Sparsemax:
     """The column sparsemax, its backward and its inline one-block piece."""
     jit = reassociating_jit(numba)
     (vector_sparsemax_8, vector_backward_8), (vector_sparsemax_16, vector_backward_16) = (
@@ -27,7 +28,7 @@ def build_sparsemax(numba) -> Sparsemax:
     )
 
     @jit(inline="always")
-    def sparsemax_block(block, size, scratch):
+    def sparsemax_block(block: np.ndarray, size: int, scratch: np.ndarray) -> None:
         """block (b b,), row-major b x b, in place: each column its sparsemax max(v - tau, 0), without a sort: entry i
         is in the support where 1 + k_i v_i > s_i (k_i, s_i: count and sum of the column's entries >= v_i), tau =
         (s-1)/k over the support; a NaN column stays NaN. Branch-free, columns in lanes. scratch: (4, b). Blocks of 8
@@ -60,13 +61,15 @@ def build_sparsemax(numba) -> Sparsemax:
                 block[i * size + j] = max(block[i * size + j] - tau, np.float32(0.0))
 
     @jit
-    def sparsemax_columns(flat, size):  # (N b b,): N row-major b x b blocks, each in place -> sparsemax_block's
+    def sparsemax_columns(
+        flat: np.ndarray, size: int
+    ) -> None:  # (N b b,): N row-major b x b blocks, each in place -> sparsemax_block's
         scratch = np.empty((4, size), dtype=np.float32)
         for start in range(0, flat.shape[0], size * size):
             sparsemax_block(flat[start : start + size * size], size, scratch)
 
     @jit
-    def sparsemax_columns_backward(output, grad, size):
+    def sparsemax_columns_backward(output: np.ndarray, grad: np.ndarray, size: int) -> None:
         """(N b b,) each: the outputs, and their gradient, replaced in place by the inputs' gradient: on a column's
         support (positive outputs) the gradient less its mean there, else 0."""
         for start in range(0, output.shape[0], size * size):
