@@ -4,7 +4,8 @@ flagged), the API process's RSS growth (VmRSS sampled every 50 ms: peak and afte
 answer. Scenarios: ``stop`` (the most stop strings the server allows, then 100,000), ``token-ids`` (16 MB of token
 ids, 2M one-token prompts, 1M logit_bias keys), ``stall`` (SIGSTOP the engine process, then SIGCONT), ``body-cap``
 (20 MB and 40 MB bodies from urllib: the 413 read, or a reset), ``beside-long`` (8-token generates beside a 50,000-word
-prefill), ``burst`` (500 generates at once: the 429s and how fast they come).
+prefill), ``burst`` (500 generates at once: the 429s and how fast they come; sent by nghttp2's ``h2load`` where it is on
+PATH, a compiled client whose own CPU does not delay the answers it times, else by this process: ``--burst-client``).
 
     python -m benchmarks.serve.bench_faults [--only NAME[,NAME]] [--json PATH] [--engine-timeout S] [--max-stop N]
     python -m benchmarks.serve.bench_faults --url http://127.0.0.1:8000 [--api-pid PID] [--engine-pid PID]
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import string
@@ -774,8 +776,14 @@ class Barrier:
 
 
 def scenario_burst(target: Target, args: argparse.Namespace) -> list[Row]:
+    h2load = shutil.which("h2load") if args.burst_client != "python" else None
+    if args.burst_client == "h2load" and h2load is None:
+        raise SystemExit("--burst-client h2load: h2load is not on PATH (Debian/Ubuntu: apt-get install nghttp2-client)")
+    client = "h2load" if h2load else "python"
+
     def burst(row: Row) -> None:
-        results = run_async(burst_requests(target.url, args))
+        row.notes.append(f"client: {client}")
+        results = h2load_burst(h2load, target.url, args) if h2load else run_async(burst_requests(target.url, args))
         statuses = Counter(status for status, _ in results)
         row.got = ", ".join(f"{status} x{count}" for status, count in sorted(statuses.items(), key=str))
         row.answer_s = max(seconds for _, seconds in results)
@@ -791,6 +799,24 @@ def scenario_burst(target: Target, args: argparse.Namespace) -> list[Row]:
         row.extra.update(refused_s=refused, served_s=served, statuses={str(k): v for k, v in statuses.items()})
 
     return [measured(target, "burst", f"{args.burst} generates at once, 16 tokens, own connections", burst)]
+
+
+def h2load_burst(h2load: str, url: str, args: argparse.Namespace) -> list[tuple[int | str, float]]:
+    """The burst from ``h2load --h1``: ``args.burst`` connections, one request each, sent as each connects (the same
+    body for all); the status and seconds from the request's write to the response's last byte, from its log."""
+    with tempfile.TemporaryDirectory() as folder:
+        body, log = Path(folder) / "body.json", Path(folder) / "requests.log"
+        body.write_text(json.dumps({"model": TEXT_LRNN, "prompt": "Hello", "max_tokens": 16}))
+        command = [h2load, "--h1", "-c", str(args.burst), "-n", str(args.burst), "-d", str(body)]
+        command += ["-H", "Content-Type: application/json", f"--log-file={log}", f"{url}/v1/generate"]
+        with suppress(subprocess.TimeoutExpired):  # what it logged by then counts; the rest: "timeout"
+            subprocess.run(command, capture_output=True, timeout=args.cap + 40, check=False)
+        lines = log.read_text().splitlines() if log.exists() else []
+    results: list[tuple[int | str, float]] = []
+    for line in lines:  # start (us since the epoch), status, microseconds to the end of the response
+        _, status, micros = line.split("\t")
+        results.append((int(status) if int(status) > 0 else "error", int(micros) / 1e6))
+    return results + [("timeout", float(args.cap))] * (args.burst - len(results))
 
 
 async def burst_requests(url: str, args: argparse.Namespace) -> list[tuple[int | str, float]]:
@@ -888,6 +914,13 @@ def main() -> None:
     parser.add_argument("--short-requests", type=int, default=10, help="8-token requests alone (beside-long)")
     parser.add_argument("--beside-s", type=float, default=30.0, help="the longest shorts are sent beside the prefill")
     parser.add_argument("--burst", type=int, default=500)
+    parser.add_argument(
+        "--burst-client",
+        choices=["auto", "h2load", "python"],
+        default="auto",
+        help="what sends the burst: h2load (nghttp2-client), this process (asyncio, all written at once after every "
+        "connection opened), or h2load where it is on PATH (auto)",
+    )
     add_server_arguments(parser)
     args = parser.parse_args()
     chosen = [name for option in args.only or [",".join(SCENARIOS)] for name in option.split(",") if name]

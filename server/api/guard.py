@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pydantic import SecretStr
 from starlette.datastructures import Headers
@@ -24,6 +26,21 @@ from server.api.json_body import BodyRefused
 from server.errors import APIError, InputTooLarge, RequestTimeout, Unauthorized
 
 QUEUED_PATHS = frozenset({"/v1/generate", "/v1/completions", "/v1/transduce"})  # POSTs that take a place in the queue
+T = TypeVar("T")
+
+
+async def within(call: Awaitable[T], seconds: float) -> T:
+    """``asyncio.wait_for(call, seconds)`` for a coroutine, without the task that ``wait_for`` starts for it before
+    Python 3.12 (each body read, each refusal's linger): ``TimeoutError`` past ``seconds``, and at once, the coroutine
+    not started, if ``seconds`` <= 0."""
+    if sys.version_info < (3, 11):
+        return await asyncio.wait_for(call, seconds)
+    if seconds <= 0:
+        if asyncio.iscoroutine(call):
+            call.close()
+        raise TimeoutError
+    async with asyncio.timeout(seconds):
+        return await call
 
 
 @dataclass(frozen=True)
@@ -49,12 +66,14 @@ class RequestGuard:
         linger: Linger = Linger(),
     ) -> None:
         """``needs_key(path)``: whether the path needs the API key (when set); ``refuse(error)``: the response to an
-        error found here; ``arrive()``: called for a POST to a queued path once its headers pass, raising an
-        ``APIError`` (429) or returning the function that ends its arrival."""
+        error found here, which must depend on the error's class, message and ``retry_after_s`` alone (each refusal is
+        rendered once and its bytes sent again: :class:`Refusals`); ``arrive()``: called for a POST to a queued path
+        once its headers pass, raising an ``APIError`` (429) or returning the function that ends its arrival."""
         self.app, self.needs_key, self.refuse, self.arrive = app, needs_key, refuse, arrive
         self.api_key = None if api_key is None else api_key.get_secret_value().encode()
         self.max_body_bytes, self.body_timeout_s, self.linger = max_body_bytes, body_timeout_s, linger
         self.turnstile = Turnstile()
+        self.refusals = Refusals(refuse)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,7 +89,7 @@ class RequestGuard:
             except APIError as full:
                 error = full
         if error is not None:  # the body is not read: the connection closes rather than read it as the next request
-            return await closing(self.refuse(error))(scope, body, send)
+            return await self.refusals.send(error, send)
         try:
             if leave is not None:
                 await self.turnstile.enter()
@@ -88,6 +107,31 @@ class RequestGuard:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return InputTooLarge(f"the body has {declared} bytes; the limit is {self.max_body_bytes} (max_body_bytes)")
         return None
+
+
+class Refusals:
+    """The guard's answers (``refuse(error)`` with ``Connection: close``) rendered once per distinct error and sent
+    again as bytes: a burst refused 429 then costs no model, JSON or header building per request, on the event loop
+    that reads the rest of the burst. At most ``max_kept`` are kept (a 413 names its request's size)."""
+
+    def __init__(self, refuse: Callable[[APIError], Response], max_kept: int = 64) -> None:
+        self.refuse, self.max_kept = refuse, max_kept
+        self.rendered: dict[tuple[type[APIError], str, int | None], tuple[int, list[tuple[bytes, bytes]], bytes]] = {}
+
+    async def send(self, error: APIError, send: Send) -> None:
+        """Send ``error``'s response as ``closing(refuse(error))`` would."""
+        key = (type(error), error.message, error.retry_after_s)
+        rendered = self.rendered.get(key)
+        if rendered is None:
+            response = closing(self.refuse(error))
+            rendered = response.status_code, list(response.raw_headers), bytes(response.body)
+            if len(self.rendered) >= self.max_kept:
+                self.rendered.clear()
+            self.rendered[key] = rendered
+        status, headers, content = rendered
+        # a list of its own per response: a middleware outside this one (CORS) may add to it
+        await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+        await send({"type": "http.response.body", "body": content})
 
 
 class Turnstile:
@@ -148,7 +192,7 @@ class RequestBody:
             if left <= 0:
                 return
             try:
-                message = await asyncio.wait_for(self(), min(linger.read_timeout_s, left))
+                message = await within(self(), min(linger.read_timeout_s, left))
             except asyncio.TimeoutError:
                 return
             discarded += len(message.get("body", b""))
@@ -192,7 +236,7 @@ class LimitedBody:
         if self.deadline is None:
             self.deadline = loop.time() + self.timeout_s
         try:
-            message = await asyncio.wait_for(self.receive(), self.deadline - loop.time())
+            message = await within(self.receive(), self.deadline - loop.time())
         except asyncio.TimeoutError:
             late = RequestTimeout(f"the body took longer than {self.timeout_s:g} s to arrive (body_timeout_s)")
             raise BodyRefused(late, body_unread=True) from None

@@ -26,7 +26,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from server.api.app import api_error_response, create_app
-from server.api.guard import RequestGuard, Turnstile
+from server.api.guard import RequestGuard, Turnstile, closing, within
 from server.engine.engine import EngineFront
 from server.errors import Overloaded
 from server.metrics import RequestTimes, ServerMetrics
@@ -326,6 +326,64 @@ def test_a_refusal_from_the_arrival_is_a_429_without_calling_the_app() -> None:
     start, *bodies = call(guard_around(app, full))
     assert start["status"] == 429 and (b"retry-after", b"3") in start["headers"]
     assert json.loads(b"".join(body["body"] for body in bodies))["error"]["type"] == "overloaded_error"
+
+
+def test_a_refusal_is_rendered_once_and_sent_as_the_response_would_be() -> None:
+    """The guard's 429 carries the bytes and headers of ``closing(api_error_response(error))``, each time in a header
+    list of its own (a middleware outside may add to it); another message is rendered anew."""
+
+    async def app(scope, receive, send) -> None:
+        raise AssertionError("the app was called")
+
+    message = ["the queue is full (2 requests waiting); retry later"]
+
+    def full():
+        raise Overloaded(message[0], retry_after_s=3)
+
+    expected = closing(api_error_response(Overloaded(message[0], retry_after_s=3)))
+    guard = guard_around(app, full)
+    first, second = call(guard), call(guard)
+    for sent in (first, second):
+        start, *bodies = sent
+        assert (start["status"], start["headers"]) == (expected.status_code, expected.raw_headers)
+        assert b"".join(body["body"] for body in bodies) == expected.body
+        assert not bodies[-1].get("more_body", False)
+    assert first[0]["headers"] is not second[0]["headers"]
+    first[0]["headers"].append((b"x-added", b"1"))
+    assert (b"x-added", b"1") not in call(guard)[0]["headers"]
+    message[0] = "the queue is full (3 requests waiting); retry later"
+    start, *bodies = call(guard)
+    assert json.loads(b"".join(body["body"] for body in bodies))["error"]["message"] == message[0]
+    assert [name for name, _ in start["headers"]] == [name for name, _ in expected.raw_headers]
+
+
+def test_within_times_out_as_wait_for_does() -> None:
+    """``within``: the result in time; ``TimeoutError`` past the limit, the call cancelled; at once for a limit <= 0,
+    the call never started."""
+    events: list[str] = []
+
+    async def slow(result: str) -> str:
+        events.append(f"{result} started")
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            events.append(f"{result} cancelled")
+            raise
+        return result
+
+    async def quick() -> str:
+        await asyncio.sleep(0)
+        return "quick"
+
+    async def scenario() -> None:
+        assert await within(quick(), 1.0) == "quick"
+        with pytest.raises(asyncio.TimeoutError):
+            await within(slow("late"), 0.01)
+        with pytest.raises(asyncio.TimeoutError):
+            await within(slow("never"), 0)
+
+    asyncio.run(scenario())
+    assert events == ["late started", "late cancelled"]
 
 
 def test_the_turnstile_lets_one_request_on_per_turn_of_the_loop_after_those_that_came_with_it() -> None:
