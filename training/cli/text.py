@@ -41,6 +41,7 @@ from training.cli.train import (
 )
 from training.data.corpus import DEFAULT_CORPUS
 from training.data.passkey import DISTRACTOR_PLACES, PassKeyBuilder
+from training.data.retrieval import MAX_NEEDLES, SPLITS
 from training.evaluation.passkey_probe import (
     FILLER_KINDS,
     GRASS_FILLER,
@@ -50,6 +51,7 @@ from training.evaluation.passkey_probe import (
     is_filler_name,
     probe_checkpoint,
 )
+from training.evaluation.retrieval_probe import ASK_MODES
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -195,6 +197,20 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         "'No. 97', '20,000', '£45'), not only ' 4521'",
     )
     what.add_argument(
+        "--recall-fraction",
+        type=probability,
+        default=0.0,
+        help="each training row ends, with this probability, in a retrieval example of the trained split "
+        "(training/data/retrieval.py: composed wordings, numbers, codes and words, several needles, "
+        "several questions), scored on its answers only",
+    )
+    what.add_argument(
+        "--recall-needles",
+        type=positive_int,
+        default=4,
+        help=f"a retrieval example hides 1 to this many needles (at most {MAX_NEEDLES}; default 4)",
+    )
+    what.add_argument(
         "--state-passing",
         action="store_true",
         help="recurrent models: each row reads consecutive windows, starting from the state its last "
@@ -220,8 +236,8 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--passkey-fresh",
         action="store_true",
-        help="with --state-passing: a row given a pass-key example starts it from the model's initial "
-        "state, while text rows carry theirs (no example begins in a state holding an earlier key)",
+        help="with --state-passing: a row given a pass-key or retrieval example starts it from the model's "
+        "initial state, while text rows carry theirs (no example begins in a state holding an earlier key)",
     )
     what.add_argument(
         "--teacher",
@@ -287,6 +303,7 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         LanguageModelObjective,
         TextData,
         check_passkey_length,
+        check_recall_length,
         checkpoint_tokenizer_name,
     )
 
@@ -315,11 +332,15 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
             "--state-reset with --passkey-span over 1 would cut examples across windows in their middle "
             "(a reset row forgets its key): use one of them"
         )
-    if args.passkey_fresh and not (args.state_passing and args.passkey_fraction):
+    if args.passkey_fresh and not (args.state_passing and (args.passkey_fraction or args.recall_fraction)):
         raise UsageError(
-            "--passkey-fresh needs --state-passing and --passkey-fraction (it starts pass-key rows from "
-            "the initial state instead of their carried one)"
+            "--passkey-fresh needs --state-passing and --passkey-fraction or --recall-fraction (it starts "
+            "example rows from the initial state instead of their carried one)"
         )
+    if args.recall_needles > MAX_NEEDLES:
+        raise UsageError(f"--recall-needles {args.recall_needles}: an example holds at most {MAX_NEEDLES} needles")
+    if args.recall_fraction:
+        check_recall_length(tokenizer, args.length)
     if args.teacher_weight is not None and args.teacher is None:
         raise UsageError("--teacher-weight needs --teacher (the model whose distributions are learned)")
     teacher_weight = 0.0 if args.teacher is None else 0.5 if args.teacher_weight is None else args.teacher_weight
@@ -341,6 +362,8 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         passkey_span=args.passkey_span,
         state_reset=args.state_reset,
         passkey_fresh=args.passkey_fresh,
+        recall_fraction=args.recall_fraction,
+        recall_needles=args.recall_needles,
         teacher=None if args.teacher is None else str(args.teacher),
         teacher_weight=teacher_weight,
     )
@@ -375,6 +398,8 @@ def _with_attention_impl(model: torch.nn.Module, attention_impl: str) -> torch.n
 
 REPORT_FILE, PERPLEXITY_PLOT, RECEPTIVE_PLOT = "eval.json", "perplexity.png", "receptive_field.png"  # in --out
 PASSKEY_REPORT, PASSKEY_PLOT = "passkey.json", "passkey.png"  # in --out, with --probe passkey
+RETRIEVAL_REPORT, RETRIEVAL_PLOT = "retrieval.json", "retrieval.png"  # in --out, with --probe retrieval
+MAX_PROBE_TOKENS = 2**24  # the largest prompt a probe builds
 PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is refused with the other
     "perplexity": {
         "corpus": None,
@@ -398,6 +423,21 @@ PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is 
         "distractors_at": "either",
         "number_forms": False,
     },
+    "retrieval": {
+        "sizes": (2**10, 2**13, 2**15),
+        "depths": (0.0, 0.25, 0.5, 0.75, 1.0),
+        "filler": [[DEFAULT_CORPUS, GRASS_FILLER]],
+        "trials": 4,
+        "seed": 0,
+        "max_new_tokens": 16,
+        "batch_size": 16,
+        "max_memory": 4.0,
+        "split": "both",
+        "formats": None,
+        "needles": 1,
+        "ask": "one",
+        "wordings": None,
+    },
 }
 
 
@@ -418,7 +458,8 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
         choices=tuple(PROBE_DEFAULTS),
         default="perplexity",
         help="perplexity (default): last-token perplexity against context length; passkey: "
-        "pass-key retrieval by prompt size and key depth",
+        "pass-key retrieval by prompt size and key depth; retrieval: values of several formats hidden and asked "
+        "in generated wordings, a trained and a held-out split",
     )
     parser.add_argument(
         "--batch-size", type=positive_int, help="rows per forward pass (default: perplexity 8, passkey 16)"
@@ -445,7 +486,9 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         help="length of the receptive-field windows in multiples of L_tr (default 4)",
     )
-    passkey = parser.add_argument_group("--probe passkey (training/evaluation/passkey_probe.py)")
+    passkey = parser.add_argument_group(
+        "--probe passkey and --probe retrieval (training/evaluation/passkey_probe.py, retrieval_probe.py)"
+    )
     passkey.add_argument(
         "--sizes", type=token_counts, help="prompt sizes in tokens, k = 1024, M = 1048576 (default 1k,8k,64k,1M)"
     )
@@ -461,9 +504,13 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
         help="repeat or comma-separate: austen (its held-out tails), grass (the classic "
         "'The grass is green. ...'), text:PATH or owt2:PATH (default austen,grass)",
     )
-    passkey.add_argument("--trials", type=positive_int, help="keys per size, depth and filler (default 2)")
+    passkey.add_argument(
+        "--trials", type=positive_int, help="keys per size, depth and filler (default: passkey 2, retrieval 4)"
+    )
     passkey.add_argument("--seed", type=int, help="draws the keys and filler offsets (default 0)")
-    passkey.add_argument("--max-new-tokens", type=positive_int, help="greedy tokens decoded (default 8)")
+    passkey.add_argument(
+        "--max-new-tokens", type=positive_int, help="greedy tokens decoded (default: passkey 8, retrieval 16)"
+    )
     passkey.add_argument(
         "--distractors",
         type=non_negative_int,
@@ -489,6 +536,35 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="for a batch's caches and one prefill call's peak, as the model estimates them; "
         "a size at which one row does not fit is skipped (default 4)",
+    )
+    retrieval = parser.add_argument_group("--probe retrieval (training/data/retrieval.py)")
+    retrieval.add_argument(
+        "--split",
+        choices=(*SPLITS, "both"),
+        help="the wordings and value formats training draws from (trained), those it never sees (held-out), or "
+        "both, reported apart (default both)",
+    )
+    retrieval.add_argument(
+        "--formats",
+        help="value formats, comma-separated: number, code, word (a family: all of its formats in the split) or "
+        "number-N (default: all of the split's)",
+    )
+    retrieval.add_argument(
+        "--needles",
+        type=positive_int,
+        help=f"needles per prompt, each with a key and value of its own (at most {MAX_NEEDLES}; default 1)",
+    )
+    retrieval.add_argument(
+        "--ask",
+        choices=ASK_MODES,
+        help="with --needles: ask for the needle at --depths (one, default), or for each needle in turn (each)",
+    )
+    retrieval.add_argument(
+        "--wordings",
+        type=Path,
+        metavar="FILE",
+        help='JSON list of {"needle": "... {value} ...", "question": "...", "introduction": "..."} ({key} in '
+        "both or neither) used instead of the composed wordings",
     )
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
@@ -522,7 +598,8 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     _fill_probe_defaults(args)
     checkpoints = [_text_checkpoint(path, args) for path in args.checkpoint]
     out = args.out or Path("runs", "text-eval", "+".join(path.resolve().name for path in args.checkpoint))
-    written = (_run_passkey if args.probe == "passkey" else _run_perplexity)(args, checkpoints, out)
+    run = {"passkey": _run_passkey, "retrieval": _run_retrieval}.get(args.probe, _run_perplexity)
+    written = run(args, checkpoints, out)
     print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0
 
@@ -543,6 +620,8 @@ def _fill_probe_defaults(args: argparse.Namespace) -> None:
     for dest, default in own.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
+    if "sizes" in own and args.sizes[-1] > MAX_PROBE_TOKENS:
+        raise UsageError(f"--sizes {args.sizes[-1]}: a probe's prompts have at most {MAX_PROBE_TOKENS} tokens (16M)")
 
 
 def _text_checkpoint(path: Path, args: argparse.Namespace) -> tuple[LoadedCheckpoint, Tokenizer]:
@@ -626,10 +705,7 @@ def _run_passkey(
         )
     fillers = []  # every checkpoint's filler token streams, all read (and the sizes checked) before any runs
     for loaded, tokenizer in checkpoints:
-        streams = {name: filler_tokens(name, tokenizer, _validation_fraction(loaded)) for name in probe.fillers}
-        empty = [name for name, stream in streams.items() if len(stream) == 0]
-        if empty:
-            raise UsageError(f"--filler {empty[0]}: no held-out text")
+        streams = _filler_streams(probe.fillers, loaded, tokenizer)
         shortest = PassKeyBuilder(tokenizer, streams[probe.fillers[0]]).shortest()
         if probe.sizes[0] < shortest:
             raise UsageError(
@@ -647,6 +723,71 @@ def _run_passkey(
 
         plots.append((PASSKEY_PLOT, plot_passkey))
     return _write_reports(out, PASSKEY_REPORT, reports, plots)
+
+
+def _run_retrieval(
+    args: argparse.Namespace, checkpoints: list[tuple[LoadedCheckpoint, Tokenizer]], out: Path
+) -> list[Path]:
+    from training.data.retrieval import RetrievalBuilder, formats_named, wordings_from_file
+    from training.evaluation.retrieval_probe import (
+        RetrievalProbe,
+        format_retrieval_table,
+        probe_checkpoint,
+    )
+
+    if args.needles > MAX_NEEDLES:
+        raise UsageError(f"--needles {args.needles}: a prompt holds at most {MAX_NEEDLES} needles")
+    splits = SPLITS if args.split == "both" else (args.split,)
+    if args.formats is not None:
+        for split in splits:
+            formats_named(args.formats, split)  # ValueError naming an unknown format (exit 2)
+    wordings = wordings_from_file(args.wordings) if args.wordings is not None else None
+    probe = RetrievalProbe(
+        sizes=args.sizes,
+        depths=args.depths,
+        fillers=tuple(dict.fromkeys(name for names in args.filler for name in names)),
+        splits=splits,
+        formats=args.formats,
+        needles=args.needles,
+        ask=args.ask,
+        trials=args.trials,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        max_memory=int(args.max_memory * 2**30),
+        wordings=args.wordings,
+    )
+    fillers = []  # every checkpoint's filler streams, read (and the sizes checked) before any runs
+    for loaded, tokenizer in checkpoints:
+        streams = _filler_streams(probe.fillers, loaded, tokenizer)
+        for split in splits:
+            builder = RetrievalBuilder(tokenizer, streams[probe.fillers[0]], split, wordings)
+            shortest = builder.longest_fixed(probe.split_formats(split), probe.needles)
+            if probe.sizes[0] < shortest:
+                raise UsageError(
+                    f"--sizes {probe.sizes[0]}: a retrieval prompt of the {split} split with {probe.needles} "
+                    f"needle(s) takes up to {shortest} tokens of {loaded.path}'s tokenizer"
+                )
+        fillers.append(streams)
+    reports = []
+    for (loaded, tokenizer), streams in zip(checkpoints, fillers):
+        reports += probe_checkpoint(loaded, tokenizer, streams, probe, wordings, progress=args.progress)
+    print(format_retrieval_table(reports))
+    plots = []
+    if args.plots:
+        from training.evaluation.text_plots import plot_passkey
+
+        plots.append((RETRIEVAL_PLOT, plot_passkey))
+    return _write_reports(out, RETRIEVAL_REPORT, reports, plots)
+
+
+def _filler_streams(names: tuple[str, ...], loaded: LoadedCheckpoint, tokenizer: Tokenizer) -> dict:
+    """Each filler's token stream for one checkpoint; UsageError for one without held-out text."""
+    streams = {name: filler_tokens(name, tokenizer, _validation_fraction(loaded)) for name in names}
+    empty = [name for name, stream in streams.items() if len(stream) == 0]
+    if empty:
+        raise UsageError(f"--filler {empty[0]}: no held-out text")
+    return streams
 
 
 def _write_reports(

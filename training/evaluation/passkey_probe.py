@@ -145,17 +145,16 @@ def probe_checkpoint(
     report_fillers = []
     for name, stream in fillers.items():
         builder = PassKeyBuilder(tokenizer, stream, probe.number_forms)
-        sizes = []
-        for size in probe.sizes:
-            bar.set_postfix(filler=name, size=size_label(size))
-            plan = batch_plan(model, min(probe.batch_size, prompts_per_cell), size, probe.max_memory)
-            if isinstance(plan, str):
-                sizes.append(_size_row(size, probe, [], plan))
-                bar.update(prompts_per_cell * size)
-                continue
-            prompts = cell_prompts(builder, probe, name, size)
-            completions = _complete(model, tokenizer, prompts, plan, probe.max_new_tokens, bar.update)
-            sizes.append(_size_row(size, probe, list(zip(prompts, completions)), None))
+        sizes = sized_rows(
+            model,
+            tokenizer,
+            probe,
+            prompts_per_cell,
+            lambda size: cell_prompts(builder, probe, name, size),
+            lambda size, answered, skipped: _size_row(size, probe, answered, skipped),
+            bar,
+            {"filler": name},
+        )
         report_fillers.append({"filler": name, "filler_tokens": len(stream), "sizes": sizes})
     bar.close()
     return {
@@ -173,19 +172,49 @@ def probe_checkpoint(
     }
 
 
-def _complete(
+def sized_rows(
     model: SequenceModel,
     tokenizer: Tokenizer,
-    prompts: Sequence[PassKeyPrompt],
+    probe: Any,
+    per_cell: int,
+    cell: Callable[[int], Sequence[Any]],
+    row: Callable[[int, list[tuple[Any, str]], str | None], dict[str, Any]],
+    bar: tqdm,
+    postfix: dict[str, str],
+) -> list[dict[str, Any]]:
+    """One report row per size of ``probe`` (its sizes, batch_size, max_memory and max_new_tokens): ``row(size,
+    [(prompt, completion), ...], None)`` for the ``cell(size)`` prompts (each with ``.tokens``, ``per_cell`` of them)
+    read and decoded greedily, or ``row(size, [], why)`` when one row does not fit (``batch_plan``)."""
+    rows = []
+    for size in probe.sizes:
+        bar.set_postfix(**postfix, size=size_label(size))
+        plan = batch_plan(model, min(probe.batch_size, per_cell), size, probe.max_memory)
+        if isinstance(plan, str):
+            rows.append(row(size, [], plan))
+            bar.update(per_cell * size)
+            continue
+        prompts = cell(size)
+        texts = complete_greedily(
+            model, tokenizer, [prompt.tokens for prompt in prompts], plan, probe.max_new_tokens, bar.update
+        )
+        rows.append(row(size, list(zip(prompts, texts)), None))
+    return rows
+
+
+def complete_greedily(
+    model: SequenceModel,
+    tokenizer: Tokenizer,
+    prompts: Sequence[np.ndarray],
     plan: tuple[int, int],
     max_new_tokens: int,
     on_prefill: Callable[[int], None],
 ) -> list[str]:
-    """The decoded greedy completion of each prompt (all of one length), ``plan[0]`` rows at a time."""
+    """The decoded greedy completion of each prompt ((size,) tokens, all of one size), ``plan[0]`` rows at a time,
+    read in chunks of ``plan[1]``."""
     rows, chunk = plan
     texts = []
     for start in range(0, len(prompts), rows):
-        batch = np.stack([prompt.tokens for prompt in prompts[start : start + rows]])  # (b, size)
+        batch = np.stack(prompts[start : start + rows])  # (b, size)
         tokens = greedy_completions(
             model, torch.from_numpy(batch).to(model.device), max_new_tokens, chunk, on_prefill
         )  # (b, max_new_tokens)

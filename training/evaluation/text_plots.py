@@ -1,6 +1,6 @@
 """``text-eval --plots``: PNGs of last-token perplexity against context length and of the
 receptive field (cumulative gradient-norm share against position, as the RegularGPT paper's Fig. 4); with ``--probe
-passkey`` the needle heat map (accuracy by prompt size and key depth)."""
+passkey`` and ``--probe retrieval`` the needle heat map (accuracy by prompt size and needle depth)."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathL
 
 
 def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
-    """The needle heat map: one panel per checkpoint and filler, rows = key depth, columns = prompt size, colour =
-    pass-key accuracy (red 0 .. green 1), each cell marked right/total; skipped sizes grey."""
+    """The needle heat map: one panel per checkpoint and filler, rows = needle depth, columns = prompt size, colour =
+    accuracy (red 0 .. green 1), each cell marked right/total; skipped sizes grey."""
     from training.evaluation.passkey_probe import size_label
 
     panels = [(report, filler) for report in reports for filler in report["fillers"]]
@@ -91,12 +91,14 @@ def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> 
         axes.set_xticks(range(len(sizes)), [size_label(row["size"]) for row in sizes])
         axes.set_yticks(range(len(depths)), [f"{depth:g}" for depth in depths])
         axes.set_xlabel("prompt size (tokens)")
-        axes.set_ylabel("key depth")
-        axes.set_title(f"{_label(report)}, filler {filler['filler']}", fontsize="medium")
+        axes.set_ylabel("needle depth")
+        split = f", {report['split']} split" if "split" in report else ""
+        axes.set_title(f"{_label(report)}, filler {filler['filler']}{split}", fontsize="medium")
         figure.colorbar(image, ax=axes, label="accuracy")
     for axes in list(axes_grid.flat)[len(panels) :]:
         axes.set_visible(False)
-    figure.suptitle(f"pass key: greedy answers, {reports[0]['trials']} per size, depth and filler")
+    probe = "retrieval" if reports[0].get("probe") == "retrieval" else "pass key"
+    figure.suptitle(f"{probe}: greedy answers, {reports[0]['trials']} per size, depth and filler")
     figure.tight_layout()
     figure.savefig(path, format="png")
     plt.close(figure)

@@ -23,6 +23,7 @@ from model.tokenizer import FILE_PREFIX, Tokenizer
 from training.data.batches import IGNORE_INDEX, Batch
 from training.data.corpus import corpus_documents, is_streamed, split_document
 from training.data.passkey import PassKeyBuilder, draw_key
+from training.data.retrieval import HELD_OUT, TRAINED, RetrievalBuilder, split_formats
 from training.data.text_batches import StreamedWindows, TokenArray, tokenize_documents
 from training.objectives.distill import Teacher
 from training.objectives.distributed import Distributed
@@ -50,6 +51,8 @@ class TextData:
     passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
     state_reset: float = 0.0  # with state passing: the chance that a row starts a step from the initial state
     passkey_fresh: bool = False  # with state passing: a row given a pass-key example starts it from the initial state
+    recall_fraction: float = 0.0  # of the training rows: retrieval examples (training/data/retrieval.py, trained split)
+    recall_needles: int = 4  # a retrieval row hides 1 .. this many needles; with several, it may ask for several
     teacher: str | None = None  # a language model's folder whose distributions the text rows learn too
     teacher_weight: float = 0.0  # with a teacher: the share of its cross-entropy in a text row's loss
 
@@ -59,6 +62,9 @@ PASSKEY_VALIDATION_MULTIPLES = (1, 16)  # evaluated prompt sizes, in training le
 PASSKEY_STREAM = 2  # key of the validation prompts' random stream (with the seed)
 EVALUATION_MEMORY = 2 * 2**30  # bytes: the most one validation call may take, by the model's own estimate
 PASSKEY_ANSWER_TOKENS = 8  # room for " {key}." in any tokenizer this project uses (the bytes one: 7)
+RECALL_ANSWER_TOKENS = 16  # room for " {value}." of any format in any tokenizer this project uses
+RECALL_STREAM = 3  # key of the retrieval validation prompts' random stream (with the seed)
+RECALL_VALIDATION_PROMPTS = 32  # per evaluated size, held-out split, formats in turn
 
 
 class LanguageModelObjective(Objective):
@@ -108,12 +114,16 @@ class LanguageModelObjective(Objective):
         if data.passkey_fraction:
             self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
             self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens, data.passkey_number_forms)
+        self.recall = None
+        if data.recall_fraction:
+            self.recall = RetrievalBuilder(tokenizer, self.windows.tokens, TRAINED)
         if data.teacher is not None:
             self.teacher = Teacher.load(
                 Path(data.teacher), data.teacher_weight, tokenizer, batch_size, data.state_passing, dist.device
             )
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
+        self.recall_validation = self._recall_prompts(seed) if evaluate and self.recall else None
 
     def _validation_windows(self, seed: int) -> torch.Tensor:
         """Fixed (N, length + 1) validation windows, the same on every process."""
@@ -141,6 +151,63 @@ class LanguageModelObjective(Objective):
             ]
             prompts[size] = (torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows]))
         return prompts
+
+    def _recall_prompts(self, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Fixed held-out-split retrieval prompts, filler from the held-out text, one needle, the first value
+        scored: {size: ((N, size + answer) tokens, targets)}."""
+        held_out = np.concatenate(validation_tokens(self.data.corpus, self.data.validation_fraction, self.tokenizer))
+        builder = RetrievalBuilder(self.tokenizer, held_out, HELD_OUT)
+        formats = split_formats(HELD_OUT)
+        rng = np.random.default_rng([seed, RECALL_STREAM])
+        prompts = {}
+        for multiple in PASSKEY_VALIDATION_MULTIPLES:
+            size = self.data.length * multiple
+            rows = []
+            for index, depth in enumerate(np.linspace(0.0, 1.0, RECALL_VALIDATION_PROMPTS)):
+                draw = builder.draw(rng, formats[index % len(formats)], float(depth))
+                prompt = builder.prompt(draw, size + 1 - len(builder.answer(draw.values[0])))
+                tokens = np.concatenate([prompt.tokens, prompt.answer])
+                targets = torch.full((size,), IGNORE_INDEX, dtype=torch.long)
+                targets[-len(prompt.answer) :] = torch.from_numpy(prompt.answer)
+                rows.append((torch.from_numpy(tokens), targets))
+            prompts[size] = (torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows]))
+        return prompts
+
+    def _recall_row(
+        self, size: int, prompt_size: int, text: np.ndarray, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(size,) tokens and (size - 1,) targets: ``text``, then a retrieval example of about ``prompt_size``
+        tokens from the trained split: 1 .. ``recall_needles`` needles, the first asked, and with several, half
+        the time more of them asked in turn after its answer; scored on the answers only."""
+        assert self.recall is not None
+        formats = split_formats(TRAINED)
+        fmt = formats[int(rng.integers(len(formats)))]
+        needles = int(rng.integers(1, self.data.recall_needles + 1))
+        while True:
+            draw = self.recall.draw(rng, fmt, float(rng.random()), needles)
+            asked = [0]
+            if needles > 1 and rng.random() < 0.5:
+                asked += [int(i) for i in rng.permutation(np.arange(1, needles))[: int(rng.integers(1, needles))]]
+            answer = self.recall.answer(draw.values[0])
+            follow = [(self.recall.question(draw, i), self.recall.answer(draw.values[i])) for i in asked[1:]]
+            tail = len(answer) + sum(len(q) + len(a) for q, a in follow)
+            fixed = self.recall.fixed_tokens(draw) + tail
+            if fixed <= size or needles == 1:  # a window too short for several needles gets one
+                break
+            needles = 1
+        prompt_size = min(max(prompt_size, fixed), size)
+        prompt = self.recall.prompt(draw, prompt_size - tail)
+        pieces = [text[: size - prompt_size], prompt.tokens, answer]
+        scored = [(len(text[: size - prompt_size]) + len(prompt.tokens), len(answer))]
+        for question, reply in follow:
+            start = sum(map(len, pieces)) + len(question)
+            pieces += [question, reply]
+            scored.append((start, len(reply)))
+        tokens = torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+        targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
+        for start, count in scored:  # target j is token j + 1
+            targets[start - 1 : start - 1 + count] = tokens[start : start + count]
+        return tokens, targets
 
     @staticmethod
     def _passkey_row(
@@ -173,7 +240,7 @@ class LanguageModelObjective(Objective):
         else:
             windows = self.windows.batch(rng, self.batch_size, length)  # (B, L + 1)
         targets = windows[:, 1:].clone()  # (B, L)
-        examples = np.zeros(len(windows), dtype=bool)  # the rows given an in-window pass-key example
+        examples = np.zeros(len(windows), dtype=bool)  # the rows given an in-window pass-key or retrieval example
         in_examples = np.zeros(len(windows), dtype=bool)  # ... or a window of an example spanning windows
         if self.passkey is not None:
             if self.data.passkey_span > 1 and self.spans is None:
@@ -198,6 +265,14 @@ class LanguageModelObjective(Objective):
                 )
                 examples[row] = True
                 if self.cursors is not None:  # the row's text goes on after the example
+                    self.cursors[row] -= length
+        if self.recall is not None:
+            chosen = (rng.random(self.batch_size) < self.data.recall_fraction) & ~in_examples
+            for row in np.flatnonzero(chosen):
+                prompt_size = int(rng.integers(1, length + 2))  # raised to what the example needs
+                windows[row], targets[row] = self._recall_row(length + 1, prompt_size, windows[row].numpy(), rng)
+                examples[row] = in_examples[row] = True
+                if self.cursors is not None:
                     self.cursors[row] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         fresh = None
@@ -292,20 +367,9 @@ class LanguageModelObjective(Objective):
         loss = total / self.validation[:, 1:].numel()
         figures = {"validation_loss": loss, "validation_perplexity": math.exp(loss)}
         for size, (tokens, targets) in (self.passkey_validation or {}).items():
-            right, rows = 0, evaluation_rows(model, size, batch_size)
-            for start in range(0, len(tokens), rows):
-                prompts = tokens[start : start + rows, :-1].to(dist.device)  # (b, size)
-                chunk = targets[start : start + rows].to(dist.device)  # (b, size)
-                scored = chunk != IGNORE_INDEX  # (b, size)
-                if model.selects_positions:
-                    wrong = model(prompts, positions=scored).argmax(dim=-1) != chunk[scored]  # (N,) row-major
-                    misses = torch.zeros(len(chunk), dtype=torch.long, device=chunk.device)  # (b,)
-                    misses.index_add_(0, scored.nonzero()[:, 0], wrong.long())
-                    right += int((misses == 0).sum())
-                else:
-                    logits = model(prompts)  # (b, size, V)
-                    right += int(((logits.argmax(dim=-1) == chunk) | ~scored).all(dim=1).sum())
-            figures[f"passkey_accuracy_{size}"] = right / len(tokens)
+            figures[f"passkey_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
+        for size, (tokens, targets) in (self.recall_validation or {}).items():
+            figures[f"recall_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
         return Evaluation(figures, score=-loss)
 
     def checkpoint_config(
@@ -352,6 +416,27 @@ class LanguageModelObjective(Objective):
                 self.spans = [None if span is None else (str(span[0]), int(span[1])) for span in state["spans"]]
 
 
+def _answered(
+    model: SequenceModel, tokens: torch.Tensor, targets: torch.Tensor, dist: Distributed, batch_size: int
+) -> float:
+    """The share of the (N, size + 1) validation rows whose scored ``targets`` (N, size) are all the model's argmax
+    (teacher-forced), at most ``batch_size`` rows a call."""
+    right, rows = 0, evaluation_rows(model, tokens.shape[1] - 1, batch_size)
+    for start in range(0, len(tokens), rows):
+        prompts = tokens[start : start + rows, :-1].to(dist.device)  # (b, size)
+        chunk = targets[start : start + rows].to(dist.device)  # (b, size)
+        scored = chunk != IGNORE_INDEX  # (b, size)
+        if model.selects_positions:
+            wrong = model(prompts, positions=scored).argmax(dim=-1) != chunk[scored]  # (N,) row-major
+            misses = torch.zeros(len(chunk), dtype=torch.long, device=chunk.device)  # (b,)
+            misses.index_add_(0, scored.nonzero()[:, 0], wrong.long())
+            right += int((misses == 0).sum())
+        else:
+            logits = model(prompts)  # (b, size, V)
+            right += int(((logits.argmax(dim=-1) == chunk) | ~scored).all(dim=1).sum())
+    return right / len(tokens)
+
+
 def evaluation_rows(model: SequenceModel, length: int, limit: int) -> int:
     """How many rows of ``length`` tokens one validation call takes: at most ``limit``, and as many as the model's
     estimate of a parallel pass over them keeps within ``EVALUATION_MEMORY`` (one at least)."""
@@ -367,6 +452,19 @@ def check_passkey_length(tokenizer: Tokenizer, length: int) -> int:
             f"pass-key examples need windows of at least {shortest} tokens; --length {length} is too short"
         )
     return shortest
+
+
+def check_recall_length(tokenizer: Tokenizer, length: int) -> int:
+    """The most tokens a one-needle retrieval row of the trained split takes, by
+    :meth:`RetrievalBuilder.longest_fixed` and ``RECALL_ANSWER_TOKENS``; a ValueError unless training windows of
+    ``length`` tokens hold it."""
+    builder = RetrievalBuilder(tokenizer, np.zeros(1, dtype=np.int64), TRAINED)
+    longest = builder.longest_fixed(split_formats(TRAINED)) + RECALL_ANSWER_TOKENS
+    if longest > length + 1:
+        raise ValueError(
+            f"retrieval examples need windows of at least {longest} tokens; --length {length} is too short"
+        )
+    return longest
 
 
 def checkpoint_tokenizer_name(ranks_file: Path | None, spec: str) -> str:

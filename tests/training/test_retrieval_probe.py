@@ -1,0 +1,296 @@
+"""Retrieval prompts (training/data/retrieval.py), ``text-eval --probe retrieval`` and ``text-train
+--recall-fraction``: prompt sizes and needle places, the two splits kept apart, exact scoring with hand-made models,
+wordings files, the report, training rows scored on their answers only, and bad input. No network."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.tokenizer import Tokenizer, load_tokenizer
+from tests.training.probe_models import BYTES, REPO, Answerer, save_tiny_lrnn
+from training.cli.main import main
+from training.data.batches import IGNORE_INDEX
+from training.data.passkey import grass_filler
+from training.data.retrieval import (
+    CODE_SHAPES,
+    HELD_OUT,
+    INTRODUCTIONS,
+    KEYS,
+    NUMBER_DIGITS,
+    QUESTIONS,
+    SPLITS,
+    STATEMENTS,
+    SUBJECTS,
+    TRAINED,
+    WORDS,
+    RetrievalBuilder,
+    first_value,
+    formats_named,
+    split_formats,
+    wordings_from_file,
+)
+from training.evaluation.retrieval_probe import RetrievalProbe, cell_prompts, format_retrieval_table, probe_checkpoint
+from training.objectives.language_model import LanguageModelObjective, TextData
+
+pytestmark = pytest.mark.usefixtures("no_network")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_tiny_lrnn(tmp_path_factory.mktemp("tiny-lrnn"))
+
+
+AUSTEN_8K = load_tokenizer("file:tokenizer.tiktoken", REPO / "checkpoints/text-lrnn")
+ALL_WORDS = "|".join(word for split in SPLITS for word in WORDS[split])
+VALUE = re.compile(rf"\b(\d+|[A-Z0-9]+(?:-[A-Z0-9]+)+|[A-Z0-9]*\d[A-Z0-9]*|{ALL_WORDS})\b")
+
+
+def read_asked(text: str) -> str | None:
+    """What a perfect retriever answers: the value the needle of the last key named (the question's) states."""
+    keys = [key for split in SPLITS for key in KEYS[split]]
+    named = [(m.start(), m.group(0)) for m in re.finditer(rf"\b({'|'.join(keys)})\b", text)]
+    if len(named) < 2:
+        return None
+    key = named[-1][1]
+    first = next(start for start, name in named if name == key)
+    match = VALUE.search(text, first + len(key))
+    return match.group(0) if match else None
+
+
+def read_last(text: str) -> str | None:
+    """A model that answers the last value it read before the question."""
+    keys = [key for split in SPLITS for key in KEYS[split]]
+    named = list(re.finditer(rf"\b({'|'.join(keys)})\b", text))
+    values = VALUE.findall(text[: named[-1].start()]) if len(named) >= 2 else []
+    return values[-1] if values else None
+
+
+@pytest.mark.parametrize("tokenizer", [BYTES, AUSTEN_8K], ids=["bytes", "austen-8k"])
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_prompt_is_size_tokens_and_hides_each_needle_near_its_depth(tokenizer: Tokenizer, split: str) -> None:
+    builder = RetrievalBuilder(tokenizer, grass_filler(tokenizer), split)
+    rng = np.random.default_rng(3)
+    for fmt in split_formats(split):
+        draw = builder.draw(rng, fmt, 0.3, needles=3)
+        assert len(set(draw.keys)) == 3 and len(set(draw.values)) == 3
+        for size in (builder.longest_fixed((fmt,), 3) + 50, 2000):
+            for asked in range(3):
+                prompt = builder.prompt(draw, size, asked)
+                assert prompt.tokens.shape == (size,) and prompt.value == draw.values[asked]
+                text = tokenizer.decode(prompt.tokens.tolist())
+                assert text.endswith(draw.wording.ask(draw.keys[asked]))
+                needle = tokenizer.decode(prompt.tokens[prompt.needles[asked]].tolist())
+                assert needle == draw.wording.needle(draw.keys[asked], prompt.value)
+                filler = size - builder.fixed_tokens(draw, asked)
+                before = prompt.needles[0].start - len(builder._pieces(draw, asked)[0])
+                before -= sum(s.stop - s.start for s in prompt.needles if s.start < prompt.needles[0].start)
+                assert abs(before - 0.3 * filler) <= 64  # moved to a sentence's end within 64 tokens
+                assert first_value(tokenizer.decode(prompt.answer.tolist())) == prompt.value
+
+
+def test_the_held_out_split_shares_no_part_or_value_with_the_trained_one() -> None:
+    for parts in (INTRODUCTIONS, SUBJECTS, STATEMENTS, QUESTIONS, KEYS, WORDS, NUMBER_DIGITS, CODE_SHAPES):
+        assert not set(parts[TRAINED]) & set(parts[HELD_OUT])
+    assert len(STATEMENTS[HELD_OUT]) * len(QUESTIONS[HELD_OUT]) * len(SUBJECTS[HELD_OUT]) >= 8
+    assert {fmt.split("-")[0] for fmt in split_formats(HELD_OUT)} == {"number", "code", "word"}
+    assert sorted(NUMBER_DIGITS[TRAINED] + NUMBER_DIGITS[HELD_OUT]) == list(range(1, 11))
+    assert formats_named("number,word", HELD_OUT) == ("number-4", "number-7", "word")
+    with pytest.raises(ValueError, match="value format 'number-4' is not in the trained split"):
+        formats_named("number-4", TRAINED)
+
+
+def test_first_value_is_the_first_run_of_letters_and_digits() -> None:
+    assert first_value(" 4411. Remember") == "4411"
+    assert first_value(' "QX7-41B", it is') == "QX7-41B"
+    assert first_value(" pebble.") == "pebble"
+    assert first_value(" the number 12") == "the" and first_value(" ...") is None
+
+
+@pytest.mark.parametrize(
+    "read, needles, ask, expected",
+    [(read_asked, 1, "one", "all"), (read_asked, 3, "each", "all"), (read_last, 3, "each", "last")],
+)
+def test_a_retriever_scores_right_and_a_last_value_reader_only_where_the_needle_is_last(
+    checkpoint: Path,
+    read,
+    needles: int,
+    ask: str,
+    expected: str,
+) -> None:
+    loaded = load_checkpoint(checkpoint)
+    loaded.model = Answerer(loaded.config.model, BYTES, lambda value: f" {value}.", read=read)
+    probe = RetrievalProbe(
+        sizes=(700, 900),
+        depths=(0.0, 0.5, 1.0),
+        fillers=("grass",),
+        splits=SPLITS,
+        needles=needles,
+        ask=ask,
+        trials=3,
+        max_memory=2**22,
+    )
+    reports = probe_checkpoint(loaded, BYTES, {"grass": grass_filler(BYTES)}, probe)
+    assert [report["split"] for report in reports] == list(SPLITS)
+    for report in reports:
+        builder = RetrievalBuilder(BYTES, grass_filler(BYTES), report["split"])
+        for size, row in zip(probe.sizes, report["fillers"][0]["sizes"]):
+            assert row["total"] == 9 * (needles if ask == "each" else 1)
+            prompts = cell_prompts(builder, probe, "grass", size)  # the probe's own prompts, drawn again
+            right = [trial["right"] for cell in row["depths"] for trial in cell["trials"]]
+            if expected == "all":
+                assert all(right)
+            else:  # right exactly where the asked needle is the last one before the question
+                last = [p.needles.index(max(p.needles, key=lambda s: s.start)) for p in prompts]
+                assert right == [p.asked == n for p, n in zip(prompts, last)] and 0 < sum(right) < len(right)
+            assert sum(counts["total"] for counts in row["formats"].values()) == row["total"]
+    table = format_retrieval_table(reports)
+    assert "| model | split | filler | 700 | 900 |" in table and f"| {HELD_OUT}" in table
+
+
+def test_the_report_table_and_plot(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "probe"
+    argv = ["text-eval", "--checkpoint", str(checkpoint), "--probe", "retrieval", "--sizes", "600,700"]
+    argv += ["--depths", "0,1", "--filler", "grass", "--trials", "2", "--max-new-tokens", "4", "--out", str(out)]
+    assert main([*argv, "--split", "held-out", "--formats", "number,code", "--plots", "--no-progress"]) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["retrieval.json", "retrieval.png"]
+    (report,) = json.loads((out / "retrieval.json").read_text())
+    assert (report["probe"], report["split"], report["needles"], report["ask"]) == ("retrieval", HELD_OUT, 1, "one")
+    assert report["formats"] == ["number-4", "number-7", "code"] and report["wordings"] == "composed"
+    row = report["fillers"][0]["sizes"][0]
+    assert set(row) == {"size", "skipped", "right", "total", "accuracy", "formats", "depths"}
+    assert row["total"] == 4 and row["right"] == 0  # an untrained model finds nothing
+    trial = row["depths"][0]["trials"][0]
+    assert set(trial) == {"key", "value", "format", "wording", "asked", "completion", "right"}
+    assert trial["key"] in KEYS[HELD_OUT] and trial["format"] in report["formats"]
+    assert "| lrnn (" in capsys.readouterr().out
+
+
+def test_a_wordings_file_replaces_the_composed_wordings(checkpoint: Path, tmp_path: Path) -> None:
+    path = tmp_path / "wordings.json"
+    path.write_text(json.dumps([{"needle": "The vault of {key} opens with {value}.", "question": "The {key} vault:"}]))
+    (wording,) = wordings_from_file(path)
+    builder = RetrievalBuilder(BYTES, grass_filler(BYTES), HELD_OUT, [wording])
+    prompt = builder.prompt(builder.draw(np.random.default_rng(0), "word", 0.5, needles=2), 800)
+    text = BYTES.decode(prompt.tokens.tolist())
+    assert f"opens with {prompt.value}." in text and text.endswith(f" The {prompt.key} vault:")
+    out = tmp_path / "probe"
+    argv = ["text-eval", "--checkpoint", str(checkpoint), "--probe", "retrieval", "--sizes", "600", "--depths", "0.5"]
+    argv += ["--filler", "grass", "--trials", "1", "--wordings", str(path), "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    reports = json.loads((out / "retrieval.json").read_text())
+    assert [r["wordings"] for r in reports] == [str(path)] * 2
+    assert reports[0]["fillers"][0]["sizes"][0]["depths"][0]["trials"][0]["wording"] == "wordings.json#0"
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        ([{"needle": "The code is 5.", "question": "The code is"}], "has no {value} placeholder"),
+        ([{"needle": "{value}", "question": "It is {value}"}], "must not hold {value}"),
+        ([{"needle": "{key} is {value}", "question": "It is"}], "{key} must be in both"),
+        ([{"needle": "{name} is {value}", "question": "It is"}], "unknown placeholder {name}"),
+        ([{"needle": "{value"}], "needs the strings 'needle' and 'question'"),
+        ([{"needle": "{value", "question": "?"}], "'{value'"),
+        ({"needle": "x"}, "expected a non-empty JSON list"),
+        ("not json", "wordings file"),
+    ],
+)
+def test_bad_wordings_files_exit_2_naming_what_is_wrong(
+    checkpoint: Path,
+    tmp_path: Path,
+    capsys,
+    entries,
+    message: str,
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(entries if isinstance(entries, str) else json.dumps(entries))
+    argv = ["text-eval", "--checkpoint", str(checkpoint), "--probe", "retrieval", "--filler", "grass"]
+    assert main([*argv, "--wordings", str(path), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sizes", "100"], "--sizes 100: a retrieval prompt of the trained split"),
+        (["--sizes", "1k,32M"], "a probe's prompts have at most 16777216 tokens"),
+        (["--needles", "17"], "--needles 17: a prompt holds at most 16 needles"),
+        (["--needles", "0"], "argument --needles: must be a positive integer"),
+        (["--ask", "all"], "argument --ask: invalid choice: 'all'"),
+        (["--split", "test"], "argument --split: invalid choice: 'test'"),
+        (["--formats", "number-4"], "value format 'number-4' is not in the trained split"),
+        (["--formats", "emoji"], "value format 'emoji' is not in the trained split"),
+        (["--depths", "0,2"], "argument --depths: must be a probability in [0, 1], got 2"),
+        (["--distractors", "2"], "--distractors does not apply to --probe retrieval"),
+        (["--wordings", "missing.json"], "wordings file missing.json"),
+    ],
+)
+def test_bad_retrieval_flags_exit_2_with_one_line(
+    checkpoint: Path,
+    flags,
+    message: str,
+    capsys,
+    tmp_path: Path,
+    monkeypatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["text-eval", "--checkpoint", str(checkpoint), "--probe", "retrieval", "--filler", "grass"]
+    assert main([*argv, "--no-progress", *flags]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+    assert not (tmp_path / "runs").exists()
+
+
+def test_recall_rows_are_scored_on_their_answers_only_and_draw_from_the_trained_split(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "novel.txt").write_text(
+        "\n\n".join(f"Chapter {n}. It was a fine day in the village." for n in range(400))
+    )
+    data = TextData(corpus=f"text:{corpus}", tokenizer="bytes", length=700, recall_fraction=1.0, recall_needles=4)
+    device = type("Device", (), {"device": "cpu", "rank": 0, "world_size": 1})()
+    objective = LanguageModelObjective(data, BYTES, None, 10, 8, 0, True, device)
+    held_out = [*KEYS[HELD_OUT], *WORDS[HELD_OUT], *(s.split("{")[0] for s in SUBJECTS[HELD_OUT])]
+    rng, asked_several = np.random.default_rng(0), 0
+    for step in range(1, 6):
+        batch = objective.batch(rng, step)
+        assert batch.tokens.shape == (8, 700) and batch.targets.shape == (8, 700)
+        for tokens, targets in zip(batch.tokens, batch.targets):
+            scored = targets != IGNORE_INDEX
+            assert torch.equal(targets[scored], torch.cat([tokens[1:], targets[-1:]])[scored])
+            text = BYTES.decode(tokens.tolist())
+            answers = re.findall(r" ([^ ]+)\.", BYTES.decode(targets[scored].tolist()))
+            assert 1 <= len(answers) <= 4 and text.endswith(f" {answers[-1]}")
+            for answer in answers[:-1]:  # each answer also stands in a needle before its question
+                assert text.count(f" {answer}.") >= 2, (answer, text)
+            asked_several += len(answers) > 1
+            assert not any(re.search(rf"\b{re.escape(word)}\b", text) for word in held_out if word.strip())
+    assert asked_several > 0
+    assert set(objective.recall_validation) == {700, 700 * 16}
+
+
+def test_recall_training_runs_and_refuses_short_windows_and_too_many_needles(tmp_path: Path, capsys, monkeypatch) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "novel.txt").write_text(
+        "\n\n".join(f"Chapter {n}. It was a fine day in the village." for n in range(400))
+    )
+    argv = ["text-train", "--arch", "lrnn", "--corpus", f"text:{corpus}", "--tokenizer", "bytes", "--length", "400"]
+    argv += ["--batch-size", "2", "--warmup-steps", "1", "--eval-every", "0", "--no-progress", "--threads", "1"]
+    argv += ["--d-model", "16", "--layers", "1", "--block-size", "4", "--num-blocks", "4", "--d-ff", "32"]
+    argv += ["--recall-fraction", "0.5", "--state-passing", "--passkey-fresh"]
+    assert main([*argv, "--steps", "2", "--out", str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["metadata"]["settings"]["recall_fraction"] == 0.5
+    capsys.readouterr()
+    assert main([*argv[:7], "--length", "64", "--recall-fraction", "0.5", "--steps", "1", "--out", "x"]) == 2
+    assert "retrieval examples need windows of at least" in capsys.readouterr().err
+    assert main([*argv, "--recall-needles", "17", "--steps", "1", "--out", "x"]) == 2
+    assert "--recall-needles 17: an example holds at most 16 needles" in capsys.readouterr().err

@@ -1,0 +1,193 @@
+"""The retrieval probe of ``python -m training text-eval --probe retrieval`` (docs/api.md, Long-context probes):
+prompts of training/data/retrieval.py, one report per checkpoint and split, the held-out split reported apart.
+Prompts are read and decoded as the pass-key probe does (``greedy_completions``, ``batch_plan``); a trial is right
+when the completion's first value is the asked one. ``retrieval.json``: docs/training.md, "text-eval reports".
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from model.checkpoint import LoadedCheckpoint
+from model.tokenizer import Tokenizer
+from training.data.retrieval import (
+    Draw,
+    RetrievalBuilder,
+    RetrievalPrompt,
+    Wording,
+    first_value,
+    formats_named,
+    split_formats,
+)
+from training.evaluation.passkey_probe import size_label, sized_rows
+from training.evaluation.text_eval import describe_architecture
+
+ASK_MODES = ("one", "each")  # the first needle asked, or every needle of a haystack in turn
+
+
+@dataclass(frozen=True)
+class RetrievalProbe:
+    """What text-eval's ``--probe retrieval`` flags ask for."""
+
+    sizes: tuple[int, ...]
+    depths: tuple[float, ...]
+    fillers: tuple[str, ...]
+    splits: tuple[str, ...]
+    formats: str | None = None  # names for formats_named, the same in each split; None: all of the split's
+    needles: int = 1
+    ask: str = "one"
+    trials: int = 4  # draws per size, depth and filler, their formats taken in turn
+    seed: int = 0
+    max_new_tokens: int = 16
+    batch_size: int = 16
+    max_memory: int = 4 * 2**30
+    wordings: Path | None = None  # a wordings file (training.data.retrieval.wordings_from_file) for every split
+
+    def split_formats(self, split: str) -> tuple[str, ...]:
+        return formats_named(self.formats, split) if self.formats else split_formats(split)
+
+
+def cell_prompts(builder: RetrievalBuilder, probe: RetrievalProbe, filler: str, size: int) -> list[RetrievalPrompt]:
+    """One (split, filler, size) cell's prompts, depth by depth: ``probe.trials`` draws per depth, formats in turn,
+    each asked once ("one") or about each of its needles ("each"), from a stream keyed by the seed, the split, the
+    filler's name and the size."""
+    rng = np.random.default_rng([probe.seed, zlib.crc32(f"{builder.split}/{filler}".encode()), size])
+    formats = probe.split_formats(builder.split)
+    prompts = []
+    for d, depth in enumerate(probe.depths):
+        for trial in range(probe.trials):
+            fmt = formats[(d * probe.trials + trial) % len(formats)]
+            draw: Draw = builder.draw(rng, fmt, depth, probe.needles)
+            asked = range(probe.needles) if probe.ask == "each" else range(1)
+            prompts += [builder.prompt(draw, size, i) for i in asked]
+    return prompts
+
+
+def probe_checkpoint(
+    loaded: LoadedCheckpoint,
+    tokenizer: Tokenizer,
+    fillers: dict[str, np.ndarray],
+    probe: RetrievalProbe,
+    wordings: list[Wording] | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """One report per split of ``probe`` (module docstring); ``fillers``: name -> token stream."""
+    model = loaded.model.eval()
+    asked = probe.needles if probe.ask == "each" else 1
+    per_cell = len(probe.depths) * probe.trials * asked
+    bar = tqdm(
+        total=len(probe.splits) * len(fillers) * per_cell * sum(probe.sizes),
+        desc=f"{loaded.path.name} retrieval",
+        unit="token",
+        unit_scale=True,
+        disable=None if progress else True,
+    )
+    reports = []
+    for split in probe.splits:
+        started = time.perf_counter()
+        report_fillers = []
+        for name, stream in fillers.items():
+            builder = RetrievalBuilder(tokenizer, stream, split, wordings)
+            sizes = sized_rows(
+                model,
+                tokenizer,
+                probe,
+                per_cell,
+                lambda size, builder=builder, name=name: cell_prompts(builder, probe, name, size),
+                lambda size, answered, skipped: _size_row(size, probe, answered, skipped),
+                bar,
+                {"split": split, "filler": name},
+            )
+            report_fillers.append({"filler": name, "filler_tokens": len(stream), "sizes": sizes})
+        reports.append(
+            {
+                "checkpoint": str(loaded.path),
+                "architecture": describe_architecture(loaded),
+                "probe": "retrieval",
+                "split": split,
+                "wordings": str(probe.wordings) if probe.wordings else "composed",
+                "formats": list(probe.split_formats(split)),
+                "needles": probe.needles,
+                "ask": probe.ask,
+                "trials": probe.trials,
+                "seed": probe.seed,
+                "max_new_tokens": probe.max_new_tokens,
+                "fillers": report_fillers,
+                "wall_time_s": round(time.perf_counter() - started, 3),
+            }
+        )
+    bar.close()
+    return reports
+
+
+def _size_row(
+    size: int, probe: RetrievalProbe, answered: list[tuple[RetrievalPrompt, str]], skipped: str | None
+) -> dict[str, Any]:
+    """One size's entry: right/total per depth (of the first needle: with ``ask`` "each", every needle of the
+    draws placed there asked in turn), per value format and over all."""
+    depths, formats = [], {}
+    per_depth = len(answered) // len(probe.depths)  # cell_prompts's order: depth by depth
+    for index, depth in enumerate(probe.depths):
+        trials = []
+        for prompt, text in answered[index * per_depth : (index + 1) * per_depth]:
+            right = first_value(text) == prompt.value
+            trials.append(
+                {
+                    "key": prompt.key,
+                    "value": prompt.value,
+                    "format": prompt.fmt,
+                    "wording": prompt.wording,
+                    "asked": prompt.asked,
+                    "completion": text,
+                    "right": right,
+                }
+            )
+            counts = formats.setdefault(prompt.fmt, [0, 0])
+            counts[0] += right
+            counts[1] += 1
+        depths.append(
+            {"depth": depth, "right": sum(t["right"] for t in trials), "total": len(trials), "trials": trials}
+        )
+    right, total = sum(row["right"] for row in depths), sum(row["total"] for row in depths)
+    return {
+        "size": size,
+        "skipped": skipped,
+        "right": right,
+        "total": total,
+        "accuracy": right / total if total else None,
+        "formats": {fmt: {"right": r, "total": t} for fmt, (r, t) in formats.items()},
+        "depths": depths,
+    }
+
+
+def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
+    """Markdown: one row per checkpoint, split and filler, one column per size, right/total (skipped: "-"); then
+    the same by value format, over fillers."""
+    sizes = [row["size"] for row in reports[0]["fillers"][0]["sizes"]]
+    head = " | ".join(map(size_label, sizes))
+    lines = [f"| model | split | filler | {head} |", "|---" * (len(sizes) + 3) + "|"]
+    by_format = [f"| model | split | format | {head} |", "|---" * (len(sizes) + 3) + "|"]
+    for report in reports:
+        name = f"{report['architecture']} ({report['checkpoint'].rstrip('/').split('/')[-1]})"
+        split = report["split"] + (
+            "" if report["needles"] == 1 else f", {report['needles']} needles ask {report['ask']}"
+        )
+        for filler in report["fillers"]:
+            cells = ["-" if row["skipped"] else f"{row['right']}/{row['total']}" for row in filler["sizes"]]
+            lines.append(f"| {name} | {split} | {filler['filler']} | " + " | ".join(cells) + " |")
+        for fmt in report["formats"]:
+            cells = []
+            for s in range(len(sizes)):
+                counts = [f["sizes"][s]["formats"].get(fmt) for f in report["fillers"] if not f["sizes"][s]["skipped"]]
+                counts = [c for c in counts if c]
+                right, total = sum(c["right"] for c in counts), sum(c["total"] for c in counts)
+                cells.append(f"{right}/{total}" if total else "-")
+            by_format.append(f"| {name} | {split} | {fmt} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + "\n".join(by_format)
