@@ -492,7 +492,7 @@ def _warm_up(served: ServedModel) -> None:
 
 
 # Language models whose decode step is row-wise through model/ops/cpu_decode.py's kernels where batch_invariant is
-# on (tests/server/test_sampling.py). The LSTM (nn.LSTM's products), the transformer (nn.Linear's, and attention over
+# on (tests/server/execution/test_sampling.py). The LSTM (nn.LSTM's products), the transformer (nn.Linear's, and attention over
 # keys padded to the batch's longest row) and the diagonal LRNN are not.
 ROW_INVARIANT_ARCHITECTURES = frozenset({"lrnn", "regulargpt"})
 

@@ -1,5 +1,5 @@
 """Helpers shared by the tests of compiled automata (tests/automata, tests/training/test_compile_cli.py) and of
-regular expressions (tests/server/test_structured_regex.py)."""
+regular expressions (tests/server/structured/test_structured_regex.py)."""
 
 from __future__ import annotations
 

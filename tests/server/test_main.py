@@ -173,7 +173,7 @@ def engine_process_of(pid: int) -> int:
 
 def test_the_engine_process_dying_exits_3(checkpoints_dir) -> None:
     """``python -m server`` runs its engine core in a child process; if that dies, the server exits 3, so that Docker
-    or Kubernetes restarts it (the 503 answers and /health: tests/server/test_engine_process.py)."""
+    or Kubernetes restarts it (the 503 answers and /health: tests/server/engine/test_engine_process.py)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = start_server("--no-shipped-models", "--models", str(checkpoints_dir), "--port", str(port))

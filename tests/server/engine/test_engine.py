@@ -1,6 +1,6 @@
 """The engine under many clients, against a live server: mixed-length decode batches for every architecture, limits
 and admission; and the generation policy on the driven scheduler (real tiny models, a fake clock). Long transduce
-inputs in slices beside short requests and disconnects mid-slice are tests/server/test_scheduler.py's."""
+inputs in slices beside short requests and disconnects mid-slice are tests/server/sched/test_scheduler.py's."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from tests.model.tiny_models import ARCHITECTURE_OF, build_tiny
 from tests.server.helpers import make_settings
 from tests.server.live import serve
 
-BPE_RANKS = Path(__file__).resolve().parents[2] / "checkpoints" / "text-lrnn" / "tokenizer.tiktoken"
+BPE_RANKS = Path(__file__).resolve().parents[3] / "checkpoints" / "text-lrnn" / "tokenizer.tiktoken"
 BPE_END = 8191  # <|endoftext|>, the id after the last of the 8,191 ranks
 BPE, BPE_GPT, BYTES = "bpe-lrnn", "bpe-regulargpt", "bytes-lstm"
 PERSON = {

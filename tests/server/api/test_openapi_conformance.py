@@ -21,10 +21,10 @@ from server.api.app import create_app
 from server.api.openapi import decimals_below
 from tests.server.helpers import make_settings
 
-CONFIG = Path(__file__).resolve().parents[2] / "schemathesis.toml"
+CONFIG = Path(__file__).resolve().parents[3] / "schemathesis.toml"
 LIMITS = {"max_input_symbols": 48, "max_inputs": 4, "max_tokens": 8}  # small: generated requests stay cheap
 # POST /v1/models is answered 413 here: a runtime model added by one generated request would change the set of
-# served models that the loaded schema lists (tests/server/test_runtime_models.py tests the route).
+# served models that the loaded schema lists (tests/server/models/test_runtime_models.py tests the route).
 FIXED_MODELS = {"runtime_models_max": 0}
 
 

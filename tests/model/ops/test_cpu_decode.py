@@ -751,5 +751,5 @@ def test_importing_the_kernels_compiles_nothing() -> None:
         "import sys, model.ops.cpu_decode as cpu_decode; "
         "sys.exit(cpu_decode._kernels is not None or bool({'numba', 'llvmlite'} & set(sys.modules)))"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0

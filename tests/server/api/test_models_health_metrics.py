@@ -33,7 +33,7 @@ def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_d
         "decode": None,
     }
     assert "serving_notes" not in cards["parity-lrnn"]  # model.for_serving's notes: in the server's log, at DEBUG
-    assert cards["parity-lrnn"]["limits"]["max_input_symbols"] > 0  # tests/server/test_engine.py
+    assert cards["parity-lrnn"]["limits"]["max_input_symbols"] > 0  # tests/server/engine/test_engine.py
     assert cards["text-lstm"]["kind"] == "generate" and cards["text-lstm"]["tokenizer"] == "bytes"
     for model_id in LANGUAGE_MODELS:  # model/cuda_graphs.py: graphs on CUDA only (tests/server/test_cuda.py)
         decode = cards[model_id]["decode"]
@@ -43,7 +43,7 @@ def test_models_lists_what_loaded_and_reports_what_did_not(client, checkpoints_d
 
 
 def test_health(client) -> None:
-    """200 while serving; "degraded", naming the folder, as the broken one was skipped (tests/server/test_http_edges.py
+    """200 while serving; "degraded", naming the folder, as the broken one was skipped (tests/server/api/test_http_edges.py
     has "ok")."""
     response = client.get("/health")
     assert response.status_code == 200 and response.json() == {
@@ -103,4 +103,4 @@ def test_settings_come_from_the_environment(monkeypatch) -> None:
     assert settings.port == 9123 and settings.cors_origins == ["https://a.example"]
     assert Settings(port=1).port == 1
     assert settings.models == [] and settings.shipped_models  # the shipped ones alone (tests/server/test_main.py)
-    assert settings.model_folders == [SHIPPED_CHECKPOINTS] == [Path(__file__).resolve().parents[2] / "checkpoints"]
+    assert settings.model_folders == [SHIPPED_CHECKPOINTS] == [Path(__file__).resolve().parents[3] / "checkpoints"]

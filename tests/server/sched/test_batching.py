@@ -116,7 +116,8 @@ def test_a_long_input_reports_the_work_of_each_slice(model_id: str, checkpoints_
     while long.output is None:
         reported.append(long.advance())
     assert reported[-1] == 0.0
-    if isinstance(model, RegularGPT):  # outputs "final": the shrinking path's pieces (tests/model/test_regulargpt.py)
+    # outputs "final": the shrinking path's pieces (tests/model/regulargpt/test_regulargpt.py)
+    if isinstance(model, RegularGPT):
         whole = model.cost("final", 1, 95).flops
         assert len(reported) > 3 and whole <= sum(reported) <= 2 * whole
         assert all(flops <= slice_flops * (1 + 1e-9) for flops in reported)
