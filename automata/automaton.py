@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,8 +19,10 @@ MAX_STATES = 1024
 """The most states an automaton may have: compiled weights grow as n**2 per symbol, compositions as n**3."""
 
 JSON_KEYS = ("name", "alphabet", "states", "start", "accept", "delta")
+MOORE_JSON_KEYS = ("name", "alphabet", "states", "start", "output", "delta")
 
 Transitions = Mapping[str, Mapping[str, str]]
+Parsed = TypeVar("Parsed")
 
 
 class AutomatonError(ValueError):
@@ -127,6 +129,12 @@ class MooreMachine:
             "delta": {state: dict(self.delta[state]) for state in self.states},
         }
 
+    @classmethod
+    def from_json(cls, data_or_path: Any) -> MooreMachine:
+        """Parse a machine written as :meth:`to_json` writes it (a DFA file with "output" in place of "accept")
+        from a JSON file's path or its decoded content, refusing anything malformed as :meth:`DFA.from_json` does."""
+        return _parse(data_or_path, _moore_from_object)
+
     def trace(self, string: str) -> list[str]:
         """The state reached after each non-empty prefix of ``string``; AutomatonError on a symbol outside the
         alphabet."""
@@ -191,19 +199,7 @@ class DFA:
     def from_json(cls, data_or_path: Any) -> DFA:
         """Parse a DFA from a JSON file's path (str or path-like) or its decoded content, refusing anything
         malformed; errors in a file start with its path."""
-        if not isinstance(data_or_path, (str, os.PathLike)):
-            return _dfa_from_object(data_or_path)
-        path = Path(data_or_path)
-        try:
-            return _dfa_from_object(
-                json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicate_keys)
-            )
-        except OSError as error:
-            raise AutomatonError(f"{path}: cannot read the file: {error.strerror}") from None
-        except json.JSONDecodeError as error:
-            raise AutomatonError(f"{path}: invalid JSON: {error}") from None
-        except AutomatonError as error:
-            raise AutomatonError(f"{path}: {error}") from None
+        return _parse(data_or_path, _dfa_from_object)
 
     def to_json(self) -> dict[str, Any]:
         """The DFA file's JSON object (``json.dumps`` writes it as is); accept states in state order."""
@@ -267,19 +263,47 @@ def _check_delta(delta: Transitions, alphabet: str, states: tuple[str, ...]) -> 
                 raise AutomatonError(f"missing transition from state {source!r} on symbol {symbol!r}")
 
 
-def _dfa_from_object(data: Any) -> DFA:
+def read_automaton(data_or_path: Any) -> DFA | MooreMachine:
+    """An automaton file (docs/api.md, Automaton files): a Moore machine if its object has "output", else a DFA."""
+    if isinstance(data_or_path, (str, os.PathLike)):
+        return _parse(data_or_path, _automaton_from_object)
+    return _automaton_from_object(data_or_path)
+
+
+def _automaton_from_object(data: Any) -> DFA | MooreMachine:
+    if isinstance(data, Mapping) and "output" in data:
+        return _moore_from_object(data)
+    return _dfa_from_object(data)
+
+
+def _parse(data_or_path: Any, parse: Callable[[Any], Parsed]) -> Parsed:
+    """``parse`` of a JSON file's content (errors start with its path), or of already decoded content."""
+    if not isinstance(data_or_path, (str, os.PathLike)):
+        return parse(data_or_path)
+    path = Path(data_or_path)
+    try:
+        return parse(json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_refuse_duplicate_keys))
+    except OSError as error:
+        raise AutomatonError(f"{path}: cannot read the file: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise AutomatonError(f"{path}: invalid JSON: {error}") from None
+    except AutomatonError as error:
+        raise AutomatonError(f"{path}: {error}") from None
+
+
+def _check_object(data: Any, keys: tuple[str, ...], kind: str) -> None:
+    """The checks a DFA file and a Moore machine file share: the keys, and the types of all but "accept" or "output"."""
     if not isinstance(data, Mapping):
-        raise AutomatonError(f"a DFA must be a JSON object, not {type(data).__name__}")
-    missing = [key for key in JSON_KEYS if key not in data]
+        raise AutomatonError(f"a {kind} must be a JSON object, not {type(data).__name__}")
+    missing = [key for key in keys if key not in data]
     if missing:
         raise AutomatonError(f"missing key(s) {', '.join(map(repr, missing))}")
-    unknown = sorted(key for key in data if key not in JSON_KEYS)
+    unknown = sorted(key for key in data if key not in keys)
     if unknown:
-        raise AutomatonError(f"unknown key(s) {', '.join(map(repr, unknown))}; expected {', '.join(JSON_KEYS)}")
+        raise AutomatonError(f"unknown key(s) {', '.join(map(repr, unknown))}; expected {', '.join(keys)}")
     for key in ("name", "alphabet", "start"):
         _require(isinstance(data[key], str), f"{key!r} must be a string")
     _require(_is_list_of_strings(data["states"]), "'states' must be a list of strings")
-    _require(_is_list_of_strings(data["accept"]), "'accept' must be a list of strings")
     _require(
         isinstance(data["delta"], Mapping)
         and all(
@@ -287,6 +311,11 @@ def _dfa_from_object(data: Any) -> DFA:
         ),
         "'delta' must map each state to an object from symbols to states",
     )
+
+
+def _dfa_from_object(data: Any) -> DFA:
+    _check_object(data, JSON_KEYS, "DFA")
+    _require(_is_list_of_strings(data["accept"]), "'accept' must be a list of strings")
     repeated = _first_repeated(data["accept"])
     _require(repeated is None, f"accept state {repeated!r} is listed more than once")
     return DFA(
@@ -296,6 +325,22 @@ def _dfa_from_object(data: Any) -> DFA:
         start=data["start"],
         accept=frozenset(data["accept"]),
         delta=data["delta"],
+    )
+
+
+def _moore_from_object(data: Any) -> MooreMachine:
+    _check_object(data, MOORE_JSON_KEYS, "Moore machine")
+    _require(
+        isinstance(data["output"], Mapping) and all(isinstance(label, str) for label in data["output"].values()),
+        "'output' must map each state to its label, a string",
+    )
+    return MooreMachine(
+        name=data["name"],
+        alphabet=data["alphabet"],
+        states=tuple(data["states"]),
+        start=data["start"],
+        delta=data["delta"],
+        output=data["output"],
     )
 
 

@@ -1,6 +1,6 @@
 """Moore machines for the regular tasks (docs/api.md, Tasks): each machine's label after every prefix is the task's
-label. The binary-label ones are shipped as DFA files in ``automata/tasks``; ``python -m automata.task_automata
-[DIR]`` rewrites them.
+label. The binary-label ones are shipped as DFA files in ``automata/tasks``, the group word problems as Moore machine
+files there (a DFA file with "output" in place of "accept"); ``python -m automata.task_automata [DIR]`` rewrites them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,24 @@ DIGITS = "01234"
 INDUCTION_LETTERS = "abcdefghijklmnop"
 INDUCTION_MARK = "#"
 NO_KEY = "-"  # the induction_heads label while no symbol has followed the first "#"
+
+Permutation = tuple[int, ...]
+"""A permutation of 0..4 in one-line notation: ``p[i]`` is the image of i."""
+
+IDENTITY: Permutation = (0, 1, 2, 3, 4)
+S5_GENERATORS: dict[str, Permutation] = {
+    "e": IDENTITY,
+    "t": (1, 0, 2, 3, 4),  # the transposition (0 1)
+    "c": (1, 2, 3, 4, 0),  # the 5-cycle (0 1 2 3 4)
+}
+"""s5_generators' symbols: the identity and the two standard generators of S5 (docs/api.md, Tasks)."""
+
+A5_GENERATORS: dict[str, Permutation] = {
+    "e": IDENTITY,
+    "r": (1, 2, 0, 3, 4),  # the 3-cycle (0 1 2)
+    "c": (1, 2, 3, 4, 0),  # the 5-cycle (0 1 2 3 4)
+}
+"""a5_generators' symbols: the identity and two even permutations that generate A5."""
 
 
 def _binary(flag: bool) -> str:
@@ -234,10 +252,50 @@ def induction_heads() -> MooreMachine:
     )
 
 
+def compose(product: Permutation, generator: Permutation) -> Permutation:
+    """``product`` then multiplied by ``generator`` on the right: the function product(generator(i)), in one-line
+    notation. Read as five balls in five slots, slot i takes the ball that was in slot generator[i]."""
+    return tuple(product[image] for image in generator)
+
+
+def arrangement(permutation: Permutation) -> str:
+    """A group task's label and state name: the one-line notation as a string of digits, e.g. "10234"."""
+    return "".join(map(str, permutation))
+
+
+def word_problem(name: str, generators: dict[str, Permutation]) -> MooreMachine:
+    """The right Cayley graph of the group the permutations ``generators`` generate: states are the group's
+    elements (named and labelled by :func:`arrangement`), the start is the identity, and symbol s takes the running
+    product p to p * generators[s] (:func:`compose`)."""
+    return MooreMachine.explore(
+        name,
+        "".join(generators),
+        start=IDENTITY,
+        step=lambda product, symbol: compose(product, generators[symbol]),
+        output=arrangement,
+        state_name=arrangement,
+    )
+
+
+def s5_generators() -> MooreMachine:
+    """The word problem of S5 over the identity, (0 1) and (0 1 2 3 4): 120 states."""
+    return word_problem("s5_generators", S5_GENERATORS)
+
+
+def a5_generators() -> MooreMachine:
+    """The word problem of A5 over the identity, (0 1 2) and (0 1 2 3 4): 60 states."""
+    return word_problem("a5_generators", A5_GENERATORS)
+
+
 def task_machines() -> dict[str, MooreMachine]:
     """The machine of every regular task (all but palindrome), by task name."""
     machines = [cycle_navigation(), modular_arithmetic(), sum_mod5(), induction_heads()]
-    return {**binary_task_machines(), **{machine.name: machine for machine in machines}}
+    return {**binary_task_machines(), **{machine.name: machine for machine in machines}, **group_task_machines()}
+
+
+def group_task_machines() -> dict[str, MooreMachine]:
+    """The Cayley graphs of the group word problems, by task name: the Moore machine files in AUTOMATA_DIR."""
+    return {machine.name: machine for machine in (s5_generators(), a5_generators())}
 
 
 def binary_task_machines() -> dict[str, MooreMachine]:
@@ -262,17 +320,19 @@ def binary_task_dfas() -> dict[str, DFA]:
     return {name: DFA.from_moore(machine) for name, machine in binary_task_machines().items()}
 
 
-def write_dfa_files(directory: Path = AUTOMATA_DIR) -> list[Path]:
-    """Write ``<task>.json`` for each DFA of :func:`binary_task_dfas`; returns the paths written."""
+def write_automaton_files(directory: Path = AUTOMATA_DIR) -> list[Path]:
+    """Write ``<task>.json`` for each DFA of :func:`binary_task_dfas` and each machine of
+    :func:`group_task_machines`; returns the paths written."""
     directory.mkdir(parents=True, exist_ok=True)
+    automata: list[DFA | MooreMachine] = [*binary_task_dfas().values(), *group_task_machines().values()]
     paths = []
-    for name, dfa in binary_task_dfas().items():
-        path = directory / f"{name}.json"
-        path.write_text(json.dumps(dfa.to_json(), indent=2) + "\n")
+    for automaton in automata:
+        path = directory / f"{automaton.name}.json"
+        path.write_text(json.dumps(automaton.to_json(), indent=2) + "\n")
         paths.append(path)
     return paths
 
 
 if __name__ == "__main__":
-    for written in write_dfa_files(Path(sys.argv[1]) if len(sys.argv) > 1 else AUTOMATA_DIR):
+    for written in write_automaton_files(Path(sys.argv[1]) if len(sys.argv) > 1 else AUTOMATA_DIR):
         print(written)

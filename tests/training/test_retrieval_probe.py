@@ -277,7 +277,9 @@ def test_recall_rows_are_scored_on_their_answers_only_and_draw_from_the_trained_
     assert set(objective.recall_validation) == {700, 700 * 16}
 
 
-def test_recall_training_runs_and_refuses_short_windows_and_too_many_needles(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_recall_training_runs_and_refuses_short_windows_and_too_many_needles(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "novel.txt").write_text(

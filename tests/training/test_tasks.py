@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from automata.automaton import DFA
-from automata.task_automata import AUTOMATA_DIR, binary_task_dfas
+from automata.automaton import DFA, read_automaton
+from automata.task_automata import A5_GENERATORS, AUTOMATA_DIR, S5_GENERATORS, binary_task_dfas, group_task_machines
 from training.data.batches import LengthCurriculum, TrainingData
 from training.data.tasks import TASKS, Task, get_task, sample_batch
 
@@ -34,6 +34,8 @@ CONTRACT_TASKS = [
     "one",
     "palindrome",
     "induction_heads",
+    "s5_generators",
+    "a5_generators",
 ]
 SPARSE_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita6", "first", "one", "palindrome"]
 REGULAR_TASKS = [name for name in CONTRACT_TASKS if name != "palindrome"]
@@ -68,6 +70,21 @@ BRUTE_FORCE: dict[str, Callable[[str], str]] = {
     "palindrome": lambda prefix: flag(all(prefix[i] == prefix[-1 - i] for i in range(len(prefix)))),
     "induction_heads": lambda prefix: (re.search("#(.)", prefix) or [None, "-"])[1],
 }
+
+
+def group_product(generators: dict[str, tuple[int, ...]], prefix: str) -> str:
+    """The product g_1 g_2 ... g_k of the prefix's generators as a function (g_k applied first), in one-line
+    notation: each point's image, pushed through the generators from the last to the first."""
+    images = []
+    for point in range(5):
+        for symbol in reversed(prefix):
+            point = generators[symbol][point]
+        images.append(str(point))
+    return "".join(images)
+
+
+BRUTE_FORCE["s5_generators"] = lambda prefix: group_product(S5_GENERATORS, prefix)
+BRUTE_FORCE["a5_generators"] = lambda prefix: group_product(A5_GENERATORS, prefix)
 
 
 def brute_force_labels(name: str, string: str) -> list[str]:
@@ -150,12 +167,15 @@ def test_palindrome_has_no_automaton() -> None:
 
 
 def test_shipped_dfa_files_are_the_task_automata() -> None:
-    files = {path.stem: DFA.from_json(path) for path in AUTOMATA_DIR.glob("*.json")}
-    expected = binary_task_dfas()
-    assert files == expected, "regenerate them with: python -m automata.task_automata"
-    assert set(files) == {name for name in REGULAR_TASKS if TASKS[name].labels == ("0", "1")}
-    for name, dfa in files.items():
+    """A DFA file per binary task and a Moore machine file per group word problem."""
+    files = {path.stem: read_automaton(path) for path in AUTOMATA_DIR.glob("*.json")}
+    dfas = {name: automaton for name, automaton in files.items() if isinstance(automaton, DFA)}
+    assert dfas == binary_task_dfas(), "regenerate them with: python -m automata.task_automata"
+    assert set(dfas) == {name for name in REGULAR_TASKS if TASKS[name].labels == ("0", "1")}
+    for name, dfa in dfas.items():
         assert dfa.machine == TASKS[name].automaton
+    machines = {name: automaton for name, automaton in files.items() if name not in dfas}
+    assert machines == group_task_machines() == {name: TASKS[name].automaton for name in machines}
 
 
 def test_label_names_position_and_character_of_a_foreign_symbol() -> None:
@@ -382,3 +402,18 @@ def test_induction_heads_has_no_balanced_sampling_and_refuses_short_ranges() -> 
         task.sample(np.random.default_rng(0), 10, balanced=True)
     with pytest.raises(ValueError, match="3 <= shortest <= longest for induction_heads"):
         sample_batch(task, np.random.default_rng(0), 4, (1, 10))
+
+
+@pytest.mark.parametrize("name", ["s5_generators", "a5_generators"])
+def test_group_tasks_balance_over_the_group_and_skew_the_second_generator(name: str) -> None:
+    """Balanced draws reach (nearly) every element as the final label; at length 1 only the three generators are
+    possible, so a draw for another label falls back to the uniform generator. P(1) skews "t" or "r"."""
+    task, rng = TASKS[name], np.random.default_rng(14)
+    finals = {task.label(task.sample(rng, 12, balanced=True))[-1] for _ in range(6 * len(task.labels))}
+    assert len(finals) >= 0.9 * len(task.labels)
+    assert {task.label(task.sample(rng, 1, balanced=True))[0] for _ in range(30)} <= {
+        task.label(symbol)[0] for symbol in task.alphabet
+    }
+    text = "".join(sample_batch(task, np.random.default_rng(15), 100, (100, 100), p_one=0.8))
+    assert text.count(task.alphabet[1]) / len(text) == pytest.approx(0.8, abs=0.01)
+    assert task.alphabet[1] in "tr" and task.train_lengths == (1, 40)

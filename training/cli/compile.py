@@ -1,6 +1,6 @@
 """``python -m training compile DFA.json --arch lrnn|regulargpt --out DIR`` (docs/api.md, Command line): compile a
-DFA file (automata/compiler.py), a regular expression (``--regex PATTERN --alphabet SYMBOLS``: "1" where a prefix
-fully matches) or a regular task's machine (``--task NAME``) into a checkpoint folder.
+DFA file or a Moore machine file (automata/compiler.py), a regular expression (``--regex PATTERN --alphabet
+SYMBOLS``: "1" where a prefix fully matches) or a regular task's machine (``--task NAME``) into a checkpoint folder.
 
 Exit codes: 0 written; 2 with one line on stderr: a DFA file that does not validate, an automaton the architecture
 cannot take, or an --out folder that holds a checkpoint (without --overwrite).
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from automata.automaton import DFA, AutomatonError, MooreMachine
+from automata.automaton import DFA, AutomatonError, MooreMachine, read_automaton
 from automata.compiler import COMPILERS, CompileError
 from automata.regex import regex_dfa
 from automata.task_automata import task_machines
@@ -20,7 +20,9 @@ from model.checkpoint import CONFIG_FILE, save_checkpoint
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dfa", type=Path, nargs="?", help="DFA JSON file (docs/api.md, Automaton files)")
+    parser.add_argument(
+        "dfa", type=Path, nargs="?", help="DFA (or Moore machine) JSON file (docs/api.md, Automaton files)"
+    )
     parser.add_argument("--regex", help="instead of a DFA file: a regular expression (Python syntax, matched whole)")
     parser.add_argument("--alphabet", help="with --regex: the input symbols, one character each, e.g. 01")
     parser.add_argument("--name", default="regex", help="with --regex: the automaton's name (default: regex)")
@@ -64,7 +66,7 @@ def _automaton(args: argparse.Namespace) -> DFA | MooreMachine:
             raise CompileError(f"no regular task {args.task!r}; the regular tasks: {', '.join(machines)}")
         return machines[args.task]
     if args.regex is None:
-        return DFA.from_json(args.dfa)
+        return read_automaton(args.dfa)
     if not args.alphabet:
         raise CompileError("--regex needs --alphabet: the symbols the model reads, e.g. --alphabet 01")
     return regex_dfa(args.regex, args.alphabet, args.name)

@@ -203,7 +203,8 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
     which.add_argument(
         "--protocol",
         choices=("papers", "hard", "induction"),
-        help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000, plus P(1)=0.1 and 0.9; "
+        help="papers: 41-500 (d*/tomita*: 51-100); hard: 501-2000 (s5/a5_generators: and 2001-5000), "
+        "plus P(1)=0.1 and 0.9; "
         "induction: lengths 2^6, 2^7, ..., 2^20, fewer samples past 2^14 (default: papers)",
     )
     which.add_argument("--lengths", type=length_range, help="A-B: a custom length range, e.g. 41-500")

@@ -136,6 +136,40 @@ def modular_arithmetic(string: str) -> list[str]:
     return labels
 
 
+def s5_generators(string: str) -> list[str]:
+    """The word problem of S5: five balls 0..4 in slots 0..4, in order at first; "e" leaves them, "t" swaps the
+    balls of slots 0 and 1, "c" moves every ball one slot left (slot 0's to slot 4). The label is the row of balls,
+    e.g. "10234": the running product of the generators in one-line notation (docs/api.md, Tasks)."""
+    return _slot_moves(string, {"e": _stay, "t": _swap_first_two, "c": _rotate_left(5)})
+
+
+def a5_generators(string: str) -> list[str]:
+    """The word problem of A5, as :func:`s5_generators` with "r" in place of "t": the balls of slots 0, 1, 2 move
+    one slot left (slot 0's to slot 2)."""
+    return _slot_moves(string, {"e": _stay, "r": _rotate_left(3), "c": _rotate_left(5)})
+
+
+def _slot_moves(string: str, moves: dict[str, Callable[[list[str]], list[str]]]) -> list[str]:
+    row, labels = list("01234"), []
+    for symbol in string:
+        row = moves[symbol](row)
+        labels.append("".join(row))
+    return labels
+
+
+def _stay(row: list[str]) -> list[str]:
+    return row
+
+
+def _swap_first_two(row: list[str]) -> list[str]:
+    return [row[1], row[0], *row[2:]]
+
+
+def _rotate_left(width: int) -> Callable[[list[str]], list[str]]:
+    """Slot i of the first ``width`` takes the ball of slot i + 1, the last of them the ball of slot 0."""
+    return lambda row: [*row[1:width], row[0], *row[width:]]
+
+
 def induction_heads(string: str) -> list[str]:
     """The symbol that followed the first "#" once there is one, "-" before."""
     mark = string.find(INDUCTION_MARK)

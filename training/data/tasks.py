@@ -26,6 +26,8 @@ INDUCTION_LABELS = tuple(sorted(NO_KEY + INDUCTION_LETTERS + INDUCTION_MARK))  #
 DELETANG_TRAIN_LENGTHS = (1, 40)
 BHATTAMISHRA_TRAIN_LENGTHS = (1, 50)  # the d* and tomita* tasks
 INDUCTION_TRAIN_LENGTHS = (3, 256)  # Mamba's training length (docs/api.md, Long-context probes)
+HARD_LENGTHS = (501, 2000)  # the ``hard`` eval protocol's lengths (training/evaluation/evaluate.py)
+GROUP_HARD_LENGTHS = (HARD_LENGTHS, (2001, 5000))  # s5_generators, a5_generators: beyond 2000 as well
 REJECTION_TRIES = 64
 
 Drawer = Callable[[np.random.Generator, int], str]
@@ -37,7 +39,8 @@ SkewedDrawer = Callable[[np.random.Generator, int, float], str]
 class Task:
     """One transduction task: a label at every position of a string over ``alphabet``. ``automaton`` is None for
     palindrome, ``draw_with_final_label`` without balanced sampling; ``draw_power_offset`` (induction_heads only)
-    puts the decisive position a power of two before the last."""
+    puts the decisive position a power of two before the last. ``hard_lengths``: the length ranges of the ``hard``
+    eval protocol."""
 
     name: str
     alphabet: str
@@ -50,6 +53,7 @@ class Task:
     draw_skewed: SkewedDrawer  # (rng, length, p_one): the ``p_one`` sampling of ``sample``
     shortest_length: int = 1  # the shortest string the generator draws
     draw_power_offset: Drawer | None = None
+    hard_lengths: tuple[tuple[int, int], ...] = (HARD_LENGTHS,)
 
     def label(self, string: str) -> list[str]:
         """The reference label at every position of ``string``."""
@@ -177,6 +181,7 @@ def _regular(
     labeler: Callable[[str], list[str]],
     automaton: MooreMachine,
     train_lengths: tuple[int, int] = DELETANG_TRAIN_LENGTHS,
+    hard_lengths: tuple[tuple[int, int], ...] = (HARD_LENGTHS,),
 ) -> Task:
     return Task(
         name,
@@ -188,7 +193,14 @@ def _regular(
         draw=_uniform_symbols(alphabet),
         draw_with_final_label=FinalLabelSampler(automaton).sample,
         draw_skewed=partial(_skewed_symbols, alphabet),
+        hard_lengths=hard_lengths,
     )
+
+
+def _word_problem(name: str, labeler: Callable[[str], list[str]], automaton: MooreMachine) -> Task:
+    """A group's word problem: its labels are the group's elements (docs/api.md, Tasks)."""
+    labels = tuple(sorted(set(automaton.output.values())))
+    return _regular(name, automaton.alphabet, labels, labeler, automaton, hard_lengths=GROUP_HARD_LENGTHS)
 
 
 def _build_tasks() -> dict[str, Task]:
@@ -250,6 +262,8 @@ def _build_tasks() -> dict[str, Task]:
             shortest_length=3,
             draw_power_offset=_induction_heads_power_offset,
         ),
+        _word_problem("s5_generators", labelers.s5_generators, task_automata.s5_generators()),
+        _word_problem("a5_generators", labelers.a5_generators, task_automata.a5_generators()),
     ]
     return {task.name: task for task in tasks}
 

@@ -18,7 +18,6 @@ from training.data.tasks import BHATTAMISHRA_TRAIN_LENGTHS, Task
 from training.evaluation.progress import progress_bar
 
 Protocol = Literal["papers", "hard", "induction", "custom"]
-HARD_LENGTHS = (501, 2000)
 HARD_P_ONES = (0.1, 0.9)
 BHATTAMISHRA_EVAL_LENGTHS = (51, 100)
 DELETANG_EVAL_LENGTHS = (41, 500)
@@ -52,14 +51,14 @@ def split_lengths(lengths: tuple[int, int], count: int) -> list[tuple[int, int]]
 def protocol_bands(
     task: Task, protocol: Literal["papers", "hard", "induction"], band_count: int, samples: int
 ) -> list[Band]:
-    """The bands of a named protocol, each length range of papers and hard cut into
+    """The bands of a named protocol, each length range of papers and hard (the task's ``hard_lengths``) cut into
     ``band_count`` bands; ``samples`` strings per band (induction: fewer at the longest lengths)."""
     if protocol == "papers":
         return [Band(lengths) for lengths in split_lengths(papers_lengths(task), band_count)]
     if protocol == "induction":
         fitting = {length: max(INDUCTION_MIN_SAMPLES, INDUCTION_BAND_SYMBOLS // length) for length in INDUCTION_LENGTHS}
         return [Band((length, length), samples=min(samples, fitting[length])) for length in INDUCTION_LENGTHS]
-    lengths = split_lengths(HARD_LENGTHS, band_count)
+    lengths = [band for hard in task.hard_lengths for band in split_lengths(hard, band_count)]
     return [Band(band, p_one) for p_one in (None, *HARD_P_ONES) for band in lengths]
 
 
