@@ -5,6 +5,7 @@ cancellation across the boundary, and what happens when the engine process dies.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -123,7 +124,26 @@ def test_same_answers_in_process_and_from_the_engine_process(client, process_app
     remote, _ = process_app
     expected = answers(client)
     assert [status for status, _ in expected] == [200] * 12 + [422, 404]
-    assert answers(remote) == expected
+    assert_same(answers(remote), expected)
+
+
+def assert_same(found, expected, where: str = "answers") -> None:
+    """``found`` equals ``expected`` but for floats (log-probabilities) within 1e-5: each engine plans its prefill
+    chunks from the speed it measured at load, so on a loaded machine the two can chunk a prompt differently, and
+    without batch invariance another chunking moves the last digits (seen: text-regulargpt's prompt logprobs under
+    the full suite beside training runs). Texts, tokens and every other value are equal."""
+    if isinstance(expected, float) and isinstance(found, float):
+        assert math.isclose(found, expected, rel_tol=1e-5, abs_tol=1e-5), f"{where}: {found} != {expected}"
+    elif isinstance(expected, dict) and isinstance(found, dict):
+        assert found.keys() == expected.keys(), f"{where}: keys {sorted(found)} != {sorted(expected)}"
+        for key in expected:
+            assert_same(found[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)) and isinstance(found, (list, tuple)):
+        assert len(found) == len(expected), f"{where}: {len(found)} items != {len(expected)}"
+        for index, (a, b) in enumerate(zip(found, expected)):
+            assert_same(a, b, f"{where}[{index}]")
+    else:
+        assert found == expected, f"{where}: {found!r} != {expected!r}"
 
 
 def test_metrics_keep_their_series(client, process_app) -> None:
