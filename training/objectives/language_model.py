@@ -7,8 +7,10 @@ a ranks file. Options and their reasons: docs/training.md, "Training for long co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,45 +135,60 @@ class LanguageModelObjective(Objective):
                 f"{corpus} is streamed and has no held-out tail: give a validation corpus "
                 "(--validation-corpus owt2:...) or turn evaluation off (--eval-every 0)"
             )
-        tokens = np.concatenate(validation_tokens(corpus, self.data.validation_fraction, self.tokenizer))
+        if self.data.validation_corpus is None:
+            tokens = self.held_out
+        else:
+            tokens = np.concatenate(validation_tokens(corpus, self.data.validation_fraction, self.tokenizer))
         rng = np.random.default_rng([seed, VALIDATION_STREAM])
         return TokenArray(tokens).batch(rng, self.data.validation_windows, self.data.length)
 
-    def _passkey_prompts(self, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Fixed validation prompts, filler from the held-out text: {size: ((N, size + answer) tokens, targets)}."""
-        held_out = np.concatenate(validation_tokens(self.data.corpus, self.data.validation_fraction, self.tokenizer))
-        builder = PassKeyBuilder(self.tokenizer, held_out)
-        rng = np.random.default_rng([seed, PASSKEY_STREAM])
+    @functools.cached_property
+    def held_out(self) -> np.ndarray:
+        """The corpus's held-out tokens as one stream, (N,) int64: the validation prompts' filler, read once."""
+        return np.concatenate(validation_tokens(self.data.corpus, self.data.validation_fraction, self.tokenizer))
+
+    def _fixed_prompts(
+        self,
+        seed: int,
+        stream: int,
+        count: int,
+        row: Callable[[int, int, float, np.random.Generator], tuple[torch.Tensor, torch.Tensor]],
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Fixed validation prompts at each of ``PASSKEY_VALIDATION_MULTIPLES`` of the length: {size: ((count, size + 1)
+        tokens, (count, size) targets)}, row i ``row(size, i, depth, rng)`` with ``count`` depths spread evenly over
+        [0, 1], drawn from the stream keyed by ``seed`` and ``stream``."""
+        rng = np.random.default_rng([seed, stream])
         prompts = {}
         for multiple in PASSKEY_VALIDATION_MULTIPLES:
             size = self.data.length * multiple
-            rows = [
-                self._passkey_row(builder, size + 1, depth, rng)
-                for depth in np.linspace(0.0, 1.0, PASSKEY_VALIDATION_PROMPTS)
-            ]
-            prompts[size] = (torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows]))
+            rows = [row(size, index, float(depth), rng) for index, depth in enumerate(np.linspace(0.0, 1.0, count))]
+            prompts[size] = (torch.stack([tokens for tokens, _ in rows]), torch.stack([targets for _, targets in rows]))
         return prompts
 
+    def _passkey_prompts(self, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Pass-key validation prompts (``_fixed_prompts``), filler from the held-out text."""
+        builder = PassKeyBuilder(self.tokenizer, self.held_out)
+        return self._fixed_prompts(
+            seed,
+            PASSKEY_STREAM,
+            PASSKEY_VALIDATION_PROMPTS,
+            lambda size, index, depth, rng: self._passkey_row(builder, size + 1, depth, rng),
+        )
+
     def _recall_prompts(self, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Fixed held-out-split retrieval prompts, filler from the held-out text, one needle, the first value
-        scored: {size: ((N, size + answer) tokens, targets)}."""
-        held_out = np.concatenate(validation_tokens(self.data.corpus, self.data.validation_fraction, self.tokenizer))
-        builder = RetrievalBuilder(self.tokenizer, held_out, HELD_OUT)
+        """Retrieval validation prompts (``_fixed_prompts``) of the held-out split, filler from the held-out text,
+        one needle, the held-out formats in turn, the answer scored."""
+        builder = RetrievalBuilder(self.tokenizer, self.held_out, HELD_OUT)
         formats = split_formats(HELD_OUT)
-        rng = np.random.default_rng([seed, RECALL_STREAM])
-        prompts = {}
-        for multiple in PASSKEY_VALIDATION_MULTIPLES:
-            size = self.data.length * multiple
-            rows = []
-            for index, depth in enumerate(np.linspace(0.0, 1.0, RECALL_VALIDATION_PROMPTS)):
-                draw = builder.draw(rng, formats[index % len(formats)], float(depth))
-                prompt = builder.prompt(draw, size + 1 - len(builder.answer(draw.values[0])))
-                tokens = np.concatenate([prompt.tokens, prompt.answer])
-                targets = torch.full((size,), IGNORE_INDEX, dtype=torch.long)
-                targets[-len(prompt.answer) :] = torch.from_numpy(prompt.answer)
-                rows.append((torch.from_numpy(tokens), targets))
-            prompts[size] = (torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows]))
-        return prompts
+
+        def row(size: int, index: int, depth: float, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            draw = builder.draw(rng, formats[index % len(formats)], depth)
+            prompt = builder.prompt(draw, size + 1 - len(builder.answer(draw.values[0])))
+            targets = torch.full((size,), IGNORE_INDEX, dtype=torch.long)
+            targets[-len(prompt.answer) :] = torch.from_numpy(prompt.answer)
+            return torch.from_numpy(np.concatenate([prompt.tokens, prompt.answer])), targets
+
+        return self._fixed_prompts(seed, RECALL_STREAM, RECALL_VALIDATION_PROMPTS, row)
 
     def _recall_row(
         self, size: int, prompt_size: int, text: np.ndarray, rng: np.random.Generator
