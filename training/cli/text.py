@@ -717,12 +717,7 @@ def _run_passkey(
     for (loaded, tokenizer), streams in zip(checkpoints, fillers):
         reports.append(probe_checkpoint(loaded, tokenizer, streams, probe, progress=args.progress))
     print(format_passkey_table(reports))
-    plots = []
-    if args.plots:
-        from training.evaluation.text_plots import plot_passkey
-
-        plots.append((PASSKEY_PLOT, plot_passkey))
-    return _write_reports(out, PASSKEY_REPORT, reports, plots)
+    return _write_probe_reports(args, out, PASSKEY_REPORT, PASSKEY_PLOT, reports)
 
 
 def _run_retrieval(
@@ -773,12 +768,19 @@ def _run_retrieval(
     for (loaded, tokenizer), streams in zip(checkpoints, fillers):
         reports += probe_checkpoint(loaded, tokenizer, streams, probe, wordings, progress=args.progress)
     print(format_retrieval_table(reports))
+    return _write_probe_reports(args, out, RETRIEVAL_REPORT, RETRIEVAL_PLOT, reports)
+
+
+def _write_probe_reports(
+    args: argparse.Namespace, out: Path, name: str, plot_name: str, reports: list[dict]
+) -> list[Path]:
+    """A needle probe's reports in ``out/name``, and with ``--plots`` their heat map in ``out/plot_name``."""
     plots = []
     if args.plots:
         from training.evaluation.text_plots import plot_passkey
 
-        plots.append((RETRIEVAL_PLOT, plot_passkey))
-    return _write_reports(out, RETRIEVAL_REPORT, reports, plots)
+        plots.append((plot_name, plot_passkey))
+    return _write_reports(out, name, reports, plots)
 
 
 def _filler_streams(names: tuple[str, ...], loaded: LoadedCheckpoint, tokenizer: Tokenizer) -> dict:

@@ -233,16 +233,27 @@ def _size_row(
             for prompt, text in answered
             if prompt.depth == depth
         ]
-        depths.append(
-            {"depth": depth, "right": sum(trial["right"] for trial in trials), "total": len(trials), "trials": trials}
-        )
+        depths.append(depth_entry(depth, trials))
+    return size_entry(size, skipped, depths)
+
+
+def depth_entry(depth: float, trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """One depth's entry of a probe report: its trials (each with ``right``) and right/total."""
+    return {"depth": depth, "right": sum(trial["right"] for trial in trials), "total": len(trials), "trials": trials}
+
+
+def size_entry(size: int, skipped: str | None, depths: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """One size's entry of a probe report: its ``depth_entry`` rows, right/total and accuracy over them (None when
+    skipped), and ``extra`` fields before the depths."""
     right, total = sum(row["right"] for row in depths), sum(row["total"] for row in depths)
+    accuracy = right / total if total else None
     return {
         "size": size,
         "skipped": skipped,
         "right": right,
         "total": total,
-        "accuracy": right / total if total else None,
+        "accuracy": accuracy,
+        **extra,
         "depths": depths,
     }
 

@@ -26,7 +26,7 @@ from training.data.retrieval import (
     formats_named,
     split_formats,
 )
-from training.evaluation.passkey_probe import size_label, sized_rows
+from training.evaluation.passkey_probe import depth_entry, size_entry, size_label, sized_rows
 from training.evaluation.text_eval import describe_architecture
 
 ASK_MODES = ("one", "each")  # the first needle asked, or every needle of a haystack in turn
@@ -152,19 +152,9 @@ def _size_row(
             counts = formats.setdefault(prompt.fmt, [0, 0])
             counts[0] += right
             counts[1] += 1
-        depths.append(
-            {"depth": depth, "right": sum(t["right"] for t in trials), "total": len(trials), "trials": trials}
-        )
-    right, total = sum(row["right"] for row in depths), sum(row["total"] for row in depths)
-    return {
-        "size": size,
-        "skipped": skipped,
-        "right": right,
-        "total": total,
-        "accuracy": right / total if total else None,
-        "formats": {fmt: {"right": r, "total": t} for fmt, (r, t) in formats.items()},
-        "depths": depths,
-    }
+        depths.append(depth_entry(depth, trials))
+    formats_entry = {fmt: {"right": r, "total": t} for fmt, (r, t) in formats.items()}
+    return size_entry(size, skipped, depths, formats=formats_entry)
 
 
 def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
