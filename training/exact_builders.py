@@ -13,18 +13,22 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 
 from model.checkpoint import CONFIG_FILE, save_checkpoint
-from model.config import CheckpointConfig, ExactConstruction, ExactTransformerConfig
+from model.config import CheckpointConfig, ExactConstruction, ExactTransformerConfig, PositionFeature
 from model.transformer.exact import ExactTransformer
 from training.data.tasks import get_task
 
 DEFAULT_CROSS_ENTROPY = 1e-3  # nats per string reached by the layer-norm (eps = 0) and mirror constructions
 PUBLISHED_ZERO_TEST_TOLERANCE = 1e-7
 """|s| counted as 0 by the PALINDROME paper's code (the default of its --palindrome_error, in float32)."""
+
+ExactOutput = Literal["logits", "zero_test"]  # ExactTransformerConfig.output
+ComputeDtype = Literal["float32", "float64"]  # ExactTransformerConfig.compute_dtype
 
 
 @dataclass
@@ -61,17 +65,17 @@ class Construction:
     name: ExactConstruction
     word: np.ndarray
     position: np.ndarray
-    position_features: tuple[str, ...]
+    position_features: tuple[PositionFeature, ...]
     layers: list[LayerWeights]
     readout: np.ndarray
     readout_bias: float = 0.0
     append_eos: bool = False
-    output: str = "logits"
+    output: ExactOutput = "logits"
     log_length_scaling: bool = False
 
     @property
     def width(self) -> int:
-        return self.word.shape[1]
+        return int(self.word.shape[1])
 
 
 def _one_hots(rows: int, width: int) -> np.ndarray:
@@ -257,7 +261,7 @@ def to_model(
     layer_norm: bool = False,
     layer_norm_eps: float = 0.0,
     log_length_scaling: bool | None = None,
-    compute_dtype: str = "float32",
+    compute_dtype: ComputeDtype = "float32",
     zero_test_tolerance: float = 0.0,
 ) -> ExactTransformer:
     """The model computing ``construction`` (binary labels "0", "1"); layers are padded to one head count and
@@ -310,7 +314,7 @@ class Shipped:
     task: str
     construction: str
     layer_norm: bool
-    compute_dtype: str
+    compute_dtype: ComputeDtype
     source: str
 
     @property

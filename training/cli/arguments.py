@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
+
+_Number = TypeVar("_Number", int, float)
 
 
 class UsageError(Exception):
@@ -18,8 +20,8 @@ class UsageError(Exception):
 class Parser(argparse.ArgumentParser):
     """argparse's own errors become a UsageError; no abbreviated flags (``--res`` is not ``--resume``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+    def __init__(self, **kwargs: Any) -> None:  # keywords only, as add_subparsers' add_parser passes them
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
@@ -45,10 +47,12 @@ def band_spec(text: str) -> int | list[tuple[int, int]]:
     return [length_range(part) for part in text.split(",")]
 
 
-def _checked_number(kind: type, accept: Callable[[Any], bool], requirement: str) -> Callable[[str], Any]:
+def _checked_number(
+    kind: type[_Number], accept: Callable[[_Number], bool], requirement: str
+) -> Callable[[str], _Number]:
     """An argparse type: ``text`` read as ``kind``, refused unless ``accept(value)``."""
 
-    def parse(text: str) -> Any:
+    def parse(text: str) -> _Number:
         value = _number(text, kind)
         if not accept(value):
             raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
@@ -77,7 +81,7 @@ def probability_or_range(text: str) -> float | tuple[float, float]:
     return lo, hi
 
 
-def _number(text: str, kind: type) -> Any:
+def _number(text: str, kind: type[_Number]) -> _Number:
     try:
         return kind(text)
     except ValueError:

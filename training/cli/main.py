@@ -28,7 +28,7 @@ from training.cli.arguments import (
 )
 from training.cli.compile import add_compile_arguments, run_compile
 from training.cli.model_flags import TRAINABLE_ARCHITECTURES, given_model_flags, model_config
-from training.cli.text import TEXT_COMMANDS, add_text_commands
+from training.cli.text import TEXT_COMMANDS, Runner, add_text_commands
 from training.cli.train import (
     NewRun,
     add_training_flags,
@@ -42,6 +42,8 @@ from training.cli.train import (
 from training.data.tasks import Task, get_task
 from training.evaluation.evaluate import (
     Band,
+    NamedProtocol,
+    Protocol,
     combine_reports,
     draw_bands,
     evaluate_checkpoint,
@@ -64,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_threads(args.threads, processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if getattr(args, "resume", False):  # train, text-train
             check_resume_flags(args, argv, lambda started: parser.parse_args(_text_route(started)))
-        return args.run(args, argv)
+        run: Runner = args.run  # the subcommand's (its parser's default)
+        return run(args, argv)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -393,7 +396,7 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     if args.p_one and not (args.lengths or explicit_bands):
         raise UsageError("--p-one goes with --lengths or a list of --bands; the protocols set their own")
     checkpoints = [_load_transducer(path, args.device) for path in args.checkpoint]
-    task_names = sorted({loaded.config.task for loaded in checkpoints})
+    task_names = sorted({_task_name(loaded) for loaded in checkpoints})
     if len(task_names) > 1:
         raise UsageError(f"the checkpoints are of different tasks ({', '.join(task_names)}); evaluate them apart")
     task = _task(task_names[0])
@@ -404,10 +407,11 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     if args.lengths or explicit_bands:
         ranges = args.bands if explicit_bands else split_lengths(args.lengths, args.bands)
         bands = [Band(lengths, p_one) for p_one in (args.p_one or [None]) for lengths in ranges]
-        protocol = "custom"
+        protocol: Protocol = "custom"
     else:
-        protocol = args.protocol or "papers"
-        bands = protocol_bands(task, protocol, args.bands, args.samples)
+        named: NamedProtocol = args.protocol or "papers"
+        protocol = named
+        bands = protocol_bands(task, named, args.bands, args.samples)
     _check_lengths(task, [band.lengths for band in bands])
     band_sets = draw_bands(task, bands, args.samples, args.seed, args.power_offsets)
     reports = [
@@ -431,6 +435,11 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
         plot_accuracy(reports, args.plot)
     return 0
+
+
+def _task_name(loaded: LoadedCheckpoint) -> str:
+    assert loaded.config.task is not None  # _load_transducer refuses a checkpoint that names no task
+    return loaded.config.task
 
 
 def _load_transducer(path: Path, device: str) -> LoadedCheckpoint:

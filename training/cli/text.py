@@ -10,14 +10,13 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
+from model.base import SequenceModel
 from model.checkpoint import LoadedCheckpoint, load_checkpoint
-from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig
+from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, RegularGPTConfig
 from training.cli.arguments import (
     UsageError,
     add_threads,
@@ -54,6 +53,8 @@ from training.evaluation.passkey_probe import (
 from training.evaluation.retrieval_probe import ASK_MODES
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from model.tokenizer import Tokenizer
 
 Runner = Callable[[argparse.Namespace, list[str]], int]
@@ -115,7 +116,7 @@ def _run_bpe(args: argparse.Namespace, argv: list[str]) -> int:
     from training.data.bpe import count_pieces, train_bpe, write_ranks
     from training.data.corpus import corpus_documents, is_streamed, split_document
 
-    def texts():
+    def texts() -> Iterator[str]:
         budget = args.max_chars or float("inf")
         for document in corpus_documents(args.corpus):
             text = (
@@ -261,7 +262,7 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, TEXT_DEFAULTS)
 
 
-def language_model_config(architecture: str, vocab_size: int, flags: dict) -> BaseModelConfig:
+def language_model_config(architecture: str, vocab_size: int, flags: dict[str, Any]) -> BaseModelConfig:
     """A language model's config (tied head, ``num_labels = 0``) from the architecture flags given."""
     if architecture not in TRAINABLE_ARCHITECTURES:
         known = "is built by hand, not trained" if architecture in ARCHITECTURE_CONFIGS else "is unknown"
@@ -386,10 +387,11 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
 # ---------------------------------------------------------------- text-eval
 
 
-def _with_attention_impl(model: torch.nn.Module, attention_impl: str) -> torch.nn.Module:
+def _with_attention_impl(model: SequenceModel, attention_impl: Literal["auto", "reference", "fast"]) -> SequenceModel:
     """The same RegularGPT weights in a model built with another ``attention_impl``."""
     from model.registry import build_model
 
+    assert isinstance(model.config, RegularGPTConfig)  # a "regulargpt" checkpoint's model
     config = dataclasses.replace(model.config, attention_impl=attention_impl)
     rebuilt = build_model("regulargpt", config).to(device=model.device, dtype=model.dtype)
     rebuilt.load_state_dict(model.state_dict())
@@ -400,7 +402,8 @@ REPORT_FILE, PERPLEXITY_PLOT, RECEPTIVE_PLOT = "eval.json", "perplexity.png", "r
 PASSKEY_REPORT, PASSKEY_PLOT = "passkey.json", "passkey.png"  # in --out, with --probe passkey
 RETRIEVAL_REPORT, RETRIEVAL_PLOT = "retrieval.json", "retrieval.png"  # in --out, with --probe retrieval
 MAX_PROBE_TOKENS = 2**24  # the largest prompt a probe builds
-PROBE_DEFAULTS = {  # probe: {flag's dest: its default}; a flag of one probe is refused with the other
+# probe: {flag's dest: its default}; a flag of one probe is refused with the other
+PROBE_DEFAULTS: dict[str, dict[str, Any]] = {
     "perplexity": {
         "corpus": None,
         "train_length": None,
@@ -637,7 +640,8 @@ def _text_checkpoint(path: Path, args: argparse.Namespace) -> tuple[LoadedCheckp
 
 
 def _validation_fraction(loaded: LoadedCheckpoint) -> float:
-    return loaded.config.metadata.get("settings", {}).get("validation_fraction", 0.1)
+    fraction: float = loaded.config.metadata.get("settings", {}).get("validation_fraction", 0.1)  # JSON metadata
+    return fraction
 
 
 def _run_perplexity(
@@ -772,7 +776,7 @@ def _run_retrieval(
 
 
 def _write_probe_reports(
-    args: argparse.Namespace, out: Path, name: str, plot_name: str, reports: list[dict]
+    args: argparse.Namespace, out: Path, name: str, plot_name: str, reports: list[dict[str, Any]]
 ) -> list[Path]:
     """A needle probe's reports in ``out/name``, and with ``--plots`` their heat map in ``out/plot_name``."""
     plots = []
@@ -783,7 +787,7 @@ def _write_probe_reports(
     return _write_reports(out, name, reports, plots)
 
 
-def _filler_streams(names: tuple[str, ...], loaded: LoadedCheckpoint, tokenizer: Tokenizer) -> dict:
+def _filler_streams(names: tuple[str, ...], loaded: LoadedCheckpoint, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """Each filler's token stream for one checkpoint; UsageError for one without held-out text."""
     streams = {name: filler_tokens(name, tokenizer, _validation_fraction(loaded)) for name in names}
     empty = [name for name, stream in streams.items() if len(stream) == 0]
@@ -793,7 +797,10 @@ def _filler_streams(names: tuple[str, ...], loaded: LoadedCheckpoint, tokenizer:
 
 
 def _write_reports(
-    out: Path, name: str, reports: list[dict], plots: list[tuple[str, Callable[[list, Path], None]]]
+    out: Path,
+    name: str,
+    reports: list[dict[str, Any]],
+    plots: Sequence[tuple[str, Callable[[list[dict[str, Any]], Path], None]]],
 ) -> list[Path]:
     """``reports`` as JSON in ``out/name`` and each plot of them in ``out/plot name``; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)

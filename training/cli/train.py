@@ -312,7 +312,11 @@ def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseMod
     differing = [name for name in ours if theirs.get(name) != ours[name]]
     if differing == ["num_blocks"] and settings.architecture == "lrnn" and theirs["num_blocks"] < ours["num_blocks"]:
         torch.manual_seed(settings.seed)  # the new blocks' weights are those the run's own model starts with
-        return build_model(settings.architecture, model_config).grown_from(loaded.model.state_dict())
+        grown = build_model(settings.architecture, model_config)
+        from model.lrnn.model import BlockDiagonalLRNN  # loaded by build_model just now
+
+        assert isinstance(grown, BlockDiagonalLRNN)  # the "lrnn" architecture's model
+        return grown.grown_from(loaded.model.state_dict())
     if differing:
         named = "; ".join(f"{name} {theirs.get(name)} there, {ours[name]} here" for name in differing)
         raise UsageError(f"--init-from {folder} holds another model: {named}")

@@ -11,6 +11,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from model.base import SequenceModel
 from training.data.tasks import Task, sample_batch
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
@@ -113,8 +114,7 @@ class TrainingData:
         if self.power_offset_fraction:  # no draw at 0: runs without it keep their random stream
             chosen = rng.random(len(strings)) < self.power_offset_fraction
             strings = [
-                self.task.draw_power_offset(rng, len(string)) if pick else string
-                for string, pick in zip(strings, chosen)
+                self._power_offset_string(rng, len(string)) if pick else string for string, pick in zip(strings, chosen)
             ]
         batch = label_batch(self.task, strings)
         if self.final_only:
@@ -122,6 +122,10 @@ class TrainingData:
             final = batch.targets.gather(1, last[:, None])  # (B, 1)
             batch.targets.fill_(IGNORE_INDEX).scatter_(1, last[:, None], final)
         return batch
+
+    def _power_offset_string(self, rng: np.random.Generator, length: int) -> str:
+        assert self.task.draw_power_offset is not None  # the command line allows the fraction for such tasks only
+        return self.task.draw_power_offset(rng, length)
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ class FinalLabelSet:
 
 @torch.no_grad()
 def count_correct_final(
-    model: torch.nn.Module, examples: FinalLabelSet, alphabet: str, batch_size: int, chunk_symbols: int | None = None
+    model: SequenceModel, examples: FinalLabelSet, alphabet: str, batch_size: int, chunk_symbols: int | None = None
 ) -> int:
     """How many examples' final label the model gets right (argmax), in batches of ``batch_size``: through
     ``model.final_logits``, or with ``chunk_symbols`` through ``new_cache`` and ``forward(chunk, cache)`` in chunks
@@ -181,7 +185,7 @@ def count_correct_final(
 
 
 def _final_logits_in_chunks(
-    model: torch.nn.Module, strings: Sequence[str], alphabet: str, chunk_symbols: int, device: torch.device
+    model: SequenceModel, strings: Sequence[str], alphabet: str, chunk_symbols: int, device: torch.device
 ) -> torch.Tensor:
     """(len(strings), num_labels): each run of strings of one length fed through one cache, ``chunk_symbols`` //
     rows positions (at least one) per call."""

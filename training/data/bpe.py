@@ -96,7 +96,7 @@ def _merge(word: list[int], pair: Pair, new_id: int) -> list[int]:
     return out
 
 
-def write_ranks(tokens: list[bytes], path: str | os.PathLike) -> Path:
+def write_ranks(tokens: list[bytes], path: str | os.PathLike[str]) -> Path:
     """Write ``tokens`` (index = rank) as a ``.tiktoken`` file: "base64 rank" per line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

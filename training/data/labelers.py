@@ -79,19 +79,19 @@ def tomita3(string: str) -> list[str]:
 
     Runs are maximal within the prefix, so the run at its end counts with the length it has so far.
     """
-    runs: list[list] = []  # [symbol, length] of each run so far; only the last one can still grow
+    runs: list[tuple[str, int]] = []  # (symbol, length) of each run so far; only the last one can still grow
     violated_before_last_run, flags = False, []
     for symbol in string:
         if runs and runs[-1][0] == symbol:
-            runs[-1][1] += 1
+            runs[-1] = (symbol, runs[-1][1] + 1)
         else:
             violated_before_last_run = violated_before_last_run or _odd_ones_then_odd_zeros(runs[-2:])
-            runs.append([symbol, 1])
+            runs.append((symbol, 1))
         flags.append(not (violated_before_last_run or _odd_ones_then_odd_zeros(runs[-2:])))
     return _binary(flags)
 
 
-def _odd_ones_then_odd_zeros(two_runs: list[list]) -> bool:
+def _odd_ones_then_odd_zeros(two_runs: list[tuple[str, int]]) -> bool:
     return [(symbol, length % 2) for symbol, length in two_runs] == [("1", 1), ("0", 1)]
 
 
@@ -118,7 +118,8 @@ def modular_arithmetic(string: str) -> list[str]:
     Digits stand at even positions and operators at odd ones; at an operator the label repeats the previous one.
     The value is the sum of the finished terms plus the product being built (signed by the "+" or "-" before it).
     """
-    finished_terms, product, labels = 0, 0, []
+    finished_terms, product = 0, 0
+    labels: list[str] = []
     for position, symbol in enumerate(string):
         expected = DIGITS if position % 2 == 0 else OPERATORS
         if symbol not in expected:

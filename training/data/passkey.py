@@ -103,7 +103,7 @@ class PassKeyBuilder:
     def with_numbers(self, filler: np.ndarray, count: int, key: str, rng: np.random.Generator) -> np.ndarray:
         """``filler`` with up to ``count`` numbers other than ``key`` put in at random places, as long as before;
         fewer when it is too short. A number that would hold the key is the key's first four digits instead."""
-        numbers = []
+        numbers: list[np.ndarray] = []
         for _ in range(count):
             text = self._number(rng)
             encoded = self._encode(text if key not in re.findall(r"\d+", text) else f" {int(key) // 10}")

@@ -29,14 +29,14 @@ SENTENCE_ENDS = (b".", b"!", b"?", b'"', b"\n")
 # Parts of a wording, {"trained": [...], "held-out": [...]}. A subject names what a value belongs to ({key}); a
 # statement is a needle ({subject} / {Subject}, {value}); a question ends the prompt, the value follows it after
 # a space.
-INTRODUCTIONS = {
+INTRODUCTIONS: dict[str, tuple[str, ...]] = {
     TRAINED: (INTRODUCTION, "Read the text below and answer the question at the end.", ""),
     HELD_OUT: (
         "Some facts are hidden in the story that follows. Find them.",
         "Below is a long document. A question about it comes at the end.",
     ),
 }
-SUBJECTS = {
+SUBJECTS: dict[str, tuple[str, ...]] = {
     TRAINED: (
         "the special magic number for {key}",
         "the secret code of {key}",
@@ -52,7 +52,7 @@ SUBJECTS = {
         "the combination for {key}",
     ),
 }
-STATEMENTS = {
+STATEMENTS: dict[str, tuple[str, ...]] = {
     TRAINED: (
         "{Subject} is {value}.",
         "Remember this: {subject} is {value}.",
@@ -67,7 +67,7 @@ STATEMENTS = {
         "{Subject} was set to {value}.",
     ),
 }
-QUESTIONS = {
+QUESTIONS: dict[str, tuple[str, ...]] = {
     TRAINED: (
         "What is {subject}? {Subject} is",
         "Question: what is {subject}? Answer:",
@@ -467,6 +467,7 @@ class RetrievalBuilder:
 def _distinct_values(fmt: str, split: str) -> int:
     """How many different values ``fmt`` can take (the draw repeats one only past that)."""
     family, _, digits = fmt.partition("-")
-    if family == "number":
-        return 10 ** int(digits) - (10 ** (int(digits) - 1) if int(digits) > 1 else 0)
+    if family == "number":  # int ** int is typed Any in typeshed (a negative power is a float)
+        count: int = 10 ** int(digits) - (10 ** (int(digits) - 1) if int(digits) > 1 else 0)
+        return count
     return len(WORDS[split]) if family == "word" else 10**4

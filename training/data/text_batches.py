@@ -6,6 +6,7 @@ a shuffle buffer, its position saved by :meth:`StreamedWindows.state`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -39,6 +40,15 @@ class TokenArray:
         return torch.from_numpy(self.tokens[index])
 
 
+class StreamState(TypedDict):
+    """Where a :class:`StreamedWindows` is, in JSON values."""
+
+    documents_read: int  # in this pass
+    windows_this_pass: int
+    pending: list[int]  # tokens not yet cut into a window
+    buffer: list[list[int]]  # the windows drawn from at random
+
+
 class StreamedWindows:
     """Windows cut from a document stream, drawn at random from a buffer of ``buffer_windows`` of them."""
 
@@ -54,7 +64,7 @@ class StreamedWindows:
         self._windows_this_pass = 0
         self._documents_read = 0  # in this pass
 
-    def state(self) -> dict:
+    def state(self) -> StreamState:
         """Where the stream is (JSON values): restored by :meth:`load_state`, the same windows follow."""
         return {
             "documents_read": self._documents_read,
@@ -63,7 +73,7 @@ class StreamedWindows:
             "buffer": [window.tolist() for window in self._buffer],
         }
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: StreamState) -> None:
         """Go back to a position saved by :meth:`state`: the stream is reopened and read up to it again."""
         self._stream = self._documents()
         for _ in range(state["documents_read"]):

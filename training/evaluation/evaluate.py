@@ -18,6 +18,7 @@ from training.data.tasks import BHATTAMISHRA_TRAIN_LENGTHS, Task
 from training.evaluation.progress import progress_bar
 
 Protocol = Literal["papers", "hard", "induction", "custom"]
+NamedProtocol = Literal["papers", "hard", "induction"]  # a protocol with bands of its own (custom: the flags')
 HARD_P_ONES = (0.1, 0.9)
 BHATTAMISHRA_EVAL_LENGTHS = (51, 100)
 DELETANG_EVAL_LENGTHS = (41, 500)
@@ -48,9 +49,7 @@ def split_lengths(lengths: tuple[int, int], count: int) -> list[tuple[int, int]]
     return [(edges[i], edges[i + 1] - 1) for i in range(count)]
 
 
-def protocol_bands(
-    task: Task, protocol: Literal["papers", "hard", "induction"], band_count: int, samples: int
-) -> list[Band]:
+def protocol_bands(task: Task, protocol: NamedProtocol, band_count: int, samples: int) -> list[Band]:
     """The bands of a named protocol, each length range of papers and hard (the task's ``hard_lengths``) cut into
     ``band_count`` bands; ``samples`` strings per band (induction: fewer at the longest lengths)."""
     if protocol == "papers":

@@ -212,7 +212,7 @@ def complete_greedily(
     """The decoded greedy completion of each prompt ((size,) tokens, all of one size), ``plan[0]`` rows at a time,
     read in chunks of ``plan[1]``."""
     rows, chunk = plan
-    texts = []
+    texts: list[str] = []
     for start in range(0, len(prompts), rows):
         batch = np.stack(prompts[start : start + rows])  # (b, size)
         tokens = greedy_completions(

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-def plot_accuracy(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+
+def plot_accuracy(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
     """Write a PNG: x = the middle of each length band, y = accuracy, from the eval reports (evaluate.py)."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for report in reports:
@@ -30,7 +34,7 @@ def plot_accuracy(reports: Sequence[dict[str, Any]], path: str | os.PathLike) ->
     save_figure(figure, axes, path)
 
 
-def save_figure(figure: plt.Figure, axes: plt.Axes, path: str | os.PathLike) -> None:
+def save_figure(figure: Figure, axes: Axes, path: str | os.PathLike[str]) -> None:
     """Grid, legend, tight layout, then write ``figure`` to ``path`` as PNG and free it."""
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")

@@ -6,6 +6,7 @@ when the completion's first value is the asked one. ``retrieval.json``: docs/tra
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def probe_checkpoint(
                 tokenizer,
                 probe,
                 per_cell,
-                lambda size, builder=builder, name=name: cell_prompts(builder, probe, name, size),
+                functools.partial(cell_prompts, builder, probe, name),
                 lambda size, answered, skipped: _size_row(size, probe, answered, skipped),
                 bar,
                 {"split": split, "filler": name},
@@ -132,7 +133,8 @@ def _size_row(
 ) -> dict[str, Any]:
     """One size's entry: right/total per depth (of the first needle: with ``ask`` "each", every needle of the
     draws placed there asked in turn), per value format and over all."""
-    depths, formats = [], {}
+    depths: list[dict[str, Any]] = []
+    formats: dict[str, list[int]] = {}  # format -> [right, total]
     per_depth = len(answered) // len(probe.depths)  # cell_prompts's order: depth by depth
     for index, depth in enumerate(probe.depths):
         trials = []

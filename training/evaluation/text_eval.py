@@ -10,7 +10,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from model.base import SequenceModel
 from model.checkpoint import LoadedCheckpoint
+from model.config import RegularGPTConfig, TransformerConfig
 from training.evaluation.progress import progress_bar
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
@@ -105,11 +106,12 @@ def receptive_field(
     """Cumulative gradient-norm share per input position (module docstring), averaged over the windows."""
     embeddings: list[torch.Tensor] = []
 
-    def keep_output(_module, _inputs, output):  # the token embeddings, as a leaf the gradient reaches
-        output.retain_grad()
+    def keep_output(_module: torch.nn.Module, _inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        output.retain_grad()  # the token embeddings, as a leaf the gradient reaches
         embeddings.append(output)
 
-    hook = model.embedding.register_forward_hook(keep_output)
+    embedding = cast(torch.nn.Module, model.embedding)  # each trainable model's TokenEmbedding, not SequenceModel's
+    hook = embedding.register_forward_hook(keep_output)
     curves = []
     try:
         for doc, position in positions:
@@ -121,12 +123,15 @@ def receptive_field(
             )
             model.zero_grad(set_to_none=True)
             loss.backward()
-            norms = embeddings[0].grad[0].float().norm(dim=-1)  # (T,)
+            grad = embeddings[0].grad
+            assert grad is not None  # retain_grad above
+            norms = grad[0].float().norm(dim=-1)  # (T,)
             from_end = norms.flip(0).cumsum(0).flip(0)  # (T,) sum over positions p..T-1
             curves.append((from_end / from_end[0]).cpu().numpy())
     finally:
         hook.remove()
-    return np.mean(curves, axis=0).tolist()
+    mean: list[float] = np.mean(curves, axis=0).tolist()
+    return mean
 
 
 def evaluate_text_checkpoint(
@@ -205,8 +210,10 @@ def describe_architecture(loaded: LoadedCheckpoint) -> str:
     """ "regulargpt C=64 K=4", "transformer alibi", "lrnn" ..."""
     config = loaded.model.config
     if loaded.config.architecture == "regulargpt":
+        assert isinstance(config, RegularGPTConfig)  # a checkpoint's architecture names its config's class
         return f"regulargpt C={config.chunk_size} K={config.thickness}"
     if loaded.config.architecture == "transformer":
+        assert isinstance(config, TransformerConfig)
         return f"transformer {config.position}"
     return loaded.config.architecture
 

@@ -19,7 +19,7 @@ def _label(report: dict[str, Any]) -> str:
     return f"{report['architecture']} ({Path(report['checkpoint']).name})"
 
 
-def plot_perplexity(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+def plot_perplexity(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
     """x = context length (log scale, marked in multiples of L_tr), y = last-token perplexity."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for report in reports:
@@ -39,7 +39,7 @@ def plot_perplexity(reports: Sequence[dict[str, Any]], path: str | os.PathLike) 
     save_figure(figure, axes, path)
 
 
-def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
     """x = input position, y = share of the last token's gradient norm on positions >= x (1 at position 0)."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for report in reports:
@@ -54,7 +54,7 @@ def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathL
     save_figure(figure, axes, path)
 
 
-def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
     """The needle heat map: one panel per checkpoint and filler, rows = needle depth, columns = prompt size, colour =
     accuracy (red 0 .. green 1), each cell marked right/total; skipped sizes grey."""
     from training.evaluation.passkey_probe import size_label

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from model.base import InferenceCache, SequenceModel
@@ -16,15 +18,17 @@ def reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tenso
     )
 
 
-def carried_values(carried: InferenceCache | None) -> list | None:
+def carried_values(carried: InferenceCache | None) -> list[Any] | None:
     """Carried states as a resumable save keeps them: nested lists (exact for float32); None for None."""
-    return None if carried is None else [state.cpu().tolist() for state in carried.step_state()]
+    if carried is None:
+        return None
+    return [state.cpu().tolist() for state in _step_state(carried)]
 
 
-def restore_carried(carried: InferenceCache | None, values: list | None) -> None:
+def restore_carried(carried: InferenceCache | None, values: list[Any] | None) -> None:
     """Put :func:`carried_values`' ``values`` back into ``carried``, in place (nothing where either is None)."""
     if carried is not None and values is not None:
-        for tensor, state in zip(carried.step_state(), values):
+        for tensor, state in zip(_step_state(carried), values):
             tensor.copy_(torch.tensor(state, dtype=tensor.dtype))
 
 
@@ -39,3 +43,9 @@ def new_carried_state(model: SequenceModel, rows: int) -> InferenceCache:
             "with a fixed-size recurrent state"
         )
     return cache
+
+
+def _step_state(carried: InferenceCache) -> list[torch.Tensor]:
+    states = carried.step_state()
+    assert states is not None  # new_carried_state refuses a cache without a fixed-size state
+    return states

@@ -36,6 +36,7 @@ class Teacher:
             raise ValueError(f"--teacher {folder}: {error}") from None
         if loaded.config.kind != "generate":
             raise ValueError(f"--teacher {folder} is a {loaded.config.kind} checkpoint, not a language model")
+        assert loaded.config.tokenizer is not None  # a language model's config names its tokenizer
         theirs = load_tokenizer(loaded.config.tokenizer, folder)
         if not same_tokens(theirs, tokenizer):
             raise ValueError(

@@ -115,10 +115,10 @@ class LanguageModelObjective(Objective):
         self.passkey = None
         if data.passkey_fraction:
             self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
-            self.passkey = PassKeyBuilder(tokenizer, self.windows.tokens, data.passkey_number_forms)
+            self.passkey = PassKeyBuilder(tokenizer, self._corpus_tokens(), data.passkey_number_forms)
         self.recall = None
         if data.recall_fraction:
-            self.recall = RetrievalBuilder(tokenizer, self.windows.tokens, TRAINED)
+            self.recall = RetrievalBuilder(tokenizer, self._corpus_tokens(), TRAINED)
         if data.teacher is not None:
             self.teacher = Teacher.load(
                 Path(data.teacher), data.teacher_weight, tokenizer, batch_size, data.state_passing, dist.device
@@ -126,6 +126,12 @@ class LanguageModelObjective(Objective):
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
         self.recall_validation = self._recall_prompts(seed) if evaluate and self.recall else None
+
+    def _corpus_tokens(self) -> np.ndarray:
+        """The tokens of the in-memory corpus (a streamed one has none): the training examples' filler, the text
+        that state passing reads on."""
+        assert isinstance(self.windows, TokenArray)  # pass-key examples and state passing: refused when streamed
+        return self.windows.tokens
 
     def _validation_windows(self, seed: int) -> torch.Tensor:
         """Fixed (N, length + 1) validation windows, the same on every process."""
@@ -242,7 +248,9 @@ class LanguageModelObjective(Objective):
         answer = builder.answer(key)
         head = min(size - (prompt_size or size), size - len(answer) - builder.shortest(key))
         prompt = builder.prompt(size - head - len(answer), depth, rng, key=key, distractors=distractors)
-        tokens = torch.from_numpy(np.concatenate([text[:head] if head else [], prompt.tokens, answer]).astype(np.int64))
+        assert text is not None or not head  # a prompt shorter than the row follows text
+        before: np.ndarray | list[int] = text[:head] if text is not None and head else []
+        tokens = torch.from_numpy(np.concatenate([before, prompt.tokens, answer]).astype(np.int64))
         targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
         targets[-len(answer) :] = tokens[-len(answer) :]
         if text is not None:  # target j is token j + 1
@@ -285,12 +293,14 @@ class LanguageModelObjective(Objective):
                     self.cursors[row] -= length
         if self.recall is not None:
             chosen = (rng.random(self.batch_size) < self.data.recall_fraction) & ~in_examples
-            for row in np.flatnonzero(chosen):
+            for recall_row in np.flatnonzero(chosen):
                 prompt_size = int(rng.integers(1, length + 2))  # raised to what the example needs
-                windows[row], targets[row] = self._recall_row(length + 1, prompt_size, windows[row].numpy(), rng)
-                examples[row] = in_examples[row] = True
+                windows[recall_row], targets[recall_row] = self._recall_row(
+                    length + 1, prompt_size, windows[recall_row].numpy(), rng
+                )
+                examples[recall_row] = in_examples[recall_row] = True
                 if self.cursors is not None:
-                    self.cursors[row] -= length
+                    self.cursors[recall_row] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         fresh = None
         if self.data.state_passing and self.data.state_reset:
@@ -304,7 +314,8 @@ class LanguageModelObjective(Objective):
     def longest_span(self, step: int) -> int:
         """The most windows an example started at step ``step`` (from 1) may span: growing geometrically from 1 at
         the first step to ``passkey_span`` at the run's last."""
-        return max(1, round(self.data.passkey_span ** self._progress(step)))
+        windows: float = self.data.passkey_span ** self._progress(step)  # int ** float is typed Any
+        return max(1, round(windows))
 
     def _span_windows(self, rng: np.random.Generator, step: int) -> int:
         """How many windows an example started at ``step`` spans: log-uniform over 1 .. :meth:`longest_span`."""
@@ -360,7 +371,7 @@ class LanguageModelObjective(Objective):
     def _consecutive_windows(self, rng: np.random.Generator) -> torch.Tensor:
         """(B, L + 1) windows, row i's starting where its last one's inputs ended (a random place at first and
         when the text runs out)."""
-        tokens, length = self.windows.tokens, self.data.length
+        tokens, length = self._corpus_tokens(), self.data.length
         if self.cursors is None:
             self.cursors = rng.integers(0, len(tokens) - length, size=self.batch_size)
         ended = self.cursors + length + 1 > len(tokens)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import numpy as np
 import torch
@@ -93,7 +93,8 @@ def train(
             f"{', '.join(path.name for path in removed)}",
             file=sys.stderr,
         )
-    trained = dist.wrap(torch.compile(model, dynamic=True) if settings.compile else model)  # lengths vary
+    # dynamic: lengths vary; torch.compile returns a module (OptimizedModule) for one, typed a plain callable
+    trained = dist.wrap(cast(torch.nn.Module, torch.compile(model, dynamic=True)) if settings.compile else model)
     use_bfloat16 = settings.dtype == "bfloat16" or (settings.dtype == "auto" and dist.device.type == "cuda")
 
     log = open_log(out, dist, run.log_bytes if resume is not None else None)
@@ -140,7 +141,7 @@ def train(
                         track_impurity=settings.determinism_weight > 0,
                     )
                 if settings.extra_levels:
-                    model.extra_levels = extra_levels(settings, run.step)
+                    setattr(model, "extra_levels", extra_levels(settings, run.step))  # RegularGPT's own attribute
                 batch = objective.batch(rng, run.step)
                 grad_norm, step_tokens, carried = _train_step(
                     trained, optimizer, batch, settings, run, dist, use_bfloat16, carried, objective.teacher
@@ -248,6 +249,7 @@ def train(
             tokens=run.tokens,
             param_sha256=digests,
         )
+        assert log is not None  # open_log opens it on rank 0
         log.close()
     return metadata
 
@@ -273,13 +275,13 @@ def _train_step(
     positions), rows starting from ``carried``. Returns the gradient norm before clipping, this process's real
     positions and the states carried on, detached."""
     positions = int((batch.targets != IGNORE_INDEX).sum())
-    selects_positions = getattr(trained, "module", trained).selects_positions  # under DDP: the model's
+    selects_positions = _unwrapped(trained).selects_positions  # under DDP: the model's
     weight = determinism_weight(settings, run.step)
     optimizer.zero_grad(set_to_none=True)
     parts = batch.split(settings.grad_accumulation)
     row_groups = torch.arange(len(batch.lengths)).tensor_split(settings.grad_accumulation)
     if carried is not None and batch.fresh is not None and bool(batch.fresh.any()):
-        carried = reset_rows(getattr(trained, "module", trained), carried, batch.fresh)
+        carried = reset_rows(_unwrapped(trained), carried, batch.fresh)
     if teacher is not None:
         teacher.begin(batch.fresh)
     ended = []
@@ -297,6 +299,7 @@ def _train_step(
             if selects_positions and not bool(scored.all()):  # the head on the scored positions only
                 logits, targets = trained(part.tokens, cache, positions=scored), part.targets[scored]  # (N, V), (N,)
                 if soft is not None:
+                    assert soft_weights is not None  # set with soft
                     soft, soft_weights = soft[scored], soft_weights[scored]  # (N, V), (N,)
             else:
                 logits = trained(part.tokens, cache)  # (b, T, V)
@@ -320,6 +323,12 @@ def _train_step(
     if teacher is not None:
         teacher.end()
     return float(grad_norm), positions, carried
+
+
+def _unwrapped(trained: torch.nn.Module) -> SequenceModel:
+    """The model ``trained`` runs: DDP's ``module``, else ``trained`` itself (the model, or torch.compile's wrapper,
+    which forwards the model's attributes)."""
+    return cast(SequenceModel, getattr(trained, "module", trained))
 
 
 def _evaluate(
@@ -348,6 +357,7 @@ def _evaluate(
     write_record(
         log, event="eval", step=run.step, **evaluation.figures, best_score=run.best_score, best_step=run.best_step
     )
+    assert run.best_score is not None  # set above at the first evaluation
     if settings.target is not None and run.best_score >= settings.target:
         run.stopped = "target"
     elif settings.patience is not None and run.evaluations_since_best >= settings.patience:

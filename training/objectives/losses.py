@@ -4,7 +4,7 @@ teacher's distributions too), and the stochastic LRNN's soft phase with its impu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,10 @@ def masked_loss(
     if torch.is_grad_enabled() and logits.requires_grad:
         flat_soft = None if soft is None else soft.flatten(0, -2)
         flat_weights = None if soft_weights is None else soft_weights.flatten()
-        loss_sum = SummedCrossEntropy.apply(flat_logits, flat_targets, flat_soft, flat_weights)
+        # torch's Function.apply is unannotated upstream
+        loss_sum: torch.Tensor = SummedCrossEntropy.apply(  # type: ignore[no-untyped-call]
+            flat_logits, flat_targets, flat_soft, flat_weights
+        )
     else:
         loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
     correct = int(((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum())
@@ -47,7 +50,7 @@ class SummedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         logits: torch.Tensor,
         targets: torch.Tensor,
         soft: torch.Tensor | None = None,
@@ -76,11 +79,11 @@ class SummedCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(gradient)
         total = losses.masked_fill(~real, 0.0).sum()
         if soft is not None:
-            total.target_loss = target_sum
+            setattr(total, "target_loss", target_sum)  # read by target_loss(): a tensor has no such attribute
         return total
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (gradient,) = ctx.saved_tensors  # scaled in place, no second (N, V) buffer: a second
         return gradient.mul_(grad_output), None, None, None  # backward through the graph meets autograd's check
 
@@ -89,9 +92,9 @@ def set_soft_transitions(model: torch.nn.Module, soft: bool, track_impurity: boo
     """Switch every layer that has two training phases (``soft_transitions``: the stochastic LRNN's), and whether
     its soft phase keeps its columns' impurity for :func:`impurity`."""
     for module in model.modules():
-        if hasattr(module, "soft_transitions"):
-            module.soft_transitions = soft
-            module.track_impurity = soft and track_impurity
+        if hasattr(module, "soft_transitions"):  # a stochastic LRNN's recurrence: attributes of its own
+            setattr(module, "soft_transitions", soft)
+            setattr(module, "track_impurity", soft and track_impurity)
 
 
 def determinism_weight(settings: TrainSettings, step: int) -> float:
@@ -104,9 +107,10 @@ def determinism_weight(settings: TrainSettings, step: int) -> float:
 
 def impurity(model: torch.nn.Module) -> torch.Tensor | float:
     """The sum over layers of the impurity their last forward pass kept, taken from them (0 when none kept one)."""
-    kept = []
+    kept: list[torch.Tensor] = []
     for module in model.modules():
-        if getattr(module, "impurity", None) is not None:
-            kept.append(module.impurity.float())
-            module.impurity = None
+        kept_by_module: torch.Tensor | None = getattr(module, "impurity", None)
+        if kept_by_module is not None:
+            kept.append(kept_by_module.float())
+            setattr(module, "impurity", None)
     return sum(kept, 0.0)
