@@ -1,5 +1,5 @@
 """Automata and strings that exercise compiled models: the counter DFA modulo n (every state reachable) and random
-walks that never enter a rejecting sink. Used by the tests and benchmarks/compiler_sweep.py.
+walks that never enter a rejecting sink. Used by the tests and benchmarks/accuracy/compiler_sweep.py.
 """
 
 from __future__ import annotations

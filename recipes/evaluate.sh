@@ -1,7 +1,8 @@
 #!/bin/sh
 # The two protocols of docs/results.md on transducer checkpoints: "papers" (final-label accuracy on lengths 41-500,
 # 51-100 for the d* and tomita* tasks) and "hard" (501-2000 with the task's generator, then with P(1) = 0.1 and 0.9),
-# 200 fresh strings per band (10 bands per column), then one table row per checkpoint (benchmarks/results_table.py).
+# 200 fresh strings per band (10 bands per column), then one table row per checkpoint
+# (benchmarks/accuracy/results_table.py).
 #
 #   recipes/evaluate.sh checkpoints/parity_check-lrnn [more folders]   the draw (SEED=1)
 #   SEED=2 recipes/evaluate.sh checkpoints/*-lrnn                        a second fresh draw
@@ -26,4 +27,4 @@ for checkpoint in "$@"; do
     done
 done
 # shellcheck disable=SC2086
-exec "$PYTHON" -m benchmarks.results_table $made
+exec "$PYTHON" -m benchmarks.accuracy.results_table $made

@@ -1,8 +1,8 @@
 """The packages import each other only downwards (docs/architecture.md): every module's imports, read with ast
 (top-level and inside functions), against the rule of its package; no folder of a package holds more than
-``MAX_MODULES`` modules (nor does a folder of the tests, which mirror the packages), and no modules import each
-other in a circle. The tests share helpers through modules of their own (tests/<package>/helpers.py and the named
-ones beside it), never through a test module or a conftest."""
+``MAX_MODULES`` modules (nor does a folder of the tests, which mirror the packages, nor of the benchmarks), and no
+modules import each other in a circle. The tests share helpers through modules of their own (tests/<package>/helpers.py
+and the named ones beside it), never through a test module or a conftest."""
 
 from __future__ import annotations
 
@@ -71,20 +71,22 @@ def test_what_the_client_imports_imports_nothing_of_ours(module: str) -> None:
 
 MAX_MODULES = 12  # per folder, __init__.py (and a test folder's conftest.py) not counted
 NOT_COUNTED = ("__init__.py", "conftest.py")
-NOT_YET_REGROUPED = ("tests/training",)  # not yet regrouped: test folders still allowed more than MAX_MODULES
+BOUNDED = (*PACKAGES, "benchmarks")  # the trees whose folders the bound covers, besides tests/
 
 
 def crowded(folders: set[Path]) -> list[str]:
-    """Each of ``folders`` that holds more than ``MAX_MODULES`` modules, with its count."""
+    """Each of ``folders`` that holds more than ``MAX_MODULES`` modules, with its count (and its path from the
+    repository's root, where it lies inside it)."""
     return sorted(
-        f"{folder.relative_to(REPO)}: {count}"
+        f"{folder.relative_to(REPO) if folder.is_relative_to(REPO) else folder}: {count}"
         for folder in folders
         if (count := sum(1 for path in folder.glob("*.py") if path.name not in NOT_COUNTED)) > MAX_MODULES
     )
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", BOUNDED)
 def test_no_folder_holds_more_than_a_readable_number_of_modules(package: str) -> None:
+    """Each package's folders, and the benchmarks' (grouped by what they measure: benchmarks/ops/, ...)."""
     folders = {path.parent for path in modules(package)}
     assert not crowded(folders), f"folders over {MAX_MODULES} modules: {crowded(folders)}"
 
@@ -92,9 +94,23 @@ def test_no_folder_holds_more_than_a_readable_number_of_modules(package: str) ->
 def test_no_test_folder_holds_more_than_a_readable_number_of_modules() -> None:
     """The tests mirror the packages (tests/server/api/ tests server/api/, ...) and obey the same bound."""
     folders = {path.parent for path in modules("tests")}
-    assert {REPO / "tests" / "server" / "api", REPO / "tests" / "model" / "ops"} <= folders
-    checked = {folder for folder in folders if str(folder.relative_to(REPO)) not in NOT_YET_REGROUPED}
-    assert not crowded(checked), f"test folders over {MAX_MODULES} modules: {crowded(checked)}"
+    assert {
+        REPO / "tests" / "server" / "api",
+        REPO / "tests" / "model" / "ops",
+        REPO / "tests" / "training" / "cli",
+    } <= folders
+    assert not crowded(folders), f"test folders over {MAX_MODULES} modules: {crowded(folders)}"
+
+
+def test_the_folder_rule_sees_the_folders_and_fails_on_a_crowded_one(tmp_path: Path) -> None:
+    """The checker itself: nested folders are seen, ``__init__.py`` and ``conftest.py`` are not counted, and one
+    module past ``MAX_MODULES`` is named with its count."""
+    assert {REPO / "benchmarks", REPO / "benchmarks" / "serve" / "engine"} <= {p.parent for p in modules("benchmarks")}
+    for name in (*NOT_COUNTED, *(f"module_{index}.py" for index in range(MAX_MODULES))):
+        (tmp_path / name).touch()
+    assert crowded({tmp_path}) == []
+    (tmp_path / "one_more.py").touch()
+    assert crowded({tmp_path}) == [f"{tmp_path}: {MAX_MODULES + 1}"]
 
 
 def module_name(path: Path) -> str:

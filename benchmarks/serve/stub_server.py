@@ -1,7 +1,7 @@
 """``python -m server`` whose models answer without computing: a transducer's ``final_logits`` and ``forward`` and a
 language model's decode ``step`` return zeros of the right shapes, so that what a request or a token costs is the
-server's own path (benchmarks/serve/bench_http_path.py, bench_generate.py --stub). A language model's prefill still
-runs the model.
+server's own path (benchmarks/serve/api/bench_http_path.py, api/bench_generate.py --stub). A language model's prefill
+still runs the model.
 
     python -m benchmarks.serve.stub_server --models DIR [the options of python -m server]
 """

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests of compiled automata (tests/automata, tests/training/test_compile_cli.py) and of
+"""Helpers shared by the tests of compiled automata (tests/automata, tests/training/cli/test_compile_cli.py) and of
 regular expressions (tests/server/structured/test_structured_regex.py)."""
 
 from __future__ import annotations

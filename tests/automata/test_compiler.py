@@ -1,6 +1,6 @@
 """The automaton compiler: compiled LRNN and RegularGPT models compute their DFA's transduction exactly, on every
 short string, on long ones and step by step; they name a task only when the DFA computes it. The command line and
-the shipped compiled checkpoints: tests/training/test_compile_cli.py."""
+the shipped compiled checkpoints: tests/training/cli/test_compile_cli.py."""
 
 from __future__ import annotations
 

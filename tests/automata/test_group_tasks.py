@@ -1,8 +1,8 @@
 """The group word problems s5_generators and a5_generators (docs/api.md, Tasks): the generators generate S5 and A5,
 the Cayley graph files are the task automata, the labeler agrees with jopetty/word-problem's own code on its rows
 (tests/automata/fixtures/word_problem.json), and the compiled LRNN is exact at thousands of symbols while
-RegularGPT's construction refuses the groups. Sampling and the task contract: tests/training/test_tasks.py; the
-shipped checkpoint, the command line and the server: tests/training/test_group_tasks.py."""
+RegularGPT's construction refuses the groups. Sampling and the task contract: tests/training/data/test_tasks.py; the
+shipped checkpoint, the command line and the server: tests/training/cli/test_group_tasks.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Regular expressions as DFAs (automata/regex.py) and compiled models: the DFA labels every prefix as
 ``re.fullmatch`` does (hand-written and 240 random patterns), it is minimal, and its compiled models are exact at
-every length tested up to 10**5 (``compile --regex``: tests/training/test_compile_cli.py)."""
+every length tested up to 10**5 (``compile --regex``: tests/training/cli/test_compile_cli.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""benchmarks/peers.py on the tiny size: every system runs its cells, a repeated cache decodes every row as the
-single row does, matched widths land near the peer's parameter count, and the targets read the right ratios.
-Skipped without transformers (the ``bench`` extra); nothing is downloaded."""
+"""benchmarks/comparisons/peers.py on the tiny size: every system runs its cells, a repeated cache decodes every row as
+the single row does, matched widths land near the peer's parameter count, and the targets read the right ratios. Skipped
+without transformers (the ``bench`` extra); nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks import peer_systems, peers
+from benchmarks.comparisons import peer_systems, peers
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("no_network")

@@ -1,10 +1,10 @@
-"""benchmarks/results_table.py: rows, grids and P(1) columns from eval --json reports."""
+"""benchmarks/accuracy/results_table.py: rows, grids and P(1) columns from eval --json reports."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.results_table import main
+from benchmarks.accuracy.results_table import main
 
 
 def report(checkpoint: str, task: str, protocol: str, bands: list[tuple[int, int, float | None, float]]) -> dict:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_importing_the_engine_benchmark_leaves_model_loading_alone() -> None:
     code = (
         "from server.models import store as model_store; original = model_store.load_served_model; "
-        "import benchmarks.serve.bench_engine_loop; "
+        "import benchmarks.serve.engine.bench_engine_loop; "
         "assert model_store.load_served_model is original, model_store.load_served_model"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

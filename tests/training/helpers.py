@@ -1,4 +1,5 @@
-"""Helpers shared by the tests of the training command line (test_train_cli.py, test_text_train.py, test_cuda.py)."""
+"""Helpers shared by the tests of the training command line (cli/test_train_cli.py, cli/test_text_train.py and
+test_cuda.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Hand-made and tiny language models shared by the long-context probe tests (test_passkey_probe.py,
-test_retrieval_probe.py): a tiny untrained LRNN checkpoint and :class:`Answerer`, a model that reads the prompt's
-text and says what a given reader finds in it."""
+"""Hand-made and tiny language models shared by the long-context probe tests (evaluation/test_passkey_probe.py,
+evaluation/test_retrieval_probe.py): a tiny untrained LRNN checkpoint and :class:`Answerer`, a model that reads the
+prompt's text and says what a given reader finds in it."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ class LanguageModelObjective(Objective):
         dist: Distributed,
     ) -> None:
         """``steps``: the run's, over which the pass-key fraction and span move. ValueError on a streamed corpus
-        with pass-key examples or state passing, or one without a validation corpus when ``evaluate``."""
+        with pass-key or retrieval examples or state passing, or one without a validation corpus when ``evaluate``."""
         self.data, self.tokenizer, self.ranks_file, self.batch_size = data, tokenizer, ranks_file, batch_size
         self.steps = steps
         if is_streamed(data.corpus):
@@ -104,9 +104,11 @@ class LanguageModelObjective(Objective):
             ]
             tokens = tokenize_documents(texts, tokenizer)
             self.windows, self.train_tokens = TokenArray(tokens), len(tokens)
-        if (data.passkey_fraction or data.state_passing) and not isinstance(self.windows, TokenArray):
+        if (data.passkey_fraction or data.recall_fraction or data.state_passing) and not isinstance(
+            self.windows, TokenArray
+        ):
             raise ValueError(
-                f"{data.corpus} is streamed: pass-key examples and state passing need an in-memory "
+                f"{data.corpus} is streamed: pass-key and retrieval examples and state passing need an in-memory "
                 "corpus (austen or text:PATH)"
             )
         self.carries_state = data.state_passing
@@ -130,7 +132,7 @@ class LanguageModelObjective(Objective):
     def _corpus_tokens(self) -> np.ndarray:
         """The tokens of the in-memory corpus (a streamed one has none): the training examples' filler, the text
         that state passing reads on."""
-        assert isinstance(self.windows, TokenArray)  # pass-key examples and state passing: refused when streamed
+        assert isinstance(self.windows, TokenArray)  # examples and state passing: refused when streamed
         return self.windows.tokens
 
     def _validation_windows(self, seed: int) -> torch.Tensor:

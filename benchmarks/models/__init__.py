@@ -1,0 +1,1 @@
+"""Whole models: decode steps, prefill passes and training steps, against floors and thread counts."""

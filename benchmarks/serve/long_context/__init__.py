@@ -1,0 +1,1 @@
+"""Long contexts: decoding at growing context, a million tokens, short requests beside long work."""
