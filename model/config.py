@@ -72,7 +72,8 @@ class RegularGPTConfig(BaseModelConfig):
 class LRNNConfig(BaseModelConfig):
     """Block-diagonal input-dependent LRNN (model/lrnn/model.py), ``num_blocks`` blocks of ``block_size`` per layer.
     ``transition_norm``: "column" (each column by 1 / max(1, ||column||_p), p = ``p_norm``), "spectral" (then each block
-    by 1 / max(1, ||block||_2)) or "stochastic" (sparsemax columns, no B u, learned h_0). ``transition_rank``: None for
+    by 1 / max(1, ||block||_2)), "stochastic" (sparsemax columns, no B u, learned h_0) or "orthogonal" (each block's
+    orthogonal polar factor, no B u, learned h_0: norms kept at any length). ``transition_rank``: None for
     a full generator, or r below min(d_model, num_blocks block_size**2). ``scan_impl``: "sequential", "parallel",
     "chunked" (chunks of ``scan_chunk_size``) or "auto"."""
 
@@ -80,7 +81,7 @@ class LRNNConfig(BaseModelConfig):
     block_size: int = 8
     num_blocks: int = 8
     p_norm: float = 1.2
-    transition_norm: Literal["column", "spectral", "stochastic"] = "column"
+    transition_norm: Literal["column", "spectral", "stochastic", "orthogonal"] = "column"
     transition_rank: int | None = None
     d_ff: int = 256
     scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"

@@ -12,6 +12,7 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from model.base import (
     CallPath,
@@ -34,6 +35,7 @@ from model.ops.linear_scan import (
     column_norm_constraint,
     column_sparsemax,
     linear_scan,
+    orthogonal_constraint,
     scan_step,
     spectral_norm_constraint,
 )
@@ -112,25 +114,29 @@ class Recurrence(nn.Module):
 class BlockDiagonalRecurrence(Recurrence):
     """h_k = A(u_k) h_{k-1} + B u_k. Full rank: g = ``transition``, B = ``input_proj``; rank r: ``in_proj`` = [U; B],
     g(u) = V (code_scale U u) + c. "stochastic": sparsemax columns (softmax while training with ``soft_transitions``,
-    Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned."""
+    Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned. "orthogonal": each block's polar factor, no
+    B u, h_0 learned (a point that the transitions move on a sphere)."""
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()
         self.num_blocks, self.block_size, self.p_norm = config.num_blocks, config.block_size, config.p_norm
         self.transition_norm, self.rank = config.transition_norm, config.transition_rank
         self.stochastic = config.transition_norm == "stochastic"
+        self.inputless = config.transition_norm in ("stochastic", "orthogonal")  # no B u; h_0 learned
         self.state_shape = (config.num_blocks, config.block_size)
-        self.input_size = 0 if self.stochastic else config.state_size  # B's outputs
+        self.input_size = 0 if self.inputless else config.state_size  # B's outputs
         generated = config.num_blocks * config.block_size**2  # H b^2: g's outputs
         if self.rank is None:
             self.transition = nn.Linear(config.d_model, generated)  # g
-            if not self.stochastic:
+            if not self.inputless:
                 self.input_proj = nn.Linear(config.d_model, config.state_size)  # B
         else:
             self.in_proj = nn.Linear(config.d_model, self.rank + self.input_size)  # [U; B]
             self.transition = nn.Linear(self.rank, generated)  # V, and c as its bias
         if self.stochastic:
             self.initial = nn.Parameter(torch.zeros(self.state_shape))  # logits of h_0, uniform per block
+        elif self.inputless:  # h_0 itself, unit length per block, in no special direction
+            self.initial = nn.Parameter(F.normalize(torch.randn(self.state_shape), dim=-1))
         self.soft_transitions = False  # "stochastic", training mode only: softmax columns (set by the trainer)
         self.track_impurity = False  # with soft_transitions: keep the columns' impurity (set by the trainer)
         self.impurity: torch.Tensor | None = None  # () mean of 1 - sum_i A_ij^2 over the last soft call's columns
@@ -161,6 +167,8 @@ class BlockDiagonalRecurrence(Recurrence):
             if self.track_impurity:  # 0 exactly when every column is one-hot: a deterministic automaton
                 self.impurity = 1 - columns.square().sum(dim=-2).mean()
             return columns, inputs
+        if self.transition_norm == "orthogonal":
+            return orthogonal_constraint(generated), inputs
         blocks = column_norm_constraint(generated, self.p_norm)  # (..., H, b, b)
         if self.transition_norm == "spectral":
             blocks = spectral_norm_constraint(blocks)  # then every block's largest singular value <= 1 too
@@ -197,22 +205,24 @@ class BlockDiagonalRecurrence(Recurrence):
             inputs = products[..., size:].add_(self.input_proj.bias)  # (..., H b)
         elif self.rank is None:
             generated = linear(u, self.transition.weight, self.transition.bias)  # (..., H b^2)
-            inputs = None if self.stochastic else linear(u, self.input_proj.weight, self.input_proj.bias)  # (..., H b)
+            inputs = None if self.inputless else linear(u, self.input_proj.weight, self.input_proj.bias)  # (..., H b)
         else:
             code, inputs = linear(u, self.in_proj.weight, self.in_proj.bias).split(
                 [self.rank, self.input_size], dim=-1
             )  # (..., r), (..., H b or 0)
             generated = linear(code * self.code_scale, self.transition.weight, self.transition.bias)  # (..., H b^2)
         generated = generated.unflatten(-1, (*self.state_shape, self.block_size))  # (..., H, b, b)
-        if self.stochastic:
+        if self.inputless:
             return generated, generated.new_zeros(generated.shape[:-1])  # no input term: (..., H, b)
         assert inputs is not None
         return generated, inputs.unflatten(-1, self.state_shape)
 
     def initial_state(self, rows: int) -> torch.Tensor:
-        """h_0 (rows, H, b): learned distributions for "stochastic", else zeros."""
-        if not self.stochastic:
+        """h_0 (rows, H, b): learned distributions for "stochastic", learned points for "orthogonal", else zeros."""
+        if not self.inputless:
             return super().initial_state(rows)
+        if not self.stochastic:
+            return self.initial.expand(rows, -1, -1)  # (rows, H, b)
         return self.initial.softmax(dim=-1).expand(rows, -1, -1)  # (rows, H, b)
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:

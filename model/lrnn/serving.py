@@ -20,13 +20,14 @@ class Generator(Protocol):
 
     rank: int | None
     stochastic: bool
+    inputless: bool
     p_norm: float
     transition: nn.Linear
     input_proj: nn.Linear
     out_proj: nn.Linear
 
     @property
-    def transition_norm(self) -> Literal["column", "spectral", "stochastic"]: ...
+    def transition_norm(self) -> Literal["column", "spectral", "stochastic", "orthogonal"]: ...
 
     def joint_weight(self) -> torch.Tensor | None: ...
 
@@ -71,7 +72,7 @@ class Served(Protocol):
 def stack_generator_weights(recurrence: Generator, streaming: bool) -> bool:
     """Make g's and B's weights views of one matrix ((out, in) if ``streaming``, else (in, out)) for one product;
     returns whether anything moved."""
-    if recurrence.rank is not None or recurrence.stochastic or recurrence.joint_weight() is not None:
+    if recurrence.rank is not None or recurrence.inputless or recurrence.joint_weight() is not None:
         return False
     joint = torch.cat([recurrence.transition.weight, recurrence.input_proj.weight])  # (H b^2 + H b, d)
     if not streaming:
@@ -84,7 +85,7 @@ def stack_generator_weights(recurrence: Generator, streaming: bool) -> bool:
 
 def joint_weight(recurrence: Generator) -> torch.Tensor | None:
     """The matrix g's and B's weights still view after :func:`stack_generator_weights`, or None."""
-    if recurrence.rank is not None or recurrence.stochastic:
+    if recurrence.rank is not None or recurrence.inputless:
         return None
     first, second = recurrence.transition.weight, recurrence.input_proj.weight  # (H b^2, d), (H b, d)
     rows, (out_stride, in_stride) = first.shape[0] + second.shape[0], first.stride()
@@ -159,7 +160,7 @@ def compiled_step(block: Block, x: torch.Tensor, state: torch.Tensor) -> tuple[t
         return None
     recurrence = cast(Generator, block.recurrence)  # only a BlockDiagonalRecurrence has step arrays
     transitions = recurrence.transition_norm
-    assert transitions != "spectral"  # (fused_step_weights refuses it)
+    assert transitions in ("column", "stochastic")  # (fused_step_weights refuses the others)
     return cpu_decode.lrnn_layer_step(x, state, arrays, block.ln_1.eps, transitions, recurrence.p_norm)
 
 

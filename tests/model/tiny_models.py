@@ -37,6 +37,9 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
         "lrnn-stochastic": LRNNConfig(
             **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="stochastic"
         ),
+        "lrnn-orthogonal": LRNNConfig(
+            **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="orthogonal"
+        ),
         "lrnn-stochastic-rank2": LRNNConfig(
             **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="stochastic", transition_rank=2
         ),

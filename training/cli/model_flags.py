@@ -54,8 +54,9 @@ MODEL_FLAGS = (
         str,
         "LRNN constraint on A: the paper's column p-norm, each block's spectral norm "
         "<= 1 (stable at any length, rotations allowed), or columns projected onto the simplex (sparsemax) with "
-        "no input term and a learned initial state (a probabilistic automaton)",
-        ("column", "spectral", "stochastic"),
+        "no input term and a learned initial state (a probabilistic automaton), or each block orthogonal (its polar "
+        "factor) with no input term and a learned initial state (a group's elements held exactly at any length)",
+        ("column", "spectral", "stochastic", "orthogonal"),
     ),
     ModelFlag("transition_rank", int, "LRNN: rank r of the transition generator, d -> r -> H*b*b (default: full)"),
     ModelFlag("state_size", int, "diagonal LRNN state size"),

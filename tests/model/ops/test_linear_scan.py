@@ -14,6 +14,7 @@ from model.ops.linear_scan import (
     column_norm_constraint,
     column_sparsemax,
     linear_scan,
+    orthogonal_constraint,
     scan_compiled,
     scan_parallel,
     scan_sequential,
@@ -186,6 +187,40 @@ def test_spectral_norm_constraint_bounds_products_and_keeps_gradients_finite() -
         assert torch.isfinite(blocks.grad).all()
     with pytest.raises(ValueError, match="2 x 2"):
         spectral_norm_constraint(torch.zeros(3, 3), impl="closed_form")
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_orthogonal_newton_schulz_equals_the_svd_polar_factor(size: int) -> None:
+    generator = torch.Generator().manual_seed(size)
+    scale = torch.tensor([0.01, 1.0, 100.0]).repeat(200).view(600, 1, 1)
+    matrices = torch.randn(600, size, size, generator=generator) * scale
+    near = 0.9 * torch.eye(size) + 0.02 * torch.randn(100, size, size, generator=generator)  # as training starts
+    flip = torch.diag(torch.tensor([-1.0] + [1.0] * (size - 1)))  # a reflection: determinant -1 is kept
+    matrices = torch.cat([matrices, near, flip[None]])
+    smallest = torch.linalg.svdvals(matrices)[:, -1] / torch.linalg.matrix_norm(matrices)
+    kept = smallest > 1e-3  # full rank, far enough from singular for the iteration's bound
+    fast, svd = orthogonal_constraint(matrices[kept]), orthogonal_constraint(matrices[kept], impl="svd")
+    torch.testing.assert_close(fast, svd, rtol=0, atol=1e-5)
+    gram = fast.transpose(-1, -2) @ fast
+    torch.testing.assert_close(gram, torch.eye(size).expand_as(gram), rtol=0, atol=1e-6)
+    torch.testing.assert_close(orthogonal_constraint(flip), flip, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="newton_schulz or svd"):
+        orthogonal_constraint(matrices, impl="qr")  # type: ignore[arg-type]
+
+
+def test_orthogonal_constraint_keeps_norms_over_long_products_and_gradients_finite() -> None:
+    blocks = (0.9 * torch.eye(5) + 0.05 * torch.randn(5000, 5, 5)).requires_grad_()
+    constrained = orthogonal_constraint(blocks)
+    state = torch.ones(5) / 5**0.5
+    for block in constrained.detach():
+        state = block @ state
+    assert abs(float(state.norm()) - 1) < 1e-3  # 5,000 steps: no decay, no growth
+    constrained.sum().backward()
+    assert torch.isfinite(blocks.grad).all()
+    repeated = (0.5 * torch.eye(3)).expand(4, 3, 3).clone().requires_grad_()  # equal singular values: svd's gradient
+    orthogonal_constraint(repeated).sum().backward()  # is undefined there, the iteration's is not
+    assert torch.isfinite(repeated.grad).all()
+    assert orthogonal_constraint(torch.randn(2, 4, 4, dtype=torch.float64)).dtype == torch.float64
 
 
 def simplex_projection(column: torch.Tensor) -> torch.Tensor:
