@@ -1,6 +1,6 @@
 #!/bin/sh
 # Recipe of checkpoints/s5_generators-lrnn: LRNN with orthogonal transitions (each block's polar factor, no input
-# term, a learned initial point), one layer of 8 blocks of 5, d64, lengths 1-40 with a growing curriculum from 4.
+# term, a learned initial point), one layer of 16 blocks of 5, d64, lengths 1-40 with a growing curriculum from 4.
 #
 # The command recorded in checkpoints/s5_generators-lrnn/config.json (metadata.command), but for --out.
 #
@@ -12,8 +12,8 @@
 set -eu
 OUT=${OUT:-runs/s5_generators-lrnn}
 exec "${PYTHON:-python}" -m training train \
-    --task s5_generators --arch lrnn --transition-norm orthogonal --block-size 5 --num-blocks 8 --d-model 64 \
+    --task s5_generators --arch lrnn --transition-norm orthogonal --block-size 5 --num-blocks 16 --d-model 64 \
     --d-ff 128 --layers 1 --batch-size 128 --lr 3e-3 --schedule cosine --optimizer adamw --weight-decay 0 \
-    --eval-every 250 --eval-samples 200 --seed 0 --steps 3000 --curriculum growing --curriculum-start 4 \
-    --curriculum-fraction 0.5 --device cpu --threads 1 --no-progress \
+    --eval-every 250 --eval-samples 200 --seed 1 --steps 4000 --time-budget 2700 --curriculum growing \
+    --curriculum-start 4 --curriculum-fraction 0.5 --device cpu --threads 1 --no-progress \
     --out "$OUT" "$@"
