@@ -219,11 +219,11 @@ class BlockDiagonalRecurrence(Recurrence):
 
     def initial_state(self, rows: int) -> torch.Tensor:
         """h_0 (rows, H, b): learned distributions for "stochastic", learned points for "orthogonal", else zeros."""
-        if not self.inputless:
-            return super().initial_state(rows)
-        if not self.stochastic:
+        if self.stochastic:
+            return self.initial.softmax(dim=-1).expand(rows, -1, -1)  # (rows, H, b)
+        if self.inputless:
             return self.initial.expand(rows, -1, -1)  # (rows, H, b)
-        return self.initial.softmax(dim=-1).expand(rows, -1, -1)  # (rows, H, b)
+        return super().initial_state(rows)
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
         return self.coefficients(u)[0]
