@@ -52,7 +52,7 @@ def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor:
 
 OrthogonalImpl = Literal["newton_schulz", "svd"]
 POLAR_ITERATIONS = 32  # at most: singular values from 1e-4 of the Frobenius norm reach 1 in float32
-POLAR_TOLERANCE = 1e-6  # Newton-Schulz stops once every |X^T X - I| entry is below this
+POLAR_TOLERANCE = 1e-6  # a block's Newton-Schulz stops once every |X^T X - I| entry of it is below this
 
 
 def orthogonal_constraint(matrices: torch.Tensor, impl: OrthogonalImpl = "newton_schulz") -> torch.Tensor:
@@ -72,11 +72,12 @@ def orthogonal_constraint(matrices: torch.Tensor, impl: OrthogonalImpl = "newton
     polar = blocks.reshape(-1, size, size).permute(1, 2, 0).contiguous()  # (b, b, N): one vector op per entry
     polar = polar * (3**0.5 * 0.99 / polar.square().sum(dim=(0, 1)).sqrt().clamp(min=1e-12))  # singular values < sqrt 3
     identity = torch.eye(size, dtype=polar.dtype, device=polar.device).unsqueeze(-1)  # (b, b, 1)
-    for _ in range(POLAR_ITERATIONS):
+    for _ in range(POLAR_ITERATIONS):  # a block stops once it has converged: its bits never depend on the others
         gram = _blocks_product(polar.transpose(0, 1), polar)  # X^T X (b, b, N)
-        if bool((gram.detach() - identity).abs().max() < POLAR_TOLERANCE):
+        moving = (gram.detach() - identity).abs().amax(dim=(0, 1)) >= POLAR_TOLERANCE  # (N,)
+        if not bool(moving.any()):
             break
-        polar = 1.5 * polar - 0.5 * _blocks_product(polar, gram)
+        polar = torch.where(moving, 1.5 * polar - 0.5 * _blocks_product(polar, gram), polar)
     return polar.permute(2, 0, 1).reshape(blocks.shape).to(matrices.dtype)  # (..., b, b)
 
 

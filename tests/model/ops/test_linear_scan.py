@@ -223,6 +223,16 @@ def test_orthogonal_constraint_keeps_norms_over_long_products_and_gradients_fini
     assert orthogonal_constraint(torch.randn(2, 4, 4, dtype=torch.float64)).dtype == torch.float64
 
 
+def test_orthogonal_constraint_gives_a_block_the_same_bits_beside_any_others() -> None:
+    """A batch's blocks converge in different numbers of steps; each stops at its own, so a served row's transitions do
+    not depend on the other rows in its batch."""
+    near = 0.9 * torch.eye(5) + 0.02 * torch.randn(8, 5, 5)  # converges in a few steps
+    far = torch.randn(8, 5, 5) * torch.tensor([1.0, 1.0, 1.0, 1.0, 1e-3])  # a small singular value: many steps
+    alone = orthogonal_constraint(near)
+    beside = orthogonal_constraint(torch.cat([near, far]))[:8]
+    assert torch.equal(alone, beside)
+
+
 def simplex_projection(column: torch.Tensor) -> torch.Tensor:
     """The reference: argmin ||p - v|| over the simplex is max(v - tau, 0), tau found by bisection on sum = 1."""
     low, high = float(column.min()) - 1, float(column.max())
