@@ -15,7 +15,7 @@ from torch import nn
 
 from model.config import BaseModelConfig
 from model.ops import prepacked
-from model.ops.cpu_decode import linear, linear_argmax, rows_argmax
+from model.ops.cpu.cpu_decode import linear, linear_argmax, rows_argmax
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; the annotations are strings at run time
     from typing_extensions import Self

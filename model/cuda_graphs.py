@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from model.base import InferenceCache, SequenceModel
-from model.ops.cpu_decode import rows_argmax
+from model.ops.cpu.cpu_decode import rows_argmax
 
 logger = logging.getLogger(__name__)
 

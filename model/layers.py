@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.ops.cpu_decode import linear
+from model.ops.cpu.cpu_decode import linear
 
 
 class MLP(nn.Module):

@@ -121,9 +121,10 @@ class Settings(BaseSettings):
         "auto",
         description="decode every row by the same arithmetic whatever the other rows, so that a seeded "
         "request gets the same logits and text alone or beside others: a decode step's products and layers through "
-        "the row-wise kernels of model/ops/cpu_decode.py (slower at many rows: 64 rows of text-lrnn ~1.6x). It holds "
-        "for float32 LRNN and RegularGPT language models on the CPU, with numba. auto (default): on where it holds for "
-        "every served language model, off otherwise (logged); true: the server does not start where it does not hold",
+        "the row-wise kernels of model/ops/cpu/cpu_decode.py (slower at many rows: 64 rows of text-lrnn ~1.6x). It "
+        "holds for float32 LRNN and RegularGPT language models on the CPU, with numba. auto (default): on where it "
+        "holds for every served language model, off otherwise (logged); true: the server does not start where it does "
+        "not hold",
     )
     decode_steps: int = Field(
         8,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
-if not torch.cuda.is_available():  # Triton kernels (model/ops/triton_scan.py) then run in Triton's interpreter;
+if not torch.cuda.is_available():  # Triton kernels (model/ops/scan/triton.py) then run in Triton's interpreter;
     os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be set before Triton is first imported
 
 

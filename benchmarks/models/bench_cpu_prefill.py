@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from benchmarks.isolated import time_calls
 from model.checkpoint import load_checkpoint
 from model.config import LRNNConfig
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from model.registry import build_model
 
 RUNS = 5

@@ -21,7 +21,7 @@ on a machine that other jobs keep busy it leaves out the time the thread waits f
 their use of the caches and memory causes).
 
 With ``--compare-kernels`` every model runs twice in the same rounds: as the server runs it, and inside
-``model.ops.cpu_decode.torch_products()`` (built and run there: MKL's products and the torch ops instead of the
+``model.ops.cpu.cpu_decode.torch_products()`` (built and run there: MKL's products and the torch ops instead of the
 compiled decode kernels, what the server ran before them and runs with more than one thread).
 
     python -m benchmarks.models.bench_decode --text [--repeats 3] [--threads 1] [--clock wall|cpu] [--compare-kernels]
@@ -41,7 +41,7 @@ from benchmarks.isolated import banner
 from model.checkpoint import read_config
 from model.config import LRNNConfig, RegularGPTConfig, TransformerConfig
 from model.device import resolve_device
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from model.registry import build_model
 
 VOCAB = 8192

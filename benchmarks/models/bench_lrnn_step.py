@@ -5,7 +5,7 @@ head tied to the embedding). For the full transition generator and each ``--rank
 whole model (``model.step``, no grad, fp32, random weights) is timed at each batch size, as built and after
 ``model.for_serving()``, and for the full generator also served under batch invariance (built and run under
 ``cpu_decode.set_row_invariant(True)``, as the server's engine thread runs it: every product on panels) and served
-with MKL's products instead of the streaming kernel (model/ops/cpu_decode.py; built and run inside
+with MKL's products instead of the streaming kernel (model/ops/cpu/cpu_decode.py; built and run inside
 ``torch_products()``: what the server ran before the kernel), and set against two floors measured in the same run:
 
 - bandwidth floor (batch 1): the weight bytes (every parameter once, fp32) / the copy bandwidth, the bytes per second
@@ -28,8 +28,8 @@ sparsemax, no B u), served (its layer step compiled: ``lrnn_layer_step``) and wi
 
 ``--layouts`` measures instead how fast a one-token product (a (1, in) row) reads each weight shape of the size-L
 step: MKL's (``F.linear``) with the weight stored (out, in), as ``nn.Linear`` stores it, and (in, out), as
-``for_serving`` stores the wide ones for MKL, and the streaming kernel's (``model.ops.cpu_decode.linear``, (out, in)),
-beside a copy and a sum of 256 MiB (GB/s read; 64 MiB of copies of each weight cycled, so none is in a cache;
+``for_serving`` stores the wide ones for MKL, and the streaming kernel's (``model.ops.cpu.cpu_decode.linear``, (out,
+in)), beside a copy and a sum of 256 MiB (GB/s read; 64 MiB of copies of each weight cycled, so none is in a cache;
 thread CPU time, median of the rounds).
 
 ``--packing`` times the products of the step's large weights (and the size-s head) at 1-2,048 rows: ``F.linear``
@@ -59,7 +59,8 @@ from benchmarks.isolated import banner
 from model.base import parameter_count
 from model.config import LRNNConfig
 from model.lrnn.model import BlockDiagonalLRNN
-from model.ops import cpu_decode, prepacked
+from model.ops import prepacked
+from model.ops.cpu import cpu_decode
 
 SIZE_L = {"vocab_size": 8192, "d_model": 512, "n_layers": 8, "num_blocks": 64, "block_size": 8, "d_ff": 2048}
 COPY_ELEMENTS, MATMUL_SIZE, PREFILL = 64 * 2**20, 2048, 256

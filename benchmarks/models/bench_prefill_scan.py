@@ -4,7 +4,7 @@ each scan named, on the same model and tokens: time and the largest logit differ
     python -m benchmarks.models.bench_prefill_scan --model checkpoints/text-lrnn --device cuda
         [--impls parallel,chunked] [--shapes 1x4096,1x65536,8x4096,64x512]
 
-On CUDA "auto" is the Triton scan where it runs (model/ops/linear_scan.py). Median of 5 runs after a warm-up.
+On CUDA "auto" is the Triton scan where it runs (model/ops/scan/dispatch.py). Median of 5 runs after a warm-up.
 """
 
 from __future__ import annotations

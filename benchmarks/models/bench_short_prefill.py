@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.isolated import time_calls
 from model.checkpoint import load_checkpoint
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 
 
 def best_seconds(run: Callable[[], None], repeats: int) -> float:

@@ -15,7 +15,7 @@ dilation 1: every query but the first J - 1 has J keys; H = 4, hd = 32, the text
 (inference) and forward + backward (training, B = max(1, 4096 // T)), and the cached path's two ways for a chunk of
 n new positions after a long context (``attend_gathered`` on the gathered keys against ``attend_banded`` on the
 ring's last (J - 1) * dilation keys and the chunk, at dilation 1 and 64): the figures behind ``resolve_impl``'s
-and ``cached_attention_impl``'s thresholds (model/ops/dilated_attention.py). Times are CPU seconds of this
+and ``cached_attention_impl``'s thresholds (model/ops/attention/dispatch.py). Times are CPU seconds of this
 thread (time.thread_time), best of five, so that a busy machine disturbs them less.
 
     python -m benchmarks.ops.bench_dilated_attention --crossover [--threads 1]
@@ -32,7 +32,9 @@ import torch
 from benchmarks.isolated import MEMORY_LIMIT_BYTES, banner, child_main, run_isolated, time_calls
 from model.config import RegularGPTConfig
 from model.device import resolve_device
-from model.ops.dilated_attention import IMPLEMENTATIONS, attend_banded, attend_gathered
+from model.ops.attention.banded import attend_banded
+from model.ops.attention.dispatch import IMPLEMENTATIONS
+from model.ops.attention.gathered import attend_gathered
 from model.regulargpt.cache import adaptive_depth
 from model.regulargpt.model import RegularGPT
 

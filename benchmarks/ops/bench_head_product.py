@@ -3,8 +3,8 @@ call of x (R, in) times a weight (out, in), one thread, no gradients.
 
 Three ways, alternating within each round, each cell the best of its rounds:
 
-- ``panels``: :func:`model.ops.cpu_decode.linear` under ``set_row_invariant(True)``, the row-invariant product
-  across outputs (model/ops/cpu_kernels/panels.py; the panels are made before timing);
+- ``panels``: :func:`model.ops.cpu.cpu_decode.linear` under ``set_row_invariant(True)``, the row-invariant product
+  across outputs (model/ops/cpu/kernels/panels.py; the panels are made before timing);
 - ``dots``: the dot-product kernel the invariant path ran before (``cpu_decode._kernels.ops.dots``: one dot product
   per row and output, reduced horizontally), also row-invariant;
 - ``mkl``: ``F.linear``, what a decode step runs without invariance past 4 rows (its bits depend on the rows).
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.isolated import banner
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 
 
 def per_call_ms(call, calls: int) -> float:

@@ -1,11 +1,11 @@
 """Figure (b): the linear scan's implementations against length and batch.
 
 parallel, chunked and sequential everywhere; on the CPU also "compiled" (the loop compiled by numba, where numba is
-installed); on CUDA also "triton" (model/ops/triton_scan.py, where Triton is installed) and, with --compile,
+installed); on CUDA also "triton" (model/ops/scan/triton.py, where Triton is installed) and, with --compile,
 "compiled-parallel" and "compiled-chunked": the torch scans under ``torch.compile`` (compiled in the warm-up run,
 which is not timed), what the Triton kernels must beat.
 
-The op alone (model/ops/linear_scan.py), forward with no grad, H = 8 blocks of b = 8 as in Fan et al. 2024, fp32, at
+The op alone (model/ops/scan/), forward with no grad, H = 8 blocks of b = 8 as in Fan et al. 2024, fp32, at
 each length T and batch B. Transitions are random blocks inside the p = 1.2 norm constraint (a 1024-step
 random block tiled over T, so that building 8.6 GB of them takes seconds); subnormal floats are flushed to
 zero, as long products of contracting matrices otherwise spend most of the time in subnormal arithmetic.
@@ -33,9 +33,10 @@ import torch
 
 from benchmarks.isolated import MEMORY_LIMIT_BYTES, banner, child_main, run_isolated, time_calls
 from model.device import resolve_device
-from model.ops import cpu_decode
-from model.ops.linear_scan import choose_scan_impl, column_norm_constraint, linear_scan
-from model.ops.triton_scan import available
+from model.ops.cpu import cpu_decode
+from model.ops.scan.constraints import column_norm_constraint
+from model.ops.scan.dispatch import choose_scan_impl, linear_scan
+from model.ops.scan.triton import available
 
 HEADS, BLOCK, P_NORM, TILE = 8, 8, 1.2, 1024
 IMPLS = ("parallel", "chunked", "sequential")

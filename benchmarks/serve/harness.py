@@ -30,7 +30,7 @@ import torch
 
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
-from model.ops.cpu_decode import rows_argmax
+from model.ops.cpu.cpu_decode import rows_argmax
 from model.registry import build_model
 
 ROOT = Path(__file__).resolve().parents[2]

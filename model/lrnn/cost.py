@@ -8,7 +8,7 @@ import torch
 
 from model.base import CallPath, Cost
 from model.config import DiagonalLRNNConfig, LRNNConfig
-from model.ops.linear_scan import choose_scan_impl
+from model.ops.scan.dispatch import choose_scan_impl
 
 
 @dataclass(frozen=True)

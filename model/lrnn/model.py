@@ -29,16 +29,16 @@ from model.layers import MLP
 from model.lrnn import cost as lrnn_cost
 from model.lrnn import growth
 from model.lrnn import serving as lrnn_serving
-from model.ops.cpu_decode import linear
-from model.ops.linear_scan import (
+from model.ops.cpu.cpu_decode import linear
+from model.ops.scan.constraints import (
     column_divisors,
     column_norm_constraint,
     column_sparsemax,
-    linear_scan,
     orthogonal_constraint,
-    scan_step,
     spectral_norm_constraint,
 )
+from model.ops.scan.dispatch import linear_scan
+from model.ops.scan.reference import scan_step
 
 GENERATED_SPREAD = 0.02  # how far g(u)'s entries vary with the input at initialisation (BlockDiagonalRecurrence)
 

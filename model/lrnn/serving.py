@@ -12,7 +12,7 @@ from torch import nn
 from model.base import TokenEmbedding
 from model.config import BaseModelConfig
 from model.layers import MLP
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 
 
 class Generator(Protocol):

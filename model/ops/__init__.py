@@ -1,1 +1,2 @@
-"""Reference and fast implementations of the core ops, one signature per op."""
+"""The core ops, one folder per op (scan/, attention/: the reference beside fast paths of one signature, a dispatch);
+the numba CPU kernels (cpu/), positional encodings and oneDNN-prepacked weights beside them."""

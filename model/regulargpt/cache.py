@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from model.base import InferenceCache
-from model.ops.dilated_attention import cached_attention_impl, reachable_slots
+from model.ops.attention.dispatch import cached_attention_impl
+from model.ops.attention.slots import reachable_slots
 
 
 def adaptive_depth(position: int, chunk_size: int) -> int:

@@ -12,7 +12,9 @@ import torch
 
 from model.base import CallPath, Cost, InferenceCache
 from model.config import RegularGPTConfig
-from model.ops.dilated_attention import banded_block, cached_attention_impl, reachable_slots, resolve_impl
+from model.ops.attention.banded import banded_block
+from model.ops.attention.dispatch import cached_attention_impl, resolve_impl
+from model.ops.attention.slots import reachable_slots
 from model.regulargpt.cache import adaptive_depth, capacity, ring_columns
 
 FIXED_COST_CHUNKS = (2, 8, 32, 128)  # the chunks :func:`measure_fixed_costs` times: from fixed work to products

@@ -14,9 +14,11 @@ from torch.nn import functional as F
 
 from model.config import RegularGPTConfig
 from model.layers import Block
-from model.ops import cpu_decode
-from model.ops.cpu_decode import linear
-from model.ops.dilated_attention import attend_banded, attend_gathered, attend_slots, reachable_slots
+from model.ops.attention.banded import attend_banded
+from model.ops.attention.gathered import attend_gathered, attend_slots
+from model.ops.attention.slots import reachable_slots
+from model.ops.cpu import cpu_decode
+from model.ops.cpu.cpu_decode import linear
 from model.regulargpt.cache import (
     BandedPlan,
     KVWindow,
@@ -77,11 +79,11 @@ class CachedBlock(NamedTuple):
         )
 
     def matrices(self) -> list[torch.Tensor]:
-        """The block's weights that are matrices, as :func:`model.ops.cpu_decode.block_panels` takes them."""
+        """The block's weights that are matrices, as :func:`model.ops.cpu.cpu_decode.block_panels` takes them."""
         return [self.c_attn[0], self.c_proj[0], self.c_fc[0], self.mlp_proj[0]]
 
     def tensors(self) -> list[torch.Tensor]:
-        """The block's parameters in the order :func:`model.ops.cpu_decode.regulargpt_layer_step` packs them."""
+        """The block's parameters in the order :func:`model.ops.cpu.cpu_decode.regulargpt_layer_step` packs them."""
         nulls: list[torch.Tensor] = []
         if self.null_key is not None:
             assert self.null_value is not None  # (both or neither)

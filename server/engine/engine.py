@@ -23,7 +23,7 @@ from typing import Literal, TypeVar
 import torch
 
 from model.cuda_graphs import Decoder, capture_sizes, decoder_for
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from model.threads import set_threads
 from server.engine.mailbox import Courier, Mailbox, Postman
 from server.errors import APIError, Conflict, InputTooLarge, Overloaded, Unavailable, UnknownModel
@@ -491,7 +491,7 @@ def _warm_up(served: ServedModel) -> None:
     served.tokenizer.token_bytes(0)
 
 
-# Language models whose decode step is row-wise through model/ops/cpu_decode.py's kernels where batch_invariant is
+# Language models whose decode step is row-wise through model/ops/cpu/cpu_decode.py's kernels where batch_invariant is
 # on (tests/server/execution/test_sampling.py). The LSTM (nn.LSTM's products), the transformer (nn.Linear's, and attention over
 # keys padded to the batch's longest row) and the diagonal LRNN are not.
 ROW_INVARIANT_ARCHITECTURES = frozenset({"lrnn", "regulargpt"})

@@ -18,7 +18,7 @@ from typing import Literal, Protocol, cast
 import torch
 
 from model.base import Cost, InferenceCache, largest_fitting, long_tensor
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from server.errors import APIError, ModelFailure
 from server.execution.detokenize import TextAssembler
 from server.execution.sampling import (

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from model.ops.cpu_decode import rows_argmax
+from model.ops.cpu.cpu_decode import rows_argmax
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from automata.automaton import DFA, MooreMachine
 from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError, compile_lrnn, compile_regulargpt, task_of
 from automata.samples import counter, live_string
 from automata.task_automata import cycle_navigation, induction_heads, modular_arithmetic, sum_mod5
-from model.ops.linear_scan import column_norm_constraint
+from model.ops.scan.constraints import column_norm_constraint
 from tests.automata.helpers import (
     assert_exact_on_every_string,
     assert_labels,

@@ -12,8 +12,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from model.base import InferenceCache, SequenceModel
-from model.ops.dilated_attention import dilated_attention_banded, dilated_attention_fast, dilated_attention_reference
-from model.ops.linear_scan import column_norm_constraint, scan_chunked, scan_parallel, scan_sequential, scan_step
+from model.ops.attention.banded import dilated_attention_banded
+from model.ops.attention.gathered import dilated_attention_fast
+from model.ops.attention.reference import dilated_attention_reference
+from model.ops.scan.constraints import column_norm_constraint
+from model.ops.scan.parallel import scan_chunked, scan_parallel
+from model.ops.scan.reference import scan_sequential, scan_step
 from model.regulargpt.cache import adaptive_depth
 
 # Rows of different lengths in one batch, and what calls cost (test_models, test_exact)

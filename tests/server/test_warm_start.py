@@ -10,7 +10,7 @@ import pydantic
 from fastapi.testclient import TestClient
 from numba.core import event
 
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from server.api.app import create_app
 from server.structured import outputs as structured
 from tests.server.helpers import make_settings

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from model.config import CheckpointConfig, ConfigError, LRNNConfig
 from model.lrnn.diagonal import DiagonalLRNN
 from model.lrnn.model import BlockDiagonalLRNN, LinearRNN
-from model.ops import cpu_decode
-from model.ops.linear_scan import ScanImpl, column_norm_constraint, scan_step
+from model.ops.cpu import cpu_decode
+from model.ops.scan.constraints import column_norm_constraint
+from model.ops.scan.dispatch import ScanImpl
+from model.ops.scan.reference import scan_step
 from tests.model.tiny_models import tiny_configs
 
 VOCAB, LABELS = 5, 3

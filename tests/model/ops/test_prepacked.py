@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.ops import cpu_decode, prepacked
+from model.ops import prepacked
+from model.ops.cpu import cpu_decode
 from tests.model.tiny_models import build_tiny
 
 pytestmark = pytest.mark.skipif(

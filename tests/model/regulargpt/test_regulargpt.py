@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from model.config import RegularGPTConfig
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from model.regulargpt import cache as regulargpt_cache
 from model.regulargpt import cost as regulargpt_cost
 from model.regulargpt import model as regulargpt

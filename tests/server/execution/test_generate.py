@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from server.api.serving import coalesced
 from server.errors import ModelFailure
 from server.execution import generation as generation_module

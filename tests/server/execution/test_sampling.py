@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from server.api.app import create_app
 from server.execution import generation
 from server.execution.sampling import (

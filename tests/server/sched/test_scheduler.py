@@ -15,7 +15,7 @@ import torch
 
 from model.base import Cost
 from model.config import RegularGPTConfig
-from model.ops import cpu_decode
+from model.ops.cpu import cpu_decode
 from model.regulargpt.cost import FixedCosts
 from model.regulargpt.model import RegularGPT
 from model.tokenizer import BYTES_TOKENIZER, load_tokenizer

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from model.ops.cpu_kernels.helpers import block_sparsemax, reassociating_jit
+from model.ops.cpu.kernels.helpers import block_sparsemax, reassociating_jit
 
 
 class Sparsemax(NamedTuple):

@@ -1,4 +1,4 @@
-"""The Triton kernels of model/ops/triton_scan.py, imported on first use (Triton stays optional). ``pid_rh`` = row * H +
+"""The Triton kernels of model/ops/scan/triton.py, imported on first use (Triton stays optional). ``pid_rh`` = row * H +
 head (grid axis 1; chunks on axis 0); A_t[i, j] (i output, j input) sits at a + row s_ab + t s_at + head s_ah + i s_ai +
 j s_aj. Float32, 64-bit offsets."""
 

@@ -26,7 +26,7 @@ def available() -> bool:
 def scan_triton(
     transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None = None, chunk_size: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the torch scans (model/ops/linear_scan.py), forward only; ValueError for what :func:`refusal` refuses."""
+    """As the torch scans (model/ops/scan/), forward only; ValueError for what :func:`refusal` refuses."""
     problem = refusal(transitions, inputs, initial_state, chunk_size)
     if problem:
         raise ValueError(problem)
@@ -39,7 +39,7 @@ def scan_triton(
 def _scan(
     transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from model.ops import triton_scan_kernels as kernels  # imports Triton: only here
+    from model.ops.scan import triton_kernels as kernels  # imports Triton: only here
 
     batch, length, heads, block = inputs.shape
     a, x = transitions.float(), inputs.float()  # (B, T, H, b, b), (B, T, H, b): no copy when already float32

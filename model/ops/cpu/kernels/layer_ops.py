@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from model.ops.cpu_kernels.helpers import reassociating_jit
+from model.ops.cpu.kernels.helpers import reassociating_jit
 
 _SQRT_HALF = np.float32(math.sqrt(0.5))
 

@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 
-from model.ops import linear_scan as linear_scan_module
-from model.ops.linear_scan import column_norm_constraint, linear_scan, scan_sequential
-from model.ops.triton_scan import MAX_BLOCK, refusal, scan_triton
+from model.ops.scan import dispatch
+from model.ops.scan.constraints import column_norm_constraint
+from model.ops.scan.dispatch import linear_scan
+from model.ops.scan.reference import scan_sequential
+from model.ops.scan.triton import MAX_BLOCK, refusal, scan_triton
 
 pytest.importorskip("triton")
 
@@ -93,7 +95,7 @@ def test_auto_runs_triton_without_a_gradient_and_a_torch_scan_with_one(monkeypat
     transitions, inputs, initial_state = make_problem(2, 70, 3, 8, "cuda")
     taken = []
     monkeypatch.setattr(
-        linear_scan_module, "scan_triton", lambda *args, **kwargs: taken.append(1) or scan_triton(*args, **kwargs)
+        dispatch, "scan_triton", lambda *args, **kwargs: taken.append(1) or scan_triton(*args, **kwargs)
     )
     with torch.no_grad():
         states, _ = linear_scan(transitions, inputs, initial_state)
@@ -135,7 +137,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from model.ops import triton_scan_kernels as kernels
+from model.ops.scan import triton_kernels as kernels
 
 pointer, index = "*fp32", "i64"
 signatures = {  # as launched by scan_triton: pointers, then sizes and strides (i64 covers both)

@@ -1,4 +1,4 @@
-"""The LRNN and RegularGPT layer steps of model/ops/cpu_decode.py, compiled by :func:`build_layer_steps`."""
+"""The LRNN and RegularGPT layer steps of model/ops/cpu/cpu_decode.py, compiled by :func:`build_layer_steps`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from model.ops.cpu_kernels.helpers import bit_casts, reassociating_jit
-from model.ops.cpu_kernels.layer_ops import LayerOps
+from model.ops.cpu.kernels.helpers import bit_casts, reassociating_jit
+from model.ops.cpu.kernels.layer_ops import LayerOps
 
 
 class LayerSteps(NamedTuple):

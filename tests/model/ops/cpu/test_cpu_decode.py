@@ -1,4 +1,5 @@
-"""The CPU decode kernels (model/ops/cpu_decode.py) against F.linear and the torch steps; where they must not apply."""
+"""The CPU decode kernels (model/ops/cpu/cpu_decode.py) against F.linear and the torch steps; where they must not
+apply."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch.nn.functional as F
 
 from model.config import LRNNConfig
 from model.lrnn.model import BlockDiagonalLRNN
-from model.ops import cpu_decode
-from model.ops.cpu_kernels.panels import build_panels
-from model.ops.linear_scan import column_sparsemax
+from model.ops.cpu import cpu_decode
+from model.ops.cpu.kernels.panels import build_panels
+from model.ops.scan.constraints import column_sparsemax
 from model.regulargpt.model import RegularGPT
 from tests.model.tiny_models import build_tiny, tiny_configs
 
@@ -745,11 +746,11 @@ def test_greedy_picks_take_the_first_of_ties_and_the_first_nan_as_numpy_does(inv
 
 
 def test_importing_the_kernels_compiles_nothing() -> None:
-    """cpu_decode and its kernel families (model/ops/cpu_kernels/) import neither numba nor llvmlite: the kernels are
+    """cpu_decode and its kernel families (model/ops/cpu/kernels/) import neither numba nor llvmlite: the kernels are
     built on first use, once (``_build``)."""
     code = (
-        "import sys, model.ops.cpu_decode as cpu_decode; "
+        "import sys, model.ops.cpu.cpu_decode as cpu_decode; "
         "sys.exit(cpu_decode._kernels is not None or bool({'numba', 'llvmlite'} & set(sys.modules)))"
     )
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0

@@ -7,20 +7,19 @@ import dataclasses
 import pytest
 import torch
 
-from model.ops import cpu_decode
-from model.ops.linear_scan import (
-    choose_scan_impl,
+from model.ops.cpu import cpu_decode
+from model.ops.scan.compiled import scan_compiled
+from model.ops.scan.constraints import (
     column_divisors,
     column_norm_constraint,
     column_sparsemax,
-    linear_scan,
     orthogonal_constraint,
-    scan_compiled,
-    scan_parallel,
-    scan_sequential,
     spectral_norm_constraint,
 )
-from model.ops.triton_scan import available as triton_available
+from model.ops.scan.dispatch import choose_scan_impl, linear_scan
+from model.ops.scan.parallel import scan_parallel
+from model.ops.scan.reference import scan_sequential
+from model.ops.scan.triton import available as triton_available
 from tests.model.helpers import BATCH, BLOCK, HEADS, implementations, make_problem, outputs_and_gradients, step_loop
 
 TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}

@@ -1,4 +1,4 @@
-"""The public face of the numba CPU kernels (model/ops/cpu_kernels/): few-row products, a served LRNN or RegularGPT
+"""The public face of the numba CPU kernels (model/ops/cpu/kernels/): few-row products, a served LRNN or RegularGPT
 layer as one compiled decode step, a stochastic LRNN's column sparsemax and linear scan. Each falls back to torch, or
 returns None, where its kernel does not apply (numba missing included). Under :func:`set_row_invariant` a row's decode
 results are bitwise independent of its batch. The kernels build once, on first use, under a lock."""
@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from model.ops import prepacked
-from model.ops.cpu_kernels.helpers import PANEL, tile_rows
-from model.ops.cpu_kernels.layer_ops import LayerOps, build_layer_ops
-from model.ops.cpu_kernels.layer_steps import LayerSteps, build_layer_steps
-from model.ops.cpu_kernels.panels import Panels, build_panels
-from model.ops.cpu_kernels.scan import Scan, build_scan
-from model.ops.cpu_kernels.sparsemax import Sparsemax, build_sparsemax
+from model.ops.cpu.kernels.helpers import PANEL, tile_rows
+from model.ops.cpu.kernels.layer_ops import LayerOps, build_layer_ops
+from model.ops.cpu.kernels.layer_steps import LayerSteps, build_layer_steps
+from model.ops.cpu.kernels.panels import Panels, build_panels
+from model.ops.cpu.kernels.scan import Scan, build_scan
+from model.ops.cpu.kernels.sparsemax import Sparsemax, build_sparsemax
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ def block_panels(matrices: Sequence[torch.Tensor]) -> tuple[np.ndarray, ...]:
 
 
 def column_sparsemax(matrices: torch.Tensor) -> torch.Tensor | None:
-    """``column_sparsemax`` of model/ops/linear_scan.py, compiled, with its backward: matrices (..., b, b) -> a new
+    """``column_sparsemax`` of model/ops/scan/constraints.py, compiled, with its backward: matrices (..., b, b) -> a new
     tensor, each column projected onto the simplex. None unless float32 on the CPU, non-empty, numba present, outside
     :func:`torch_products`. Equal up to float rounding."""
     if matrices.dtype is not torch.float32 or not matrices.is_cpu or matrices.numel() == 0 or not _compiles():
@@ -326,9 +326,9 @@ class _CompiledSparsemax(torch.autograd.Function):
 def linear_scan(
     transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``scan_sequential`` of model/ops/linear_scan.py, compiled, with its backward: transitions (B, T, H, b, b), inputs
-    (B, T, H, b), initial_state (B, H, b) or None (zeros) -> (states (B, T, H, b), final (B, H, b)), float32. None where
-    :func:`compiles_scan` does not hold. Equal up to float rounding."""
+    """``scan_sequential`` of model/ops/scan/reference.py, compiled, with its backward: transitions (B, T, H, b, b),
+    inputs (B, T, H, b), initial_state (B, H, b) or None (zeros) -> (states (B, T, H, b), final (B, H, b)), float32.
+    None where :func:`compiles_scan` does not hold. Equal up to float rounding."""
     if not compiles_scan(transitions, inputs, initial_state):
         return None
     if initial_state is None:

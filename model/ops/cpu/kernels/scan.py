@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from model.ops.cpu_kernels.helpers import reassociating_jit
+from model.ops.cpu.kernels.helpers import reassociating_jit
 
 
 class Scan(NamedTuple):

@@ -7,15 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.ops.dilated_attention import (
-    AUTO_REFERENCE_MAX_T,
-    BANDED_MIN_SLOTS,
-    attend_banded,
-    dilated_attention,
-    dilated_attention_banded,
-    dilated_attention_fast,
-    dilated_attention_reference,
-)
+from model.ops.attention.banded import attend_banded, dilated_attention_banded
+from model.ops.attention.dispatch import AUTO_REFERENCE_MAX_T, BANDED_MIN_SLOTS, dilated_attention
+from model.ops.attention.gathered import dilated_attention_fast
+from model.ops.attention.reference import dilated_attention_reference
 from tests.model.helpers import FAST_OPS, assert_agree, assert_close, attend, dilations, make_inputs, values_and_grads
 
 OUT_OF_RANGE = pytest.mark.parametrize("null", [False, True], ids=["mask", "null"])

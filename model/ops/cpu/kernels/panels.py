@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from model.ops.cpu_kernels.helpers import PANEL, tile_best, tile_product
+from model.ops.cpu.kernels.helpers import PANEL, tile_best, tile_product
 
 
 class Panels(NamedTuple):
