@@ -212,6 +212,21 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         help=f"a retrieval example hides 1 to this many needles (at most {MAX_NEEDLES}; default 4)",
     )
     what.add_argument(
+        "--recall-varied",
+        type=probability,
+        default=0.5,
+        help="the chance that a retrieval example takes its keys, its subject's words and (as phrases) its values "
+        "from the corpus's words instead of the trained lists, held-out words excluded (default 0.5)",
+    )
+    what.add_argument(
+        "--example-weight",
+        type=positive_float,
+        default=1.0,
+        help="the loss weight of a row holding a whole pass-key or retrieval example, which scores only its "
+        "answer (and needle): above 1, so that a few answer tokens beside rows of text share the gradient "
+        "(default 1)",
+    )
+    what.add_argument(
         "--state-passing",
         action="store_true",
         help="recurrent models: each row reads consecutive windows, starting from the state its last "
@@ -342,6 +357,8 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         raise UsageError(f"--recall-needles {args.recall_needles}: an example holds at most {MAX_NEEDLES} needles")
     if args.recall_fraction:
         check_recall_length(tokenizer, args.length)
+    if args.example_weight != 1.0 and not (args.passkey_fraction or args.recall_fraction):
+        raise UsageError("--example-weight needs --passkey-fraction or --recall-fraction (the rows it weighs)")
     if args.teacher_weight is not None and args.teacher is None:
         raise UsageError("--teacher-weight needs --teacher (the model whose distributions are learned)")
     teacher_weight = 0.0 if args.teacher is None else 0.5 if args.teacher_weight is None else args.teacher_weight
@@ -365,6 +382,8 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         passkey_fresh=args.passkey_fresh,
         recall_fraction=args.recall_fraction,
         recall_needles=args.recall_needles,
+        recall_varied=args.recall_varied if args.recall_fraction else 0.0,
+        example_weight=args.example_weight,
         teacher=None if args.teacher is None else str(args.teacher),
         teacher_weight=teacher_weight,
     )

@@ -23,17 +23,23 @@ class Batch:
     """tokens: (B, T) int64 right-padded with 0; targets: (B, T) int64 label ids, IGNORE_INDEX on padding;
     lengths: (B,) int64, each in [1, T]; fresh: (B,) bool, the rows that start from the model's initial state
     instead of their carried one, or None; distilled: (B,) bool, the rows that learn a teacher's distributions too,
-    or None."""
+    or None; weights: (B,) float, each row's loss weight, or None (all 1)."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     lengths: torch.Tensor
     fresh: torch.Tensor | None = None
     distilled: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
         return Batch(
-            self.tokens.to(device), self.targets.to(device), self.lengths.to(device), self.fresh, self.distilled
+            self.tokens.to(device),
+            self.targets.to(device),
+            self.lengths.to(device),
+            self.fresh,
+            self.distilled,
+            self.weights,
         )
 
     def split(self, parts: int) -> list[Batch]:

@@ -199,6 +199,10 @@ CODE_SHAPES = {  # L: an upper-case letter, D: a digit, others as they are
 }
 VALUE_FAMILIES = ("number", "code", "word")
 FIRST_VALUE = re.compile(r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)*")
+PHRASE = "phrase"  # the value format of varied draws: 1 .. PHRASE_WORDS words of the filler's vocabulary
+PHRASE_WORDS = 3
+# how a varied draw composes its subject from vocabulary words (the split's subjects have this shape too)
+VARIED_SUBJECTS = ("the {0} of {{key}}", "the {0} {1} of {{key}}", "the {0} for {{key}}", "the {0} {1} for {{key}}")
 
 
 def split_formats(split: str) -> tuple[str, ...]:
@@ -217,6 +221,46 @@ def formats_named(names: str, split: str) -> tuple[str, ...]:
             raise ValueError(f"value format {name!r} is not in the {split} split: {', '.join(available)}")
         chosen += [fmt for fmt in matches if fmt not in chosen]
     return tuple(chosen)
+
+
+def held_out_words() -> frozenset[str]:
+    """Every word of four letters or more in the held-out half of the parts, keys and word values: what varied
+    draws (``Vocabulary``) never use."""
+    texts = [
+        *(text for part in (INTRODUCTIONS, SUBJECTS, STATEMENTS, QUESTIONS) for text in part[HELD_OUT]),
+        *KEYS[HELD_OUT],
+        *WORDS[HELD_OUT],
+    ]
+    return frozenset(word for text in texts for word in re.findall(r"[a-z]{4,}", text.lower()))
+
+
+class Vocabulary:
+    """The lower-case words (4-12 letters) of a filler text, less ``held_out_words``: varied draws of the trained
+    split take keys, subject words and phrase values from it, so that training asks for any word, not a list's."""
+
+    def __init__(self, tokenizer: Tokenizer, filler: np.ndarray) -> None:
+        """ValueError when the filler holds fewer than ``2 * MAX_NEEDLES`` such words."""
+        text = tokenizer.decode(np.asarray(filler).tolist())
+        words = sorted(set(re.findall(r"\b[a-z]{4,12}\b", text)) - held_out_words())
+        if len(words) < 2 * MAX_NEEDLES:
+            raise ValueError(
+                f"the text holds {len(words)} different lower-case words of 4-12 letters: varied retrieval "
+                f"draws need at least {2 * MAX_NEEDLES}"
+            )
+        self.words = tuple(words)
+
+    def pick(self, rng: np.random.Generator, count: int) -> list[str]:
+        """``count`` different words."""
+        return [self.words[i] for i in rng.choice(len(self.words), size=count, replace=False)]
+
+    def subject(self, rng: np.random.Generator) -> str:
+        """A subject ("the {w} of {key}", "the {w} {w} for {key}", ...) of vocabulary words."""
+        shape = VARIED_SUBJECTS[int(rng.integers(len(VARIED_SUBJECTS)))]
+        return shape.format(*self.pick(rng, 2))
+
+    def phrase(self, rng: np.random.Generator) -> str:
+        """1 .. ``PHRASE_WORDS`` vocabulary words joined by spaces."""
+        return " ".join(self.pick(rng, int(rng.integers(1, PHRASE_WORDS + 1))))
 
 
 def draw_value(fmt: str, split: str, rng: np.random.Generator) -> str:
@@ -343,18 +387,34 @@ class RetrievalBuilder:
     or from given wordings."""
 
     def __init__(
-        self, tokenizer: Tokenizer, filler: np.ndarray, split: str, wordings: list[Wording] | None = None
+        self,
+        tokenizer: Tokenizer,
+        filler: np.ndarray,
+        split: str,
+        wordings: list[Wording] | None = None,
+        varied: float = 0.0,
     ) -> None:
+        """``varied``: the trained split only, the chance that a draw takes its keys, its subject's words and (in
+        the ``PHRASE`` format) its values from the filler's ``Vocabulary`` instead of the split's lists."""
         if len(filler) == 0:
             raise ValueError("the retrieval filler holds no tokens")
         if split not in SPLITS:
             raise ValueError(f"a split is {' or '.join(SPLITS)}, not {split!r}")
+        if varied and split != TRAINED:
+            raise ValueError(f"varied draws are of the {TRAINED} split, not {split!r}")
         self.tokenizer, self.filler, self.split = tokenizer, np.asarray(filler, dtype=np.int64), split
         self.wordings = wordings
+        self.varied = varied
+        self.vocabulary = Vocabulary(tokenizer, self.filler) if varied else None
         self._ends: dict[int, bool] = {}  # token -> whether it ends a sentence
 
-    def wording(self, rng: np.random.Generator, needles: int = 1) -> Wording:
-        """A wording drawn from the given ones or composed from the split's parts (keyed if ``needles`` > 1)."""
+    def formats(self) -> tuple[str, ...]:
+        """The value formats training draws from: the split's, and ``PHRASE`` with varied draws."""
+        return (*split_formats(self.split), *((PHRASE,) if self.vocabulary else ()))
+
+    def wording(self, rng: np.random.Generator, needles: int = 1, subject: str | None = None) -> Wording:
+        """A wording drawn from the given ones or composed from the split's parts (keyed if ``needles`` > 1), with
+        ``subject`` instead of the split's when given."""
         if self.wordings is not None:
             usable = [w for w in self.wordings if needles == 1 or keyed(w)]
             if not usable:
@@ -362,28 +422,37 @@ class RetrievalBuilder:
             return usable[int(rng.integers(len(usable)))]
         parts = [INTRODUCTIONS, SUBJECTS, STATEMENTS, QUESTIONS]
         picks = [int(rng.integers(len(part[self.split]))) for part in parts]
-        introduction, subject, statement, question = (part[self.split][i] for part, i in zip(parts, picks))
-        return Wording(introduction, statement, question, subject, name="{}.{}.{}.{}".format(*picks))
+        introduction, split_subject, statement, question = (part[self.split][i] for part, i in zip(parts, picks))
+        name = "{}.{}.{}.{}".format(*picks) if subject is None else "{}.varied.{}.{}".format(*picks[::2], picks[3])
+        return Wording(introduction, statement, question, subject or split_subject, name=name)
 
     def draw(
         self, rng: np.random.Generator, fmt: str, depth: float, needles: int = 1, wording: Wording | None = None
     ) -> Draw:
         """The first needle at ``depth``, the others (distractors with keys and values of their own) at uniform
-        depths."""
+        depths. A ``PHRASE`` value makes the draw varied; other formats are, with the chance ``varied``."""
         if not 1 <= needles <= MAX_NEEDLES:
             raise ValueError(f"a prompt holds 1 to {MAX_NEEDLES} needles, not {needles}")
-        wording = wording or self.wording(rng, needles)
-        keys = KEYS[self.split]
-        chosen = rng.choice(len(keys), size=needles, replace=False)
+        vocabulary = self.vocabulary
+        if fmt == PHRASE and vocabulary is None:
+            raise ValueError(f"the {PHRASE!r} format needs varied draws")
+        varied = vocabulary is not None and (fmt == PHRASE or rng.random() < self.varied)
+        if vocabulary is not None and varied:
+            wording = wording or self.wording(rng, needles, vocabulary.subject(rng))
+            keys = tuple(vocabulary.pick(rng, needles))
+        else:
+            wording = wording or self.wording(rng, needles)
+            chosen = rng.choice(len(KEYS[self.split]), size=needles, replace=False)
+            keys = tuple(KEYS[self.split][i] for i in chosen)
         values: list[str] = []
         while len(values) < needles:
-            value = draw_value(fmt, self.split, rng)
+            value = (
+                vocabulary.phrase(rng) if vocabulary is not None and fmt == PHRASE else draw_value(fmt, self.split, rng)
+            )
             if value not in values or len(values) >= _distinct_values(fmt, self.split):
                 values.append(value)
         depths = (depth, *(float(d) for d in rng.random(needles - 1)))
-        return Draw(
-            wording, fmt, tuple(keys[i] for i in chosen), tuple(values), depths, int(rng.integers(len(self.filler)))
-        )
+        return Draw(wording, fmt, keys, tuple(values), depths, int(rng.integers(len(self.filler))))
 
     def prompt(self, draw: Draw, size: int, asked: int = 0) -> RetrievalPrompt:
         """The draw as a prompt of exactly ``size`` tokens asking for needle ``asked``. ValueError when ``size`` is
@@ -467,6 +536,8 @@ class RetrievalBuilder:
 def _distinct_values(fmt: str, split: str) -> int:
     """How many different values ``fmt`` can take (the draw repeats one only past that)."""
     family, _, digits = fmt.partition("-")
+    if family == PHRASE:
+        return 10**4
     if family == "number":  # int ** int is typed Any in typeshed (a negative power is a float)
         count: int = 10 ** int(digits) - (10 ** (int(digits) - 1) if int(digits) > 1 else 0)
         return count

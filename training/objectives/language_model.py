@@ -55,6 +55,8 @@ class TextData:
     passkey_fresh: bool = False  # with state passing: a row given a pass-key example starts it from the initial state
     recall_fraction: float = 0.0  # of the training rows: retrieval examples (training/data/retrieval.py, trained split)
     recall_needles: int = 4  # a retrieval row hides 1 .. this many needles; with several, it may ask for several
+    recall_varied: float = 0.0  # the chance that a retrieval draw takes keys, subject and values from the vocabulary
+    example_weight: float = 1.0  # the loss weight of a row holding a whole pass-key or retrieval example
     teacher: str | None = None  # a language model's folder whose distributions the text rows learn too
     teacher_weight: float = 0.0  # with a teacher: the share of its cross-entropy in a text row's loss
 
@@ -120,7 +122,7 @@ class LanguageModelObjective(Objective):
             self.passkey = PassKeyBuilder(tokenizer, self._corpus_tokens(), data.passkey_number_forms)
         self.recall = None
         if data.recall_fraction:
-            self.recall = RetrievalBuilder(tokenizer, self._corpus_tokens(), TRAINED)
+            self.recall = RetrievalBuilder(tokenizer, self._corpus_tokens(), TRAINED, varied=data.recall_varied)
         if data.teacher is not None:
             self.teacher = Teacher.load(
                 Path(data.teacher), data.teacher_weight, tokenizer, batch_size, data.state_passing, dist.device
@@ -205,7 +207,7 @@ class LanguageModelObjective(Objective):
         tokens from the trained split: 1 .. ``recall_needles`` needles, the first asked, and with several, half
         the time more of them asked in turn after its answer; scored on the answers only."""
         assert self.recall is not None
-        formats = split_formats(TRAINED)
+        formats = self.recall.formats()
         fmt = formats[int(rng.integers(len(formats)))]
         needles = int(rng.integers(1, self.data.recall_needles + 1))
         while True:
@@ -311,7 +313,10 @@ class LanguageModelObjective(Objective):
             fresh = torch.from_numpy(examples) if fresh is None else fresh | torch.from_numpy(examples)
         # not the pass-key rows: the teacher may answer them wrong
         distilled = None if self.teacher is None else torch.from_numpy(~in_examples)
-        return Batch(windows[:, :-1], targets, lengths, fresh, distilled)
+        weights = None
+        if self.data.example_weight != 1.0 and examples.any():
+            weights = torch.from_numpy(np.where(examples, self.data.example_weight, 1.0).astype(np.float32))  # (B,)
+        return Batch(windows[:, :-1], targets, lengths, fresh, distilled, weights)
 
     def longest_span(self, step: int) -> int:
         """The most windows an example started at step ``step`` (from 1) may span: growing geometrically from 1 at

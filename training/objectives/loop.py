@@ -295,17 +295,22 @@ def _train_step(
             soft = teacher.probabilities(part.tokens, rows.tolist())  # (b, T, V)
             taught = batch.distilled[rows].to(dist.device, torch.float32) * teacher.weight  # (b,)
             soft_weights = taught[:, None].expand_as(targets)  # (b, T)
+        scale = None
+        if batch.weights is not None:
+            scale = batch.weights[rows].to(dist.device, torch.float32)[:, None].expand_as(targets)  # (b, T)
         with torch.autocast(dist.device.type, dtype=torch.bfloat16, enabled=use_bfloat16):
             if selects_positions and not bool(scored.all()):  # the head on the scored positions only
                 logits, targets = trained(part.tokens, cache, positions=scored), part.targets[scored]  # (N, V), (N,)
                 if soft is not None:
                     assert soft_weights is not None  # set with soft
                     soft, soft_weights = soft[scored], soft_weights[scored]  # (N, V), (N,)
+                if scale is not None:
+                    scale = scale[scored]  # (N,)
             else:
                 logits = trained(part.tokens, cache)  # (b, T, V)
         if cache is not None:
             ended.append(cache)
-        loss_sum, correct = masked_loss(logits.float(), targets, soft, soft_weights)
+        loss_sum, correct = masked_loss(logits.float(), targets, soft, soft_weights, scale)
         del soft
         penalised = loss_sum
         if weight:  # the impurity counted once per real position, like the loss

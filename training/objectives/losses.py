@@ -20,17 +20,20 @@ def masked_loss(
     targets: torch.Tensor,
     soft: torch.Tensor | None = None,
     soft_weights: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """logits (B, T, V), targets (B, T) (or (N, V), (N,)) -> summed cross-entropy over the real positions, correct
     argmaxes. With a gradient to take, ``soft`` and ``soft_weights`` w make each position's loss (1 - w) times its
-    target's cross-entropy plus w times the teacher's."""
+    target's cross-entropy plus w times the teacher's, and ``scale`` (shaped as targets) multiplies each position's
+    loss; :func:`target_loss` stays the targets' plain sum."""
     flat_logits, flat_targets = logits.flatten(0, -2), targets.flatten()
     if torch.is_grad_enabled() and logits.requires_grad:
         flat_soft = None if soft is None else soft.flatten(0, -2)
         flat_weights = None if soft_weights is None else soft_weights.flatten()
+        flat_scale = None if scale is None else scale.flatten()
         # torch's Function.apply is unannotated upstream
         loss_sum: torch.Tensor = SummedCrossEntropy.apply(  # type: ignore[no-untyped-call]
-            flat_logits, flat_targets, flat_soft, flat_weights
+            flat_logits, flat_targets, flat_soft, flat_weights, flat_scale
         )
     else:
         loss_sum = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -46,7 +49,8 @@ def target_loss(loss_sum: torch.Tensor) -> torch.Tensor:
 class SummedCrossEntropy(torch.autograd.Function):
     """``F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")``, its gradient made in the
     forward pass in one (N, V) buffer. With ``soft`` (N, V) and ``weights`` (N,): the teacher mixture of
-    :func:`masked_loss`, the targets' own sum kept as ``target_loss``. logits (N, V), targets (N,) -> () sum."""
+    :func:`masked_loss`; with ``scale`` (N,): each position's loss times it; either way the targets' own sum is kept
+    as ``target_loss``. logits (N, V), targets (N,) -> () sum."""
 
     @staticmethod
     def forward(
@@ -55,6 +59,7 @@ class SummedCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         soft: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         real = targets != IGNORE_INDEX  # (N,)
         index = targets.clamp(min=0).unsqueeze(1)  # (N, 1)
@@ -75,17 +80,20 @@ class SummedCrossEntropy(torch.autograd.Function):
             log_total = losses + logits.gather(1, index).squeeze(1)  # (N,)
             taught = log_total - torch.linalg.vecdot(soft, logits)  # (N,)
             losses = hard * losses + weights * taught
+        if scale is not None:
+            gradient.mul_(scale.unsqueeze(1))
+            losses = losses * scale
         gradient[~real] = 0.0
         ctx.save_for_backward(gradient)
         total = losses.masked_fill(~real, 0.0).sum()
-        if soft is not None:
+        if soft is not None or scale is not None:
             setattr(total, "target_loss", target_sum)  # read by target_loss(): a tensor has no such attribute
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         (gradient,) = ctx.saved_tensors  # scaled in place, no second (N, V) buffer: a second
-        return gradient.mul_(grad_output), None, None, None  # backward through the graph meets autograd's check
+        return gradient.mul_(grad_output), None, None, None, None  # backward through the graph meets autograd's check
 
 
 def set_soft_transitions(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:

@@ -4,6 +4,7 @@ wordings files, the report, training rows scored on their answers only, and bad 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -24,6 +25,7 @@ from training.data.retrieval import (
     INTRODUCTIONS,
     KEYS,
     NUMBER_DIGITS,
+    PHRASE,
     QUESTIONS,
     SPLITS,
     STATEMENTS,
@@ -31,8 +33,10 @@ from training.data.retrieval import (
     TRAINED,
     WORDS,
     RetrievalBuilder,
+    Vocabulary,
     first_value,
     formats_named,
+    held_out_words,
     split_formats,
     wordings_from_file,
 )
@@ -277,15 +281,71 @@ def test_recall_rows_are_scored_on_their_answers_only_and_draw_from_the_trained_
     assert set(objective.recall_validation) == {700, 700 * 16}
 
 
+MADE_UP_WORDS = [
+    start + end for start in ("ka", "lo", "mi", "ne", "pu", "ra") for end in ("tor", "vin", "sel", "dam", "gix", "bur")
+]
+
+
+def made_up_corpus(folder: Path) -> str:
+    """A text corpus of 400 short paragraphs naming the 36 made-up words of ``MADE_UP_WORDS`` and the held-out
+    keys; its ``--corpus`` value."""
+    folder.mkdir()
+    words = [*MADE_UP_WORDS, *KEYS[HELD_OUT]]
+    (folder / "novel.txt").write_text(
+        "\n\n".join(f"Chapter {n}. A fine {words[n % len(words)]} in the village." for n in range(400))
+    )
+    return f"text:{folder}"
+
+
+def test_varied_draws_take_keys_subjects_and_phrases_from_the_text_never_held_out_words(tmp_path: Path) -> None:
+    made_up_corpus(tmp_path / "corpus")
+    filler = np.asarray(AUSTEN_8K.encode((tmp_path / "corpus" / "novel.txt").read_text()))
+    vocabulary = Vocabulary(AUSTEN_8K, filler)
+    assert set(vocabulary.words) == {*MADE_UP_WORDS, "fine", "village"}  # "Chapter" is not lower-case
+    builder = RetrievalBuilder(AUSTEN_8K, filler, TRAINED, varied=1.0)
+    assert builder.formats() == (*split_formats(TRAINED), PHRASE)
+    rng = np.random.default_rng(0)
+    for index in range(60):
+        fmt = builder.formats()[index % len(builder.formats())]
+        draw = builder.draw(rng, fmt, 0.5, needles=3)
+        assert set(draw.keys) <= set(vocabulary.words) and len(set(draw.keys)) == 3
+        subject_words = re.findall(r"[a-z]+", draw.wording.subject.replace("{key}", ""))
+        assert subject_words[0] == "the" and set(subject_words[1:-1]) <= set(vocabulary.words)
+        if fmt == PHRASE:
+            assert all(set(value.split()) <= set(vocabulary.words) for value in draw.values)
+        prompt = builder.prompt(draw, 300)
+        text = AUSTEN_8K.decode(prompt.tokens.tolist())
+        assert f" {draw.values[0]}." in text and text.endswith(draw.wording.ask(draw.keys[0]))
+    assert not set(vocabulary.words) & (held_out_words() | set(KEYS[HELD_OUT]))
+    with pytest.raises(ValueError, match="needs varied draws"):
+        RetrievalBuilder(AUSTEN_8K, filler, TRAINED).draw(rng, PHRASE, 0.5)
+    with pytest.raises(ValueError, match="varied draws are of the trained split"):
+        RetrievalBuilder(AUSTEN_8K, filler, HELD_OUT, varied=0.5)
+    with pytest.raises(ValueError, match="holds 2 different lower-case words of 4-12 letters: varied"):
+        Vocabulary(AUSTEN_8K, np.asarray(AUSTEN_8K.encode("A fine day in the village. " * 20)))
+
+
+def test_example_rows_carry_the_example_weight_and_text_rows_one(tmp_path: Path) -> None:
+    corpus = made_up_corpus(tmp_path / "corpus")
+    device = type("Device", (), {"device": "cpu", "rank": 0, "world_size": 1})()
+    weighted = TextData(corpus=corpus, tokenizer="bytes", length=700, recall_fraction=0.5, example_weight=8.0)
+    objective = LanguageModelObjective(weighted, BYTES, None, 10, 16, 0, False, device)
+    batch = objective.batch(np.random.default_rng(0), 1)
+    assert batch.weights is not None
+    examples = (batch.targets != IGNORE_INDEX).sum(dim=1) < 100  # a retrieval row scores its answers only
+    assert 0 < int(examples.sum()) < 16
+    assert torch.equal(batch.weights, torch.where(examples, 8.0, 1.0))
+    plain = LanguageModelObjective(
+        dataclasses.replace(weighted, example_weight=1.0), BYTES, None, 10, 16, 0, False, device
+    )
+    assert plain.batch(np.random.default_rng(0), 1).weights is None
+
+
 def test_recall_training_runs_and_refuses_short_windows_and_too_many_needles(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "novel.txt").write_text(
-        "\n\n".join(f"Chapter {n}. It was a fine day in the village." for n in range(400))
-    )
-    argv = ["text-train", "--arch", "lrnn", "--corpus", f"text:{corpus}", "--tokenizer", "bytes", "--length", "400"]
+    corpus = made_up_corpus(tmp_path / "corpus")
+    argv = ["text-train", "--arch", "lrnn", "--corpus", corpus, "--tokenizer", "bytes", "--length", "400"]
     argv += ["--batch-size", "2", "--warmup-steps", "1", "--eval-every", "0", "--no-progress", "--threads", "1"]
     argv += ["--d-model", "16", "--layers", "1", "--block-size", "4", "--num-blocks", "4", "--d-ff", "32"]
     argv += ["--recall-fraction", "0.5", "--state-passing", "--passkey-fresh"]
@@ -296,3 +356,12 @@ def test_recall_training_runs_and_refuses_short_windows_and_too_many_needles(
     assert "retrieval examples need windows of at least" in capsys.readouterr().err
     assert main([*argv, "--recall-needles", "17", "--steps", "1", "--out", "x"]) == 2
     assert "--recall-needles 17: an example holds at most 16 needles" in capsys.readouterr().err
+    assert main([*argv[:7], "--length", "400", "--example-weight", "4", "--steps", "1", "--out", "x"]) == 2
+    assert "--example-weight needs --passkey-fraction or --recall-fraction" in capsys.readouterr().err
+    few_words = [*argv[:4], f"text:{tmp_path / 'few'}", *argv[5:]]
+    (tmp_path / "few").mkdir()
+    (tmp_path / "few" / "novel.txt").write_text("A fine day in the village. " * 2000)
+    assert main([*few_words, "--steps", "1", "--out", "x"]) == 2
+    assert "varied retrieval draws need at least 32" in capsys.readouterr().err
+    assert main([*few_words, "--recall-varied", "0", "--steps", "1", "--out", str(tmp_path / "b")]) == 0
+    assert not (tmp_path / "x").exists()

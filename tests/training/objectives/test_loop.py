@@ -1121,30 +1121,34 @@ def test_the_training_loss_and_its_gradient_equal_torchs_cross_entropy() -> None
         loss.backward()
 
 
-def test_the_distilled_loss_and_its_gradient_are_the_mixture_of_two_cross_entropies() -> None:
+@pytest.mark.parametrize(("taught", "scaled"), [(True, False), (True, True), (False, True)])
+def test_the_distilled_loss_and_its_gradient_are_the_mixture_of_two_cross_entropies(taught: bool, scaled: bool) -> None:
     """``masked_loss`` with a teacher's distributions and per-position weights w: the loss is (1 - w) times the
     target's cross-entropy plus w times the teacher's, its gradient that of the same mixture written with torch (w 0:
-    the target alone, w 1: the teacher alone), ignored positions give nothing; ``target_loss`` reads the targets'
-    own loss off it, as without a teacher."""
+    the target alone, w 1: the teacher alone), ignored positions give nothing; a per-position ``scale`` multiplies
+    each position's loss, with or without a teacher; ``target_loss`` reads the targets' own plain loss off it, as
+    without either."""
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 5, 40, generator=generator) * torch.tensor([0.1, 1.0, 8.0]).view(3, 1, 1)
     targets = torch.randint(0, 40, (3, 5), generator=generator)
     targets[0, 1] = targets[2, 4] = IGNORE_INDEX
     soft = torch.softmax(torch.randn(3, 5, 40, generator=generator) * 3, dim=-1)
-    weights = torch.tensor([0.0, 0.3, 1.0]).view(3, 1).expand(3, 5)
+    weights = torch.tensor([0.0, 0.3, 1.0]).view(3, 1).expand(3, 5) if taught else torch.zeros(3, 5)
+    scale = torch.tensor([2.0, 0.5, 7.0]).view(3, 1).expand(3, 5) if scaled else torch.ones(3, 5)
 
     def loss_and_gradient(fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         leaf = logits.clone().requires_grad_()
-        scaled = leaf * 1.5
+        scaled_logits = leaf * 1.5
         if fused:
-            loss, _ = losses.masked_loss(scaled, targets, soft, weights)
+            given = (soft, weights) if taught else (None, None)
+            loss, _ = losses.masked_loss(scaled_logits, targets, *given, scale if scaled else None)
             target = losses.target_loss(loss)
         else:
             real = targets != IGNORE_INDEX
-            log_p = torch.log_softmax(scaled, dim=-1)
+            log_p = torch.log_softmax(scaled_logits, dim=-1)
             hard = -log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            taught = -(soft * log_p).sum(-1)
-            loss = (((1 - weights) * hard + weights * taught) * real).sum()
+            from_teacher = -(soft * log_p).sum(-1)
+            loss = (((1 - weights) * hard + weights * from_teacher) * scale * real).sum()
             target = (hard * real).sum().detach()
         (loss / 3).backward()
         return loss.detach(), leaf.grad, target
