@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -36,14 +37,23 @@ PRODUCT_THRESHOLDS = (1.25, 1.75)
 """g(s) = 2 relu(s - 1.25) - 2 relu(s - 1.75): 0 for s <= 1.25, 1 for s >= 1.75."""
 
 MAX_REGULARGPT_STATES = 16
-"""RegularGPT's construction grows as n**5 weights; the LRNN's takes any DFA (automata.automaton.MAX_STATES)."""
+"""RegularGPT's construction over function matrices grows as n**5 weights; the LRNN's takes any DFA
+(automata.automaton.MAX_STATES)."""
+
+MAX_REGULARGPT_MONOID = 128
+"""Above MAX_REGULARGPT_STATES, RegularGPT's construction over the transition monoid's elements (8 m**3 weights for
+m elements: 67 MB at 128; a group's Cayley table, S5's 120 elements) when the monoid has at most this many."""
 
 
 Automaton = DFA | MooreMachine
 
 
 class CompileError(ValueError):
-    """A valid DFA that a construction cannot take (too many states for RegularGPT); the message says why."""
+    """A valid DFA that a construction cannot take; the message says why."""
+
+
+class CompileTooLarge(CompileError):
+    """A valid DFA past a construction's size cap (RegularGPT's), named in the message."""
 
 
 def labels_of(automaton: Automaton) -> tuple[str, ...]:
@@ -105,19 +115,24 @@ def compile_lrnn(automaton: Automaton) -> tuple[BlockDiagonalLRNN, CheckpointCon
 
 
 def compile_regulargpt(automaton: Automaton) -> tuple[RegularGPT, CheckpointConfig]:
-    """The C = 2, K = 1 RegularGPT with null slots of docs/models.md, "Compiled automata", float32, in eval mode.
-    Raises CompileError above MAX_REGULARGPT_STATES states."""
+    """The C = 2, K = 1 RegularGPT with null slots of docs/models.md, "Compiled automata", float32, in eval mode: its
+    stream holds each segment's transition function, as an n x n 0/1 matrix up to MAX_REGULARGPT_STATES states, else
+    as a one-hot over the transition monoid if it has at most MAX_REGULARGPT_MONOID elements. Raises CompileTooLarge
+    past both caps."""
     machine, labels = _machine(automaton), labels_of(automaton)
-    n, vocab = len(machine.states), len(machine.alphabet)
-    if n > MAX_REGULARGPT_STATES:
-        raise CompileError(
-            f"{machine.name}: {n} states; the RegularGPT construction takes at most MAX_REGULARGPT_STATES = "
-            f"{MAX_REGULARGPT_STATES} (its size grows as n**5); compile it with --arch lrnn"
+    n = len(machine.states)
+    encoding = _matrix_encoding(machine) if n <= MAX_REGULARGPT_STATES else _monoid_encoding(machine)
+    if encoding is None:
+        raise CompileTooLarge(
+            f"{machine.name}: {n} states and a transition monoid of more than {MAX_REGULARGPT_MONOID} elements; the "
+            f"RegularGPT construction takes at most MAX_REGULARGPT_STATES = {MAX_REGULARGPT_STATES} states (its size "
+            f"grows as n**5) or a monoid of at most MAX_REGULARGPT_MONOID = {MAX_REGULARGPT_MONOID} elements; "
+            "compile it as an LRNN (architecture lrnn, --arch lrnn)"
         )
-    flat, d_model = n * n, 2 * n * n  # the residual stream: X = channels [0, n^2), O = [n^2, 2 n^2)
-    product_units = len(PRODUCT_THRESHOLDS) * n**3
+    width, d_model = encoding.width, 2 * encoding.width  # the residual stream: X = channels [0, width), O = the rest
+    product_units = len(PRODUCT_THRESHOLDS) * len(encoding.products)
     config = RegularGPTConfig(
-        vocab_size=vocab,
+        vocab_size=len(machine.alphabet),
         num_labels=len(labels),
         d_model=d_model,
         n_heads=1,
@@ -127,29 +142,29 @@ def compile_regulargpt(automaton: Automaton) -> tuple[RegularGPT, CheckpointConf
         out_of_range="null",
     )
     eps = config.layer_norm_eps
-    attention_stats = _stream_stats(n, d_model, blocks_in_use=1, eps=eps)  # [X, 0]: ln_1 and ln_f
-    mlp_stats = _stream_stats(n, d_model, blocks_in_use=2, eps=eps)  # [X, O]: ln_2
+    attention_stats = _stream_stats(encoding.ones, d_model, blocks_in_use=1, eps=eps)  # [X, 0]: ln_1 and ln_f
+    mlp_stats = _stream_stats(encoding.ones, d_model, blocks_in_use=2, eps=eps)  # [X, O]: ln_2
     qkv = np.zeros((3 * d_model, d_model))  # q = k = 0; v = [X, 0] (head dim = d_model)
-    qkv[2 * d_model : 2 * d_model + flat, :flat] = np.eye(flat)
+    qkv[2 * d_model : 2 * d_model + width, :width] = np.eye(width)
     into_other = np.zeros((d_model, d_model))  # c_proj: the attended X into O
-    into_other[flat:, :flat] = np.eye(flat)
+    into_other[width:, :width] = np.eye(width)
     null_value = np.zeros((1, d_model))
-    null_value[0, :flat] = np.eye(n).flatten()
-    start = machine.states.index(machine.start)
-    labelled = np.zeros((len(labels), d_model))  # (K, d): the channels X[i, q0] of the states i labelled k
-    for i, state in enumerate(machine.states):
-        labelled[labels.index(machine.output[state]), i * n + start] = 1.0
-    if labels == LABELS:  # "1" scores M (sum over accepting i of A[i, q0]) - M / 2, "0" the negation
+    null_value[0, :width] = encoding.identity
+    labelled = np.zeros(
+        (len(labels), d_model)
+    )  # (K, d): the channels of X whose function takes q0 to a state labelled k
+    for channel, state in enumerate(encoding.start_images):
+        if state is not None:
+            labelled[labels.index(machine.output[state]), channel] = 1.0
+    if labels == LABELS:  # "1" scores M (the X channels taking q0 to an accepting state) - M / 2, "0" the negation
         head = _label_head(LABEL_MARGIN * labelled[1], -LABEL_MARGIN / 2)
-    else:  # label k scores M (sum over the states i labelled k of A[i, q0]): M for one label, 0 for the others
+    else:  # label k scores M (the X channels taking q0 to a state labelled k): M for one label, 0 for the others
         head = {
             "embedding.label_head.weight": LABEL_MARGIN * labelled,
             "embedding.label_head.bias": np.zeros(len(labels)),
         }
     weights = {
-        "embedding.embed.weight": np.concatenate(
-            [machine.transition_matrices().reshape(vocab, flat), np.zeros((vocab, flat))], axis=1
-        ),
+        "embedding.embed.weight": np.concatenate([encoding.symbols, np.zeros_like(encoding.symbols)], axis=1),
         **head,
         **_layer_norm("blocks.0.ln_1", d_model, *attention_stats),
         "blocks.0.attention.heads.c_attn.weight": qkv,
@@ -160,10 +175,74 @@ def compile_regulargpt(automaton: Automaton) -> tuple[RegularGPT, CheckpointConf
         "blocks.0.attention.null_key": np.zeros((1, d_model)),
         "blocks.0.attention.null_value": null_value,
         **_layer_norm("blocks.0.ln_2", d_model, *mlp_stats),
-        **_mlp("blocks.0.mlp", *_composition_mlp(n)),
+        **_mlp("blocks.0.mlp", *_composition_mlp(encoding.products, width)),
         **_layer_norm("ln_f", d_model, *attention_stats),
     }
     return _assemble(RegularGPT(config), weights), checkpoint_config(automaton, "regulargpt", config)
+
+
+@dataclass(frozen=True)
+class FunctionEncoding:
+    """How RegularGPT's stream holds a segment's transition function f (the states' images after reading it):
+    ``width`` channels with ``ones`` of them 1; ``symbols`` (V, width) each symbol's f, ``identity`` (width,) the
+    empty segment's; ``products`` (x, o, out): channel x of the later segment's f and channel o of the earlier one's
+    set channel out of their composition; ``start_images``: for each channel, the state that an f holding it takes
+    the start state to (None: it says nothing of the start)."""
+
+    width: int
+    ones: int
+    symbols: np.ndarray
+    identity: np.ndarray
+    products: list[tuple[int, int, int]]
+    start_images: list[str | None]
+
+
+def _matrix_encoding(machine: MooreMachine) -> FunctionEncoding:
+    """f as its n x n 0/1 matrix, channel i n + j = [f(state j) = state i]: n**3 products."""
+    n, start = len(machine.states), machine.states.index(machine.start)
+    products = [(i * n + j, j * n + k, i * n + k) for i in range(n) for j in range(n) for k in range(n)]
+    images: list[str | None] = [None] * (n * n)
+    for i, state in enumerate(machine.states):
+        images[i * n + start] = state
+    return FunctionEncoding(
+        n * n,
+        n,
+        machine.transition_matrices().reshape(len(machine.alphabet), n * n),
+        np.eye(n).flatten(),
+        products,
+        images,
+    )
+
+
+def _monoid_encoding(machine: MooreMachine) -> FunctionEncoding | None:
+    """f as a one-hot over the transition monoid's elements (the functions of all strings, the identity first): m**2
+    products, the monoid's table. None when the monoid has more than MAX_REGULARGPT_MONOID elements."""
+    index = {state: i for i, state in enumerate(machine.states)}
+    generators = [tuple(index[machine.delta[state][symbol]] for state in machine.states) for symbol in machine.alphabet]
+    identity = tuple(range(len(machine.states)))
+    elements, position = [identity], {identity: 0}
+    for element in elements:  # grows while read: every string's function, by appending symbols
+        for generator in generators:
+            following = tuple(generator[image] for image in element)  # the element, then the symbol
+            if following not in position:
+                if len(elements) == MAX_REGULARGPT_MONOID:
+                    return None
+                position[following] = len(elements)
+                elements.append(following)
+    m = len(elements)
+    products = [
+        (x, o, position[tuple(elements[x][image] for image in elements[o])]) for x in range(m) for o in range(m)
+    ]
+    one_hot = np.eye(m)
+    start = index[machine.start]
+    return FunctionEncoding(
+        m,
+        1,
+        one_hot[[position[generator] for generator in generators]],
+        one_hot[0],
+        products,
+        [machine.states[element[start]] for element in elements],
+    )
 
 
 COMPILERS: dict[str, Callable[[Automaton], tuple[SequenceModel, CheckpointConfig]]] = {
@@ -219,23 +298,21 @@ def _machine(automaton: Automaton) -> MooreMachine:
     return automaton.machine if isinstance(automaton, DFA) else automaton
 
 
-def _composition_mlp(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """c_fc weight (d_ff, 2 n^2), c_fc bias (d_ff,), c_proj weight (2 n^2, d_ff) of the composing MLP:
-    2 n^3 product units, then a +x and a -x pass-through unit per channel."""
-    flat = n * n
-    d_model, units = 2 * flat, len(PRODUCT_THRESHOLDS) * n**3
+def _composition_mlp(products: list[tuple[int, int, int]], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """c_fc weight (d_ff, 2 width), c_fc bias (d_ff,), c_proj weight (2 width, d_ff) of the composing MLP: two units
+    per product (x, o, out), firing when X[x] and O[o] are both 1 and writing 1 into the new X[out], then a +x and a
+    -x pass-through unit per channel."""
+    d_model, units = 2 * width, len(PRODUCT_THRESHOLDS) * len(products)
     fc = np.zeros((units + 2 * d_model, d_model))
     fc_bias = np.zeros(units + 2 * d_model)
     proj = np.zeros((d_model, units + 2 * d_model))
     unit = 0
-    for i in range(n):
-        for j in range(n):
-            for k in range(n):
-                for threshold, slope in zip(PRODUCT_THRESHOLDS, (2.0, -2.0)):  # g = 2 relu(. - 1.25) - 2 relu(. - 1.75)
-                    fc[unit, i * n + j] = fc[unit, flat + j * n + k] = GELU_SHARPNESS  # X[i, j] + O[j, k]
-                    fc_bias[unit] = -GELU_SHARPNESS * threshold
-                    proj[i * n + k, unit] = slope / GELU_SHARPNESS  # into new X[i, k]
-                    unit += 1
+    for x, o, out in products:
+        for threshold, slope in zip(PRODUCT_THRESHOLDS, (2.0, -2.0)):  # g = 2 relu(. - 1.25) - 2 relu(. - 1.75)
+            fc[unit, x] = fc[unit, width + o] = GELU_SHARPNESS  # X[x] + O[o]
+            fc_bias[unit] = -GELU_SHARPNESS * threshold
+            proj[out, unit] = slope / GELU_SHARPNESS  # into the new X[out]
+            unit += 1
     channels = np.arange(d_model)
     fc[units + channels, channels] = GELU_SHARPNESS  # GELU(lambda x) - GELU(-lambda x) = lambda x
     fc[units + d_model + channels, channels] = -GELU_SHARPNESS
@@ -244,10 +321,10 @@ def _composition_mlp(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return fc, fc_bias, proj
 
 
-def _stream_stats(n: int, d_model: int, blocks_in_use: int, eps: float) -> tuple[float, float]:
-    """(sqrt(variance + eps), mean) of a residual stream holding ``blocks_in_use`` one-hot function matrices
-    (n ones each) in d_model channels: LayerNorm weight and bias that undo the normalisation."""
-    mean = blocks_in_use * n / d_model
+def _stream_stats(ones: int, d_model: int, blocks_in_use: int, eps: float) -> tuple[float, float]:
+    """(sqrt(variance + eps), mean) of a residual stream holding ``blocks_in_use`` encoded functions (``ones`` ones
+    each) in d_model channels: LayerNorm weight and bias that undo the normalisation."""
+    mean = blocks_in_use * ones / d_model
     return math.sqrt(mean - mean**2 + eps), mean
 
 

@@ -38,7 +38,7 @@ from automata.compiler import COMPILERS
 from automata.samples import counter, live_string
 from automata.task_automata import AUTOMATA_DIR
 
-COUNTER_STATES = 16  # automata.compiler.MAX_REGULARGPT_STATES: the largest DFA the RegularGPT construction takes
+COUNTER_STATES = 16  # automata.compiler.MAX_REGULARGPT_STATES: the largest DFA of RegularGPT's matrix construction
 FINAL_PREFIXES = (100_000, 65_537, 4_097, 1_000, 1)
 
 

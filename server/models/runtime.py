@@ -1,7 +1,7 @@
 """Models added while serving (``POST /v1/models``) and removed (``DELETE /v1/models/{id}``): a regular expression or a
 DFA compiled into an exact transduce model labelling each prefix "1" when accepted, else "0". Compiling runs on a thread
-of its own, one at a time, within ``runtime_compile_timeout_s``. 413 past ``runtime_models_max`` models or
-``runtime_model_max_states`` states; 409 for a taken id or a shipped model.
+of its own, one at a time, within ``runtime_compile_timeout_s``. 413 past ``runtime_models_max`` models,
+``runtime_model_max_states`` states or RegularGPT's construction caps; 409 for a taken id or a shipped model.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 from pathlib import Path
 
 from automata.automaton import DFA, AutomatonError, AutomatonTooLarge
-from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError
+from automata.compiler import COMPILERS, CompileError, CompileTooLarge
 from automata.regex import regex_dfa
 from model.device import resolve_device
 from server.api.protocol import RuntimeModelRequest
@@ -46,16 +46,15 @@ def compile_runtime_model(request: RuntimeModelRequest, settings: Settings, devi
     """The request's automaton compiled into a served transduce model (on ``device``)."""
     dfa = _automaton(request)
     most = settings.runtime_model_max_states
-    if request.architecture == "regulargpt":
-        most = min(most, MAX_REGULARGPT_STATES)
     if len(dfa.states) > most:
         raise InputTooLarge(
-            f"the minimal DFA of model {request.id!r} has {len(dfa.states)} states; {request.architecture} runtime "
-            f"models take at most {most} (runtime_model_max_states"
-            + (", and 16 for RegularGPT, whose weights grow as n^5)" if request.architecture == "regulargpt" else ")")
+            f"the minimal DFA of model {request.id!r} has {len(dfa.states)} states; runtime models take at most "
+            f"{most} (runtime_model_max_states)"
         )
     try:
         model, config = COMPILERS[request.architecture](dfa)
+    except CompileTooLarge as error:  # past RegularGPT's caps
+        raise InputTooLarge(str(error)) from None
     except CompileError as error:
         raise InvalidInput(str(error)) from None
     return served_transducer(request.id, model.to(resolve_device(device)).eval(), config, RUNTIME_PATH / request.id)

@@ -10,9 +10,18 @@ import numpy as np
 import pytest
 import torch
 
+from automata import compiler
 from automata.automaton import DFA, MooreMachine
-from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES, CompileError, compile_lrnn, compile_regulargpt, task_of
-from automata.samples import counter, live_string
+from automata.compiler import (
+    COMPILERS,
+    MAX_REGULARGPT_STATES,
+    CompileError,
+    CompileTooLarge,
+    compile_lrnn,
+    compile_regulargpt,
+    task_of,
+)
+from automata.samples import counter, live_string, symmetric
 from automata.task_automata import cycle_navigation, induction_heads, modular_arithmetic, sum_mod5
 from model.ops.scan.constraints import column_norm_constraint
 from tests.automata.helpers import (
@@ -144,11 +153,28 @@ def test_an_arbitrary_dfa_compiles_without_a_task() -> None:
         assert_transduces(model, dfa, strings)
 
 
-def test_regulargpt_refuses_too_many_states_and_lrnn_takes_them() -> None:
-    dfa = DFA.from_json(counter(MAX_REGULARGPT_STATES + 1))
-    with pytest.raises(CompileError, match="MAX_REGULARGPT_STATES"):
-        compile_regulargpt(dfa)
-    assert_exact_on_every_string(compile_lrnn(dfa)[0], dfa, 8)
+def test_regulargpt_takes_more_states_through_a_small_monoid_and_refuses_a_large_one() -> None:
+    """counter17 (17 states, the cyclic group of 17 elements) compiles over its monoid, d_model 2 * 17, exactly;
+    symmetric17 (a monoid of 17! elements) is refused naming both caps; the LRNN takes both."""
+    small = DFA.from_json(counter(MAX_REGULARGPT_STATES + 1))
+    model, config = compile_regulargpt(small)
+    assert config.model.d_model == 2 * (MAX_REGULARGPT_STATES + 1)
+    assert_exact_on_every_string(model, small, 8)
+    large = DFA.from_json(symmetric(MAX_REGULARGPT_STATES + 1))
+    with pytest.raises(CompileTooLarge, match="symmetric17: 17 states and a transition monoid of more than 128"):
+        compile_regulargpt(large)
+    for dfa in (small, large):
+        assert_exact_on_every_string(compile_lrnn(dfa)[0], dfa, 8)
+
+
+@pytest.mark.parametrize("name", SMALL_AUTOMATA)
+def test_the_monoid_construction_is_exact_where_the_matrix_one_is_used(name: str, monkeypatch) -> None:
+    """With the matrix construction's cap at 0, every automaton goes through its monoid: exact as the other."""
+    monkeypatch.setattr(compiler, "MAX_REGULARGPT_STATES", 0)
+    dfa = load_dfa(name)
+    model, config = compile_regulargpt(dfa)
+    assert config.model.d_model != 2 * len(dfa.states) ** 2 or len(dfa.states) == 2
+    assert_exact_on_every_string(model, dfa, 10)
 
 
 @pytest.mark.parametrize("machine", [cycle_navigation(), sum_mod5()], ids=lambda machine: machine.name)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from automata.automaton import AutomatonError, MooreMachine, read_automaton
-from automata.compiler import CompileError, compile_lrnn, compile_regulargpt
+from automata.compiler import compile_lrnn, compile_regulargpt
 from automata.task_automata import (
     A5_GENERATORS,
     AUTOMATA_DIR,
@@ -182,5 +182,18 @@ def test_the_compiled_lrnn_agrees_with_the_labeler_at_thousands_of_symbols(name:
         every, final = compiled_labels(model, task, strings)
         assert every == [task.label(string) for string in strings]
         assert final == [task.label(string)[-1] for string in strings]
-    with pytest.raises(CompileError, match=f"{name}: {len(task.labels)} states.*MAX_REGULARGPT_STATES = 16"):
-        compile_regulargpt(task.automaton)
+
+
+@pytest.mark.parametrize("name", sorted(GROUPS))
+def test_the_compiled_regulargpt_holds_the_group_in_its_elements_and_agrees_with_the_labeler(name: str) -> None:
+    """Past MAX_REGULARGPT_STATES, RegularGPT's construction runs over the transition monoid, here the group: a
+    one-hot of |G| channels per segment, d_model 2 |G|; right at every position of short strings and of 2,100
+    symbols (12 levels)."""
+    task, rng = TASKS[name], np.random.default_rng(13)
+    model, config = compile_regulargpt(task.automaton)
+    assert config.task == name and config.model.d_model == 2 * len(task.labels)
+    strings = [task.sample(rng, int(length)) for length in rng.integers(1, 65, size=20)]
+    for batch in (strings, [task.sample(rng, 2100)]):
+        every, final = compiled_labels(model, task, batch)
+        assert every == [task.label(string) for string in batch]
+        assert final == [task.label(string)[-1] for string in batch]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from automata.samples import symmetric
 from automata.task_automata import AUTOMATA_DIR
 from server.api.app import create_app
 from server.models import runtime as runtime_models
@@ -92,7 +93,7 @@ def test_conflicts_limits_and_bad_input(runtime_client):
         ({"id": "x", "dfa": {"name": "bad"}}, 422, "missing"),
         ({"id": "bad id!", "regex": "a", "alphabet": "a"}, 422, "id"),
         ({"id": "x", "regex": "(a|b)*a(a|b){6}", "alphabet": "ab"}, 413, "runtime_model_max_states"),
-        ({"id": "x", "regex": "a{40}", "alphabet": "ab", "architecture": "regulargpt"}, 413, "at most 16"),
+        ({"id": "x", "dfa": symmetric(17), "architecture": "regulargpt"}, 413, "MAX_REGULARGPT_MONOID = 128"),
     ]
     for body, status, message in cases:
         answer = add(runtime_client, **body)

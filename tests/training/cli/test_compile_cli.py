@@ -17,7 +17,7 @@ import torch
 from automata.automaton import DFA, MAX_STATES
 from automata.compiler import COMPILERS, MAX_REGULARGPT_STATES
 from automata.regex import regex_dfa
-from automata.samples import counter, live_string
+from automata.samples import counter, live_string, symmetric
 from automata.task_automata import AUTOMATA_DIR
 from model.checkpoint import load_checkpoint, read_config, read_weights
 from tests.automata.helpers import assert_exact_on_every_string, assert_transduces, encode, load_dfa, tomita4_with
@@ -104,11 +104,13 @@ def test_shipped_d4_checkpoint_agrees_with_the_reference_labeler(arch: str) -> N
     assert [labels[i] for i in final.tolist()] == [task.label(string)[-1] for string in strings]
 
 
-def test_regulargpt_refuses_too_many_states_and_lrnn_takes_them(tmp_path: Path, capsys) -> None:
+def test_regulargpt_refuses_a_large_monoid_naming_its_caps_and_lrnn_takes_it(tmp_path: Path, capsys) -> None:
     path = tmp_path / "big.json"
-    path.write_text(json.dumps(counter(MAX_REGULARGPT_STATES + 1)))
+    path.write_text(json.dumps(symmetric(MAX_REGULARGPT_STATES + 1)))
     assert compile_(str(path), "--arch", "regulargpt", "--out", str(tmp_path / "out")) == 2
-    assert "MAX_REGULARGPT_STATES" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "MAX_REGULARGPT_STATES = 16" in err and "MAX_REGULARGPT_MONOID = 128" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
     assert compile_(str(path), "--arch", "lrnn", "--out", str(tmp_path / "out")) == 0
 
 
