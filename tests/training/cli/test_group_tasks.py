@@ -23,6 +23,7 @@ from training.evaluation.evaluate import Band, protocol_bands
 
 REPOSITORY = Path(__file__).resolve().parents[3]
 SHIPPED = REPOSITORY / "checkpoints" / "a5_generators-lrnn-compiled"
+SHIPPED_REGULARGPT = REPOSITORY / "checkpoints" / "a5_generators-regulargpt-compiled"
 
 
 def same_weights(first: Path, second: Path) -> bool:
@@ -55,10 +56,15 @@ def test_shipped_a5_checkpoint_is_right_on_the_hard_lengths() -> None:
     assert count_correct_final(loaded.model, short, task.alphabet, batch_size=50) == 200
 
 
-def test_regulargpt_compiles_a5_over_its_group_and_is_right_on_the_task_s_strings(tmp_path: Path) -> None:
-    """60 states, past MAX_REGULARGPT_STATES: the construction over the group's 60 elements (d_model 120)."""
+def test_shipped_a5_regulargpt_is_a_fresh_compilation_over_the_group_and_right_on_the_task_s_strings(
+    tmp_path: Path,
+) -> None:
+    """60 states, past MAX_REGULARGPT_STATES: checkpoints/a5_generators-regulargpt-compiled is ``compile --task
+    a5_generators --arch regulargpt``'s output, the construction over the group's 60 elements (d_model 120)."""
     assert main(["compile", "--task", "a5_generators", "--arch", "regulargpt", "--out", str(tmp_path / "rg")]) == 0
-    loaded = load_checkpoint(tmp_path / "rg", device="cpu")
+    assert read_config(SHIPPED_REGULARGPT).to_dict() == read_config(tmp_path / "rg").to_dict()
+    assert same_weights(SHIPPED_REGULARGPT, tmp_path / "rg")
+    loaded = load_checkpoint(SHIPPED_REGULARGPT, device="cpu")
     assert loaded.config.task == "a5_generators" and loaded.config.model.d_model == 120
     task = get_task("a5_generators")
     strings = FinalLabelSet.draw(task, np.random.default_rng(18), 40, (1, 600))
