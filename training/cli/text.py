@@ -39,6 +39,7 @@ from training.cli.train import (
     settings_from_args,
 )
 from training.data.corpus import DEFAULT_CORPUS
+from training.data.mqar import HELD_OUT_MODULUS, MAX_PAIRS, shortest_row
 from training.data.passkey import DISTRACTOR_PLACES, PassKeyBuilder
 from training.data.retrieval import MAX_NEEDLES, SPLITS
 from training.evaluation.passkey_probe import (
@@ -219,6 +220,20 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         "from the corpus's words instead of the trained lists, held-out words excluded (default 0.5)",
     )
     what.add_argument(
+        "--mqar-fraction",
+        type=probability,
+        default=0.0,
+        help="each training row is, with this probability, multi-query associative recall of single tokens "
+        "(training/data/mqar.py): key-value pairs, text, every key again followed by its value; keys and values "
+        f"never from the held-out ids (those divisible by {HELD_OUT_MODULUS}), which evaluation reports apart",
+    )
+    what.add_argument(
+        "--mqar-pairs",
+        type=positive_int,
+        default=4,
+        help=f"an MQAR row holds 1 to this many pairs, all asked (at most {MAX_PAIRS}; default 4)",
+    )
+    what.add_argument(
         "--example-weight",
         type=positive_float,
         default=1.0,
@@ -348,17 +363,28 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
             "--state-reset with --passkey-span over 1 would cut examples across windows in their middle "
             "(a reset row forgets its key): use one of them"
         )
-    if args.passkey_fresh and not (args.state_passing and (args.passkey_fraction or args.recall_fraction)):
+    if args.passkey_fresh and not (
+        args.state_passing and (args.passkey_fraction or args.recall_fraction or args.mqar_fraction)
+    ):
         raise UsageError(
-            "--passkey-fresh needs --state-passing and --passkey-fraction or --recall-fraction (it starts "
+            "--passkey-fresh needs --state-passing and --passkey-fraction, --recall-fraction or --mqar-fraction (it starts "
             "example rows from the initial state instead of their carried one)"
         )
     if args.recall_needles > MAX_NEEDLES:
         raise UsageError(f"--recall-needles {args.recall_needles}: an example holds at most {MAX_NEEDLES} needles")
     if args.recall_fraction:
         check_recall_length(tokenizer, args.length)
-    if args.example_weight != 1.0 and not (args.passkey_fraction or args.recall_fraction):
-        raise UsageError("--example-weight needs --passkey-fraction or --recall-fraction (the rows it weighs)")
+    if args.mqar_pairs > MAX_PAIRS:
+        raise UsageError(f"--mqar-pairs {args.mqar_pairs}: an MQAR row holds at most {MAX_PAIRS} pairs")
+    if args.mqar_fraction and args.length + 1 < shortest_row(args.mqar_pairs):
+        raise UsageError(
+            f"--mqar-pairs {args.mqar_pairs} needs windows of at least {shortest_row(args.mqar_pairs) - 1} tokens "
+            f"(--length {args.length})"
+        )
+    if args.example_weight != 1.0 and not (args.passkey_fraction or args.recall_fraction or args.mqar_fraction):
+        raise UsageError(
+            "--example-weight needs --passkey-fraction, --recall-fraction or --mqar-fraction (the rows it weighs)"
+        )
     if args.teacher_weight is not None and args.teacher is None:
         raise UsageError("--teacher-weight needs --teacher (the model whose distributions are learned)")
     teacher_weight = 0.0 if args.teacher is None else 0.5 if args.teacher_weight is None else args.teacher_weight
@@ -383,6 +409,8 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         recall_fraction=args.recall_fraction,
         recall_needles=args.recall_needles,
         recall_varied=args.recall_varied if args.recall_fraction else 0.0,
+        mqar_fraction=args.mqar_fraction,
+        mqar_pairs=args.mqar_pairs,
         example_weight=args.example_weight,
         teacher=None if args.teacher is None else str(args.teacher),
         teacher_weight=teacher_weight,

@@ -24,6 +24,9 @@ from model.config import BaseModelConfig, CheckpointConfig
 from model.tokenizer import FILE_PREFIX, Tokenizer
 from training.data.batches import IGNORE_INDEX, Batch
 from training.data.corpus import corpus_documents, is_streamed, split_document
+from training.data.mqar import HELD_OUT as MQAR_HELD_OUT
+from training.data.mqar import TRAINED as MQAR_TRAINED
+from training.data.mqar import mqar_row, split_ids
 from training.data.passkey import PassKeyBuilder, draw_key
 from training.data.retrieval import HELD_OUT, TRAINED, RetrievalBuilder, split_formats
 from training.data.text_batches import StreamedWindows, TokenArray, tokenize_documents
@@ -56,7 +59,9 @@ class TextData:
     recall_fraction: float = 0.0  # of the training rows: retrieval examples (training/data/retrieval.py, trained split)
     recall_needles: int = 4  # a retrieval row hides 1 .. this many needles; with several, it may ask for several
     recall_varied: float = 0.0  # the chance that a retrieval draw takes keys, subject and values from the vocabulary
-    example_weight: float = 1.0  # the loss weight of a row holding a whole pass-key or retrieval example
+    mqar_fraction: float = 0.0  # of the training rows: key-value recall of single tokens (training/data/mqar.py)
+    mqar_pairs: int = 4  # an MQAR row holds 1 .. this many pairs, all asked
+    example_weight: float = 1.0  # the loss weight of a row holding a whole pass-key, retrieval or MQAR example
     teacher: str | None = None  # a language model's folder whose distributions the text rows learn too
     teacher_weight: float = 0.0  # with a teacher: the share of its cross-entropy in a text row's loss
 
@@ -69,12 +74,15 @@ PASSKEY_ANSWER_TOKENS = 8  # room for " {key}." in any tokenizer this project us
 RECALL_ANSWER_TOKENS = 16  # room for " {value}." of any format in any tokenizer this project uses
 RECALL_STREAM = 3  # key of the retrieval validation prompts' random stream (with the seed)
 RECALL_VALIDATION_PROMPTS = 32  # per evaluated size, held-out split, formats in turn
+MQAR_STREAM = 4  # key of the MQAR validation prompts' random stream (with the seed)
+MQAR_VALIDATION_PROMPTS = 32  # per evaluated size and split, ``mqar_pairs`` pairs each
 
 
 class LanguageModelObjective(Objective):
     """Next-token prediction on text windows, with the options of ``TextData`` (docs/training.md, "Training for
-    long context"): pass-key rows (evaluation then adds ``passkey_accuracy_<size>``), state passing
-    (``carries_state``), examples spanning windows, fresh rows (``Batch.fresh``) and a teacher."""
+    long context"): pass-key rows (evaluation then adds ``passkey_accuracy_<size>``), retrieval rows
+    (``recall_accuracy_<size>``), MQAR rows (``mqar_accuracy_<size>`` on held-out ids, ``mqar_trained_accuracy_<size>``),
+    state passing (``carries_state``), examples spanning windows, fresh rows (``Batch.fresh``) and a teacher."""
 
     name = "text"
     keep_best = False
@@ -106,11 +114,11 @@ class LanguageModelObjective(Objective):
             ]
             tokens = tokenize_documents(texts, tokenizer)
             self.windows, self.train_tokens = TokenArray(tokens), len(tokens)
-        if (data.passkey_fraction or data.recall_fraction or data.state_passing) and not isinstance(
-            self.windows, TokenArray
-        ):
+        if (
+            data.passkey_fraction or data.recall_fraction or data.mqar_fraction or data.state_passing
+        ) and not isinstance(self.windows, TokenArray):
             raise ValueError(
-                f"{data.corpus} is streamed: pass-key and retrieval examples and state passing need an in-memory "
+                f"{data.corpus} is streamed: pass-key, retrieval and MQAR examples and state passing need an in-memory "
                 "corpus (austen or text:PATH)"
             )
         self.carries_state = data.state_passing
@@ -123,6 +131,7 @@ class LanguageModelObjective(Objective):
         self.recall = None
         if data.recall_fraction:
             self.recall = RetrievalBuilder(tokenizer, self._corpus_tokens(), TRAINED, varied=data.recall_varied)
+        self.mqar_ids = split_ids(tokenizer, MQAR_TRAINED) if data.mqar_fraction else None
         if data.teacher is not None:
             self.teacher = Teacher.load(
                 Path(data.teacher), data.teacher_weight, tokenizer, batch_size, data.state_passing, dist.device
@@ -130,6 +139,11 @@ class LanguageModelObjective(Objective):
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
         self.recall_validation = self._recall_prompts(seed) if evaluate and self.recall else None
+        self.mqar_validation = (
+            {split: self._mqar_prompts(seed, split) for split in (MQAR_HELD_OUT, MQAR_TRAINED)}
+            if evaluate and data.mqar_fraction
+            else {}
+        )
 
     def _corpus_tokens(self) -> np.ndarray:
         """The tokens of the in-memory corpus (a streamed one has none): the training examples' filler, the text
@@ -148,14 +162,25 @@ class LanguageModelObjective(Objective):
         if self.data.validation_corpus is None:
             tokens = self.held_out
         else:
-            tokens = np.concatenate(validation_tokens(corpus, self.data.validation_fraction, self.tokenizer))
+            tokens = self._held_out_stream(corpus)
         rng = np.random.default_rng([seed, VALIDATION_STREAM])
         return TokenArray(tokens).batch(rng, self.data.validation_windows, self.data.length)
 
     @functools.cached_property
     def held_out(self) -> np.ndarray:
         """The corpus's held-out tokens as one stream, (N,) int64: the validation prompts' filler, read once."""
-        return np.concatenate(validation_tokens(self.data.corpus, self.data.validation_fraction, self.tokenizer))
+        return self._held_out_stream(self.data.corpus)
+
+    def _held_out_stream(self, corpus: str) -> np.ndarray:
+        """``corpus``'s held-out tokens as one stream, (N,) int64; ValueError naming the corpus when it holds none."""
+        documents = validation_tokens(corpus, self.data.validation_fraction, self.tokenizer)
+        if not documents:
+            raise ValueError(
+                f"{corpus} holds no held-out text: each document's tail from a paragraph break (a blank line) near "
+                f"{1 - self.data.validation_fraction:.0%} of it is held out, and none has one there; add paragraph "
+                "breaks or turn evaluation off (--eval-every 0)"
+            )
+        return np.concatenate(documents)
 
     def _fixed_prompts(
         self,
@@ -199,6 +224,18 @@ class LanguageModelObjective(Objective):
             return torch.from_numpy(np.concatenate([prompt.tokens, prompt.answer])), targets
 
         return self._fixed_prompts(seed, RECALL_STREAM, RECALL_VALIDATION_PROMPTS, row)
+
+    def _mqar_prompts(self, seed: int, split: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """MQAR validation prompts (``_fixed_prompts``) of ``mqar_pairs`` pairs from the ids of ``split``, filler from
+        the held-out text, every value scored."""
+        ids, pairs = split_ids(self.tokenizer, split), self.data.mqar_pairs
+
+        def row(size: int, index: int, depth: float, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            start = int(rng.integers(0, len(self.held_out)))  # read on from the start where the text ends
+            filler = np.take(self.held_out, np.arange(start, start + size + 1), mode="wrap")
+            return mqar_row(rng, ids, size + 1, pairs, filler)
+
+        return self._fixed_prompts(seed + (split == MQAR_TRAINED), MQAR_STREAM, MQAR_VALIDATION_PROMPTS, row)
 
     def _recall_row(
         self, size: int, prompt_size: int, text: np.ndarray, rng: np.random.Generator
@@ -305,6 +342,16 @@ class LanguageModelObjective(Objective):
                 examples[recall_row] = in_examples[recall_row] = True
                 if self.cursors is not None:
                     self.cursors[recall_row] -= length
+        if self.mqar_ids is not None:
+            chosen = (rng.random(self.batch_size) < self.data.mqar_fraction) & ~in_examples
+            for mqar_index in np.flatnonzero(chosen):
+                pairs = int(rng.integers(1, self.data.mqar_pairs + 1))
+                windows[mqar_index], targets[mqar_index] = mqar_row(
+                    rng, self.mqar_ids, length + 1, pairs, windows[mqar_index].numpy()
+                )
+                examples[mqar_index] = in_examples[mqar_index] = True
+                if self.cursors is not None:
+                    self.cursors[mqar_index] -= length
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         fresh = None
         if self.data.state_passing and self.data.state_reset:
@@ -405,6 +452,10 @@ class LanguageModelObjective(Objective):
             figures[f"passkey_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
         for size, (tokens, targets) in (self.recall_validation or {}).items():
             figures[f"recall_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
+        for split, prompts in self.mqar_validation.items():
+            name = "mqar_accuracy" if split == MQAR_HELD_OUT else "mqar_trained_accuracy"
+            for size, (tokens, targets) in prompts.items():
+                figures[f"{name}_{size}"] = _answered(model, tokens, targets, dist, batch_size)
         return Evaluation(figures, score=-loss)
 
     def checkpoint_config(

@@ -135,9 +135,9 @@ def test_training_on_streamed_owt2_shards(tmp_path, ranks) -> None:
     assert events[0]["train_tokens"] is None and any(e["event"] == "eval" for e in events)
 
 
-@pytest.mark.parametrize("flag", ["--passkey-fraction", "--recall-fraction"])
+@pytest.mark.parametrize("flag", ["--passkey-fraction", "--recall-fraction", "--mqar-fraction"])
 def test_examples_on_a_streamed_corpus_exit_2(tmp_path, ranks, capsys, flag) -> None:
-    """Pass-key and retrieval rows hide values in the in-memory corpus's text: on streamed shards, exit 2 saying so."""
+    """Pass-key, retrieval and MQAR rows are cut into the in-memory corpus's text: on streamed shards, exit 2 saying so."""
     zstandard = pytest.importorskip("zstandard")
     shard = tmp_path / "part0.jsonl.zst"
     shard.write_bytes(zstandard.ZstdCompressor().compress(json.dumps({"text": "the lazy dog " * 40}).encode()))
@@ -156,7 +156,7 @@ def test_examples_on_a_streamed_corpus_exit_2(tmp_path, ranks, capsys, flag) -> 
         )
         == 2
     )
-    assert "is streamed: pass-key and retrieval examples" in capsys.readouterr().err
+    assert "is streamed: pass-key, retrieval and MQAR examples" in capsys.readouterr().err
 
 
 def test_time_budget_stops_training(tmp_path, corpus, ranks) -> None:

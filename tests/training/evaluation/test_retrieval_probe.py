@@ -357,7 +357,7 @@ def test_recall_training_runs_and_refuses_short_windows_and_too_many_needles(
     assert main([*argv, "--recall-needles", "17", "--steps", "1", "--out", "x"]) == 2
     assert "--recall-needles 17: an example holds at most 16 needles" in capsys.readouterr().err
     assert main([*argv[:7], "--length", "400", "--example-weight", "4", "--steps", "1", "--out", "x"]) == 2
-    assert "--example-weight needs --passkey-fraction or --recall-fraction" in capsys.readouterr().err
+    assert "--example-weight needs --passkey-fraction, --recall-fraction or --mqar-fraction" in capsys.readouterr().err
     few_words = [*argv[:4], f"text:{tmp_path / 'few'}", *argv[5:]]
     (tmp_path / "few").mkdir()
     (tmp_path / "few" / "novel.txt").write_text("A fine day in the village. " * 2000)

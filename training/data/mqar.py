@@ -1,0 +1,53 @@
+"""Multi-query associative recall over single tokens (MQAR, Arora et al. 2023, "Zoology"): a row opens with key-value
+pairs of tokens, text follows, and the row ends in every key again, each followed by its value. The tokenizer's
+ordinary ids are split by residue: ids divisible by ``HELD_OUT_MODULUS`` are the held-out split, never a key or a value
+of a trained row, so a model right on them copies a token rather than recalling one it was taught to answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from model.tokenizer import Tokenizer
+from training.data.batches import IGNORE_INDEX
+
+HELD_OUT_MODULUS = 8
+TRAINED, HELD_OUT = "trained", "held-out"
+MAX_PAIRS = 64
+
+
+def split_ids(tokenizer: Tokenizer, split: str) -> np.ndarray:
+    """The ordinary (not special) token ids of ``split``, ascending: (N,) int64."""
+    if split not in (TRAINED, HELD_OUT):
+        raise ValueError(f"unknown split {split!r}: {TRAINED!r} or {HELD_OUT!r}")
+    special = {tokenizer.encoding.encode_single_token(text) for text in tokenizer.encoding.special_tokens_set}
+    ids = np.array([token for token in range(tokenizer.vocab_size) if token not in special], dtype=np.int64)
+    held = ids % HELD_OUT_MODULUS == 0
+    chosen: np.ndarray = ids[held] if split == HELD_OUT else ids[~held]
+    return chosen
+
+
+def shortest_row(pairs: int) -> int:
+    """The fewest tokens a row of ``pairs`` pairs takes: the pairs, one token of text, the queries and answers."""
+    return 4 * pairs + 1
+
+
+def mqar_row(
+    rng: np.random.Generator, ids: np.ndarray, size: int, pairs: int, text: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(size,) tokens and (size - 1,) targets: ``pairs`` pairs of distinct tokens drawn from ``ids`` (k1 v1 ... kn vn),
+    then ``text`` up to the last ``2 * pairs`` tokens, then the keys in a random order, each followed by its value;
+    scored on those values only (target j is token j + 1). ``text`` holds at least ``size`` tokens."""
+    if size < shortest_row(pairs):
+        raise ValueError(f"a row of {pairs} pairs needs at least {shortest_row(pairs)} tokens, not {size}")
+    drawn = rng.choice(ids, size=2 * pairs, replace=False)
+    keys, values = drawn[:pairs], drawn[pairs:]
+    order = rng.permutation(pairs)
+    opening = np.stack([keys, values], axis=1).reshape(-1)  # k1 v1 ... kn vn
+    closing = np.stack([keys[order], values[order]], axis=1).reshape(-1)
+    filler = text[: size - 4 * pairs]
+    tokens = torch.from_numpy(np.concatenate([opening, filler, closing]).astype(np.int64))
+    targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
+    answers = torch.arange(size - 2 * pairs + 1, size, 2)  # the values' positions in the closing
+    targets[answers - 1] = tokens[answers]
+    return tokens, targets
