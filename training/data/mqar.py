@@ -20,8 +20,8 @@ def split_ids(tokenizer: Tokenizer, split: str) -> np.ndarray:
     """The ordinary (not special) token ids of ``split``, ascending: (N,) int64."""
     if split not in (TRAINED, HELD_OUT):
         raise ValueError(f"unknown split {split!r}: {TRAINED!r} or {HELD_OUT!r}")
-    special = {tokenizer.encoding.encode_single_token(text) for text in tokenizer.encoding.special_tokens_set}
-    ids = np.array([token for token in range(tokenizer.vocab_size) if token not in special], dtype=np.int64)
+    special = [tokenizer.encoding.encode_single_token(text) for text in tokenizer.encoding.special_tokens_set]
+    ids = np.setdiff1d(np.arange(tokenizer.vocab_size, dtype=np.int64), np.asarray(special, dtype=np.int64))
     held = ids % HELD_OUT_MODULUS == 0
     chosen: np.ndarray = ids[held] if split == HELD_OUT else ids[~held]
     return chosen

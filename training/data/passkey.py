@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from model.tokenizer import Tokenizer
+from training.data.text_batches import cycled
 
 INTRODUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -82,7 +83,7 @@ class PassKeyBuilder:
         if filler_tokens < 0:
             raise ValueError(f"a pass-key prompt needs at least {self.fixed_tokens + len(needle)} tokens, not {size}")
         before = round(depth * filler_tokens)
-        filler = self._filler(filler_tokens, int(rng.integers(len(self.filler))))
+        filler = cycled(self.filler, int(rng.integers(len(self.filler))), filler_tokens)
         head, tail = filler[:before], filler[before:]
         if distractors:
             after = {"either": int(rng.binomial(distractors, 0.5)), "before": 0, "after": distractors}[distractors_at]
@@ -128,10 +129,6 @@ class PassKeyBuilder:
             return f" {number}"
         form = NUMBER_FORMS[int(rng.integers(len(NUMBER_FORMS)))]
         return form.format(a=number, b=f"{int(rng.integers(100)):02d}", y=int(rng.integers(1500, 2030)))
-
-    def _filler(self, count: int, start: int) -> np.ndarray:
-        """``count`` tokens of the filler stream from ``start``, cycling."""
-        return np.take(self.filler, np.arange(start, start + count), mode="wrap")
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text), dtype=np.int64)

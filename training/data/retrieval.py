@@ -19,6 +19,7 @@ import numpy as np
 
 from model.tokenizer import Tokenizer
 from training.data.passkey import INTRODUCTION
+from training.data.text_batches import cycled
 
 TRAINED, HELD_OUT = "trained", "held-out"
 SPLITS = (TRAINED, HELD_OUT)
@@ -461,7 +462,7 @@ class RetrievalBuilder:
         count = size - len(intro) - sum(map(len, needles)) - len(question)
         if count < 0:
             raise ValueError(f"a retrieval prompt needs at least {size - count} tokens here, not {size}")
-        filler = np.take(self.filler, np.arange(draw.filler_start, draw.filler_start + count), mode="wrap")
+        filler = cycled(self.filler, draw.filler_start, count)
         places = self._snapped(filler, [round(depth * count) for depth in draw.depths])
         order = sorted(range(len(needles)), key=lambda i: (places[i], i))
         pieces, slices, start, written = [intro], [slice(0, 0)] * len(needles), 0, len(intro)

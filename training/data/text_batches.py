@@ -25,6 +25,11 @@ def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer) -> np.nda
     return np.fromiter((token for piece in pieces for token in piece), dtype=np.int64)
 
 
+def cycled(tokens: np.ndarray, start: int, count: int) -> np.ndarray:
+    """``count`` tokens of ``tokens`` from ``start``, going on from the beginning where they end: (count,)."""
+    return np.take(tokens, np.arange(start, start + count), mode="wrap")
+
+
 class TokenArray:
     """Random windows of a token array held in memory."""
 

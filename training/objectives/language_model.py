@@ -29,7 +29,7 @@ from training.data.mqar import TRAINED as MQAR_TRAINED
 from training.data.mqar import mqar_row, split_ids
 from training.data.passkey import PassKeyBuilder, draw_key
 from training.data.retrieval import HELD_OUT, TRAINED, RetrievalBuilder, split_formats
-from training.data.text_batches import StreamedWindows, TokenArray, tokenize_documents
+from training.data.text_batches import StreamedWindows, TokenArray, cycled, tokenize_documents
 from training.objectives.distill import Teacher
 from training.objectives.distributed import Distributed
 from training.objectives.run import Evaluation, Objective, RunState
@@ -231,8 +231,7 @@ class LanguageModelObjective(Objective):
         ids, pairs = split_ids(self.tokenizer, split), self.data.mqar_pairs
 
         def row(size: int, index: int, depth: float, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-            start = int(rng.integers(0, len(self.held_out)))  # read on from the start where the text ends
-            filler = np.take(self.held_out, np.arange(start, start + size + 1), mode="wrap")
+            filler = cycled(self.held_out, int(rng.integers(0, len(self.held_out))), size + 1)
             return mqar_row(rng, ids, size + 1, pairs, filler)
 
         return self._fixed_prompts(seed + (split == MQAR_TRAINED), MQAR_STREAM, MQAR_VALIDATION_PROMPTS, row)
@@ -333,25 +332,21 @@ class LanguageModelObjective(Objective):
                 if self.cursors is not None:  # the row's text goes on after the example
                     self.cursors[row] -= length
         if self.recall is not None:
-            chosen = (rng.random(self.batch_size) < self.data.recall_fraction) & ~in_examples
-            for recall_row in np.flatnonzero(chosen):
-                prompt_size = int(rng.integers(1, length + 2))  # raised to what the example needs
-                windows[recall_row], targets[recall_row] = self._recall_row(
-                    length + 1, prompt_size, windows[recall_row].numpy(), rng
-                )
-                examples[recall_row] = in_examples[recall_row] = True
-                if self.cursors is not None:
-                    self.cursors[recall_row] -= length
+            self._end_in_examples(
+                rng,
+                self.data.recall_fraction,
+                (windows, targets, examples, in_examples),
+                # the prompt's size drawn first, raised to what the example needs
+                lambda text: self._recall_row(length + 1, int(rng.integers(1, length + 2)), text, rng),
+            )
         if self.mqar_ids is not None:
-            chosen = (rng.random(self.batch_size) < self.data.mqar_fraction) & ~in_examples
-            for mqar_index in np.flatnonzero(chosen):
-                pairs = int(rng.integers(1, self.data.mqar_pairs + 1))
-                windows[mqar_index], targets[mqar_index] = mqar_row(
-                    rng, self.mqar_ids, length + 1, pairs, windows[mqar_index].numpy()
-                )
-                examples[mqar_index] = in_examples[mqar_index] = True
-                if self.cursors is not None:
-                    self.cursors[mqar_index] -= length
+            mqar_ids = self.mqar_ids
+            self._end_in_examples(
+                rng,
+                self.data.mqar_fraction,
+                (windows, targets, examples, in_examples),
+                lambda text: mqar_row(rng, mqar_ids, length + 1, int(rng.integers(1, self.data.mqar_pairs + 1)), text),
+            )
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         fresh = None
         if self.data.state_passing and self.data.state_reset:
@@ -433,6 +428,24 @@ class LanguageModelObjective(Objective):
         index = self.cursors[:, None] + np.arange(length + 1)[None, :]  # (B, L + 1)
         self.cursors = self.cursors + length
         return torch.from_numpy(tokens[index])
+
+    def _end_in_examples(
+        self,
+        rng: np.random.Generator,
+        fraction: float,
+        rows: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray],
+        example: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Each row of ``rows`` = (windows (B, L + 1), targets (B, L), examples (B,), in_examples (B,)) not yet in an
+        example becomes, with probability ``fraction``, ``example(its window)``: (L + 1,) tokens and (L,) targets, in
+        place; it is marked in both masks, and with state passing its text resumes where the example began."""
+        windows, targets, examples, in_examples = rows
+        chosen = (rng.random(self.batch_size) < fraction) & ~in_examples
+        for row in np.flatnonzero(chosen):
+            windows[row], targets[row] = example(windows[row].numpy())
+            examples[row] = in_examples[row] = True
+            if self.cursors is not None:
+                self.cursors[row] -= self.data.length
 
     @torch.no_grad()
     def evaluate(self, model: SequenceModel, dist: Distributed, batch_size: int = 16) -> Evaluation | None:
