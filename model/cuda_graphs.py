@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.base import InferenceCache, SequenceModel
+from model.base import SequenceModel
+from model.cache import InferenceCache
 from model.ops.cpu.cpu_decode import rows_argmax
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""GPT-2 building blocks shared by RegularGPT and the transformer baselines."""
+"""Building blocks: the token embedding and head every architecture shares, and GPT-2's blocks (RegularGPT and the
+transformer baselines)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.ops.cpu.cpu_decode import linear
+from model.config import BaseModelConfig
+from model.ops.cpu.cpu_decode import linear, linear_argmax
 
 
 class MLP(nn.Module):
@@ -86,3 +88,30 @@ def init_gpt2(model: nn.Module, n_residual_layers: int) -> None:
     for name, parameter in model.named_parameters():
         if name.endswith("c_proj.weight"):
             nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_residual_layers))
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding plus the output head: tied for a language model, a separate linear map for labels."""
+
+    def __init__(self, config: BaseModelConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.label_head = None if config.is_language_model else nn.Linear(config.d_model, config.num_labels)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) -> (B, T, d_model)."""
+        embedded: torch.Tensor = self.embed(tokens)
+        return embedded
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (..., d_model) -> (..., output_size)."""
+        if self.label_head is None:
+            return linear(hidden, self.embed.weight)  # tied: hidden @ embed.weight^T
+        return linear(hidden, self.label_head.weight, self.label_head.bias)
+
+    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, d_model) -> (ids (B,) int64, values (B,)) of each row's largest logit."""
+        if self.label_head is None:
+            return linear_argmax(hidden, self.embed.weight)
+        return linear_argmax(hidden, self.label_head.weight, self.label_head.bias)

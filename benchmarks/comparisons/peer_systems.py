@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.base import largest_fitting, parameter_count
+from model.base import parameter_count
 from model.config import LRNNConfig, RegularGPTConfig, TransformerConfig
 from model.cuda_graphs import capture_sizes, decoder_for
 from model.registry import build_model
+from model.serving import largest_fitting
 
 OURS = ("lrnn", "regulargpt", "transformer")
 PEERS = ("gpt2", "mamba")

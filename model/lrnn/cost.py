@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.base import CallPath, Cost
 from model.config import DiagonalLRNNConfig, LRNNConfig
 from model.ops.scan.dispatch import choose_scan_impl
+from model.serving import CallPath, Cost
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.base import (
-    CallPath,
-    Cost,
-    InferenceCache,
-    SequenceModel,
-    TokenEmbedding,
-    gather_last,
-    long_tensor,
-    parameter_count,
-)
+from model.base import SequenceModel, gather_last, parameter_count
+from model.cache import InferenceCache, long_tensor
 from model.config import DiagonalLRNNConfig, LRNNConfig
-from model.layers import MLP
+from model.layers import MLP, TokenEmbedding
 from model.lrnn import cost as lrnn_cost
 from model.lrnn import growth
 from model.lrnn import serving as lrnn_serving
@@ -39,6 +31,7 @@ from model.ops.scan.constraints import (
 )
 from model.ops.scan.dispatch import linear_scan
 from model.ops.scan.reference import scan_step
+from model.serving import CallPath, Cost
 
 GENERATED_SPREAD = 0.02  # how far g(u)'s entries vary with the input at initialisation (BlockDiagonalRecurrence)
 

@@ -9,9 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from model.base import TokenEmbedding
 from model.config import BaseModelConfig
-from model.layers import MLP
+from model.layers import MLP, TokenEmbedding
 from model.ops.cpu import cpu_decode
 
 

@@ -9,17 +9,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.base import (
-    CallPath,
-    Cost,
-    InferenceCache,
-    SequenceModel,
-    TokenEmbedding,
-    gather_last,
-    long_tensor,
-    parameter_count,
-)
+from model.base import SequenceModel, gather_last, parameter_count
+from model.cache import InferenceCache, long_tensor
 from model.config import LSTMConfig
+from model.layers import TokenEmbedding
+from model.serving import CallPath, Cost
 
 
 @dataclass

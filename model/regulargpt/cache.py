@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from model.base import InferenceCache
+from model.cache import InferenceCache
 from model.ops.attention.dispatch import cached_attention_impl
 from model.ops.attention.slots import reachable_slots
 

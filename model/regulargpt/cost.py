@@ -10,12 +10,13 @@ from typing import Protocol
 
 import torch
 
-from model.base import CallPath, Cost, InferenceCache
+from model.cache import InferenceCache
 from model.config import RegularGPTConfig
 from model.ops.attention.banded import banded_block
 from model.ops.attention.dispatch import cached_attention_impl, resolve_impl
 from model.ops.attention.slots import reachable_slots
 from model.regulargpt.cache import adaptive_depth, capacity, ring_columns
+from model.serving import CallPath, Cost
 
 FIXED_COST_CHUNKS = (2, 8, 32, 128)  # the chunks :func:`measure_fixed_costs` times: from fixed work to products
 FIXED_COST_REPEATS = 9  # the fastest of this many timings of each call counts

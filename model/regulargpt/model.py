@@ -10,14 +10,16 @@ from typing import cast
 import torch
 from torch import nn
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, TokenEmbedding, check_lengths, long_tensor
+from model.base import SequenceModel, check_lengths
+from model.cache import InferenceCache, long_tensor
 from model.config import RegularGPTConfig
-from model.layers import Block, HeadProjections, init_gpt2
+from model.layers import Block, HeadProjections, TokenEmbedding, init_gpt2
 from model.ops.attention.dispatch import AUTO_REFERENCE_MAX_T, dilated_attention
 from model.ops.cpu import cpu_decode
 from model.regulargpt import cost as regulargpt_cost
 from model.regulargpt.cache import RegularGPTCache, adaptive_depth
 from model.regulargpt.decode import PackedBlocks, forward_chunk, pack_blocks
+from model.serving import CallPath, Cost
 from model.transformer.exact import Pieces, in_slices
 
 

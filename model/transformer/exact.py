@@ -18,9 +18,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, check_lengths, long_tensor
+from model.base import SequenceModel, check_lengths
+from model.cache import InferenceCache, long_tensor
 from model.config import ExactTransformerConfig, PositionFeature
 from model.ops.positions import query_positions
+from model.serving import CallPath, Cost
 
 R = TypeVar("R")
 

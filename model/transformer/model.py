@@ -11,18 +11,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.base import (
-    CallPath,
-    Cost,
-    InferenceCache,
-    SequenceModel,
-    TokenEmbedding,
-    gather_last,
-    long_tensor,
-    parameter_count,
-)
+from model.base import SequenceModel, gather_last, parameter_count
+from model.cache import InferenceCache, long_tensor
 from model.config import TransformerConfig
-from model.layers import Block, HeadProjections, init_gpt2
+from model.layers import Block, HeadProjections, TokenEmbedding, init_gpt2
 from model.ops.positions import (
     ALiBi,
     KerpleLog,
@@ -34,6 +26,7 @@ from model.ops.positions import (
     relative_distance,
     sinusoidal_encoding,
 )
+from model.serving import CallPath, Cost
 
 
 @dataclass

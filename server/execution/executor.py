@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from model.base import Cost
+from model.serving import Cost
 from server.errors import APIError, ModelFailure
 from server.execution.generation import DecodeBatch, Sequence, prefill, prefill_call_cost, prefill_calls, start
 from server.metrics import ServerMetrics

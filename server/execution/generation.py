@@ -17,8 +17,9 @@ from typing import Literal, Protocol, cast
 
 import torch
 
-from model.base import Cost, InferenceCache, largest_fitting, long_tensor
+from model.cache import InferenceCache, long_tensor
 from model.ops.cpu import cpu_decode
+from model.serving import Cost, largest_fitting
 from server.errors import APIError, ModelFailure
 from server.execution.detokenize import TextAssembler
 from server.execution.sampling import (

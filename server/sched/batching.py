@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.base import Cost, gather_last
+from model.base import gather_last
+from model.serving import Cost
 from server.metrics import RequestTimes, ServerMetrics
 from server.models.store import ServedModel
 from server.sched.work import Recipient, Work

@@ -1,6 +1,6 @@
 """Per-model speed, memory budget, limits and slices.
 
-Each model declares its calls' cost (``model.base.Cost``: multiply-adds, peak bytes); :class:`ModelSpeed` turns
+Each model declares its calls' cost (``model.serving.Cost``: multiply-adds, peak bytes); :class:`ModelSpeed` turns
 multiply-adds into seconds at a rate calibrated at load and averaged over every compute-bound call. A slice is about
 ``settings.slice_ms`` of a model's work. A model's limits (:class:`ModelLimits`, enforced with 413) are the largest
 inputs that fit the memory budget (what running work may hold at once) and its time limit.
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from model.base import Cost, SequenceModel, largest_fitting
+from model.base import SequenceModel
+from model.serving import Cost, largest_fitting
 
 MIN_TIMED_FLOPS = 1e7  # smaller calls are dominated by per-call overhead and do not update the rate
 CALIBRATION_FLOPS = 5e7  # the size of the calibration call at load

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.base import InferenceCache
+from model.cache import InferenceCache
 
 
 @dataclass

@@ -11,7 +11,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from model.base import InferenceCache, SequenceModel
+from model.base import SequenceModel
+from model.cache import InferenceCache
 from model.ops.attention.banded import dilated_attention_banded
 from model.ops.attention.gathered import dilated_attention_fast
 from model.ops.attention.reference import dilated_attention_reference

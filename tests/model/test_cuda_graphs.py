@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.base import long_tensor
+from model.cache import long_tensor
 from model.cuda_graphs import Decoder, GraphedDecoder, _Captured, capture_sizes, decoder_for
 from model.lrnn.model import LRNNCache
 from tests.model.tiny_models import MODEL_IDS, build_tiny

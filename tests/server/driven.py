@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
-from model.base import Cost
 from model.cuda_graphs import decoder_for
+from model.serving import Cost
 from server.engine.mailbox import Postman
 from server.execution.generation import Finished, GenerationRequest, Sequence
 from server.execution.sampling import SamplingParams

@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.base import CallPath, Cost, InferenceCache, SequenceModel, long_tensor
+from model.base import SequenceModel
+from model.cache import InferenceCache, long_tensor
 from model.checkpoint import save_checkpoint
 from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, CheckpointConfig
 from model.registry import build_model
+from model.serving import CallPath, Cost
 from model.tokenizer import Tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model.base import SequenceModel, largest_fitting
+from model.base import SequenceModel
 from model.checkpoint import LoadedCheckpoint
+from model.serving import largest_fitting
 from model.tokenizer import Tokenizer
 from training.data.corpus import DEFAULT_CORPUS
 from training.data.passkey import PassKeyBuilder, PassKeyPrompt, first_number, grass_filler

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from model.base import InferenceCache, SequenceModel
+from model.base import SequenceModel
+from model.cache import InferenceCache
 
 
 def reset_rows(model: SequenceModel, carried: InferenceCache, fresh: torch.Tensor) -> InferenceCache:

@@ -17,7 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model.base import InferenceCache, SequenceModel
+from model.base import SequenceModel
+from model.cache import InferenceCache
 from model.checkpoint import CONFIG_FILE, FILE_MODE, WEIGHTS_FILE, read_config, save_checkpoint
 from model.config import BaseModelConfig
 from model.registry import build_model

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from model.base import InferenceCache, SequenceModel
+from model.base import SequenceModel
+from model.cache import InferenceCache
 from model.checkpoint import load_checkpoint
 from model.tokenizer import Tokenizer, load_tokenizer
 from training.objectives.carried import new_carried_state, reset_rows

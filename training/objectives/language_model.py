@@ -19,8 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model.base import SequenceModel, largest_fitting
+from model.base import SequenceModel
 from model.config import BaseModelConfig, CheckpointConfig
+from model.serving import largest_fitting
 from model.tokenizer import FILE_PREFIX, Tokenizer
 from training.data.batches import IGNORE_INDEX, Batch
 from training.data.corpus import corpus_documents, is_streamed, split_document

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model.base import InferenceCache, SequenceModel
+from model.base import SequenceModel
+from model.cache import InferenceCache
 from model.config import BaseModelConfig
 from model.registry import build_model
 from training.data.batches import IGNORE_INDEX, Batch

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model.base import Cost
 from model.checkpoint import load_checkpoint
 from model.regulargpt.model import RegularGPT
+from model.serving import Cost
 from server.engine.mailbox import Postman
 from server.errors import ModelFailure
 from server.metrics import RequestTimes, ServerMetrics

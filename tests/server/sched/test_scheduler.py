@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model.base import Cost
 from model.config import RegularGPTConfig
 from model.ops.cpu import cpu_decode
 from model.regulargpt.cost import FixedCosts
 from model.regulargpt.model import RegularGPT
+from model.serving import Cost
 from model.tokenizer import BYTES_TOKENIZER, load_tokenizer
 from server.engine.engine import Engine
 from server.engine.mailbox import Postman

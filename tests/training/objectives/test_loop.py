@@ -22,11 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.base import Cost
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
 from model.registry import build_model
 from model.regulargpt.model import RegularGPT
+from model.serving import Cost
 from training.cli.main import main
 from training.data.batches import IGNORE_INDEX, Batch
 from training.data.passkey import QUESTION, PassKeyBuilder, first_number
