@@ -216,8 +216,9 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         "--recall-varied",
         type=probability,
         default=0.5,
-        help="the chance that a retrieval example takes its keys, its subject's words and (as phrases) its values "
-        "from the corpus's words instead of the trained lists, held-out words excluded (default 0.5)",
+        help="the chance that a retrieval example takes its keys and its subject's words from the corpus's words "
+        "instead of the trained lists, held-out words excluded, its value then also a phrase of such words or a run "
+        "of letters and digits (default 0.5)",
     )
     what.add_argument(
         "--mqar-fraction",

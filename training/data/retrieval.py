@@ -1,8 +1,9 @@
 """Retrieval prompts (docs/api.md, Long-context probes): needles stating a value for a key, hidden in a filler,
 then a question asking for one key's value. Wordings are composed from parts (introduction, subject, statement,
 question); values are numbers of 1-10 digits, letter-and-digit codes or words. Each part list and value format has
-a trained half and a held-out half that training never draws from (``SPLITS``). A greedy completion is right when
-its first value (``first_value``) is the asked value.
+a trained half and a held-out half that training never draws from (``SPLITS``); varied training draws add phrases
+and letter-and-digit runs (``PHRASE``, ``RUN``). A greedy completion is right when its first value (``first_value``)
+is the asked value.
 
 Used by ``text-eval --probe retrieval`` and ``text-train --recall-fraction``.
 """
@@ -202,6 +203,10 @@ VALUE_FAMILIES = ("number", "code", "word")
 FIRST_VALUE = re.compile(r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)*")
 PHRASE = "phrase"  # the value format of varied draws: 1 .. PHRASE_WORDS words of the filler's vocabulary
 PHRASE_WORDS = 3
+# the other format of varied draws: a run of lower-case letters and digits, both present, of any length in RUN_CHARS,
+# so that the copy learns to end where the value ends; it can never equal a number, a code or a word of either split
+RUN = "run"
+RUN_CHARS = (2, 12)
 # how a varied draw composes its subject from vocabulary words (the split's subjects have this shape too)
 VARIED_SUBJECTS = ("the {0} of {{key}}", "the {0} {1} of {{key}}", "the {0} for {{key}}", "the {0} {1} for {{key}}")
 
@@ -284,6 +289,15 @@ def draw_value(fmt: str, split: str, rng: np.random.Generator) -> str:
     if family == "word":
         return WORDS[split][int(rng.integers(len(WORDS[split])))]
     raise ValueError(f"unknown value format {fmt!r}")
+
+
+def draw_run(rng: np.random.Generator) -> str:
+    """A ``RUN`` value: ``RUN_CHARS`` lower-case letters and digits, at least one of each."""
+    letters, digits = string.ascii_lowercase, string.digits
+    length = int(rng.integers(RUN_CHARS[0], RUN_CHARS[1] + 1))
+    chars = [(letters + digits)[int(rng.integers(36))] for _ in range(length - 2)]
+    chars += [letters[int(rng.integers(26))], digits[int(rng.integers(10))]]
+    return "".join(chars[i] for i in rng.permutation(length))
 
 
 def first_value(text: str) -> str | None:
@@ -410,8 +424,8 @@ class RetrievalBuilder:
         self._ends: dict[int, bool] = {}  # token -> whether it ends a sentence
 
     def formats(self) -> tuple[str, ...]:
-        """The value formats training draws from: the split's, and ``PHRASE`` with varied draws."""
-        return (*split_formats(self.split), *((PHRASE,) if self.vocabulary else ()))
+        """The value formats training draws from: the split's, and ``PHRASE`` and ``RUN`` with varied draws."""
+        return (*split_formats(self.split), *((PHRASE, RUN) if self.vocabulary else ()))
 
     def wording(self, rng: np.random.Generator, needles: int = 1, subject: str | None = None) -> Wording:
         """A wording drawn from the given ones or composed from the split's parts (keyed if ``needles`` > 1), with
@@ -431,13 +445,13 @@ class RetrievalBuilder:
         self, rng: np.random.Generator, fmt: str, depth: float, needles: int = 1, wording: Wording | None = None
     ) -> Draw:
         """The first needle at ``depth``, the others (distractors with keys and values of their own) at uniform
-        depths. A ``PHRASE`` value makes the draw varied; other formats are, with the chance ``varied``."""
+        depths. A ``PHRASE`` or ``RUN`` value makes the draw varied; other formats are, with the chance ``varied``."""
         if not 1 <= needles <= MAX_NEEDLES:
             raise ValueError(f"a prompt holds 1 to {MAX_NEEDLES} needles, not {needles}")
         vocabulary = self.vocabulary
-        if fmt == PHRASE and vocabulary is None:
-            raise ValueError(f"the {PHRASE!r} format needs varied draws")
-        varied = vocabulary is not None and (fmt == PHRASE or rng.random() < self.varied)
+        if fmt in (PHRASE, RUN) and vocabulary is None:
+            raise ValueError(f"the {fmt!r} format needs varied draws")
+        varied = vocabulary is not None and (fmt in (PHRASE, RUN) or rng.random() < self.varied)
         if vocabulary is not None and varied:
             wording = wording or self.wording(rng, needles, vocabulary.subject(rng))
             keys = tuple(vocabulary.pick(rng, needles))
@@ -447,9 +461,12 @@ class RetrievalBuilder:
             keys = tuple(KEYS[self.split][i] for i in chosen)
         values: list[str] = []
         while len(values) < needles:
-            value = (
-                vocabulary.phrase(rng) if vocabulary is not None and fmt == PHRASE else draw_value(fmt, self.split, rng)
-            )
+            if fmt == RUN:
+                value = draw_run(rng)
+            elif vocabulary is not None and fmt == PHRASE:
+                value = vocabulary.phrase(rng)
+            else:
+                value = draw_value(fmt, self.split, rng)
             if value not in values or len(values) >= _distinct_values(fmt, self.split):
                 values.append(value)
         depths = (depth, *(float(d) for d in rng.random(needles - 1)))

@@ -27,6 +27,7 @@ from training.data.retrieval import (
     NUMBER_DIGITS,
     PHRASE,
     QUESTIONS,
+    RUN,
     SPLITS,
     STATEMENTS,
     SUBJECTS,
@@ -303,7 +304,7 @@ def test_varied_draws_take_keys_subjects_and_phrases_from_the_text_never_held_ou
     vocabulary = Vocabulary(AUSTEN_8K, filler)
     assert set(vocabulary.words) == {*MADE_UP_WORDS, "fine", "village"}  # "Chapter" is not lower-case
     builder = RetrievalBuilder(AUSTEN_8K, filler, TRAINED, varied=1.0)
-    assert builder.formats() == (*split_formats(TRAINED), PHRASE)
+    assert builder.formats() == (*split_formats(TRAINED), PHRASE, RUN)
     rng = np.random.default_rng(0)
     for index in range(60):
         fmt = builder.formats()[index % len(builder.formats())]
@@ -313,12 +314,15 @@ def test_varied_draws_take_keys_subjects_and_phrases_from_the_text_never_held_ou
         assert subject_words[0] == "the" and set(subject_words[1:-1]) <= set(vocabulary.words)
         if fmt == PHRASE:
             assert all(set(value.split()) <= set(vocabulary.words) for value in draw.values)
+        if fmt == RUN:  # letters and digits both: never a number, a code or a word of either split
+            assert all(re.fullmatch(r"(?=.*[a-z])(?=.*[0-9])[a-z0-9]{2,12}", value) for value in draw.values)
         prompt = builder.prompt(draw, 300)
         text = AUSTEN_8K.decode(prompt.tokens.tolist())
         assert f" {draw.values[0]}." in text and text.endswith(draw.wording.ask(draw.keys[0]))
     assert not set(vocabulary.words) & (held_out_words() | set(KEYS[HELD_OUT]))
-    with pytest.raises(ValueError, match="needs varied draws"):
-        RetrievalBuilder(AUSTEN_8K, filler, TRAINED).draw(rng, PHRASE, 0.5)
+    for fmt in (PHRASE, RUN):
+        with pytest.raises(ValueError, match="needs varied draws"):
+            RetrievalBuilder(AUSTEN_8K, filler, TRAINED).draw(rng, fmt, 0.5)
     with pytest.raises(ValueError, match="varied draws are of the trained split"):
         RetrievalBuilder(AUSTEN_8K, filler, HELD_OUT, varied=0.5)
     with pytest.raises(ValueError, match="holds 2 different lower-case words of 4-12 letters: varied"):
