@@ -207,6 +207,7 @@ PHRASE_WORDS = 3
 # so that the copy learns to end where the value ends; it can never equal a number, a code or a word of either split
 RUN = "run"
 RUN_CHARS = (2, 12)
+VARIED_FORMATS = (PHRASE, RUN)  # the formats only varied draws give
 # how a varied draw composes its subject from vocabulary words (the split's subjects have this shape too)
 VARIED_SUBJECTS = ("the {0} of {{key}}", "the {0} {1} of {{key}}", "the {0} for {{key}}", "the {0} {1} for {{key}}")
 
@@ -294,9 +295,10 @@ def draw_value(fmt: str, split: str, rng: np.random.Generator) -> str:
 def draw_run(rng: np.random.Generator) -> str:
     """A ``RUN`` value: ``RUN_CHARS`` lower-case letters and digits, at least one of each."""
     letters, digits = string.ascii_lowercase, string.digits
+    either = letters + digits
     length = int(rng.integers(RUN_CHARS[0], RUN_CHARS[1] + 1))
-    chars = [(letters + digits)[int(rng.integers(36))] for _ in range(length - 2)]
-    chars += [letters[int(rng.integers(26))], digits[int(rng.integers(10))]]
+    chars = [either[int(rng.integers(len(either)))] for _ in range(length - 2)]
+    chars += [letters[int(rng.integers(len(letters)))], digits[int(rng.integers(len(digits)))]]
     return "".join(chars[i] for i in rng.permutation(length))
 
 
@@ -425,7 +427,7 @@ class RetrievalBuilder:
 
     def formats(self) -> tuple[str, ...]:
         """The value formats training draws from: the split's, and ``PHRASE`` and ``RUN`` with varied draws."""
-        return (*split_formats(self.split), *((PHRASE, RUN) if self.vocabulary else ()))
+        return (*split_formats(self.split), *(VARIED_FORMATS if self.vocabulary else ()))
 
     def wording(self, rng: np.random.Generator, needles: int = 1, subject: str | None = None) -> Wording:
         """A wording drawn from the given ones or composed from the split's parts (keyed if ``needles`` > 1), with
@@ -449,9 +451,9 @@ class RetrievalBuilder:
         if not 1 <= needles <= MAX_NEEDLES:
             raise ValueError(f"a prompt holds 1 to {MAX_NEEDLES} needles, not {needles}")
         vocabulary = self.vocabulary
-        if fmt in (PHRASE, RUN) and vocabulary is None:
+        if fmt in VARIED_FORMATS and vocabulary is None:
             raise ValueError(f"the {fmt!r} format needs varied draws")
-        varied = vocabulary is not None and (fmt in (PHRASE, RUN) or rng.random() < self.varied)
+        varied = vocabulary is not None and (fmt in VARIED_FORMATS or rng.random() < self.varied)
         if vocabulary is not None and varied:
             wording = wording or self.wording(rng, needles, vocabulary.subject(rng))
             keys = tuple(vocabulary.pick(rng, needles))
