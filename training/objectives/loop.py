@@ -117,6 +117,13 @@ def train(
             threads=options.threads,
             **objective.start_figures(),
         )
+
+    def save_point() -> None:
+        """The resumable state as it is now (``best_state`` and ``carried`` as last bound)."""
+        save_resume(
+            out, model, optimizer, rng, objective, run, best_state, settings, model_config, command, log, dist, carried
+        )
+
     elapsed_before = run.elapsed_s
     window_started, window_tokens = time.perf_counter(), 0
     bar = tqdm(
@@ -193,21 +200,7 @@ def train(
                 if settings.eval_every and (run.step % settings.eval_every == 0 or run.step == settings.steps):
                     # saved first, so that an evaluation that dies (out of memory) loses none of the steps
                     run.evaluation_pending = True
-                    save_resume(
-                        out,
-                        model,
-                        optimizer,
-                        rng,
-                        objective,
-                        run,
-                        best_state,
-                        settings,
-                        model_config,
-                        command,
-                        log,
-                        dist,
-                        carried,
-                    )
+                    save_point()
             last, evaluated = run.step == settings.steps, run.evaluation_pending
             if evaluated:
                 best_state = _evaluate(model, objective, settings, run, dist, log, best_state)
@@ -218,21 +211,7 @@ def train(
                 run.stopped = "steps" if last else "signal" if cut else "time" if out_of_time else None
             # a step that evaluated was saved just before (a resume repeats the evaluation): not a second time
             if run.stopped is not None or (run.step % settings.save_every == 0 and not evaluated):
-                save_resume(
-                    out,
-                    model,
-                    optimizer,
-                    rng,
-                    objective,
-                    run,
-                    best_state,
-                    settings,
-                    model_config,
-                    command,
-                    log,
-                    dist,
-                    carried,
-                )
+                save_point()
     bar.close()
 
     metadata = run_metadata(settings, objective, command, dist, run)
