@@ -39,7 +39,7 @@ from training.cli.train import (
     settings_from_args,
 )
 from training.data.corpus import DEFAULT_CORPUS
-from training.data.mqar import HELD_OUT_MODULUS, MAX_PAIRS, shortest_row
+from training.data.mqar import HELD_OUT, HELD_OUT_MODULUS, MAX_PAIRS, MAX_VALUE_TOKENS, shortest_row, split_ids
 from training.data.passkey import DISTRACTOR_PLACES, PassKeyBuilder
 from training.data.retrieval import MAX_NEEDLES, SPLITS
 from training.evaluation.passkey_probe import (
@@ -224,7 +224,7 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         "--mqar-fraction",
         type=probability,
         default=0.0,
-        help="each training row is, with this probability, multi-query associative recall of single tokens "
+        help="each training row is, with this probability, multi-query associative recall "
         "(training/data/mqar.py): key-value pairs, text, every key again followed by its value; keys and values "
         f"never from the held-out ids (those divisible by {HELD_OUT_MODULUS}), which evaluation reports apart",
     )
@@ -233,6 +233,12 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=4,
         help=f"an MQAR row holds 1 to this many pairs, all asked (at most {MAX_PAIRS}; default 4)",
+    )
+    what.add_argument(
+        "--mqar-value-tokens",
+        type=positive_int,
+        default=1,
+        help=f"each MQAR value is a run of this many tokens, all scored (at most {MAX_VALUE_TOKENS}; default 1)",
     )
     what.add_argument(
         "--example-weight",
@@ -377,10 +383,21 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         check_recall_length(tokenizer, args.length)
     if args.mqar_pairs > MAX_PAIRS:
         raise UsageError(f"--mqar-pairs {args.mqar_pairs}: an MQAR row holds at most {MAX_PAIRS} pairs")
-    if args.mqar_fraction and args.length + 1 < shortest_row(args.mqar_pairs):
+    if args.mqar_value_tokens > MAX_VALUE_TOKENS:
         raise UsageError(
-            f"--mqar-pairs {args.mqar_pairs} needs windows of at least {shortest_row(args.mqar_pairs) - 1} tokens "
-            f"(--length {args.length})"
+            f"--mqar-value-tokens {args.mqar_value_tokens}: an MQAR value is at most {MAX_VALUE_TOKENS} tokens"
+        )
+    shortest = shortest_row(args.mqar_pairs, args.mqar_value_tokens)
+    if args.mqar_fraction and args.length + 1 < shortest:
+        raise UsageError(
+            f"--mqar-pairs {args.mqar_pairs} and --mqar-value-tokens {args.mqar_value_tokens} need windows of at "
+            f"least {shortest - 1} tokens (--length {args.length})"
+        )
+    distinct = args.mqar_pairs * (1 + args.mqar_value_tokens)
+    if args.mqar_fraction and (held_out := len(split_ids(tokenizer, HELD_OUT))) < distinct:
+        raise UsageError(
+            f"--mqar-pairs {args.mqar_pairs} and --mqar-value-tokens {args.mqar_value_tokens} need {distinct} distinct "
+            f"token ids a row, and the tokenizer's held-out split has {held_out}"
         )
     if args.example_weight != 1.0 and not (args.passkey_fraction or args.recall_fraction or args.mqar_fraction):
         raise UsageError(
@@ -412,6 +429,7 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         recall_varied=args.recall_varied if args.recall_fraction else 0.0,
         mqar_fraction=args.mqar_fraction,
         mqar_pairs=args.mqar_pairs,
+        mqar_value_tokens=args.mqar_value_tokens,
         example_weight=args.example_weight,
         teacher=None if args.teacher is None else str(args.teacher),
         teacher_weight=teacher_weight,

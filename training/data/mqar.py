@@ -1,5 +1,5 @@
-"""Multi-query associative recall over single tokens (MQAR, Arora et al. 2023, "Zoology"): a row opens with key-value
-pairs of tokens, text follows, and the row ends in every key again, each followed by its value. The tokenizer's
+"""Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): a row opens with key-value pairs, a key one
+token and a value a run of one or more, text follows, and the row ends in every key again, each followed by its value. The tokenizer's
 ordinary ids are split by residue: ids divisible by ``HELD_OUT_MODULUS`` are the held-out split, never a key or a value
 of a trained row, so a model right on them copies a token rather than recalling one it was taught to answer."""
 
@@ -14,6 +14,7 @@ from training.data.batches import IGNORE_INDEX
 HELD_OUT_MODULUS = 8
 TRAINED, HELD_OUT = "trained", "held-out"
 MAX_PAIRS = 64
+MAX_VALUE_TOKENS = 16
 
 
 def split_ids(tokenizer: Tokenizer, split: str) -> np.ndarray:
@@ -27,27 +28,38 @@ def split_ids(tokenizer: Tokenizer, split: str) -> np.ndarray:
     return chosen
 
 
-def shortest_row(pairs: int) -> int:
-    """The fewest tokens a row of ``pairs`` pairs takes: the pairs, one token of text, the queries and answers."""
-    return 4 * pairs + 1
+def shortest_row(pairs: int, value_tokens: int = 1) -> int:
+    """The fewest tokens a row of ``pairs`` pairs of ``value_tokens``-token values takes: the pairs, one token of
+    text, the queries and answers."""
+    return 2 * pairs * (1 + value_tokens) + 1
 
 
 def mqar_row(
-    rng: np.random.Generator, ids: np.ndarray, size: int, pairs: int, text: np.ndarray
+    rng: np.random.Generator, ids: np.ndarray, size: int, pairs: int, text: np.ndarray, value_tokens: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(size,) tokens and (size - 1,) targets: ``pairs`` pairs of distinct tokens drawn from ``ids`` (k1 v1 ... kn vn),
-    then ``text`` up to the last ``2 * pairs`` tokens, then the keys in a random order, each followed by its value;
-    scored on those values only (target j is token j + 1). ``text`` holds at least ``size`` tokens."""
-    if size < shortest_row(pairs):
-        raise ValueError(f"a row of {pairs} pairs needs at least {shortest_row(pairs)} tokens, not {size}")
-    drawn = rng.choice(ids, size=2 * pairs, replace=False)
-    keys, values = drawn[:pairs], drawn[pairs:]
+    """(size,) tokens and (size - 1,) targets: ``pairs`` keys and values of ``value_tokens`` tokens, all distinct
+    tokens drawn from ``ids`` (k1 v1 ... kn vn), then ``text`` up to the last ``pairs * (1 + value_tokens)`` tokens,
+    then the keys in a random order, each followed by its value; scored on those values only (target j is token
+    j + 1). ``text`` holds at least ``size`` tokens."""
+    shortest, distinct = shortest_row(pairs, value_tokens), pairs * (1 + value_tokens)
+    if size < shortest:
+        raise ValueError(
+            f"a row of {pairs} pairs of {value_tokens}-token values needs at least {shortest} tokens, not {size}"
+        )
+    if len(ids) < distinct:
+        raise ValueError(
+            f"a row of {pairs} pairs of {value_tokens}-token values needs {distinct} distinct ids, not {len(ids)}"
+        )
+    drawn = rng.choice(ids, size=distinct, replace=False)
+    keys, values = drawn[:pairs, None], drawn[pairs:].reshape(pairs, value_tokens)
     order = rng.permutation(pairs)
-    opening = np.stack([keys, values], axis=1).reshape(-1)  # k1 v1 ... kn vn
-    closing = np.stack([keys[order], values[order]], axis=1).reshape(-1)
-    filler = text[: size - 4 * pairs]
+    opening = np.concatenate([keys, values], axis=1).reshape(-1)  # k1 v1 ... kn vn
+    closing = np.concatenate([keys[order], values[order]], axis=1).reshape(-1)
+    filler = text[: size - 2 * distinct]
     tokens = torch.from_numpy(np.concatenate([opening, filler, closing]).astype(np.int64))
     targets = torch.full((size - 1,), IGNORE_INDEX, dtype=torch.long)
-    answers = torch.arange(size - 2 * pairs + 1, size, 2)  # the values' positions in the closing
+    scored = torch.ones(pairs, 1 + value_tokens, dtype=torch.bool)
+    scored[:, 0] = False  # the keys
+    answers = (size - distinct) + scored.reshape(-1).nonzero().flatten()  # the values' positions in the closing
     targets[answers - 1] = tokens[answers]
     return tokens, targets

@@ -62,6 +62,7 @@ class TextData:
     recall_varied: float = 0.0  # the chance that a retrieval draw takes keys, subject and values from the vocabulary
     mqar_fraction: float = 0.0  # of the training rows: key-value recall of single tokens (training/data/mqar.py)
     mqar_pairs: int = 4  # an MQAR row holds 1 .. this many pairs, all asked
+    mqar_value_tokens: int = 1  # each MQAR value is a run of this many tokens
     example_weight: float = 1.0  # the loss weight of a row holding a whole pass-key, retrieval or MQAR example
     teacher: str | None = None  # a language model's folder whose distributions the text rows learn too
     teacher_weight: float = 0.0  # with a teacher: the share of its cross-entropy in a text row's loss
@@ -233,7 +234,7 @@ class LanguageModelObjective(Objective):
 
         def row(size: int, index: int, depth: float, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
             filler = cycled(self.held_out, int(rng.integers(0, len(self.held_out))), size + 1)
-            return mqar_row(rng, ids, size + 1, pairs, filler)
+            return mqar_row(rng, ids, size + 1, pairs, filler, self.data.mqar_value_tokens)
 
         return self._fixed_prompts(seed + (split == MQAR_TRAINED), MQAR_STREAM, MQAR_VALIDATION_PROMPTS, row)
 
@@ -346,7 +347,14 @@ class LanguageModelObjective(Objective):
                 rng,
                 self.data.mqar_fraction,
                 (windows, targets, examples, in_examples),
-                lambda text: mqar_row(rng, mqar_ids, length + 1, int(rng.integers(1, self.data.mqar_pairs + 1)), text),
+                lambda text: mqar_row(
+                    rng,
+                    mqar_ids,
+                    length + 1,
+                    int(rng.integers(1, self.data.mqar_pairs + 1)),
+                    text,
+                    self.data.mqar_value_tokens,
+                ),
             )
         lengths = torch.full((len(windows),), length, dtype=torch.long)
         fresh = None

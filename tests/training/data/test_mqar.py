@@ -41,9 +41,27 @@ def test_a_row_opens_with_its_pairs_and_ends_in_every_key_and_its_value() -> Non
     scored = targets != IGNORE_INDEX
     assert scored.nonzero().flatten().tolist() == [34, 36, 38]  # the predictions after each repeated key
     assert targets[scored].tolist() == closing[1::2]
-    with pytest.raises(ValueError, match="a row of 3 pairs needs at least 13 tokens, not 12"):
+    with pytest.raises(ValueError, match="a row of 3 pairs of 1-token values needs at least 13 tokens, not 12"):
         mqar_row(rng, ids, 12, 3, text)
     assert shortest_row(3) == 13
+
+
+def test_a_value_of_several_tokens_is_stored_and_asked_whole() -> None:
+    rng, ids = np.random.default_rng(1), split_ids(BYTES, HELD_OUT)
+    tokens, targets = mqar_row(rng, ids, 40, 2, np.full(100, 7), value_tokens=4)
+    opening, closing = tokens[:10].tolist(), tokens[30:].tolist()
+    assert len(set(opening)) == 10 and set(opening) <= set(ids.tolist())
+    assert torch.equal(tokens[10:30], torch.full((20,), 7))
+    stored = {opening[0]: opening[1:5], opening[5]: opening[6:10]}
+    assert {closing[0]: closing[1:5], closing[5]: closing[6:10]} == stored
+    scored = targets != IGNORE_INDEX
+    assert scored.nonzero().flatten().tolist() == [30, 31, 32, 33, 35, 36, 37, 38]  # after each key, its value
+    assert targets[scored].tolist() == closing[1:5] + closing[6:10]
+    assert shortest_row(2, 4) == 21
+    with pytest.raises(ValueError, match="a row of 2 pairs of 4-token values needs at least 21 tokens, not 20"):
+        mqar_row(rng, ids, 20, 2, np.full(100, 7), value_tokens=4)
+    with pytest.raises(ValueError, match="needs 34 distinct ids, not 32"):
+        mqar_row(rng, ids, 80, 2, np.full(100, 7), value_tokens=16)
 
 
 def test_training_rows_draw_trained_ids_and_evaluation_reports_both_splits(tmp_path: Path) -> None:
@@ -80,7 +98,19 @@ def test_mqar_training_runs_and_refuses_bad_flags(tmp_path: Path, capsys) -> Non
     assert main([*argv, "--mqar-fraction", "0.5", "--mqar-pairs", "65", "--out", "x"]) == 2
     assert "--mqar-pairs 65: an MQAR row holds at most 64 pairs" in capsys.readouterr().err
     assert main([*argv, "--mqar-fraction", "0.5", "--mqar-pairs", "9", "--out", "x"]) == 2
-    assert "--mqar-pairs 9 needs windows of at least 36 tokens (--length 32)" in capsys.readouterr().err
+    assert "--mqar-pairs 9 and --mqar-value-tokens 1 need windows of at least 36 tokens (--length 32)" in (
+        capsys.readouterr().err
+    )
+    assert main([*argv, "--mqar-fraction", "0.5", "--mqar-value-tokens", "17", "--out", "x"]) == 2
+    assert "--mqar-value-tokens 17: an MQAR value is at most 16 tokens" in capsys.readouterr().err
+    too_many = ["--mqar-pairs", "2", "--mqar-value-tokens", "16", "--length", "80"]
+    assert main([*argv, "--mqar-fraction", "0.5", *too_many, "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "need 34 distinct token ids a row, and the tokenizer's held-out split has 32" in err
+    value_run = ["--mqar-fraction", "1", "--mqar-pairs", "1", "--mqar-value-tokens", "3", "--eval-every", "2"]
+    assert main([*argv, *value_run, "--out", str(tmp_path / "b")]) == 0
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["metadata"]["settings"]["mqar_value_tokens"] == 3
     (corpus / "novel.txt").write_text("A fine day in the village. " * 400)  # no paragraph break: no held-out tail
     assert main([*argv, "--mqar-fraction", "0.5", "--eval-every", "2", "--out", "x"]) == 2
     assert "holds no held-out text: each document's tail from a paragraph break" in capsys.readouterr().err
