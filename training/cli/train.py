@@ -347,6 +347,7 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
         "passkey_fresh": False,
         "teacher": None,
         "teacher_weight": 0.0,
+        "mqar_value_tokens": 1,
         **fields,
     }  # runs saved before these options
     fields.pop("passkey_steps", None)  # in older saves; the schedule follows the run's --steps

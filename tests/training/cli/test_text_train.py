@@ -793,8 +793,8 @@ def test_init_from_an_lrnn_with_fewer_blocks_grows_it(tmp_path, corpus, ranks, c
 
 def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None:
     """Resume files written from 72ac6b1 to a9c80e3 hold ``passkey_steps`` (the pass-key schedule's length, now the
-    run's --steps) and, like every one before abf47e5, no ``passkey_span``: such a run resumes, on the schedule it
-    started with, its examples within one window."""
+    run's --steps) and, like every one before abf47e5, no ``passkey_span`` (nor, before b65b28a,
+    ``mqar_value_tokens``): such a run resumes, on the schedule it started with, its examples within one window."""
     out = tmp_path / "older"
     flags = ["--length", "320", "--batch-size", "2", "--passkey-fraction", "1.0", "--passkey-fraction-final", "0.5"]
     assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--time-budget", "0.001") == 0
@@ -802,6 +802,7 @@ def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None
     def older(state: dict) -> None:
         state["objective"]["passkey_steps"] = 6
         del state["objective"]["passkey_span"]
+        del state["objective"]["mqar_value_tokens"]
 
     edit_resume_state(out, older)
     assert train(out, f"text:{corpus}", ranks, "lrnn", *flags, "--resume") == 0
