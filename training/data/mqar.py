@@ -1,7 +1,8 @@
 """Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"): a row opens with key-value pairs, a key one
-token and a value a run of one or more, text follows, and the row ends in every key again, each followed by its value. The tokenizer's
-ordinary ids are split by residue: ids divisible by ``HELD_OUT_MODULUS`` are the held-out split, never a key or a value
-of a trained row, so a model right on them copies a token rather than recalling one it was taught to answer."""
+token and a value a run of one or more, text follows, and the row ends in every key again, each followed by its
+value. The tokenizer's ordinary ids are split by residue: ids divisible by ``HELD_OUT_MODULUS`` are the held-out
+split, never a key or a value of a trained row, so a model right on them copies a token rather than recalling one it
+was taught to answer."""
 
 from __future__ import annotations
 
