@@ -39,7 +39,7 @@ from training.cli.train import (
     settings_from_args,
 )
 from training.data.corpus import DEFAULT_CORPUS
-from training.data.mqar import HELD_OUT, HELD_OUT_MODULUS, MAX_PAIRS, MAX_VALUE_TOKENS, shortest_row, split_ids
+from training.data.mqar import HELD_OUT, HELD_OUT_MODULUS, MAX_PAIRS, MAX_VALUE_TOKENS, row_ids, shortest_row, split_ids
 from training.data.passkey import DISTRACTOR_PLACES, PassKeyBuilder
 from training.data.retrieval import MAX_NEEDLES, SPLITS
 from training.evaluation.passkey_probe import (
@@ -393,7 +393,7 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
             f"--mqar-pairs {args.mqar_pairs} and --mqar-value-tokens {args.mqar_value_tokens} need windows of at "
             f"least {shortest - 1} tokens (--length {args.length})"
         )
-    distinct = args.mqar_pairs * (1 + args.mqar_value_tokens)
+    distinct = row_ids(args.mqar_pairs, args.mqar_value_tokens)
     if args.mqar_fraction and (held_out := len(split_ids(tokenizer, HELD_OUT))) < distinct:
         raise UsageError(
             f"--mqar-pairs {args.mqar_pairs} and --mqar-value-tokens {args.mqar_value_tokens} need {distinct} distinct "

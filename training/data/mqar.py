@@ -29,10 +29,15 @@ def split_ids(tokenizer: Tokenizer, split: str) -> np.ndarray:
     return chosen
 
 
+def row_ids(pairs: int, value_tokens: int = 1) -> int:
+    """How many distinct ids a row of ``pairs`` pairs of ``value_tokens``-token values draws: its keys and values."""
+    return pairs * (1 + value_tokens)
+
+
 def shortest_row(pairs: int, value_tokens: int = 1) -> int:
     """The fewest tokens a row of ``pairs`` pairs of ``value_tokens``-token values takes: the pairs, one token of
     text, the queries and answers."""
-    return 2 * pairs * (1 + value_tokens) + 1
+    return 2 * row_ids(pairs, value_tokens) + 1
 
 
 def mqar_row(
@@ -42,7 +47,7 @@ def mqar_row(
     tokens drawn from ``ids`` (k1 v1 ... kn vn), then ``text`` up to the last ``pairs * (1 + value_tokens)`` tokens,
     then the keys in a random order, each followed by its value; scored on those values only (target j is token
     j + 1). ``text`` holds at least ``size`` tokens."""
-    shortest, distinct = shortest_row(pairs, value_tokens), pairs * (1 + value_tokens)
+    shortest, distinct = shortest_row(pairs, value_tokens), row_ids(pairs, value_tokens)
     if size < shortest:
         raise ValueError(
             f"a row of {pairs} pairs of {value_tokens}-token values needs at least {shortest} tokens, not {size}"

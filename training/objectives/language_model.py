@@ -60,7 +60,7 @@ class TextData:
     recall_fraction: float = 0.0  # of the training rows: retrieval examples (training/data/retrieval.py, trained split)
     recall_needles: int = 4  # a retrieval row hides 1 .. this many needles; with several, it may ask for several
     recall_varied: float = 0.0  # the chance that a retrieval draw takes keys, subject and values from the vocabulary
-    mqar_fraction: float = 0.0  # of the training rows: key-value recall of single tokens (training/data/mqar.py)
+    mqar_fraction: float = 0.0  # of the training rows: key-value recall (training/data/mqar.py)
     mqar_pairs: int = 4  # an MQAR row holds 1 .. this many pairs, all asked
     mqar_value_tokens: int = 1  # each MQAR value is a run of this many tokens
     example_weight: float = 1.0  # the loss weight of a row holding a whole pass-key, retrieval or MQAR example
