@@ -136,6 +136,13 @@ class Settings(BaseSettings):
     )
     max_waiting: int = Field(256, gt=0, description="requests queued beyond those running; more get 429")
     prefill_chunk_tokens: int = Field(2048, gt=0, description="prompt tokens prefilled per scheduler iteration")
+    anticipate_ms: float = Field(
+        10.0,
+        ge=0,
+        description="after a generate request ends, how long prompts that were yielding to it keep yielding (never "
+        "past their own resume time), so that the client's next request, sent as the answer arrives, finds the "
+        "engine free (anticipatory scheduling); 0: they resume at once",
+    )
     slice_ms: float = Field(
         50.0,
         gt=0,

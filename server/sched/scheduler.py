@@ -134,6 +134,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.decoding: dict[tuple[str, int], DecodeBatch] = {}  # (model id, context class) -> its decode batch
+        self.anticipate_until = 0.0  # the scheduler's clock until which prompts keep yielding (:meth:`_anticipate`)
 
     @property
     def state_cache(self) -> StateCache:
@@ -203,6 +204,9 @@ class Scheduler:
         if not self._busy():
             due = self.first_short_at + self.gather_window()
             timeout = None if not self.short else max(0.0, due - time.monotonic())
+        elif self._only_yielding():  # wait for new work until a prompt resumes, not in a busy loop
+            resumes = min(sequence.prefill_resumes_at for sequence in self.prefilling)
+            timeout = min(max(0.0, min(resumes, self.anticipate_until) - self.clock()), self.settings.slice_ms / 1000)
         received = []
         try:
             received.append(self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait())
@@ -285,6 +289,8 @@ class Scheduler:
                 self.memory.release(work.reserved_bytes)
                 work.reserved_bytes = 0
             self.queue.finished(was_scheduled=work.times.scheduled is not None)
+        if any(isinstance(work, Sequence) for work in finished.values()):
+            self._anticipate()
         if not self.short:
             self.jobs_waiting = 0
 
@@ -429,9 +435,24 @@ class Scheduler:
         return min((sequence.service for sequence in [*running, *self._decoding_sequences()]), default=0.0)
 
     def _yields(self, sequence: Sequence, least_served: float, now: float) -> bool:
-        """Whether a prefilling sequence waits for less-served ones: served more than a slice beyond ``least_served``,
-        until its ``prefill_resumes_at`` (the scheduler's clock)."""
-        return sequence.service > least_served + self.settings.slice_ms / 1000 and now < sequence.prefill_resumes_at
+        """Whether a prefilling sequence waits for less-served ones (served more than a slice beyond ``least_served``)
+        or for a request anticipated (:meth:`_anticipate`), until its ``prefill_resumes_at`` (the scheduler's clock)."""
+        ahead = sequence.service > least_served + self.settings.slice_ms / 1000 or now < self.anticipate_until
+        return ahead and now < sequence.prefill_resumes_at
+
+    def _anticipate(self) -> None:
+        """A generate request has ended: prompts that may still yield keep yielding for ``anticipate_ms``, bounded by
+        their ``prefill_resumes_at`` as any yield is (each keeps half the engine). A client often sends its next
+        request as soon as the answer arrives; without this the prompt's next round has begun by then and the request
+        waits a whole slice behind it (Iyer and Druschel's "deceptive idleness")."""
+        now = self.clock()
+        if any(now < sequence.prefill_resumes_at for sequence in self.prefilling):
+            self.anticipate_until = now + self.settings.anticipate_ms / 1000
+
+    def _only_yielding(self) -> bool:
+        """Whether the only work held is prompts that all yield now (nothing runs until one resumes or work arrives)."""
+        idle = not (self.short or self.long or self.waiting or self.decoding)
+        return idle and bool(self.prefilling) and not self._prefills_now()
 
     def _prefills_now(self) -> bool:
         """Whether some prefilling sequence does not yield now."""

@@ -426,6 +426,62 @@ def test_while_long_prompts_yield_a_short_request_decodes_several_steps_an_itera
     assert clock.now == pytest.approx(min(long.prefill_resumes_at for long in longs))
 
 
+def short_ends_beside_longs(clock, **settings) -> tuple[Scheduler, list[Sequence]]:
+    """Five long prompts (a round of 50 ms) yielding to a short request that ends 30 ms into their yield: its prompt's
+    chunk and two steps."""
+    served = language_model(tokens_per_slice=64)
+    worker = make_scheduler(clock, decode_steps=8, **settings)
+    longs = [sequence(served, 3000 << index, 1, clock) for index in range(5)]
+    admitted(worker, *longs)
+    for _ in range(20):
+        worker.iteration()
+    short = sequence(served, 8, 3, clock)
+    admitted(worker, short)
+    worker.iteration()
+    assert short.done and clock.now < min(long.prefill_resumes_at for long in longs)
+    return worker, longs
+
+
+def planned(worker: Scheduler) -> list[list[Sequence]]:
+    return [group.sequences for group in worker.plan(time.monotonic(), worker.clock()).prefill]
+
+
+def test_after_a_short_request_ends_long_prompts_keep_yielding_for_anticipate_ms(clock) -> None:
+    """The client's next request, sent as the answer arrives, finds the engine free rather than a round begun; with no
+    request the long prompts resume after ``anticipate_ms`` (10 ms)."""
+    worker, longs = short_ends_beside_longs(clock)
+    assert planned(worker) == []
+    following = sequence(longs[0].served, 8, 3, clock)
+    admitted(worker, following)
+    assert planned(worker) == [[following]]
+    worker, longs = short_ends_beside_longs(clock)
+    clock.advance(0.01)
+    assert planned(worker) == [[long] for long in longs]
+
+
+def test_without_anticipation_long_prompts_resume_as_soon_as_the_short_request_ends(clock) -> None:
+    worker, longs = short_ends_beside_longs(clock, anticipate_ms=0.0)
+    assert planned(worker) == [[long] for long in longs]
+
+
+def test_anticipation_never_outlasts_a_long_prompt_s_yield(clock) -> None:
+    """However long ``anticipate_ms``, each long prompt keeps half the engine: it yields no longer than its last
+    round."""
+    worker, longs = short_ends_beside_longs(clock, anticipate_ms=1000.0)
+    assert planned(worker) == []
+    clock.advance(min(long.prefill_resumes_at for long in longs) - clock.now)
+    assert planned(worker) == [[long] for long in longs]
+
+
+def test_while_every_prompt_yields_and_nothing_else_runs_the_worker_waits_for_work_not_in_a_busy_loop(clock) -> None:
+    worker, _longs = short_ends_beside_longs(clock)
+    started = time.monotonic()
+    assert worker._receive()  # no work arrives: it returns when the anticipation ends (10 ms on the fake clock)
+    assert time.monotonic() - started >= 0.009
+    worker.inbox.put(STOP)
+    assert not worker._receive()  # what arrives is taken
+
+
 # --- prefill chunks at their depth (RegularGPT) --------------------------------------------------------------------
 
 # text-regulargpt's shape (random weights: only its costs are read): C = 64, K = 4, so a chunk runs K blocks at each of
