@@ -134,7 +134,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.decoding: dict[tuple[str, int], DecodeBatch] = {}  # (model id, context class) -> its decode batch
-        self.anticipate_until = 0.0  # the scheduler's clock until which prompts keep yielding (:meth:`_anticipate`)
+        self.anticipating: set[int] = set()  # the prompts (ids) that yielded to a request just ended: _anticipate
+        self.anticipate_until = 0.0  # the scheduler's clock until which they keep yielding
 
     @property
     def state_cache(self) -> StateCache:
@@ -289,8 +290,9 @@ class Scheduler:
                 self.memory.release(work.reserved_bytes)
                 work.reserved_bytes = 0
             self.queue.finished(was_scheduled=work.times.scheduled is not None)
-        if any(isinstance(work, Sequence) for work in finished.values()):
-            self._anticipate()
+        ended = [work for work in finished.values() if isinstance(work, Sequence)]
+        if ended:
+            self._anticipate(min(sequence.service for sequence in ended))
         if not self.short:
             self.jobs_waiting = 0
 
@@ -437,16 +439,24 @@ class Scheduler:
     def _yields(self, sequence: Sequence, least_served: float, now: float) -> bool:
         """Whether a prefilling sequence waits for less-served ones (served more than a slice beyond ``least_served``)
         or for a request anticipated (:meth:`_anticipate`), until its ``prefill_resumes_at`` (the scheduler's clock)."""
-        ahead = sequence.service > least_served + self.settings.slice_ms / 1000 or now < self.anticipate_until
+        anticipated = id(sequence) in self.anticipating and now < self.anticipate_until
+        ahead = sequence.service > least_served + self.settings.slice_ms / 1000 or anticipated
         return ahead and now < sequence.prefill_resumes_at
 
-    def _anticipate(self) -> None:
-        """A generate request has ended: prompts that may still yield keep yielding for ``anticipate_ms``, bounded by
+    def _anticipate(self, served: float) -> None:
+        """A generate request that was served ``served`` seconds has ended: the prompts that yielded to it (served more
+        than a slice beyond it, within their ``prefill_resumes_at``) keep yielding for ``anticipate_ms``, bounded by
         their ``prefill_resumes_at`` as any yield is (each keeps half the engine). A client often sends its next
         request as soon as the answer arrives; without this the prompt's next round has begun by then and the request
-        waits a whole slice behind it (Iyer and Druschel's "deceptive idleness")."""
-        now = self.clock()
-        if any(now < sequence.prefill_resumes_at for sequence in self.prefilling):
+        waits a whole slice behind it (Iyer and Druschel's "deceptive idleness"). Prompts served about as much as it
+        was do not wait: many clients' prompts go on as before."""
+        now, slice_seconds = self.clock(), self.settings.slice_ms / 1000
+        self.anticipating = {
+            id(sequence)
+            for sequence in self.prefilling
+            if sequence.service > served + slice_seconds and now < sequence.prefill_resumes_at
+        }
+        if self.anticipating:
             self.anticipate_until = now + self.settings.anticipate_ms / 1000
 
     def _only_yielding(self) -> bool:

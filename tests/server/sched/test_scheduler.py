@@ -473,6 +473,25 @@ def test_anticipation_never_outlasts_a_long_prompt_s_yield(clock) -> None:
     assert planned(worker) == [[long] for long in longs]
 
 
+def test_prompts_served_about_as_much_as_the_request_that_ended_do_not_wait_for_its_client(clock) -> None:
+    """Many clients' prompts: one request ends that was served as much as the prompts were; they did not yield to
+    it, and go on at once."""
+    served = language_model(tokens_per_slice=64)
+    worker = make_scheduler(clock, decode_steps=8)
+    longs = [sequence(served, 3000 << index, 1, clock) for index in range(5)]
+    admitted(worker, *longs)
+    for _ in range(20):
+        worker.iteration()
+    other = sequence(served, 8, 3, clock)
+    other.service = max(long.service for long in longs)
+    admitted(worker, other)
+    for _ in range(10):
+        worker.iteration()
+        if other.done:
+            break
+    assert other.done and sorted(id(group[0]) for group in planned(worker)) == sorted(map(id, longs))
+
+
 def test_while_every_prompt_yields_and_nothing_else_runs_the_worker_waits_for_work_not_in_a_busy_loop(clock) -> None:
     worker, _longs = short_ends_beside_longs(clock)
     started = time.monotonic()
