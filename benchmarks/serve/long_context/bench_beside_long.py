@@ -2,7 +2,7 @@
 
     python -m benchmarks.serve.long_context.bench_beside_long [--transduce-length 20000] [--jobs 3] [--skip-transduce]
         [--models text-regulargpt text-lrnn] [--prompt-tokens 14000 50000 limit] [--stop-after SECONDS] [--slice-ms MS]
-        [--busy-core] [--threads 1]
+        [--anticipate-ms MS] [--busy-core] [--many-clients N] [--threads 1]
 
 Transduce: long ``parity_check-exact`` inputs one after another; 1 s into each, three 4-symbol
 ``tomita4-lrnn-compiled`` requests one at a time. Each should wait for one slice of the long input at most, whichever
@@ -12,6 +12,8 @@ prompt to the same model (the pass-key filler as token ids, max_tokens 1) until 
 ``--stop-after`` seconds. The ratio is the median beside over the median alone (10 requests before the long prompt
 and 10 after it); "deep" takes only the requests sent in the second half of that time, where the chunks go deepest.
 ``--busy-core`` first times them beside a busy-loop process: what sharing the cores alone costs them.
+``--many-clients N``: instead, N clients each send six 2,000-token prompts (16 tokens each) to each model, one after
+another: requests per second and the latency's median and 95th percentile, where every prompt is one of many.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from server.settings import SHIPPED_CHECKPOINTS
 
 LONG_TRANSDUCER, SHORT_TRANSDUCER = "parity_check-exact", "tomita4-lrnn-compiled"
 LANGUAGE_MODELS = ("text-regulargpt", "text-lrnn")
+MANY_PROMPTS, MANY_PROMPT_TOKENS = 6, 2_000  # each of --many-clients's clients
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -101,6 +104,30 @@ async def generate_row(client: httpx.AsyncClient, model_id: str, size: str, stop
     )
 
 
+async def many_clients_line(client: httpx.AsyncClient, model_id: str, clients: int) -> None:
+    """``clients`` clients, each sending ``MANY_PROMPTS`` prompts of ``MANY_PROMPT_TOKENS`` tokens one after another."""
+    card = (await client.get(f"/v1/models/{model_id}")).json()
+    filler = load_tokenizer(card["tokenizer"], SHIPPED_CHECKPOINTS / model_id).encode(FILLER)
+    body = (filler * (MANY_PROMPT_TOKENS // len(filler) + 1))[: MANY_PROMPT_TOKENS - 1]
+    seconds: list[float] = []
+
+    async def one_client(index: int) -> None:
+        for prompt in range(MANY_PROMPTS):  # a first token of its own: no two prompts alike
+            request = {"model": model_id, "prompt": [(index * 7 + prompt) % 200 + 1, *body], "max_tokens": 16}
+            seconds.append(await timed(client, "/v1/completions", {**request, "temperature": 0}) / 1e3)
+
+    await one_client(clients)  # a warm-up, not counted
+    seconds.clear()
+    started = time.perf_counter()
+    await asyncio.gather(*[one_client(index) for index in range(clients)])
+    wall = time.perf_counter() - started
+    print(
+        f"{model_id}: {clients} clients, {len(seconds)} prompts of {MANY_PROMPT_TOKENS:,} tokens in {wall:.1f} s "
+        f"({len(seconds) / wall:.2f} a second), latency median {statistics.median(seconds):.2f} s, "
+        f"95th percentile {statistics.quantiles(seconds, n=20)[18]:.2f} s"
+    )
+
+
 async def busy_core_line(client: httpx.AsyncClient, model_id: str) -> None:
     """The same 8-token requests alone and beside a process that keeps one core busy (a loop, no server work): what
     the machine alone does to them while another process computes, a floor for the ratios below on a machine with
@@ -122,7 +149,11 @@ async def busy_core_line(client: httpx.AsyncClient, model_id: str) -> None:
 
 
 async def run(url: str, args: argparse.Namespace) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=256)) as client:
+        if args.many_clients:
+            for model_id in args.models:
+                await many_clients_line(client, model_id, args.many_clients)
+            return
         if not args.skip_transduce:
             await transduce_table(client, args.transduce_length, args.jobs)
         if args.busy_core:
@@ -154,15 +185,18 @@ def main() -> None:
     )
     parser.add_argument("--stop-after", type=float, help="seconds after which a long prompt is given up")
     parser.add_argument("--slice-ms", type=float, help="the server's slice_ms (default: its own default)")
+    parser.add_argument("--anticipate-ms", type=float, help="the server's anticipate_ms (default: its own default)")
     parser.add_argument("--busy-core", action="store_true", help="first, the requests beside a busy core alone")
+    parser.add_argument("--many-clients", type=int, help="instead: this many clients of 2,000-token prompts")
     add_server_arguments(parser)
     args = parser.parse_args()
     print(f"machine: {machine(args.device)}; server torch threads: {args.threads}\n")
-    transducers = () if args.skip_transduce else (LONG_TRANSDUCER, SHORT_TRANSDUCER)
+    transducers = () if args.skip_transduce or args.many_clients else (LONG_TRANSDUCER, SHORT_TRANSDUCER)
     with tempfile.TemporaryDirectory() as folder:
         for model_id in (*transducers, *args.models):
             (Path(folder) / model_id).symlink_to(SHIPPED_CHECKPOINTS / model_id)
-        settings = {} if args.slice_ms is None else {"slice_ms": args.slice_ms}
+        chosen = {"slice_ms": args.slice_ms, "anticipate_ms": args.anticipate_ms}
+        settings = {name: value for name, value in chosen.items() if value is not None}
         with server_process(Path(folder), args.threads, args.device, state_cache_entries=0, **settings) as url:
             asyncio.run(run(url, args))
 
