@@ -62,6 +62,13 @@ async def transduce_table(client: httpx.AsyncClient, length: int, jobs: int) -> 
         print(f"| {job + 1} | {time.perf_counter() - started:.1f} | {', '.join(f'{ms:,.0f}' for ms in beside)} |")
 
 
+async def filler_prompt(client: httpx.AsyncClient, model_id: str, tokens: int) -> list[int]:
+    """``tokens`` token ids of ``FILLER`` repeated, in the model's own tokenizer (named by its card)."""
+    card = (await client.get(f"/v1/models/{model_id}")).json()
+    filler = load_tokenizer(card["tokenizer"], SHIPPED_CHECKPOINTS / model_id).encode(FILLER)
+    return (filler * (tokens // len(filler) + 1))[:tokens]
+
+
 async def generate_row(client: httpx.AsyncClient, model_id: str, size: str, stop_after: float | None) -> None:
     """One row of the generate table: 8-token requests alone, then beside a long prompt of ``size`` tokens (given up,
     the connection closed, after ``stop_after`` seconds if it has not been answered)."""
@@ -71,8 +78,7 @@ async def generate_row(client: httpx.AsyncClient, model_id: str, size: str, stop
 
     card = (await client.get(f"/v1/models/{model_id}")).json()
     tokens = card["limits"]["max_context_tokens"] - 1 if size == "limit" else int(size)
-    filler = load_tokenizer(card["tokenizer"], SHIPPED_CHECKPOINTS / model_id).encode(FILLER)
-    prompt = {"model": model_id, "prompt": (filler * (tokens // len(filler) + 1))[:tokens], "max_tokens": 1}
+    prompt = {"model": model_id, "prompt": await filler_prompt(client, model_id, tokens), "max_tokens": 1}
     alone = [await timed(client, "/v1/generate", short(index)) for index in range(11)][1:]
     started = time.perf_counter()
     long = asyncio.ensure_future(client.post("/v1/completions", json=prompt))
@@ -106,9 +112,7 @@ async def generate_row(client: httpx.AsyncClient, model_id: str, size: str, stop
 
 async def many_clients_line(client: httpx.AsyncClient, model_id: str, clients: int) -> None:
     """``clients`` clients, each sending ``MANY_PROMPTS`` prompts of ``MANY_PROMPT_TOKENS`` tokens one after another."""
-    card = (await client.get(f"/v1/models/{model_id}")).json()
-    filler = load_tokenizer(card["tokenizer"], SHIPPED_CHECKPOINTS / model_id).encode(FILLER)
-    body = (filler * (MANY_PROMPT_TOKENS // len(filler) + 1))[: MANY_PROMPT_TOKENS - 1]
+    body = await filler_prompt(client, model_id, MANY_PROMPT_TOKENS - 1)
     seconds: list[float] = []
 
     async def one_client(index: int) -> None:

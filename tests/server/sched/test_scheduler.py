@@ -402,19 +402,26 @@ def test_a_long_prompt_yields_to_a_short_one_admitted_into_its_decode_batch(cloc
     assert plan.prefill == []
 
 
+def longs_prefilling(clock, **settings) -> tuple[Scheduler, list[Sequence]]:
+    """Five long prompts, each its own chunk call of 10 ms (five context classes: a round of one slice, 50 ms), 20
+    iterations into their prefill, ``decode_steps`` 8."""
+    served = language_model(tokens_per_slice=64)
+    worker = make_scheduler(clock, **{"decode_steps": 8, **settings})
+    longs = [sequence(served, 3000 << index, 1, clock) for index in range(5)]
+    admitted(worker, *longs)
+    for _ in range(20):
+        worker.iteration()
+    return worker, longs
+
+
 def test_while_long_prompts_yield_a_short_request_decodes_several_steps_an_iteration(clock) -> None:
     """Five long prompts (each its own chunk call of 10 ms: a round of one slice, 50 ms) yield to a short request for
     as long as their last round took. Meanwhile decoding is all there is to do, so the short request runs up to
     ``decode_steps`` steps an iteration, as alone (with one step an iteration, its steps outlasted the yield); the
     run ends when the long prompts may resume, and the next iteration has their round, then the short one's steps
     while they yield again: each keeps half the engine."""
-    served = language_model(tokens_per_slice=64)
-    worker = make_scheduler(clock, decode_steps=8)
-    longs = [sequence(served, 3000 << index, 1, clock) for index in range(5)]  # five context classes: five calls
-    admitted(worker, *longs)
-    for _ in range(20):
-        worker.iteration()
-    short = sequence(served, 8, 20, clock)
+    worker, longs = longs_prefilling(clock)
+    short = sequence(longs[0].served, 8, 20, clock)
     admitted(worker, short)
     counts = []
     for _ in range(2):
@@ -427,15 +434,10 @@ def test_while_long_prompts_yield_a_short_request_decodes_several_steps_an_itera
 
 
 def short_ends_beside_longs(clock, **settings) -> tuple[Scheduler, list[Sequence]]:
-    """Five long prompts (a round of 50 ms) yielding to a short request that ends 30 ms into their yield: its prompt's
-    chunk and two steps."""
-    served = language_model(tokens_per_slice=64)
-    worker = make_scheduler(clock, decode_steps=8, **settings)
-    longs = [sequence(served, 3000 << index, 1, clock) for index in range(5)]
-    admitted(worker, *longs)
-    for _ in range(20):
-        worker.iteration()
-    short = sequence(served, 8, 3, clock)
+    """:func:`longs_prefilling`, yielding to a short request that ends 30 ms into their yield: its prompt's chunk and
+    two steps."""
+    worker, longs = longs_prefilling(clock, **settings)
+    short = sequence(longs[0].served, 8, 3, clock)
     admitted(worker, short)
     worker.iteration()
     assert short.done and clock.now < min(long.prefill_resumes_at for long in longs)
@@ -476,13 +478,8 @@ def test_anticipation_never_outlasts_a_long_prompt_s_yield(clock) -> None:
 def test_prompts_served_about_as_much_as_the_request_that_ended_do_not_wait_for_its_client(clock) -> None:
     """Many clients' prompts: one request ends that was served as much as the prompts were; they did not yield to
     it, and go on at once."""
-    served = language_model(tokens_per_slice=64)
-    worker = make_scheduler(clock, decode_steps=8)
-    longs = [sequence(served, 3000 << index, 1, clock) for index in range(5)]
-    admitted(worker, *longs)
-    for _ in range(20):
-        worker.iteration()
-    other = sequence(served, 8, 3, clock)
+    worker, longs = longs_prefilling(clock)
+    other = sequence(longs[0].served, 8, 3, clock)
     other.service = max(long.service for long in longs)
     admitted(worker, other)
     for _ in range(10):
