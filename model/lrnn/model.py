@@ -106,8 +106,8 @@ class Recurrence(nn.Module):
 
 class BlockDiagonalRecurrence(Recurrence):
     """h_k = A(u_k) h_{k-1} + B u_k. Full rank: g = ``transition``, B = ``input_proj``; rank r: ``in_proj`` = [U; B],
-    g(u) = V (code_scale U u) + c. "stochastic": sparsemax columns (softmax while training with ``soft_transitions``,
-    Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned. "orthogonal": each block's polar factor, no
+    g(u) = V (code_scale U u) + c. "stochastic": sparsemax columns (while training, softmax blended in by ``softness``:
+    1 all softmax, 0 all sparsemax; Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned. "orthogonal": each block's polar factor, no
     B u, h_0 learned (a point that the transitions move on a sphere)."""
 
     def __init__(self, config: LRNNConfig) -> None:
@@ -130,8 +130,8 @@ class BlockDiagonalRecurrence(Recurrence):
             self.initial = nn.Parameter(torch.zeros(self.state_shape))  # logits of h_0, uniform per block
         elif self.inputless:  # h_0 itself, unit length per block, in no special direction
             self.initial = nn.Parameter(F.normalize(torch.randn(self.state_shape), dim=-1))
-        self.soft_transitions = False  # "stochastic", training mode only: softmax columns (set by the trainer)
-        self.track_impurity = False  # with soft_transitions: keep the columns' impurity (set by the trainer)
+        self.softness = 0.0  # "stochastic", training mode only: the softmax's share of the columns (set by the trainer)
+        self.track_impurity = False  # with softness: keep the columns' impurity (set by the trainer)
         self.impurity: torch.Tensor | None = None  # () mean of 1 - sum_i A_ij^2 over the last soft call's columns
         self.out_proj = nn.Linear(config.state_size, config.d_model)  # h
         # A(u) starts near 0.9 I for every input (a leaky running sum: bounded states, gradients that fade
@@ -154,9 +154,12 @@ class BlockDiagonalRecurrence(Recurrence):
         """A(u) (..., H, b, b) constrained, and B u (..., H, b) (zeros if stochastic)."""
         generated, inputs = self._generate(u)  # (..., H, b, b), (..., H, b)
         if self.stochastic:
-            if not (self.training and self.soft_transitions):
+            softness = self.softness if self.training else 0.0
+            if not softness:
                 return column_sparsemax(generated), inputs
             columns = generated.softmax(dim=-2)  # (..., H, b, b)
+            if softness < 1:  # hardening: every step a little nearer the sparsemax served
+                columns = torch.lerp(column_sparsemax(generated), columns, softness)
             if self.track_impurity:  # 0 exactly when every column is one-hot: a deterministic automaton
                 self.impurity = 1 - columns.square().sum(dim=-2).mean()
             return columns, inputs

@@ -88,6 +88,12 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         "then with the sparsemax it is served with (default: half of --steps)",
     )
     optim.add_argument(
+        "--harden-steps",
+        type=non_negative_int,
+        help="LRNN with --transition-norm stochastic: after the soft steps, blend the columns from softmax "
+        "into sparsemax over this many steps (default 0: switch at once)",
+    )
+    optim.add_argument(
         "--determinism-weight",
         type=non_negative_float,
         help="LRNN with --transition-norm stochastic: over the soft steps, add this (rising from 0) "
@@ -219,6 +225,8 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
     stochastic = architecture == "lrnn" and getattr(args, "transition_norm", None) == "stochastic"
     if args.soft_transition_steps is not None and not stochastic:
         raise UsageError("--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only")
+    if args.harden_steps is not None and not stochastic:
+        raise UsageError("--harden-steps applies to --arch lrnn --transition-norm stochastic only")
     soft_steps = args.soft_transition_steps if args.soft_transition_steps is not None else args.steps // 2
     if args.determinism_weight is not None and not (stochastic and soft_steps):
         raise UsageError(
@@ -248,6 +256,7 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         dtype=args.dtype,
         compile=args.compile,
         soft_transition_steps=soft_steps if stochastic else 0,
+        harden_steps=args.harden_steps or 0,
         determinism_weight=args.determinism_weight or 0.0,
         extra_levels=args.extra_levels or 0,
     )
@@ -274,7 +283,12 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
                 )
             return train(settings, objective, model_config, args.out, command, dist, options, initial=initial)
         state, _ = read_resume_state(args.out, with_tensors=False)
-        for option in ("soft_transition_steps", "determinism_weight", "extra_levels"):  # saved before the options
+        for option in (
+            "soft_transition_steps",
+            "harden_steps",
+            "determinism_weight",
+            "extra_levels",
+        ):  # saved before the options
             state["settings"].setdefault(option, 0)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps

@@ -39,7 +39,14 @@ from training.objectives.checkpointing import (
     write_record,
 )
 from training.objectives.distributed import Distributed
-from training.objectives.losses import determinism_weight, impurity, masked_loss, set_soft_transitions, target_loss
+from training.objectives.losses import (
+    determinism_weight,
+    impurity,
+    masked_loss,
+    set_softness,
+    softness,
+    target_loss,
+)
 from training.objectives.optim import build_optimizer, extra_levels, lr_factor
 from training.objectives.run import Objective, RunState, TrainSettings
 
@@ -142,11 +149,11 @@ def train(
                 run.step += 1
                 for group in optimizer.param_groups:
                     group["lr"] = settings.lr * lr_factor(settings, run.step)
-                if settings.soft_transition_steps:
-                    set_soft_transitions(
+                if settings.soft_transition_steps or settings.harden_steps:
+                    set_softness(
                         model,
-                        run.step <= settings.soft_transition_steps,
-                        track_impurity=settings.determinism_weight > 0,
+                        softness(settings, run.step),
+                        track_impurity=determinism_weight(settings, run.step) > 0,
                     )
                 if settings.extra_levels:
                     setattr(model, "extra_levels", extra_levels(settings, run.step))  # RegularGPT's own attribute

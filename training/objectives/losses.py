@@ -96,13 +96,22 @@ class SummedCrossEntropy(torch.autograd.Function):
         return gradient.mul_(grad_output), None, None, None, None  # backward through the graph meets autograd's check
 
 
-def set_soft_transitions(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:
-    """Switch every layer that has two training phases (``soft_transitions``: the stochastic LRNN's), and whether
-    its soft phase keeps its columns' impurity for :func:`impurity`."""
+def set_softness(model: torch.nn.Module, softness: float, track_impurity: bool = False) -> None:
+    """Set the softmax's share of the columns in every layer that has one (``softness``: the stochastic LRNN's
+    recurrences), and whether they keep their columns' impurity for :func:`impurity`."""
     for module in model.modules():
-        if hasattr(module, "soft_transitions"):  # a stochastic LRNN's recurrence: attributes of its own
-            setattr(module, "soft_transitions", soft)
-            setattr(module, "track_impurity", soft and track_impurity)
+        if hasattr(module, "softness"):  # a stochastic LRNN's recurrence: attributes of its own
+            setattr(module, "softness", softness)
+            setattr(module, "track_impurity", bool(softness) and track_impurity)
+
+
+def softness(settings: TrainSettings, step: int) -> float:
+    """The softmax's share of a stochastic LRNN's columns at ``step``: 1 over the first ``soft_transition_steps``,
+    then falling linearly to 0 over ``harden_steps`` (at once when 0), 0 after; the sparsemax is what is served."""
+    past = step - settings.soft_transition_steps
+    if past <= 0:
+        return 1.0
+    return max(0.0, 1 - past / settings.harden_steps) if settings.harden_steps else 0.0
 
 
 def determinism_weight(settings: TrainSettings, step: int) -> float:

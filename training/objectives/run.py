@@ -26,7 +26,7 @@ class TrainSettings:
     """Everything that decides a run's result besides the model's hyper-parameters and the objective's data.
     ``batch_size`` is per optimizer step and process; ``lr`` the peak rate (:func:`optim.lr_factor`);
     ``patience`` counts evaluations without a better score; ``soft_transition_steps``: a stochastic LRNN's first
-    steps with softmax columns."""
+    steps with softmax columns, ``harden_steps`` the steps after them that blend them into the sparsemax."""
 
     architecture: str
     steps: int
@@ -49,6 +49,7 @@ class TrainSettings:
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     compile: bool = False
     soft_transition_steps: int = 0
+    harden_steps: int = 0
     determinism_weight: float = 0.0
     extra_levels: int = 0
 

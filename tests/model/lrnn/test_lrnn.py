@@ -14,7 +14,7 @@ from model.config import CheckpointConfig, ConfigError, LRNNConfig
 from model.lrnn.diagonal import DiagonalLRNN
 from model.lrnn.model import BlockDiagonalLRNN, LinearRNN
 from model.ops.cpu import cpu_decode
-from model.ops.scan.constraints import column_norm_constraint
+from model.ops.scan.constraints import column_norm_constraint, column_sparsemax
 from model.ops.scan.dispatch import ScanImpl
 from model.ops.scan.reference import scan_step
 from tests.model.tiny_models import tiny_configs
@@ -299,19 +299,37 @@ def test_a_stochastic_layer_is_a_probabilistic_automaton(model_id: str) -> None:
         assert bool(((transitions == 0) | (transitions == 1)).all())
 
 
+def test_softness_blends_softmax_and_sparsemax_columns_while_training_only() -> None:
+    """``softness`` s gives s softmax + (1 - s) sparsemax columns in training mode (still stochastic: each column
+    sums to 1); 0, or evaluation mode, gives the sparsemax served."""
+    recurrence = make("lrnn-stochastic").blocks[0].recurrence.train()
+    u = torch.randn(4, 16, dtype=torch.float64)
+    generated, _ = recurrence._generate(u)
+    soft, sparse = generated.softmax(dim=-2), column_sparsemax(generated)
+    assert not torch.allclose(soft, sparse)
+    for share in (1.0, 0.3):
+        recurrence.softness = share
+        transitions, _ = recurrence.coefficients(u)
+        assert torch.allclose(transitions, share * soft + (1 - share) * sparse, atol=1e-12)
+        assert torch.allclose(transitions.sum(-2), torch.ones_like(transitions.sum(-2)), atol=1e-12)
+    assert torch.equal(recurrence.eval().coefficients(u)[0], sparse)
+    recurrence.train().softness = 0.0
+    assert torch.equal(recurrence.coefficients(u)[0], sparse)
+
+
 def test_the_soft_phase_keeps_its_columns_impurity_only_when_asked() -> None:
     """``impurity`` = mean over columns of 1 - sum_i A_ij^2 of the softmax columns, kept with ``track_impurity``
     in the soft phase; never for the sparsemax (evaluation, serving)."""
     recurrence = make("lrnn-stochastic").blocks[0].recurrence.train()
     u = torch.randn(4, 16, dtype=torch.float64)
-    recurrence.soft_transitions = True
+    recurrence.softness = 1.0
     transitions, _ = recurrence.coefficients(u)  # (4, H, b, b)
     assert recurrence.impurity is None
     recurrence.track_impurity = True
     transitions, _ = recurrence.coefficients(u)
     expected = (1 - transitions.pow(2).sum(dim=-2)).mean()
     assert torch.allclose(recurrence.impurity, expected) and 0 < float(expected.detach()) < 1
-    recurrence.impurity, recurrence.soft_transitions = None, False
+    recurrence.impurity, recurrence.softness = None, 0.0
     recurrence.coefficients(u)
     assert recurrence.impurity is None
 

@@ -239,21 +239,45 @@ def crash_at_step(step: int):
 
 
 def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
-    phases: list[bool] = []
-    switch = loop.set_soft_transitions
+    phases: list[float] = []
+    switch = loop.set_softness
 
-    def recorded(model: torch.nn.Module, soft: bool, track_impurity: bool = False) -> None:
-        phases.append(soft)
-        switch(model, soft, track_impurity)
+    def recorded(model: torch.nn.Module, softness: float, track_impurity: bool = False) -> None:
+        phases.append(softness)
+        switch(model, softness, track_impurity)
 
-    monkeypatch.setattr(loop, "set_soft_transitions", recorded)
+    monkeypatch.setattr(loop, "set_softness", recorded)
     task_run(tmp_path / "whole", steps=9, transition_norm="stochastic", soft_transition_steps=5)
-    assert phases == [True] * 5 + [False] * 4
+    assert phases == [1.0] * 5 + [0.0] * 4
     task_run(tmp_path / "cut", steps=9, stop_at=3, transition_norm="stochastic", soft_transition_steps=5)
     task_run(tmp_path / "cut", steps=9, resume=True, transition_norm="stochastic", soft_transition_steps=5)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
     model = load_checkpoint(tmp_path / "whole", device="cpu").model.train()
-    assert not any(getattr(module, "soft_transitions", False) for module in model.modules())  # served: sparsemax
+    assert not any(getattr(module, "softness", 0.0) for module in model.modules())  # served: sparsemax
+
+
+def test_hardening_blends_the_columns_into_sparsemax_step_by_step_and_resumes(tmp_path: Path, monkeypatch) -> None:
+    settings = TrainSettings(
+        architecture="lrnn", steps=9, batch_size=6, lr=1e-3, soft_transition_steps=2, harden_steps=4
+    )
+    assert [losses.softness(settings, step) for step in range(1, 9)] == [1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0]
+    phases: list[float] = []
+    switch = loop.set_softness
+
+    def recorded(model: torch.nn.Module, softness: float, track_impurity: bool = False) -> None:
+        phases.append(softness)
+        switch(model, softness, track_impurity)
+
+    monkeypatch.setattr(loop, "set_softness", recorded)
+    hardened = {"transition_norm": "stochastic", "soft_transition_steps": 2, "harden_steps": 4}
+    task_run(tmp_path / "whole", steps=9, **hardened)
+    assert phases == [1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0]
+    task_run(tmp_path / "cut", steps=9, stop_at=4, **hardened)
+    task_run(tmp_path / "cut", steps=9, resume=True, **hardened)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    task_run(tmp_path / "abrupt", steps=9, transition_norm="stochastic", soft_transition_steps=2)
+    digest = log_records(tmp_path / "whole")[-1]["param_sha256"]
+    assert log_records(tmp_path / "abrupt")[-1]["param_sha256"] != digest  # the blend reached the gradient
 
 
 def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_resumes(
@@ -330,6 +354,8 @@ def test_soft_transition_steps_default_to_half_the_run_and_belong_to_the_stochas
     )
     err = capsys.readouterr().err
     assert err.count("--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic") == 2
+    assert main(cli_run(tmp_path / "fifth", 6, "--harden-steps", "2")) == 2
+    assert capsys.readouterr().err == "error: --harden-steps applies to --arch lrnn --transition-norm stochastic only\n"
 
 
 def test_extending_a_finished_constant_rate_run_equals_running_it_longer(tmp_path: Path) -> None:
