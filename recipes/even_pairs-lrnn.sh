@@ -3,7 +3,8 @@
 # sparsemax), one layer of 2 blocks of 6.
 #
 # The command recorded in checkpoints/even_pairs-lrnn/config.json (metadata.command), but for --out
-# runs/even_pairs-lrnn-sto2-s0. Trained in 76 s of wall time on the development CPU, 2026-11-23 evening.
+# runs/even_pairs-lrnn-sto2-s0 and --harden-steps 0 (the switch at once these weights had; the default now blends).
+# Trained in 76 s of wall time on the development CPU, 2026-11-23 evening.
 #
 # Figures: docs/results.md, "Shipped trained checkpoints".
 #
@@ -15,5 +16,5 @@ OUT=${OUT:-runs/even_pairs-lrnn}
 exec "${PYTHON:-python}" -m training train \
     --task even_pairs --arch lrnn --transition-norm stochastic --layers 1 --block-size 6 --num-blocks 2 \
     --d-model 32 --d-ff 64 --batch-size 128 --lr 3e-3 --optimizer adamw --weight-decay 0 --schedule cosine \
-    --steps 3000 --p-one 0-1 --eval-every 250 --eval-samples 200 --seed 0 --no-progress \
+    --steps 3000 --harden-steps 0 --p-one 0-1 --eval-every 250 --eval-samples 200 --seed 0 --no-progress \
     --out "$OUT" "$@"

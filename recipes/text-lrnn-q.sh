@@ -51,8 +51,8 @@ MODEL="--arch lrnn --transition-norm stochastic --layers 2 --block-size 8 --num-
     --tokenizer checkpoints/text-lrnn/tokenizer.tiktoken --corpus austen --length 128 --batch-size 16 \
     --eval-every 250 --log-every 10 --threads 1 --no-progress"
 # shellcheck disable=SC2086
-"$PYTHON" -m training text-train $MODEL --lr 3e-3 --steps 4000 --passkey-fraction 1.0 --passkey-distractors 0 \
-    --out "$OUT-1" "$@"
+"$PYTHON" -m training text-train $MODEL --lr 3e-3 --steps 4000 --harden-steps 0 --passkey-fraction 1.0 \
+    --passkey-distractors 0 --out "$OUT-1" "$@"
 # shellcheck disable=SC2086
 "$PYTHON" -m training text-train $MODEL --lr 1e-3 --warmup-steps 100 --soft-transition-steps 0 --steps 4500 \
     --passkey-fraction 1.0 --passkey-fraction-final 0.2 --passkey-distractors 2 --init-from "$OUT-1" \

@@ -74,7 +74,7 @@ stage() {  # stage N FLAGS...: runs stage N (from the stage before its folder) u
 }
 EXTRA="$*"
 
-stage 1 --lr 1e-3 --steps 4000 --passkey-fraction 1.0 --passkey-distractors 0
+stage 1 --lr 1e-3 --steps 4000 --harden-steps 0 --passkey-fraction 1.0 --passkey-distractors 0  # as shipped
 stage 2 --lr 1e-3 --warmup-steps 100 --soft-transition-steps 0 --steps 4500 --passkey-fraction 1.0 \
     --passkey-fraction-final 0.2 --passkey-distractors 2
 stage 3 --length 512 --batch-size 8 --lr 3e-4 --warmup-steps 50 --soft-transition-steps 0 --steps 1000 \

@@ -91,7 +91,8 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         "--harden-steps",
         type=non_negative_int,
         help="LRNN with --transition-norm stochastic: after the soft steps, blend the columns from softmax "
-        "into sparsemax over this many steps (default 0: switch at once)",
+        "into sparsemax over this many steps (default: half of the steps after the soft ones, 0 if no soft "
+        "steps; 0 switches at once)",
     )
     optim.add_argument(
         "--determinism-weight",
@@ -228,6 +229,9 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
     if args.harden_steps is not None and not stochastic:
         raise UsageError("--harden-steps applies to --arch lrnn --transition-norm stochastic only")
     soft_steps = args.soft_transition_steps if args.soft_transition_steps is not None else args.steps // 2
+    harden_steps = args.harden_steps
+    if harden_steps is None:  # half of the steps after the soft ones; none after none (a run that starts hard)
+        harden_steps = max(0, args.steps - soft_steps) // 2 if soft_steps else 0
     if args.determinism_weight is not None and not (stochastic and soft_steps):
         raise UsageError(
             "--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic only"
@@ -256,7 +260,7 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         dtype=args.dtype,
         compile=args.compile,
         soft_transition_steps=soft_steps if stochastic else 0,
-        harden_steps=args.harden_steps or 0,
+        harden_steps=harden_steps if stochastic else 0,
         determinism_weight=args.determinism_weight or 0.0,
         extra_levels=args.extra_levels or 0,
     )

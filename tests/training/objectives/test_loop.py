@@ -337,12 +337,15 @@ def test_extra_levels_belong_to_regulargpt(tmp_path: Path, capsys) -> None:
     assert err == "error: --extra-levels applies to --arch regulargpt only\n"
 
 
-def test_soft_transition_steps_default_to_half_the_run_and_belong_to_the_stochastic_lrnn(
+def test_soft_and_harden_steps_default_to_a_half_and_a_quarter_and_belong_to_the_stochastic_lrnn(
     tmp_path: Path, capsys
 ) -> None:
     stochastic = ("--transition-norm", "stochastic")
-    assert main(cli_run(tmp_path / "run", 6, *stochastic)) == 0
-    assert load_checkpoint(tmp_path / "run").config.metadata["settings"]["soft_transition_steps"] == 3
+    assert main(cli_run(tmp_path / "run", 9, *stochastic)) == 0
+    settings = load_checkpoint(tmp_path / "run").config.metadata["settings"]
+    assert (settings["soft_transition_steps"], settings["harden_steps"]) == (4, 2)  # half, then half of the rest
+    assert main(cli_run(tmp_path / "hard", 6, *stochastic, "--soft-transition-steps", "0")) == 0
+    assert load_checkpoint(tmp_path / "hard").config.metadata["settings"]["harden_steps"] == 0  # hard from the start
     assert main(cli_run(tmp_path / "other", 6, "--soft-transition-steps", "2")) == 2
     err = capsys.readouterr().err
     assert "--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only" in err
