@@ -107,8 +107,8 @@ class Recurrence(nn.Module):
 class BlockDiagonalRecurrence(Recurrence):
     """h_k = A(u_k) h_{k-1} + B u_k. Full rank: g = ``transition``, B = ``input_proj``; rank r: ``in_proj`` = [U; B],
     g(u) = V (code_scale U u) + c. "stochastic": sparsemax columns (while training, softmax blended in by ``softness``:
-    1 all softmax, 0 all sparsemax; Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned. "orthogonal": each block's polar factor, no
-    B u, h_0 learned (a point that the transitions move on a sphere)."""
+    1 all softmax, 0 all sparsemax; Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned.
+    "orthogonal": each block's polar factor, no B u, h_0 learned (a point that the transitions move on a sphere)."""
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()

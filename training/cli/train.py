@@ -287,12 +287,8 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
                 )
             return train(settings, objective, model_config, args.out, command, dist, options, initial=initial)
         state, _ = read_resume_state(args.out, with_tensors=False)
-        for option in (
-            "soft_transition_steps",
-            "harden_steps",
-            "determinism_weight",
-            "extra_levels",
-        ):  # saved before the options
+        later_options = ("soft_transition_steps", "harden_steps", "determinism_weight", "extra_levels")
+        for option in later_options:  # runs saved before these options existed ran without them
             state["settings"].setdefault(option, 0)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps

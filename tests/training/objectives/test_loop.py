@@ -238,7 +238,8 @@ def crash_at_step(step: int):
     return signalled
 
 
-def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
+def recorded_softness(monkeypatch) -> list[float]:
+    """The softness the loop sets at each step, recorded as it goes on to set it."""
     phases: list[float] = []
     switch = loop.set_softness
 
@@ -247,6 +248,11 @@ def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch
         switch(model, softness, track_impurity)
 
     monkeypatch.setattr(loop, "set_softness", recorded)
+    return phases
+
+
+def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
+    phases = recorded_softness(monkeypatch)
     task_run(tmp_path / "whole", steps=9, transition_norm="stochastic", soft_transition_steps=5)
     assert phases == [1.0] * 5 + [0.0] * 4
     task_run(tmp_path / "cut", steps=9, stop_at=3, transition_norm="stochastic", soft_transition_steps=5)
@@ -261,14 +267,7 @@ def test_hardening_blends_the_columns_into_sparsemax_step_by_step_and_resumes(tm
         architecture="lrnn", steps=9, batch_size=6, lr=1e-3, soft_transition_steps=2, harden_steps=4
     )
     assert [losses.softness(settings, step) for step in range(1, 9)] == [1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0]
-    phases: list[float] = []
-    switch = loop.set_softness
-
-    def recorded(model: torch.nn.Module, softness: float, track_impurity: bool = False) -> None:
-        phases.append(softness)
-        switch(model, softness, track_impurity)
-
-    monkeypatch.setattr(loop, "set_softness", recorded)
+    phases = recorded_softness(monkeypatch)
     hardened = {"transition_norm": "stochastic", "soft_transition_steps": 2, "harden_steps": 4}
     task_run(tmp_path / "whole", steps=9, **hardened)
     assert phases == [1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0]
