@@ -440,8 +440,11 @@ class Scheduler:
         """Whether a prefilling sequence waits for less-served ones (served more than a slice beyond ``least_served``)
         or for a request anticipated (:meth:`_anticipate`), until its ``prefill_resumes_at`` (the scheduler's clock)."""
         anticipated = id(sequence) in self.anticipating and now < self.anticipate_until
-        ahead = sequence.service > least_served + self.settings.slice_ms / 1000 or anticipated
-        return ahead and now < sequence.prefill_resumes_at
+        return (self._served_beyond(sequence, least_served) or anticipated) and now < sequence.prefill_resumes_at
+
+    def _served_beyond(self, sequence: Sequence, served: float) -> bool:
+        """Whether ``sequence`` has been served more than a slice beyond ``served`` seconds."""
+        return sequence.service > served + self.settings.slice_ms / 1000
 
     def _anticipate(self, served: float) -> None:
         """A generate request that was served ``served`` seconds has ended: the prompts that yielded to it (served more
@@ -450,11 +453,11 @@ class Scheduler:
         request as soon as the answer arrives; without this the prompt's next round has begun by then and the request
         waits a whole slice behind it (Iyer and Druschel's "deceptive idleness"). Prompts served about as much as it
         was do not wait: many clients' prompts go on as before."""
-        now, slice_seconds = self.clock(), self.settings.slice_ms / 1000
+        now = self.clock()
         self.anticipating = {
             id(sequence)
             for sequence in self.prefilling
-            if sequence.service > served + slice_seconds and now < sequence.prefill_resumes_at
+            if self._served_beyond(sequence, served) and now < sequence.prefill_resumes_at
         }
         if self.anticipating:
             self.anticipate_until = now + self.settings.anticipate_ms / 1000

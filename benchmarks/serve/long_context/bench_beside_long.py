@@ -62,9 +62,9 @@ async def transduce_table(client: httpx.AsyncClient, length: int, jobs: int) -> 
         print(f"| {job + 1} | {time.perf_counter() - started:.1f} | {', '.join(f'{ms:,.0f}' for ms in beside)} |")
 
 
-async def filler_prompt(client: httpx.AsyncClient, model_id: str, tokens: int) -> list[int]:
-    """``tokens`` token ids of ``FILLER`` repeated, in the model's own tokenizer (named by its card)."""
-    card = (await client.get(f"/v1/models/{model_id}")).json()
+def filler_prompt(card: dict, tokens: int) -> list[int]:
+    """``tokens`` token ids of ``FILLER`` repeated, in the tokenizer the model's ``card`` (``/v1/models/ID``) names."""
+    model_id = card["id"]
     filler = load_tokenizer(card["tokenizer"], SHIPPED_CHECKPOINTS / model_id).encode(FILLER)
     return (filler * (tokens // len(filler) + 1))[:tokens]
 
@@ -78,7 +78,7 @@ async def generate_row(client: httpx.AsyncClient, model_id: str, size: str, stop
 
     card = (await client.get(f"/v1/models/{model_id}")).json()
     tokens = card["limits"]["max_context_tokens"] - 1 if size == "limit" else int(size)
-    prompt = {"model": model_id, "prompt": await filler_prompt(client, model_id, tokens), "max_tokens": 1}
+    prompt = {"model": model_id, "prompt": filler_prompt(card, tokens), "max_tokens": 1}
     alone = [await timed(client, "/v1/generate", short(index)) for index in range(11)][1:]
     started = time.perf_counter()
     long = asyncio.ensure_future(client.post("/v1/completions", json=prompt))
@@ -112,13 +112,15 @@ async def generate_row(client: httpx.AsyncClient, model_id: str, size: str, stop
 
 async def many_clients_line(client: httpx.AsyncClient, model_id: str, clients: int) -> None:
     """``clients`` clients, each sending ``MANY_PROMPTS`` prompts of ``MANY_PROMPT_TOKENS`` tokens one after another."""
-    body = await filler_prompt(client, model_id, MANY_PROMPT_TOKENS - 1)
+    card = (await client.get(f"/v1/models/{model_id}")).json()
+    body = filler_prompt(card, MANY_PROMPT_TOKENS - 1)
     seconds: list[float] = []
 
     async def one_client(index: int) -> None:
         for prompt in range(MANY_PROMPTS):  # a first token of its own: no two prompts alike
-            request = {"model": model_id, "prompt": [(index * 7 + prompt) % 200 + 1, *body], "max_tokens": 16}
-            seconds.append(await timed(client, "/v1/completions", {**request, "temperature": 0}) / 1e3)
+            first = (index * 7 + prompt) % 200 + 1
+            request = {"model": model_id, "prompt": [first, *body], "max_tokens": 16, "temperature": 0}
+            seconds.append(await timed(client, "/v1/completions", request) / 1e3)
 
     await one_client(clients)  # a warm-up, not counted
     seconds.clear()
