@@ -19,10 +19,8 @@ from types import FrameType
 
 import uvicorn
 from pydantic import ValidationError
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from server.api.app import create_app
-from server.api.guard import with_header_timeout
+from server.api.app import create_app, http_protocol
 from server.engine.client import EngineClient
 from server.engine.engine import Engine, EngineFront
 from server.heap import freeze_startup_heap, tune_garbage_collector
@@ -190,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             on_ready=freeze_startup_heap,
             on_engine_died=engine_died,
         )
+    app = create_app(settings, engine)
     config = uvicorn.Config(
-        create_app(settings, engine),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=CLOSE_WAIT_S,
         # longer than clients keep idle connections
         timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]  # uvicorn types it int; a float works
-        http=with_header_timeout(AutoHTTPProtocol, settings.header_timeout_s),  # httptools, or h11 without it
+        http=http_protocol(app),  # httptools, or h11 without it
     )
     logging.getLogger("uvicorn.error").addFilter(UvicornLines())
     server = DrainingServer(config, engine, settings.drain_timeout_s)

@@ -22,9 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from server.api.completions import CompletionServing
-from server.api.guard import Linger, RequestGuard, closing
+from server.api.guard import HeaderChecks, Linger, RequestGuard, closing, guarded_protocol
 from server.api.json_body import BodyRefused, JSONBodyRoute
 from server.api.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, errors, schema_for
 from server.api.protocol import (
@@ -82,15 +83,12 @@ def create_app(settings: Settings | None = None, engine: EngineFront | None = No
         engine = getattr(app.state, "engine", None)  # none before the lifespan has started
         return (lambda: None) if engine is None else engine.arrive().leave
 
+    app.state.header_checks = HeaderChecks(
+        settings.api_key, _paths_that_need_the_key(app, settings), settings.max_body_bytes, api_error_response, arrive
+    )
+    app.state.linger = Linger(settings.linger_max_bytes, settings.linger_timeout_s, settings.linger_read_timeout_s)
     app.add_middleware(
-        RequestGuard,
-        api_key=settings.api_key,
-        needs_key=_paths_that_need_the_key(app, settings),
-        max_body_bytes=settings.max_body_bytes,
-        body_timeout_s=settings.body_timeout_s,
-        refuse=api_error_response,
-        arrive=arrive,
-        linger=Linger(settings.linger_max_bytes, settings.linger_timeout_s, settings.linger_read_timeout_s),
+        RequestGuard, checks=app.state.header_checks, body_timeout_s=settings.body_timeout_s, linger=app.state.linger
     )
     if settings.cors_origins:  # added last, so outermost: preflights need no key, and refusals carry CORS headers
         app.add_middleware(
@@ -104,6 +102,14 @@ def create_app(settings: Settings | None = None, engine: EngineFront | None = No
     app.include_router(_metrics_router())
     app.include_router(_api_router())
     return app
+
+
+def http_protocol(app: FastAPI, protocol: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP ``protocol`` as the server runs ``app`` (:func:`guarded_protocol`): late headers closed on, and
+    requests refused from their headers answered there, but with CORS (its headers come from the app's middleware)."""
+    settings: Settings = app.state.settings
+    checks = None if settings.cors_origins else app.state.header_checks
+    return guarded_protocol(protocol, settings.header_timeout_s, checks, app.state.linger)
 
 
 def _build_routes(app: FastAPI) -> None:

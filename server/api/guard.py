@@ -1,31 +1,37 @@
 """What a request must pass before the app reads its body, and what is done with a body answered unread.
 
-:class:`RequestGuard` (ASGI middleware) decides from the headers alone: 401 (API key), 413 (declared size over
-``max_body_bytes``), 429 (no room in the queue for a POST to a queued path); while reading, a body over the limit gets
-413 and one slower than ``body_timeout_s`` 408. Each such answer closes its connection after discarding the rest of the
-body within :class:`Linger`'s bounds. ``with_header_timeout`` closes connections whose headers are late. Why:
-``docs/architecture.md``, "Design notes".
+:class:`HeaderChecks` decides from the headers alone: 401 (API key), 413 (declared size over ``max_body_bytes``), 429
+(no room in the queue for a POST to a queued path). :class:`RequestGuard` (ASGI middleware) applies them and takes the
+request's place in the queue; while reading, a body over the limit gets 413 and one slower than ``body_timeout_s`` 408.
+Each such answer closes its connection after discarding the rest of the body within :class:`Linger`'s bounds.
+``guarded_protocol`` is uvicorn's HTTP protocol closing connections whose headers are late, and answering a request
+the checks refuse as soon as its headers are parsed, without a task or the app (a burst's refusals cost a fraction of a
+request each). Why: ``docs/architecture.md``, "Design notes".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import secrets
 import sys
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from http import HTTPStatus
+from typing import Any, TypeVar
 
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from server.api.json_body import BodyRefused
 from server.errors import APIError, InputTooLarge, RequestTimeout, Unauthorized
 
 QUEUED_PATHS = frozenset({"/v1/generate", "/v1/completions", "/v1/transduce"})  # POSTs that take a place in the queue
+CHECKED, LEAVE = "regularlm.checked", "regularlm.leave"  # scope keys: HeaderChecks.check ran; how its arrival ends
 T = TypeVar("T")
 
 
@@ -53,60 +59,67 @@ class Linger:
     read_timeout_s: float = 2.0
 
 
-class RequestGuard:
+class HeaderChecks:
+    """The refusals decided from a request's headers, each error's response rendered once (:class:`Refusals`)."""
+
     def __init__(
         self,
-        app: ASGIApp,
         api_key: SecretStr | None,
         needs_key: Callable[[str], bool],
         max_body_bytes: int,
-        body_timeout_s: float,
         refuse: Callable[[APIError], Response],
         arrive: Callable[[], Callable[[], None]] | None = None,
-        linger: Linger = Linger(),
     ) -> None:
         """``needs_key(path)``: whether the path needs the API key (when set); ``refuse(error)``: the response to an
-        error found here, which must depend on the error's class, message and ``retry_after_s`` alone (each refusal is
-        rendered once and its bytes sent again: :class:`Refusals`); ``arrive()``: called for a POST to a queued path
-        once its headers pass, raising an ``APIError`` (429) or returning the function that ends its arrival."""
-        self.app, self.needs_key, self.refuse, self.arrive = app, needs_key, refuse, arrive
+        error found here, which must depend on the error's class, message and ``retry_after_s`` alone; ``arrive()``:
+        for a POST to a queued path, raises an ``APIError`` (429) or returns the function that ends its arrival."""
+        self.needs_key, self.max_body_bytes, self.arrive = needs_key, max_body_bytes, arrive
         self.api_key = None if api_key is None else api_key.get_secret_value().encode()
-        self.max_body_bytes, self.body_timeout_s, self.linger = max_body_bytes, body_timeout_s, linger
-        self.turnstile = Turnstile()
         self.refusals = Refusals(refuse)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    def check(self, scope: Scope) -> APIError | None:
+        """401 (API key) or 413 (declared size); then, for a POST to a queued path, its arrival, ended by
+        ``scope[LEAVE]()``, or the 429 of a full queue. Once per request: a scope already checked passes."""
+        if scope.get(CHECKED):
+            return None
+        scope[CHECKED] = True
         headers = Headers(scope=scope)
-        body = RequestBody(receive, headers)
-        send = LingeringSend(send, body, self.linger)
-        error = self._refusal(scope["path"], headers)
-        leave = None
-        if error is None and self.arrive is not None and scope["method"] == "POST" and scope["path"] in QUEUED_PATHS:
-            try:
-                leave = self.arrive()
-            except APIError as full:
-                error = full
-        if error is not None:  # the body is not read: the connection closes rather than read it as the next request
-            return await self.refusals.send(error, send)
-        try:
-            if leave is not None:
-                await self.turnstile.enter()
-            await self.app(scope, LimitedBody(body, self.max_body_bytes, self.body_timeout_s), send)
-        finally:
-            if leave is not None:
-                leave()
-
-    def _refusal(self, path: str, headers: Headers) -> APIError | None:
-        if self.api_key is not None and self.needs_key(path):
+        if self.api_key is not None and self.needs_key(scope["path"]):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), self.api_key):
                 return Unauthorized("a valid API key is needed: 'Authorization: Bearer <key>'")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return InputTooLarge(f"the body has {declared} bytes; the limit is {self.max_body_bytes} (max_body_bytes)")
+        if self.arrive is not None and scope["method"] == "POST" and scope["path"] in QUEUED_PATHS:
+            try:
+                scope[LEAVE] = self.arrive()
+            except APIError as full:
+                return full
         return None
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, checks: HeaderChecks, body_timeout_s: float, linger: Linger = Linger()) -> None:
+        self.app, self.checks, self.body_timeout_s, self.linger = app, checks, body_timeout_s, linger
+        self.turnstile = Turnstile()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body = RequestBody(receive, Headers(scope=scope))
+        send = LingeringSend(send, body, self.linger)
+        error = self.checks.check(scope)  # None at once where the HTTP protocol has checked it (guarded_protocol)
+        if error is not None:  # the body is not read: the connection closes rather than read it as the next request
+            return await self.checks.refusals.send(error, send)
+        leave = scope.get(LEAVE)
+        try:
+            if leave is not None:
+                await self.turnstile.enter()
+            await self.app(scope, LimitedBody(body, self.checks.max_body_bytes, self.body_timeout_s), send)
+        finally:
+            if leave is not None:
+                leave()
 
 
 class Refusals:
@@ -118,8 +131,8 @@ class Refusals:
         self.refuse, self.max_kept = refuse, max_kept
         self.rendered: dict[tuple[type[APIError], str, int | None], tuple[int, list[tuple[bytes, bytes]], bytes]] = {}
 
-    async def send(self, error: APIError, send: Send) -> None:
-        """Send ``error``'s response as ``closing(refuse(error))`` would."""
+    def rendered_for(self, error: APIError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """The status, headers and body of ``closing(refuse(error))``, rendered once."""
         key = (type(error), error.message, error.retry_after_s)
         rendered = self.rendered.get(key)
         if rendered is None:
@@ -128,10 +141,23 @@ class Refusals:
             if len(self.rendered) >= self.max_kept:
                 self.rendered.clear()
             self.rendered[key] = rendered
-        status, headers, content = rendered
+        return rendered
+
+    async def send(self, error: APIError, send: Send) -> None:
+        """Send ``error``'s response as ``closing(refuse(error))`` would."""
+        status, headers, content = self.rendered_for(error)
         # a list of its own per response: a middleware outside this one (CORS) may add to it
         await send({"type": "http.response.start", "status": status, "headers": list(headers)})
         await send({"type": "http.response.body", "body": content})
+
+    def http_bytes(self, error: APIError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+        """``error``'s response as HTTP/1.1 bytes, after uvicorn's ``default_headers`` (server, date) as it writes
+        them."""
+        status, headers, content = self.rendered_for(error)
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())]
+        for name, value in (*default_headers, *headers):
+            lines += [name, b": ", value, b"\r\n"]
+        return b"".join([*lines, b"\r\n", content])
 
 
 class Turnstile:
@@ -250,19 +276,32 @@ class LimitedBody:
         return message
 
 
-def with_header_timeout(protocol: type[asyncio.Protocol], timeout_s: float) -> type[asyncio.Protocol]:
+def guarded_protocol(
+    protocol: type[asyncio.Protocol],
+    header_timeout_s: float,
+    checks: HeaderChecks | None = None,
+    linger: Linger = Linger(),
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP ``protocol`` closing, without a response, a connection whose request headers are not complete
-    ``timeout_s`` after it opened or after a later request's first byte."""
+    ``header_timeout_s`` after it opened or after a later request's first byte. With ``checks``, on uvicorn's httptools
+    protocol (the h11 one leaves them to :class:`RequestGuard`), each request but a HEAD is checked as its headers are
+    parsed, so that an arrival counts at once; a refusal is answered there, with the bytes :class:`RequestGuard` would
+    send, and the body is discarded within ``linger``'s bounds before the connection closes."""
 
-    class HeaderTimeoutProtocol(protocol):  # type: ignore[valid-type, misc]
+    class GuardedProtocol(protocol):  # type: ignore[valid-type, misc]
         header_timer: asyncio.TimerHandle | None = None
+        refused_at: float | None = None  # when the request was answered from its headers: discard its body, then close
+        discarded = 0
+        linger_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._await_headers()
 
         def data_received(self, data: bytes) -> None:
-            if self.header_timer is None and self._between_requests():
+            if self.refused_at is not None:
+                self._linger()  # the read timeout counts from the latest bytes
+            elif self.header_timer is None and self._between_requests():
                 self._await_headers()  # a kept-alive connection's next request: its deadline from its first byte
             super().data_received(data)
 
@@ -272,13 +311,73 @@ def with_header_timeout(protocol: type[asyncio.Protocol], timeout_s: float) -> t
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()
+            self._stop_linger()
             super().connection_lost(exc)
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:  # httptools: the request's headers are parsed
+            if self.refused_at is not None:  # a request pipelined behind the refused one: the connection is closing
+                return
+            scope = cycle.scope
+            if checks is None or scope["method"] == "HEAD":
+                super()._start_asgi_task(cycle, app)
+                return
+            # what the arrival sets in the context is the request task's, not the protocol's
+            context = contextvars.copy_context()
+            error = context.run(checks.check, scope)
+            if error is None:
+                context.run(super()._start_asgi_task, cycle, app)  # the task runs in (a copy of) ``context``
+                return
+            content = checks.refusals.http_bytes(error, self.server_state.default_headers)
+            self.transport.write(content)
+            if self.access_log:  # the line uvicorn writes for a response
+                self.access_logger.info(
+                    '%s - "%s %s HTTP/%s" %d',
+                    get_client_addr(scope),
+                    scope["method"],
+                    get_path_with_query_string(scope),
+                    scope["http_version"],
+                    error.status_code,
+                )
+            cycle.response_started = cycle.response_complete = True  # the parser's body callbacks come to us
+            self._stop_header_timer()
+            self.refused_at = self.loop.time()
+            self._linger()
+
+        def on_body(self, body: bytes) -> None:
+            if self.refused_at is None:
+                super().on_body(body)
+                return
+            self.discarded += len(body)
+            if self.discarded > linger.max_bytes:
+                self._close()
+
+        def on_message_complete(self) -> None:
+            if self.refused_at is None:
+                super().on_message_complete()
+                return
+            self._close()  # the body is read: closing now loses nothing the client sent
+
+        def _linger(self) -> None:
+            assert self.refused_at is not None
+            self._stop_linger()
+            left = self.refused_at + linger.timeout_s - self.loop.time()
+            self.linger_timer = self.loop.call_later(max(0.0, min(linger.read_timeout_s, left)), self._close)
+
+        def _stop_linger(self) -> None:
+            if self.linger_timer is not None:
+                self.linger_timer.cancel()
+                self.linger_timer = None
+
+        def _close(self) -> None:
+            self._stop_linger()
+            if not self.transport.is_closing():
+                self.transport.close()
 
         def _between_requests(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
         def _await_headers(self) -> None:
-            self.header_timer = self.loop.call_later(timeout_s, self._headers_late)
+            self.header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
 
         def _stop_header_timer(self) -> None:
             if self.header_timer is not None:
@@ -289,5 +388,5 @@ def with_header_timeout(protocol: type[asyncio.Protocol], timeout_s: float) -> t
             if self._between_requests() and not self.transport.is_closing():
                 self.transport.close()
 
-    HeaderTimeoutProtocol.__name__ = HeaderTimeoutProtocol.__qualname__ = f"HeaderTimeout{protocol.__name__}"
-    return HeaderTimeoutProtocol
+    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{protocol.__name__}"
+    return GuardedProtocol

@@ -1,5 +1,5 @@
-"""A real uvicorn server on a free port, in a thread, for tests that need real HTTP (streaming, disconnects,
-the openai client)."""
+"""A real uvicorn server on a free port, in a thread, with the HTTP protocol the server runs, for tests that need real
+HTTP (streaming, disconnects, the openai client)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from server.api.app import create_app
+from server.api.app import create_app, http_protocol
 from server.engine.engine import Engine
 from server.settings import Settings
 
@@ -34,7 +34,9 @@ def serve(settings: Settings) -> Iterator[LiveServer]:
     app = create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY needs the proto
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", http=http_protocol(app), timeout_graceful_shutdown=5)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     live = LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", app)

@@ -24,9 +24,12 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from server.api.app import api_error_response, create_app
-from server.api.guard import RequestGuard, Turnstile, closing, within
+from server.api.app import api_error_response, create_app, http_protocol
+from server.api.guard import HeaderChecks, Linger, RequestGuard, Turnstile, closing, guarded_protocol, within
 from server.engine.engine import EngineFront
 from server.errors import Overloaded
 from server.metrics import RequestTimes, ServerMetrics
@@ -78,12 +81,13 @@ class LingerSettings(Settings):
 
 @contextmanager
 def running(settings: Settings, http: str = "httptools") -> Iterator[str]:
-    """An app on an :class:`Idle` engine behind a real uvicorn (``http``: its httptools or h11 protocol), in a
-    thread; yields its URL."""
+    """An app on an :class:`Idle` engine behind a real uvicorn (``http``: its httptools or h11 protocol, as the
+    server runs it), in a thread; yields its URL."""
     app = create_app(settings, Idle(settings, ServerMetrics()))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http, timeout_graceful_shutdown=5))
+    protocol = http_protocol(app, HttpToolsProtocol if http == "httptools" else H11Protocol)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=protocol, timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -226,6 +230,100 @@ def test_a_body_that_trickles_is_cut_off_after_the_discard_time(tmp_path) -> Non
     assert received.startswith(b"HTTP/1.1 413 ")
 
 
+# --- A2: with httptools, a request refused from its headers is answered by the protocol, as the guard would ------
+
+
+@contextmanager
+def protocol_only(checks: HeaderChecks, linger: Linger = Linger()) -> Iterator[tuple[str, list[str]]]:
+    """A uvicorn with ``guarded_protocol(httptools, checks)`` around an app that answers 200 and notes each path it
+    sees, access lines logged; yields its URL and the notes."""
+    seen: list[str] = []
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        seen.append(scope["path"])
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    protocol = guarded_protocol(HttpToolsProtocol, 30.0, checks, linger)
+    config = uvicorn.Config(app, log_level="info", http=protocol, lifespan="off", access_log=True)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", seen
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_the_protocol_answers_refusals_from_the_headers_without_the_app(capsys) -> None:
+    full = [True]
+    overloaded = Overloaded("the queue is full (2 requests waiting); retry later", retry_after_s=3)
+
+    def arrive():
+        if full[0]:
+            raise overloaded
+        return lambda: None
+
+    checks = HeaderChecks(SecretStr("s3cret"), lambda path: path.startswith("/v1/"), 1000, api_error_response, arrive)
+    key = b"Authorization: Bearer s3cret\r\n"
+    body = b'{"model": "m", "prompt": "x"}'
+    with protocol_only(checks, Linger(timeout_s=1.0, read_timeout_s=0.2)) as (url, seen):
+        answers = {}
+        for name, request in [
+            ("no key", head("/v1/generate", len(body)) + body),
+            ("declared too large", head("/v1/generate", 2000).replace(b"Host: x\r\n", b"Host: x\r\n" + key)),
+            ("queue full", head("/v1/generate", len(body)).replace(b"Host: x\r\n", b"Host: x\r\n" + key) + body),
+        ]:
+            with connect(url, timeout=5) as sock:
+                sock.sendall(request)
+                answers[name] = until_closed(sock)  # closed once the body is read (or, for 2000 bytes, timed out)
+        full[0] = False
+        passed = httpx.post(f"{url}/v1/generate", content=body, headers={"authorization": "Bearer s3cret"})
+        health = httpx.get(f"{url}/health")
+    assert seen == ["/v1/generate", "/health"]  # the refused requests never reached the app
+    assert (passed.status_code, health.status_code) == (200, 200)
+    statuses = {name: answer.split(b" ", 2)[1] for name, answer in answers.items()}
+    assert statuses == {"no key": b"401", "declared too large": b"413", "queue full": b"429"}
+    response_head, _, content = answers["queue full"].partition(b"\r\n\r\n")
+    assert header(response_head, b"retry-after") == b"3" and header(response_head, b"connection") == b"close"
+    assert header(response_head, b"server") == b"uvicorn" and header(response_head, b"date")
+    assert json.loads(content)["error"]["message"] == overloaded.message
+    assert '"POST /v1/generate HTTP/1.1" 429' in capsys.readouterr().out  # uvicorn's access line
+
+
+def test_a_refusal_from_the_protocol_is_the_guards_response_byte_for_byte(tmp_path) -> None:
+    """The same 401 and 429 through httptools (answered by the protocol) and h11 (by the guard in the app), but for
+    the Date header; a HEAD is left to the app, which sends no body."""
+
+    def answer(url: str, request: bytes) -> bytes:
+        with connect(url, timeout=5) as sock:
+            sock.sendall(request)
+            response = until_closed(sock)
+        return b"\r\n".join(line for line in response.split(b"\r\n") if not line.lower().startswith(b"date:"))
+
+    requests = [
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+        head("/v1/transduce", 2) + b"{}",
+        b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+    ]
+    answers = {}
+    for http in ("httptools", "h11"):
+        with running(make_settings(tmp_path, api_key="s3cret"), http) as url:
+            answers[http] = [answer(url, request) for request in requests]
+    assert answers["httptools"] == answers["h11"]
+    assert [response.split(b" ", 2)[1] for response in answers["h11"]] == [b"401", b"401", b"401"]
+    assert answers["h11"][2].endswith(b"\r\n\r\n")  # the HEAD's answer has no body
+
+
 # --- B: a full queue refuses from the headers; arrivals are counted out however they end ----------------------
 
 
@@ -249,7 +347,7 @@ def test_arrivals_fill_the_queue_and_admission_counts_them_out(tmp_path) -> None
 
 
 def guard_around(app, arrive) -> RequestGuard:
-    return RequestGuard(app, None, lambda path: False, 1000, 10.0, api_error_response, arrive=arrive)
+    return RequestGuard(app, HeaderChecks(None, lambda path: False, 1000, api_error_response, arrive), 10.0)
 
 
 def call(guard: RequestGuard, method: str = "POST", path: str = "/v1/generate") -> list[dict]:
