@@ -134,6 +134,13 @@ class Row:
 # --- processes -------------------------------------------------------------------------------------------------
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of a process so far, seconds (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def read_status(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM of a process, kB (empty if it has gone)."""
     try:
@@ -784,7 +791,11 @@ def scenario_burst(target: Target, args: argparse.Namespace) -> list[Row]:
 
     def burst(row: Row) -> None:
         row.notes.append(f"client: {client}")
+        cpu = cpu_seconds(target.api_pid) if target.api_pid else None
         results = h2load_burst(h2load, target.url, args) if h2load else run_async(burst_requests(target.url, args))
+        if cpu is not None and target.api_pid and alive(target.api_pid):
+            time.sleep(1.0)  # the admitted requests' answers end within it (16 tokens each)
+            row.notes.append(f"API process CPU {1e3 * (cpu_seconds(target.api_pid) - cpu):.0f} ms")
         statuses = Counter(status for status, _ in results)
         row.got = ", ".join(f"{status} x{count}" for status, count in sorted(statuses.items(), key=str))
         row.answer_s = max(seconds for _, seconds in results)
@@ -799,7 +810,11 @@ def scenario_burst(target: Target, args: argparse.Namespace) -> list[Row]:
             row.notes.append(f"200s: p50 {percentile(served, 50):.1f} s, max {max(served):.1f} s")
         row.extra.update(refused_s=refused, served_s=served, statuses={str(k): v for k, v in statuses.items()})
 
-    return [measured(target, "burst", f"{args.burst} generates at once, 16 tokens, own connections", burst)]
+    case = f"{args.burst} generates at once, 16 tokens, own connections"
+    return [
+        measured(target, "burst", case if args.bursts == 1 else f"{case}, burst {index + 1}", burst)
+        for index in range(args.bursts)
+    ]
 
 
 def h2load_burst(h2load: str, url: str, args: argparse.Namespace) -> list[tuple[int | str, float]]:
@@ -915,6 +930,7 @@ def main() -> None:
     parser.add_argument("--short-requests", type=int, default=10, help="8-token requests alone (beside-long)")
     parser.add_argument("--beside-s", type=float, default=30.0, help="the longest shorts are sent beside the prefill")
     parser.add_argument("--burst", type=int, default=500)
+    parser.add_argument("--bursts", type=int, default=1, help="bursts sent in turn to the same server, a row each")
     parser.add_argument(
         "--burst-client",
         choices=["auto", "h2load", "python"],
@@ -928,6 +944,8 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(SCENARIOS))
     if unknown:
         parser.error(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    if args.burst < 1 or args.bursts < 1:
+        parser.error(f"--burst and --bursts must be at least 1 (got {args.burst} and {args.bursts})")
     if args.engine_timeout is not None and not args.url:
         args.stall_s = max(args.stall_s, args.engine_timeout + 10)
     runners = {
