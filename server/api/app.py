@@ -105,8 +105,8 @@ def create_app(settings: Settings | None = None, engine: EngineFront | None = No
 
 
 def http_protocol(app: FastAPI, protocol: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP ``protocol`` as the server runs ``app`` (:func:`guarded_protocol`): late headers closed on, and
-    requests refused from their headers answered there, but with CORS (its headers come from the app's middleware)."""
+    """uvicorn's HTTP ``protocol`` as the server runs ``app`` (:func:`guarded_protocol`): connections with late headers
+    closed, and requests refused from their headers answered there (not with CORS, whose headers the app adds)."""
     settings: Settings = app.state.settings
     checks = None if settings.cors_origins else app.state.header_checks
     return guarded_protocol(protocol, settings.header_timeout_s, checks, app.state.linger)

@@ -324,6 +324,13 @@ def test_a_refusal_from_the_protocol_is_the_guards_response_byte_for_byte(tmp_pa
     assert answers["h11"][2].endswith(b"\r\n\r\n")  # the HEAD's answer has no body
 
 
+def test_with_cors_the_refusals_are_the_apps_and_carry_its_headers(tmp_path) -> None:
+    settings = make_settings(tmp_path, api_key="s3cret", cors_origins=["https://a.example"])
+    with running(settings) as url:
+        refused = httpx.get(f"{url}/v1/models", headers={"Origin": "https://a.example"})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://a.example"
+
+
 # --- B: a full queue refuses from the headers; arrivals are counted out however they end ----------------------
 
 
