@@ -108,6 +108,24 @@ def peak_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
 
 
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """User + system CPU time of the process so far (fields 14 and 15 of /proc/PID/stat), with ``children`` its child
+    processes' too (the engine process of a server)."""
+    total = 0
+    for each in [pid, *(child_pids(pid) if children else [])]:
+        fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The process's children (/proc/PID/task/*/children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
 def models_arguments(models: Path, cwd: Path) -> list[str]:
     """The options that serve ``models`` alone with the checkout at ``cwd``: ``--no-shipped-models --models`` where it
     serves ``--models`` beside its shipped checkpoints, ``--models`` in an older checkout, where it replaced them."""

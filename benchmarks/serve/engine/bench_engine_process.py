@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.serve.harness import ROOT, Record, machine, run_load, server_process
+from benchmarks.serve.harness import ROOT, Record, child_pids, cpu_seconds, machine, run_load, server_process
 from model.checkpoint import save_checkpoint
 from model.config import CheckpointConfig, LRNNConfig
 from model.registry import build_model
@@ -131,29 +131,11 @@ def load(url: str, path: str, bodies: list[dict], concurrency: int) -> tuple[lis
 def resident_mib(pid: int) -> float:
     """VmRSS of the process and its children (the engine process), MiB."""
     total = 0
-    for each in [pid, *_children(pid)]:
+    for each in [pid, *child_pids(pid)]:
         for line in Path(f"/proc/{each}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 total += int(line.split()[1])
     return total / 1024
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of the process and its children (the engine process) so far."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for each in [pid, *_children(pid)]:
-        fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / ticks
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        found += [int(child) for child in children]
-    return found
 
 
 def measure(url: str, model_id: str, args: argparse.Namespace) -> dict[str, float]:
@@ -161,11 +143,11 @@ def measure(url: str, model_id: str, args: argparse.Namespace) -> dict[str, floa
     figures = {"rss_mib": resident_mib(url.pid)}
     for stream in (False, True):
         sent = bodies(model_id, args.requests, args.max_tokens, stream, args.path)
-        used = cpu_seconds(url.pid)
+        used = cpu_seconds(url.pid, children=True)
         records, wall = load(url, args.path, sent, args.concurrency)
         tokens = sum(record.output_tokens for record in records)
         figures["streams" if stream else "whole"] = tokens / wall
-        figures["cpu_streams" if stream else "cpu_whole"] = 1e6 * (cpu_seconds(url.pid) - used) / tokens
+        figures["cpu_streams" if stream else "cpu_whole"] = 1e6 * (cpu_seconds(url.pid, children=True) - used) / tokens
     records, _ = load(url, args.path, bodies(model_id, args.single, args.max_tokens, True, args.path), 1)
     figures["tpot_ms"] = 1e3 * statistics.median(record.tpot for record in records if record.tpot is not None)
     return figures

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from benchmarks.serve.harness import ROOT, add_server_arguments, machine, percentile, server_process
+from benchmarks.serve.harness import ROOT, add_server_arguments, cpu_seconds, machine, percentile, server_process
 from server.settings import SHIPPED_CHECKPOINTS
 
 TEXT_LRNN, TEXT_GPT, PARITY = "text-lrnn", "text-regulargpt", "parity_check-lrnn"
@@ -132,13 +132,6 @@ class Row:
 
 
 # --- processes -------------------------------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU of a process so far, seconds (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def read_status(pid: int) -> dict[str, int]:
