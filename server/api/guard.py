@@ -72,7 +72,8 @@ class HeaderChecks:
     ) -> None:
         """``needs_key(path)``: whether the path needs the API key (when set); ``refuse(error)``: the response to an
         error found here, which must depend on the error's class, message and ``retry_after_s`` alone; ``arrive()``:
-        for a POST to a queued path, raises an ``APIError`` (429) or returns the function that ends its arrival."""
+        for a POST to a queued path, raises an ``APIError`` (429) or returns the function that ends its arrival, which
+        may be called more than once (its first call counts)."""
         self.needs_key, self.max_body_bytes, self.arrive = needs_key, max_body_bytes, arrive
         self.api_key = None if api_key is None else api_key.get_secret_value().encode()
         self.refusals = Refusals(refuse)
@@ -307,12 +308,22 @@ def guarded_protocol(
 
         def on_response_complete(self) -> None:
             self._stop_header_timer()
+            self._end_arrival()
             super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_header_timer()
             self._stop_linger()
+            self._end_arrival()
             super().connection_lost(exc)
+
+        def _end_arrival(self) -> None:
+            """End the arrival taken with the current request's headers by its response or its connection's end at the
+            latest, whether or not the request reached :class:`RequestGuard` (which ends it sooner; ending is
+            idempotent)."""
+            leave = None if self.cycle is None else self.cycle.scope.get(LEAVE)
+            if leave is not None:
+                leave()
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:  # httptools: the request's headers are parsed
             if self.refused_at is not None:  # a request pipelined behind the refused one: the connection is closing

@@ -234,15 +234,19 @@ def test_a_body_that_trickles_is_cut_off_after_the_discard_time(tmp_path) -> Non
 
 
 @contextmanager
-def protocol_only(checks: HeaderChecks, linger: Linger = Linger()) -> Iterator[tuple[str, list[str]]]:
-    """A uvicorn with ``guarded_protocol(httptools, checks)`` around an app that answers 200 and notes each path it
-    sees, access lines logged; yields its URL and the notes."""
+def protocol_only(
+    checks: HeaderChecks, linger: Linger = Linger(), failing: bool = False
+) -> Iterator[tuple[str, list[str]]]:
+    """A uvicorn with ``guarded_protocol(httptools, checks)`` around an app that answers 200 (or, ``failing``, raises)
+    and notes each path it sees, access lines logged; yields its URL and the notes."""
     seen: list[str] = []
 
     async def app(scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         seen.append(scope["path"])
+        if failing:
+            raise RuntimeError("a bug outside the guard")
         while (await receive()).get("more_body"):
             pass
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
@@ -298,6 +302,25 @@ def test_the_protocol_answers_refusals_from_the_headers_without_the_app(capsys) 
     assert header(response_head, b"server") == b"uvicorn" and header(response_head, b"date")
     assert json.loads(content)["error"]["message"] == overloaded.message
     assert '"POST /v1/generate HTTP/1.1" 429' in capsys.readouterr().out  # uvicorn's access line
+
+
+def test_an_arrival_taken_by_the_protocol_ends_even_if_the_guard_is_never_reached() -> None:
+    """The app here fails before any guard (as a middleware outside it could): the arrival taken from the headers
+    still ends, with the response (an engine's ``leave`` counts out once however often called)."""
+    arrivals: list[str] = []
+
+    def arrive():
+        arrivals.append("arrived")
+        return lambda: arrivals.append("left")
+
+    checks = HeaderChecks(None, lambda path: False, 1000, api_error_response, arrive)
+    body = b'{"model": "m", "prompt": "x"}'
+    with protocol_only(checks, failing=True) as (url, _):
+        with connect(url, timeout=5) as sock:
+            sock.sendall(head("/v1/generate", len(body)) + body)
+            response = until_closed(sock)
+        wait_for(lambda: arrivals[:2] == ["arrived", "left"])
+    assert response.startswith(b"HTTP/1.1 500 ")
 
 
 def test_a_refusal_from_the_protocol_is_the_guards_response_byte_for_byte(tmp_path) -> None:
