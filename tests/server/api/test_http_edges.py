@@ -1,5 +1,6 @@
 """The HTTP edges: a body answered before it was read is discarded (bounded) before the connection closes, so that
-every client reads its 413; a full queue refuses from the headers (429) before the body is read, the requests it
+every client reads its 413; with httptools the protocol answers refusals from the headers with the guard's bytes,
+without the app; a full queue refuses from the headers (429) before the body is read, the requests it
 counts as arriving are counted out however they end, and admitted requests go on one per turn of the event loop;
 405s name the allowed methods; no redirect is built from the Host header; a 409 names no server path; /health says
 "degraded" while checkpoint folders were skipped."""
