@@ -119,10 +119,13 @@ def cpu_seconds(pid: int, children: bool = False) -> float:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The process's children (/proc/PID/task/*/children)."""
+    """The process's children, every thread's (/proc/PID/task/*/children); those found before it went, if it has."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(child) for child in (task / "children").read_text().split()]
+    except OSError:
+        pass
     return found
 
 

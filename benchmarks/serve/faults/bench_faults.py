@@ -45,7 +45,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from benchmarks.serve.harness import ROOT, add_server_arguments, cpu_seconds, machine, percentile, server_process
+from benchmarks.serve.harness import (
+    ROOT,
+    add_server_arguments,
+    child_pids,
+    cpu_seconds,
+    machine,
+    percentile,
+    server_process,
+)
 from server.settings import SHIPPED_CHECKPOINTS
 
 TEXT_LRNN, TEXT_GPT, PARITY = "text-lrnn", "text-regulargpt", "parity_check-lrnn"
@@ -144,20 +152,10 @@ def read_status(pid: int) -> dict[str, int]:
     return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM") if key in fields}
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(child) for child in (task / "children").read_text().split()]
-    except OSError:
-        pass
-    return found
-
-
 def engine_pid_of(api_pid: int) -> int | None:
     """The engine process: the API process's child started by multiprocessing (not its resource tracker)."""
     candidates = []
-    for child in children(api_pid):
+    for child in child_pids(api_pid):
         try:
             command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:

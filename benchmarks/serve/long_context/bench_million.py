@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve.harness import add_server_arguments, machine, server_process
+from benchmarks.serve.harness import add_server_arguments, child_pids, machine, server_process
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
 from server.settings import SHIPPED_CHECKPOINTS
@@ -67,20 +67,12 @@ def memory(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM of the server, in bytes: its process and its children (the engine process that
     ``python -m server`` starts, docs/serving.md), summed."""
     fields = {"VmRSS": 0, "VmHWM": 0}
-    for each in [pid, *children(pid)]:
+    for each in [pid, *child_pids(pid)]:
         for line in Path(f"/proc/{each}/status").read_text().splitlines():
             name, _, value = line.partition(":")
             if name in fields:
                 fields[name] += int(value.split()[0]) * 1024
     return fields
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (every thread's), from /proc."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 async def prefix_cache_hits(client: httpx.AsyncClient, model_id: str) -> float:
