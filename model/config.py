@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 
 class ConfigError(ValueError):
@@ -49,7 +49,9 @@ class RegularGPTConfig(BaseModelConfig):
     """RegularGPT (model/regulargpt/model.py): layer l lets position m attend to m - j chunk_size**l, j in [chunk_size],
     through ``thickness`` shared blocks. ``attention_impl``: "reference" (T x T mask), "fast" (gathered keys) or "auto".
     ``out_of_range``: slots before position 0 hold a learned null key/value ("null") or are masked ("mask").
-    ``block_norm``: "pre" x + f(LN(x)) or "post" LN(x + f(x))."""
+    ``block_norm``: "pre" x + f(LN(x)) or "post" LN(x + f(x)). ``level_codes`` (transducers): each thick layer's output
+    is replaced, at every position, by the code (a row of the weights' ``level_codes``, one per label) of the label the
+    head reads there, so the shared blocks compose the same vectors at every depth (``python -m training snap``)."""
 
     n_heads: int = 4
     d_ff: int = 256
@@ -59,6 +61,7 @@ class RegularGPTConfig(BaseModelConfig):
     out_of_range: Literal["mask", "null"] = "null"
     block_norm: Literal["pre", "post"] = "pre"
     layer_norm_eps: float = 1e-5
+    level_codes: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,6 +69,8 @@ class RegularGPTConfig(BaseModelConfig):
         _check_heads(self.d_model, self.n_heads)
         if self.chunk_size < 2:
             raise ConfigError(f"chunk_size must be >= 2, got {self.chunk_size}")
+        if self.level_codes and self.is_language_model:
+            raise ConfigError("level_codes needs a transducer's labels (num_labels > 0)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,6 +359,7 @@ _V1_DEFAULTS: dict[str, dict[str, Any]] = {
 _ADDED_KEYS: dict[int, dict[str, dict[str, Any]]] = {
     3: {"lrnn": {"transition_rank": None}},  # the full transition generator, the only one before
     4: {"regulargpt": {"block_norm": "pre"}},  # pre-norm blocks, the only ones before
+    5: {"regulargpt": {"level_codes": False}},  # each layer's output as it is
 }
 
 

@@ -4,7 +4,7 @@ reaching a new depth first runs its consumed positions through the new layers (:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -186,14 +186,16 @@ def forward_chunk(
     modules: nn.ModuleList,
     packed: PackedBlocks | None,
     config: RegularGPTConfig,
+    settle: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """x (B, n, d) embeddings continuing each cache row -> hidden states before the final LayerNorm, each position read
-    at its own depth; advances the cache by n."""
+    at its own depth; advances the cache by n. ``settle``: applied to every thick layer's output (RegularGPT's
+    ``_settle``)."""
     if x.shape[1] == 0:
         return x
     chunk_size, length, start = config.chunk_size, x.shape[1], cache.lengths
     blocks = [CachedBlock.of(block) for block in cast("Iterable[Block]", modules)]
-    first_depths = _reserve(cache, length, blocks, config)  # each row's depth at its first new position
+    first_depths = _reserve(cache, length, blocks, config, settle)  # each row's depth at its first new position
     mixed = min(first_depths) < cache.depth  # some outputs are read below the top layer
     positions = start.to(x.device)[:, None] + torch.arange(length, device=x.device)  # (B, n)
     if mixed:  # (B, n) nondecreasing along n, from the lengths on the CPU (no device sync)
@@ -213,6 +215,7 @@ def forward_chunk(
             x = _compiled_thick_layer(x, layer, windows, step_positions, latest, packed, panels, config)  # (B, 1, d)
         else:
             x = _cached_thick_layer(x, chunk_size**layer, windows, plans[layer], blocks)  # (B, n, d)
+        x = settle(x)
         if mixed:
             out = torch.where(position_depths[..., None] == layer + 1, x, out)  # (B, n, d)
             top = torch.where(position_depths[:, -1:, None] == layer + 1, x, top)  # each row's own top layer
@@ -225,9 +228,16 @@ def forward_chunk(
     return out
 
 
-def _reserve(cache: RegularGPTCache, length: int, blocks: list[CachedBlock], config: RegularGPTConfig) -> list[int]:
+def _reserve(
+    cache: RegularGPTCache,
+    length: int,
+    blocks: list[CachedBlock],
+    config: RegularGPTConfig,
+    settle: Callable[[torch.Tensor], torch.Tensor],
+) -> list[int]:
     """Make room for ``length`` tokens, add the needed layers, and deepen each row by running its consumed positions
-    through the new layers (there a pointwise continuation); returns each row's depth at its first new position."""
+    through the new layers (there a pointwise continuation, then ``settle``); returns each row's depth at its first
+    new position."""
     chunk_size, heads, lengths = config.chunk_size, config.n_heads, cache.lengths.tolist()
     old = [adaptive_depth(t - 1, chunk_size) if t else 0 for t in lengths]
     first = [adaptive_depth(t, chunk_size) for t in lengths]
@@ -253,8 +263,8 @@ def _reserve(cache: RegularGPTCache, length: int, blocks: list[CachedBlock], con
             start = torch.zeros(len(group), dtype=torch.long)  # the consumed positions as one chunk
             (plan,) = plan_chunk(start, consumed, chunk_size, heads, allocated, index.device, index, layer)
             hidden = cache.top_hidden[index, :consumed]  # (R, t, d) after layer - 1; garbage past each t_b
-            cache.top_hidden[index, :consumed] = _cached_thick_layer(
-                hidden, chunk_size**layer, cache.windows[layer], plan, blocks
+            cache.top_hidden[index, :consumed] = settle(
+                _cached_thick_layer(hidden, chunk_size**layer, cache.windows[layer], plan, blocks)
             )
     return first
 

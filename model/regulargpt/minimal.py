@@ -85,8 +85,15 @@ def regulargpt(
     for layer in range(int(depths.max())):
         for p in blocks:  # the same K blocks at every thick layer
             x = block(x, p, n_heads, chunk_size, chunk_size**layer, eps, post_norm)
+        if "level_codes" in params:  # each position becomes the code of the label read from it
+            x = params["level_codes"][head(x, params, eps).argmax(dim=-1)]
         out[:, depths == layer + 1] = x[:, depths == layer + 1]  # the positions whose depth is layer + 1
-    out = F.layer_norm(out, out.shape[-1:], params["ln_f.weight"], params["ln_f.bias"], eps)
+    return head(out, params, eps)
+
+
+def head(x: torch.Tensor, params: Params, eps: float) -> torch.Tensor:
+    """Hidden states (..., d) -> logits (..., output_size): the final LayerNorm, then the head."""
+    x = F.layer_norm(x, x.shape[-1:], params["ln_f.weight"], params["ln_f.bias"], eps)
     if "embedding.label_head.weight" in params:  # a transducer's labels
-        return F.linear(out, params["embedding.label_head.weight"], params["embedding.label_head.bias"])
-    return F.linear(out, params["embedding.embed.weight"])  # a language model's head, tied to the embedding
+        return F.linear(x, params["embedding.label_head.weight"], params["embedding.label_head.bias"])
+    return F.linear(x, params["embedding.embed.weight"])  # a language model's head, tied to the embedding

@@ -61,6 +61,7 @@ class DilatedSelfAttention(nn.Module):
 
 class RegularGPT(SequenceModel):
     config: RegularGPTConfig
+    level_codes: nn.Parameter | None
 
     def __init__(self, config: RegularGPTConfig) -> None:
         super().__init__()
@@ -79,6 +80,8 @@ class RegularGPT(SequenceModel):
         )
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         init_gpt2(self, n_residual_layers=config.thickness)  # scaled over the K distinct blocks
+        codes = nn.Parameter(torch.zeros(config.output_size, config.d_model)) if config.level_codes else None
+        self.register_parameter("level_codes", codes)  # (labels, d): set by ``python -m training snap``
         self.packed: PackedBlocks | None = None  # set by for_serving where decode steps run compiled
         self.fixed_costs = regulargpt_cost.FixedCosts()  # the cached path's, once measured (measure_fixed_costs)
         # Training only (set by the trainer): read every position this many thick layers above its depth D(m).
@@ -89,7 +92,7 @@ class RegularGPT(SequenceModel):
         assert cache is None or isinstance(cache, RegularGPTCache)
         x = self.embedding(tokens)  # (B, T, d)
         if cache is not None:
-            return self._logits(forward_chunk(x, cache, self.blocks, self.packed, self.config))
+            return self._logits(forward_chunk(x, cache, self.blocks, self.packed, self.config, self._settle))
         chunk_size = self.config.chunk_size
         extra = self.extra_levels if self.training else 0
         outputs = []
@@ -224,10 +227,18 @@ class RegularGPT(SequenceModel):
         return cast(DilatedSelfAttention, self.blocks[0].attention).impl
 
     def _thick_layer(self, x: torch.Tensor, dilation: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """The K blocks in order, all at ``dilation``, over positions 0..T-1. x: (B, T, d) -> (B, T, d)."""
+        """The K blocks in order, all at ``dilation``, over positions 0..T-1, then :meth:`_settle`. x: (B, T, d) ->
+        (B, T, d)."""
         for block in self.blocks:
             x = block(x, dilation=dilation, key_offset=key_offset)
-        return x
+        return self._settle(x)
+
+    def _settle(self, x: torch.Tensor) -> torch.Tensor:
+        """A thick layer's output x (..., d) as the next one reads it: with ``level_codes``, each position's code of
+        the label the head reads from it; else x."""
+        if self.level_codes is None:
+            return x
+        return self.level_codes[self._logits(x).argmax(dim=-1)]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (..., d) -> (..., output_size)."""

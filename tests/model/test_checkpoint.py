@@ -114,6 +114,18 @@ def test_version_1_defaults_cover_every_key(architecture: str) -> None:
     assert CheckpointConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
+def test_a_version_4_regulargpt_hands_on_its_layers_own_outputs(tmp_path: Path) -> None:
+    """Level codes came in version 5: an older RegularGPT file has none; a language model cannot have them."""
+    data = json.loads(json.dumps(transducer_config("regulargpt-c2").to_dict()))
+    data["format_version"] = 4
+    data["model"].pop("level_codes")
+    assert CheckpointConfig.from_dict(migrate_config(data)).model.level_codes is False
+    data = {**data, "kind": "generate", "alphabet": None, "labels": None, "tokenizer": "tiny-bpe"}
+    data["model"] = {**data["model"], "num_labels": 0, "level_codes": True}
+    with pytest.raises(ConfigError, match="level_codes needs a transducer's labels"):
+        CheckpointConfig.from_dict(migrate_config(data))
+
+
 def edit_config(directory: Path, edit) -> None:
     path = directory / "config.json"
     data = json.loads(path.read_text())

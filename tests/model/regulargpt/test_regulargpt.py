@@ -26,6 +26,7 @@ from model.regulargpt.cache import (
     capacity,
     plan_chunk,
 )
+from model.regulargpt.minimal import regulargpt as regulargpt_minimal
 from model.regulargpt.model import RegularGPT
 
 VOCAB = 5
@@ -606,3 +607,49 @@ def test_run_in_slices_with_final_outputs_is_the_shrinking_path_in_pieces(
         declared = model.slices_cost(length, False, whole / 10)
         assert declared.flops == whole and declared.nbytes >= 2 * length * 16 * 4
     assert model.slices_cost(513, True, 1e6) == super(RegularGPT, model).slices_cost(513, True, 1e6)
+
+
+def with_level_codes(chunk_size: int, thickness: int, out_of_range: str, block_norm: str) -> RegularGPT:
+    """A 3-label model whose thick layers hand on codes (random rows, so that the label read decides them)."""
+    model = make(chunk_size, thickness, num_labels=3, out_of_range=out_of_range, block_norm=block_norm)
+    coded = RegularGPT(dataclasses.replace(model.config, level_codes=True)).double().eval()
+    codes = torch.randn(3, model.config.d_model, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    coded.load_state_dict({**model.state_dict(), "level_codes": codes})
+    return coded
+
+
+@OUT_OF_RANGE
+@BLOCK_NORM
+@pytest.mark.parametrize(("chunk_size", "thickness"), [(2, 1), (3, 2)])
+def test_level_codes_hold_on_every_path(chunk_size: int, thickness: int, out_of_range: str, block_norm: str) -> None:
+    """With level codes the parallel pass, the minimal reference, the shrinking path, cached chunks and steps all
+    hand the same codes on; and the codes change the outputs (each position reads one of them)."""
+    model = with_level_codes(chunk_size, thickness, out_of_range, block_norm)
+    length = chunk_size**3 + 2
+    tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        parallel = model(tokens)  # (B, T, 3)
+        reference = regulargpt_minimal(
+            tokens,
+            model.state_dict(),
+            model.config.n_heads,
+            chunk_size,
+            thickness,
+            model.config.layer_norm_eps,
+            post_norm=block_norm == "post",
+        )
+        torch.testing.assert_close(reference, parallel, rtol=1e-9, atol=1e-9)
+        for n in boundary_lengths(chunk_size, length):
+            torch.testing.assert_close(model.final_logits(tokens[:, :n]), parallel[:, n - 1], rtol=1e-9, atol=1e-9)
+        cache = model.new_cache(batch_size=2)
+        chunked = [model(tokens[:, :5], cache=cache), model(tokens[:, 5:9], cache=cache)]
+        stepped = [model.step(tokens[:, t], cache)[:, None] for t in range(9, length)]
+        torch.testing.assert_close(torch.cat(chunked + stepped, dim=1), parallel, rtol=1e-9, atol=1e-9)
+        codes = model.level_codes
+        assert codes is not None
+        read = model._logits(codes)  # (3, 3): what the head reads from each code
+        deep = parallel[:, chunk_size:]  # positions read after a thick layer that handed on codes
+        assert all(any(torch.allclose(row, code) for code in read) for row in deep.reshape(-1, 3))
+        plain = RegularGPT(dataclasses.replace(model.config, level_codes=False)).double().eval()
+        plain.load_state_dict({name: value for name, value in model.state_dict().items() if name != "level_codes"})
+        assert not torch.allclose(plain(tokens), parallel)
