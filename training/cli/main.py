@@ -1,4 +1,4 @@
-"""``python -m training train|eval|compile|upgrade|export`` (docs/api.md, Command line): argument parsing and
+"""``python -m training train|eval|compile|upgrade|export|snap`` (docs/api.md, Command line): argument parsing and
 validation; text subcommands are in text.py, ``compile`` in compile.py. Every subcommand first sets torch's threads.
 Exit codes: 0 done; 2 bad input, with one line on stderr that says what is wrong.
 """
@@ -12,10 +12,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from model.checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, read_config, upgrade_config
+from model.checkpoint import (
+    CONFIG_FILE,
+    CheckpointError,
+    LoadedCheckpoint,
+    load_checkpoint,
+    read_config,
+    upgrade_config,
+)
 from model.config import ARCHITECTURE_CONFIGS
 from model.threads import set_threads
 from model.tokenizer import TokenizerError
+from training import level_codes
 from training.cli.arguments import (
     Parser,
     UsageError,
@@ -34,6 +42,7 @@ from training.cli.train import (
     add_training_flags,
     check_new_run,
     check_resume_flags,
+    command_line,
     launch,
     require_new_run_flags,
     resuming,
@@ -99,6 +108,7 @@ COMMANDS = {  # each command's one-line summary: ``python -m training --help`` l
     "compile": "compile a DFA JSON file into a checkpoint folder",
     "upgrade": "rewrite old checkpoints' config.json in the current format",
     "export": "write a run's weights as of its last resume save (between evaluations) as a checkpoint folder",
+    "snap": "give a RegularGPT transducer level codes, so that each thick layer hands on the label it reads",
     **TEXT_COMMANDS,
 }
 
@@ -129,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     add_threads(compile_parser)
     _add_upgrade_parser(command("upgrade"))
     _add_export_parser(command("export"))
+    _add_snap_parser(command("snap"))
     add_text_commands(command)  # bpe, text-train, text-eval: training/cli/text.py
     return parser
 
@@ -282,6 +293,41 @@ def _run_export(args: argparse.Namespace, argv: list[str]) -> int:
     print(
         f"wrote {args.out}: the {'best' if args.best else 'current'} weights of {args.folder} at step "
         f"{metadata['steps']}"
+    )
+    return 0
+
+
+def _add_snap_parser(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(run=_run_snap)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a RegularGPT transducer's checkpoint folder")
+    parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder to write")
+    parser.add_argument(
+        "--strings",
+        type=positive_int,
+        default=512,
+        help="strings of the task's longest training length whose windows make the codes (default 512)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    add_threads(parser)
+
+
+def _run_snap(args: argparse.Namespace, argv: list[str]) -> int:
+    """training/level_codes.py: the codes, the check on training-length strings, the folder."""
+    loaded = _load_transducer(args.checkpoint, "cpu")
+    if args.out.resolve() == args.checkpoint.resolve():
+        raise UsageError("--out must be another folder than --checkpoint")
+    if (args.out / CONFIG_FILE).exists() and not args.overwrite:
+        raise UsageError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it")
+    try:
+        command = command_line(argv, world_size=1, local_world_size=1)
+        snapped = level_codes.snap(loaded, _task(_task_name(loaded)), args.strings, args.seed, command)
+    except level_codes.SnapError as error:
+        raise UsageError(str(error)) from None
+    level_codes.write(snapped, args.out)
+    print(
+        f"wrote {args.out}: codes from {snapped.windows:,} windows; right at every position of "
+        f"{level_codes.CHECK_STRINGS} strings of the training lengths, with the codes as without"
     )
     return 0
 

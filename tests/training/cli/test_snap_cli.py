@@ -1,0 +1,95 @@
+"""``python -m training snap`` (training/level_codes.py): a RegularGPT of a group's word problem gets level codes that
+every path hands on and stays right; a task whose labels do not say what a window carries, another architecture, a
+checkpoint that has codes and bad flags are refused with exit code 2 and one line on stderr."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import CheckpointConfig, RegularGPTConfig
+from model.regulargpt.model import RegularGPT
+from training.cli.main import main
+from training.data.batches import FinalLabelSet, count_correct_final
+from training.data.tasks import get_task
+from training.level_codes import window_labels
+
+CHECKPOINTS = Path(__file__).resolve().parents[3] / "checkpoints"
+
+
+def snap(*argv: str) -> int:
+    return main(["snap", "--strings", "16", "--threads", "1", *argv])
+
+
+def test_window_labels_read_each_window_from_the_start() -> None:
+    task = get_task("parity_check")
+    assert window_labels(task, "1101", 2) == ["1", "0", "1", "1"]  # "1", "11", "10", "01"
+    assert window_labels(task, "1101", 8) == task.label("1101")  # every window a prefix
+
+
+def test_a_group_task_gets_codes_and_stays_right(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "snapped"
+    assert snap("--checkpoint", str(CHECKPOINTS / "parity_check-regulargpt"), "--out", str(out)) == 0
+    assert "right at every position of 256 strings of the training lengths" in capsys.readouterr().out
+    loaded = load_checkpoint(out, device="cpu")
+    assert loaded.config.model.level_codes is True
+    assert loaded.config.metadata["level_codes"]["command"].startswith("python -m training snap ")
+    codes = loaded.model.level_codes
+    assert codes is not None and codes.shape == (2, loaded.config.model.d_model)
+    task = get_task("parity_check")
+    examples = FinalLabelSet.draw(task, np.random.default_rng(5), 32, (200, 700))
+    assert count_correct_final(loaded.model, examples, task.alphabet, batch_size=8) == 32
+    tokens = torch.tensor([[task.alphabet.index(symbol) for symbol in examples.strings[0]]])
+    with torch.no_grad():  # each output is the head's reading of one of the two codes
+        read = loaded.model._logits(codes)
+        outputs = loaded.model(tokens)[0]
+    assert all(any(torch.allclose(row, code) for code in read) for row in outputs)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "extra", "message"),
+    [
+        ("even_pairs-regulargpt", [], "even_pairs's labels do not say all a window carries"),
+        ("parity_check-lrnn", [], "level codes are for RegularGPT transducers, not a lrnn transduce model"),
+        ("text-regulargpt", [], "is a text model"),
+        ("missing-folder", [], "missing-folder"),
+        ("parity_check-regulargpt", ["--strings", "0"], "--strings"),
+    ],
+)
+def test_what_cannot_have_codes_is_refused(checkpoint: str, extra: list[str], message: str, tmp_path, capsys) -> None:
+    code = snap("--checkpoint", str(CHECKPOINTS / checkpoint), "--out", str(tmp_path / "out"), *extra)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_codes_twice_and_writing_over_the_checkpoint_are_refused(tmp_path: Path, capsys) -> None:
+    once = tmp_path / "once"
+    assert snap("--checkpoint", str(CHECKPOINTS / "parity_check-regulargpt"), "--out", str(once)) == 0
+    assert snap("--checkpoint", str(once), "--out", str(tmp_path / "twice")) == 2
+    assert "has level codes already" in capsys.readouterr().err
+    assert snap("--checkpoint", str(once), "--out", str(once)) == 2
+    assert "--out must be another folder than --checkpoint" in capsys.readouterr().err
+    parity = str(CHECKPOINTS / "parity_check-regulargpt")
+    before = (once / "model.safetensors").read_bytes()
+    assert snap("--checkpoint", parity, "--out", str(once)) == 2
+    assert "already holds a checkpoint; pass --overwrite" in capsys.readouterr().err
+    assert (once / "model.safetensors").read_bytes() == before
+    assert snap("--checkpoint", parity, "--out", str(once), "--overwrite", "--seed", "1") == 0
+
+
+def test_a_model_that_has_not_fit_its_training_lengths_is_refused(tmp_path: Path, capsys) -> None:
+    task = get_task("parity_check")
+    config = RegularGPTConfig(vocab_size=2, num_labels=2, d_model=8, n_heads=2, d_ff=16)
+    checkpoint = CheckpointConfig(
+        architecture="regulargpt", model=config, kind="transduce", task=task.name, alphabet="01", labels=task.labels
+    )
+    torch.manual_seed(0)
+    folder = save_checkpoint(RegularGPT(config), checkpoint, tmp_path / "random")
+    assert snap("--checkpoint", str(folder), "--out", str(tmp_path / "out")) == 2
+    assert "before any codes: it has not fit them" in capsys.readouterr().err
