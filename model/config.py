@@ -363,6 +363,13 @@ _ADDED_KEYS: dict[int, dict[str, dict[str, Any]]] = {
 }
 
 
+def with_added_keys(architecture: str, model: dict[str, Any]) -> dict[str, Any]:
+    """A model config ``model`` of ``architecture`` with each key a later format version added, where it lacks one, as
+    older files meant it: for model configs kept without a version (a training run's resume state)."""
+    added = {key: value for keys in _ADDED_KEYS.values() for key, value in keys.get(architecture, {}).items()}
+    return {**added, **model}
+
+
 def migrate_config(data: Any) -> dict[str, Any]:
     """A config.json object of any readable version -> a copy in the current one; ConfigError for an unreadable version
     or unknown architecture."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from model.checkpoint import CONFIG_FILE, load_checkpoint
-from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, dataclass_from_dict
+from model.config import ARCHITECTURE_CONFIGS, BaseModelConfig, ConfigError, dataclass_from_dict, with_added_keys
 from model.registry import build_model
 from model.threads import set_threads
 from model.tokenizer import load_tokenizer
@@ -300,12 +300,12 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
                 "to go on"
             )
         settings = dataclasses.replace(saved, steps=steps)
-        model_config = dataclass_from_dict(
-            ARCHITECTURE_CONFIGS[state["architecture"]], state["model"], where="resume model"
-        )
+        architecture = state["architecture"]  # a run saved before a model key existed ran as older files mean it
+        model = with_added_keys(architecture, state["model"])
+        model_config = dataclass_from_dict(ARCHITECTURE_CONFIGS[architecture], model, where="resume model")
         objective = _built(lambda: _resumed_objective(state["objective"], settings, args.out, dist))
         return train(settings, objective, model_config, args.out, state["command"], dist, options, resume=command)
-    except ResumeError as error:
+    except (ResumeError, ConfigError) as error:
         raise UsageError(str(error)) from None
     finally:
         dist.close()

@@ -329,3 +329,20 @@ def test_power_offsets_and_final_only_change_the_run_and_a_run_saved_before_them
     edit_resume_state(out, drop)
     assert main([*flags, "--out", str(out), "--resume"]) == 0
     assert read_log(out)[-1]["param_sha256"] == digests["plain"]
+
+
+def test_a_regulargpt_run_saved_before_level_codes_resumes_as_it_ran(tmp_path: Path) -> None:
+    """A resume file whose model config lacks a key a later format added (level_codes, format 5) resumes with that
+    key as older files meant it, to the weights of the uncut run; a model config the build cannot read exits 2."""
+    flags = ["train", "--task", "parity_check", "--steps", "4", "--eval-every", "2", "--threads", "1"]
+    flags += ["--arch", "regulargpt", "--d-model", "8", "--heads", "2", "--d-ff", "16", *TINY_RUN]
+    assert main([*flags, "--out", str(tmp_path / "uncut")]) == 0
+    out = tmp_path / "older"
+    assert main([*flags, "--out", str(out), "--time-budget", "0.001"]) == 0
+    edit_resume_state(out, lambda state: state["model"].pop("level_codes"))
+    assert main([*flags, "--out", str(out), "--resume"]) == 0
+    assert read_log(out)[-1]["param_sha256"] == read_log(tmp_path / "uncut")[-1]["param_sha256"]
+    broken = tmp_path / "broken"
+    assert main([*flags, "--out", str(broken), "--time-budget", "0.001"]) == 0
+    edit_resume_state(broken, lambda state: state["model"].update(d_ff="wide"))
+    assert main([*flags, "--out", str(broken), "--resume"]) == 2
