@@ -26,9 +26,8 @@ from model.regulargpt.cache import adaptive_depth
 from model.regulargpt.model import RegularGPT
 from training.data.tasks import Task
 
-CHECK_STRINGS = (
-    256  # strings of the training lengths the model must read right at every position, with and without codes
-)
+# Strings of the training lengths the model must read right at every position, with its codes and without.
+CHECK_STRINGS = 256
 
 
 class SnapError(ValueError):
@@ -37,7 +36,7 @@ class SnapError(ValueError):
 
 @dataclass(frozen=True)
 class Snapped:
-    """The model with its codes, and what was measured on the way."""
+    """The model with its codes, its checkpoint config, and how many windows the codes were averaged over."""
 
     model: RegularGPT
     config: CheckpointConfig
