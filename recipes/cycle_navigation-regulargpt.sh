@@ -1,7 +1,8 @@
 #!/bin/sh
 # Recipe of checkpoints/cycle_navigation-regulargpt: RegularGPT d64, C = 2, 8,000 steps, seed 5.
 #
-# The command recorded in checkpoints/cycle_navigation-regulargpt/config.json (metadata.command), but for --out
+# The commands recorded in checkpoints/cycle_navigation-regulargpt/config.json (metadata.command; metadata.level_codes.command,
+# 2026-12-05: level codes, docs/models.md), but for --out
 # /tmp/gruns/cpu-cn-rg-s5, --overwrite. Trained in 1,010 s of wall time on one Xeon core of the lent GPU machine
 # (torch 2.11, --device cpu), 2026-11-23.
 #
@@ -12,12 +13,14 @@
 # Figures: docs/results.md, "Shipped trained checkpoints".
 #
 # Run from the repository root: recipes/cycle_navigation-regulargpt.sh [more train flags, which override the recipe's].
-# OUT=folder (default runs/cycle_navigation-regulargpt; a folder holding a checkpoint is refused), PYTHON=interpreter.
+# OUT=folder (default runs/cycle_navigation-regulargpt; the trained model is written to $OUT-trained first, then given level
+# codes by python -m training snap; a folder holding a checkpoint is refused), PYTHON=interpreter.
 # Evaluate: recipes/evaluate.sh runs/cycle_navigation-regulargpt
 set -eu
 OUT=${OUT:-runs/cycle_navigation-regulargpt}
-exec "${PYTHON:-python}" -m training train \
+"${PYTHON:-python}" -m training train \
     --task cycle_navigation --arch regulargpt --out-of-range null --chunk-size 2 --d-model 64 --heads 4 \
     --d-ff 128 --batch-size 64 --lr 2e-3 --schedule cosine --warmup-steps 100 --eval-every 250 \
     --eval-samples 200 --seed 5 --steps 8000 --device cpu --no-progress \
-    --out "$OUT" "$@"
+    --out "$OUT-trained" "$@"
+exec "${PYTHON:-python}" -m training snap --checkpoint "$OUT-trained" --out "$OUT" --threads 1

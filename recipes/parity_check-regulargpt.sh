@@ -2,7 +2,8 @@
 # Recipe of checkpoints/parity_check-regulargpt: RegularGPT d32, C = 2; --target-accuracy 1.0 stops it at the first
 # perfect evaluation (step 500).
 #
-# The command recorded in checkpoints/parity_check-regulargpt/config.json (metadata.command), but for --out
+# The commands recorded in checkpoints/parity_check-regulargpt/config.json (metadata.command; metadata.level_codes.command,
+# 2026-12-05: level codes, docs/models.md), but for --out
 # runs/parity_check-regulargpt. Trained in 67 s of wall time on the development CPU, 2026-11-22/23.
 #
 # It was trained by the training loop of its day, before the one trainer of 2026-11-23: the flags mean the same
@@ -12,12 +13,14 @@
 # Figures: docs/results.md, "Shipped trained checkpoints".
 #
 # Run from the repository root: recipes/parity_check-regulargpt.sh [more train flags, which override the recipe's].
-# OUT=folder (default runs/parity_check-regulargpt; a folder holding a checkpoint is refused), PYTHON=interpreter.
+# OUT=folder (default runs/parity_check-regulargpt; the trained model is written to $OUT-trained first, then given level
+# codes by python -m training snap; a folder holding a checkpoint is refused), PYTHON=interpreter.
 # Evaluate: recipes/evaluate.sh runs/parity_check-regulargpt
 set -eu
 OUT=${OUT:-runs/parity_check-regulargpt}
-exec "${PYTHON:-python}" -m training train \
+"${PYTHON:-python}" -m training train \
     --task parity_check --arch regulargpt --out-of-range null --chunk-size 2 --d-model 32 --heads 2 --d-ff 64 \
     --steps 2000 --batch-size 64 --lr 2e-3 --schedule cosine --warmup-steps 100 --p-one 0-1 --eval-every 250 \
     --eval-samples 100 --target-accuracy 1.0 --seed 0 --no-progress \
-    --out "$OUT" "$@"
+    --out "$OUT-trained" "$@"
+exec "${PYTHON:-python}" -m training snap --checkpoint "$OUT-trained" --out "$OUT" --threads 1
