@@ -4,6 +4,7 @@ checkpoint that has codes and bad flags are refused with exit code 2 and one lin
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +26,27 @@ def snap(*argv: str) -> int:
     return main(["snap", "--strings", "16", "--threads", "1", *argv])
 
 
+@pytest.fixture
+def trained(tmp_path: Path) -> str:
+    """The shipped parity_check-regulargpt as trained, before its level codes: a folder under tmp_path."""
+    loaded = load_checkpoint(CHECKPOINTS / "parity_check-regulargpt", device="cpu")
+    model_config = dataclasses.replace(loaded.config.model, level_codes=False)
+    model = RegularGPT(model_config)
+    model.load_state_dict({name: value for name, value in loaded.model.state_dict().items() if name != "level_codes"})
+    metadata = {name: value for name, value in loaded.config.metadata.items() if name != "level_codes"}
+    config = dataclasses.replace(loaded.config, model=model_config, metadata=metadata)
+    return str(save_checkpoint(model, config, tmp_path / "trained"))
+
+
 def test_window_labels_read_each_window_from_the_start() -> None:
     task = get_task("parity_check")
     assert window_labels(task, "1101", 2) == ["1", "0", "1", "1"]  # "1", "11", "10", "01"
     assert window_labels(task, "1101", 8) == task.label("1101")  # every window a prefix
 
 
-def test_a_group_task_gets_codes_and_stays_right(tmp_path: Path, capsys) -> None:
+def test_a_group_task_gets_codes_and_stays_right(trained: str, tmp_path: Path, capsys) -> None:
     out = tmp_path / "snapped"
-    assert snap("--checkpoint", str(CHECKPOINTS / "parity_check-regulargpt"), "--out", str(out)) == 0
+    assert snap("--checkpoint", trained, "--out", str(out)) == 0
     assert "right at every position of 256 strings of the training lengths" in capsys.readouterr().out
     loaded = load_checkpoint(out, device="cpu")
     assert loaded.config.model.level_codes is True
@@ -57,6 +70,7 @@ def test_a_group_task_gets_codes_and_stays_right(tmp_path: Path, capsys) -> None
         ("parity_check-lrnn", [], "level codes are for RegularGPT transducers, not a lrnn transduce model"),
         ("text-regulargpt", [], "is a text model"),
         ("missing-folder", [], "missing-folder"),
+        ("sum_mod5-regulargpt", [], "has level codes already"),
         ("parity_check-regulargpt", ["--strings", "0"], "--strings"),
     ],
 )
@@ -68,19 +82,16 @@ def test_what_cannot_have_codes_is_refused(checkpoint: str, extra: list[str], me
     assert not (tmp_path / "out").exists()
 
 
-def test_codes_twice_and_writing_over_the_checkpoint_are_refused(tmp_path: Path, capsys) -> None:
+def test_writing_over_a_checkpoint_is_refused_without_overwrite(trained: str, tmp_path: Path, capsys) -> None:
     once = tmp_path / "once"
-    assert snap("--checkpoint", str(CHECKPOINTS / "parity_check-regulargpt"), "--out", str(once)) == 0
-    assert snap("--checkpoint", str(once), "--out", str(tmp_path / "twice")) == 2
-    assert "has level codes already" in capsys.readouterr().err
-    assert snap("--checkpoint", str(once), "--out", str(once)) == 2
+    assert snap("--checkpoint", trained, "--out", str(once)) == 0
+    assert snap("--checkpoint", trained, "--out", trained) == 2
     assert "--out must be another folder than --checkpoint" in capsys.readouterr().err
-    parity = str(CHECKPOINTS / "parity_check-regulargpt")
     before = (once / "model.safetensors").read_bytes()
-    assert snap("--checkpoint", parity, "--out", str(once)) == 2
+    assert snap("--checkpoint", trained, "--out", str(once), "--seed", "1") == 2
     assert "already holds a checkpoint; pass --overwrite" in capsys.readouterr().err
     assert (once / "model.safetensors").read_bytes() == before
-    assert snap("--checkpoint", parity, "--out", str(once), "--overwrite", "--seed", "1") == 0
+    assert snap("--checkpoint", trained, "--out", str(once), "--overwrite", "--seed", "1") == 0
 
 
 def test_a_model_that_has_not_fit_its_training_lengths_is_refused(tmp_path: Path, capsys) -> None:
