@@ -486,6 +486,27 @@ def test_a_served_regulargpt_keeps_its_head_as_stored_and_steps_each_thick_layer
     torch.testing.assert_close(torch.stack(stepped, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_served_regulargpt_with_level_codes_hands_them_on_after_each_compiled_thick_layer(thick_layer_calls) -> None:
+    """A transducer with level codes: each compiled thick layer of a decode step is followed by its codes, and the
+    steps give the parallel pass's labels (the codes' readings, the same at every position that reads one code)."""
+    model = sharp_regulargpt("regulargpt-c2-null")
+    config = dataclasses.replace(model.config, num_labels=3, level_codes=True)
+    coded = RegularGPT(config).eval()
+    state = {name: value for name, value in model.state_dict().items() if name in coded.state_dict()}
+    codes = torch.randn(3, config.d_model, generator=torch.Generator().manual_seed(3))
+    coded.load_state_dict({**coded.state_dict(), **state, "level_codes": codes})
+    tokens = torch.randint(0, 40, (2, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        with cpu_decode.torch_products():
+            expected = coded(tokens)
+        assert COMPILED_LAYERS in coded.for_serving()
+        cache = coded.new_cache(2)
+        stepped = torch.stack([coded.step(tokens[:, t], cache) for t in range(30)], dim=1)
+    assert thick_layer_calls  # the compiled thick layer ran
+    assert torch.equal(stepped.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(stepped, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_served_post_norm_regulargpt_steps_through_torch_and_equals_its_parallel_pass(
     kernel_calls, thick_layer_calls
 ) -> None:
