@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -356,9 +357,13 @@ def test_a_seeded_request_samples_beside_others_what_it_samples_alone(
     with httpx.Client(base_url=invariant.url, timeout=60) as client:
         alone = client.post("/v1/completions", json=seeded).json()["choices"]
     sizes: list[int] = []
-    before_each_decode_step(
-        monkeypatch, invariant.engine.models[model_id].model, lambda tokens: sizes.append(tokens.shape[0])
-    )
+
+    def record(tokens: torch.Tensor) -> None:
+        if not sizes:  # the first step waits for the other requests to arrive, so that they decode together even on
+            time.sleep(1.0)  # a loaded machine (arriving apart, they formed batches of 4 and 1)
+        sizes.append(tokens.shape[0])
+
+    before_each_decode_step(monkeypatch, invariant.engine.models[model_id].model, record)
 
     async def together() -> list[dict]:
         async with httpx.AsyncClient(base_url=invariant.url, timeout=60) as client:
