@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +31,7 @@ from server.execution.sampling import (
     unusable_rows,
 )
 from tests.server import reference
-from tests.server.helpers import before_each_decode_step, make_settings
+from tests.server.helpers import before_each_decode_step, make_settings, wait_for
 from tests.server.live import LiveServer, serve
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
@@ -359,8 +358,8 @@ def test_a_seeded_request_samples_beside_others_what_it_samples_alone(
     sizes: list[int] = []
 
     def record(tokens: torch.Tensor) -> None:
-        if not sizes:  # the first step waits for the other requests to arrive, so that they decode together even on
-            time.sleep(1.0)  # a loaded machine (arriving apart, they formed batches of 4 and 1)
+        if not sizes:  # the first step waits for all eleven to be admitted, so that they decode together however
+            wait_for(lambda: invariant.engine.queue.in_flight == len(others) + 1)  # apart they arrive
         sizes.append(tokens.shape[0])
 
     before_each_decode_step(monkeypatch, invariant.engine.models[model_id].model, record)
