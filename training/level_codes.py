@@ -84,9 +84,9 @@ def snap(loaded: LoadedCheckpoint, task: Task, strings: int, seed: int, command:
     unseen = [task.labels[index] for index in torch.nonzero(counts == 0)[:, 0].tolist()]
     if unseen:
         raise SnapError(f"label(s) {unseen[:5]} never end a window of {high}-symbol strings; draw more with --strings")
-    codes = (sums / counts[:, None]).to(next(model.parameters()).dtype)  # (labels, d)
+    codes = (sums / counts[:, None]).to(model.dtype)  # (labels, d)
     model_config = dataclasses.replace(config.model, level_codes=True)
-    snapped = build_model("regulargpt", model_config)
+    snapped = build_model("regulargpt", model_config).to(model.dtype)  # stored as the model was
     assert isinstance(snapped, RegularGPT)
     snapped.load_state_dict({**model.state_dict(), "level_codes": codes})
     snapped.eval()

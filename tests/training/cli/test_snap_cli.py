@@ -63,6 +63,14 @@ def test_a_group_task_gets_codes_and_stays_right(trained: str, tmp_path: Path, c
     assert all(any(torch.allclose(row, code) for code in read) for row in outputs)
 
 
+def test_the_codes_keep_the_checkpoints_dtype(trained: str, tmp_path: Path) -> None:
+    loaded = load_checkpoint(trained, device="cpu")
+    wide = save_checkpoint(loaded.model.double(), loaded.config, tmp_path / "float64")
+    assert snap("--checkpoint", str(wide), "--out", str(tmp_path / "out")) == 0
+    snapped = load_checkpoint(tmp_path / "out", device="cpu").model
+    assert {parameter.dtype for parameter in snapped.parameters()} == {torch.float64}
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "extra", "message"),
     [
