@@ -257,6 +257,14 @@ class Settings(BaseSettings):
         "(server/engine/client.py); false: on a thread of this process. Default: a process under python -m server, "
         "a thread in an app built by server.api.app.create_app (tests, embedding)",
     )
+    engine_niceness: int = Field(
+        5,
+        ge=0,
+        le=19,
+        description="added to the engine process's niceness: where the two processes want the same core (a "
+        "machine with fewer free cores than busy threads), the API process's HTTP, refusals and /health win it, "
+        "and the engine takes every cycle they leave; 0: equal shares",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(
         False,

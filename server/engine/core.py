@@ -416,11 +416,15 @@ def _freeze_startup_heap() -> None:
 
 
 def main(settings: Settings, connection: Connection) -> None:
-    """The engine process's entry (spawned); it ignores Ctrl-C, which the API process handles."""
+    """The engine process's entry (spawned); it ignores Ctrl-C, which the API process handles, and runs
+    ``settings.engine_niceness`` nicer than the API process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
     )
+    if settings.engine_niceness:
+        niceness = os.nice(settings.engine_niceness)
+        logger.debug("engine process at niceness %d", niceness)
     EngineCore(settings, connection).run()
     logging.shutdown()
     os._exit(0)  # not the interpreter's shutdown: a worker still in a model call would abort it

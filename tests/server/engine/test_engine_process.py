@@ -20,6 +20,7 @@ from server.engine.wire import Finish, Step, StepColumns, decode_step, encode_st
 from server.errors import InputTooLarge, UnknownModel
 from server.execution.sampling import TokenLogprob
 from server.metrics import RecordingMetrics, RequestTimes, ServerMetrics
+from server.settings import Settings
 from tests.server.helpers import make_settings, wait_for
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -177,6 +178,14 @@ def test_runtime_models_and_cancellation_across_the_boundary(process_app) -> Non
     ) as response:
         next(response.iter_lines())  # the client leaves after its first event
     wait_for(lambda: app.state.engine.in_flight == 0, timeout=30)
+
+
+def test_the_engine_process_runs_nicer_than_the_api_process(process_app) -> None:
+    """Where the two want one core, the API process's HTTP, refusals and /health win it (the default niceness)."""
+    _, app = process_app
+    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + Settings().engine_niceness)
+    assert Settings().engine_niceness > 0
+    assert os.getpriority(os.PRIO_PROCESS, app.state.engine.process.pid) == expected
 
 
 def test_the_engine_process_dying_answers_503_and_fails_health(checkpoints_dir) -> None:
