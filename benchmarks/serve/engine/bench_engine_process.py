@@ -3,7 +3,7 @@ one run: ``python -m server`` serving a tiny text LRNN whose step is nearly free
 tokenizer, random weights), so that what is measured is the server's own cost per token. Per mode and round: output
 tokens/s at ``--concurrency`` whole answers and streams, TPOT of one stream (median over its requests), the server's
 CPU time per generated token in each concurrent run (user + system, the engine process's included: less noisy than
-a rate where other jobs share the machine), and its resident memory after the warm-up (the API process, plus the
+a rate where other jobs share the machine; in brackets the API process's own), and its resident memory after the warm-up (the API process, plus the
 engine process where there is one).
 
     python -m benchmarks.serve.engine.bench_engine_process [--rounds 2] [--concurrency 64] [--requests 128]
@@ -143,11 +143,13 @@ def measure(url: str, model_id: str, args: argparse.Namespace) -> dict[str, floa
     figures = {"rss_mib": resident_mib(url.pid)}
     for stream in (False, True):
         sent = bodies(model_id, args.requests, args.max_tokens, stream, args.path)
-        used = cpu_seconds(url.pid, children=True)
+        kind = "streams" if stream else "whole"
+        used, used_here = cpu_seconds(url.pid, children=True), cpu_seconds(url.pid)
         records, wall = load(url, args.path, sent, args.concurrency)
         tokens = sum(record.output_tokens for record in records)
-        figures["streams" if stream else "whole"] = tokens / wall
-        figures["cpu_streams" if stream else "cpu_whole"] = 1e6 * (cpu_seconds(url.pid, children=True) - used) / tokens
+        figures[kind] = tokens / wall
+        figures[f"cpu_{kind}"] = 1e6 * (cpu_seconds(url.pid, children=True) - used) / tokens
+        figures[f"api_cpu_{kind}"] = 1e6 * (cpu_seconds(url.pid) - used_here) / tokens
     records, _ = load(url, args.path, bodies(model_id, args.single, args.max_tokens, True, args.path), 1)
     figures["tpot_ms"] = 1e3 * statistics.median(record.tpot for record in records if record.tpot is not None)
     return figures
@@ -179,7 +181,7 @@ def main() -> None:
     print(f"# {machine(args.device)}, load {os.getloadavg()[0]:.1f}; {args.path}, log level {args.log_level}")
     print(
         "| round | mode | whole answers tokens/s | streams tokens/s | TPOT one stream (ms) | server CPU us/token, "
-        "whole / streams | RSS (MiB) |"
+        "whole / streams (the API process's share) | RSS (MiB) |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as baseline_folder:
@@ -195,7 +197,8 @@ def main() -> None:
                     figures = measure(url, model_id, args)
                 print(
                     f"| {round_} | {mode} | {figures['whole']:,.0f} | {figures['streams']:,.0f} | "
-                    f"{figures['tpot_ms']:.3f} | {figures['cpu_whole']:.0f} / {figures['cpu_streams']:.0f} | "
+                    f"{figures['tpot_ms']:.3f} | {figures['cpu_whole']:.0f} ({figures['api_cpu_whole']:.0f}) / "
+                    f"{figures['cpu_streams']:.0f} ({figures['api_cpu_streams']:.0f}) | "
                     f"{figures['rss_mib']:.0f} |",
                     flush=True,
                 )

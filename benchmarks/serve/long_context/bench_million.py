@@ -5,7 +5,7 @@ server's memory, the prefill time, short requests beside the prefill, and second
 answered from the prompt-state cache.
 
     python -m benchmarks.serve.long_context.bench_million [--models checkpoints] [--model text-lrnn] [--tokens 1048576]
-        [--max-tokens 8] [--threads 1] [--json PATH]
+        [--max-tokens 8] [--probe passkey|retrieval] [--formats number] [--seed 0] [--threads 1] [--json PATH]
 
 Serves ``--models/--model`` alone (``python -m server`` on a folder holding only it, default settings) and sends,
 one after another, each streamed and greedy (``--max-tokens`` tokens):
@@ -18,10 +18,16 @@ one after another, each streamed and greedy (``--max-tokens`` tokens):
    the cache kept ``state_cache_tail_tokens`` before its end;
 4. prompt A again through /v1/completions: the whole prompt is in the cache.
 
+With ``--probe retrieval`` the prompts are the retrieval probe's (docs/api.md, Retrieval) on the same filler, from its
+held-out split (wordings, keys and values no training run draws), ``--formats`` giving the value formats: A holds two
+needles, the first at 1/3 and asked, the second at a uniform depth and asked by A's other question; B one needle at
+1/10.
+
 Recorded: the model's published limits, TTFT and end-to-end time of each, the prompt tokens taken from the state
 cache (``regularlm_prefix_cache_hits`` on /metrics), the latencies of the short requests, and the server's VmRSS
 (before, the most seen while each ran, after) and VmHWM from /proc/<pid>/status. Prints a markdown table and the
-figures as JSON (also to ``--json``). The answers' keys are printed, not judged.
+figures as JSON (also to ``--json``), and each answer's first number (pass key) or first value (retrieval) against the
+one asked for.
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from benchmarks.serve.harness import add_server_arguments, child_pids, machine, server_process
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
 from server.settings import SHIPPED_CHECKPOINTS
+from training.data.retrieval import HELD_OUT, RetrievalBuilder, first_value, formats_named
+from training.evaluation.passkey_probe import GRASS_FILLER, filler_tokens
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = (
@@ -63,6 +72,37 @@ def pass_key_prompt(tokenizer, tokens: int, key: int, depth: float, question: st
     return INTRO + FILLER * before + needle + FILLER * (repeats - before) + question
 
 
+def pass_key_prompts(tokenizer, tokens: int) -> dict[str, tuple[str, str]]:
+    """Prompts A, A with another question, and B of the pass-key probe, each with the key it asks for."""
+    prompt_a = pass_key_prompt(tokenizer, tokens, 31415, 1 / 3)
+    other_question = prompt_a.removesuffix(QUESTION) + OTHER_QUESTION
+    return {
+        "A": (prompt_a, "31415"),
+        "A other": (other_question, "31415"),
+        "B": (pass_key_prompt(tokenizer, tokens, 27182, 1 / 10), "27182"),
+    }
+
+
+def retrieval_prompts(tokenizer, tokens: int, formats: str, seed: int) -> dict[str, tuple[str, str]]:
+    """Prompts A (two needles of the retrieval probe's held-out split, the first at 1/3 and asked), A asking for its
+    second needle (A's tokens but its question), and B (another draw, one needle at 1/10), of ``tokens`` tokens of
+    the "grass is green" filler, as texts, each with the value it asks for. ValueError naming a format that is not
+    in the held-out split."""
+    names = formats_named(formats, HELD_OUT)
+    rng = np.random.default_rng(seed)
+    builder = RetrievalBuilder(tokenizer, filler_tokens(GRASS_FILLER, tokenizer, 0.0), HELD_OUT)
+    draw_a = builder.draw(rng, names[int(rng.integers(len(names)))], 1 / 3, needles=2)
+    prompt_a = builder.prompt(draw_a, tokens)
+    shared = prompt_a.tokens[: len(prompt_a.tokens) - len(builder.question(draw_a, 0))].tolist()
+    other = tokenizer.decode([*shared, *builder.question(draw_a, 1).tolist()])
+    prompt_b = builder.prompt(builder.draw(rng, names[int(rng.integers(len(names)))], 1 / 10), tokens)
+    return {
+        "A": (tokenizer.decode(prompt_a.tokens.tolist()), prompt_a.value),
+        "A other": (other, draw_a.values[1]),
+        "B": (tokenizer.decode(prompt_b.tokens.tolist()), prompt_b.value),
+    }
+
+
 def memory(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM of the server, in bytes: its process and its children (the engine process that
     ``python -m server`` starts, docs/serving.md), summed."""
@@ -83,8 +123,9 @@ async def prefix_cache_hits(client: httpx.AsyncClient, model_id: str) -> float:
     return 0.0
 
 
-async def streamed(client: httpx.AsyncClient, path: str, body: dict) -> dict:
-    """Send one streamed request; its TTFT (first chunk), end-to-end time and text."""
+async def streamed(client: httpx.AsyncClient, path: str, body: dict, expected: str, probe: str) -> dict:
+    """Send one streamed request; its TTFT (first chunk), end-to-end time, text and answer: the text's first number
+    (``probe`` "passkey") or first value ("retrieval"), and whether it is ``expected``."""
     started = time.perf_counter()
     first, pieces = None, []
     async with client.stream("POST", path, json={**body, "stream": True}) as response:
@@ -99,24 +140,34 @@ async def streamed(client: httpx.AsyncClient, path: str, body: dict) -> dict:
             first = first or time.perf_counter() - started
             pieces.append(chunk["choices"][0]["text"] if "choices" in chunk else chunk["text"])
     text = "".join(pieces)
-    key = re.search(r"\d+", text)
+    if probe == "passkey":
+        number = re.search(r"\d+", text)
+        answer = number and number.group()
+    else:
+        answer = first_value(text)
     return {
         "ttft_s": first,
         "e2e_s": time.perf_counter() - started,
         "text": text,
-        "first_number": key and key.group(),
+        "answer": answer,
+        "expected": expected,
+        "right": answer == expected,
     }
 
 
-async def measured(url: str, pid: int, path: str, body: dict, tokenizer, beside: bool = False) -> dict:
+async def measured(
+    url: str, pid: int, path: str, body: dict, asked: tuple[str, str], tokenizer, probe: str, beside: bool = False
+) -> dict:
     """One long request, with the server's memory sampled every 0.25 s while it runs and (``beside``) 8-token
     requests sent one at a time, a second apart, from 2 s in until its first token."""
     model_id = body["model"]
+    prompt, expected = asked
+    body = {**body, "prompt": prompt}
     async with httpx.AsyncClient(base_url=url, timeout=7200) as client:
         hits = await prefix_cache_hits(client, model_id)
         before = memory(pid)
         peak_rss, short_ms = before["VmRSS"], []
-        long = asyncio.ensure_future(streamed(client, path, body))
+        long = asyncio.ensure_future(streamed(client, path, body, expected, probe))
         started = time.perf_counter()
         next_short = started + 2.0
         while not long.done():
@@ -150,9 +201,10 @@ async def measured(url: str, pid: int, path: str, body: dict, tokenizer, beside:
 
 async def run(url: str, pid: int, args: argparse.Namespace, tokenizer) -> dict:
     model_id = args.model
-    prompt_a = pass_key_prompt(tokenizer, args.tokens, 31415, 1 / 3)
-    prompt_b = pass_key_prompt(tokenizer, args.tokens, 27182, 1 / 10)
-    other_question = prompt_a.removesuffix(QUESTION) + OTHER_QUESTION
+    if args.probe == "passkey":
+        prompts = pass_key_prompts(tokenizer, args.tokens)
+    else:
+        prompts = retrieval_prompts(tokenizer, args.tokens, args.formats, args.seed)
     greedy = {"model": model_id, "max_tokens": args.max_tokens, "temperature": 0}
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         card = (await client.get(f"/v1/models/{model_id}")).json()
@@ -162,16 +214,22 @@ async def run(url: str, pid: int, args: argparse.Namespace, tokenizer) -> dict:
             response = await client.post("/v1/generate", json={**greedy, "prompt": SHORT_PROMPT, "max_tokens": 8})
             response.raise_for_status()
             alone.append(1e3 * (time.perf_counter() - sent))
+    probe = args.probe
     runs = {
-        "completions_A": await measured(url, pid, "/v1/completions", {**greedy, "prompt": prompt_a}, tokenizer, True),
-        "generate_B": await measured(url, pid, "/v1/generate", {**greedy, "prompt": prompt_b}, tokenizer),
-        "generate_A_other_question": await measured(
-            url, pid, "/v1/generate", {**greedy, "prompt": other_question}, tokenizer
+        "completions_A": await measured(
+            url, pid, "/v1/completions", greedy, prompts["A"], tokenizer, probe, beside=True
         ),
-        "completions_A_again": await measured(url, pid, "/v1/completions", {**greedy, "prompt": prompt_a}, tokenizer),
+        "generate_B": await measured(url, pid, "/v1/generate", greedy, prompts["B"], tokenizer, probe),
+        "generate_A_other_question": await measured(
+            url, pid, "/v1/generate", greedy, prompts["A other"], tokenizer, probe
+        ),
+        "completions_A_again": await measured(url, pid, "/v1/completions", greedy, prompts["A"], tokenizer, probe),
     }
     return {
         "machine": machine(args.device),
+        "probe": probe
+        if probe == "passkey"
+        else f"retrieval, held-out split, formats {args.formats}, seed {args.seed}",
         "server_threads": args.threads,
         "model": model_id,
         "limits": card["limits"],
@@ -187,12 +245,12 @@ def table(figures: dict) -> str:
     lines = [
         (
             f"machine: {figures['machine']}; server torch threads: {figures['server_threads']}; {figures['model']} "
-            f"limits {figures['limits']}; 8-token request alone: median {alone:.0f} ms\n"
+            f"limits {figures['limits']}; probe: {figures['probe']}; 8-token request alone: median {alone:.0f} ms\n"
         ),
         (
             "| request | prompt tokens | from the cache | TTFT (s) | end to end (s) "
             "| VmRSS before / most seen / after (MiB) | VmHWM after (MiB) | 8-token requests beside: n, median, max (ms) "
-            "| first number |"
+            "| answer (asked) |"
         ),
         "|---|---:|---:|---:|---:|---|---:|---|---|",
     ]
@@ -205,7 +263,7 @@ def table(figures: dict) -> str:
             f"| {name} {run['path']} | {run['prompt_tokens']:,} | {run['cached_tokens']:,.0f} "
             f"| {run['ttft_s']:.2f} | {run['e2e_s']:.2f} | {run['rss_before'] / mib:,.0f} / "
             f"{run['rss_peak_seen'] / mib:,.0f} / {run['rss_after'] / mib:,.0f} | {run['hwm_after'] / mib:,.0f} "
-            f"| {beside_cell} | {run['first_number']} |"
+            f"| {beside_cell} | {run['answer']} ({run['expected']}) |"
         )
     return "\n".join(lines)
 
@@ -216,9 +274,18 @@ def main() -> None:
     parser.add_argument("--model", default="text-lrnn", help="the checkpoint folder under --models to serve")
     parser.add_argument("--tokens", type=int, default=2**20 - 64, help="prompt tokens (about)")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--probe", choices=("passkey", "retrieval"), default="passkey", help="the prompts' kind")
+    parser.add_argument(
+        "--formats", default="number", help="retrieval: value formats of the held-out split (as text-eval's)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="retrieval: draws the needles and the filler's offsets")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     add_server_arguments(parser)
     args = parser.parse_args()
+    try:
+        formats_named(args.formats, HELD_OUT)
+    except ValueError as error:
+        parser.error(f"--formats: {error}")  # exit 2
     checkpoint = args.models.resolve() / args.model
     tokenizer = load_tokenizer(read_config(checkpoint).tokenizer, checkpoint)
     with tempfile.TemporaryDirectory() as folder:
