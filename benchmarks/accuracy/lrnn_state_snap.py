@@ -7,7 +7,7 @@ length: the final label's accuracy of both; per layer: the codes of each block a
 the training lengths against the longest length.
 
     python -m benchmarks.accuracy.lrnn_state_snap --checkpoint runs/X [--radius 0.05] [--lengths 41,499,1999,4999]
-        [--strings 100] [--train-strings 512] [--seed 0] [--threads 1]
+        [--strings 100] [--train-strings 512] [--every 1] [--seed 0] [--threads 1]
 
 Block-diagonal LRNN transducers only (architecture ``lrnn``). A length is drawn as the task draws it
 (modular_arithmetic: rounded down to an odd length).
@@ -34,9 +34,11 @@ def token_ids(alphabet: str, strings: list[str]) -> torch.Tensor:
     return torch.tensor([[alphabet.index(symbol) for symbol in string] for string in strings], dtype=torch.long)
 
 
-def stepped(model: LinearRNN, ids: torch.Tensor, codes: Codes | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def stepped(
+    model: LinearRNN, ids: torch.Tensor, codes: Codes | None = None, every: int = 1
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """ids (B, T) -> each position's label (B, T) and each layer's states (B, T, H, b), run one step at a time; with
-    ``codes``, each block's state replaced by its nearest code after every step."""
+    ``codes``, each block's state replaced by its nearest code after every ``every``-th step."""
     rows, length = ids.shape
     states = [block.recurrence.initial_state(rows).clone() for block in model.blocks]  # each (B, H, b)
     seen: list[list[torch.Tensor]] = [[] for _ in model.blocks]
@@ -47,7 +49,7 @@ def stepped(model: LinearRNN, ids: torch.Tensor, codes: Codes | None = None) -> 
             for layer, block in enumerate(model.blocks):
                 u = block.ln_1(x)
                 state = block.recurrence.step(u, states[layer])  # (B, H, b)
-                if codes is not None:
+                if codes is not None and (position + 1) % every == 0:
                     state = torch.stack(
                         [near[torch.cdist(state[:, h], near).argmin(dim=1)] for h, near in enumerate(codes[layer])],
                         dim=1,
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="41,499,1999,4999")
     parser.add_argument("--strings", type=int, default=100, help="strings of each length")
     parser.add_argument("--train-strings", type=int, default=512, help="strings of the training lengths for the codes")
+    parser.add_argument("--every", type=int, default=1, help="snap after every this many steps (1: each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -104,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(length) for length in args.lengths.split(",")]
     except ValueError:
         parser.error(f"--lengths {args.lengths!r}: comma-separated whole numbers")
-    if args.radius <= 0 or args.strings < 1 or args.train_strings < 1 or min(lengths) < 1:
-        parser.error("--radius, --strings, --train-strings and every length must be positive")
+    if args.radius <= 0 or min(args.strings, args.train_strings, args.every, *lengths) < 1:
+        parser.error("--radius, --strings, --train-strings, --every and every length must be positive")
     try:
         loaded = load_checkpoint(args.checkpoint, device="cpu")
     except (CheckpointError, ConfigError, OSError) as error:
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = visited[0].shape[1]
     codes = [[cluster(layer[:, h], args.radius, generator) for h in range(blocks)] for layer in visited]
     print(
-        f"{args.checkpoint}: {config.task}, codes at radius {args.radius} from {args.train_strings} strings of lengths {shortest}-{longest}"
+        f"{args.checkpoint}: {config.task}, codes at radius {args.radius} from {args.train_strings} strings of "
+        f"lengths {shortest}-{longest}, snapped after every {args.every} step(s)"
     )
     print("| length | strings | final label right: as served | snapped to the codes |")
     print("|---:|---:|---:|---:|")
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = token_ids(config.alphabet, strings)
             with torch.no_grad():
                 plain += final_right(task, config.labels, strings, model(ids).argmax(dim=-1))
-            predicted, _ = stepped(model, ids, codes)
+            predicted, _ = stepped(model, ids, codes, args.every)
             snapped += final_right(task, config.labels, strings, predicted)
         print(
             f"| {length} | {args.strings} | {100 * plain / args.strings:.1f} | {100 * snapped / args.strings:.1f} |",
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         for h in range(blocks):
             inside, outside = train_states[:, h].norm(dim=-1), long_states[:, h].norm(dim=-1)
             ranges.append(
-                f"{inside.quantile(0.01):.2f}-{inside.quantile(0.99):.2f} / {outside.quantile(0.01):.2f}-{outside.quantile(0.99):.2f}"
+                f"{inside.quantile(0.01):.2f}-{inside.quantile(0.99):.2f} / "
+                f"{outside.quantile(0.01):.2f}-{outside.quantile(0.99):.2f}"
             )
         print(f"| {layer} | {', '.join(str(len(each)) for each in near)} | {'; '.join(ranges)} |")
     return 0

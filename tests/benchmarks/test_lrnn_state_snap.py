@@ -33,6 +33,10 @@ def test_stepping_with_every_visited_state_as_a_code_changes_nothing() -> None:
 def test_the_table_and_a_checkpoint_it_cannot_read(capsys) -> None:
     assert main(["--checkpoint", CHECKPOINT, "--lengths", "41", "--strings", "4", "--train-strings", "8"]) == 0
     assert "| 41 | 4 | 100.0 | 100.0 |" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as stopped:
-        main(["--checkpoint", "checkpoints/parity_check-regulargpt"])
-    assert stopped.value.code == 2
+    for wrong in (
+        ["--checkpoint", "checkpoints/parity_check-regulargpt"],
+        ["--checkpoint", CHECKPOINT, "--every", "0"],
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(wrong)
+        assert stopped.value.code == 2
