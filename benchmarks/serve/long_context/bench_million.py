@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import tempfile
 import time
@@ -48,6 +47,7 @@ from benchmarks.serve.harness import add_server_arguments, child_pids, machine, 
 from model.checkpoint import read_config
 from model.tokenizer import load_tokenizer
 from server.settings import SHIPPED_CHECKPOINTS
+from training.data.passkey import first_number
 from training.data.retrieval import HELD_OUT, RetrievalBuilder, first_value, formats_named
 from training.evaluation.passkey_probe import GRASS_FILLER, filler_tokens
 
@@ -140,11 +140,7 @@ async def streamed(client: httpx.AsyncClient, path: str, body: dict, expected: s
             first = first or time.perf_counter() - started
             pieces.append(chunk["choices"][0]["text"] if "choices" in chunk else chunk["text"])
     text = "".join(pieces)
-    if probe == "passkey":
-        number = re.search(r"\d+", text)
-        answer = number and number.group()
-    else:
-        answer = first_value(text)
+    answer = first_number(text) if probe == "passkey" else first_value(text)
     return {
         "ttft_s": first,
         "e2e_s": time.perf_counter() - started,
