@@ -1,10 +1,10 @@
-"""The engine core on a thread of the API process against the engine core in a process of its own, alternating in
-one run: ``python -m server`` serving a tiny text LRNN whose step is nearly free (d_model 16, one layer, text-lrnn's
+"""The engine core on a thread of the API process against the engine core in a process of its own, alternating in one
+run: ``python -m server`` serving a tiny text LRNN whose step is nearly free (d_model 16, one layer, text-lrnn's
 tokenizer, random weights), so that what is measured is the server's own cost per token. Per mode and round: output
 tokens/s at ``--concurrency`` whole answers and streams, TPOT of one stream (median over its requests), the server's
-CPU time per generated token in each concurrent run (user + system, the engine process's included: less noisy than
-a rate where other jobs share the machine; in brackets the API process's own), and its resident memory after the warm-up (the API process, plus the
-engine process where there is one).
+CPU time per generated token in each concurrent run (user + system, the engine process's included: less noisy than a
+rate where other jobs share the machine; in brackets the API process's own), and its resident memory after the
+warm-up (the API process, plus the engine process where there is one).
 
     python -m benchmarks.serve.engine.bench_engine_process [--rounds 2] [--concurrency 64] [--requests 128]
         [--max-tokens 256] [--baseline PATH] [--model FOLDER] [--device cpu|cuda] [--setting NAME=VALUE ...]

@@ -183,8 +183,9 @@ def test_runtime_models_and_cancellation_across_the_boundary(process_app) -> Non
 def test_the_engine_process_runs_nicer_than_the_api_process(process_app) -> None:
     """Where the two want one core, the API process's HTTP, refusals and /health win it (the default niceness)."""
     _, app = process_app
-    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + Settings().engine_niceness)
-    assert Settings().engine_niceness > 0
+    niceness = Settings().engine_niceness
+    assert niceness > 0
+    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
     assert os.getpriority(os.PRIO_PROCESS, app.state.engine.process.pid) == expected
 
 
