@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 
 class ConfigError(ValueError):
@@ -80,7 +80,10 @@ class LRNNConfig(BaseModelConfig):
     by 1 / max(1, ||block||_2)), "stochastic" (sparsemax columns, no B u, learned h_0) or "orthogonal" (each block's
     orthogonal polar factor, no B u, learned h_0: norms kept at any length). ``transition_rank``: None for
     a full generator, or r below min(d_model, num_blocks block_size**2). ``scan_impl``: "sequential", "parallel",
-    "chunked" (chunks of ``scan_chunk_size``) or "auto"."""
+    "chunked" (chunks of ``scan_chunk_size``) or "auto". ``state_codes`` (transducers): with K > 0, after every
+    ``snap_every``-th symbol (counting from 1) each block's state is replaced by the nearest of its K codes (a
+    recurrence's ``state_codes`` weights, (H, K, b): states visited at the training lengths), and that symbol's readout
+    reads the code, so that long inputs stay on the states the model was trained on (``python -m training snap``)."""
 
     n_layers: int = 1
     block_size: int = 8
@@ -92,10 +95,16 @@ class LRNNConfig(BaseModelConfig):
     scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"
     scan_chunk_size: int = 64
     layer_norm_eps: float = 1e-5
+    state_codes: int = 0
+    snap_every: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive(self, "n_layers", "block_size", "num_blocks", "d_ff", "scan_chunk_size")
+        _check_positive(self, "n_layers", "block_size", "num_blocks", "d_ff", "scan_chunk_size", "snap_every")
+        if self.state_codes < 0:
+            raise ConfigError(f"state_codes must be >= 0 (0: none), got {self.state_codes}")
+        if self.state_codes and self.is_language_model:
+            raise ConfigError("state_codes needs a transducer's labels (num_labels > 0)")
         if self.p_norm < 1.0:
             raise ConfigError(f"p_norm must be >= 1 (a norm), got {self.p_norm}")
         full_rank = min(self.d_model, self.num_blocks * self.block_size**2)
@@ -360,6 +369,7 @@ _ADDED_KEYS: dict[int, dict[str, dict[str, Any]]] = {
     3: {"lrnn": {"transition_rank": None}},  # the full transition generator, the only one before
     4: {"regulargpt": {"block_norm": "pre"}},  # pre-norm blocks, the only ones before
     5: {"regulargpt": {"level_codes": False}},  # each layer's output as it is
+    6: {"lrnn": {"state_codes": 0, "snap_every": 1}},  # each block's state as it is
 }
 
 

@@ -13,13 +13,16 @@ from model.serving import CallPath, Cost
 
 @dataclass(frozen=True)
 class Sizes:
-    """What costs read off a built model: ``layers``, ``state_shape`` (H, b), ``weights`` (blocks' parameters) and
-    ``tail`` (the last block's readout and MLP)."""
+    """What costs read off a built model: ``layers``, ``state_shape`` (H, b), ``weights`` (blocks' parameters),
+    ``tail`` (the last block's readout and MLP), and each block's state ``codes`` searched after every ``snap_every``-th
+    symbol (0: none)."""
 
     layers: int
     state_shape: tuple[int, int]
     weights: int
     tail: int
+    codes: int = 0
+    snap_every: int = 0
 
     @property
     def state_size(self) -> int:
@@ -37,17 +40,20 @@ def cost(
     length: int,
     context: int = 0,
 ) -> Cost:
-    """flops: the blocks' weights per position (the tail at last positions only for "final"), :func:`scan_flops` per
-    layer, the head per logit. nbytes: per position :func:`transition_bytes` and activations, plus the logits."""
+    """flops: the blocks' weights per position (the tail at last positions only for "final"), :func:`scan_flops` and
+    :func:`snap_flops` per layer, the head per logit. nbytes: per position :func:`transition_bytes` and activations,
+    plus the logits."""
     impl = scan_impl(config, sizes, dtype, device, rows, length)
-    flops = rows * (length * sizes.weights + sizes.layers * scan_flops(config, sizes, impl, length))
+    per_layer = scan_flops(config, sizes, impl, length) + snap_flops(sizes, length)
+    flops = rows * (length * sizes.weights + sizes.layers * per_layer)
     if path == "final":
         flops -= rows * (length - 1) * sizes.tail
     head = head_cost(config, dtype.itemsize, rows if path == "final" else rows * length)
     activations = (6 * config.d_model + 3 * sizes.state_size + 2 * config.d_ff) * dtype.itemsize
+    searches = rows * sizes.state_shape[0] * sizes.codes * 4 if sizes.snap_every else 0  # a snap's float32 distances
     return Cost(
         flops=float(flops + head.flops),
-        nbytes=rows * length * (transition_bytes(sizes, impl, dtype.itemsize) + activations) + head.nbytes,
+        nbytes=rows * length * (transition_bytes(sizes, impl, dtype.itemsize) + activations) + searches + head.nbytes,
     )
 
 
@@ -88,6 +94,14 @@ def scan_flops(config: LRNNConfig | DiagonalLRNNConfig, sizes: Sizes, impl: str,
     chunks = length // config.scan_chunk_size if impl in ("chunked", "triton") else 0
     products = max(chunks - 1, 0) * config.scan_chunk_size
     return heads * (length * block**2 + products * (block**3 + 2 * block**2))
+
+
+def snap_flops(sizes: Sizes, length: int) -> int:
+    """One row's work for a layer's nearest-code searches over ``length`` symbols: 3 b per code, block and snap."""
+    if not sizes.snap_every:
+        return 0
+    heads, block = sizes.state_shape
+    return -(-length // sizes.snap_every) * heads * sizes.codes * 3 * block
 
 
 def transition_bytes(sizes: Sizes, impl: str, itemsize: int) -> int:

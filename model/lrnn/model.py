@@ -65,6 +65,11 @@ class Recurrence(nn.Module):
 
     state_shape: tuple[int, int]
     out_proj: nn.Linear  # the readout's projection, counted in the cost of a layer's tail
+    snap_every = 0  # > 0: after every snap_every-th symbol the state is replaced by :meth:`snap`'s code
+
+    def snap(self, state: torch.Tensor) -> torch.Tensor:
+        """state (B, H, b) -> each block's nearest code (B, H, b); only where ``snap_every`` > 0."""
+        raise NotImplementedError
 
     def transitions(self, u: torch.Tensor) -> torch.Tensor:
         """u: (..., d_model) -> A: (..., H, b, b)."""
@@ -110,6 +115,8 @@ class BlockDiagonalRecurrence(Recurrence):
     1 all softmax, 0 all sparsemax; Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned.
     "orthogonal": each block's polar factor, no B u, h_0 learned (a point that the transitions move on a sphere)."""
 
+    state_codes: torch.Tensor  # (H, K, b), a buffer where the config has codes
+
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()
         self.num_blocks, self.block_size, self.p_norm = config.num_blocks, config.block_size, config.p_norm
@@ -134,6 +141,9 @@ class BlockDiagonalRecurrence(Recurrence):
         self.track_impurity = False  # with softness: keep the columns' impurity (set by the trainer)
         self.impurity: torch.Tensor | None = None  # () mean of 1 - sum_i A_ij^2 over the last soft call's columns
         self.out_proj = nn.Linear(config.state_size, config.d_model)  # h
+        if config.state_codes:  # (H, K, b): set by ``python -m training snap``
+            self.register_buffer("state_codes", torch.zeros(config.num_blocks, config.state_codes, config.block_size))
+            self.snap_every = config.snap_every
         # A(u) starts near 0.9 I for every input (a leaky running sum: bounded states, gradients that fade
         # smoothly), g(u) varying by ~GENERATED_SPREAD, so the norm constraint starts all but inactive. With a rank
         # r: U ~ N(0, 1 / d_model), V's spread divided by code_scale, so g(u) starts with the same spread while an
@@ -227,6 +237,19 @@ class BlockDiagonalRecurrence(Recurrence):
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return linear(states.flatten(-2), self.out_proj.weight, self.out_proj.bias)  # (..., d_model)
 
+    def snap(self, state: torch.Tensor) -> torch.Tensor:
+        return nearest_codes(state, self.state_codes)
+
+
+def nearest_codes(state: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """state (B, H, b), codes (H, K, b) -> each block's nearest code (B, H, b): Euclidean, computed exactly (the same
+    choice for any batch), the first of equals."""
+    queries = state.transpose(0, 1).float()  # (H, B, b)
+    distances = torch.cdist(queries, codes.float(), compute_mode="donot_use_mm_for_euclid_dist")  # (H, B, K)
+    nearest = distances.argmin(dim=-1)  # (H, B)
+    chosen = torch.gather(codes, 1, nearest.unsqueeze(-1).expand(-1, -1, codes.shape[-1]))  # (H, B, b)
+    return chosen.transpose(0, 1).to(state.dtype)
+
 
 class RecurrentBlock(nn.Module):
     """Pre-norm residual block: ``x + readout(scan(LN(x)))`` then ``x + MLP(LN(x))``."""
@@ -240,38 +263,69 @@ class RecurrentBlock(nn.Module):
         self.mlp = MLP(config.d_model, config.d_ff, config.dropout)
         self.scan_impl, self.scan_chunk_size = config.scan_impl, config.scan_chunk_size
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, d_model), state (B, H, b) or None -> (B, T, d_model), final state."""
-        u, states, final_state = self._scan(x, state)
+    def forward(
+        self, x: torch.Tensor, state: torch.Tensor | None, offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, d_model), state (B, H, b) or None after ``offset`` symbols -> (B, T, d_model), final state."""
+        u, states, final_state = self.scan(x, state, offset)
         x = x + self.dropout(self.recurrence.readout(states, u))  # (B, T, d_model)
         return x + self.mlp(self.ln_2(x)), final_state
 
     def forward_last(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         """``forward``'s output (B, d_model) at lengths - 1, readout and MLP there only."""
-        u, states, _ = self._scan(x, None)
+        u, states, _ = self.scan(x, None, 0)
         x, u, states = (gather_last(values, lengths) for values in (x, u, states))  # (B, d), (B, d), (B, H, b)
         x = x + self.dropout(self.recurrence.readout(states, u))  # (B, d_model)
         out: torch.Tensor = x + self.mlp(self.ln_2(x))
         return out
 
-    def _scan(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, d_model) -> LN(x), every state (B, T, H, b), the last state."""
+    def scan(
+        self, x: torch.Tensor, state: torch.Tensor | None, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, d_model) after ``offset`` symbols -> LN(x), every state (B, T, H, b), the last state. With codes,
+        a scan per stretch between snaps, each stretch's last state replaced by its code."""
         u = self.ln_1(x)  # (B, T, d_model)
         transitions, inputs = self.recurrence.coefficients(u)  # (B, T, H, b, b), (B, T, H, b)
         if state is None:
             state = self.recurrence.initial_state(x.shape[0]).to(inputs.dtype)  # (B, H, b)
-        states, final_state = linear_scan(
-            transitions, inputs, state, impl=self.scan_impl, chunk_size=self.scan_chunk_size
-        )  # (B, T, H, b), (B, H, b)
-        return u, states, final_state
+        every, length = self.recurrence.snap_every, x.shape[1]
+        if not every:
+            states, state = linear_scan(
+                transitions, inputs, state, impl=self.scan_impl, chunk_size=self.scan_chunk_size
+            )
+            return u, states, state  # (B, T, H, b), (B, H, b)
+        stretches, start = [], 0
+        while start < length:
+            end = min(length, start + every - (offset + start) % every)  # the next snap, or the input's end
+            states, state = linear_scan(
+                transitions[:, start:end],
+                inputs[:, start:end],
+                state,
+                impl=self.scan_impl,
+                chunk_size=self.scan_chunk_size,
+            )  # (B, end - start, H, b), (B, H, b)
+            if (offset + end) % every == 0:
+                state = self.recurrence.snap(state)
+                states = torch.cat([states[:, :-1], state.unsqueeze(1)], dim=1)
+            stretches.append(states)
+            start = end
+        return u, torch.cat(stretches, dim=1), state
 
-    def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, d_model), state (B, H, b) -> (B, d_model), next state."""
-        compiled = lrnn_serving.compiled_step(self, x, state)
+    def step(
+        self, x: torch.Tensor, state: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, d_model), state (B, H, b) after ``lengths`` (B,) symbols (needed with codes) -> (B, d_model), next
+        state."""
+        every = self.recurrence.snap_every
+        compiled = None if every else lrnn_serving.compiled_step(self, x, state)
         if compiled is not None:
             return compiled
         u = self.ln_1(x)  # (B, d_model)
         state = self.recurrence.step(u, state)  # (B, H, b)
+        if every:
+            assert lengths is not None, "a recurrence with codes needs each row's length to step"
+            due = ((lengths.to(state.device) + 1) % every == 0).view(-1, 1, 1)  # (B, 1, 1)
+            state = torch.where(due, self.recurrence.snap(state), state)
         x = x + self.dropout(self.recurrence.readout(state, u))  # (B, d_model)
         return x + self.mlp(self.ln_2(x)), state
 
@@ -338,7 +392,7 @@ class LinearRNN(SequenceModel):
         assert isinstance(cache, LRNNCache)
         x: torch.Tensor = self.embedding(tokens)  # (B, d_model)
         for i, block in enumerate(cast("Iterable[RecurrentBlock]", self.blocks)):
-            x, cache.states[i] = block.step(x, cache.states[i])  # (B, d_model), (B, H, b)
+            x, cache.states[i] = block.step(x, cache.states[i], cache.lengths)  # (B, d_model), (B, H, b)
         cache.lengths = cache.lengths + 1
         return x
 
@@ -361,14 +415,24 @@ class LinearRNN(SequenceModel):
             state_shape=first.recurrence.state_shape,
             weights=parameter_count(self.blocks),
             tail=parameter_count(last.recurrence.out_proj, last.mlp),
+            codes=self.config.state_codes if isinstance(self.config, LRNNConfig) else 0,
+            snap_every=first.recurrence.snap_every,
         )
 
     def _hidden(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         """tokens (B, T) -> hidden states before the final LayerNorm."""
         assert cache is None or isinstance(cache, LRNNCache)
+        offset = 0
+        if (
+            cache is not None and isinstance(self.config, LRNNConfig) and self.config.state_codes
+        ):  # snaps at the same symbols in every row
+            offset = int(cache.lengths[0])
+            if bool((cache.lengths != offset).any()):
+                raise ValueError("a model with state codes runs a cache's rows together only at one length")
         x: torch.Tensor = self.embedding(tokens)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
-            x, final_state = block(x, None if cache is None else cache.states[i])  # (B, T, d_model), (B, H, b)
+            state = None if cache is None else cache.states[i]
+            x, final_state = block(x, state, offset)  # (B, T, d_model), (B, H, b)
             if cache is not None:
                 cache.states[i] = final_state
         if cache is not None:

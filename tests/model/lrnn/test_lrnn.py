@@ -250,12 +250,15 @@ def test_served_full_generator_makes_g_and_b_with_one_product_until_moved(stream
     assert make("lrnn-rank3").blocks[0].recurrence.joint_weight() is None
 
 
-def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> None:
-    """Format 2 files (and version 1 ones) have no transition_rank: they meant the full generator."""
+@pytest.mark.parametrize(("version", "keys"), [(2, ["transition_rank"]), (5, ["state_codes", "snap_every"])])
+def test_a_config_from_before_an_option_loads_as_its_files_meant(version: int, keys: list[str]) -> None:
+    """Format 2 files (and version 1 ones) have no transition_rank: they meant the full generator; format 5 ones have
+    no state codes: they meant none."""
     model = dataclasses.asdict(tiny_configs(2, 2)["lrnn"])
-    del model["transition_rank"]
+    for key in keys:
+        del model[key]
     data = {
-        "format_version": 2,
+        "format_version": version,
         "architecture": "lrnn",
         "kind": "transduce",
         "alphabet": "01",
@@ -267,7 +270,7 @@ def test_a_config_from_before_the_rank_option_loads_as_the_full_generator() -> N
     }
     assert CheckpointConfig.from_dict(data).model == tiny_configs(2, 2)["lrnn"]
     with pytest.raises(ConfigError, match="missing key"):
-        CheckpointConfig.from_dict({**data, "format_version": 3})  # format 3 and later write every key
+        CheckpointConfig.from_dict({**data, "format_version": version + 1})  # the next format writes the keys
 
 
 @pytest.mark.parametrize("model_id", ["lrnn-stochastic", "lrnn-stochastic-rank2"])
