@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from model.base import SequenceModel
 from model.checkpoint import LoadedCheckpoint, save_checkpoint
 from model.config import CheckpointConfig, RegularGPTConfig
 from model.registry import build_model
@@ -36,11 +37,11 @@ class SnapError(ValueError):
 
 @dataclass(frozen=True)
 class Snapped:
-    """The model with its codes, its checkpoint config, and how many windows the codes were averaged over."""
+    """The model with its codes, its checkpoint config, and a line on where the codes came from."""
 
-    model: RegularGPT
+    model: SequenceModel
     config: CheckpointConfig
-    windows: int  # windows averaged into the codes
+    summary: str  # e.g. "codes from 5,120 windows"
 
 
 def window_labels(task: Task, string: str, width: int) -> list[str]:
@@ -62,13 +63,8 @@ def snap(loaded: LoadedCheckpoint, task: Task, strings: int, seed: int, command:
     if config.model.level_codes:
         raise SnapError(f"{loaded.path} has level codes already")
     rng = np.random.default_rng(seed)
-    low, high = max(task.train_lengths[0], task.shortest_length), task.train_lengths[1]
-    checks = [task.sample(rng, int(rng.integers(low, high + 1))) for _ in range(CHECK_STRINGS)]
-    misread = misreading(model, task, checks)
-    if misread:
-        raise SnapError(
-            f"{loaded.path} misreads {misread} of the training lengths before any codes: it has not fit them"
-        )
+    checks = fitted_checks(loaded, task, rng)
+    high = task.train_lengths[1]
     labels = {label: index for index, label in enumerate(task.labels)}
     sums = torch.zeros(len(task.labels), config.model.d_model, dtype=torch.float64)
     counts = torch.zeros(len(task.labels), dtype=torch.long)
@@ -103,10 +99,24 @@ def snap(loaded: LoadedCheckpoint, task: Task, strings: int, seed: int, command:
         )
     positions = sum(map(len, checks))
     metadata = {**config.metadata, "level_codes": {"command": command, "from": str(loaded.path), "checked": positions}}
-    return Snapped(snapped, dataclasses.replace(config, model=model_config, metadata=metadata), int(counts.sum()))
+    summary = f"codes from {int(counts.sum()):,} windows"
+    return Snapped(snapped, dataclasses.replace(config, model=model_config, metadata=metadata), summary)
 
 
-def misreading(model: RegularGPT, task: Task, strings: list[str]) -> str:
+def fitted_checks(loaded: LoadedCheckpoint, task: Task, rng: np.random.Generator) -> list[str]:
+    """:data:`CHECK_STRINGS` fresh strings of the training lengths, which ``loaded`` reads right at every position
+    before any codes; SnapError where it does not."""
+    low, high = max(task.train_lengths[0], task.shortest_length), task.train_lengths[1]
+    checks = [task.sample(rng, int(rng.integers(low, high + 1))) for _ in range(CHECK_STRINGS)]
+    misread = misreading(loaded.model, task, checks)
+    if misread:
+        raise SnapError(
+            f"{loaded.path} misreads {misread} of the training lengths before any codes: it has not fit them"
+        )
+    return checks
+
+
+def misreading(model: SequenceModel, task: Task, strings: list[str]) -> str:
     """Where ``model`` first misreads one of ``strings``, every position checked: "" when nowhere, else, e.g., "3 of
     25 positions of a 25-symbol string"."""
     with torch.no_grad():

@@ -33,9 +33,10 @@ def test_a_shipped_trained_checkpoint_extrapolates(folder: Path) -> None:
     config = loaded.config
     assert config.kind == "transduce" and folder.name == f"{config.task}-{config.architecture}"
     assert config.metadata["command"].startswith("python -m training train ")
-    if "level_codes" in config.metadata:  # the training's evaluations were of the model before its codes
-        assert config.metadata["level_codes"]["command"].startswith("python -m training snap ")
-        assert config.metadata["level_codes"]["checked"] > 0
+    codes = [config.metadata[key] for key in ("level_codes", "state_codes") if key in config.metadata]
+    if codes:  # the training's evaluations were of the model before its codes
+        assert codes[0]["command"].startswith("python -m training snap ")
+        assert codes[0]["checked"] > 0
     else:
         assert config.metadata["best_eval"]["accuracy"] >= 0.99
     task = get_task(config.task)

@@ -23,13 +23,14 @@ from model.checkpoint import (
 from model.config import ARCHITECTURE_CONFIGS
 from model.threads import set_threads
 from model.tokenizer import TokenizerError
-from training import level_codes
+from training import level_codes, state_codes
 from training.cli.arguments import (
     Parser,
     UsageError,
     add_threads,
     band_spec,
     length_range,
+    positive_float,
     positive_int,
     probability,
     probability_or_range,
@@ -108,7 +109,7 @@ COMMANDS = {  # each command's one-line summary: ``python -m training --help`` l
     "compile": "compile a DFA JSON file into a checkpoint folder",
     "upgrade": "rewrite old checkpoints' config.json in the current format",
     "export": "write a run's weights as of its last resume save (between evaluations) as a checkpoint folder",
-    "snap": "give a RegularGPT transducer level codes, so that each thick layer hands on the label it reads",
+    "snap": "give a transducer codes to stay on: RegularGPT level codes, block-diagonal LRNN state codes",
     **TEXT_COMMANDS,
 }
 
@@ -299,13 +300,26 @@ def _run_export(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _add_snap_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_snap)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="a RegularGPT transducer's checkpoint folder")
+    parser.add_argument(
+        "--checkpoint", type=Path, required=True, help="a RegularGPT or block-diagonal LRNN transducer's folder"
+    )
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder to write")
     parser.add_argument(
         "--strings",
         type=positive_int,
         default=512,
-        help="strings of the task's longest training length whose windows make the codes (default 512)",
+        help="strings of the training lengths whose windows (RegularGPT) or states (LRNN) make the codes (default 512)",
+    )
+    lrnn = parser.add_argument_group("block-diagonal LRNN state codes")
+    lrnn.add_argument(
+        "--radius",
+        type=positive_float,
+        help=f"a block's states closer than this share a code (default {state_codes.RADIUS})",
+    )
+    lrnn.add_argument(
+        "--every",
+        type=positive_int,
+        help=f"snap each block's state after every this many symbols (default {state_codes.EVERY})",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
@@ -313,21 +327,30 @@ def _add_snap_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_snap(args: argparse.Namespace, argv: list[str]) -> int:
-    """training/level_codes.py: the codes, the check on training-length strings, the folder."""
+    """training/level_codes.py (RegularGPT) or training/state_codes.py (LRNN): the codes, the check on
+    training-length strings, the folder."""
     loaded = _load_transducer(args.checkpoint, "cpu")
     if args.out.resolve() == args.checkpoint.resolve():
         raise UsageError("--out must be another folder than --checkpoint")
     if (args.out / CONFIG_FILE).exists() and not args.overwrite:
         raise UsageError(f"{args.out} already holds a checkpoint; pass --overwrite to replace it")
+    lrnn = loaded.config.architecture == "lrnn"
+    if not lrnn and (args.radius is not None or args.every is not None):
+        raise UsageError("--radius and --every are for block-diagonal LRNN state codes")
+    task = _task(_task_name(loaded))
     try:
         command = command_line(argv, world_size=1, local_world_size=1)
-        snapped = level_codes.snap(loaded, _task(_task_name(loaded)), args.strings, args.seed, command)
+        if lrnn:
+            radius, every = args.radius or state_codes.RADIUS, args.every or state_codes.EVERY
+            snapped = state_codes.snap(loaded, task, args.strings, radius, every, args.seed, command)
+        else:
+            snapped = level_codes.snap(loaded, task, args.strings, args.seed, command)
     except level_codes.SnapError as error:
         raise UsageError(str(error)) from None
     level_codes.write(snapped, args.out)
     print(
-        f"wrote {args.out}: codes from {snapped.windows:,} windows; right at every position of "
-        f"{level_codes.CHECK_STRINGS} strings of the training lengths, with the codes as without"
+        f"wrote {args.out}: {snapped.summary}; right at every position of {level_codes.CHECK_STRINGS} strings of "
+        "the training lengths, with the codes as without"
     )
     return 0
 

@@ -1,6 +1,7 @@
-"""``python -m training snap`` (training/level_codes.py): a RegularGPT of a group's word problem gets level codes that
-every path hands on and stays right; a task whose labels do not say what a window carries, another architecture, a
-checkpoint that has codes and bad flags are refused with exit code 2 and one line on stderr."""
+"""``python -m training snap`` (training/level_codes.py, training/state_codes.py): a RegularGPT of a group's word
+problem gets level codes that every path hands on and stays right; a block-diagonal LRNN gets state codes and stays
+right; a task whose labels do not say what a window carries, another architecture, a checkpoint that has codes, codes
+too coarse to stay right and bad flags are refused with exit code 2 and one line on stderr."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.config import CheckpointConfig, RegularGPTConfig
+from model.config import CheckpointConfig, LRNNConfig, RegularGPTConfig
 from model.regulargpt.model import RegularGPT
 from training.cli.main import main
 from training.data.batches import FinalLabelSet, count_correct_final
@@ -75,7 +76,10 @@ def test_the_codes_keep_the_checkpoints_dtype(trained: str, tmp_path: Path) -> N
     ("checkpoint", "extra", "message"),
     [
         ("even_pairs-regulargpt", [], "even_pairs's labels do not say all a window carries"),
-        ("parity_check-lrnn", [], "level codes are for RegularGPT transducers, not a lrnn transduce model"),
+        ("first-exact", [], "level codes are for RegularGPT transducers, not a exact transduce model"),
+        ("parity_check-regulargpt", ["--radius", "0.1"], "--radius and --every are for block-diagonal LRNN"),
+        ("parity_check-lrnn", ["--radius", "100"], "misreads"),
+        ("parity_check-lrnn", ["--every", "0"], "--every"),
         ("text-regulargpt", [], "is a text model"),
         ("missing-folder", [], "missing-folder"),
         ("sum_mod5-regulargpt", [], "has level codes already"),
@@ -88,6 +92,21 @@ def test_what_cannot_have_codes_is_refused(checkpoint: str, extra: list[str], me
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_lrnn_gets_state_codes_and_stays_right(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "snapped"
+    assert snap("--checkpoint", str(CHECKPOINTS / "parity_check-lrnn"), "--out", str(out), "--every", "2") == 0
+    assert "codes per block from the states of 16 strings; right at every position" in capsys.readouterr().out
+    loaded = load_checkpoint(out, device="cpu")
+    config = loaded.config.model
+    assert isinstance(config, LRNNConfig) and config.state_codes > 0 and config.snap_every == 2
+    assert loaded.config.metadata["state_codes"]["command"].startswith("python -m training snap ")
+    assert snap("--checkpoint", str(out), "--out", str(tmp_path / "twice")) == 2
+    assert "has state codes already" in capsys.readouterr().err
+    task = get_task("parity_check")
+    examples = FinalLabelSet.draw(task, np.random.default_rng(5), 32, (200, 700))
+    assert count_correct_final(loaded.model, examples, task.alphabet, batch_size=8) == 32
 
 
 def test_writing_over_a_checkpoint_is_refused_without_overwrite(trained: str, tmp_path: Path, capsys) -> None:
