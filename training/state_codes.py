@@ -3,8 +3,8 @@ in docs/models.md). Past its training lengths such a model's states can drift of
 labels with them, while its automaton is right. Each block's states over strings of the training lengths are clustered
 (a state joins the first centre within ``radius``, else starts one; each centre then becomes the mean of the states
 nearest it): those are its codes. The snapped model replaces each block's state by its nearest code after every
-``every``-th symbol. Like level codes, it is checked at every position of fresh strings of the training lengths, as level codes are,
-and refused where the codes make it misread one that it read right without them.
+``every``-th symbol. Like level codes, the model is checked at every position of fresh strings of the training
+lengths, without codes and with them, and refused where it misreads one.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ def visited_states(model: BlockDiagonalLRNN, alphabet: str, strings: list[str]) 
             x = model.embedding(token_ids(alphabet, group))  # (B, T, d_model)
             for layer, block in enumerate(model.blocks):
                 assert isinstance(block, RecurrentBlock)
-                _, states, _ = block.scan(x, None, 0)  # (B, T, H, b)
+                x, states, _ = block.forward_states(x, None)  # (B, T, d_model), (B, T, H, b)
                 visited[layer].append(states.flatten(0, 1))
-                x, _ = block(x, None)
     return [torch.cat(states) for states in visited]
 
 

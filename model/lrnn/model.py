@@ -267,9 +267,16 @@ class RecurrentBlock(nn.Module):
         self, x: torch.Tensor, state: torch.Tensor | None, offset: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, d_model), state (B, H, b) or None after ``offset`` symbols -> (B, T, d_model), final state."""
+        out, _, final_state = self.forward_states(x, state, offset)
+        return out, final_state
+
+    def forward_states(
+        self, x: torch.Tensor, state: torch.Tensor | None, offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, with every state (B, T, H, b) between the output and the final state."""
         u, states, final_state = self.scan(x, state, offset)
         x = x + self.dropout(self.recurrence.readout(states, u))  # (B, T, d_model)
-        return x + self.mlp(self.ln_2(x)), final_state
+        return x + self.mlp(self.ln_2(x)), states, final_state
 
     def forward_last(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         """``forward``'s output (B, d_model) at lengths - 1, readout and MLP there only."""
