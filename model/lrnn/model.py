@@ -21,6 +21,7 @@ from model.layers import MLP, TokenEmbedding
 from model.lrnn import cost as lrnn_cost
 from model.lrnn import growth
 from model.lrnn import serving as lrnn_serving
+from model.ops.cpu import cpu_decode
 from model.ops.cpu.cpu_decode import linear
 from model.ops.scan.constraints import (
     column_divisors,
@@ -66,6 +67,7 @@ class Recurrence(nn.Module):
     state_shape: tuple[int, int]
     out_proj: nn.Linear  # the readout's projection, counted in the cost of a layer's tail
     snap_every = 0  # > 0: after every snap_every-th symbol the state is replaced by :meth:`snap`'s code
+    state_codes: torch.Tensor  # (H, K, b) where snap_every > 0: the codes :meth:`snap` picks from
 
     def snap(self, state: torch.Tensor) -> torch.Tensor:
         """state (B, H, b) -> each block's nearest code (B, H, b); only where ``snap_every`` > 0."""
@@ -114,8 +116,6 @@ class BlockDiagonalRecurrence(Recurrence):
     g(u) = V (code_scale U u) + c. "stochastic": sparsemax columns (while training, softmax blended in by ``softness``:
     1 all softmax, 0 all sparsemax; Gini ``impurity`` kept with ``track_impurity``), no B u, h_0 learned.
     "orthogonal": each block's polar factor, no B u, h_0 learned (a point that the transitions move on a sphere)."""
-
-    state_codes: torch.Tensor  # (H, K, b), a buffer where the config has codes
 
     def __init__(self, config: LRNNConfig) -> None:
         super().__init__()
@@ -289,8 +289,9 @@ class RecurrentBlock(nn.Module):
     def scan(
         self, x: torch.Tensor, state: torch.Tensor | None, offset: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, d_model) after ``offset`` symbols -> LN(x), every state (B, T, H, b), the last state. With codes,
-        a scan per stretch between snaps, each stretch's last state replaced by its code."""
+        """x (B, T, d_model) after ``offset`` symbols -> LN(x), every state (B, T, H, b), the last state. With codes:
+        on the CPU in float32 one compiled loop that snaps (``scan_impl`` "auto"), else a scan per stretch between
+        snaps, each stretch's last state replaced by its code."""
         u = self.ln_1(x)  # (B, T, d_model)
         transitions, inputs = self.recurrence.coefficients(u)  # (B, T, H, b, b), (B, T, H, b)
         if state is None:
@@ -301,6 +302,11 @@ class RecurrentBlock(nn.Module):
                 transitions, inputs, state, impl=self.scan_impl, chunk_size=self.scan_chunk_size
             )
             return u, states, state  # (B, T, H, b), (B, H, b)
+        compiled = None
+        if self.scan_impl == "auto":
+            compiled = cpu_decode.snapped_scan(transitions, inputs, state, self.recurrence.state_codes, every, offset)
+        if compiled is not None:
+            return u, *compiled
         stretches, start = [], 0
         while start < length:
             end = min(length, start + every - (offset + start) % every)  # the next snap, or the input's end

@@ -386,6 +386,32 @@ class _CompiledScan(torch.autograd.Function):
         return torch.from_numpy(grad_transitions), torch.from_numpy(grad_inputs), torch.from_numpy(grad_initial)
 
 
+def snapped_scan(
+    transitions: torch.Tensor,
+    inputs: torch.Tensor,
+    initial_state: torch.Tensor,
+    codes: torch.Tensor,
+    every: int,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`linear_scan` with state codes, as ``RecurrentBlock.scan`` runs it (model/lrnn/model.py): after the
+    symbol at t with (offset + t + 1) % every == 0 each block's state becomes its nearest row of codes (H, K, b).
+    None where :func:`compiles_scan` does not hold, the codes are not float32 on the CPU, or gradients are wanted.
+    Equal to the torch loop up to float rounding (and so, at an exact tie of two codes, up to which is picked)."""
+    tensors = (transitions, inputs, initial_state, codes)
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        return None
+    if not compiles_scan(transitions, inputs, initial_state) or codes.dtype is not torch.float32 or not codes.is_cpu:
+        return None
+    batch, length, heads, size = inputs.shape
+    states = np.empty((batch, length, heads, size), dtype=np.float32)
+    final = np.empty((batch, heads, size), dtype=np.float32)
+    arrays = [tensor.detach().contiguous().numpy(force=True) for tensor in tensors]
+    assert _kernels is not None
+    _kernels.scan.snapped(*arrays, every, offset, states, final)
+    return torch.from_numpy(states), torch.from_numpy(final)
+
+
 def compiles_scan(transitions: torch.Tensor, inputs: torch.Tensor, initial_state: torch.Tensor | None) -> bool:
     """Whether :func:`linear_scan` runs these: float32 CPU tensors of matching shapes, at least one step,
     :func:`_compiles`."""

@@ -10,6 +10,7 @@ import torch
 
 from model.config import ConfigError
 from model.lrnn.model import BlockDiagonalLRNN
+from model.ops.cpu import cpu_decode
 from model.ops.scan.dispatch import ScanImpl
 from tests.model.tiny_models import tiny_configs
 
@@ -75,6 +76,25 @@ def test_every_path_snaps_where_the_plain_loop_does(impl: ScanImpl, every: int) 
                 break
     torch.testing.assert_close(last, expected[0, -1], rtol=1e-10, atol=1e-10)
     assert torch.equal(labels, expected[0].argmax(-1))
+
+
+def test_the_compiled_loop_snaps_where_the_torch_stretches_do(monkeypatch) -> None:
+    """float32 on the CPU with "auto": one compiled loop (counted), equal to the scan per stretch ("chunked")."""
+    if not cpu_decode.kernel_available():
+        pytest.skip("needs numba")
+    calls = []
+    compiled = cpu_decode.snapped_scan
+    monkeypatch.setattr(cpu_decode, "snapped_scan", lambda *args: calls.append(1) or compiled(*args))
+    tokens = torch.randint(0, VOCAB, (3, 50))
+    with torch.no_grad():
+        expected = make(EVERY, "chunked").float()(tokens)
+        assert not calls
+        model = make(EVERY, "auto").float()
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
+        cache = model.new_cache(batch_size=3)
+        parts = [model(tokens[:, start:end], cache=cache) for start, end in [(0, 7), (7, 50)]]
+    assert len(calls) == 3 * 2  # each layer of each call
+    torch.testing.assert_close(torch.cat(parts, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_codes_change_the_output_and_a_step_reads_the_code() -> None:

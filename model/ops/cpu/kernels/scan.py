@@ -1,4 +1,5 @@
-"""The linear scan's loop and its backward (``cpu_decode.linear_scan``), compiled by :func:`build_scan`."""
+"""The linear scan's loop, its backward and its loop with state codes (``cpu_decode.linear_scan`` and
+``cpu_decode.snapped_scan``), compiled by :func:`build_scan`."""
 
 from __future__ import annotations
 
@@ -16,31 +17,13 @@ class Scan(NamedTuple):
 
     states: Callable[..., None]  # scan_states(transitions, inputs, initial, states, final)
     backward: Callable[..., None]  # scan_backward(transitions, initial, states, grad_states, grad_final, ...)
+    snapped: Callable[..., None]  # scan_snapped(transitions, inputs, initial, codes, every, offset, states, final)
 
 
 def build_scan(numba: ModuleType) -> Scan:
-    """The scan forward (every state and the last) and backward (the loop in reverse), on float32 arrays."""
+    """The scan forward (every state and the last), backward (the loop in reverse) and forward with state codes, on
+    float32 arrays."""
     jit = reassociating_jit(numba)
-
-    @jit
-    def scan_states(
-        transitions: np.ndarray, inputs: np.ndarray, initial: np.ndarray, states: np.ndarray, final: np.ndarray
-    ) -> None:
-        """state_t = A_t state_(t-1) + u_t: (B, T, H, b, b), (B, T, H, b), (B, H, b)
-        -> states (B, T, H, b), final (B, H, b)."""
-        batch, length, heads, size = inputs.shape
-        state = np.empty(size, dtype=np.float32)
-        for r in range(batch):
-            for h in range(heads):
-                state[:] = initial[r, h]
-                for t in range(length):
-                    for i in range(size):
-                        total = np.float32(0.0)
-                        for j in range(size):
-                            total += transitions[r, t, h, i, j] * state[j]
-                        states[r, t, h, i] = total + inputs[r, t, h, i]
-                    state[:] = states[r, t, h]
-                final[r, h] = state
 
     @jit
     def scan_backward(
@@ -73,4 +56,77 @@ def build_scan(numba: ModuleType) -> Scan:
                     carried[:] = back
                 grad_initial[r, h] = carried
 
-    return Scan(scan_states, scan_backward)
+    @jit
+    def advance(
+        transitions: np.ndarray,
+        inputs: np.ndarray,
+        r: int,
+        h: int,
+        start: int,
+        end: int,
+        state: np.ndarray,
+        states: np.ndarray,
+    ) -> None:
+        """Row r, block h from ``state`` (b,) through positions start .. end - 1: each into ``states``, the last
+        into ``state``."""
+        size = state.shape[0]
+        for t in range(start, end):
+            for i in range(size):
+                total = np.float32(0.0)
+                for j in range(size):
+                    total += transitions[r, t, h, i, j] * state[j]
+                states[r, t, h, i] = total + inputs[r, t, h, i]
+            state[:] = states[r, t, h]
+
+    @jit
+    def scan_states(
+        transitions: np.ndarray, inputs: np.ndarray, initial: np.ndarray, states: np.ndarray, final: np.ndarray
+    ) -> None:
+        """state_t = A_t state_(t-1) + u_t: (B, T, H, b, b), (B, T, H, b), (B, H, b)
+        -> states (B, T, H, b), final (B, H, b)."""
+        batch, length, heads, size = inputs.shape
+        state = np.empty(size, dtype=np.float32)
+        for r in range(batch):
+            for h in range(heads):
+                state[:] = initial[r, h]
+                advance(transitions, inputs, r, h, 0, length, state, states)
+                final[r, h] = state
+
+    @jit
+    def scan_snapped(
+        transitions: np.ndarray,
+        inputs: np.ndarray,
+        initial: np.ndarray,
+        codes: np.ndarray,
+        every: int,
+        offset: int,
+        states: np.ndarray,
+        final: np.ndarray,
+    ) -> None:
+        """``scan_states`` with state codes: after the symbol at t with (offset + t + 1) % every == 0, each block's
+        state is replaced by its nearest row of codes (H, K, b) (squared distance, the first of equals)."""
+        batch, length, heads, size = inputs.shape
+        count = codes.shape[1]
+        state = np.empty(size, dtype=np.float32)
+        for r in range(batch):
+            for h in range(heads):
+                state[:] = initial[r, h]
+                start = 0
+                while start < length:
+                    end = min(length, start + every - (offset + start) % every)  # the next snap, or the end
+                    advance(transitions, inputs, r, h, start, end, state, states)
+                    if (offset + end) % every == 0:
+                        best, nearest = np.float32(np.inf), 0
+                        for k in range(count):
+                            distance = np.float32(0.0)
+                            for i in range(size):
+                                difference = state[i] - codes[h, k, i]
+                                distance += difference * difference
+                            if distance < best:
+                                best, nearest = distance, k
+                        state[:] = codes[h, nearest]
+                        states[r, end - 1, h] = state
+                    start = end
+                final[r, h] = state
+
+    return Scan(scan_states, scan_backward, scan_snapped)
