@@ -1,10 +1,13 @@
 #!/bin/sh
 # Recipe of checkpoints/sum_mod5-lrnn: LRNN, spectral norm, one layer of 8 blocks of 2, 18,000 steps.
 #
-# The command recorded in checkpoints/sum_mod5-lrnn/config.json (metadata.command), but for --out
-# /tmp/gruns/cpu-sm5-lrnn-18k-s0, --overwrite. Trained in 835 s of wall time on one Xeon core of the lent GPU
-# machine (torch 2.11, --device cpu), 2026-11-23; the same command re-run on the development CPU reproduced it to
-# float rounding (docs/log/results-2026-11.md, "Shipped trained checkpoints").
+# Then state codes (python -m training snap, 2026-12-05): each block's state snapped after every 8th symbol to the
+# nearest state it visits at the training lengths, which keeps it right far past them (docs/models.md).
+#
+# The commands recorded in checkpoints/sum_mod5-lrnn/config.json (metadata.command and
+# metadata.state_codes.command), but for --out /tmp/gruns/cpu-sm5-lrnn-18k-s0, --overwrite. Trained in 835 s of wall
+# time on one Xeon core of the lent GPU machine (torch 2.11, --device cpu), 2026-11-23; the same command re-run on
+# the development CPU reproduced it to float rounding (docs/log/results-2026-11.md, "Shipped trained checkpoints").
 #
 # It was trained by the training loop of its day, before the one trainer of 2026-11-23: the flags mean the same
 # today (where the weight decay is not 0, it now skips norms and biases), but the weights a run gives now need not
@@ -13,12 +16,14 @@
 # Figures: docs/results.md, "Shipped trained checkpoints".
 #
 # Run from the repository root: recipes/sum_mod5-lrnn.sh [more train flags, which override the recipe's].
-# OUT=folder (default runs/sum_mod5-lrnn; a folder holding a checkpoint is refused), PYTHON=interpreter.
+# OUT=folder (default runs/sum_mod5-lrnn; the trained model is written to $OUT-trained first; a folder holding a
+# checkpoint is refused), PYTHON=interpreter.
 # Evaluate: recipes/evaluate.sh runs/sum_mod5-lrnn
 set -eu
 OUT=${OUT:-runs/sum_mod5-lrnn}
-exec "${PYTHON:-python}" -m training train \
+"${PYTHON:-python}" -m training train \
     --task sum_mod5 --arch lrnn --transition-norm spectral --p-norm 2 --block-size 2 --num-blocks 8 --d-model 32 \
     --d-ff 64 --batch-size 128 --lr 3e-3 --schedule cosine --optimizer adamw --weight-decay 0 --eval-every 250 \
     --eval-samples 200 --layers 1 --seed 0 --steps 18000 --device cpu --no-progress \
-    --out "$OUT" "$@"
+    --out "$OUT-trained" "$@"
+exec "${PYTHON:-python}" -m training snap --checkpoint "$OUT-trained" --out "$OUT" --threads 1

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.accuracy.lrnn_state_snap import main
 
-CHECKPOINT = "checkpoints/sum_mod5-lrnn"
+CHECKPOINT = "checkpoints/even_pairs-lrnn"  # a shipped LRNN without codes
 
 
 def test_a_row_per_setting_and_length(capsys) -> None:
@@ -26,6 +26,7 @@ def test_a_row_per_setting_and_length(capsys) -> None:
         ["--checkpoint", CHECKPOINT, "--every", "0"],
         ["--checkpoint", CHECKPOINT, "--radius", "a"],
         ["--checkpoint", "missing-folder"],
+        ["--checkpoint", "checkpoints/modular_arithmetic-lrnn"],  # has codes already
     ],
 )
 def test_what_it_cannot_run_exits_2(wrong: list[str]) -> None:

@@ -23,8 +23,8 @@ def test_codes_lie_within_the_radius_of_every_point() -> None:
 
 
 def test_every_visited_state_as_a_code_changes_nothing() -> None:
-    loaded = load_checkpoint("checkpoints/sum_mod5-lrnn", device="cpu")
-    model, task = loaded.model, get_task("sum_mod5")
+    loaded = load_checkpoint("checkpoints/even_pairs-lrnn", device="cpu")  # a shipped LRNN without codes
+    model, task = loaded.model, get_task("even_pairs")
     strings = [task.sample(np.random.default_rng(seed), 12) for seed in range(3)]
     visited = visited_states(model, task.alphabet, strings)  # per layer (N, H, b)
     config = dataclasses.replace(model.config, state_codes=visited[0].shape[0], snap_every=1)

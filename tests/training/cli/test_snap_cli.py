@@ -78,8 +78,9 @@ def test_the_codes_keep_the_checkpoints_dtype(trained: str, tmp_path: Path) -> N
         ("even_pairs-regulargpt", [], "even_pairs's labels do not say all a window carries"),
         ("first-exact", [], "level codes are for RegularGPT transducers, not a exact transduce model"),
         ("parity_check-regulargpt", ["--radius", "0.1"], "--radius and --every are for block-diagonal LRNN"),
-        ("parity_check-lrnn", ["--radius", "100"], "misreads"),
-        ("parity_check-lrnn", ["--every", "0"], "--every"),
+        ("even_pairs-lrnn", ["--radius", "100"], "misreads"),
+        ("even_pairs-lrnn", ["--every", "0"], "--every"),
+        ("parity_check-lrnn", [], "has state codes already"),
         ("text-regulargpt", [], "is a text model"),
         ("missing-folder", [], "missing-folder"),
         ("sum_mod5-regulargpt", [], "has level codes already"),
@@ -96,7 +97,7 @@ def test_what_cannot_have_codes_is_refused(checkpoint: str, extra: list[str], me
 
 def test_an_lrnn_gets_state_codes_and_stays_right(tmp_path: Path, capsys) -> None:
     out = tmp_path / "snapped"
-    assert snap("--checkpoint", str(CHECKPOINTS / "parity_check-lrnn"), "--out", str(out), "--every", "2") == 0
+    assert snap("--checkpoint", str(CHECKPOINTS / "even_pairs-lrnn"), "--out", str(out), "--every", "2") == 0
     assert "codes per block from the states of 16 strings; right at every position" in capsys.readouterr().out
     loaded = load_checkpoint(out, device="cpu")
     config = loaded.config.model
@@ -104,7 +105,7 @@ def test_an_lrnn_gets_state_codes_and_stays_right(tmp_path: Path, capsys) -> Non
     assert loaded.config.metadata["state_codes"]["command"].startswith("python -m training snap ")
     assert snap("--checkpoint", str(out), "--out", str(tmp_path / "twice")) == 2
     assert "has state codes already" in capsys.readouterr().err
-    task = get_task("parity_check")
+    task = get_task("even_pairs")
     examples = FinalLabelSet.draw(task, np.random.default_rng(5), 32, (200, 700))
     assert count_correct_final(loaded.model, examples, task.alphabet, batch_size=8) == 32
 
