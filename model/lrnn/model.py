@@ -428,17 +428,20 @@ class LinearRNN(SequenceModel):
             state_shape=first.recurrence.state_shape,
             weights=parameter_count(self.blocks),
             tail=parameter_count(last.recurrence.out_proj, last.mlp),
-            codes=self.config.state_codes if isinstance(self.config, LRNNConfig) else 0,
+            codes=self._codes,
             snap_every=first.recurrence.snap_every,
         )
+
+    @property
+    def _codes(self) -> int:
+        """Each block's state codes (``LRNNConfig.state_codes``; 0: none)."""
+        return self.config.state_codes if isinstance(self.config, LRNNConfig) else 0
 
     def _hidden(self, tokens: torch.Tensor, cache: InferenceCache | None = None) -> torch.Tensor:
         """tokens (B, T) -> hidden states before the final LayerNorm."""
         assert cache is None or isinstance(cache, LRNNCache)
         offset = 0
-        if (
-            cache is not None and isinstance(self.config, LRNNConfig) and self.config.state_codes
-        ):  # snaps at the same symbols in every row
+        if cache is not None and self._codes:  # the rows snap at the same symbols
             offset = int(cache.lengths[0])
             if bool((cache.lengths != offset).any()):
                 raise ValueError("a model with state codes runs a cache's rows together only at one length")
