@@ -18,6 +18,7 @@ from model.checkpoint import LoadedCheckpoint
 from model.config import LRNNConfig
 from model.lrnn.model import BlockDiagonalLRNN, RecurrentBlock
 from model.registry import build_model
+from training.data.batches import encode_strings
 from training.data.tasks import Task
 from training.level_codes import SnapError, Snapped, fitted_checks, misreading
 
@@ -26,11 +27,6 @@ EVERY = 8  # the default: snap after every 8th symbol
 
 # Most codes a block may have: a nearest-code search costs this many distances per block and snap.
 MAX_CODES = 65_536
-
-
-def token_ids(alphabet: str, strings: list[str]) -> torch.Tensor:
-    """Strings of one length -> (B, T) int64 ids (a symbol's id is its place in the alphabet)."""
-    return torch.tensor([[alphabet.index(symbol) for symbol in string] for string in strings], dtype=torch.long)
 
 
 def by_length(strings: list[str]) -> list[list[str]]:
@@ -46,7 +42,7 @@ def visited_states(model: BlockDiagonalLRNN, alphabet: str, strings: list[str]) 
     visited: list[list[torch.Tensor]] = [[] for _ in model.blocks]
     with torch.no_grad():
         for group in by_length(strings):
-            x = model.embedding(token_ids(alphabet, group))  # (B, T, d_model)
+            x = model.embedding(encode_strings(group, alphabet)[0])  # (B, T, d_model): one length, no padding
             for layer, block in enumerate(model.blocks):
                 assert isinstance(block, RecurrentBlock)
                 x, states, _ = block.forward_states(x, None)  # (B, T, d_model), (B, T, H, b)

@@ -19,22 +19,12 @@ import time
 import numpy as np
 import torch
 
-from model.base import SequenceModel
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.config import ConfigError
-from training.data.tasks import Task, get_task
+from training.data.batches import FinalLabelSet, count_correct_final
+from training.data.tasks import get_task
 from training.level_codes import SnapError
-from training.state_codes import by_length, snap, token_ids
-
-
-def final_right(model: SequenceModel, task: Task, strings: list[str]) -> int:
-    """How many of ``strings`` ``model`` labels right at their last symbol, run a length at a time."""
-    right = 0
-    with torch.no_grad():
-        for group in by_length(strings):
-            wanted = torch.tensor([task.labels.index(task.label(string)[-1]) for string in group])
-            right += int((model.final_logits(token_ids(task.alphabet, group)).argmax(dim=-1) == wanted).sum())
-    return right
+from training.state_codes import snap
 
 
 def numbers(parser: argparse.ArgumentParser, flag: str, text: str, kind: type) -> list:
@@ -48,6 +38,7 @@ def numbers(parser: argparse.ArgumentParser, flag: str, text: str, kind: type) -
     return values
 
 
+@torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a block-diagonal LRNN transducer without codes")
@@ -72,9 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if config.architecture != "lrnn" or config.task is None or getattr(config.model, "state_codes", 0):
         parser.error(f"--checkpoint {args.checkpoint}: not a block-diagonal LRNN transducer of a task without codes")
     torch.set_num_threads(args.threads)
+    alphabet, batch = config.alphabet or "", args.strings
+
     task, rng = get_task(config.task), np.random.default_rng(args.seed)
-    drawn = {length: [task.sample(rng, length) for _ in range(args.strings)] for length in lengths}
-    served = {length: final_right(loaded.model, task, strings) for length, strings in drawn.items()}
+    drawn = {length: FinalLabelSet.draw(task, rng, args.strings, (length, length)) for length in lengths}
+    served = {
+        length: count_correct_final(loaded.model, examples, alphabet, batch) for length, examples in drawn.items()
+    }
     print(f"{args.checkpoint}: {task.name}, codes from {args.train_strings} strings of the training lengths")
     print("| radius | every | codes per block | length | strings | as served | with the codes | seconds |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
@@ -87,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             counts = snapped.config.metadata["state_codes"]["codes"]
             codes = f"{min(map(min, counts))}-{max(map(max, counts))}"
-            for length, strings in drawn.items():
+            for length, examples in drawn.items():
                 start = time.perf_counter()
-                right = final_right(snapped.model, task, strings)
+                coded = count_correct_final(snapped.model, examples, alphabet, batch)
                 seconds = time.perf_counter() - start
                 print(
-                    f"| {radius} | {every} | {codes} | {length} | {len(strings)} | "
-                    f"{100 * served[length] / len(strings):.1f} | {100 * right / len(strings):.1f} | {seconds:.1f} |",
+                    f"| {radius} | {every} | {codes} | {length} | {len(examples)} | "
+                    f"{100 * served[length] / len(examples):.1f} | {100 * coded / len(examples):.1f} | {seconds:.1f} |",
                     flush=True,
                 )
     return 0

@@ -10,8 +10,9 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.lrnn.model import BlockDiagonalLRNN
+from training.data.batches import encode_strings
 from training.data.tasks import get_task
-from training.state_codes import cluster, token_ids, visited_states
+from training.state_codes import cluster, visited_states
 
 
 def test_codes_lie_within_the_radius_of_every_point() -> None:
@@ -32,7 +33,7 @@ def test_every_visited_state_as_a_code_changes_nothing() -> None:
     codes = {f"blocks.{i}.recurrence.state_codes": states.transpose(0, 1) for i, states in enumerate(visited)}
     snapped.load_state_dict({**model.state_dict(), **codes})
     zeros.load_state_dict({**model.state_dict(), **{name: torch.zeros_like(value) for name, value in codes.items()}})
-    ids = token_ids(task.alphabet, strings)
+    ids, _ = encode_strings(strings, task.alphabet)
     with torch.no_grad():
         plain, with_codes = model(ids), snapped(ids)
         assert not torch.allclose(zeros(ids), plain, atol=1e-3)  # codes that are not the visited states change it
