@@ -97,6 +97,27 @@ def test_the_compiled_loop_snaps_where_the_torch_stretches_do(monkeypatch) -> No
     torch.testing.assert_close(torch.cat(parts, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_compiled_loop_skips_only_padding(monkeypatch) -> None:
+    """Codes padded as ``snap`` pads them (each block's rows after its own count copy its first; one copy of the
+    first also inside): the compiled loop, which reads a block's rows only up to its trailing copies, snaps as the
+    torch search over every row does."""
+    if not cpu_decode.kernel_available():
+        pytest.skip("needs numba")
+    tokens = torch.randint(0, VOCAB, (3, 50))
+    models = {impl: make(EVERY, impl).float() for impl in ("chunked", "auto")}
+    for model in models.values():
+        with torch.no_grad():
+            for layer, block in enumerate(model.blocks):
+                codes = block.recurrence.state_codes  # (H, K, b)
+                for h in range(codes.shape[0]):
+                    used = 2 + (layer + h) % (CODES - 2)  # 2 .. CODES - 1 rows of its own
+                    codes[h, used:] = codes[h, 0]
+                codes[0, 1] = codes[0, 0]
+    with torch.no_grad():
+        expected = models["chunked"](tokens)
+        torch.testing.assert_close(models["auto"](tokens), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_codes_change_the_output_and_a_step_reads_the_code() -> None:
     """Not a model whose codes do nothing: the snapped state is what the readout reads."""
     model = make(every=1)

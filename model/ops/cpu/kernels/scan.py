@@ -93,6 +93,19 @@ def build_scan(numba: ModuleType) -> Scan:
                 final[r, h] = state
 
     @jit
+    def used_codes(codes: np.ndarray, h: int) -> int:
+        """How many of block h's codes (H, K, b) a search reads: its rows before the trailing copies of its first
+        (``python -m training snap`` pads each block's codes to K so). A copy of the first never wins over it, so
+        skipping them picks what the whole search picks."""
+        count: int = codes.shape[1]
+        while count > 1:
+            for i in range(codes.shape[2]):
+                if codes[h, count - 1, i] != codes[h, 0, i]:
+                    return count
+            count -= 1
+        return count
+
+    @jit
     def scan_snapped(
         transitions: np.ndarray,
         inputs: np.ndarray,
@@ -104,12 +117,16 @@ def build_scan(numba: ModuleType) -> Scan:
         final: np.ndarray,
     ) -> None:
         """``scan_states`` with state codes: after the symbol at t with (offset + t + 1) % every == 0, each block's
-        state is replaced by its nearest row of codes (H, K, b) (squared distance, the first of equals)."""
+        state is replaced by its nearest row of codes (H, K, b) (squared distance, the first of equals; the trailing
+        copies of a block's first row are not read: :func:`used_codes`)."""
         batch, length, heads, size = inputs.shape
-        count = codes.shape[1]
+        counts = np.empty(heads, dtype=np.int64)
+        for h in range(heads):
+            counts[h] = used_codes(codes, h)
         state = np.empty(size, dtype=np.float32)
         for r in range(batch):
             for h in range(heads):
+                count = counts[h]
                 state[:] = initial[r, h]
                 start = 0
                 while start < length:
