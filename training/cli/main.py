@@ -182,6 +182,12 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         "sharing the rest; A-B: each string draws its own P uniformly "
         "from [A, B] (mixes dense and sparse strings, for skewed inputs at test time)",
     )
+    data.add_argument(
+        "--p-times",
+        type=probability_or_range,
+        help="modular_arithmetic: P('*' among the operators), '+' and '-' sharing the rest; A-B: each string "
+        "draws its own (long products, which uniform strings of the training lengths rarely hold)",
+    )
     data.add_argument("--balanced", action="store_true", help="draw the final label uniformly, then the string")
     data.add_argument(
         "--power-offset-fraction",
@@ -235,6 +241,13 @@ def _add_eval_parser(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="with --lengths or a list of --bands: sample with P(second symbol) = P instead of the "
         "task's generator (repeatable: one set of bands per value)",
+    )
+    parser.add_argument(
+        "--p-times",
+        type=probability,
+        action="append",
+        help="modular_arithmetic, with --lengths or a list of --bands: P('*' among the operators) = P "
+        "(repeatable: one set of bands per value, each with every --p-one)",
     )
     parser.add_argument(
         "--power-offsets",
@@ -390,10 +403,13 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
     if args.arch not in TRAINABLE_ARCHITECTURES:
         kind = "is built by hand, not trained" if args.arch in ARCHITECTURE_CONFIGS else "is unknown"
         raise UsageError(f"architecture {args.arch!r} {kind}; trainable: {', '.join(TRAINABLE_ARCHITECTURES)}")
-    _check_sampling(task, args.p_one, args.balanced)
+    _check_sampling(task, args.p_one, args.balanced, args.p_times)
     if args.power_offset_fraction:
         _check_power_offsets(
-            task, "--power-offset-fraction", ["--p-one", "--balanced"], args.p_one is not None or args.balanced
+            task,
+            "--power-offset-fraction",
+            ["--p-one", "--p-times", "--balanced"],
+            args.p_one is not None or args.p_times is not None or args.balanced,
         )
     _check_lengths(task, [args.train_lengths or task.train_lengths, args.eval_lengths or papers_lengths(task)])
     check_new_run(args)
@@ -413,6 +429,7 @@ def _new_transduction_run(args: argparse.Namespace) -> NewRun:
         balanced=args.balanced,
         power_offset_fraction=args.power_offset_fraction,
         final_only=args.final_only,
+        p_times=args.p_times,
         eval_samples=args.eval_samples,
         eval_batch_size=args.eval_batch_size,
     )
@@ -445,12 +462,21 @@ def _check_power_offsets(task: Task, flag: str, exclusive: list[str], excluded_g
     if task.draw_power_offset is None:
         raise UsageError(f"{flag}: {task.name} has no such strings (only induction_heads has)")
     if excluded_given:
-        raise UsageError(f"{flag} draws its strings uniformly; it cannot be combined with {' or '.join(exclusive)}")
+        named = f"{', '.join(exclusive[:-1])} or {exclusive[-1]}" if len(exclusive) > 1 else exclusive[0]
+        raise UsageError(f"{flag} draws its strings uniformly; it cannot be combined with {named}")
 
 
-def _check_sampling(task: Task, p_one: float | tuple[float, float] | None, balanced: bool) -> None:
-    if balanced and p_one is not None:
-        raise UsageError("--balanced and --p-one cannot be combined: balanced draws condition on the label")
+def _check_sampling(
+    task: Task,
+    p_one: float | tuple[float, float] | None,
+    balanced: bool,
+    p_times: float | tuple[float, float] | None = None,
+) -> None:
+    if balanced and (p_one is not None or p_times is not None):
+        flag = "--p-one" if p_one is not None else "--p-times"
+        raise UsageError(f"--balanced and {flag} cannot be combined: balanced draws condition on the label")
+    if p_times is not None and task.draw_products is None:
+        raise UsageError(f"--p-times: {task.name} has no operators (only modular_arithmetic has)")
     if balanced and task.draw_with_final_label is None:
         raise UsageError(f"{task.name} offers no balanced sampling")
 
@@ -462,20 +488,27 @@ def _run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     explicit_bands = not isinstance(args.bands, int)
     if explicit_bands and (args.lengths or args.protocol):
         raise UsageError("give --bands as a list of ranges or --lengths/--protocol, not both")
-    if args.p_one and not (args.lengths or explicit_bands):
-        raise UsageError("--p-one goes with --lengths or a list of --bands; the protocols set their own")
+    for flag, given in (("--p-one", args.p_one), ("--p-times", args.p_times)):
+        if given and not (args.lengths or explicit_bands):
+            raise UsageError(f"{flag} goes with --lengths or a list of --bands; the protocols set their own")
     checkpoints = [_load_transducer(path, args.device) for path in args.checkpoint]
     task_names = sorted({_task_name(loaded) for loaded in checkpoints})
     if len(task_names) > 1:
         raise UsageError(f"the checkpoints are of different tasks ({', '.join(task_names)}); evaluate them apart")
     task = _task(task_names[0])
-    for p_one in args.p_one or []:
-        _check_sampling(task, p_one, balanced=False)
+    for p_times in args.p_times or [None]:
+        for p_one in args.p_one or [None]:
+            _check_sampling(task, p_one, balanced=False, p_times=p_times)
     if args.power_offsets:
-        _check_power_offsets(task, "--power-offsets", ["--p-one"], bool(args.p_one))
+        _check_power_offsets(task, "--power-offsets", ["--p-one", "--p-times"], bool(args.p_one or args.p_times))
     if args.lengths or explicit_bands:
         ranges = args.bands if explicit_bands else split_lengths(args.lengths, args.bands)
-        bands = [Band(lengths, p_one) for p_one in (args.p_one or [None]) for lengths in ranges]
+        bands = [
+            Band(lengths, p_one, p_times=p_times)
+            for p_times in (args.p_times or [None])
+            for p_one in (args.p_one or [None])
+            for lengths in ranges
+        ]
         protocol: Protocol = "custom"
     else:
         named: NamedProtocol = args.protocol or "papers"

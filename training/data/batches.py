@@ -113,10 +113,11 @@ class TrainingData:
     balanced: bool = False
     power_offset_fraction: float = 0.0  # each string's chance to be drawn by the task's draw_power_offset instead
     final_only: bool = False  # the loss on each string's last position only (the others' targets IGNORE_INDEX)
+    p_times: float | tuple[float, float] | None = None  # modular_arithmetic: P("*" among operators), or a range
 
     def batch(self, rng: np.random.Generator, step: int) -> Batch:
         lengths = self.curriculum.length_range(step)
-        strings = sample_batch(self.task, rng, self.batch_size, lengths, self.p_one, self.balanced)
+        strings = sample_batch(self.task, rng, self.batch_size, lengths, self.p_one, self.balanced, self.p_times)
         if self.power_offset_fraction:  # no draw at 0: runs without it keep their random stream
             chosen = rng.random(len(strings)) < self.power_offset_fraction
             strings = [
@@ -150,10 +151,11 @@ class FinalLabelSet:
         length_range: tuple[int, int],
         p_one: float | None = None,
         power_offsets: bool = False,
+        p_times: float | None = None,
     ) -> FinalLabelSet:
         """``n`` strings of lengths uniform in ``length_range``; ``power_offsets``: each drawn by the task's
         ``draw_power_offset`` (its decisive symbol a power of two before the end) instead of its generator."""
-        strings = sample_batch(task, rng, n, length_range, p_one)
+        strings = sample_batch(task, rng, n, length_range, p_one, p_times=p_times)
         if power_offsets:
             assert task.draw_power_offset is not None
             strings = [task.draw_power_offset(rng, len(string)) for string in strings]

@@ -2,7 +2,8 @@
 
 Every regular task's labels are its automaton's labels sorted, so a compiled task checkpoint's label ids are the
 task's. Sampling takes the length, ``p_one`` (the frequency of the alphabet's second symbol) or ``balanced`` (the
-final label uniform, then the string uniform among those with that label).
+final label uniform, then the string uniform among those with that label); modular_arithmetic also takes ``p_times``
+(the frequency of "*" among its operators: long products, which uniform strings of the training lengths rarely hold).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ REJECTION_TRIES = 64
 Drawer = Callable[[np.random.Generator, int], str]
 FinalLabelDrawer = Callable[[np.random.Generator, int, str], str | None]
 SkewedDrawer = Callable[[np.random.Generator, int, float], str]
+ProductDrawer = Callable[[np.random.Generator, int, float | None, float], str]  # (rng, length, p_one, p_times)
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +55,7 @@ class Task:
     draw_skewed: SkewedDrawer  # (rng, length, p_one): the ``p_one`` sampling of ``sample``
     shortest_length: int = 1  # the shortest string the generator draws
     draw_power_offset: Drawer | None = None
+    draw_products: ProductDrawer | None = None  # modular_arithmetic: "*" among the operators with probability p_times
     hard_lengths: tuple[tuple[int, int], ...] = (HARD_LENGTHS,)
 
     def label(self, string: str) -> list[str]:
@@ -64,11 +67,27 @@ class Task:
                 )
         return self.labeler(string)
 
-    def sample(self, rng: np.random.Generator, length: int, p_one: float | None = None, balanced: bool = False) -> str:
+    def sample(
+        self,
+        rng: np.random.Generator,
+        length: int,
+        p_one: float | None = None,
+        balanced: bool = False,
+        p_times: float | None = None,
+    ) -> str:
         """A string of ``length`` symbols (modular_arithmetic: rounded down to an odd length), skewed by ``p_one``
-        or label-balanced; ValueError on a short length, both options, or a task without balanced sampling."""
+        and/or ``p_times``, or label-balanced; ValueError on a short length, balanced with a skew, or a task without
+        balanced sampling or operators."""
         if length < self.shortest_length:
             raise ValueError(f"length must be at least {self.shortest_length} for {self.name}, got {length}")
+        if p_times is not None:
+            if self.draw_products is None:
+                raise ValueError(f"p_times: {self.name} has no operators (only modular_arithmetic has)")
+            if balanced:
+                raise ValueError("p_times and balanced cannot be combined: balanced draws condition on the label")
+            if not 0.0 <= p_times <= 1.0:
+                raise ValueError(f"p_times must be a probability, got {p_times}")
+            return self.draw_products(rng, length, p_one, p_times)
         if p_one is not None:
             if balanced:
                 raise ValueError("p_one and balanced cannot be combined: balanced draws condition on the label")
@@ -94,9 +113,10 @@ def sample_batch(
     length_range: tuple[int, int],
     p_one: float | tuple[float, float] | None = None,
     balanced: bool = False,
+    p_times: float | tuple[float, float] | None = None,
 ) -> list[str]:
-    """``n`` strings of ``task`` of lengths uniform in ``length_range`` (inclusive); ``p_one`` is one probability
-    or a range (lo, hi) each string draws its own from."""
+    """``n`` strings of ``task`` of lengths uniform in ``length_range`` (inclusive); ``p_one`` and ``p_times`` are
+    each one probability or a range (lo, hi) each string draws its own from."""
     shortest, longest = length_range
     if not task.shortest_length <= shortest <= longest:
         raise ValueError(
@@ -104,12 +124,20 @@ def sample_batch(
             f"got {length_range}"
         )
     lengths = rng.integers(shortest, longest + 1, size=n)
-    if isinstance(p_one, tuple):
-        lo, hi = p_one
-        if not 0.0 <= lo <= hi <= 1.0:
-            raise ValueError(f"a p_one range must satisfy 0 <= lo <= hi <= 1, got {p_one}")
-        return [task.sample(rng, int(length), float(p), balanced) for length, p in zip(lengths, rng.uniform(lo, hi, n))]
-    return [task.sample(rng, int(length), p_one, balanced) for length in lengths]
+    ones, times = _per_string(rng, n, "p_one", p_one), _per_string(rng, n, "p_times", p_times)
+    return [task.sample(rng, int(length), one, balanced, product) for length, one, product in zip(lengths, ones, times)]
+
+
+def _per_string(
+    rng: np.random.Generator, n: int, name: str, p: float | tuple[float, float] | None
+) -> list[float | None]:
+    """``n`` probabilities: ``p`` itself (or None) for each, or each drawn uniformly from the range ``p``."""
+    if not isinstance(p, tuple):
+        return [p for _ in range(n)]
+    lo, hi = p
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"a {name} range must satisfy 0 <= lo <= hi <= 1, got {p}")
+    return [float(value) for value in rng.uniform(lo, hi, n)]
 
 
 def _uniform_symbols(alphabet: str) -> Drawer:
@@ -128,15 +156,19 @@ def _skewed_symbols(alphabet: str, rng: np.random.Generator, length: int, p_one:
     return "".join(alphabet[1] if one else others[k] for one, k in zip(is_one, other))
 
 
-def _expression(rng: np.random.Generator, length: int, p_one: float | None = None) -> str:
+def _expression(rng: np.random.Generator, length: int, p_one: float | None = None, p_times: float | None = None) -> str:
     """A modular_arithmetic input: digits and operators alternating, odd length (rounded down). Digits are
-    uniform, or "1" with probability ``p_one`` and the other four sharing the rest; operators are uniform."""
+    uniform, or "1" with probability ``p_one`` and the other four sharing the rest; operators are uniform, or "*"
+    with probability ``p_times`` and "+" and "-" sharing the rest."""
     count = (length + 1) // 2
     if p_one is None:
         operands = _uniform_symbols(DIGITS)(rng, count)
     else:
         operands = _skewed_symbols(DIGITS, rng, count, p_one)
-    operators = _uniform_symbols(OPERATORS)(rng, len(operands) - 1)
+    if p_times is None:
+        operators = _uniform_symbols(OPERATORS)(rng, len(operands) - 1)
+    else:  # "*" as the second symbol, the one _skewed_symbols skews
+        operators = _skewed_symbols(OPERATORS[0] + OPERATORS[2] + OPERATORS[1], rng, len(operands) - 1, p_times)
     return "".join(digit + operator for digit, operator in zip(operands, operators)) + operands[-1]
 
 
@@ -218,6 +250,7 @@ def _build_tasks() -> dict[str, Task]:
             draw=_expression,
             draw_with_final_label=None,  # conditioning would count malformed strings too
             draw_skewed=_expression,
+            draw_products=_expression,
         ),
         _regular("sum_mod5", DIGITS, MOD5_LABELS, labelers.sum_mod5, task_automata.sum_mod5()),
         _regular("even_pair_mod5", DIGITS, BINARY_LABELS, labelers.even_pair_mod5, task_automata.even_pair_mod5()),

@@ -32,6 +32,7 @@ class Band:
     lengths: tuple[int, int]  # inclusive
     p_one: float | None = None
     samples: int | None = None  # strings to draw; None: as many as asked for every band
+    p_times: float | None = None  # modular_arithmetic: P("*" among operators)
 
 
 def papers_lengths(task: Task) -> tuple[int, int]:
@@ -68,7 +69,13 @@ def draw_bands(
     ``power_offsets``: the task's ``draw_power_offset`` strings."""
     return [
         FinalLabelSet.draw(
-            task, np.random.default_rng([seed, index]), band.samples or samples, band.lengths, band.p_one, power_offsets
+            task,
+            np.random.default_rng([seed, index]),
+            band.samples or samples,
+            band.lengths,
+            band.p_one,
+            power_offsets,
+            band.p_times,
         )
         for index, band in enumerate(bands)
     ]
@@ -108,6 +115,7 @@ def evaluate_checkpoint(
                 {
                     "lengths": list(band.lengths),
                     "p_one": band.p_one,
+                    "p_times": band.p_times,
                     "samples": len(examples),
                     "accuracy": correct / len(examples),
                 }
@@ -135,6 +143,7 @@ def combine_reports(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
             {
                 "lengths": band["lengths"],
                 "p_one": band["p_one"],
+                "p_times": band.get("p_times"),
                 "samples": band["samples"],
                 "max": max(accuracies),
                 "mean": sum(accuracies) / len(accuracies),
@@ -164,15 +173,21 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
     else:
         lines += [f"[{i}] {report['checkpoint']} ({report['architecture']})" for i, report in enumerate(reports, 1)]
         headers = [f"[{i}]" for i in range(1, len(reports) + 1)] + ["max", "mean"]
-    lines.append(f"{'lengths':<12}{'p_one':>7}{'samples':>9}" + "".join(f"{header:>10}" for header in headers))
+    times = any(band.get("p_times") is not None for band in first["bands"])  # its column only where asked for
+
+    def skew(value: float | None) -> str:
+        return "-" if value is None else f"{value:g}"
+
+    head = f"{'lengths':<12}{'p_one':>7}" + (f"{'p_times':>8}" if times else "")
+    lines.append(f"{head}{'samples':>9}" + "".join(f"{header:>10}" for header in headers))
     for index, band in enumerate(first["bands"]):
         row = [report["bands"][index]["accuracy"] for report in reports]
         shortest, longest = band["lengths"]
         lengths = str(shortest) if shortest == longest else f"{shortest}-{longest}"
-        p_one = "-" if band["p_one"] is None else f"{band['p_one']:g}"
-        lines.append(f"{lengths:<12}{p_one:>7}{band['samples']:>9}" + _accuracy_cells(row))
+        cells = f"{lengths:<12}{skew(band['p_one']):>7}" + (f"{skew(band.get('p_times')):>8}" if times else "")
+        lines.append(f"{cells}{band['samples']:>9}" + _accuracy_cells(row))
     overall = [report["overall"] for report in reports]
-    lines.append(f"{'overall':<28}" + _accuracy_cells(overall))
+    lines.append(f"{'overall':<{len(head) + 9}}" + _accuracy_cells(overall))
     return "\n".join(lines)
 
 

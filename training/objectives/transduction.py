@@ -38,6 +38,7 @@ class TaskData:
         0.0  # training strings drawn by the task's draw_power_offset (training/data/tasks.py)
     )
     final_only: bool = False  # the loss on each training string's last position only (the authors' code's)
+    p_times: float | tuple[float, float] | None = None  # modular_arithmetic: P("*" among operators), or a range
     eval_samples: int = 200
     eval_batch_size: int = 64
 
@@ -54,7 +55,14 @@ class TransductionObjective(Objective):
             *data.train_lengths, kind=data.curriculum, start=data.curriculum_start, ramp_steps=ramp_steps
         )
         self.training = TrainingData(
-            self.task, batch_size, curriculum, data.p_one, data.balanced, data.power_offset_fraction, data.final_only
+            self.task,
+            batch_size,
+            curriculum,
+            data.p_one,
+            data.balanced,
+            data.power_offset_fraction,
+            data.final_only,
+            data.p_times,
         )
         eval_rng = np.random.default_rng([seed, EVAL_STREAM])
         self.eval_set = FinalLabelSet.draw(self.task, eval_rng, data.eval_samples, data.eval_lengths).shard(

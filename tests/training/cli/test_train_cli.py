@@ -138,6 +138,12 @@ BAD_TRAIN = {
         ["--task", "d2", "--p-one", "0.2", "--balanced"],
         "--balanced and --p-one cannot be combined",
     ),
+    "p_times elsewhere": (["--p-times", "0.5"], "--p-times: parity_check has no operators"),
+    "p_times and balanced": (
+        ["--task", "modular_arithmetic", "--p-times", "0.2-0.9", "--balanced"],
+        "--balanced and --p-times cannot be combined",
+    ),
+    "p_times range order": (["--task", "modular_arithmetic", "--p-times", "0.9-0.1"], "0.9 > 0.1"),
     "p_one range order": (["--p-one", "0.9-0.1"], "invalid probability range '0.9-0.1': 0.9 > 0.1"),
     "p_one range bounds": (["--p-one", "0.1-1.5"], "must be a probability in [0, 1], got 1.5"),
     "stopping without eval": (["--eval-every", "0", "--patience", "2"], "need evaluations: set --eval-every above 0"),
@@ -152,7 +158,7 @@ BAD_TRAIN = {
     ),
     "power offsets and p_one": (
         ["--task", "induction_heads", "--power-offset-fraction", "0.5", "--p-one", "0.2"],
-        "it cannot be combined with --p-one or --balanced",
+        "it cannot be combined with --p-one, --p-times or --balanced",
     ),
     "power offsets out of range": (["--power-offset-fraction", "1.5"], "must be a probability in [0, 1], got 1.5"),
 }

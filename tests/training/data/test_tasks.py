@@ -260,6 +260,41 @@ def test_p_one_skews_the_digits_of_modular_arithmetic_only() -> None:
     task.label(strings[0])  # well formed
 
 
+@pytest.mark.parametrize("p_times", [0.0, 0.9, 1.0])
+def test_p_times_skews_the_operators_of_modular_arithmetic(p_times: float) -> None:
+    task = TASKS["modular_arithmetic"]
+    strings = sample_batch(task, np.random.default_rng(9), 200, (101, 101), p_times=p_times)
+    digits, operators = "".join(s[0::2] for s in strings), "".join(s[1::2] for s in strings)
+    assert set(digits) <= set("01234") and set(operators) <= set("+-*")
+    assert operators.count("*") / len(operators) == pytest.approx(p_times, abs=0.01)
+    for operator in "+-":
+        assert operators.count(operator) / len(operators) == pytest.approx((1 - p_times) / 2, abs=0.01)
+    for digit in "01234":
+        assert digits.count(digit) / len(digits) == pytest.approx(0.2, abs=0.02)
+    task.label(strings[0])  # well formed
+
+
+def test_p_times_ranges_and_p_one_together() -> None:
+    task, rng = TASKS["modular_arithmetic"], np.random.default_rng(3)
+    strings = sample_batch(task, rng, 400, (201, 201), p_one=0.9, p_times=(0.0, 1.0))
+    times = sorted(string[1::2].count("*") / 100 for string in strings)
+    assert times[0] < 0.05 and times[-1] > 0.95 and np.mean(times) == pytest.approx(0.5, abs=0.05)
+    digits = "".join(string[0::2] for string in strings)
+    assert digits.count("1") / len(digits) == pytest.approx(0.9, abs=0.01)
+    with pytest.raises(ValueError, match="p_times range must satisfy"):
+        sample_batch(task, rng, 1, (5, 5), p_times=(0.6, 0.4))
+
+
+def test_p_times_is_modular_arithmetic_s_only() -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="parity_check has no operators"):
+        TASKS["parity_check"].sample(rng, 5, p_times=0.5)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        TASKS["modular_arithmetic"].sample(rng, 5, p_times=0.5, balanced=True)
+    with pytest.raises(ValueError, match="must be a probability"):
+        TASKS["modular_arithmetic"].sample(rng, 5, p_times=1.5)
+
+
 def test_p_one_needs_a_probability() -> None:
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="must be a probability"):

@@ -20,7 +20,7 @@ from training.data.tasks import get_task
 from training.evaluation.evaluate import Band, draw_bands, protocol_bands, split_lengths
 
 REPO = Path(__file__).resolve().parents[3]
-BAND_KEYS = {"lengths", "p_one", "samples", "accuracy"}
+BAND_KEYS = {"lengths", "p_one", "p_times", "samples", "accuracy"}
 REPORT_KEYS = {"checkpoint", "task", "architecture", "protocol", "seed", "power_offsets", "bands", "overall"}
 
 
@@ -164,6 +164,31 @@ def test_json_report_schema(checkpoints: list[Path], capsys: pytest.CaptureFixtu
     assert report["overall"] == pytest.approx(sum(band["accuracy"] for band in report["bands"]) / 2)
 
 
+def test_p_times_bands_for_modular_arithmetic(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """One set of bands per --p-times value, each with every --p-one; the table shows the column then only."""
+    folder = str(write_transducer(tmp_path / "modular", "modular_arithmetic"))
+    arguments = ["--checkpoint", folder, "--bands", "5-9,11-15", "--samples", "3"]
+    status, out, _ = run_eval(capsys, *arguments, "--p-times", "0.9", "--p-times", "1", "--p-one", "0.5", "--json")
+    assert status == 0
+    bands = json.loads(out)["bands"]
+    assert [(band["lengths"], band["p_one"], band["p_times"]) for band in bands] == [
+        ([5, 9], 0.5, 0.9),
+        ([11, 15], 0.5, 0.9),
+        ([5, 9], 0.5, 1.0),
+        ([11, 15], 0.5, 1.0),
+    ]
+    status, out, _ = run_eval(capsys, *arguments, "--p-times", "1")
+    assert (
+        status == 0
+        and "\nlengths       p_one p_times  samples" in out
+        and "\n11-15             -       1        3" in out
+    )
+    status, out, _ = run_eval(capsys, *arguments)
+    assert status == 0 and "\nlengths       p_one  samples" in out
+    times = draw_bands(get_task("modular_arithmetic"), [Band((39, 39), p_times=1.0)], 4, seed=0)[0]
+    assert all(set(string[1::2]) == {"*"} for string in times.strings)
+
+
 def test_several_checkpoints_give_max_and_mean(checkpoints: list[Path], capsys: pytest.CaptureFixture) -> None:
     arguments = [item for path in checkpoints for item in ("--checkpoint", str(path))]
     status, out, _ = run_eval(capsys, *arguments, "--bands", "41-45,46-50", "--samples", "4", "--json")
@@ -234,6 +259,8 @@ def test_bad_eval_input_exits_2_with_one_line(
         "not allowed with argument --protocol": ["--checkpoint", good, "--protocol", "hard", "--lengths", "41-50"],
         "--p-one goes with --lengths": ["--checkpoint", good, "--protocol", "hard", "--p-one", "0.1"],
         "--p-one goes with --lengths or": ["--checkpoint", good, "--p-one", "0.1"],
+        "--p-times goes with --lengths or": ["--checkpoint", good, "--p-times", "0.1"],
+        "--p-times: parity_check has no operators": ["--checkpoint", good, "--lengths", "5-9", "--p-times", "0.1"],
         "unrecognized arguments: --bogus": ["--checkpoint", good, "--bogus"],
     }
     for message, arguments in cases.items():
