@@ -80,18 +80,18 @@ class Task:
         balanced sampling or operators."""
         if length < self.shortest_length:
             raise ValueError(f"length must be at least {self.shortest_length} for {self.name}, got {length}")
+        for name, p in (("p_one", p_one), ("p_times", p_times)):
+            if p is not None:
+                if not 0.0 <= p <= 1.0:
+                    raise ValueError(f"{name} must be a probability, got {p}")
+                if balanced:
+                    raise ValueError(f"{name} and balanced cannot be combined: balanced draws condition on the label")
         if p_times is not None:
             if self.draw_products is None:
                 raise ValueError(f"p_times: {self.name} has no operators (only modular_arithmetic has)")
-            if balanced:
-                raise ValueError("p_times and balanced cannot be combined: balanced draws condition on the label")
-            if not 0.0 <= p_times <= 1.0:
-                raise ValueError(f"p_times must be a probability, got {p_times}")
             return self.draw_products(rng, length, p_one, p_times)
         if p_one is not None:
-            if balanced:
-                raise ValueError("p_one and balanced cannot be combined: balanced draws condition on the label")
-            return self._draw_skewed(rng, length, p_one)
+            return self.draw_skewed(rng, length, p_one)
         if balanced:
             if self.draw_with_final_label is None:
                 raise ValueError(f"{self.name} offers no balanced sampling")
@@ -99,11 +99,6 @@ class Task:
             if string is not None:
                 return string
         return self.draw(rng, length)
-
-    def _draw_skewed(self, rng: np.random.Generator, length: int, p_one: float) -> str:
-        if not 0.0 <= p_one <= 1.0:
-            raise ValueError(f"p_one must be a probability, got {p_one}")
-        return self.draw_skewed(rng, length, p_one)
 
 
 def sample_batch(

@@ -291,8 +291,10 @@ def test_p_times_is_modular_arithmetic_s_only() -> None:
         TASKS["parity_check"].sample(rng, 5, p_times=0.5)
     with pytest.raises(ValueError, match="cannot be combined"):
         TASKS["modular_arithmetic"].sample(rng, 5, p_times=0.5, balanced=True)
-    with pytest.raises(ValueError, match="must be a probability"):
+    with pytest.raises(ValueError, match="p_times must be a probability"):
         TASKS["modular_arithmetic"].sample(rng, 5, p_times=1.5)
+    with pytest.raises(ValueError, match="p_one must be a probability"):
+        TASKS["modular_arithmetic"].sample(rng, 5, p_one=-0.1, p_times=0.5)
 
 
 def test_p_one_needs_a_probability() -> None:
