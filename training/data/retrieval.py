@@ -203,8 +203,9 @@ VALUE_FAMILIES = ("number", "code", "word")
 FIRST_VALUE = re.compile(r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)*")
 PHRASE = "phrase"  # the value format of varied draws: 1 .. PHRASE_WORDS words of the filler's vocabulary
 PHRASE_WORDS = 3
-# the other format of varied draws: a run of lower-case letters and digits, both present, of any length in RUN_CHARS,
-# so that the copy learns to end where the value ends; it can never equal a number, a code or a word of either split
+# the other format of varied draws: a run of letters of either case and digits, a lower-case letter and a digit
+# present, of any length in RUN_CHARS, so that the copy learns to end where the value ends; it can never equal a
+# number, a code (all upper-case) or a word of either split
 RUN = "run"
 RUN_CHARS = (2, 12)
 VARIED_FORMATS = (PHRASE, RUN)  # the formats only varied draws give
@@ -293,12 +294,13 @@ def draw_value(fmt: str, split: str, rng: np.random.Generator) -> str:
 
 
 def draw_run(rng: np.random.Generator) -> str:
-    """A ``RUN`` value: ``RUN_CHARS`` lower-case letters and digits, at least one of each."""
-    letters, digits = string.ascii_lowercase, string.digits
-    either = letters + digits
+    """A ``RUN`` value: ``RUN_CHARS`` letters of either case and digits, at least one lower-case letter and one
+    digit (upper-case letters are copied too, and the run is never all upper-case: never a code)."""
+    lower, digits = string.ascii_lowercase, string.digits
+    any_char = string.ascii_letters + digits
     length = int(rng.integers(RUN_CHARS[0], RUN_CHARS[1] + 1))
-    chars = [either[int(rng.integers(len(either)))] for _ in range(length - 2)]
-    chars += [letters[int(rng.integers(len(letters)))], digits[int(rng.integers(len(digits)))]]
+    chars = [any_char[int(rng.integers(len(any_char)))] for _ in range(length - 2)]
+    chars += [lower[int(rng.integers(len(lower)))], digits[int(rng.integers(len(digits)))]]
     return "".join(chars[i] for i in rng.permutation(length))
 
 

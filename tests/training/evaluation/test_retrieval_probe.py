@@ -305,7 +305,7 @@ def test_varied_draws_take_keys_subjects_and_phrases_from_the_text_never_held_ou
     assert set(vocabulary.words) == {*MADE_UP_WORDS, "fine", "village"}  # "Chapter" is not lower-case
     builder = RetrievalBuilder(AUSTEN_8K, filler, TRAINED, varied=1.0)
     assert builder.formats() == (*split_formats(TRAINED), PHRASE, RUN)
-    rng = np.random.default_rng(0)
+    rng, runs = np.random.default_rng(0), []
     for index in range(60):
         fmt = builder.formats()[index % len(builder.formats())]
         draw = builder.draw(rng, fmt, 0.5, needles=3)
@@ -314,11 +314,13 @@ def test_varied_draws_take_keys_subjects_and_phrases_from_the_text_never_held_ou
         assert subject_words[0] == "the" and set(subject_words[1:-1]) <= set(vocabulary.words)
         if fmt == PHRASE:
             assert all(set(value.split()) <= set(vocabulary.words) for value in draw.values)
-        if fmt == RUN:  # letters and digits both: never a number, a code or a word of either split
-            assert all(re.fullmatch(r"(?=.*[a-z])(?=.*[0-9])[a-z0-9]{2,12}", value) for value in draw.values)
+        if fmt == RUN:  # a lower-case letter and a digit: never a number, a code or a word of either split
+            assert all(re.fullmatch(r"(?=.*[a-z])(?=.*[0-9])[A-Za-z0-9]{2,12}", value) for value in draw.values)
+            runs.extend(draw.values)
         prompt = builder.prompt(draw, 300)
         text = AUSTEN_8K.decode(prompt.tokens.tolist())
         assert f" {draw.values[0]}." in text and text.endswith(draw.wording.ask(draw.keys[0]))
+    assert any(re.search("[A-Z]", value) for value in runs)  # upper-case letters are copied too
     assert not set(vocabulary.words) & (held_out_words() | set(KEYS[HELD_OUT]))
     for fmt in (PHRASE, RUN):
         with pytest.raises(ValueError, match="needs varied draws"):
