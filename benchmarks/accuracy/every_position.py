@@ -18,21 +18,18 @@ import time
 import numpy as np
 import torch
 
+from model.base import SequenceModel
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.config import ConfigError
 from training.cli.arguments import positive_int, probability
-from training.data.batches import encode_strings
+from training.data.batches import encode_strings, logits_in_chunks
 from training.data.tasks import get_task
 
 
-def labelled(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> np.ndarray:
+def labelled(model: SequenceModel, ids: torch.Tensor, chunk: int) -> np.ndarray:
     """ids (1, T) -> the model's label id at every position (T,), chunk by chunk through its cache."""
-    cache = model.new_cache(batch_size=1)
-    parts = []
     with torch.no_grad():
-        for start in range(0, ids.shape[1], chunk):
-            parts.append(model(ids[:, start : start + chunk], cache=cache)[0].argmax(-1))
-    return torch.cat(parts).numpy()
+        return torch.cat([logits[0].argmax(-1) for logits in logits_in_chunks(model, ids, chunk)]).numpy()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ are positions in the alphabet and labels), padded targets ``IGNORE_INDEX``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -204,10 +204,16 @@ def _final_logits_in_chunks(
         while end < len(strings) and len(strings[end]) == len(strings[start]):
             end += 1
         tokens, _ = encode_strings(strings[start:end], alphabet)  # (R, T)
-        tokens = tokens.to(device)
-        cache, chunk = model.new_cache(end - start), max(1, chunk_symbols // (end - start))
-        for position in range(0, tokens.shape[1], chunk):
-            logits = model.forward(tokens[:, position : position + chunk], cache=cache)  # (R, chunk, num_labels)
+        for logits in logits_in_chunks(model, tokens.to(device), max(1, chunk_symbols // (end - start))):
+            continue  # the last chunk's logits end every row
         rows.append(logits[:, -1])
         start = end
     return torch.cat(rows)  # (B, num_labels)
+
+
+def logits_in_chunks(model: SequenceModel, tokens: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+    """tokens (R, T) fed through one ``new_cache`` ``chunk`` positions a call: each call's logits (R, chunk,
+    num_labels) in turn, so that memory stays bounded at any length."""
+    cache = model.new_cache(tokens.shape[0])
+    for position in range(0, tokens.shape[1], chunk):
+        yield model.forward(tokens[:, position : position + chunk], cache=cache)
