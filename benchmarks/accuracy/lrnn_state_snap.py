@@ -63,12 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     if config.architecture != "lrnn" or config.task is None or getattr(config.model, "state_codes", 0):
         parser.error(f"--checkpoint {args.checkpoint}: not a block-diagonal LRNN transducer of a task without codes")
     torch.set_num_threads(args.threads)
-    alphabet, batch = config.alphabet or "", args.strings
-
     task, rng = get_task(config.task), np.random.default_rng(args.seed)
     drawn = {length: FinalLabelSet.draw(task, rng, args.strings, (length, length)) for length in lengths}
     served = {
-        length: count_correct_final(loaded.model, examples, alphabet, batch) for length, examples in drawn.items()
+        length: count_correct_final(loaded.model, examples, task.alphabet, args.strings)
+        for length, examples in drawn.items()
     }
     print(f"{args.checkpoint}: {task.name}, codes from {args.train_strings} strings of the training lengths")
     print("| radius | every | codes per block | length | strings | as served | with the codes | seconds |")
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             codes = f"{min(map(min, counts))}-{max(map(max, counts))}"
             for length, examples in drawn.items():
                 start = time.perf_counter()
-                coded = count_correct_final(snapped.model, examples, alphabet, batch)
+                coded = count_correct_final(snapped.model, examples, task.alphabet, args.strings)
                 seconds = time.perf_counter() - start
                 print(
                     f"| {radius} | {every} | {codes} | {length} | {len(examples)} | "
