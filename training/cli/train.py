@@ -106,6 +106,13 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         help="RegularGPT: read each training position after up to this many thick layers above its "
         "depth, drawn per step (default 0); trains the state a long input's early positions carry",
     )
+    optim.add_argument(
+        "--freeze-embeddings",
+        action="store_true",
+        help="keep the token embedding (and a language model's output head, tied to it) at its initial values: "
+        "--init-from's, else the random init. Random frozen embeddings of a large vocabulary let a language "
+        "model copy tokens it never saw as values (docs/text_results.md)",
+    )
     checks = parser.add_argument_group("evaluation, early stopping, saving")
     checks.add_argument("--eval-every", type=non_negative_int, help="steps between evaluations (0: none)")
     checks.add_argument("--patience", type=positive_int, help="stop after this many evaluations without a new best")
@@ -263,6 +270,7 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         harden_steps=harden_steps if stochastic else 0,
         determinism_weight=args.determinism_weight or 0.0,
         extra_levels=args.extra_levels or 0,
+        freeze_embedding=args.freeze_embeddings,
     )
 
 
@@ -290,6 +298,7 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
         later_options = ("soft_transition_steps", "harden_steps", "determinism_weight", "extra_levels")
         for option in later_options:  # runs saved before these options existed ran without them
             state["settings"].setdefault(option, 0)
+        state["settings"].setdefault("freeze_embedding", False)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps
         evaluation_left = state["run"].get("evaluation_pending", False) and state["run"]["step"] == steps

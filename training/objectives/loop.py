@@ -87,6 +87,8 @@ def train(
     model = build_model(settings.architecture, model_config).to(dist.device).train()
     if initial is not None and resume is None:
         model.load_state_dict(initial)
+    if settings.freeze_embedding:
+        model.get_parameter("embedding.embed.weight").requires_grad_(False)
     optimizer = build_optimizer(model, settings)
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, dist.rank])
     run, best_state = RunState(), None

@@ -26,7 +26,9 @@ class TrainSettings:
     """Everything that decides a run's result besides the model's hyper-parameters and the objective's data.
     ``batch_size`` is per optimizer step and process; ``lr`` the peak rate (:func:`optim.lr_factor`);
     ``patience`` counts evaluations without a better score; ``soft_transition_steps``: a stochastic LRNN's first
-    steps with softmax columns, ``harden_steps`` the steps after them that blend them into the sparsemax."""
+    steps with softmax columns, ``harden_steps`` the steps after them that blend them into the sparsemax;
+    ``freeze_embedding``: the token embedding (a language model's output head too, tied to it) keeps its initial
+    values."""
 
     architecture: str
     steps: int
@@ -52,6 +54,7 @@ class TrainSettings:
     harden_steps: int = 0
     determinism_weight: float = 0.0
     extra_levels: int = 0
+    freeze_embedding: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -330,6 +330,46 @@ def test_regulargpt_extra_levels_are_drawn_per_step_reach_the_model_and_resume(t
     assert log_records(tmp_path / "plain")[-1]["param_sha256"] != digest  # the extra layers reached the gradient
 
 
+def test_frozen_embeddings_keep_their_start_values_across_a_resume_and_the_rest_trains(
+    tmp_path: Path, monkeypatch
+) -> None:
+    started: list[dict[str, torch.Tensor]] = []
+    build_optimizer = loop.build_optimizer
+
+    def recorded(model: torch.nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
+        started.append({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
+        return build_optimizer(model, settings)
+
+    monkeypatch.setattr(loop, "build_optimizer", recorded)
+    task_run(tmp_path / "whole", steps=9, freeze_embedding=True)
+    task_run(tmp_path / "cut", steps=9, stop_at=4, freeze_embedding=True)
+    task_run(tmp_path / "cut", steps=9, resume=True, freeze_embedding=True)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")  # the resumed part froze it too
+    start, end = started[0], load_file(str(tmp_path / "whole" / "model.safetensors"))
+    assert torch.equal(end["embedding.embed.weight"], start["embedding.embed.weight"])
+    assert not torch.equal(end["embedding.label_head.weight"], start["embedding.label_head.weight"])
+    task_run(tmp_path / "free", steps=9)
+    free = load_file(str(tmp_path / "free" / "model.safetensors"))
+    assert not torch.equal(free["embedding.embed.weight"], start["embedding.embed.weight"])
+
+
+def test_freeze_embeddings_is_saved_with_the_run(tmp_path: Path) -> None:
+    assert main(cli_run(tmp_path / "run", 3, "--freeze-embeddings")) == 0
+    assert load_checkpoint(tmp_path / "run").config.metadata["settings"]["freeze_embedding"] is True
+    assert main(cli_run(tmp_path / "plain", 3)) == 0
+    assert load_checkpoint(tmp_path / "plain").config.metadata["settings"]["freeze_embedding"] is False
+
+
+def test_a_run_saved_before_freeze_embeddings_resumes_unfrozen(tmp_path: Path) -> None:
+    assert main(cli_run(tmp_path / "run", 3)) == 0
+    path = tmp_path / "run" / RESUME_FILE
+    state, tensors = checkpointing.read_resume_state(tmp_path / "run")
+    del state["settings"]["freeze_embedding"]
+    save_file(tensors, str(path), metadata={"state": json.dumps(state)})
+    assert main(["train", "--resume", "--out", str(tmp_path / "run"), "--steps", "5", "--no-progress"]) == 0
+    assert load_checkpoint(tmp_path / "run").config.metadata["settings"]["freeze_embedding"] is False
+
+
 def test_extra_levels_belong_to_regulargpt(tmp_path: Path, capsys) -> None:
     assert main(cli_run(tmp_path / "run", 6, "--extra-levels", "2")) == 2
     err = capsys.readouterr().err
