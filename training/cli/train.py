@@ -110,8 +110,8 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         "--freeze-embeddings",
         action="store_true",
         help="keep the token embedding (and a language model's output head, tied to it) at its initial values: "
-        "--init-from's, else the random init. Random frozen embeddings of a large vocabulary let a language "
-        "model copy tokens it never saw as values (docs/text_results.md)",
+        "--init-from's, else the random init (on the MQAR task, a frozen random embedding of 8,192 ids let "
+        "the model copy ids it never saw as values: docs/text_results.md)",
     )
     checks = parser.add_argument_group("evaluation, early stopping, saving")
     checks.add_argument("--eval-every", type=non_negative_int, help="steps between evaluations (0: none)")
@@ -295,10 +295,15 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
                 )
             return train(settings, objective, model_config, args.out, command, dist, options, initial=initial)
         state, _ = read_resume_state(args.out, with_tensors=False)
-        later_options = ("soft_transition_steps", "harden_steps", "determinism_weight", "extra_levels")
-        for option in later_options:  # runs saved before these options existed ran without them
-            state["settings"].setdefault(option, 0)
-        state["settings"].setdefault("freeze_embedding", False)
+        later_options = {
+            "soft_transition_steps": 0,
+            "harden_steps": 0,
+            "determinism_weight": 0,
+            "extra_levels": 0,
+            "freeze_embedding": False,
+        }
+        for option, default in later_options.items():  # runs saved before these options existed ran without them
+            state["settings"].setdefault(option, default)
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps
         evaluation_left = state["run"].get("evaluation_pending", False) and state["run"]["step"] == steps
