@@ -295,15 +295,16 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
                 )
             return train(settings, objective, model_config, args.out, command, dist, options, initial=initial)
         state, _ = read_resume_state(args.out, with_tensors=False)
-        later_options = {
-            "soft_transition_steps": 0,
-            "harden_steps": 0,
-            "determinism_weight": 0,
-            "extra_levels": 0,
-            "freeze_embedding": False,
-        }
-        for option, default in later_options.items():  # runs saved before these options existed ran without them
-            state["settings"].setdefault(option, default)
+        later_options = (
+            "soft_transition_steps",
+            "harden_steps",
+            "determinism_weight",
+            "extra_levels",
+            "freeze_embedding",
+        )
+        defaults = {field.name: field.default for field in dataclasses.fields(TrainSettings)}
+        for option in later_options:  # runs saved before these options existed ran without them: the defaults
+            state["settings"].setdefault(option, defaults[option])
         saved = dataclass_from_dict(TrainSettings, state["settings"], where="resume settings")
         steps = args.steps or saved.steps
         evaluation_left = state["run"].get("evaluation_pending", False) and state["run"]["step"] == steps
