@@ -310,6 +310,27 @@ def first_value(text: str) -> str | None:
     return match.group(0) if match else None
 
 
+# How an answer (a completion's first value) relates to the asked value, tried in this order: the value itself,
+# another needle's value, the value with more after it ("62808" for 6280), a start of it ("657407" for 6574078),
+# no value at all, anything else
+OUTCOMES = ("right", "other_needle", "ran_on", "cut_short", "no_value", "other")
+
+
+def outcome(answer: str | None, value: str, values: tuple[str, ...] = ()) -> str:
+    """The ``OUTCOMES`` name of ``answer`` for the asked ``value``; ``values``: every needle's of the prompt."""
+    if answer == value:
+        return "right"
+    if answer is None:
+        return "no_value"
+    if answer in values:
+        return "other_needle"
+    if answer.startswith(value):
+        return "ran_on"
+    if value.startswith(answer):
+        return "cut_short"
+    return "other"
+
+
 @dataclass(frozen=True)
 class Wording:
     """One way to hide and ask: an introduction, a statement (the needle) and a question, with a subject."""
@@ -399,6 +420,7 @@ class RetrievalPrompt:
     depth: float  # the asked needle's
     asked: int  # which needle of the draw is asked
     needles: tuple[slice, ...] = field(default=())  # each needle's tokens in ``tokens``, in the draw's order
+    values: tuple[str, ...] = field(default=())  # each needle's value, in the draw's order
 
 
 class RetrievalBuilder:
@@ -506,6 +528,7 @@ class RetrievalBuilder:
             draw.depths[asked],
             asked,
             tuple(slices),
+            draw.values,
         )
 
     def _snapped(self, filler: np.ndarray, places: list[int]) -> list[int]:

@@ -19,12 +19,14 @@ from tqdm import tqdm
 from model.checkpoint import LoadedCheckpoint
 from model.tokenizer import Tokenizer
 from training.data.retrieval import (
+    OUTCOMES,
     Draw,
     RetrievalBuilder,
     RetrievalPrompt,
     Wording,
     first_value,
     formats_named,
+    outcome,
     split_formats,
 )
 from training.evaluation.passkey_probe import depth_entry, size_entry, size_label, sized_rows
@@ -132,14 +134,14 @@ def _size_row(
     size: int, probe: RetrievalProbe, answered: list[tuple[RetrievalPrompt, str]], skipped: str | None
 ) -> dict[str, Any]:
     """One size's entry: right/total per depth (of the first needle: with ``ask`` "each", every needle of the
-    draws placed there asked in turn), per value format and over all."""
+    draws placed there asked in turn), per value format (with how many of each ``OUTCOMES``) and over all."""
     depths: list[dict[str, Any]] = []
-    formats: dict[str, list[int]] = {}  # format -> [right, total]
+    formats: dict[str, dict[str, Any]] = {}
     per_depth = len(answered) // len(probe.depths)  # cell_prompts's order: depth by depth
     for index, depth in enumerate(probe.depths):
         trials = []
         for prompt, text in answered[index * per_depth : (index + 1) * per_depth]:
-            right = first_value(text) == prompt.value
+            how = outcome(first_value(text), prompt.value, prompt.values)
             trials.append(
                 {
                     "key": prompt.key,
@@ -148,24 +150,27 @@ def _size_row(
                     "wording": prompt.wording,
                     "asked": prompt.asked,
                     "completion": text,
-                    "right": right,
+                    "right": how == "right",
+                    "outcome": how,
                 }
             )
-            counts = formats.setdefault(prompt.fmt, [0, 0])
-            counts[0] += right
-            counts[1] += 1
+            counts = formats.setdefault(prompt.fmt, {"right": 0, "total": 0, "outcomes": dict.fromkeys(OUTCOMES, 0)})
+            counts["right"] += how == "right"
+            counts["total"] += 1
+            counts["outcomes"][how] += 1
         depths.append(depth_entry(depth, trials))
-    formats_entry = {fmt: {"right": r, "total": t} for fmt, (r, t) in formats.items()}
-    return size_entry(size, skipped, depths, formats=formats_entry)
+    return size_entry(size, skipped, depths, formats=formats)
 
 
 def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
     """Markdown: one row per checkpoint, split and filler, one column per size, right/total (skipped: "-"); then
-    the same by value format, over fillers."""
+    the same by value format, over fillers; then each format's ``OUTCOMES`` over fillers and sizes."""
     sizes = [row["size"] for row in reports[0]["fillers"][0]["sizes"]]
     head = " | ".join(map(size_label, sizes))
     lines = [f"| model | split | filler | {head} |", "|---" * (len(sizes) + 3) + "|"]
     by_format = [f"| model | split | format | {head} |", "|---" * (len(sizes) + 3) + "|"]
+    outcomes = [f"| model | split | format | {' | '.join(o.replace('_', ' ') for o in OUTCOMES)} |"]
+    outcomes.append("|---" * 3 + "|---:" * len(OUTCOMES) + "|")
     for report in reports:
         name = f"{report['architecture']} ({report['checkpoint'].rstrip('/').split('/')[-1]})"
         split = report["split"] + (
@@ -182,4 +187,7 @@ def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
                 right, total = sum(c["right"] for c in counts), sum(c["total"] for c in counts)
                 cells.append(f"{right}/{total}" if total else "-")
             by_format.append(f"| {name} | {split} | {fmt} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + "\n".join(by_format)
+            rows = [row["formats"][fmt] for f in report["fillers"] for row in f["sizes"] if fmt in row["formats"]]
+            counts = [str(sum(row["outcomes"][how] for row in rows)) for how in OUTCOMES]
+            outcomes.append(f"| {name} | {split} | {fmt} | " + " | ".join(counts) + " |")
+    return "\n\n".join("\n".join(table) for table in (lines, by_format, outcomes))

@@ -38,6 +38,7 @@ from training.data.retrieval import (
     first_value,
     formats_named,
     held_out_words,
+    outcome,
     split_formats,
     wordings_from_file,
 )
@@ -119,8 +120,29 @@ def test_first_value_is_the_first_run_of_letters_and_digits() -> None:
 
 
 @pytest.mark.parametrize(
-    "read, needles, ask, expected",
-    [(read_asked, 1, "one", "all"), (read_asked, 3, "each", "all"), (read_last, 3, "each", "last")],
+    "answer, expected",
+    [
+        ("6280", "right"),
+        ("62808", "ran_on"),
+        ("628", "cut_short"),
+        ("6279", "other"),
+        (None, "no_value"),
+        ("1234", "other_needle"),
+        ("62801", "other_needle"),  # another needle's value before running on
+    ],
+)
+def test_an_answer_is_right_or_says_how_it_is_wrong(answer: str | None, expected: str) -> None:
+    assert outcome(answer, "6280", ("1234", "6280", "62801")) == expected
+
+
+@pytest.mark.parametrize(
+    "read, needles, ask, expected, say",
+    [
+        (read_asked, 1, "one", "all", " {}."),
+        (read_asked, 3, "each", "all", " {}."),
+        (read_last, 3, "each", "last", " {}."),
+        (read_asked, 1, "one", "ran_on", " {}9."),
+    ],
 )
 def test_a_retriever_scores_right_and_a_last_value_reader_only_where_the_needle_is_last(
     checkpoint: Path,
@@ -128,9 +150,10 @@ def test_a_retriever_scores_right_and_a_last_value_reader_only_where_the_needle_
     needles: int,
     ask: str,
     expected: str,
+    say: str,
 ) -> None:
     loaded = load_checkpoint(checkpoint)
-    loaded.model = Answerer(loaded.config.model, BYTES, lambda value: f" {value}.", read=read)
+    loaded.model = Answerer(loaded.config.model, BYTES, say.format, read=read)
     probe = RetrievalProbe(
         sizes=(700, 900),
         depths=(0.0, 0.5, 1.0),
@@ -148,15 +171,27 @@ def test_a_retriever_scores_right_and_a_last_value_reader_only_where_the_needle_
         for size, row in zip(probe.sizes, report["fillers"][0]["sizes"]):
             assert row["total"] == 9 * (needles if ask == "each" else 1)
             prompts = cell_prompts(builder, probe, "grass", size)  # the probe's own prompts, drawn again
-            right = [trial["right"] for cell in row["depths"] for trial in cell["trials"]]
+            trials = [trial for cell in row["depths"] for trial in cell["trials"]]
+            right = [trial["right"] for trial in trials]
+            outcomes = {trial["outcome"] for trial in trials}
             if expected == "all":
-                assert all(right)
-            else:  # right exactly where the asked needle is the last one before the question
+                assert all(right) and outcomes == {"right"}
+            elif expected == "ran_on":  # every value said with a digit more
+                assert not any(right) and outcomes == {"ran_on"}
+            else:  # right exactly where the asked needle is the last one before the question, another's elsewhere
                 last = [p.needles.index(max(p.needles, key=lambda s: s.start)) for p in prompts]
                 assert right == [p.asked == n for p, n in zip(prompts, last)] and 0 < sum(right) < len(right)
+                assert outcomes == {"right", "other_needle"}
             assert sum(counts["total"] for counts in row["formats"].values()) == row["total"]
+            for counts in row["formats"].values():
+                assert sum(counts["outcomes"].values()) == counts["total"]
+                assert counts["outcomes"]["right"] == counts["right"]
     table = format_retrieval_table(reports)
     assert "| model | split | filler | 700 | 900 |" in table and f"| {HELD_OUT}" in table
+    header, _, *rows = table.split("\n\n")[2].splitlines()
+    assert header == "| model | split | format | right | other needle | ran on | cut short | no value | other |"
+    counts = [[int(cell) for cell in row.strip("|").split("|")[3:]] for row in rows]
+    assert sum(map(sum, counts)) == sum(row["total"] for report in reports for row in report["fillers"][0]["sizes"])
 
 
 def test_the_report_table_and_plot(checkpoint: Path, tmp_path: Path, capsys) -> None:
@@ -172,7 +207,7 @@ def test_the_report_table_and_plot(checkpoint: Path, tmp_path: Path, capsys) -> 
     assert set(row) == {"size", "skipped", "right", "total", "accuracy", "formats", "depths"}
     assert row["total"] == 4 and row["right"] == 0  # an untrained model finds nothing
     trial = row["depths"][0]["trials"][0]
-    assert set(trial) == {"key", "value", "format", "wording", "asked", "completion", "right"}
+    assert set(trial) == {"key", "value", "format", "wording", "asked", "completion", "right", "outcome"}
     assert trial["key"] in KEYS[HELD_OUT] and trial["format"] in report["formats"]
     assert "| lrnn (" in capsys.readouterr().out
 
