@@ -1,6 +1,7 @@
 """``text-eval --plots``: PNGs of last-token perplexity against context length and of the
 receptive field (cumulative gradient-norm share against position, as the RegularGPT paper's Fig. 4); with ``--probe
-passkey`` and ``--probe retrieval`` the needle heat map (accuracy by prompt size and needle depth)."""
+passkey`` and ``--probe retrieval`` the needle heat map (accuracy by prompt size and needle depth; retrieval: per value
+family too)."""
 
 from __future__ import annotations
 
@@ -55,45 +56,40 @@ def plot_receptive_field(reports: Sequence[dict[str, Any]], path: str | os.PathL
 
 
 def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
-    """The needle heat map: one panel per checkpoint and filler, rows = needle depth, columns = prompt size, colour =
-    accuracy (red 0 .. green 1), each cell marked right/total; skipped sizes grey."""
+    """The needle heat map: one panel per checkpoint and filler (retrieval: and split and value family), rows =
+    needle depth, columns = prompt size, colour = accuracy (red 0 .. green 1), each cell marked right/total; skipped
+    sizes grey."""
     from training.evaluation.passkey_probe import size_label
 
-    panels = [(report, filler) for report in reports for filler in report["fillers"]]
-    columns = min(len(panels), 2)
+    panels = [
+        (report, filler, family)
+        for report in reports
+        for filler in report["fillers"]
+        for family in (_families(report) if report.get("probe") == "retrieval" else [None])
+    ]
+    columns = min(len(panels), 2 if len(panels) < 6 else 3)
     rows = -(-len(panels) // columns)
     figure, axes_grid = plt.subplots(rows, columns, figsize=(6 * columns, 3.6 * rows), squeeze=False)
-    for axes, (report, filler) in zip(axes_grid.flat, panels):
+    for axes, (report, filler, family) in zip(axes_grid.flat, panels):
         sizes = filler["sizes"]
         depths = [row["depth"] for row in sizes[0]["depths"]]
+        counts = [[_cell(row, d, family) for row in sizes] for d in range(len(depths))]  # (depths, sizes)
         accuracy = np.ma.masked_invalid(
-            [
-                [
-                    row["depths"][d]["right"] / row["depths"][d]["total"] if row["depths"][d]["total"] else np.nan
-                    for row in sizes
-                ]
-                for d in range(len(depths))
-            ]
-        )  # (depths, sizes)
+            [[right / total if total else np.nan for right, total in line] for line in counts]
+        )
         colours = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
         image = axes.imshow(accuracy, cmap=colours, vmin=0, vmax=1, aspect="auto")
-        for d in range(len(depths)):
-            for s, row in enumerate(sizes):
-                cell = row["depths"][d]
-                axes.text(
-                    s,
-                    d,
-                    f"{cell['right']}/{cell['total']}" if cell["total"] else "skipped",
-                    ha="center",
-                    va="center",
-                    fontsize="small",
-                )
+        for d, line in enumerate(counts):
+            for s, (right, total) in enumerate(line):
+                text = f"{right}/{total}" if total else "skipped" if sizes[s]["skipped"] else "-"
+                axes.text(s, d, text, ha="center", va="center", fontsize="small")
         axes.set_xticks(range(len(sizes)), [size_label(row["size"]) for row in sizes])
         axes.set_yticks(range(len(depths)), [f"{depth:g}" for depth in depths])
         axes.set_xlabel("prompt size (tokens)")
         axes.set_ylabel("needle depth")
         split = f", {report['split']} split" if "split" in report else ""
-        axes.set_title(f"{_label(report)}, filler {filler['filler']}{split}", fontsize="medium")
+        values = f", {family}s" if family else ""
+        axes.set_title(f"{_label(report)}, filler {filler['filler']}{split}{values}", fontsize="medium")
         figure.colorbar(image, ax=axes, label="accuracy")
     for axes in list(axes_grid.flat)[len(panels) :]:
         axes.set_visible(False)
@@ -102,3 +98,17 @@ def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]
     figure.tight_layout()
     figure.savefig(path, format="png")
     plt.close(figure)
+
+
+def _families(report: dict[str, Any]) -> list[str]:
+    """A retrieval report's value families ("number" for number-4 ...), in the order of its formats."""
+    return list(dict.fromkeys(fmt.split("-")[0] for fmt in report["formats"]))
+
+
+def _cell(row: dict[str, Any], depth: int, family: str | None) -> tuple[int, int]:
+    """right, total of one size's ``depth``-th entry: all its trials, or those of one value family."""
+    cell = row["depths"][depth]
+    if family is None:
+        return cell["right"], cell["total"]
+    trials = [trial for trial in cell["trials"] if trial["format"].split("-")[0] == family]
+    return sum(trial["right"] for trial in trials), len(trials)

@@ -43,6 +43,7 @@ from training.data.retrieval import (
     wordings_from_file,
 )
 from training.evaluation.retrieval_probe import RetrievalProbe, cell_prompts, format_retrieval_table, probe_checkpoint
+from training.evaluation.text_plots import _cell, _families
 from training.objectives.language_model import LanguageModelObjective, TextData
 
 pytestmark = pytest.mark.usefixtures("no_network")
@@ -210,6 +211,12 @@ def test_the_report_table_and_plot(checkpoint: Path, tmp_path: Path, capsys) -> 
     assert set(trial) == {"key", "value", "format", "wording", "asked", "completion", "right", "outcome"}
     assert trial["key"] in KEYS[HELD_OUT] and trial["format"] in report["formats"]
     assert "| lrnn (" in capsys.readouterr().out
+    assert _families(report) == ["number", "code"]  # the heat map's panels of this filler
+    for size in report["fillers"][0]["sizes"]:
+        for d, cell in enumerate(size["depths"]):
+            by_family = [_cell(size, d, family) for family in ("number", "code")]
+            assert [total for _, total in by_family] == ([2, 0] if d == 0 else [1, 1])  # formats in turn
+            assert _cell(size, d, None) == (cell["right"], cell["total"]) == (0, 2)
 
 
 def test_a_wordings_file_replaces_the_composed_wordings(checkpoint: Path, tmp_path: Path) -> None:
