@@ -218,13 +218,18 @@ def split_formats(split: str) -> tuple[str, ...]:
     return (*(f"number-{digits}" for digits in NUMBER_DIGITS[split]), "code", "word")
 
 
+def value_family(fmt: str) -> str:
+    """The family of a value format: "number" for "number-4", else the format itself."""
+    return fmt.partition("-")[0]
+
+
 def formats_named(names: str, split: str) -> tuple[str, ...]:
     """ "number,code" or "number-4,word": formats of ``split`` (a family names all of its formats there).
     ValueError naming one that is not in the split."""
     available = split_formats(split)
     chosen: list[str] = []
     for name in names.split(","):
-        matches = [fmt for fmt in available if fmt == name or fmt.split("-")[0] == name]
+        matches = [fmt for fmt in available if fmt == name or value_family(fmt) == name]
         if not matches:
             raise ValueError(f"value format {name!r} is not in the {split} split: {', '.join(available)}")
         chosen += [fmt for fmt in matches if fmt not in chosen]

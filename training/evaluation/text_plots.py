@@ -13,6 +13,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
+from training.data.retrieval import value_family
 from training.evaluation.plots import save_figure  # its import selects the file-only Agg backend before any figure
 
 
@@ -102,7 +103,7 @@ def plot_passkey(reports: Sequence[dict[str, Any]], path: str | os.PathLike[str]
 
 def _families(report: dict[str, Any]) -> list[str]:
     """A retrieval report's value families ("number" for number-4 ...), in the order of its formats."""
-    return list(dict.fromkeys(fmt.split("-")[0] for fmt in report["formats"]))
+    return list(dict.fromkeys(map(value_family, report["formats"])))
 
 
 def _cell(row: dict[str, Any], depth: int, family: str | None) -> tuple[int, int]:
@@ -110,5 +111,5 @@ def _cell(row: dict[str, Any], depth: int, family: str | None) -> tuple[int, int
     cell = row["depths"][depth]
     if family is None:
         return cell["right"], cell["total"]
-    trials = [trial for trial in cell["trials"] if trial["format"].split("-")[0] == family]
+    trials = [trial for trial in cell["trials"] if value_family(trial["format"]) == family]
     return sum(trial["right"] for trial in trials), len(trials)
