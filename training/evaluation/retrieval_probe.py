@@ -188,6 +188,6 @@ def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
                 cells.append(f"{right}/{total}" if total else "-")
             by_format.append(f"| {name} | {split} | {fmt} | " + " | ".join(cells) + " |")
             rows = [row["formats"][fmt] for f in report["fillers"] for row in f["sizes"] if fmt in row["formats"]]
-            counts = [str(sum(row["outcomes"][how] for row in rows)) for how in OUTCOMES]
-            outcomes.append(f"| {name} | {split} | {fmt} | " + " | ".join(counts) + " |")
+            tallies = [str(sum(row["outcomes"][how] for row in rows)) for how in OUTCOMES]
+            outcomes.append(f"| {name} | {split} | {fmt} | " + " | ".join(tallies) + " |")
     return "\n\n".join("\n".join(table) for table in (lines, by_format, outcomes))
