@@ -336,6 +336,13 @@ def outcome(answer: str | None, value: str, values: tuple[str, ...] = ()) -> str
     return "other"
 
 
+def matched(answer: str | None, value: str) -> int:
+    """How many leading characters of ``value`` the ``answer`` has right, before its first wrong one (or its end)."""
+    if answer is None:
+        return 0
+    return next((i for i, (a, b) in enumerate(zip(answer, value)) if a != b), min(len(answer), len(value)))
+
+
 @dataclass(frozen=True)
 class Wording:
     """One way to hide and ask: an introduction, a statement (the needle) and a question, with a subject."""

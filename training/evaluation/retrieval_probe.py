@@ -26,6 +26,7 @@ from training.data.retrieval import (
     Wording,
     first_value,
     formats_named,
+    matched,
     outcome,
     split_formats,
 )
@@ -134,14 +135,16 @@ def _size_row(
     size: int, probe: RetrievalProbe, answered: list[tuple[RetrievalPrompt, str]], skipped: str | None
 ) -> dict[str, Any]:
     """One size's entry: right/total per depth (of the first needle: with ``ask`` "each", every needle of the
-    draws placed there asked in turn), per value format (with how many of each ``OUTCOMES``) and over all."""
+    draws placed there asked in turn), per value format (with how many of each ``OUTCOMES``, and the characters
+    right before the first wrong one and the values' characters, summed) and over all."""
     depths: list[dict[str, Any]] = []
     formats: dict[str, dict[str, Any]] = {}
     per_depth = len(answered) // len(probe.depths)  # cell_prompts's order: depth by depth
     for index, depth in enumerate(probe.depths):
         trials = []
         for prompt, text in answered[index * per_depth : (index + 1) * per_depth]:
-            how = outcome(first_value(text), prompt.value, prompt.values)
+            answer = first_value(text)
+            how = outcome(answer, prompt.value, prompt.values)
             trials.append(
                 {
                     "key": prompt.key,
@@ -152,25 +155,33 @@ def _size_row(
                     "completion": text,
                     "right": how == "right",
                     "outcome": how,
+                    "matched": matched(answer, prompt.value),
                 }
             )
-            counts = formats.setdefault(prompt.fmt, {"right": 0, "total": 0, "outcomes": dict.fromkeys(OUTCOMES, 0)})
+            counts = formats.setdefault(
+                prompt.fmt,
+                {"right": 0, "total": 0, "outcomes": dict.fromkeys(OUTCOMES, 0), "matched": 0, "characters": 0},
+            )
             counts["right"] += how == "right"
             counts["total"] += 1
             counts["outcomes"][how] += 1
+            counts["matched"] += trials[-1]["matched"]
+            counts["characters"] += len(prompt.value)
         depths.append(depth_entry(depth, trials))
     return size_entry(size, skipped, depths, formats=formats)
 
 
 def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
     """Markdown: one row per checkpoint, split and filler, one column per size, right/total (skipped: "-"); then
-    the same by value format, over fillers; then each format's ``OUTCOMES`` over fillers and sizes."""
+    the same by value format, over fillers; then each format's ``OUTCOMES`` over fillers and sizes, with the share of
+    the values' characters answered right before the first wrong one."""
     sizes = [row["size"] for row in reports[0]["fillers"][0]["sizes"]]
     head = " | ".join(map(size_label, sizes))
     lines = [f"| model | split | filler | {head} |", "|---" * (len(sizes) + 3) + "|"]
     by_format = [f"| model | split | format | {head} |", "|---" * (len(sizes) + 3) + "|"]
-    outcomes = [f"| model | split | format | {' | '.join(o.replace('_', ' ') for o in OUTCOMES)} |"]
-    outcomes.append("|---" * 3 + "|---:" * len(OUTCOMES) + "|")
+    names = " | ".join(o.replace("_", " ") for o in OUTCOMES)
+    outcomes = [f"| model | split | format | {names} | characters right before the first wrong one |"]
+    outcomes.append("|---" * 3 + "|---:" * (len(OUTCOMES) + 1) + "|")
     for report in reports:
         name = f"{report['architecture']} ({report['checkpoint'].rstrip('/').split('/')[-1]})"
         split = report["split"] + (
@@ -189,5 +200,7 @@ def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
             by_format.append(f"| {name} | {split} | {fmt} | " + " | ".join(cells) + " |")
             rows = [row["formats"][fmt] for f in report["fillers"] for row in f["sizes"] if fmt in row["formats"]]
             tallies = [str(sum(row["outcomes"][how] for row in rows)) for how in OUTCOMES]
+            right, characters = (sum(row[key] for row in rows) for key in ("matched", "characters"))
+            tallies.append(f"{right}/{characters}")
             outcomes.append(f"| {name} | {split} | {fmt} | " + " | ".join(tallies) + " |")
     return "\n\n".join("\n".join(table) for table in (lines, by_format, outcomes))

@@ -38,6 +38,7 @@ from training.data.retrieval import (
     first_value,
     formats_named,
     held_out_words,
+    matched,
     outcome,
     split_formats,
     wordings_from_file,
@@ -136,6 +137,17 @@ def test_an_answer_is_right_or_says_how_it_is_wrong(answer: str | None, expected
     assert outcome(answer, "6280", ("1234", "6280", "62801")) == expected
 
 
+def test_matched_counts_the_characters_right_before_the_first_wrong_one() -> None:
+    assert [matched(a, "6574078") for a in ("6574078", "657407", "65740789", "6574178", "9", None)] == [
+        7,
+        6,
+        7,
+        4,
+        0,
+        0,
+    ]
+
+
 @pytest.mark.parametrize(
     "read, needles, ask, expected, say",
     [
@@ -184,14 +196,22 @@ def test_a_retriever_scores_right_and_a_last_value_reader_only_where_the_needle_
                 assert right == [p.asked == n for p, n in zip(prompts, last)] and 0 < sum(right) < len(right)
                 assert outcomes == {"right", "other_needle"}
             assert sum(counts["total"] for counts in row["formats"].values()) == row["total"]
-            for counts in row["formats"].values():
+            for fmt, counts in row["formats"].items():
                 assert sum(counts["outcomes"].values()) == counts["total"]
                 assert counts["outcomes"]["right"] == counts["right"]
+                of_format = [trial for trial in trials if trial["format"] == fmt]
+                assert counts["characters"] == sum(len(trial["value"]) for trial in of_format)
+                assert counts["matched"] == sum(trial["matched"] for trial in of_format)
+                if expected != "last":  # right, or right to the value's end and on: every character matched
+                    assert counts["matched"] == counts["characters"]
     table = format_retrieval_table(reports)
     assert "| model | split | filler | 700 | 900 |" in table and f"| {HELD_OUT}" in table
     header, _, *rows = table.split("\n\n")[2].splitlines()
-    assert header == "| model | split | format | right | other needle | ran on | cut short | no value | other |"
-    counts = [[int(cell) for cell in row.strip("|").split("|")[3:]] for row in rows]
+    assert header == (
+        "| model | split | format | right | other needle | ran on | cut short | no value | other "
+        "| characters right before the first wrong one |"
+    )
+    counts = [[int(cell) for cell in row.strip("|").split("|")[3:-1]] for row in rows]
     assert sum(map(sum, counts)) == sum(row["total"] for report in reports for row in report["fillers"][0]["sizes"])
 
 
@@ -208,7 +228,7 @@ def test_the_report_table_and_plot(checkpoint: Path, tmp_path: Path, capsys) -> 
     assert set(row) == {"size", "skipped", "right", "total", "accuracy", "formats", "depths"}
     assert row["total"] == 4 and row["right"] == 0  # an untrained model finds nothing
     trial = row["depths"][0]["trials"][0]
-    assert set(trial) == {"key", "value", "format", "wording", "asked", "completion", "right", "outcome"}
+    assert set(trial) == {"key", "value", "format", "wording", "asked", "completion", "right", "outcome", "matched"}
     assert trial["key"] in KEYS[HELD_OUT] and trial["format"] in report["formats"]
     assert "| lrnn (" in capsys.readouterr().out
     assert _families(report) == ["number", "code"]  # the heat map's panels of this filler
