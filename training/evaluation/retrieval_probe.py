@@ -174,7 +174,7 @@ def _size_row(
 def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
     """Markdown: one row per checkpoint, split and filler, one column per size, right/total (skipped: "-"); then
     the same by value format, over fillers; then each format's ``OUTCOMES`` over fillers and sizes, with the share of
-    the values' characters answered right before the first wrong one."""
+    the values' characters answered right before the first wrong one ("-" for a format no trial drew)."""
     sizes = [row["size"] for row in reports[0]["fillers"][0]["sizes"]]
     head = " | ".join(map(size_label, sizes))
     lines = [f"| model | split | filler | {head} |", "|---" * (len(sizes) + 3) + "|"]
@@ -201,6 +201,6 @@ def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
             rows = [row["formats"][fmt] for f in report["fillers"] for row in f["sizes"] if fmt in row["formats"]]
             tallies = [str(sum(row["outcomes"][how] for row in rows)) for how in OUTCOMES]
             right, characters = (sum(row[key] for row in rows) for key in ("matched", "characters"))
-            tallies.append(f"{right}/{characters}")
+            tallies = [*tallies, f"{right}/{characters}"] if rows else ["-"] * (len(OUTCOMES) + 1)  # none drawn
             outcomes.append(f"| {name} | {split} | {fmt} | " + " | ".join(tallies) + " |")
     return "\n\n".join("\n".join(table) for table in (lines, by_format, outcomes))
