@@ -144,7 +144,7 @@ def _size_row(
         trials = []
         for prompt, text in answered[index * per_depth : (index + 1) * per_depth]:
             answer = first_value(text)
-            how = outcome(answer, prompt.value, prompt.values)
+            how, characters_right = outcome(answer, prompt.value, prompt.values), matched(answer, prompt.value)
             trials.append(
                 {
                     "key": prompt.key,
@@ -155,7 +155,7 @@ def _size_row(
                     "completion": text,
                     "right": how == "right",
                     "outcome": how,
-                    "matched": matched(answer, prompt.value),
+                    "matched": characters_right,
                 }
             )
             counts = formats.setdefault(
@@ -165,7 +165,7 @@ def _size_row(
             counts["right"] += how == "right"
             counts["total"] += 1
             counts["outcomes"][how] += 1
-            counts["matched"] += trials[-1]["matched"]
+            counts["matched"] += characters_right
             counts["characters"] += len(prompt.value)
         depths.append(depth_entry(depth, trials))
     return size_entry(size, skipped, depths, formats=formats)
@@ -199,8 +199,10 @@ def format_retrieval_table(reports: list[dict[str, Any]]) -> str:
                 cells.append(f"{right}/{total}" if total else "-")
             by_format.append(f"| {name} | {split} | {fmt} | " + " | ".join(cells) + " |")
             rows = [row["formats"][fmt] for f in report["fillers"] for row in f["sizes"] if fmt in row["formats"]]
-            tallies = [str(sum(row["outcomes"][how] for row in rows)) for how in OUTCOMES]
-            right, characters = (sum(row[key] for row in rows) for key in ("matched", "characters"))
-            tallies = [*tallies, f"{right}/{characters}"] if rows else ["-"] * (len(OUTCOMES) + 1)  # none drawn
+            if rows:
+                tallies = [str(sum(row["outcomes"][how] for row in rows)) for how in OUTCOMES]
+                tallies.append(f"{sum(row['matched'] for row in rows)}/{sum(row['characters'] for row in rows)}")
+            else:  # no trial drew this format
+                tallies = ["-"] * (len(OUTCOMES) + 1)
             outcomes.append(f"| {name} | {split} | {fmt} | " + " | ".join(tallies) + " |")
     return "\n\n".join("\n".join(table) for table in (lines, by_format, outcomes))
