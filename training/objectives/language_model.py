@@ -6,6 +6,7 @@ a ranks file. Options and their reasons: docs/training.md, "Training for long co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -76,6 +77,8 @@ PASSKEY_ANSWER_TOKENS = 8  # room for " {key}." in any tokenizer this project us
 RECALL_ANSWER_TOKENS = 16  # room for " {value}." of any format in any tokenizer this project uses
 RECALL_STREAM = 3  # key of the retrieval validation prompts' random stream (with the seed)
 RECALL_VALIDATION_PROMPTS = 32  # per evaluated size, held-out split, formats in turn
+RECALL_PAIR_STREAM = 5  # key of the two-needle retrieval validation prompts' random stream (with the seed)
+RECALL_DRAWS = 64  # draws of a retrieval validation prompt tried before its window counts as too short
 MQAR_STREAM = 4  # key of the MQAR validation prompts' random stream (with the seed)
 MQAR_VALIDATION_PROMPTS = 32  # per evaluated size and split, ``mqar_pairs`` pairs each
 
@@ -83,8 +86,9 @@ MQAR_VALIDATION_PROMPTS = 32  # per evaluated size and split, ``mqar_pairs`` pai
 class LanguageModelObjective(Objective):
     """Next-token prediction on text windows, with the options of ``TextData`` (docs/training.md, "Training for
     long context"): pass-key rows (evaluation then adds ``passkey_accuracy_<size>``), retrieval rows
-    (``recall_accuracy_<size>``), MQAR rows (``mqar_accuracy_<size>`` on held-out ids, ``mqar_trained_accuracy_<size>``),
-    state passing (``carries_state``), examples spanning windows, fresh rows (``Batch.fresh``) and a teacher."""
+    (``recall_accuracy_<size>``; with several needles also ``recall_pair_accuracy_<size>``), MQAR rows
+    (``mqar_accuracy_<size>`` on held-out ids, ``mqar_trained_accuracy_<size>``), state passing (``carries_state``),
+    examples spanning windows, fresh rows (``Batch.fresh``) and a teacher."""
 
     name = "text"
     keep_best = False
@@ -140,7 +144,7 @@ class LanguageModelObjective(Objective):
             )
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
-        self.recall_validation = self._recall_prompts(seed) if evaluate and self.recall else None
+        self.recall_validation = self._recall_prompts(seed) if evaluate and self.recall else {}
         self.mqar_validation = (
             {split: self._mqar_prompts(seed, split) for split in (MQAR_HELD_OUT, MQAR_TRAINED)}
             if evaluate and data.mqar_fraction
@@ -212,20 +216,41 @@ class LanguageModelObjective(Objective):
             lambda size, index, depth, rng: self._passkey_row(builder, size + 1, depth, rng),
         )
 
-    def _recall_prompts(self, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Retrieval validation prompts (``_fixed_prompts``) of the held-out split, filler from the held-out text,
-        one needle, the held-out formats in turn, the answer scored."""
-        builder = RetrievalBuilder(self.tokenizer, self.held_out, HELD_OUT)
-        formats = split_formats(HELD_OUT)
+    def _recall_prompts(self, seed: int) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """Retrieval validation prompts, {figure: ``_fixed_prompts``}, filler from the held-out text, the answer
+        scored. ``recall_accuracy``: one needle of the held-out split, its formats in turn. With ``recall_needles``
+        > 1, ``recall_pair_accuracy``: two needles of the trained split (composed wordings, its formats in turn),
+        the one at the row's depth asked, so that only the key tells which value is meant; left out when windows
+        are too short for two needles."""
+        prompts = {"recall_accuracy": self._recall_split_prompts(seed, RECALL_STREAM, HELD_OUT, 1)}
+        if self.data.recall_needles > 1:
+            with contextlib.suppress(ValueError):  # no draw of some format fits the window
+                prompts["recall_pair_accuracy"] = self._recall_split_prompts(seed, RECALL_PAIR_STREAM, TRAINED, 2)
+        return prompts
+
+    def _recall_split_prompts(
+        self, seed: int, stream: int, split: str, needles: int
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``_fixed_prompts`` of ``needles`` needles of ``split``, its formats in turn, needle 0 (at the row's depth)
+        asked. ValueError when ``RECALL_DRAWS`` draws of a format all take more than the window."""
+        builder = RetrievalBuilder(self.tokenizer, self.held_out, split)
+        formats = split_formats(split)
 
         def row(size: int, index: int, depth: float, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-            draw = builder.draw(rng, formats[index % len(formats)], depth)
-            prompt = builder.prompt(draw, size + 1 - len(builder.answer(draw.values[0])))
+            fmt = formats[index % len(formats)]
+            for _ in range(RECALL_DRAWS):
+                draw = builder.draw(rng, fmt, depth, needles)
+                answer = builder.answer(draw.values[0])
+                if builder.fixed_tokens(draw) + len(answer) <= size + 1:
+                    break
+            else:
+                raise ValueError(f"{needles} needles of the {fmt} format do not fit {size} tokens")
+            prompt = builder.prompt(draw, size + 1 - len(answer))
             targets = torch.full((size,), IGNORE_INDEX, dtype=torch.long)
             targets[-len(prompt.answer) :] = torch.from_numpy(prompt.answer)
             return torch.from_numpy(np.concatenate([prompt.tokens, prompt.answer])), targets
 
-        return self._fixed_prompts(seed, RECALL_STREAM, RECALL_VALIDATION_PROMPTS, row)
+        return self._fixed_prompts(seed, stream, RECALL_VALIDATION_PROMPTS, row)
 
     def _mqar_prompts(self, seed: int, split: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """MQAR validation prompts (``_fixed_prompts``) of ``mqar_pairs`` pairs from the ids of ``split``, filler from
@@ -472,10 +497,11 @@ class LanguageModelObjective(Objective):
         figures = {"validation_loss": loss, "validation_perplexity": math.exp(loss)}
         for size, (tokens, targets) in (self.passkey_validation or {}).items():
             figures[f"passkey_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
-        for size, (tokens, targets) in (self.recall_validation or {}).items():
-            figures[f"recall_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
-        for split, prompts in self.mqar_validation.items():
-            name = "mqar_accuracy" if split == MQAR_HELD_OUT else "mqar_trained_accuracy"
+        mqar = {
+            "mqar_accuracy" if split == MQAR_HELD_OUT else "mqar_trained_accuracy": prompts
+            for split, prompts in self.mqar_validation.items()
+        }
+        for name, prompts in {**self.recall_validation, **mqar}.items():
             for size, (tokens, targets) in prompts.items():
                 figures[f"{name}_{size}"] = _answered(model, tokens, targets, dist, batch_size)
         return Evaluation(figures, score=-loss)

@@ -48,6 +48,7 @@ from training.evaluation.text_plots import _cell, _families
 from training.objectives.language_model import LanguageModelObjective, TextData
 
 pytestmark = pytest.mark.usefixtures("no_network")
+CPU = type("Device", (), {"device": "cpu", "rank": 0, "world_size": 1})()  # what the objective reads of Distributed
 
 
 @pytest.fixture(scope="module")
@@ -323,15 +324,20 @@ def test_bad_retrieval_flags_exit_2_with_one_line(
     assert not (tmp_path / "runs").exists()
 
 
-def test_recall_rows_are_scored_on_their_answers_only_and_draw_from_the_trained_split(tmp_path: Path) -> None:
+def recall_objective(tmp_path: Path, **data: int) -> LanguageModelObjective:
+    """A bytes-tokenizer objective of retrieval rows alone, windows of 700, evaluation on, over a made-up novel in
+    ``tmp_path``; ``data``: more ``TextData`` fields."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "novel.txt").write_text(
         "\n\n".join(f"Chapter {n}. It was a fine day in the village." for n in range(400))
     )
-    data = TextData(corpus=f"text:{corpus}", tokenizer="bytes", length=700, recall_fraction=1.0, recall_needles=4)
-    device = type("Device", (), {"device": "cpu", "rank": 0, "world_size": 1})()
-    objective = LanguageModelObjective(data, BYTES, None, 10, 8, 0, True, device)
+    settings = TextData(corpus=f"text:{corpus}", tokenizer="bytes", length=700, recall_fraction=1.0, **data)
+    return LanguageModelObjective(settings, BYTES, None, 10, 8, 0, True, CPU)
+
+
+def test_recall_rows_are_scored_on_their_answers_only_and_draw_from_the_trained_split(tmp_path: Path) -> None:
+    objective = recall_objective(tmp_path, recall_needles=4)
     held_out = [*KEYS[HELD_OUT], *WORDS[HELD_OUT], *(s.split("{")[0] for s in SUBJECTS[HELD_OUT])]
     rng, asked_several = np.random.default_rng(0), 0
     for step in range(1, 6):
@@ -348,7 +354,43 @@ def test_recall_rows_are_scored_on_their_answers_only_and_draw_from_the_trained_
             asked_several += len(answers) > 1
             assert not any(re.search(rf"\b{re.escape(word)}\b", text) for word in held_out if word.strip())
     assert asked_several > 0
-    assert set(objective.recall_validation) == {700, 700 * 16}
+    assert set(objective.recall_validation) == {"recall_accuracy", "recall_pair_accuracy"}
+    assert all(set(prompts) == {700, 700 * 16} for prompts in objective.recall_validation.values())
+
+
+def test_pair_validation_prompts_hold_two_trained_needles_and_ask_the_one_at_the_rows_depth(tmp_path: Path) -> None:
+    objective = recall_objective(tmp_path, recall_needles=3)
+    data = objective.data
+    tokens, targets = objective.recall_validation["recall_pair_accuracy"][700]
+    firsts = []
+    for row, scored_targets in zip(tokens, targets):
+        scored = scored_targets != IGNORE_INDEX
+        text, answer = BYTES.decode(row.tolist()), BYTES.decode(scored_targets[scored].tolist())
+        assert text.endswith(answer) and re.fullmatch(r" \S+\.", answer), answer
+        keys = [match for key in KEYS[TRAINED] for match in re.finditer(rf"\b{re.escape(key)}\b", text)]
+        assert len({match[0] for match in keys}) == 2, text  # two needles, each with its key
+        asked = max(keys, key=lambda match: match.start())[0]  # the question, at the end, names it
+        other = next(match[0] for match in keys if match[0] != asked)
+        value = text.index(answer)  # the asked value stands once before the answer: in its needle
+        assert value < len(text) - len(answer) and text.count(answer) == 2
+        assert min(keys, key=lambda match: abs(match.start() - value))[0] == asked
+        firsts.append(text.index(asked) < text.index(other))
+    assert 0 < sum(firsts) < len(firsts)  # the asked needle is now the first, now the second
+
+    one = dataclasses.replace(data, recall_needles=1)
+    assert set(LanguageModelObjective(one, BYTES, None, 10, 8, 0, True, CPU).recall_validation) == {"recall_accuracy"}
+    objective.data = dataclasses.replace(data, length=60)  # windows too short for two needles
+    with pytest.raises(ValueError, match="2 needles of the number-1 format do not fit 60 tokens"):
+        objective._recall_split_prompts(0, 5, TRAINED, 2)
+    objective.data, single = data, objective._recall_split_prompts
+
+    def pairs_refused(seed: int, stream: int, split: str, needles: int) -> dict:
+        if needles > 1:
+            raise ValueError("too short")
+        return single(seed, stream, split, needles)
+
+    objective._recall_split_prompts = pairs_refused  # type: ignore[method-assign]
+    assert set(objective._recall_prompts(0)) == {"recall_accuracy"}
 
 
 MADE_UP_WORDS = [
@@ -402,16 +444,15 @@ def test_varied_draws_take_keys_subjects_and_phrases_from_the_text_never_held_ou
 
 def test_example_rows_carry_the_example_weight_and_text_rows_one(tmp_path: Path) -> None:
     corpus = made_up_corpus(tmp_path / "corpus")
-    device = type("Device", (), {"device": "cpu", "rank": 0, "world_size": 1})()
     weighted = TextData(corpus=corpus, tokenizer="bytes", length=700, recall_fraction=0.5, example_weight=8.0)
-    objective = LanguageModelObjective(weighted, BYTES, None, 10, 16, 0, False, device)
+    objective = LanguageModelObjective(weighted, BYTES, None, 10, 16, 0, False, CPU)
     batch = objective.batch(np.random.default_rng(0), 1)
     assert batch.weights is not None
     examples = (batch.targets != IGNORE_INDEX).sum(dim=1) < 100  # a retrieval row scores its answers only
     assert 0 < int(examples.sum()) < 16
     assert torch.equal(batch.weights, torch.where(examples, 8.0, 1.0))
     plain = LanguageModelObjective(
-        dataclasses.replace(weighted, example_weight=1.0), BYTES, None, 10, 16, 0, False, device
+        dataclasses.replace(weighted, example_weight=1.0), BYTES, None, 10, 16, 0, False, CPU
     )
     assert plain.batch(np.random.default_rng(0), 1).weights is None
 

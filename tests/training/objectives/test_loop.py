@@ -454,7 +454,7 @@ def text_objective(
     if passkey_fraction:
         objective.shortest_passkey_row = check_passkey_length(objective.tokenizer, length)
     objective.passkey_validation = None
-    objective.recall, objective.recall_validation = None, None
+    objective.recall, objective.recall_validation = None, {}
     objective.mqar_ids, objective.mqar_validation = None, {}
     return objective
 
