@@ -145,8 +145,11 @@ class LanguageModelObjective(Objective):
         self.validation = self._validation_windows(seed) if evaluate else None
         self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
         self.recall_validation = self._recall_prompts(seed) if evaluate and self.recall else {}
-        self.mqar_validation = (
-            {split: self._mqar_prompts(seed, split) for split in (MQAR_HELD_OUT, MQAR_TRAINED)}
+        self.mqar_validation = (  # {figure: prompts}, as recall_validation
+            {
+                "mqar_accuracy": self._mqar_prompts(seed, MQAR_HELD_OUT),
+                "mqar_trained_accuracy": self._mqar_prompts(seed, MQAR_TRAINED),
+            }
             if evaluate and data.mqar_fraction
             else {}
         )
@@ -497,11 +500,7 @@ class LanguageModelObjective(Objective):
         figures = {"validation_loss": loss, "validation_perplexity": math.exp(loss)}
         for size, (tokens, targets) in (self.passkey_validation or {}).items():
             figures[f"passkey_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
-        mqar = {
-            "mqar_accuracy" if split == MQAR_HELD_OUT else "mqar_trained_accuracy": prompts
-            for split, prompts in self.mqar_validation.items()
-        }
-        for name, prompts in {**self.recall_validation, **mqar}.items():
+        for name, prompts in {**self.recall_validation, **self.mqar_validation}.items():
             for size, (tokens, targets) in prompts.items():
                 figures[f"{name}_{size}"] = _answered(model, tokens, targets, dist, batch_size)
         return Evaluation(figures, score=-loss)

@@ -77,8 +77,8 @@ def test_training_rows_draw_trained_ids_and_evaluation_reports_both_splits(tmp_p
             values = targets[targets != IGNORE_INDEX].tolist()
             assert 1 <= len(values) <= 5
             assert not set(tokens[: 2 * len(values)].tolist()) & held_out
-    assert set(objective.mqar_validation) == {HELD_OUT, TRAINED}
-    prompts, _ = objective.mqar_validation[HELD_OUT][64 * 16]
+    assert set(objective.mqar_validation) == {"mqar_accuracy", "mqar_trained_accuracy"}
+    prompts, _ = objective.mqar_validation["mqar_accuracy"][64 * 16]
     assert prompts.shape == (32, 64 * 16 + 1) and set(prompts[:, :10].flatten().tolist()) <= held_out
 
 
