@@ -143,9 +143,11 @@ class LanguageModelObjective(Objective):
                 Path(data.teacher), data.teacher_weight, tokenizer, batch_size, data.state_passing, dist.device
             )
         self.validation = self._validation_windows(seed) if evaluate else None
-        self.passkey_validation = self._passkey_prompts(seed) if evaluate and self.passkey else None
+        self.passkey_validation = (  # {figure: prompts}, as recall_validation and mqar_validation
+            {"passkey_accuracy": self._passkey_prompts(seed)} if evaluate and self.passkey else {}
+        )
         self.recall_validation = self._recall_prompts(seed) if evaluate and self.recall else {}
-        self.mqar_validation = (  # {figure: prompts}, as recall_validation
+        self.mqar_validation = (
             {
                 "mqar_accuracy": self._mqar_prompts(seed, MQAR_HELD_OUT),
                 "mqar_trained_accuracy": self._mqar_prompts(seed, MQAR_TRAINED),
@@ -243,12 +245,13 @@ class LanguageModelObjective(Objective):
             fmt = formats[index % len(formats)]
             for _ in range(RECALL_DRAWS):
                 draw = builder.draw(rng, fmt, depth, needles)
-                answer = builder.answer(draw.values[0])
-                if builder.fixed_tokens(draw) + len(answer) <= size + 1:
+                try:
+                    prompt = builder.prompt(draw, size + 1 - len(builder.answer(draw.values[0])))
                     break
+                except ValueError:  # this draw takes more than the window
+                    continue
             else:
                 raise ValueError(f"{needles} needles of the {fmt} format do not fit {size} tokens")
-            prompt = builder.prompt(draw, size + 1 - len(answer))
             targets = torch.full((size,), IGNORE_INDEX, dtype=torch.long)
             targets[-len(prompt.answer) :] = torch.from_numpy(prompt.answer)
             return torch.from_numpy(np.concatenate([prompt.tokens, prompt.answer])), targets
@@ -498,9 +501,7 @@ class LanguageModelObjective(Objective):
             total += float(F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
         loss = total / self.validation[:, 1:].numel()
         figures = {"validation_loss": loss, "validation_perplexity": math.exp(loss)}
-        for size, (tokens, targets) in (self.passkey_validation or {}).items():
-            figures[f"passkey_accuracy_{size}"] = _answered(model, tokens, targets, dist, batch_size)
-        for name, prompts in {**self.recall_validation, **self.mqar_validation}.items():
+        for name, prompts in {**self.passkey_validation, **self.recall_validation, **self.mqar_validation}.items():
             for size, (tokens, targets) in prompts.items():
                 figures[f"{name}_{size}"] = _answered(model, tokens, targets, dist, batch_size)
         return Evaluation(figures, score=-loss)

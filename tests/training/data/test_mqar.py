@@ -14,9 +14,10 @@ from tests.training.probe_models import BYTES
 from training.cli.main import main
 from training.data.batches import IGNORE_INDEX
 from training.data.mqar import HELD_OUT, HELD_OUT_MODULUS, TRAINED, mqar_row, shortest_row, split_ids
+from training.objectives.distributed import setup_distributed
 from training.objectives.language_model import LanguageModelObjective, TextData
 
-DEVICE = type("Device", (), {"device": "cpu", "rank": 0, "world_size": 1})()
+DEVICE = setup_distributed("cpu")
 
 
 def test_the_splits_cover_the_ordinary_ids_once() -> None:

@@ -45,10 +45,11 @@ from training.data.retrieval import (
 )
 from training.evaluation.retrieval_probe import RetrievalProbe, cell_prompts, format_retrieval_table, probe_checkpoint
 from training.evaluation.text_plots import _cell, _families
+from training.objectives.distributed import setup_distributed
 from training.objectives.language_model import LanguageModelObjective, TextData
 
 pytestmark = pytest.mark.usefixtures("no_network")
-CPU = type("Device", (), {"device": "cpu", "rank": 0, "world_size": 1})()  # what the objective reads of Distributed
+CPU = setup_distributed("cpu")
 
 
 @pytest.fixture(scope="module")

@@ -453,7 +453,7 @@ def text_objective(
     objective.passkey = PassKeyBuilder(objective.tokenizer, tokens) if passkey_fraction else None
     if passkey_fraction:
         objective.shortest_passkey_row = check_passkey_length(objective.tokenizer, length)
-    objective.passkey_validation = None
+    objective.passkey_validation = {}
     objective.recall, objective.recall_validation = None, {}
     objective.mqar_ids, objective.mqar_validation = None, {}
     return objective
@@ -495,7 +495,7 @@ def test_passkey_validation_counts_a_row_right_only_when_its_whole_answer_is(sel
     builder, rng = objective.passkey, np.random.default_rng(0)
     rows = [objective._passkey_row(builder, 321, depth, rng) for depth in np.linspace(0, 1, 6)]
     tokens, targets = torch.stack([row for row, _ in rows]), torch.stack([target for _, target in rows])
-    objective.passkey_validation = {320: (tokens, targets)}
+    objective.passkey_validation = {"passkey_accuracy": {320: (tokens, targets)}}
     for memory, per_call in [(2**30, 6), (2 * 320 * 257 * 4, 2)]:
         monkeypatch.setattr("training.objectives.language_model.EVALUATION_MEMORY", memory)
         model = Oracle(tokens, wrong={1, 4}, selects_positions=selects_positions)
