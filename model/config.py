@@ -77,8 +77,10 @@ class RegularGPTConfig(BaseModelConfig):
 class LRNNConfig(BaseModelConfig):
     """Block-diagonal input-dependent LRNN (model/lrnn/model.py), ``num_blocks`` blocks of ``block_size`` per layer.
     ``transition_norm``: "column" (each column by 1 / max(1, ||column||_p), p = ``p_norm``), "spectral" (then each block
-    by 1 / max(1, ||block||_2)), "stochastic" (sparsemax columns, no B u, learned h_0) or "orthogonal" (each block's
-    orthogonal polar factor, no B u, learned h_0: norms kept at any length). ``transition_rank``: None for
+    by 1 / max(1, ||block||_2)), "stochastic" (sparsemax columns, no B u, learned h_0), "orthogonal" (each block's
+    orthogonal polar factor, no B u, learned h_0: norms kept at any length) or "delta" (model/lrnn/delta.py: per head
+    of ``num_blocks`` a ``block_size`` x ``block_size`` matrix state written by the delta rule; ``scan_impl``
+    "sequential" runs its reference loop, any other its chunked form in chunks of ``scan_chunk_size``). ``transition_rank``: None for
     a full generator, or r below min(d_model, num_blocks block_size**2). ``scan_impl``: "sequential", "parallel",
     "chunked" (chunks of ``scan_chunk_size``) or "auto". ``state_codes`` (transducers): with K > 0, after every
     ``snap_every``-th symbol (counting from 1) each block's state is replaced by the nearest of its K codes (a
@@ -89,7 +91,7 @@ class LRNNConfig(BaseModelConfig):
     block_size: int = 8
     num_blocks: int = 8
     p_norm: float = 1.2
-    transition_norm: Literal["column", "spectral", "stochastic", "orthogonal"] = "column"
+    transition_norm: Literal["column", "spectral", "stochastic", "orthogonal", "delta"] = "column"
     transition_rank: int | None = None
     d_ff: int = 256
     scan_impl: Literal["auto", "sequential", "parallel", "chunked"] = "auto"
@@ -107,6 +109,8 @@ class LRNNConfig(BaseModelConfig):
             raise ConfigError("state_codes needs a transducer's labels (num_labels > 0)")
         if self.p_norm < 1.0:
             raise ConfigError(f"p_norm must be >= 1 (a norm), got {self.p_norm}")
+        if self.transition_norm == "delta" and (self.transition_rank is not None or self.state_codes):
+            raise ConfigError("transition_norm 'delta' takes neither a transition_rank nor state_codes")
         full_rank = min(self.d_model, self.num_blocks * self.block_size**2)
         if self.transition_rank is not None and not 1 <= self.transition_rank < full_rank:
             raise ConfigError(

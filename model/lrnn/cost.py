@@ -41,19 +41,22 @@ def cost(
     context: int = 0,
 ) -> Cost:
     """flops: the blocks' weights per position (the tail at last positions only for "final"), :func:`scan_flops` and
-    :func:`snap_flops` per layer, the head per logit. nbytes: per position :func:`transition_bytes` and activations,
-    plus the logits."""
+    :func:`snap_flops` per layer, the head per logit. nbytes: per position :func:`transition_bytes` (for the delta
+    rule :func:`delta_bytes`) and activations, plus the logits."""
     impl = scan_impl(config, sizes, dtype, device, rows, length)
     per_layer = scan_flops(config, sizes, impl, length) + snap_flops(sizes, length)
     flops = rows * (length * sizes.weights + sizes.layers * per_layer)
     if path == "final":
         flops -= rows * (length - 1) * sizes.tail
     head = head_cost(config, dtype.itemsize, rows if path == "final" else rows * length)
+    scan_bytes = transition_bytes(sizes, impl, dtype.itemsize)
+    if isinstance(config, LRNNConfig) and config.transition_norm == "delta":
+        scan_bytes = delta_bytes(config, length, dtype.itemsize)
     activations = (6 * config.d_model + 3 * sizes.state_size + 2 * config.d_ff) * dtype.itemsize
     searches = rows * sizes.state_shape[0] * sizes.codes * 4 if sizes.snap_every else 0  # a snap's float32 distances
     return Cost(
         flops=float(flops + head.flops),
-        nbytes=rows * length * (transition_bytes(sizes, impl, dtype.itemsize) + activations) + searches + head.nbytes,
+        nbytes=rows * length * (scan_bytes + activations) + searches + head.nbytes,
     )
 
 
@@ -87,13 +90,41 @@ def scan_impl(
 
 def scan_flops(config: LRNNConfig | DiagonalLRNNConfig, sizes: Sizes, impl: str, length: int) -> int:
     """One row's multiply-adds for a layer's scan: H b^2 per position, H (b^3 + 2 b^2) for the parallel scan and on all
-    but the last chunk for chunked and Triton."""
+    but the last chunk for chunked and Triton; :func:`delta_flops` for the delta rule."""
+    if isinstance(config, LRNNConfig) and config.transition_norm == "delta":
+        return delta_flops(config, length)
     heads, block = sizes.state_shape
     if impl == "parallel":
         return length * heads * (block**3 + 2 * block**2)
     chunks = length // config.scan_chunk_size if impl in ("chunked", "triton") else 0
     products = max(chunks - 1, 0) * config.scan_chunk_size
     return heads * (length * block**2 + products * (block**3 + 2 * block**2))
+
+
+def delta_flops(config: LRNNConfig, length: int) -> int:
+    """One row's multiply-adds for a delta-rule layer (model/ops/scan/delta.py) past its projections, per head: S k and
+    S q a token for the reference loop and one token; else per chunk of C (whole ones, then one of what is left),
+    K K^T, Q K^T and their product with U'
+    (3 C^2 b), the triangular solve for W and U (C^2 b), K^T W, U^T K, W S^T and Q S^T (4 C b^2), and the chunks'
+    scan, one step per chunk of each of the b value rows (b^3 + 2 b^2 each)."""
+    heads, size = config.num_blocks, config.block_size
+    if config.scan_impl == "sequential" or length == 1:
+        return length * heads * 2 * size**2
+    chunk = min(config.scan_chunk_size, length)
+    whole, rest = divmod(length, chunk)
+    return heads * sum(
+        count * (4 * span**2 * size + 4 * span * size**2 + size * (size**3 + 2 * size**2))
+        for count, span in ((whole, chunk), (rest > 0, rest))
+    )
+
+
+def delta_bytes(config: LRNNConfig, length: int, itemsize: int) -> int:
+    """Bytes per position of a delta-rule layer's chunked form: float32 (at least) copies of q, k, v and beta and the
+    outputs, the chunk's C x C products, and each chunk's transition expanded over the b value rows, twice in the
+    scan."""
+    heads, size = config.num_blocks, config.block_size
+    chunk = min(config.scan_chunk_size, length)
+    return heads * (12 * size + 3 * chunk + -(-3 * size**3 // chunk)) * max(itemsize, 4)
 
 
 def snap_flops(sizes: Sizes, length: int) -> int:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from model.config import DiagonalLRNNConfig
-from model.lrnn.model import LinearRNN, Recurrence
+from model.lrnn.model import LinearRNN
+from model.lrnn.recurrence import Recurrence
 
 MIN_RADIUS, MAX_RADIUS, MAX_PHASE = 0.9, 0.999, 2 * math.pi
 

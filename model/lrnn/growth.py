@@ -32,6 +32,8 @@ def grown_from(model: Growable, weights: dict[str, torch.Tensor], generated_spre
     tensors lead, new readout columns are zero; new "stochastic" blocks start inside their sparsemax's support.
     ValueError for other weights."""
     config = model.config
+    if config.transition_norm == "delta":
+        raise ValueError("a delta-rule LRNN does not grow: its heads' keys span the head, a new head reads nothing")
     size, readout = config.block_size, weights.get("blocks.0.recurrence.out_proj.weight")
     old_blocks = 0 if readout is None else readout.shape[-1] // size
     if not 0 < old_blocks < config.num_blocks:

@@ -21,6 +21,8 @@ from model.layers import MLP, TokenEmbedding
 from model.lrnn import cost as lrnn_cost
 from model.lrnn import growth
 from model.lrnn import serving as lrnn_serving
+from model.lrnn.delta import DeltaRecurrence
+from model.lrnn.recurrence import Recurrence
 from model.ops.cpu import cpu_decode
 from model.ops.cpu.cpu_decode import linear
 from model.ops.scan.constraints import (
@@ -31,7 +33,6 @@ from model.ops.scan.constraints import (
     spectral_norm_constraint,
 )
 from model.ops.scan.dispatch import linear_scan
-from model.ops.scan.reference import scan_step
 from model.serving import CallPath, Cost
 
 GENERATED_SPREAD = 0.02  # how far g(u)'s entries vary with the input at initialisation (BlockDiagonalRecurrence)
@@ -58,57 +59,6 @@ class LRNNCache(InferenceCache):
 
     def step_state(self) -> list[torch.Tensor]:
         return self.states
-
-
-class Recurrence(nn.Module):
-    """h_k = A_k h_{k-1} + b_k over a ``state_shape`` (H, b) state, read out by ``readout``; a ``step`` override must
-    equal the scan's update."""
-
-    state_shape: tuple[int, int]
-    out_proj: nn.Linear  # the readout's projection, counted in the cost of a layer's tail
-    snap_every = 0  # > 0: after every snap_every-th symbol the state is replaced by :meth:`snap`'s code
-    state_codes: torch.Tensor  # (H, K, b) where snap_every > 0: the codes :meth:`snap` picks from
-
-    def snap(self, state: torch.Tensor) -> torch.Tensor:
-        """state (B, H, b) -> each block's nearest code (B, H, b); only where ``snap_every`` > 0."""
-        raise NotImplementedError
-
-    def transitions(self, u: torch.Tensor) -> torch.Tensor:
-        """u: (..., d_model) -> A: (..., H, b, b)."""
-        raise NotImplementedError
-
-    def inputs(self, u: torch.Tensor) -> torch.Tensor:
-        """u: (..., d_model) -> b: (..., H, b)."""
-        raise NotImplementedError
-
-    def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u: (..., d_model) -> the scan's transitions (..., H, b, b) and inputs (..., H, b)."""
-        return self.transitions(u), self.inputs(u)
-
-    def step(self, u: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """u: (B, d_model), state: (B, H, b) -> the next state A(u) state + b(u): (B, H, b)."""
-        return scan_step(*self.coefficients(u), state)
-
-    def initial_state(self, rows: int) -> torch.Tensor:
-        """h_0 of ``rows`` rows: (rows, H, b); zeros unless a recurrence learns it."""
-        weight = next(self.parameters())
-        return weight.new_zeros(rows, *self.state_shape)
-
-    def for_serving(self, streaming: bool) -> bool:
-        """Lay weights out for :meth:`step` (values unchanged); returns whether any moved."""
-        return False
-
-    def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """states: (..., H, b), u: (..., d_model) -> (..., d_model)."""
-        raise NotImplementedError
-
-    def fused_step_weights(self) -> list[torch.Tensor] | None:
-        """The tensors ``cpu_decode.lrnn_layer_step`` takes, or None where it cannot."""
-        return None
-
-    def joint_weight(self) -> torch.Tensor | None:
-        """The matrix :meth:`for_serving` stacked the input-side weights into, or None."""
-        return None
 
 
 class BlockDiagonalRecurrence(Recurrence):
@@ -235,7 +185,7 @@ class BlockDiagonalRecurrence(Recurrence):
         return self.coefficients(u)[0]
 
     def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return linear(states.flatten(-2), self.out_proj.weight, self.out_proj.bias)  # (..., d_model)
+        return self.project_out(states.flatten(-2))  # (..., d_model)
 
     def snap(self, state: torch.Tensor) -> torch.Tensor:
         return nearest_codes(state, self.state_codes)
@@ -267,8 +217,12 @@ class RecurrentBlock(nn.Module):
         self, x: torch.Tensor, state: torch.Tensor | None, offset: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, d_model), state (B, H, b) or None after ``offset`` symbols -> (B, T, d_model), final state."""
-        out, _, final_state = self.forward_states(x, state, offset)
-        return out, final_state
+        if not self.recurrence.mixes:
+            out, _, final_state = self.forward_states(x, state, offset)
+            return out, final_state
+        read, final_state = self.mix(x, state)  # (B, T, H b), (B, H, b)
+        x = x + self.dropout(self.recurrence.project_out(read))
+        return x + self.mlp(self.ln_2(x)), final_state
 
     def forward_states(
         self, x: torch.Tensor, state: torch.Tensor | None, offset: int = 0
@@ -280,11 +234,24 @@ class RecurrentBlock(nn.Module):
 
     def forward_last(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         """``forward``'s output (B, d_model) at lengths - 1, readout and MLP there only."""
-        u, states, _ = self.scan(x, None, 0)
-        x, u, states = (gather_last(values, lengths) for values in (x, u, states))  # (B, d), (B, d), (B, H, b)
-        x = x + self.dropout(self.recurrence.readout(states, u))  # (B, d_model)
+        if self.recurrence.mixes:
+            last = gather_last(self.mix(x, None)[0], lengths)  # (B, H b)
+            read = self.recurrence.project_out(last)  # (B, d_model)
+            x = gather_last(x, lengths)  # (B, d_model)
+        else:
+            u, states, _ = self.scan(x, None, 0)
+            x, u, states = (gather_last(values, lengths) for values in (x, u, states))  # (B, d), (B, d), (B, H, b)
+            read = self.recurrence.readout(states, u)  # (B, d_model)
+        x = x + self.dropout(read)
         out: torch.Tensor = x + self.mlp(self.ln_2(x))
         return out
+
+    def mix(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Recurrence.mix` of LN(x) from ``state`` (the initial one if None)."""
+        u = self.ln_1(x)  # (B, T, d_model)
+        if state is None:
+            state = self.recurrence.initial_state(x.shape[0]).to(u.dtype)  # (B, H, b)
+        return self.recurrence.mix(u, state, self.scan_impl, self.scan_chunk_size)
 
     def scan(
         self, x: torch.Tensor, state: torch.Tensor | None, offset: int
@@ -333,6 +300,10 @@ class RecurrentBlock(nn.Module):
         compiled = None if every else lrnn_serving.compiled_step(self, x, state)
         if compiled is not None:
             return compiled
+        if self.recurrence.mixes:
+            read, state = self.mix(x.unsqueeze(1), state)  # (B, 1, H b), (B, H, b)
+            x = x + self.dropout(self.recurrence.project_out(read[:, 0]))
+            return x + self.mlp(self.ln_2(x)), state
         u = self.ln_1(x)  # (B, d_model)
         state = self.recurrence.step(u, state)  # (B, H, b)
         if every:
@@ -462,7 +433,8 @@ class BlockDiagonalLRNN(LinearRNN):
     config: LRNNConfig
 
     def __init__(self, config: LRNNConfig) -> None:
-        super().__init__(config, [BlockDiagonalRecurrence(config) for _ in range(config.n_layers)])
+        kind = DeltaRecurrence if config.transition_norm == "delta" else BlockDiagonalRecurrence
+        super().__init__(config, [kind(config) for _ in range(config.n_layers)])
 
     def grown_from(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state dict computing what ``weights`` (fewer blocks per layer) did."""

@@ -43,6 +43,10 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
         "lrnn-stochastic-rank2": LRNNConfig(
             **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="stochastic", transition_rank=2
         ),
+        "lrnn-delta": LRNNConfig(**common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="delta"),
+        "lrnn-delta-sequential": LRNNConfig(
+            **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="delta", scan_impl="sequential"
+        ),
         "diagonal_lrnn": DiagonalLRNNConfig(**common, n_layers=2, state_size=8, d_ff=32),
         "lstm": LSTMConfig(**common, n_layers=2, hidden_size=24),
     }

@@ -55,8 +55,10 @@ MODEL_FLAGS = (
         "LRNN constraint on A: the paper's column p-norm, each block's spectral norm "
         "<= 1 (stable at any length, rotations allowed), or columns projected onto the simplex (sparsemax) with "
         "no input term and a learned initial state (a probabilistic automaton), or each block orthogonal (its polar "
-        "factor) with no input term and a learned initial state (a group's elements held exactly at any length)",
-        ("column", "spectral", "stochastic", "orthogonal"),
+        "factor) with no input term and a learned initial state (a group's elements held exactly at any length), "
+        "or the delta rule: per head (--num-blocks) a b x b matrix state, I - beta k k^T transitions that write each "
+        "value under its key (associative recall)",
+        ("column", "spectral", "stochastic", "orthogonal", "delta"),
     ),
     ModelFlag("transition_rank", int, "LRNN: rank r of the transition generator, d -> r -> H*b*b (default: full)"),
     ModelFlag("state_size", int, "diagonal LRNN state size"),

@@ -84,14 +84,15 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     optim.add_argument(
         "--soft-transition-steps",
         type=non_negative_int,
-        help="LRNN with --transition-norm stochastic: train this many first steps with softmax columns, "
-        "then with the sparsemax it is served with (default: half of --steps)",
+        help="LRNN with --transition-norm stochastic or delta: train this many first steps with softmax columns "
+        "(delta: sigmoid write gates), then with the sparsemax (hard gates) it is served with (default: half of "
+        "--steps)",
     )
     optim.add_argument(
         "--harden-steps",
         type=non_negative_int,
-        help="LRNN with --transition-norm stochastic: after the soft steps, blend the columns from softmax "
-        "into sparsemax over this many steps (default: half of the steps after the soft ones, 0 if no soft "
+        help="LRNN with --transition-norm stochastic or delta: after the soft steps, blend the columns from "
+        "softmax into sparsemax (delta: the gates from sigmoid into hard) over this many steps (default: half of the steps after the soft ones, 0 if no soft "
         "steps; 0 switches at once)",
     )
     optim.add_argument(
@@ -230,11 +231,12 @@ def check_new_run(args: argparse.Namespace) -> None:
 
 def settings_from_args(args: argparse.Namespace, architecture: str, target: float | None = None) -> TrainSettings:
     save_every = args.save_every or args.eval_every or 500
-    stochastic = architecture == "lrnn" and getattr(args, "transition_norm", None) == "stochastic"
-    if args.soft_transition_steps is not None and not stochastic:
-        raise UsageError("--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only")
-    if args.harden_steps is not None and not stochastic:
-        raise UsageError("--harden-steps applies to --arch lrnn --transition-norm stochastic only")
+    transitions = getattr(args, "transition_norm", None) if architecture == "lrnn" else None
+    stochastic, softened = transitions == "stochastic", transitions in ("stochastic", "delta")
+    if args.soft_transition_steps is not None and not softened:
+        raise UsageError("--soft-transition-steps applies to --arch lrnn --transition-norm stochastic or delta only")
+    if args.harden_steps is not None and not softened:
+        raise UsageError("--harden-steps applies to --arch lrnn --transition-norm stochastic or delta only")
     soft_steps = args.soft_transition_steps if args.soft_transition_steps is not None else args.steps // 2
     harden_steps = args.harden_steps
     if harden_steps is None:  # half of the steps after the soft ones; none after none (a run that starts hard)
@@ -266,8 +268,8 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         log_every=args.log_every,
         dtype=args.dtype,
         compile=args.compile,
-        soft_transition_steps=soft_steps if stochastic else 0,
-        harden_steps=harden_steps if stochastic else 0,
+        soft_transition_steps=soft_steps if softened else 0,
+        harden_steps=harden_steps if softened else 0,
         determinism_weight=args.determinism_weight or 0.0,
         extra_levels=args.extra_levels or 0,
         freeze_embedding=args.freeze_embeddings,

@@ -98,7 +98,8 @@ class SummedCrossEntropy(torch.autograd.Function):
 
 def set_softness(model: torch.nn.Module, softness: float, track_impurity: bool = False) -> None:
     """Set the softmax's share of the columns in every layer that has one (``softness``: the stochastic LRNN's
-    recurrences), and whether they keep their columns' impurity for :func:`impurity`."""
+    recurrences; the delta rule's, the sigmoid's share of its write gates), and whether they keep their columns'
+    impurity for :func:`impurity`."""
     for module in model.modules():
         if hasattr(module, "softness"):  # a stochastic LRNN's recurrence: attributes of its own
             setattr(module, "softness", softness)

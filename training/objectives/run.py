@@ -26,7 +26,8 @@ class TrainSettings:
     """Everything that decides a run's result besides the model's hyper-parameters and the objective's data.
     ``batch_size`` is per optimizer step and process; ``lr`` the peak rate (:func:`optim.lr_factor`);
     ``patience`` counts evaluations without a better score; ``soft_transition_steps``: a stochastic LRNN's first
-    steps with softmax columns, ``harden_steps`` the steps after them that blend them into the sparsemax;
+    steps with softmax columns (a delta-rule LRNN's: with sigmoid write gates), ``harden_steps`` the steps after them
+    that blend them into the sparsemax (the hard gates);
     ``freeze_embedding``: the token embedding (a language model's output head too, tied to it) keeps its initial
     values."""
 

@@ -25,6 +25,7 @@ MODELS = {
     "lrnn-rank3": BlockDiagonalLRNN,
     "lrnn-stochastic": BlockDiagonalLRNN,
     "lrnn-stochastic-rank2": BlockDiagonalLRNN,
+    "lrnn-delta": BlockDiagonalLRNN,
     "diagonal_lrnn": DiagonalLRNN,
 }
 BLOCK_DIAGONAL_IDS = ["lrnn", "lrnn-rank3", "lrnn-stochastic"]

@@ -376,18 +376,19 @@ def test_extra_levels_belong_to_regulargpt(tmp_path: Path, capsys) -> None:
     assert err == "error: --extra-levels applies to --arch regulargpt only\n"
 
 
-def test_soft_and_harden_steps_default_to_a_half_and_a_quarter_and_belong_to_the_stochastic_lrnn(
+def test_soft_and_harden_steps_default_to_a_half_and_a_quarter_and_belong_to_the_stochastic_and_delta_lrnn(
     tmp_path: Path, capsys
 ) -> None:
     stochastic = ("--transition-norm", "stochastic")
-    assert main(cli_run(tmp_path / "run", 9, *stochastic)) == 0
-    settings = load_checkpoint(tmp_path / "run").config.metadata["settings"]
-    assert (settings["soft_transition_steps"], settings["harden_steps"]) == (4, 2)  # half, then half of the rest
+    for norm in ("stochastic", "delta"):
+        assert main(cli_run(tmp_path / norm, 9, "--transition-norm", norm)) == 0
+        settings = load_checkpoint(tmp_path / norm).config.metadata["settings"]
+        assert (settings["soft_transition_steps"], settings["harden_steps"]) == (4, 2)  # half, then half of the rest
     assert main(cli_run(tmp_path / "hard", 6, *stochastic, "--soft-transition-steps", "0")) == 0
     assert load_checkpoint(tmp_path / "hard").config.metadata["settings"]["harden_steps"] == 0  # hard from the start
     assert main(cli_run(tmp_path / "other", 6, "--soft-transition-steps", "2")) == 2
     err = capsys.readouterr().err
-    assert "--soft-transition-steps applies to --arch lrnn --transition-norm stochastic only" in err
+    assert "--soft-transition-steps applies to --arch lrnn --transition-norm stochastic or delta only" in err
     assert err.count("\n") == 1
     assert main(cli_run(tmp_path / "third", 6, "--determinism-weight", "1")) == 2
     assert (
@@ -397,7 +398,10 @@ def test_soft_and_harden_steps_default_to_a_half_and_a_quarter_and_belong_to_the
     err = capsys.readouterr().err
     assert err.count("--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic") == 2
     assert main(cli_run(tmp_path / "fifth", 6, "--harden-steps", "2")) == 2
-    assert capsys.readouterr().err == "error: --harden-steps applies to --arch lrnn --transition-norm stochastic only\n"
+    assert (
+        capsys.readouterr().err
+        == "error: --harden-steps applies to --arch lrnn --transition-norm stochastic or delta only\n"
+    )
 
 
 def test_extending_a_finished_constant_rate_run_equals_running_it_longer(tmp_path: Path) -> None:

@@ -1,0 +1,79 @@
+"""The delta-rule recurrence (DeltaNet: Schlag et al. 2021, Yang et al. 2024), an input-dependent linear RNN whose
+transitions are generalised Householder matrices. Per head a b x b state S: S_k = S_{k-1} (I - beta k k^T) + beta v k^T
+with unit-length keys and beta in [0, 2], so that every transition's eigenvalues lie in [-1, 1] (Grazzi et al. 2025);
+it reads out S q. A token writes its value under its key, replacing what the key held: associative recall."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from model.config import LRNNConfig
+from model.lrnn.recurrence import Recurrence
+from model.ops.cpu.cpu_decode import linear
+from model.ops.scan.delta import delta_chunked, delta_sequential
+
+BETA_BIAS = -1.0  # beta = 2 gate(-1) = 0.5 at initialisation, for the hard gate and (0.54) for the sigmoid
+
+
+class DeltaRecurrence(Recurrence):
+    """``num_blocks`` heads of a ``block_size`` x ``block_size`` state, held as (H b, b): row (h, i) is head h's value
+    row i of S, over the key dimensions. One product of ``in_proj`` gives q, k, v and the write gate's logit z;
+    beta = 2 gate(z). Served, gate(z) = clamp(z / 4 + 1 / 2, 0, 1), so that a token can write exactly nothing; while
+    training it is lerp(that, sigmoid(z), ``softness``), as the trainer sets it."""
+
+    mixes = True
+
+    def __init__(self, config: LRNNConfig) -> None:
+        super().__init__()
+        self.heads, self.size = config.num_blocks, config.block_size
+        self.state_shape = (self.heads * self.size, self.size)
+        self.in_proj = nn.Linear(config.d_model, 3 * self.heads * self.size + self.heads)  # [q; k; v; z]
+        self.out_proj = nn.Linear(self.heads * self.size, config.d_model)
+        with torch.no_grad():
+            self.in_proj.bias[-self.heads :] = BETA_BIAS
+        self.softness = 0.0  # training mode only: the sigmoid's share of the gate (set by the trainer)
+
+    def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """u (..., d_model) -> unit q and k, v (..., H, b) and beta (..., H)."""
+        width = self.heads * self.size
+        projected = linear(u, self.in_proj.weight, self.in_proj.bias)  # (..., 3 H b + H)
+        q, k, v, z = projected.split([width, width, width, self.heads], dim=-1)
+        q, k, v = (x.unflatten(-1, (self.heads, self.size)) for x in (q, k, v))  # (..., H, b)
+        gate = (z * 0.25 + 0.5).clamp(0.0, 1.0)  # (..., H): the hard sigmoid, with the sigmoid's slope at 0
+        softness = self.softness if self.training else 0.0
+        if softness:
+            gate = torch.lerp(gate, torch.sigmoid(z), softness)
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, 2 * gate
+
+    def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's view: every value row's transition I - beta k k^T (..., H b, b, b) and input beta v_i k
+        (..., H b, b)."""
+        _, k, v, beta = self.project(u)
+        scaled = beta.unsqueeze(-1) * k  # (..., H, b): beta k
+        eye = torch.eye(self.size, dtype=k.dtype, device=k.device)
+        transition = eye - scaled.unsqueeze(-1) * k.unsqueeze(-2)  # (..., H, b, b)
+        transitions = transition.unsqueeze(-3).expand(*transition.shape[:-2], self.size, -1, -1)  # (..., H, b, b, b)
+        inputs = v.unsqueeze(-1) * scaled.unsqueeze(-2)  # (..., H, b, b): row i is beta v_i k
+        return transitions.flatten(-4, -3), inputs.flatten(-3, -2)
+
+    def readout(self, states: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """S q per head, then ``out_proj``: states (..., H b, b) -> (..., d_model)."""
+        q = self.project(u)[0]  # (..., H, b)
+        rows = states.unflatten(-2, (self.heads, self.size))  # (..., H, b, b)
+        read = torch.matmul(rows, q.unsqueeze(-1)).squeeze(-1)  # (..., H, b)
+        return self.project_out(read.flatten(-2))
+
+    def mix(
+        self, u: torch.Tensor, state: torch.Tensor, impl: str, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """S q at every position (B, T, H b), before ``out_proj``, and the last state (B, H b, b), never holding every
+        state: :func:`delta_chunked`, or the reference loop for ``impl`` "sequential" and for one token."""
+        q, k, v, beta = self.project(u)  # (B, T, H, b) x 3, (B, T, H)
+        matrices = state.unflatten(1, (self.heads, self.size))  # (B, H, b, b)
+        if impl == "sequential" or u.shape[1] == 1:
+            read, final = delta_sequential(q, k, v, beta, matrices)  # (B, T, H, b), (B, H, b, b)
+        else:
+            read, final = delta_chunked(q, k, v, beta, matrices, chunk_size)
+        return read.flatten(-2), final.flatten(1, 2)
