@@ -47,7 +47,7 @@ MODEL_FLAGS = (
         ("pre", "post"),
     ),
     ModelFlag("block_size", int, "LRNN block size b of the block-diagonal transition"),
-    ModelFlag("num_blocks", int, "LRNN number of blocks H (state size H*b)"),
+    ModelFlag("num_blocks", int, "LRNN number of blocks H (state size H*b; delta: heads, state H*b*b)"),
     ModelFlag("p_norm", float, "LRNN p of the column p-norm constraint"),
     ModelFlag(
         "transition_norm",

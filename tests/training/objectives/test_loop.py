@@ -376,14 +376,20 @@ def test_extra_levels_belong_to_regulargpt(tmp_path: Path, capsys) -> None:
     assert err == "error: --extra-levels applies to --arch regulargpt only\n"
 
 
-def test_soft_and_harden_steps_default_to_a_half_and_a_quarter_and_belong_to_the_stochastic_and_delta_lrnn(
+def test_soft_and_harden_steps_default_to_a_half_and_a_quarter_for_the_stochastic_lrnn_none_for_delta(
     tmp_path: Path, capsys
 ) -> None:
     stochastic = ("--transition-norm", "stochastic")
-    for norm in ("stochastic", "delta"):
-        assert main(cli_run(tmp_path / norm, 9, "--transition-norm", norm)) == 0
-        settings = load_checkpoint(tmp_path / norm).config.metadata["settings"]
-        assert (settings["soft_transition_steps"], settings["harden_steps"]) == (4, 2)  # half, then half of the rest
+    assert main(cli_run(tmp_path / "run", 9, *stochastic)) == 0
+    settings = load_checkpoint(tmp_path / "run").config.metadata["settings"]
+    assert (settings["soft_transition_steps"], settings["harden_steps"]) == (4, 2)  # half, then half of the rest
+    delta = ("--transition-norm", "delta")
+    assert main(cli_run(tmp_path / "delta", 9, *delta)) == 0
+    settings = load_checkpoint(tmp_path / "delta").config.metadata["settings"]
+    assert (settings["soft_transition_steps"], settings["harden_steps"]) == (0, 0)  # hard gates from the start
+    assert main(cli_run(tmp_path / "soft-delta", 9, *delta, "--soft-transition-steps", "4")) == 0
+    settings = load_checkpoint(tmp_path / "soft-delta").config.metadata["settings"]
+    assert (settings["soft_transition_steps"], settings["harden_steps"]) == (4, 2)
     assert main(cli_run(tmp_path / "hard", 6, *stochastic, "--soft-transition-steps", "0")) == 0
     assert load_checkpoint(tmp_path / "hard").config.metadata["settings"]["harden_steps"] == 0  # hard from the start
     assert main(cli_run(tmp_path / "other", 6, "--soft-transition-steps", "2")) == 2
