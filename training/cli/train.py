@@ -238,7 +238,9 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
     if args.harden_steps is not None and not softened:
         raise UsageError("--harden-steps applies to --arch lrnn --transition-norm stochastic or delta only")
     soft_steps = args.soft_transition_steps
-    if soft_steps is None:  # the delta rule's hard gates learn faster and reach further from the start (text_results.md)
+    if (
+        soft_steps is None
+    ):  # the delta rule's hard gates learn faster and reach further from the start (text_results.md)
         soft_steps = args.steps // 2 if stochastic else 0
     harden_steps = args.harden_steps
     if harden_steps is None:  # half of the steps after the soft ones; none after none (a run that starts hard)
