@@ -21,7 +21,8 @@ class DeltaRecurrence(Recurrence):
     """``num_blocks`` heads of a ``block_size`` x ``block_size`` state, held as (H b, b): row (h, i) is head h's value
     row i of S, over the key dimensions. One product of ``in_proj`` gives q, k, v and the write gate's logit z;
     beta = 2 gate(z). Served, gate(z) = clamp(z / 4 + 1 / 2, 0, 1), so that a token can write exactly nothing; while
-    training it is lerp(that, sigmoid(z), ``softness``), as the trainer sets it."""
+    training it is lerp(that, sigmoid(z), ``softness``), as the trainer sets it, and with ``track_writes`` the gates'
+    mean is kept for a penalty that closes the gates no answer needs (``--write-weight``)."""
 
     mixes = True
 
@@ -34,6 +35,8 @@ class DeltaRecurrence(Recurrence):
         with torch.no_grad():
             self.in_proj.bias[-self.heads :] = BETA_BIAS
         self.softness = 0.0  # training mode only: the sigmoid's share of the gate (set by the trainer)
+        self.track_writes = False  # training mode: keep the write gates' mean in ``writes`` (set by the trainer)
+        self.writes: torch.Tensor | None = None  # () mean of beta / 2 over the last training call's tokens and heads
 
     def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """u (..., d_model) -> unit q and k, v (..., H, b) and beta (..., H)."""
@@ -45,6 +48,8 @@ class DeltaRecurrence(Recurrence):
         softness = self.softness if self.training else 0.0
         if softness:
             gate = torch.lerp(gate, torch.sigmoid(z), softness)
+        if self.training and self.track_writes:
+            self.writes = gate.mean()
         return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, 2 * gate
 
     def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

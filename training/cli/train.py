@@ -102,6 +102,13 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         "times the mean impurity 1 - sum_i A_ij^2 of the softmax columns to the loss (default 0)",
     )
     optim.add_argument(
+        "--write-weight",
+        type=non_negative_float,
+        help="LRNN with --transition-norm delta: add this times the layers' mean write gate (beta / 2) to the loss "
+        "per scored position, so that the tokens no answer needs write exactly nothing and what was written "
+        "outlives them (default 0)",
+    )
+    optim.add_argument(
         "--extra-levels",
         type=non_negative_int,
         help="RegularGPT: read each training position after up to this many thick layers above its "
@@ -249,6 +256,8 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         raise UsageError(
             "--determinism-weight applies to the soft steps of --arch lrnn --transition-norm stochastic only"
         )
+    if args.write_weight is not None and transitions != "delta":
+        raise UsageError("--write-weight applies to --arch lrnn --transition-norm delta only")
     if args.extra_levels and architecture != "regulargpt":
         raise UsageError("--extra-levels applies to --arch regulargpt only")
     return TrainSettings(
@@ -275,6 +284,7 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         soft_transition_steps=soft_steps if softened else 0,
         harden_steps=harden_steps if softened else 0,
         determinism_weight=args.determinism_weight or 0.0,
+        write_weight=args.write_weight or 0.0,
         extra_levels=args.extra_levels or 0,
         freeze_embedding=args.freeze_embeddings,
     )

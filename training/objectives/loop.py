@@ -46,6 +46,8 @@ from training.objectives.losses import (
     set_softness,
     softness,
     target_loss,
+    track_writes,
+    writes,
 )
 from training.objectives.optim import build_optimizer, extra_levels, lr_factor
 from training.objectives.run import Objective, RunState, TrainSettings
@@ -89,6 +91,8 @@ def train(
         model.load_state_dict(initial)
     if settings.freeze_embedding:
         model.get_parameter("embedding.embed.weight").requires_grad_(False)
+    if settings.write_weight:
+        track_writes(model)
     optimizer = build_optimizer(model, settings)
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, dist.rank])
     run, best_state = RunState(), None
@@ -302,8 +306,11 @@ def _train_step(
         loss_sum, correct = masked_loss(logits.float(), targets, soft, soft_weights, scale)
         del soft
         penalised = loss_sum
-        if weight:  # the impurity counted once per real position, like the loss
-            penalised = loss_sum + weight * int((part.targets != IGNORE_INDEX).sum()) * impurity(trained)
+        counted = int((part.targets != IGNORE_INDEX).sum())  # penalties count once per real position, as the loss
+        if weight:
+            penalised = penalised + weight * counted * impurity(trained)
+        if settings.write_weight:
+            penalised = penalised + settings.write_weight * counted * writes(trained)
         (penalised / positions).backward()
         run.window[0] += float(target_loss(loss_sum))
         run.window[1] += correct

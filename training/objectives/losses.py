@@ -125,10 +125,28 @@ def determinism_weight(settings: TrainSettings, step: int) -> float:
 
 def impurity(model: torch.nn.Module) -> torch.Tensor | float:
     """The sum over layers of the impurity their last forward pass kept, taken from them (0 when none kept one)."""
+    return _taken(model, "impurity")
+
+
+def track_writes(model: torch.nn.Module) -> None:
+    """Make every delta-rule layer keep its write gates' mean for :func:`writes` in training mode."""
+    for module in model.modules():
+        if hasattr(module, "track_writes"):  # a delta-rule recurrence's own attribute
+            setattr(module, "track_writes", True)
+
+
+def writes(model: torch.nn.Module) -> torch.Tensor | float:
+    """The sum over delta-rule layers of the mean write gate (beta / 2, in [0, 1]) their last forward pass kept,
+    taken from them (0 when none kept one)."""
+    return _taken(model, "writes")
+
+
+def _taken(model: torch.nn.Module, name: str) -> torch.Tensor | float:
+    """The sum over modules of the tensor attribute ``name`` their last forward pass kept, each set back to None."""
     kept: list[torch.Tensor] = []
     for module in model.modules():
-        kept_by_module: torch.Tensor | None = getattr(module, "impurity", None)
+        kept_by_module: torch.Tensor | None = getattr(module, name, None)
         if kept_by_module is not None:
             kept.append(kept_by_module.float())
-            setattr(module, "impurity", None)
+            setattr(module, name, None)
     return sum(kept, 0.0)

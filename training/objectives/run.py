@@ -27,7 +27,8 @@ class TrainSettings:
     ``batch_size`` is per optimizer step and process; ``lr`` the peak rate (:func:`optim.lr_factor`);
     ``patience`` counts evaluations without a better score; ``soft_transition_steps``: a stochastic LRNN's first
     steps with softmax columns (a delta-rule LRNN's: with sigmoid write gates), ``harden_steps`` the steps after them
-    that blend them into the sparsemax (the hard gates);
+    that blend them into the sparsemax (the hard gates); ``write_weight``: a delta-rule LRNN's penalty per scored
+    position on its layers' mean write gate;
     ``freeze_embedding``: the token embedding (a language model's output head too, tied to it) keeps its initial
     values."""
 
@@ -54,6 +55,7 @@ class TrainSettings:
     soft_transition_steps: int = 0
     harden_steps: int = 0
     determinism_weight: float = 0.0
+    write_weight: float = 0.0
     extra_levels: int = 0
     freeze_embedding: bool = False
 

@@ -44,6 +44,18 @@ def test_the_gate_is_hard_when_served_and_blends_in_the_sigmoid_while_training()
     assert torch.allclose(start, torch.full_like(start, 0.5))
 
 
+def test_the_gates_mean_is_kept_only_in_training_mode_when_tracked() -> None:
+    recurrence = recurrence_of(make())
+    u = torch.randn(6, 16, dtype=torch.float64)
+    recurrence.project(u)
+    assert recurrence.writes is None
+    recurrence.track_writes = True
+    recurrence.project(u)
+    assert recurrence.writes is None  # evaluation mode
+    beta = recurrence.train().project(u)[3]
+    assert recurrence.writes is not None and torch.allclose(recurrence.writes, beta.mean() / 2)
+
+
 def test_a_closed_gate_keeps_the_state_exactly_at_any_length() -> None:
     """Where every z is far below 0 the served gate is exactly 0: after 1,000 tokens every layer's state is what it
     was, through the chunked form and through steps."""

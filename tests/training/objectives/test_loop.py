@@ -251,6 +251,20 @@ def recorded_softness(monkeypatch) -> list[float]:
     return phases
 
 
+def recorded_penalty(monkeypatch, name: str) -> list[float]:
+    """The values the loop's penalty ``name`` (``loop.impurity`` or ``loop.writes``) takes, recorded as it goes on."""
+    taken: list[float] = []
+    penalty = getattr(loop, name)
+
+    def recorded(model: torch.nn.Module) -> torch.Tensor | float:
+        value = penalty(model)
+        taken.append(float(value.detach()))
+        return value
+
+    monkeypatch.setattr(loop, name, recorded)
+    return taken
+
+
 def test_a_stochastic_lrnn_trains_soft_then_sparse_and_resumes_across_the_switch(tmp_path: Path, monkeypatch) -> None:
     phases = recorded_softness(monkeypatch)
     task_run(tmp_path / "whole", steps=9, transition_norm="stochastic", soft_transition_steps=5)
@@ -286,15 +300,7 @@ def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_re
         architecture="lrnn", steps=9, batch_size=6, lr=1e-3, soft_transition_steps=4, determinism_weight=2.0
     )
     assert [losses.determinism_weight(settings, step) for step in range(1, 7)] == [0.5, 1.0, 1.5, 2.0, 0.0, 0.0]
-    taken: list[float] = []
-    impurity = loop.impurity
-
-    def recorded(model: torch.nn.Module) -> torch.Tensor | float:
-        value = impurity(model)
-        taken.append(float(value.detach()))
-        return value
-
-    monkeypatch.setattr(loop, "impurity", recorded)
+    taken = recorded_penalty(monkeypatch, "impurity")
     stochastic = {"transition_norm": "stochastic", "soft_transition_steps": 5}
     task_run(tmp_path / "whole", steps=9, determinism_weight=2.0, **stochastic)
     assert len(taken) == 5 and all(value > 0 for value in taken)  # each soft step, none after
@@ -304,6 +310,30 @@ def test_the_determinism_weight_rises_over_the_soft_phase_changes_the_run_and_re
     task_run(tmp_path / "plain", steps=9, **stochastic)
     digest = log_records(tmp_path / "whole")[-1]["param_sha256"]
     assert log_records(tmp_path / "plain")[-1]["param_sha256"] != digest  # the term reached the gradient
+
+
+def test_the_write_weight_penalises_a_delta_lrnns_write_gates_every_step_and_resumes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Every step takes the layers' kept mean gate (one per layer, in (0, 1] at the start); the term reaches the
+    gradient and closes gates; a run cut and resumed equals the whole."""
+    taken = recorded_penalty(monkeypatch, "writes")
+    task_run(tmp_path / "whole", steps=9, transition_norm="delta", write_weight=50.0)
+    assert len(taken) == 9 and 0 < taken[0] <= 2  # two layers' means, each in [0, 1]
+    assert taken[-1] < taken[0]  # the penalty closes gates
+    task_run(tmp_path / "cut", steps=9, stop_at=3, transition_norm="delta", write_weight=50.0)
+    task_run(tmp_path / "cut", steps=9, resume=True, transition_norm="delta", write_weight=50.0)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    task_run(tmp_path / "plain", steps=9, transition_norm="delta")
+    digest = log_records(tmp_path / "whole")[-1]["param_sha256"]
+    assert log_records(tmp_path / "plain")[-1]["param_sha256"] != digest  # the term reached the gradient
+
+
+def test_the_write_weight_belongs_to_the_delta_lrnn(tmp_path: Path, capsys) -> None:
+    assert main(cli_run(tmp_path / "stochastic", 6, "--transition-norm", "stochastic", "--write-weight", "1")) == 2
+    assert capsys.readouterr().err == "error: --write-weight applies to --arch lrnn --transition-norm delta only\n"
+    assert main(cli_run(tmp_path / "delta", 3, "--transition-norm", "delta", "--write-weight", "0.5")) == 0
+    assert load_checkpoint(tmp_path / "delta").config.metadata["settings"]["write_weight"] == 0.5
 
 
 def test_regulargpt_extra_levels_are_drawn_per_step_reach_the_model_and_resume(tmp_path: Path, monkeypatch) -> None:
