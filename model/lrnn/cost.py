@@ -103,10 +103,9 @@ def scan_flops(config: LRNNConfig | DiagonalLRNNConfig, sizes: Sizes, impl: str,
 
 def delta_flops(config: LRNNConfig, length: int) -> int:
     """One row's multiply-adds for a delta-rule layer (model/ops/scan/delta.py) past its projections, per head: S k and
-    S q a token for the reference loop and one token; else per chunk of C (whole ones, then one of what is left),
-    K K^T, Q K^T and their product with U'
-    (3 C^2 b), the triangular solve for W and U (C^2 b), K^T W, U^T K, W S^T and Q S^T (4 C b^2), and the chunks'
-    scan, one step per chunk of each of the b value rows (b^3 + 2 b^2 each)."""
+    S q a token for the reference loop and one token; else per chunk of C (whole ones, then one of what is left):
+    K K^T, Q K^T and their product with U' (3 C^2 b), the triangular solve for W and U (C^2 b), K^T W, U^T K, W S^T
+    and Q S^T (4 C b^2), and the chunks' scan, one step per chunk of each of the b value rows (b^3 + 2 b^2 each)."""
     heads, size = config.num_blocks, config.block_size
     if config.scan_impl == "sequential" or length == 1:
         return length * heads * 2 * size**2

@@ -221,16 +221,14 @@ class RecurrentBlock(nn.Module):
             out, _, final_state = self.forward_states(x, state, offset)
             return out, final_state
         read, final_state = self.mix(x, state)  # (B, T, H b), (B, H, b)
-        x = x + self.dropout(self.recurrence.project_out(read))
-        return x + self.mlp(self.ln_2(x)), final_state
+        return self.finish(x, self.recurrence.project_out(read)), final_state
 
     def forward_states(
         self, x: torch.Tensor, state: torch.Tensor | None, offset: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward`, with every state (B, T, H, b) between the output and the final state."""
         u, states, final_state = self.scan(x, state, offset)
-        x = x + self.dropout(self.recurrence.readout(states, u))  # (B, T, d_model)
-        return x + self.mlp(self.ln_2(x)), states, final_state
+        return self.finish(x, self.recurrence.readout(states, u)), states, final_state
 
     def forward_last(self, x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         """``forward``'s output (B, d_model) at lengths - 1, readout and MLP there only."""
@@ -242,6 +240,10 @@ class RecurrentBlock(nn.Module):
             u, states, _ = self.scan(x, None, 0)
             x, u, states = (gather_last(values, lengths) for values in (x, u, states))  # (B, d), (B, d), (B, H, b)
             read = self.recurrence.readout(states, u)  # (B, d_model)
+        return self.finish(x, read)
+
+    def finish(self, x: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        """The block's tail: x + read (the recurrence's readout, d_model wide), then + MLP(LN(that))."""
         x = x + self.dropout(read)
         out: torch.Tensor = x + self.mlp(self.ln_2(x))
         return out
@@ -296,22 +298,20 @@ class RecurrentBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, d_model), state (B, H, b) after ``lengths`` (B,) symbols (needed with codes) -> (B, d_model), next
         state."""
+        if self.recurrence.mixes:
+            read, state = self.mix(x.unsqueeze(1), state)  # (B, 1, H b), (B, H, b)
+            return self.finish(x, self.recurrence.project_out(read[:, 0])), state
         every = self.recurrence.snap_every
         compiled = None if every else lrnn_serving.compiled_step(self, x, state)
         if compiled is not None:
             return compiled
-        if self.recurrence.mixes:
-            read, state = self.mix(x.unsqueeze(1), state)  # (B, 1, H b), (B, H, b)
-            x = x + self.dropout(self.recurrence.project_out(read[:, 0]))
-            return x + self.mlp(self.ln_2(x)), state
         u = self.ln_1(x)  # (B, d_model)
         state = self.recurrence.step(u, state)  # (B, H, b)
         if every:
             assert lengths is not None, "a recurrence with codes needs each row's length to step"
             due = ((lengths.to(state.device) + 1) % every == 0).view(-1, 1, 1)  # (B, 1, 1)
             state = torch.where(due, self.recurrence.snap(state), state)
-        x = x + self.dropout(self.recurrence.readout(state, u))  # (B, d_model)
-        return x + self.mlp(self.ln_2(x)), state
+        return self.finish(x, self.recurrence.readout(state, u)), state
 
 
 class LinearRNN(SequenceModel):
