@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import types
 from collections.abc import Callable
@@ -184,11 +185,13 @@ class Ours:
 
 
 class HuggingFace:
-    """A Hugging Face causal LM: one call over the prompt with ``use_cache``, then a call per token with its cache
-    (``past_key_values`` for GPT-2, ``cache_params`` for Mamba)."""
+    """A Hugging Face causal LM: one call over the prompt with ``use_cache``, then a call per token with its cache,
+    under the name its ``forward`` takes: ``cache`` (transformers 5.24 on; the older names are deprecated there and
+    removed in 5.40), else ``legacy`` (``past_key_values`` for GPT-2, ``cache_params`` for Mamba)."""
 
-    def __init__(self, model: nn.Module, cache_argument: str) -> None:
-        self.model, self.cache_argument, self.length = model, cache_argument, 0
+    def __init__(self, model: nn.Module, legacy: str) -> None:
+        takes_cache = "cache" in inspect.signature(model.forward).parameters
+        self.model, self.cache_argument, self.length = model, "cache" if takes_cache else legacy, 0
 
     def prefill(self, tokens: torch.Tensor) -> object:
         """tokens: (B, T) -> a cache holding them."""
