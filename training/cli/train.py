@@ -361,7 +361,10 @@ def initial_weights(folder: Path, settings: TrainSettings, model_config: BaseMod
         from model.lrnn.model import BlockDiagonalLRNN  # loaded by build_model just now
 
         assert isinstance(grown, BlockDiagonalLRNN)  # the "lrnn" architecture's model
-        return grown.grown_from(loaded.model.state_dict())
+        try:
+            return grown.grown_from(loaded.model.state_dict())
+        except ValueError as error:  # a delta-rule LRNN, or weights that are not this LRNN's
+            raise UsageError(f"--init-from {folder}: {error}") from None
     if differing:
         named = "; ".join(f"{name} {theirs.get(name)} there, {ours[name]} here" for name in differing)
         raise UsageError(f"--init-from {folder} holds another model: {named}")

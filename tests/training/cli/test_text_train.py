@@ -791,6 +791,17 @@ def test_init_from_an_lrnn_with_fewer_blocks_grows_it(tmp_path, corpus, ranks, c
     assert "holds another model: num_blocks 6 there, 2 here" in capsys.readouterr().err
 
 
+def test_init_from_a_delta_lrnn_with_fewer_heads_exits_2(tmp_path, corpus, ranks, capsys) -> None:
+    """A delta-rule LRNN does not grow: more heads than its checkpoint's is a usage error, not a traceback."""
+    delta = ["--transition-norm", "delta"]
+    assert train(tmp_path / "first", f"text:{corpus}", ranks, "lrnn", *delta) == 0
+    capsys.readouterr()
+    more = ["--num-blocks", "6", "--init-from", str(tmp_path / "first")]
+    assert train(tmp_path / "grown", f"text:{corpus}", ranks, "lrnn", *delta, *more) == 2
+    err = capsys.readouterr().err
+    assert "a delta-rule LRNN does not grow" in err and err.count("\n") == 1
+
+
 def test_a_run_saved_with_passkey_steps_resumes(tmp_path, corpus, ranks) -> None:
     """Resume files written from 72ac6b1 to a9c80e3 hold ``passkey_steps`` (the pass-key schedule's length, now the
     run's --steps) and, like every one before abf47e5, no ``passkey_span`` (nor, before b65b28a,
