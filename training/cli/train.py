@@ -92,8 +92,8 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         "--harden-steps",
         type=non_negative_int,
         help="LRNN with --transition-norm stochastic or delta: after the soft steps, blend the columns from "
-        "softmax into sparsemax (delta: the gates from sigmoid into hard) over this many steps (default: half of the steps after the soft ones, 0 if no soft "
-        "steps; 0 switches at once)",
+        "softmax into sparsemax (delta: the gates from sigmoid into hard) over this many steps (default: half of "
+        "the steps after the soft ones, 0 if no soft steps; 0 switches at once)",
     )
     optim.add_argument(
         "--determinism-weight",
@@ -245,9 +245,7 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
     if args.harden_steps is not None and not softened:
         raise UsageError("--harden-steps applies to --arch lrnn --transition-norm stochastic or delta only")
     soft_steps = args.soft_transition_steps
-    if (
-        soft_steps is None
-    ):  # the delta rule's hard gates learn faster and reach further from the start (text_results.md)
+    if soft_steps is None:  # the delta rule's hard gates bind as fast and reach further (docs/text_results.md)
         soft_steps = args.steps // 2 if stochastic else 0
     harden_steps = args.harden_steps
     if harden_steps is None:  # half of the steps after the soft ones; none after none (a run that starts hard)
