@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import DiagonalLRNNConfig, LRNNConfig
+from model.ops.scan.delta import runs_sequential
 from model.ops.scan.dispatch import choose_scan_impl
 from model.serving import CallPath, Cost
 
@@ -49,9 +50,10 @@ def cost(
     if path == "final":
         flops -= rows * (length - 1) * sizes.tail
     head = head_cost(config, dtype.itemsize, rows if path == "final" else rows * length)
-    scan_bytes = transition_bytes(sizes, impl, dtype.itemsize)
     if isinstance(config, LRNNConfig) and config.transition_norm == "delta":
         scan_bytes = delta_bytes(config, length, dtype.itemsize)
+    else:
+        scan_bytes = transition_bytes(sizes, impl, dtype.itemsize)
     activations = (6 * config.d_model + 3 * sizes.state_size + 2 * config.d_ff) * dtype.itemsize
     searches = rows * sizes.state_shape[0] * sizes.codes * 4 if sizes.snap_every else 0  # a snap's float32 distances
     return Cost(
@@ -107,7 +109,7 @@ def delta_flops(config: LRNNConfig, length: int) -> int:
     K K^T, Q K^T and their product with U' (3 C^2 b), the triangular solve for W and U (C^2 b), K^T W, U^T K, W S^T
     and Q S^T (4 C b^2), and the chunks' scan, one step per chunk of each of the b value rows (b^3 + 2 b^2 each)."""
     heads, size = config.num_blocks, config.block_size
-    if config.scan_impl == "sequential" or length == 1:
+    if runs_sequential(config.scan_impl, length):
         return length * heads * 2 * size**2
     chunk = min(config.scan_chunk_size, length)
     whole, rest = divmod(length, chunk)

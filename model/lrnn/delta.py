@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from model.config import LRNNConfig
 from model.lrnn.recurrence import Recurrence
 from model.ops.cpu.cpu_decode import linear
-from model.ops.scan.delta import delta_chunked, delta_sequential
+from model.ops.scan.delta import delta_chunked, delta_sequential, runs_sequential
 
 BETA_BIAS = -1.0  # beta = 2 gate(-1) = 0.5 at initialisation, for the hard gate and (0.54) for the sigmoid
 
@@ -77,7 +77,7 @@ class DeltaRecurrence(Recurrence):
         state: :func:`delta_chunked`, or the reference loop for ``impl`` "sequential" and for one token."""
         q, k, v, beta = self.project(u)  # (B, T, H, b) x 3, (B, T, H)
         matrices = state.unflatten(1, (self.heads, self.size))  # (B, H, b, b)
-        if impl == "sequential" or u.shape[1] == 1:
+        if runs_sequential(impl, u.shape[1]):
             read, final = delta_sequential(q, k, v, beta, matrices)  # (B, T, H, b), (B, H, b, b)
         else:
             read, final = delta_chunked(q, k, v, beta, matrices, chunk_size)

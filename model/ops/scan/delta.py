@@ -10,6 +10,12 @@ import torch
 from model.ops.scan.parallel import scan_parallel
 
 
+def runs_sequential(impl: str, length: int) -> bool:
+    """Whether a delta-rule layer runs :func:`delta_sequential` rather than :func:`delta_chunked`: for ``impl``
+    "sequential" and for one token (a decode step)."""
+    return impl == "sequential" or length == 1
+
+
 def delta_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
