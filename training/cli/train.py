@@ -109,6 +109,14 @@ def add_training_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         "outlives them (default 0)",
     )
     optim.add_argument(
+        "--write-layers",
+        type=non_negative_int,
+        nargs="+",
+        metavar="LAYER",
+        help="with --write-weight: count only these layers' write gates (0-based; default all), e.g. 1 to leave "
+        "the first layer, which must write on every token, free",
+    )
+    optim.add_argument(
         "--extra-levels",
         type=non_negative_int,
         help="RegularGPT: read each training position after up to this many thick layers above its "
@@ -256,6 +264,8 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         )
     if args.write_weight is not None and transitions != "delta":
         raise UsageError("--write-weight applies to --arch lrnn --transition-norm delta only")
+    if args.write_layers is not None and not args.write_weight:
+        raise UsageError("--write-layers needs --write-weight")
     if args.extra_levels and architecture != "regulargpt":
         raise UsageError("--extra-levels applies to --arch regulargpt only")
     return TrainSettings(
@@ -283,6 +293,7 @@ def settings_from_args(args: argparse.Namespace, architecture: str, target: floa
         harden_steps=harden_steps if softened else 0,
         determinism_weight=args.determinism_weight or 0.0,
         write_weight=args.write_weight or 0.0,
+        write_layers=tuple(sorted(set(args.write_layers))) if args.write_layers is not None else None,
         extra_levels=args.extra_levels or 0,
         freeze_embedding=args.freeze_embeddings,
     )
@@ -301,6 +312,11 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
         options = RunOptions(time_budget_s=args.time_budget, progress=args.progress, threads=threads)
         if new_run is not None:
             settings, model_config, make_objective = new_run
+            layers = getattr(model_config, "n_layers", 0)
+            if settings.write_layers is not None and max(settings.write_layers) >= layers:
+                raise UsageError(
+                    f"--write-layers: the model's layers are 0-{layers - 1}, not {max(settings.write_layers)}"
+                )
             initial = None if args.init_from is None else initial_weights(args.init_from, settings, model_config)
             objective = _built(lambda: make_objective(settings, dist))
             if args.resume and dist.is_main:
@@ -315,6 +331,8 @@ def launch(args: argparse.Namespace, argv: list[str], new_run: NewRun | None) ->
             "determinism_weight",
             "extra_levels",
             "freeze_embedding",
+            "write_weight",
+            "write_layers",
         )
         defaults = {field.name: field.default for field in dataclasses.fields(TrainSettings)}
         for option in later_options:  # runs saved before these options existed ran without them: the defaults

@@ -92,7 +92,7 @@ def train(
     if settings.freeze_embedding:
         model.get_parameter("embedding.embed.weight").requires_grad_(False)
     if settings.write_weight:
-        track_writes(model)
+        track_writes(model, settings.write_layers)
     optimizer = build_optimizer(model, settings)
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, dist.rank])
     run, best_state = RunState(), None

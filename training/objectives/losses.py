@@ -128,11 +128,12 @@ def impurity(model: torch.nn.Module) -> torch.Tensor | float:
     return _taken(model, "impurity")
 
 
-def track_writes(model: torch.nn.Module) -> None:
-    """Make every delta-rule layer keep its write gates' mean for :func:`writes` in training mode."""
-    for module in model.modules():
-        if hasattr(module, "track_writes"):  # a delta-rule recurrence's own attribute
-            setattr(module, "track_writes", True)
+def track_writes(model: torch.nn.Module, layers: tuple[int, ...] | None = None) -> None:
+    """Make the delta-rule layers numbered in ``layers`` (0-based, in the model's order; None: every one) keep their
+    write gates' mean for :func:`writes` in training mode."""
+    recurrences = [module for module in model.modules() if hasattr(module, "track_writes")]  # delta's own attribute
+    for index, module in enumerate(recurrences):
+        setattr(module, "track_writes", layers is None or index in layers)
 
 
 def writes(model: torch.nn.Module) -> torch.Tensor | float:

@@ -28,7 +28,7 @@ class TrainSettings:
     ``patience`` counts evaluations without a better score; ``soft_transition_steps``: a stochastic LRNN's first
     steps with softmax columns (a delta-rule LRNN's: with sigmoid write gates), ``harden_steps`` the steps after them
     that blend them into the sparsemax (the hard gates); ``write_weight``: a delta-rule LRNN's penalty per scored
-    position on its layers' mean write gate;
+    position on its layers' mean write gate, ``write_layers`` the layers it counts (0-based; None: all);
     ``freeze_embedding``: the token embedding (a language model's output head too, tied to it) keeps its initial
     values."""
 
@@ -56,6 +56,7 @@ class TrainSettings:
     harden_steps: int = 0
     determinism_weight: float = 0.0
     write_weight: float = 0.0
+    write_layers: tuple[int, ...] | None = None
     extra_levels: int = 0
     freeze_embedding: bool = False
 

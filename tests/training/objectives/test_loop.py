@@ -53,6 +53,7 @@ def task_run(
     resume: bool = False,
     transition_norm: str = "column",
     regulargpt: bool = False,
+    layers: int = 1,
     stop_requested: Callable[[], bool] | None = None,
     **overrides,
 ) -> dict:
@@ -88,6 +89,7 @@ def task_run(
             d_ff=16,
             dropout=0.1,
             transition_norm=transition_norm,
+            n_layers=layers,
         )
     )
     data = TaskData(
@@ -319,7 +321,7 @@ def test_the_write_weight_penalises_a_delta_lrnns_write_gates_every_step_and_res
     gradient and closes gates; a run cut and resumed equals the whole."""
     taken = recorded_penalty(monkeypatch, "writes")
     task_run(tmp_path / "whole", steps=9, transition_norm="delta", write_weight=50.0)
-    assert len(taken) == 9 and 0 < taken[0] <= 2  # two layers' means, each in [0, 1]
+    assert len(taken) == 9 and 0 < taken[0] <= 1  # the one layer's mean gate
     assert taken[-1] < taken[0]  # the penalty closes gates
     task_run(tmp_path / "cut", steps=9, stop_at=3, transition_norm="delta", write_weight=50.0)
     task_run(tmp_path / "cut", steps=9, resume=True, transition_norm="delta", write_weight=50.0)
@@ -329,11 +331,36 @@ def test_the_write_weight_penalises_a_delta_lrnns_write_gates_every_step_and_res
     assert log_records(tmp_path / "plain")[-1]["param_sha256"] != digest  # the term reached the gradient
 
 
+def test_write_layers_count_only_the_named_layers_gates(tmp_path: Path, monkeypatch) -> None:
+    """With ``write_layers`` the penalty takes only those layers' means (one layer: in [0, 1]); the others keep none,
+    and the run differs from one that counts every layer."""
+    taken = recorded_penalty(monkeypatch, "writes")
+    delta = {"transition_norm": "delta", "layers": 2, "write_weight": 50.0}
+    task_run(tmp_path / "second", steps=3, write_layers=(1,), **delta)
+    assert len(taken) == 3 and 0 < taken[0] <= 1
+    config = LRNNConfig(vocab_size=2, num_labels=2, d_model=8, block_size=2, num_blocks=2, d_ff=16, n_layers=2)
+    model = build_model("lrnn", dataclasses.replace(config, transition_norm="delta")).train()
+    losses.track_writes(model, (1,))
+    model(torch.zeros(1, 4, dtype=torch.long))
+    first, second = (block.recurrence for block in model.blocks)
+    assert first.writes is None and second.writes is not None
+    task_run(tmp_path / "all", steps=3, **delta)
+    digest = log_records(tmp_path / "all")[-1]["param_sha256"]
+    assert log_records(tmp_path / "second")[-1]["param_sha256"] != digest
+
+
 def test_the_write_weight_belongs_to_the_delta_lrnn(tmp_path: Path, capsys) -> None:
     assert main(cli_run(tmp_path / "stochastic", 6, "--transition-norm", "stochastic", "--write-weight", "1")) == 2
     assert capsys.readouterr().err == "error: --write-weight applies to --arch lrnn --transition-norm delta only\n"
     assert main(cli_run(tmp_path / "delta", 3, "--transition-norm", "delta", "--write-weight", "0.5")) == 0
     assert load_checkpoint(tmp_path / "delta").config.metadata["settings"]["write_weight"] == 0.5
+    delta = ("--transition-norm", "delta", "--layers", "2")
+    assert main(cli_run(tmp_path / "layers", 3, *delta, "--write-layers", "1")) == 2
+    assert capsys.readouterr().err == "error: --write-layers needs --write-weight\n"
+    assert main(cli_run(tmp_path / "layers", 3, *delta, "--write-weight", "1", "--write-layers", "2")) == 2
+    assert capsys.readouterr().err == "error: --write-layers: the model's layers are 0-1, not 2\n"
+    assert main(cli_run(tmp_path / "layers", 3, *delta, "--write-weight", "1", "--write-layers", "1", "1")) == 0
+    assert load_checkpoint(tmp_path / "layers").config.metadata["settings"]["write_layers"] == [1]
 
 
 def test_regulargpt_extra_levels_are_drawn_per_step_reach_the_model_and_resume(tmp_path: Path, monkeypatch) -> None:
