@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 
 
 class ConfigError(ValueError):
@@ -85,7 +85,9 @@ class LRNNConfig(BaseModelConfig):
     "chunked" (chunks of ``scan_chunk_size``) or "auto". ``state_codes`` (transducers): with K > 0, after every
     ``snap_every``-th symbol (counting from 1) each block's state is replaced by the nearest of its K codes (a
     recurrence's ``state_codes`` weights, (H, K, b): states visited at the training lengths), and that symbol's readout
-    reads the code, so that long inputs stay on the states the model was trained on (``python -m training snap``)."""
+    reads the code, so that long inputs stay on the states the model was trained on (``python -m training snap``).
+    ``short_conv`` (delta only): with K > 0, q, k and v are each channel's causal convolution over the last K
+    positions' projections, then SiLU (DeltaNet's short convolution; 0: the projections as they are)."""
 
     n_layers: int = 1
     block_size: int = 8
@@ -99,10 +101,15 @@ class LRNNConfig(BaseModelConfig):
     layer_norm_eps: float = 1e-5
     state_codes: int = 0
     snap_every: int = 1
+    short_conv: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive(self, "n_layers", "block_size", "num_blocks", "d_ff", "scan_chunk_size", "snap_every")
+        if self.short_conv < 0:
+            raise ConfigError(f"short_conv must be >= 0 (0: none), got {self.short_conv}")
+        if self.short_conv and self.transition_norm != "delta":
+            raise ConfigError("short_conv applies to transition_norm 'delta' only")
         if self.state_codes < 0:
             raise ConfigError(f"state_codes must be >= 0 (0: none), got {self.state_codes}")
         if self.state_codes and self.is_language_model:
@@ -374,6 +381,7 @@ _ADDED_KEYS: dict[int, dict[str, dict[str, Any]]] = {
     4: {"regulargpt": {"block_norm": "pre"}},  # pre-norm blocks, the only ones before
     5: {"regulargpt": {"level_codes": False}},  # each layer's output as it is
     6: {"lrnn": {"state_codes": 0, "snap_every": 1}},  # each block's state as it is
+    7: {"lrnn": {"short_conv": 0}},  # q, k and v of a delta-rule layer straight from its projection
 }
 
 

@@ -122,10 +122,11 @@ def delta_flops(config: LRNNConfig, length: int) -> int:
 def delta_bytes(config: LRNNConfig, length: int, itemsize: int) -> int:
     """Bytes per position of a delta-rule layer's chunked form: float32 (at least) copies of q, k, v and beta and the
     outputs, the chunk's C x C products, and each chunk's transition expanded over the b value rows, twice in the
-    scan."""
+    scan; with a short convolution, its input with the history, its sums and their SiLU (3 b each)."""
     heads, size = config.num_blocks, config.block_size
     chunk = min(config.scan_chunk_size, length)
-    return heads * (12 * size + 3 * chunk + -(-3 * size**3 // chunk)) * max(itemsize, 4)
+    convolution = 9 * size if config.short_conv else 0
+    return heads * (12 * size + convolution + 3 * chunk + -(-3 * size**3 // chunk)) * max(itemsize, 4)
 
 
 def snap_flops(sizes: Sizes, length: int) -> int:

@@ -146,7 +146,7 @@ def edit_config(directory: Path, edit) -> None:
         (lambda d: d.update(labels=["0", "0"]), "repeat a label"),
         (lambda d: d.update(kind="classify"), "config.kind: 'classify' is not one of"),
         (lambda d: d["model"].update(p_norm=0.5), "p_norm must be >= 1"),
-        (lambda d: d.update(format_version=7), "unsupported format_version 7"),
+        (lambda d: d.update(format_version=FORMAT_VERSION + 1), f"unsupported format_version {FORMAT_VERSION + 1}"),
         (lambda d: d.pop("format_version"), "missing key 'format_version'"),
         # version 2 holds every key: one with a default is not filled in silently
         (lambda d: d["model"].pop("transition_norm"), "model: missing key(s) ['transition_norm']"),

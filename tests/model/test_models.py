@@ -237,7 +237,7 @@ def test_cache_nbytes_bounds_what_a_row_holds(model_id: str) -> None:
 
 
 TRANSFORMER_IDS = [model_id for model_id in MODEL_IDS if model_id.startswith("transformer")]
-MEASURED_IDS = ["diagonal_lrnn", "lrnn", "lrnn-delta", "lstm", "regulargpt-c2", *TRANSFORMER_IDS]
+MEASURED_IDS = ["diagonal_lrnn", "lrnn", "lrnn-delta", "lrnn-delta-conv", "lstm", "regulargpt-c2", *TRANSFORMER_IDS]
 """One tiny model per architecture, and every position handling of the transformer (each has its own bias)."""
 
 

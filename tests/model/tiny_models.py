@@ -47,6 +47,9 @@ def tiny_configs(vocab_size: int, num_labels: int) -> dict[str, BaseModelConfig]
         "lrnn-delta-sequential": LRNNConfig(
             **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="delta", scan_impl="sequential"
         ),
+        "lrnn-delta-conv": LRNNConfig(
+            **common, n_layers=2, block_size=3, num_blocks=2, d_ff=32, transition_norm="delta", short_conv=4
+        ),
         "diagonal_lrnn": DiagonalLRNNConfig(**common, n_layers=2, state_size=8, d_ff=32),
         "lstm": LSTMConfig(**common, n_layers=2, hidden_size=24),
     }

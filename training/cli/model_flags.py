@@ -64,6 +64,12 @@ MODEL_FLAGS = (
     ModelFlag("state_size", int, "diagonal LRNN state size"),
     ModelFlag("scan_impl", str, "LRNN scan implementation", ("auto", "sequential", "parallel", "chunked")),
     ModelFlag("scan_chunk_size", int, "LRNN chunk length of the chunked scan"),
+    ModelFlag(
+        "short_conv",
+        int,
+        "LRNN with --transition-norm delta: q, k and v as each channel's causal convolution over the last K "
+        "positions, then SiLU (DeltaNet's short convolution; 0: none)",
+    ),
     ModelFlag("position", str, "transformer position handling", ("sinusoidal", "alibi", "kerple", "t5", "xl")),
     ModelFlag("log_length_scaling", bool, "transformer: scale attention logits by log(m + 1)"),
     ModelFlag("hidden_size", int, "LSTM hidden size"),
@@ -94,6 +100,7 @@ CONFIG_FIELDS: dict[str, dict[str, str]] = {
         "d_ff": "d_ff",
         "scan_impl": "scan_impl",
         "scan_chunk_size": "scan_chunk_size",
+        "short_conv": "short_conv",
     },
     "diagonal_lrnn": {
         **_COMMON_FIELDS,

@@ -6,10 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from model.config import ConfigError, LRNNConfig
 from model.lrnn.delta import DeltaRecurrence
 from model.lrnn.model import BlockDiagonalLRNN
+from model.ops.scan.dispatch import linear_scan
 from tests.model.tiny_models import tiny_configs
 
 VOCAB = 5
@@ -84,6 +86,42 @@ def test_the_mix_equals_the_generic_scan_and_readout() -> None:
         read, mixed_final = block.mix(x, state)
         torch.testing.assert_close(recurrence_of(model).project_out(read), recurrence_of(model).readout(states, u))
         torch.testing.assert_close(mixed_final, final)
+
+
+def test_the_short_convolution_equals_a_loop_and_goes_on_across_calls() -> None:
+    """:meth:`DeltaRecurrence.convolved` is SiLU of sum_j w_j x_{t - K + 1 + j}, zeros before the input; a mix cut in
+    two (the state carrying the history) equals the whole; the generic scan from a zero state equals the mix."""
+    model = make(short_conv=3, scan_chunk_size=4)
+    recurrence, block = recurrence_of(model), model.blocks[0]
+    x = torch.randn(2, 11, 3 * recurrence.heads * recurrence.size, dtype=torch.float64)
+    weight = recurrence.conv.weight[:, 0]  # (3 H b, K)
+    padded = torch.cat([torch.zeros(2, 2, x.shape[-1], dtype=torch.float64), x], dim=1)
+    loop = torch.stack([F.silu((padded[:, t : t + 3] * weight.T).sum(1)) for t in range(11)], dim=1)
+    got, history = recurrence.convolved(x, None)
+    torch.testing.assert_close(got, loop)
+    torch.testing.assert_close(history, x[:, -2:])
+    tokens = torch.randn(2, 13, 16, dtype=torch.float64)
+    with torch.no_grad():
+        whole, whole_final = block.mix(tokens, None)
+        first, state = block.mix(tokens[:, :6], None)
+        second, final = block.mix(tokens[:, 6:], state)
+        torch.testing.assert_close(torch.cat([first, second], dim=1), whole)
+        torch.testing.assert_close(final, whole_final)
+        u = block.ln_1(tokens)
+        transitions, inputs = recurrence.coefficients(u)
+        states, last = linear_scan(transitions, inputs, torch.zeros_like(inputs[:, 0]), impl="sequential")
+        torch.testing.assert_close(recurrence.project_out(whole), recurrence.readout(states, u))
+        torch.testing.assert_close(last, whole_final[:, : recurrence.heads * recurrence.size])
+    assert recurrence.state_shape == (recurrence.heads * recurrence.size + 2 * 3 * recurrence.heads, 3)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"short_conv": -1}, "short_conv must be >= 0"), ({"transition_norm": "column", "short_conv": 4}, "delta' only")],
+)
+def test_a_bad_short_convolution_is_refused(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(tiny_configs(VOCAB, 0)["lrnn-delta"], **changes)
 
 
 @pytest.mark.parametrize("changes", [{"transition_rank": 2}, {"state_codes": 4, "num_labels": 3}])
