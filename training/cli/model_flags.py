@@ -68,7 +68,7 @@ MODEL_FLAGS = (
         "short_conv",
         int,
         "LRNN with --transition-norm delta: q, k and v as each channel's causal convolution over the last K "
-        "positions, then SiLU (DeltaNet's short convolution; 0: none)",
+        "positions, then SiLU (DeltaNet's short convolution; default 4 with delta; 0: none)",
     ),
     ModelFlag("position", str, "transformer position handling", ("sinusoidal", "alibi", "kerple", "t5", "xl")),
     ModelFlag("log_length_scaling", bool, "transformer: scale attention logits by log(m + 1)"),
@@ -134,9 +134,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(name, dest=flag.dest, type=flag.type, choices=flag.choices, default=None, help=flag.help)
 
 
+DELTA_SHORT_CONV = 4  # --short-conv when --transition-norm delta comes without it: DeltaNet's, and faster to bind
+
+
 def given_model_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The architecture flags present on the command line, by dest."""
-    return {flag.dest: getattr(args, flag.dest) for flag in MODEL_FLAGS if getattr(args, flag.dest) is not None}
+    """The architecture flags present on the command line, by dest; with --transition-norm delta, --short-conv
+    defaults to :data:`DELTA_SHORT_CONV`."""
+    given = {flag.dest: getattr(args, flag.dest) for flag in MODEL_FLAGS if getattr(args, flag.dest) is not None}
+    if given.get("transition_norm") == "delta":
+        given.setdefault("short_conv", DELTA_SHORT_CONV)
+    return given
 
 
 def model_config(architecture: str, task: Task, flags: Mapping[str, Any]) -> BaseModelConfig:

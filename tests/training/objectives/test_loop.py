@@ -363,6 +363,15 @@ def test_the_write_weight_belongs_to_the_delta_lrnn(tmp_path: Path, capsys) -> N
     assert load_checkpoint(tmp_path / "layers").config.metadata["settings"]["write_layers"] == [1]
 
 
+def test_a_delta_lrnn_gets_the_short_convolution_unless_told_otherwise(tmp_path: Path, capsys) -> None:
+    assert main(cli_run(tmp_path / "default", 2, "--transition-norm", "delta")) == 0
+    assert load_checkpoint(tmp_path / "default").config.model.short_conv == 4
+    assert main(cli_run(tmp_path / "none", 2, "--transition-norm", "delta", "--short-conv", "0")) == 0
+    assert load_checkpoint(tmp_path / "none").config.model.short_conv == 0
+    assert main(cli_run(tmp_path / "column", 2, "--short-conv", "4")) == 2
+    assert capsys.readouterr().err.endswith("short_conv applies to transition_norm 'delta' only\n")
+
+
 def test_regulargpt_extra_levels_are_drawn_per_step_reach_the_model_and_resume(tmp_path: Path, monkeypatch) -> None:
     settings = TrainSettings(architecture="regulargpt", steps=9, batch_size=6, lr=1e-3, extra_levels=3)
     draws = [optim.extra_levels(settings, step) for step in range(1, 101)]
