@@ -23,6 +23,8 @@ class ModelFlag:
     choices: tuple[str, ...] | None = None
 
 
+DELTA_SHORT_CONV = 4  # --short-conv when --transition-norm delta comes without it: DeltaNet's, and faster to bind
+
 MODEL_FLAGS = (
     ModelFlag("d_model", int, "width of the residual stream (every architecture)"),
     ModelFlag("dropout", float, "dropout probability (every architecture)"),
@@ -68,7 +70,7 @@ MODEL_FLAGS = (
         "short_conv",
         int,
         "LRNN with --transition-norm delta: q, k and v as each channel's causal convolution over the last K "
-        "positions, then SiLU (DeltaNet's short convolution; default 4 with delta; 0: none)",
+        f"positions, then SiLU (DeltaNet's short convolution; default {DELTA_SHORT_CONV} with delta; 0: none)",
     ),
     ModelFlag("position", str, "transformer position handling", ("sinusoidal", "alibi", "kerple", "t5", "xl")),
     ModelFlag("log_length_scaling", bool, "transformer: scale attention logits by log(m + 1)"),
@@ -132,9 +134,6 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(name, dest=flag.dest, action="store_const", const=True, default=None, help=flag.help)
         else:
             group.add_argument(name, dest=flag.dest, type=flag.type, choices=flag.choices, default=None, help=flag.help)
-
-
-DELTA_SHORT_CONV = 4  # --short-conv when --transition-norm delta comes without it: DeltaNet's, and faster to bind
 
 
 def given_model_flags(args: argparse.Namespace) -> dict[str, Any]:
