@@ -25,33 +25,14 @@ BUDGET=${BUDGET:-540}
 DEVICE=${DEVICE:-auto}
 PYTHON=${PYTHON:-python}
 export PYTHON DEVICE OUT TEACHER
-started=$(date +%s)
+. recipes/resumable.sh
 
-ended() {  # the run in folder $1 reached its --steps
-    grep -q '"stopped": "steps"' "$1/train.jsonl" 2>/dev/null
-}
-
-stage() {  # stage N INIT STEPS FLAGS...: this call's share of stage N; 0: it has ended, 1: it goes on, 2: it failed
+stage() {  # stage N INIT STEPS FLAGS...: this call's share of stage N (resumable's status)
     n=$1 init=$2 steps=$3
     shift 3
-    folder="$OUT-$n"
-    ended "$folder" && return 0
-    left=$((BUDGET - $(date +%s) + started))
-    [ "$left" -ge 60 ] || { echo "stage $n goes on in the next call" >&2; return 1; }
-    if [ -f "$folder/resume.safetensors" ]; then
-        "$PYTHON" -m training text-train --resume --out "$folder" --time-budget "$left" --device "$DEVICE" \
-            --no-progress || return 2
-    else
-        FROM=$n TO=$n INIT=$init recipes/text-lrnn.sh --steps "$steps" --time-budget "$left" "$@" || return 2
-    fi
-    ended "$folder" || { echo "stage $n goes on in the next call" >&2; return 1; }
-}
-
-after() {  # after a stage that has not ended: status 1 (it goes on) ends this call with 0, status 2 with 2
-    [ "$1" -eq 1 ] && exit 0
-    exit 2
+    resumable "$OUT-$n" env FROM="$n" TO="$n" INIT="$init" recipes/text-lrnn.sh --steps "$steps" "$@"
 }
 
 stage 7 "$INIT" "$STEPS7" --teacher-weight "$WEIGHT7" --eval-every 1000 --save-every 100 "$@" || after $?
 stage 8 "$OUT-7" "$STEPS8" --device "$DEVICE" "$@" || after $?  # recipes/text-lrnn.sh's stage 8, on DEVICE
-echo done
+echo "done"

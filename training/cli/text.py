@@ -264,6 +264,15 @@ def _add_train_parser(parser: argparse.ArgumentParser) -> None:
         "default 1: within one window), the needle in the first, the question in the last",
     )
     what.add_argument(
+        "--recall-span",
+        type=positive_int,
+        default=1,
+        metavar="WINDOWS",
+        help="with --state-passing: a retrieval example stretches over 1 to this many consecutive windows of its "
+        "row, as --passkey-span's do: its needles at the end of the first window's text, its question and answer "
+        "at the end of the last (default 1: within one window)",
+    )
+    what.add_argument(
         "--state-reset",
         type=probability,
         default=0.0,
@@ -365,11 +374,17 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         )
     if args.state_reset and not args.state_passing:
         raise UsageError("--state-reset needs --state-passing (it resets carried states)")
-    if args.state_reset and args.passkey_span > 1:
+    if args.recall_span > 1 and not (args.state_passing and args.recall_fraction):
         raise UsageError(
-            "--state-reset with --passkey-span over 1 would cut examples across windows in their middle "
-            "(a reset row forgets its key): use one of them"
+            "--recall-span needs --state-passing and --recall-fraction (an example across windows "
+            "is read from carried states)"
         )
+    for name, span in (("--passkey-span", args.passkey_span), ("--recall-span", args.recall_span)):
+        if args.state_reset and span > 1:
+            raise UsageError(
+                f"--state-reset with {name} over 1 would cut examples across windows in their middle "
+                "(a reset row forgets its needles): use one of them"
+            )
     if args.passkey_fresh and not (
         args.state_passing and (args.passkey_fraction or args.recall_fraction or args.mqar_fraction)
     ):
@@ -422,6 +437,7 @@ def _new_text_run(args: argparse.Namespace) -> NewRun:
         passkey_number_forms=args.passkey_number_forms,
         state_passing=args.state_passing,
         passkey_span=args.passkey_span,
+        recall_span=args.recall_span,
         state_reset=args.state_reset,
         passkey_fresh=args.passkey_fresh,
         recall_fraction=args.recall_fraction,

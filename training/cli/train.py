@@ -406,6 +406,7 @@ def _resumed_objective(saved: dict[str, Any], settings: TrainSettings, out: Path
         "state_passing": False,
         "passkey_distractors": 0,
         "passkey_span": 1,
+        "recall_span": 1,
         "state_reset": 0.0,
         "passkey_number_forms": False,
         "passkey_fresh": False,

@@ -56,6 +56,7 @@ class TextData:
     passkey_number_forms: bool = False  # the distractors take the forms of training.data.passkey.NUMBER_FORMS
     state_passing: bool = False  # each row reads consecutive windows, its state carried over (recurrent models)
     passkey_span: int = 1  # with state passing: a pass-key example stretches over up to this many windows of a row
+    recall_span: int = 1  # with state passing: a retrieval example stretches over up to this many windows of a row
     state_reset: float = 0.0  # with state passing: the chance that a row starts a step from the initial state
     passkey_fresh: bool = False  # with state passing: a row given a pass-key example starts it from the initial state
     recall_fraction: float = 0.0  # of the training rows: retrieval examples (training/data/retrieval.py, trained split)
@@ -67,6 +68,18 @@ class TextData:
     example_weight: float = 1.0  # the loss weight of a row holding a whole pass-key, retrieval or MQAR example
     teacher: str | None = None  # a language model's folder whose distributions the text rows learn too
     teacher_weight: float = 0.0  # with a teacher: the share of its cross-entropy in a text row's loss
+
+
+@dataclass(frozen=True)
+class OpenExample:
+    """An example spanning windows of one row (``passkey_span``, ``recall_span``), begun in an earlier window:
+    ``left`` windows to go, the last one ending in ``question`` (unscored) and ``answer`` (scored), token ids.
+    ``key``: a pass key's, whose last window also gets up to ``passkey_distractors`` other numbers."""
+
+    left: int
+    question: list[int]
+    answer: list[int]
+    key: str | None = None
 
 
 PASSKEY_VALIDATION_PROMPTS = 32  # per evaluated size, depths spread evenly over [0, 1]
@@ -129,7 +142,7 @@ class LanguageModelObjective(Objective):
             )
         self.carries_state = data.state_passing
         self.cursors: np.ndarray | None = None  # with state passing: where each row reads next
-        self.spans: list[tuple[str, int] | None] | None = None  # with passkey_span: each row's open example
+        self.spans: list[OpenExample | None] | None = None  # with spans over 1: each row's open example
         self.passkey = None
         if data.passkey_fraction:
             self.shortest_passkey_row = check_passkey_length(tokenizer, data.length)
@@ -276,9 +289,7 @@ class LanguageModelObjective(Objective):
         tokens from the trained split: 1 .. ``recall_needles`` needles, the first asked, and with several, half
         the time more of them asked in turn after its answer; scored on the answers only."""
         assert self.recall is not None
-        formats = self.recall.formats()
-        fmt = formats[int(rng.integers(len(formats)))]
-        needles = int(rng.integers(1, self.data.recall_needles + 1))
+        fmt, needles = self._recall_format_and_needles(rng)
         while True:
             draw = self.recall.draw(rng, fmt, float(rng.random()), needles)
             asked = [0]
@@ -304,6 +315,13 @@ class LanguageModelObjective(Objective):
         for start, count in scored:  # target j is token j + 1
             targets[start - 1 : start - 1 + count] = tokens[start : start + count]
         return tokens, targets
+
+    def _recall_format_and_needles(self, rng: np.random.Generator) -> tuple[str, int]:
+        """A training retrieval example's value format (uniform over the builder's) and needles (1 ..
+        ``recall_needles``)."""
+        assert self.recall is not None
+        formats = self.recall.formats()
+        return formats[int(rng.integers(len(formats)))], int(rng.integers(1, self.data.recall_needles + 1))
 
     @staticmethod
     def _passkey_row(
@@ -340,23 +358,22 @@ class LanguageModelObjective(Objective):
         targets = windows[:, 1:].clone()  # (B, L)
         examples = np.zeros(len(windows), dtype=bool)  # the rows given an in-window pass-key or retrieval example
         in_examples = np.zeros(len(windows), dtype=bool)  # ... or a window of an example spanning windows
+        if self.spans is None and max(self.data.passkey_span, self.data.recall_span) > 1:
+            self.spans = [None] * self.batch_size
+        for row, open_example in enumerate(self.spans or ()):
+            if open_example is not None:
+                self._span_window(row, open_example, windows[row], targets[row], rng)
+                in_examples[row] = True
         if self.passkey is not None:
-            if self.data.passkey_span > 1 and self.spans is None:
-                self.spans = [None] * self.batch_size
             chosen = rng.random(self.batch_size) < self.passkey_fraction(step)
-            for row in range(self.batch_size):
-                if self.spans is not None and self.spans[row] is not None:
-                    self._span_window(row, windows[row], targets[row], rng)
-                    in_examples[row] = True
-                    continue
-                if not chosen[row]:
-                    continue
+            for row in np.flatnonzero(chosen & ~in_examples).tolist():
                 # a uniform length, the row's text before it
                 prompt_size = int(rng.integers(self.shortest_passkey_row, length + 2))
                 distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
                 in_examples[row] = True
-                if self.spans is not None and (span := self._span_windows(rng, step)) > 1:
-                    self._span_start(row, span, windows[row], targets[row], rng)
+                if self._opens_span(
+                    rng, step, self.data.passkey_span, row, windows[row], targets[row], self._passkey_span_start
+                ):
                     continue
                 windows[row], targets[row] = self._passkey_row(
                     self.passkey, length + 1, float(rng.random()), rng, prompt_size, windows[row].numpy(), distractors
@@ -371,6 +388,9 @@ class LanguageModelObjective(Objective):
                 (windows, targets, examples, in_examples),
                 # the prompt's size drawn first, raised to what the example needs
                 lambda text: self._recall_row(length + 1, int(rng.integers(1, length + 2)), text, rng),
+                lambda row: self._opens_span(
+                    rng, step, self.data.recall_span, row, windows[row], targets[row], self._recall_span_start
+                ),
             )
         if self.mqar_ids is not None:
             mqar_ids = self.mqar_ids
@@ -400,48 +420,99 @@ class LanguageModelObjective(Objective):
             weights = torch.from_numpy(np.where(examples, self.data.example_weight, 1.0).astype(np.float32))  # (B,)
         return Batch(windows[:, :-1], targets, lengths, fresh, distilled, weights)
 
-    def longest_span(self, step: int) -> int:
+    def longest_span(self, step: int, most: int) -> int:
         """The most windows an example started at step ``step`` (from 1) may span: growing geometrically from 1 at
-        the first step to ``passkey_span`` at the run's last."""
-        windows: float = self.data.passkey_span ** self._progress(step)  # int ** float is typed Any
+        the first step to ``most`` (``passkey_span`` or ``recall_span``) at the run's last."""
+        windows: float = most ** self._progress(step)  # int ** float is typed Any
         return max(1, round(windows))
 
-    def _span_windows(self, rng: np.random.Generator, step: int) -> int:
-        """How many windows an example started at ``step`` spans: log-uniform over 1 .. :meth:`longest_span`."""
-        span = self.longest_span(step)
-        return min(int(math.exp(rng.uniform(0.0, math.log(span + 1)))), span)
-
-    def _span_start(
-        self, row: int, span: int, window: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator
-    ) -> None:
-        """Row ``row``'s window (in place) begins an example of ``span`` windows: the introduction and the needle
-        put in at a uniform place of its text, scored on the needle after its first token."""
-        assert self.passkey is not None and self.spans is not None and self.cursors is not None
-        key = draw_key(rng)
-        inserted = np.concatenate([self.passkey.introduction, self.passkey.needle(key)])
+    def _opens_span(
+        self,
+        rng: np.random.Generator,
+        step: int,
+        most: int,
+        row: int,
+        window: torch.Tensor,
+        targets: torch.Tensor,
+        start: Callable[[np.ndarray, np.random.Generator], tuple[np.ndarray, int, int, OpenExample]],
+    ) -> bool:
+        """Whether row ``row``, given an example at ``step``, opens one spanning windows (log-uniform over 1 ..
+        ``longest_span(step, most)`` windows; never with ``most`` 1). If so its window (in place) begins it:
+        ``start(text, rng)`` gives the tokens put in, the place in the window's text they go, how many of their
+        first tokens go unscored, and the example (its ``left`` counting this window). The text before and after
+        them is scored but for the token after them; the row's text goes on where the window's stopped."""
+        if self.spans is None or most <= 1:
+            return False
+        longest = self.longest_span(step, most)
+        span = min(int(math.exp(rng.uniform(0.0, math.log(longest + 1)))), longest)
+        if span <= 1:
+            return False
+        assert self.cursors is not None  # spans come with state passing
+        text = window.numpy().copy()
+        inserted, place, unscored, example = start(text, rng)
         room = len(window) - len(inserted)
-        place = int(rng.integers(0, room))  # a text token after the needle: the next window reads on from it
-        text = window.numpy()
         window.copy_(torch.from_numpy(np.concatenate([text[:place], inserted, text[place:room]]).astype(np.int64)))
         targets.copy_(window[1:])
-        needle, after = place + len(self.passkey.introduction), place + len(inserted)
-        targets[max(place - 1, 0) : needle] = IGNORE_INDEX  # the introduction and the needle's first token
-        targets[after - 1] = IGNORE_INDEX  # the text token after the needle
-        self.cursors[row] -= len(inserted)  # the row's text goes on where the window's text stopped
-        self.spans[row] = (key, span - 1)
+        targets[max(place - 1, 0) : place + unscored - 1] = IGNORE_INDEX  # target j is token j + 1
+        targets[place + len(inserted) - 1] = IGNORE_INDEX  # the text token after them
+        self.cursors[row] -= len(inserted)
+        self.spans[row] = dataclasses.replace(example, left=span - 1)
+        return True
 
-    def _span_window(self, row: int, window: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator) -> None:
-        """Row ``row`` is inside an example: its text as it is, or (the example's last window) its text with up to
-        ``passkey_distractors`` numbers put in, ending in the question and the answer, the question unscored."""
-        assert self.passkey is not None and self.spans is not None and self.cursors is not None
-        key, left = self.spans[row]  # type: ignore[misc]
-        if left > 1:
-            self.spans[row] = (key, left - 1)
+    def _passkey_span_start(
+        self, text: np.ndarray, rng: np.random.Generator
+    ) -> tuple[np.ndarray, int, int, OpenExample]:
+        """``_opens_span``'s start of a pass-key example: the introduction and the needle at a uniform place, scored
+        on the needle after its first token."""
+        assert self.passkey is not None
+        key = draw_key(rng)
+        inserted = np.concatenate([self.passkey.introduction, self.passkey.needle(key)])
+        place = int(rng.integers(0, len(text) - len(inserted)))  # a text token after them: the next window's first
+        unscored = len(self.passkey.introduction) + 1
+        return (
+            inserted,
+            place,
+            unscored,
+            OpenExample(0, self.passkey.question.tolist(), self.passkey.answer(key).tolist(), key),
+        )
+
+    def _recall_span_start(
+        self, text: np.ndarray, rng: np.random.Generator
+    ) -> tuple[np.ndarray, int, int, OpenExample]:
+        """``_opens_span``'s start of a retrieval example (the trained split, drawn as ``_recall_row`` draws): its
+        introduction and needles with filler between them, of a uniform size that holds them, before the window's
+        last text token, unscored; the question for one needle, drawn uniformly, ends the example's last window."""
+        assert self.recall is not None
+        fmt, needles = self._recall_format_and_needles(rng)
+        while True:
+            draw = self.recall.draw(rng, fmt, float(rng.random()), needles)
+            asked = int(rng.integers(needles))
+            question = self.recall.question(draw, asked)
+            fixed = self.recall.fixed_tokens(draw, asked) - len(question)
+            if fixed < len(text) - 1 or needles == 1:  # a window too short for several needles gets one
+                break
+            needles = 1
+        size = int(rng.integers(fixed, len(text) - 1))  # a text token before them and one after
+        hidden = self.recall.prompt(draw, size + len(question), asked).tokens[:size]
+        answer = self.recall.answer(draw.values[asked])
+        return hidden, len(text) - 1 - size, size, OpenExample(0, question.tolist(), answer.tolist())
+
+    def _span_window(
+        self, row: int, example: OpenExample, window: torch.Tensor, targets: torch.Tensor, rng: np.random.Generator
+    ) -> None:
+        """Row ``row`` is inside ``example``: its text as it is, or (the example's last window) its text (a pass
+        key's with up to ``passkey_distractors`` numbers put in) ending in the question, unscored, and the answer."""
+        assert self.spans is not None and self.cursors is not None
+        if example.left > 1:
+            self.spans[row] = dataclasses.replace(example, left=example.left - 1)
             return
-        question, answer = self.passkey.question, self.passkey.answer(key)
+        question, answer = np.asarray(example.question), np.asarray(example.answer)
         room = len(window) - len(question) - len(answer)
-        distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
-        text = self.passkey.with_numbers(window.numpy()[:room], distractors, key, rng)
+        text = window.numpy()[:room]
+        if example.key is not None:
+            assert self.passkey is not None
+            distractors = int(rng.integers(0, self.data.passkey_distractors + 1))
+            text = self.passkey.with_numbers(text, distractors, example.key, rng)
         window.copy_(torch.from_numpy(np.concatenate([text, question, answer]).astype(np.int64)))
         targets.copy_(window[1:])
         targets[room - 1 : room - 1 + len(question)] = IGNORE_INDEX
@@ -475,15 +546,20 @@ class LanguageModelObjective(Objective):
         fraction: float,
         rows: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray],
         example: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]],
+        opens: Callable[[int], bool] | None = None,
     ) -> None:
         """Each row of ``rows`` = (windows (B, L + 1), targets (B, L), examples (B,), in_examples (B,)) not yet in an
         example becomes, with probability ``fraction``, ``example(its window)``: (L + 1,) tokens and (L,) targets, in
-        place; it is marked in both masks, and with state passing its text resumes where the example began."""
+        place; it is marked in both masks, and with state passing its text resumes where the example began.
+        ``opens(row)``: whether the row instead opened an example spanning windows (marked in ``in_examples``)."""
         windows, targets, examples, in_examples = rows
         chosen = (rng.random(self.batch_size) < fraction) & ~in_examples
-        for row in np.flatnonzero(chosen):
+        for row in np.flatnonzero(chosen).tolist():
+            in_examples[row] = True
+            if opens is not None and opens(row):
+                continue
             windows[row], targets[row] = example(windows[row].numpy())
-            examples[row] = in_examples[row] = True
+            examples[row] = True
             if self.cursors is not None:
                 self.cursors[row] -= self.data.length
 
@@ -538,7 +614,7 @@ class LanguageModelObjective(Objective):
             return None
         state: dict[str, Any] = {"cursors": self.cursors.tolist()}
         if self.spans is not None:
-            state["spans"] = [None if span is None else list(span) for span in self.spans]
+            state["spans"] = [None if span is None else dataclasses.asdict(span) for span in self.spans]
         return state
 
     def load_data_state(self, state: Any) -> None:
@@ -547,7 +623,16 @@ class LanguageModelObjective(Objective):
         elif state is not None:
             self.cursors = np.asarray(state["cursors"], dtype=np.int64)
             if "spans" in state:
-                self.spans = [None if span is None else (str(span[0]), int(span[1])) for span in state["spans"]]
+                self.spans = [None if span is None else self._open_example(span) for span in state["spans"]]
+
+    def _open_example(self, saved: Any) -> OpenExample:
+        """An open example as ``data_state`` wrote it; a run saved before retrieval spans wrote a pass key's
+        [key, windows left]."""
+        if isinstance(saved, list):
+            assert self.passkey is not None
+            key = str(saved[0])
+            return OpenExample(int(saved[1]), self.passkey.question.tolist(), self.passkey.answer(key).tolist(), key)
+        return OpenExample(int(saved["left"]), saved["question"], saved["answer"], saved["key"])
 
 
 def _answered(

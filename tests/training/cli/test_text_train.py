@@ -681,6 +681,16 @@ def test_token_windows(ranks) -> None:
             "--state-reset with --passkey-span",
         ),
         (
+            ["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1"]
+            + ["--length", "320", "--recall-fraction", "0.5", "--recall-span", "4"],
+            "--recall-span needs --state-passing",
+        ),
+        (
+            ["text-train", "--arch", "lrnn", "--tokenizer", "bytes", "--out", "X", "--steps", "1", "--length", "320"]
+            + ["--recall-fraction", "0.5", "--state-passing", "--recall-span", "4", "--state-reset", "0.5"],
+            "--state-reset with --recall-span",
+        ),
+        (
             [
                 "text-train",
                 "--arch",

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -325,7 +326,7 @@ def test_bad_retrieval_flags_exit_2_with_one_line(
     assert not (tmp_path / "runs").exists()
 
 
-def recall_objective(tmp_path: Path, **data: int) -> LanguageModelObjective:
+def recall_objective(tmp_path: Path, **data: Any) -> LanguageModelObjective:
     """A bytes-tokenizer objective of retrieval rows alone, windows of 700, evaluation on, over a made-up novel in
     ``tmp_path``; ``data``: more ``TextData`` fields."""
     corpus = tmp_path / "corpus"
@@ -357,6 +358,48 @@ def test_recall_rows_are_scored_on_their_answers_only_and_draw_from_the_trained_
     assert asked_several > 0
     assert set(objective.recall_validation) == {"recall_accuracy", "recall_pair_accuracy"}
     assert all(set(prompts) == {700, 700 * 16} for prompts in objective.recall_validation.values())
+
+
+def test_a_spanning_retrieval_example_hides_its_needles_in_one_window_and_asks_windows_later(tmp_path: Path) -> None:
+    """``recall_span``: an example opens at the end of a row's window (its needles, unscored, then one text token),
+    the row reads on through its text, and a later window of the same row ends in the question (unscored) for one
+    of those needles and its value (scored); spans cover 1 to recall_span windows, the longest growing over the
+    run; the open examples are kept with the data state."""
+    span = 4
+    objective = recall_objective(tmp_path, recall_needles=3, state_passing=True, recall_span=span)
+    rng, opened, lengths = np.random.default_rng(0), {}, set()
+    previous = None
+    for step in range(1, 25):
+        before = list(objective.spans or [None] * 8)
+        batch = objective.batch(rng, step)
+        scored = batch.targets != IGNORE_INDEX
+        for row in range(8):
+            tokens, example = batch.tokens[row].tolist(), objective.spans[row]
+            if before[row] is None and example is not None:  # opened here
+                answer = BYTES.decode(example.answer)
+                assert re.fullmatch(r" \S+\.", answer) and answer[:-1] in BYTES.decode(tokens)
+                assert not scored[row, -40:].any()  # the needles and the text token after them
+                opened[row] = (example, step)
+            elif before[row] is not None and example is None:  # closed here
+                started, first = opened.pop(row, (None, None))
+                tail = before[row].question + before[row].answer
+                assert [*tokens, int(batch.targets[row, -1])][-len(tail) :] == tail
+                assert not scored[row, -len(tail) : -len(before[row].answer)].any()
+                assert scored[row, -len(before[row].answer) :].all()
+                if first is not None:
+                    assert started.answer == before[row].answer
+                    assert step - first + 1 <= objective.longest_span(first, span)
+                    lengths.add(step - first + 1)
+            elif example is not None and previous.targets[row, -1] != IGNORE_INDEX:  # inside: the text goes on
+                assert int(batch.tokens[row, 0]) == int(previous.targets[row, -1])
+        previous = batch
+    assert max(lengths) > 2 and max(lengths) <= span
+    assert [objective.longest_span(step, span) for step in (1, 10)] == [1, span]
+    state = json.loads(json.dumps(objective.data_state()))
+    (tmp_path / "again").mkdir()
+    resumed = recall_objective(tmp_path / "again", recall_needles=3, state_passing=True, recall_span=span)
+    resumed.load_data_state(state)
+    assert resumed.spans == objective.spans and any(example is not None for example in resumed.spans)
 
 
 def test_pair_validation_prompts_hold_two_trained_needles_and_ask_the_one_at_the_rows_depth(tmp_path: Path) -> None:

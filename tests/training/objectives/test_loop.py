@@ -800,12 +800,19 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
     """``passkey_span``: an example opens in a row's window (the introduction and needle put into its text), the
     row then reads on through its text, and a later window of the same row ends in the question and that key; the
     spans cover 1 to passkey_span windows, the longest growing over the run; the text is scored but for the introduction, the needle's first token,
-    the token after it and the question; the open examples are kept with the data state."""
+    the token after it and the question; the open examples are kept with the data state (also as older runs kept them)."""
     span, rows = 6, 32
     objective = text_objective(
         length=320, batch_size=rows, passkey_fraction=0.3, state_passing=True, passkey_span=span, steps=21
     )
-    assert [objective.longest_span(step) for step in (1, 6, 11, 16, 21, 40)] == [1, 2, 2, 4, 6, 6]  # 6 ** progress
+    assert [objective.longest_span(step, span) for step in (1, 6, 11, 16, 21, 40)] == [
+        1,
+        2,
+        2,
+        4,
+        6,
+        6,
+    ]  # 6 ** progress
     text = objective.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 9000)
     objective.windows = TokenArray(np.asarray(text))  # no row runs out of text (and starts anew elsewhere)
     decode, rng = objective.tokenizer.decode, np.random.default_rng(0)
@@ -824,7 +831,7 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
                 assert not needles  # no other example opens in a row with one open
                 if ask:
                     key, start = opened.pop(row)
-                    assert ask.group(1) == key and step - start + 1 <= objective.longest_span(start)
+                    assert ask.group(1) == key and step - start + 1 <= objective.longest_span(start, span)
                     lengths.add(step - start + 1)
                     answered += 1
                     question = len(objective.tokenizer.encode(f"{QUESTION} {key}."))
@@ -854,6 +861,9 @@ def test_a_spanning_passkey_example_puts_the_needle_in_one_window_and_asks_for_i
     )
     resumed.windows = objective.windows
     resumed.load_data_state(json.loads(json.dumps(state)))
+    assert resumed.spans == objective.spans
+    older = dict(state, spans=[None if saved is None else [saved["key"], saved["left"]] for saved in state["spans"]])
+    resumed.load_data_state(older)  # as runs saved before retrieval spans wrote them
     assert resumed.spans == objective.spans
     again = [np.random.default_rng(9) for _ in range(2)]
     assert torch.equal(objective.batch(again[0], 40).tokens, resumed.batch(again[1], 40).tokens)
