@@ -111,7 +111,7 @@ def delta_flops(config: LRNNConfig, length: int) -> int:
     heads, size = config.num_blocks, config.block_size
     if runs_sequential(config.scan_impl, length):
         return length * heads * 2 * size**2
-    chunk = min(config.scan_chunk_size, length)
+    chunk = max(min(config.scan_chunk_size, length), 1)  # length 0: a call that only reads the cache
     whole, rest = divmod(length, chunk)
     return heads * sum(
         count * (4 * span**2 * size + 4 * span * size**2 + size * (size**3 + 2 * size**2))
@@ -124,7 +124,7 @@ def delta_bytes(config: LRNNConfig, length: int, itemsize: int) -> int:
     outputs, the chunk's C x C products, and each chunk's transition expanded over the b value rows, twice in the
     scan; with a short convolution, its input with the history, its sums and their SiLU (3 b each)."""
     heads, size = config.num_blocks, config.block_size
-    chunk = min(config.scan_chunk_size, length)
+    chunk = max(min(config.scan_chunk_size, length), 1)  # length 0: a call that only reads the cache
     convolution = 9 * size if config.short_conv else 0
     return heads * (12 * size + convolution + 3 * chunk + -(-3 * size**3 // chunk)) * max(itemsize, 4)
 

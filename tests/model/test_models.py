@@ -182,6 +182,17 @@ def test_cost_grows_with_length_and_a_step_reflects_its_context_where_it_matters
 
 
 @pytest.mark.parametrize("model_id", MODEL_IDS)
+def test_a_call_of_no_new_tokens_has_a_cost(model_id: str) -> None:
+    """The server prefills 0 tokens where a prompt came whole from its state cache: that call's cost is declared,
+    as cheap as any, and raises nothing."""
+    model = make(model_id, num_labels=0)
+    for context in (0, 50, 100_000):
+        empty, one = model.cost("cached", 2, 0, context), model.cost("cached", 2, 1, context)
+        assert 0 <= empty.flops <= one.flops and 0 <= empty.nbytes <= one.nbytes, context
+        assert model.prefill_cost(2, 0, context).flops <= model.prefill_cost(2, 1, context).flops
+
+
+@pytest.mark.parametrize("model_id", MODEL_IDS)
 def test_declared_flops_are_the_counted_matrix_products(model_id: str) -> None:
     """Within [1, 1.3] of what torch counts: the declared multiply-adds are its matrix products (plus weights that
     are not in one, such as biases and norms)."""
