@@ -341,6 +341,7 @@ class Engine(EngineFront):
         threads = torch.get_num_threads()
         torch_threads = set_threads(self.settings.torch_threads)
         logger.debug("model calls on %d torch thread(s)", torch_threads)
+        serving = False
         try:
             obstacle = _batch_invariance_obstacle(self.models)
             if self.settings.batch_invariant is True and obstacle:
@@ -374,6 +375,7 @@ class Engine(EngineFront):
                 f"; {skipped} skipped (the warnings above say why)" if skipped else "",
             )
             self.state, self.detail = "ready", None
+            serving = True
             with torch.inference_mode():
                 scheduler = Scheduler(
                     self.settings,
@@ -385,14 +387,17 @@ class Engine(EngineFront):
                     self.queue,
                 )
                 scheduler.loop()
-        except Exception as error:  # measuring the machine failed: nothing can be served safely
-            self._fail(f"the server could not start: {type(error).__name__}: {error}")
+        except Exception as error:
+            if serving:  # a fault of the engine's own code: logged with its traceback, every request then ends
+                self._fail(f"the engine failed while serving: {type(error).__name__}: {error}", traceback=True)
+            else:  # measuring the machine failed: nothing can be served safely
+                self._fail(f"the server could not start: {type(error).__name__}: {error}")
         finally:
             torch.set_num_threads(threads)
 
-    def _fail(self, detail: str) -> None:
+    def _fail(self, detail: str, traceback: bool = False) -> None:
         self.state, self.detail = "failed", detail
-        logger.error(detail)
+        logger.error(detail, exc_info=traceback)
         if self._on_load_failed is not None:
             self._on_load_failed(detail)
 

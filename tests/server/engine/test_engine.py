@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 
 import httpx
 import pytest
@@ -206,6 +207,33 @@ def test_models_from_several_folders_are_served_and_start_up_says_three_things_a
     assert len(warnings) == 2 and all(warning.startswith("skipped ") for warning in warnings), warnings
     notes = [record.getMessage() for record in caplog.records if record.levelno == logging.DEBUG]
     assert any(note.startswith("parity-lrnn: ") for note in notes), notes  # for_serving's notes
+
+
+def test_a_fault_while_serving_is_told_as_one_with_its_traceback(
+    checkpoints_dir, tmp_path, monkeypatch, caplog
+) -> None:
+    """An exception out of the scheduler after start-up (a bug in the engine's own code) fails the engine as "the
+    engine failed while serving", its traceback in the log, not as a start that failed."""
+    (tmp_path / "parity-lrnn").symlink_to(checkpoints_dir / "parity-lrnn")
+
+    def broken(self) -> None:
+        raise ZeroDivisionError("integer division or modulo by zero")
+
+    monkeypatch.setattr(engine_module.Scheduler, "loop", broken)
+    engine = engine_module.Engine(make_settings(tmp_path), engine_module.ServerMetrics())
+    with caplog.at_level(logging.ERROR, logger="server"):
+        engine.start()
+        engine.wait_loaded(60)
+        deadline = time.monotonic() + 10
+        while engine.state != "failed" and time.monotonic() < deadline:
+            time.sleep(0.01)
+    try:
+        assert engine.state == "failed"
+        assert engine.detail == "the engine failed while serving: ZeroDivisionError: integer division or modulo by zero"
+        (record,) = [record for record in caplog.records if record.levelno == logging.ERROR]
+        assert record.getMessage() == engine.detail and record.exc_info is not None
+    finally:
+        engine.stop()
 
 
 def test_requests_before_the_models_are_loaded_are_told_so(checkpoints_dir) -> None:
