@@ -9,12 +9,14 @@
 #   1. windows of 256, batch 32, lr 1e-3 constant, 6,000 steps [runs/delta-conv-1];
 #   2. windows of 1,024, batch 16, state passing, examples in one window started from the initial state, retrieval
 #      and pass-key examples spanning up to 8 windows (8,192 tokens; --recall-span, --passkey-span), lr 3e-4
-#      constant, 3,000 steps [not run yet].
+#      constant, 3,000 steps [runs/delta-conv-2 ran it from stage 1's step 2,516 with --steps 1400 to step 1,182:
+#      below stage 1's own figures; stage 1 first needs its 6,000 steps].
 # ARCH=regulargpt: RegularGPT C = 64, K = 4 (checkpoints/text-regulargpt's shape), from that checkpoint.
-#   1. as the delta model's stage 1 [runs/rg-recall-1];
+#   1. as the delta model's stage 1 [runs/rg-recall-1, to step 510 so far];
 #   2. windows of 1,024, batch 8, lr 3e-4 constant, 2,000 steps (no state to carry) [not run yet].
 #
-# One thread on the 2-core development CPU, beside another run: delta stage 1 ~2.1 s a step, RegularGPT's ~6.7 s.
+# One thread on the 2-core development CPU, beside another run: delta stage 1 ~2.1 s a step, stage 2 ~5 s,
+# RegularGPT's stage 1 ~6.7 s.
 # OUT=folder prefix (default runs/text-retrieval-ARCH: stages in OUT-1, OUT-2), BUDGET (default 540), DEVICE
 # (default auto), PYTHON, TO=last stage (default 2). More train flags go to every stage when it starts (last, so they
 # win; a stage resumed keeps the flags it started with), e.g. --d-model 256 --threads 2.
