@@ -179,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
 
     engine: EngineFront
     if settings.engine_process is False:
-        engine = Engine(settings, ServerMetrics(), on_load_failed=stop_serving, on_ready=freeze_startup_heap)
+        engine = Engine(
+            settings, ServerMetrics(), on_load_failed=stop_serving, on_ready=freeze_startup_heap, on_died=engine_died
+        )
     else:
         engine = EngineClient(
             settings,

@@ -44,6 +44,7 @@ from server.structured.outputs import MAX_COMPILING, ConstraintCompiler, MaskBud
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+EXIT_DIED = 3  # the engine process's exit code when its worker ended on an exception while serving
 
 
 class IdsOnly:
@@ -185,7 +186,9 @@ class EngineCore:
         self.metrics = RecordingMetrics()
         self.queue = ReportingQueue(settings.max_waiting)
         self.writer = StepWriter(connection, self.send_lock, self.metrics, self.queue)
-        self.engine = Engine(settings, self.metrics, on_ready=_freeze_startup_heap, postman=self.writer)
+        self.engine = Engine(
+            settings, self.metrics, on_ready=_freeze_startup_heap, postman=self.writer, on_died=_exit_died
+        )
         self.engine.queue = self.queue
         self.constraints = ConstraintCompiler(
             settings.structured_max_chars, settings.structured_compile_timeout_s, MaskBudget.of(settings)
@@ -428,3 +431,10 @@ def main(settings: Settings, connection: Connection) -> None:
     EngineCore(settings, connection).run()
     logging.shutdown()
     os._exit(0)  # not the interpreter's shutdown: a worker still in a model call would abort it
+
+
+def _exit_died(detail: str) -> None:
+    """The engine's worker ended on an exception while serving (logged): end the process, which the API process
+    answers as any death of its engine (every request 503, ``python -m server`` exit code 3)."""
+    logging.shutdown()
+    os._exit(EXIT_DIED)

@@ -228,11 +228,14 @@ class Engine(EngineFront):
         on_load_failed: Callable[[str], None] | None = None,
         on_ready: Callable[[], None] | None = None,
         postman: Courier | None = None,
+        on_died: Callable[[str], None] | None = None,
     ) -> None:
         """``on_load_failed(message)``: called on the worker thread if no model loads; ``on_ready()``: on it once the
-        models are measured, before any request is scheduled. ``postman``: what hands each iteration's answers over."""
+        models are measured, before any request is scheduled. ``postman``: what hands each iteration's answers over.
+        ``on_died(message)``: on the worker thread if it ends on an exception while serving (nothing is scheduled
+        after it)."""
         super().__init__(settings, metrics)
-        self._on_load_failed, self._on_ready = on_load_failed, on_ready
+        self._on_load_failed, self._on_ready, self._on_died = on_load_failed, on_ready, on_died
         self.memory_budget = 0  # bytes running work may hold (server/sched/costing.py)
         self.state_cache = StateCache(
             settings.state_cache_entries,
@@ -388,16 +391,20 @@ class Engine(EngineFront):
                 )
                 scheduler.loop()
         except Exception as error:
-            if serving:  # a fault of the engine's own code: logged with its traceback, every request then ends
-                self._fail(f"the engine failed while serving: {type(error).__name__}: {error}", traceback=True)
+            if serving:  # a fault of the engine's own code: logged with its traceback, then the engine has died
+                detail = f"the engine failed while serving: {type(error).__name__}: {error}"
+                logger.error(detail, exc_info=True)
+                self.state, self.detail = "failed", detail
+                if self._on_died is not None:
+                    self._on_died(detail)
             else:  # measuring the machine failed: nothing can be served safely
                 self._fail(f"the server could not start: {type(error).__name__}: {error}")
         finally:
             torch.set_num_threads(threads)
 
-    def _fail(self, detail: str, traceback: bool = False) -> None:
+    def _fail(self, detail: str) -> None:
         self.state, self.detail = "failed", detail
-        logger.error(detail, exc_info=traceback)
+        logger.error(detail)
         if self._on_load_failed is not None:
             self._on_load_failed(detail)
 

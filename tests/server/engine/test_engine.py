@@ -213,25 +213,28 @@ def test_a_fault_while_serving_is_told_as_one_with_its_traceback(
     checkpoints_dir, tmp_path, monkeypatch, caplog
 ) -> None:
     """An exception out of the scheduler after start-up (a bug in the engine's own code) fails the engine as "the
-    engine failed while serving", its traceback in the log, not as a start that failed."""
+    engine failed while serving", its traceback in the log, and calls ``on_died`` (not a start that failed, whose
+    exit code says no model loaded)."""
     (tmp_path / "parity-lrnn").symlink_to(checkpoints_dir / "parity-lrnn")
 
     def broken(self) -> None:
         raise ZeroDivisionError("integer division or modulo by zero")
 
     monkeypatch.setattr(engine_module.Scheduler, "loop", broken)
-    engine = engine_module.Engine(make_settings(tmp_path), engine_module.ServerMetrics())
+    died: list[str] = []
+    engine = engine_module.Engine(make_settings(tmp_path), engine_module.ServerMetrics(), on_died=died.append)
     with caplog.at_level(logging.ERROR, logger="server"):
         engine.start()
         engine.wait_loaded(60)
         deadline = time.monotonic() + 10
-        while engine.state != "failed" and time.monotonic() < deadline:
+        while not died and time.monotonic() < deadline:
             time.sleep(0.01)
     try:
         assert engine.state == "failed"
         assert engine.detail == "the engine failed while serving: ZeroDivisionError: integer division or modulo by zero"
         (record,) = [record for record in caplog.records if record.levelno == logging.ERROR]
         assert record.getMessage() == engine.detail and record.exc_info is not None
+        assert died == [engine.detail]  # python -m server: exit code 3, as for any death of the engine
     finally:
         engine.stop()
 
