@@ -391,22 +391,21 @@ class Engine(EngineFront):
                 )
                 scheduler.loop()
         except Exception as error:
-            if serving:  # a fault of the engine's own code: logged with its traceback, then the engine has died
-                detail = f"the engine failed while serving: {type(error).__name__}: {error}"
-                logger.error(detail, exc_info=True)
-                self.state, self.detail = "failed", detail
-                if self._on_died is not None:
-                    self._on_died(detail)
+            if serving:  # a fault of the engine's own code: the engine has died
+                self._fail(f"the engine failed while serving: {type(error).__name__}: {error}", died=True)
             else:  # measuring the machine failed: nothing can be served safely
                 self._fail(f"the server could not start: {type(error).__name__}: {error}")
         finally:
             torch.set_num_threads(threads)
 
-    def _fail(self, detail: str) -> None:
+    def _fail(self, detail: str, died: bool = False) -> None:
+        """The engine fails with ``detail``: it could not start (``on_load_failed``), or (``died``) its worker ended on
+        an exception while serving, logged with its traceback (``on_died``)."""
+        logger.error(detail, exc_info=died)
         self.state, self.detail = "failed", detail
-        logger.error(detail)
-        if self._on_load_failed is not None:
-            self._on_load_failed(detail)
+        notify = self._on_died if died else self._on_load_failed
+        if notify is not None:
+            notify(detail)
 
     def install(self, served: ServedModel) -> ServedModel:
         """Measure and serve a runtime model (on the worker thread: ``add_model``)."""

@@ -448,7 +448,7 @@ class LanguageModelObjective(Objective):
         if span <= 1:
             return False
         assert self.cursors is not None  # spans come with state passing
-        text = window.numpy().copy()
+        text = window.numpy()  # read before the window is written: the concatenation below copies it
         inserted, place, unscored, example = start(text, rng)
         room = len(window) - len(inserted)
         window.copy_(torch.from_numpy(np.concatenate([text[:place], inserted, text[place:room]]).astype(np.int64)))
